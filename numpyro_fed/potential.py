@@ -266,13 +266,13 @@ def split_potential(
     if rng_key is None:
         rng_key = jax.random.PRNGKey(0)
 
+    _check_finite_arguments(model_args, model_kwargs)
     model_trace = _discovery_trace(model, model_args, model_kwargs, rng_key, init_strategy)
     plates, latent_sites, enumerated = _analyse_trace(model_trace, partition)
     num_clients = _common_num_clients(plates)
 
     leaves, treedef = jax.tree_util.tree_flatten((tuple(model_args), model_kwargs))
     row_leaves = _find_row_leaves(leaves, plates)
-    _check_finite_rows(leaves, row_leaves, plates)
 
     # The model NumPyro would build its potential from: param sites fixed from the trace.
     params = {k: s["value"] for k, s in model_trace.items() if s["type"] in ("param", "mutable")}
@@ -624,14 +624,17 @@ def _find_row_leaves(leaves, plates) -> dict[int, str]:
     return row_leaves
 
 
-def _check_finite_rows(leaves, row_leaves, plates):
-    for i, name in row_leaves.items():
-        array = np.asarray(leaves[i])
+def _check_finite_arguments(model_args, model_kwargs):
+    named = {"model_args": tuple(model_args), "model_kwargs": model_kwargs}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(named)[0]:
+        if isinstance(leaf, (str, bytes)) or not np.ndim(leaf):
+            continue
+        array = np.asarray(leaf)
         if np.issubdtype(array.dtype, np.floating) and not np.isfinite(array).all():
-            row = int(np.argwhere(~np.isfinite(array))[0][0])
+            first = np.argwhere(~np.isfinite(array))[0].tolist()
             raise ValueError(
-                f"model argument #{i} (rows of federated plate '{name}') holds non-finite "
-                f"values (first in row {row})"
+                f"model argument {jax.tree_util.keystr(path)} holds non-finite values "
+                f"(first at index {first})"
             )
 
 

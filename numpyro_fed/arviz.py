@@ -1,0 +1,119 @@
+"""Conversion of every result of the project to :class:`arviz.InferenceData`.
+
+This is the only module that imports ArviZ, so a move to ArviZ 1.x (``xarray.DataTree``)
+touches this file alone. Algorithms register a converter for their result type with
+:func:`register_converter`; :func:`to_inference_data` dispatches on the object's type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+import arviz as az
+
+__all__ = ["register_converter", "to_inference_data", "federation_attrs"]
+
+_CONVERTERS: list[tuple[type, Callable[..., az.InferenceData]]] = []
+
+# Groups that carry client data; they leave the clients only when asked for.
+_CLIENT_DATA_GROUPS = ("observed_data", "log_likelihood", "constant_data")
+
+
+def register_converter(result_type: type):
+    """Decorator: registers ``fn(obj, **kwargs) -> InferenceData`` for ``result_type``."""
+
+    def decorator(fn):
+        _CONVERTERS.insert(0, (result_type, fn))
+        return fn
+
+    return decorator
+
+
+def to_inference_data(obj: Any, *args, **kwargs) -> az.InferenceData:
+    """Converts a result of any algorithm of the project to :class:`arviz.InferenceData`.
+
+    * ``posterior``: constrained sites, dims named after their plates;
+    * ``sample_stats``: the algorithm's diagnostics (per-client ones with a ``client`` dim);
+    * ``attrs``: ``algorithm``, ``num_clients``, ``client_sizes`` and, where the algorithm
+      has one, its privacy guarantee.
+
+    Observed data and pointwise log-likelihoods stay out unless asked for
+    (``observed_data=True``, ``log_likelihood=True``): collecting them pools the clients'
+    data, which the federated setting forbids.
+
+    For a :class:`numpyro.infer.MCMC` run (e.g. the NUTS reference on pooled data) pass
+    ``potential=`` (a :class:`~numpyro_fed.FederatedPotential`) to record the federation.
+
+    >>> import jax, numpyro, numpyro.distributions as dist
+    >>> from numpyro.infer import MCMC, NUTS
+    >>> import numpyro_fed as nf
+    >>> def model(y):
+    ...     mu = numpyro.sample("mu", dist.Normal(0, 1))
+    ...     with nf.federated_plate("data", y.shape[0], clients=2):
+    ...         numpyro.sample("y", dist.Normal(mu, 1), obs=y)
+    >>> y = jax.numpy.arange(4.0)
+    >>> mcmc = MCMC(NUTS(model), num_warmup=50, num_samples=50, progress_bar=False)
+    >>> mcmc.run(jax.random.PRNGKey(0), y)
+    >>> idata = nf.to_inference_data(mcmc, potential=nf.split_potential(model, (y,)))
+    >>> idata.attrs["num_clients"], "observed_data" in idata.groups()
+    (2, False)
+    """
+    for result_type, converter in _CONVERTERS:
+        if isinstance(obj, result_type):
+            return converter(obj, *args, **kwargs)
+    known = ", ".join(t.__name__ for t, _ in _CONVERTERS)
+    raise TypeError(f"to_inference_data: no converter for {type(obj).__name__} (known: {known})")
+
+
+def federation_attrs(potential) -> dict[str, Any]:
+    """The attributes that describe a federation (from a :class:`FederatedPotential`)."""
+    return {
+        "num_clients": int(potential.num_clients),
+        "client_sizes": [int(n) for n in potential.client_sizes],
+        "federated_plates": list(potential.plates),
+    }
+
+
+def _drop_client_data(idata: az.InferenceData, *, observed_data: bool, log_likelihood: bool):
+    keep = {"observed_data": observed_data, "constant_data": observed_data,
+            "log_likelihood": log_likelihood}
+    for group in _CLIENT_DATA_GROUPS:
+        if not keep[group] and group in idata.groups():
+            delattr(idata, group)
+            idata._groups = [g for g in idata._groups if g != group]
+    return idata
+
+
+def _jsonable(value):
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return value
+
+
+def _set_attrs(idata: az.InferenceData, attrs: dict[str, Any]) -> az.InferenceData:
+    attrs = {k: _jsonable(v) for k, v in attrs.items()}
+    idata.attrs.update(attrs)
+    for group in idata.groups():
+        getattr(idata, group).attrs.update(attrs)
+    return idata
+
+
+def _register_numpyro_mcmc():
+    from numpyro.infer import MCMC
+
+    @register_converter(MCMC)
+    def _from_mcmc(mcmc, *, potential=None, observed_data=False, log_likelihood=False, **kwargs):
+        idata = az.from_numpyro(mcmc, log_likelihood=log_likelihood, **kwargs)
+        idata = _drop_client_data(idata, observed_data=observed_data, log_likelihood=log_likelihood)
+        attrs = {"algorithm": type(mcmc.sampler).__name__}
+        if potential is None:
+            potential = getattr(mcmc.sampler, "federated_potential", None)
+        if potential is not None:
+            attrs.update(federation_attrs(potential))
+        return _set_attrs(idata, attrs)
+
+
+_register_numpyro_mcmc()
