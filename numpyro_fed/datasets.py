@@ -1,0 +1,777 @@
+"""Data loaders and the synthetic problems of the papers this package reproduces.
+
+Loaders of real data take the path of the files: the package never assumes
+where data lives. They return a frozen :class:`Dataset` of numpy float arrays.
+
+Synthetic generators follow the experiment sections of
+
+* Bierkens, Duncan et al. (2022), *Federated Bayesian computation via
+  piecewise deterministic Markov chain Monte Carlo* (Fed-PDMC):
+  :func:`fed_pdmc_gaussian` (Sec. 6.1), :func:`fed_pdmc_logistic` (Sec. 6.2),
+  :func:`student_t_ar1` (Sec. 6.3);
+* Tzikas et al. (2024), *Distributed MCMC sampling via ADMM* (D-ADMMS):
+  :func:`dadmms_linear` (Sec. 6.2), :func:`dadmms_logistic` (Sec. 6.3);
+* Kassab & Simeone, *Federated generalized Bayesian learning via distributed
+  Stein variational gradient descent* (DSVGD): :func:`dsvgd_mixture_1d`
+  (Sec. 7, Figs. 2-3, App. B.1).
+
+Each takes a ``seed`` for a :func:`numpy.random.default_rng` generator (an
+existing :class:`numpy.random.Generator` is also accepted).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import special, stats
+
+__all__ = [
+    "ADULT_CATEGORICAL_COLUMNS",
+    "ADULT_NUMERIC_COLUMNS",
+    "AR1Problem",
+    "Dataset",
+    "GaussianMeanProblem",
+    "GaussianMixture1D",
+    "LinearGaussianProblem",
+    "LogisticProblem",
+    "MixtureToy1D",
+    "dadmms_linear",
+    "dadmms_logistic",
+    "dsvgd_mixture_1d",
+    "fed_pdmc_gaussian",
+    "fed_pdmc_logistic",
+    "load_adult",
+    "load_kin8nm",
+    "load_protein",
+    "student_t_ar1",
+]
+
+
+# --------------------------------------------------------------------------
+# containers
+#
+# eq=False throughout: the generated __eq__ would compare numpy arrays with
+# ==, whose truth value is ambiguous, so comparing two instances would raise.
+
+
+@dataclass(frozen=True, eq=False)
+class Dataset:
+    """A train/test split of a real data set.
+
+    ``X_*`` are float arrays ``(n, p)`` and ``y_*`` float arrays ``(n,)``.
+    For regression sets ``y`` is standardised with the training split's
+    statistics; undo with ``y * y_std + y_mean`` (so an RMSE on the
+    standardised scale times ``y_std`` is the RMSE in original units). For
+    classification sets ``y_mean`` and ``y_std`` are ``None``.
+    """
+
+    X_train: np.ndarray
+    y_train: np.ndarray
+    X_test: np.ndarray
+    y_test: np.ndarray
+    feature_names: tuple[str, ...]
+    y_mean: float | None = None
+    y_std: float | None = None
+    name: str = ""
+
+    @property
+    def num_features(self) -> int:
+        return self.X_train.shape[1]
+
+
+@dataclass(frozen=True, eq=False)
+class GaussianMeanProblem:
+    """Data ``y`` (``(n, d)``) from ``N(true_mean, noise_cov)``, flat prior on the mean.
+
+    ``posterior_mean`` and ``posterior_cov`` give the exact posterior
+    ``N(mean(y), noise_cov / n)``.
+    """
+
+    y: np.ndarray
+    true_mean: np.ndarray
+    noise_cov: np.ndarray
+    posterior_mean: np.ndarray
+    posterior_cov: np.ndarray
+
+
+@dataclass(frozen=True, eq=False)
+class LogisticProblem:
+    """Bayesian logistic regression data: ``P(y=1 | X) = sigmoid(X @ true_coef)``.
+
+    The prior on the coefficients is ``N(0, prior_variance * I)``. ``owner`` is
+    the owner array of the paper's split over agents, or ``None`` when the
+    paper leaves the split to the experiment (use :mod:`numpyro_fed.partition`).
+    """
+
+    X: np.ndarray
+    y: np.ndarray
+    true_coef: np.ndarray
+    prior_variance: float
+    owner: np.ndarray | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class LinearGaussianProblem:
+    """Bayesian linear regression ``y = X @ coef + N(0, noise_std**2)``, prior ``N(0, prior_variance I)``.
+
+    ``posterior_mean`` and ``posterior_cov`` are the exact Gaussian posterior;
+    ``owner`` gives each row's agent.
+    """
+
+    X: np.ndarray
+    y: np.ndarray
+    owner: np.ndarray
+    true_coef: np.ndarray
+    noise_std: float
+    prior_variance: float
+    posterior_mean: np.ndarray
+    posterior_cov: np.ndarray
+
+
+@dataclass(frozen=True, eq=False)
+class AR1Problem:
+    """Trajectories of ``Y_k = intercept + coef * Y_{k-1} + eps_k``, ``eps_k ~ Student-t(df)``.
+
+    ``series`` has shape ``(num_series, num_steps + 1)``; column 0 is the
+    initial value ``Y_0`` the likelihood conditions on.
+    """
+
+    series: np.ndarray
+    true_intercept: float
+    true_coef: float
+    df: float
+
+    @property
+    def previous(self) -> np.ndarray:
+        """``Y_{k-1}`` for ``k = 1..K``, shape ``(num_series, num_steps)``."""
+        return self.series[:, :-1]
+
+    @property
+    def current(self) -> np.ndarray:
+        """``Y_k`` for ``k = 1..K``, shape ``(num_series, num_steps)``."""
+        return self.series[:, 1:]
+
+
+@dataclass(frozen=True, eq=False)
+class GaussianMixture1D:
+    """Density proportional to ``sum_j weights[j] * N(theta | means[j], variances[j])`` on ``[lower, upper]``.
+
+    Weights need not sum to one: the density is normalised over
+    ``[lower, upper]`` (the whole line by default).
+    """
+
+    weights: np.ndarray
+    means: np.ndarray
+    variances: np.ndarray
+    lower: float = -math.inf
+    upper: float = math.inf
+
+    def _component_masses(self) -> np.ndarray:
+        scale = np.sqrt(self.variances)
+        return stats.norm.cdf(self.upper, self.means, scale) - stats.norm.cdf(self.lower, self.means, scale)
+
+    @property
+    def component_probabilities(self) -> np.ndarray:
+        """Probability that a draw comes from each (truncated) component."""
+        mass = self.weights * self._component_masses()
+        return mass / mass.sum()
+
+    def log_pdf(self, theta) -> np.ndarray:
+        """Normalised log density at ``theta`` (``-inf`` outside ``[lower, upper]``)."""
+        theta = np.asarray(theta, dtype=float)
+        log_terms = np.log(self.weights) + stats.norm.logpdf(
+            theta[..., None], self.means, np.sqrt(self.variances)
+        )
+        log_density = special.logsumexp(log_terms, axis=-1) - np.log(
+            np.sum(self.weights * self._component_masses())
+        )
+        inside = (theta >= self.lower) & (theta <= self.upper)
+        return np.where(inside, log_density, -np.inf)
+
+    def mean(self) -> float:
+        """Exact mean (truncated-normal moments when bounded)."""
+        scale = np.sqrt(self.variances)
+        a = (self.lower - self.means) / scale
+        b = (self.upper - self.means) / scale
+        component_means = stats.truncnorm.mean(a, b, loc=self.means, scale=scale)
+        return float(np.sum(self.component_probabilities * component_means))
+
+    def sample(self, num_samples: int, seed=None) -> np.ndarray:
+        """Exact draws, shape ``(num_samples,)``."""
+        num_samples = _check_int(num_samples, "num_samples", minimum=1)
+        rng = np.random.default_rng(seed)
+        component = rng.choice(self.means.size, size=num_samples, p=self.component_probabilities)
+        scale = np.sqrt(self.variances)[component]
+        loc = self.means[component]
+        return stats.truncnorm.rvs(
+            (self.lower - loc) / scale, (self.upper - loc) / scale, loc=loc, scale=scale,
+            size=num_samples, random_state=rng,
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class MixtureToy1D:
+    """The DSVGD 1-D mixture toy: prior, each agent's likelihood, exact global posterior.
+
+    The global posterior is ``q_opt(theta) ∝ p0(theta) * prod_k exp(-L_k(theta))``
+    (DSVGD Eq. (2) with temperature ``alpha = 1``), a two-component Gaussian
+    mixture (truncated to the prior's support when the prior is uniform).
+    """
+
+    prior: str
+    prior_params: tuple[float, float]
+    local_likelihoods: tuple[GaussianMixture1D, ...]
+    posterior: GaussianMixture1D
+    support: tuple[float, float] = (-math.inf, math.inf)
+
+    @property
+    def num_agents(self) -> int:
+        return len(self.local_likelihoods)
+
+    def log_prior(self, theta) -> np.ndarray:
+        """Normalised log prior density ``log p0(theta)``."""
+        theta = np.asarray(theta, dtype=float)
+        if self.prior == "uniform":
+            low, high = self.prior_params
+            inside = (theta >= low) & (theta <= high)
+            return np.where(inside, -np.log(high - low), -np.inf)
+        mean, variance = self.prior_params
+        return stats.norm.logpdf(theta, mean, math.sqrt(variance))
+
+    def local_log_likelihood(self, agent: int, theta) -> np.ndarray:
+        """``-L_k(theta)`` of agent ``k`` (up to an additive constant)."""
+        agent = _check_int(agent, "agent", minimum=0)
+        if agent >= self.num_agents:
+            raise ValueError(f"agent must be < {self.num_agents}, got {agent}")
+        return self.local_likelihoods[agent].log_pdf(theta)
+
+    def log_posterior(self, theta) -> np.ndarray:
+        """Exact, normalised ``log q_opt(theta)``."""
+        return self.posterior.log_pdf(theta)
+
+
+# --------------------------------------------------------------------------
+# argument checks and shared helpers
+
+
+def _check_int(value, name: str, *, minimum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _check_positive(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not (math.isfinite(value) and value > 0.0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value}")
+    return value
+
+
+def _check_real(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def _check_test_fraction(test_fraction) -> float:
+    test_fraction = _check_real(test_fraction, "test_fraction")
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"test_fraction must lie strictly between 0 and 1, got {test_fraction}")
+    return test_fraction
+
+
+def _train_test_rows(n: int, test_fraction: float, seed) -> tuple[np.ndarray, np.ndarray]:
+    num_test = int(round(test_fraction * n))
+    if not 0 < num_test < n:
+        raise ValueError(f"test_fraction={test_fraction} leaves an empty split of {n} rows")
+    perm = np.random.default_rng(seed).permutation(n)
+    return np.sort(perm[num_test:]), np.sort(perm[:num_test])
+
+
+def _standardise(train: np.ndarray, test: np.ndarray):
+    mean = train.mean(axis=0)
+    std = train.std(axis=0)
+    # A constant training column would divide by zero; centring it is enough.
+    std = np.where(std > 0, std, 1.0)
+    return (train - mean) / std, (test - mean) / std, mean, std
+
+
+def _require_file(path) -> str:
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"data file not found: {path!r}")
+    return path
+
+
+def _resolve_file(path, filename: str) -> str:
+    """``path`` is the file itself or the folder holding ``filename``."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, filename)
+    return _require_file(path)
+
+
+# --------------------------------------------------------------------------
+# UCI Adult
+
+#: Numeric Adult columns (index in the raw file, name); standardised.
+ADULT_NUMERIC_COLUMNS: tuple[tuple[int, str], ...] = (
+    (0, "age"),
+    (2, "fnlwgt"),
+    (4, "education-num"),
+    (10, "capital-gain"),
+    (11, "capital-loss"),
+    (12, "hours-per-week"),
+)
+#: Categorical Adult columns (index in the raw file, name); one-hot encoded.
+ADULT_CATEGORICAL_COLUMNS: tuple[tuple[int, str], ...] = (
+    (1, "workclass"),
+    (3, "education"),
+    (5, "marital-status"),
+    (6, "occupation"),
+    (7, "relationship"),
+    (8, "race"),
+    (9, "sex"),
+    (13, "native-country"),
+)
+_ADULT_NUM_FIELDS = 15
+
+
+def _read_adult_rows(path: str) -> list[list[str]]:
+    rows = []
+    with open(path, newline="") as handle:
+        for line_number, line in enumerate(handle, start=1):
+            line = line.strip()
+            # adult.test opens with "|1x3 Cross validator"; both files end in blank lines.
+            if not line or line.startswith("|"):
+                continue
+            fields = [value.strip() for value in line.split(",")]
+            if len(fields) != _ADULT_NUM_FIELDS:
+                raise ValueError(
+                    f"{path}:{line_number}: expected {_ADULT_NUM_FIELDS} comma-separated "
+                    f"fields, got {len(fields)}"
+                )
+            rows.append(fields)
+    return rows
+
+
+def load_adult(path, *, test_fraction: float = 0.2, seed=0) -> Dataset:
+    """UCI Adult ("Census Income"), the usual federated-VI preprocessing.
+
+    Both original files are concatenated (48,842 rows) and split at random
+    into train/test with ``seed``. The 6 numeric columns
+    (:data:`ADULT_NUMERIC_COLUMNS`) are standardised with the training
+    split's mean and standard deviation; the 8 categorical columns
+    (:data:`ADULT_CATEGORICAL_COLUMNS`) are one-hot encoded over the
+    categories seen in either file (sorted), keeping the missing value ``?``
+    as a category of its own. Label ``1`` is ``>50K`` (about 23.9 % of rows).
+    Features are ordered numeric first, then the one-hot blocks; one-hot
+    feature names read ``"column=category"``.
+
+    :param path: folder holding ``adult.data`` and ``adult.test``.
+    :param test_fraction: fraction of rows in the test split.
+    :param seed: seed of the random split.
+    :returns: :class:`Dataset` with 108 features for the original files.
+    :raises FileNotFoundError: naming the missing file.
+
+    >>> data = load_adult("../shared/data/uci_adult")  # doctest: +SKIP
+    >>> data.X_train.shape, round(float(data.y_train.mean()), 2)  # doctest: +SKIP
+    ((39074, 108), 0.24)
+    """
+    test_fraction = _check_test_fraction(test_fraction)
+    folder = os.fspath(path)
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"Adult folder not found: {folder!r} (expected adult.data and adult.test in it)")
+    rows = []
+    for filename in ("adult.data", "adult.test"):
+        rows.extend(_read_adult_rows(_require_file(os.path.join(folder, filename))))
+
+    labels = [row[14].rstrip(".") for row in rows]
+    unknown = sorted(set(labels) - {">50K", "<=50K"})
+    if unknown:
+        raise ValueError(f"unexpected Adult labels {unknown}; expected '>50K' or '<=50K'")
+    y = np.array([label == ">50K" for label in labels], dtype=float)
+
+    numeric = np.array([[float(row[i]) for i, _ in ADULT_NUMERIC_COLUMNS] for row in rows])
+    one_hot_blocks = []
+    feature_names = [name for _, name in ADULT_NUMERIC_COLUMNS]
+    for column, name in ADULT_CATEGORICAL_COLUMNS:
+        values = np.array([row[column] for row in rows])
+        categories, codes = np.unique(values, return_inverse=True)
+        one_hot_blocks.append(np.eye(categories.size)[codes])
+        feature_names.extend(f"{name}={category}" for category in categories)
+    categorical = np.concatenate(one_hot_blocks, axis=1)
+
+    train, test = _train_test_rows(len(rows), test_fraction, seed)
+    numeric_train, numeric_test, _, _ = _standardise(numeric[train], numeric[test])
+    return Dataset(
+        X_train=np.concatenate([numeric_train, categorical[train]], axis=1),
+        y_train=y[train],
+        X_test=np.concatenate([numeric_test, categorical[test]], axis=1),
+        y_test=y[test],
+        feature_names=tuple(feature_names),
+        name="adult",
+    )
+
+
+# --------------------------------------------------------------------------
+# UCI regression benchmarks
+
+
+def _load_regression(path, filename, num_columns, feature_names, name, test_fraction, seed) -> Dataset:
+    test_fraction = _check_test_fraction(test_fraction)
+    table = np.loadtxt(_resolve_file(path, filename), dtype=float, ndmin=2)
+    if table.shape[1] != num_columns:
+        raise ValueError(
+            f"{name}: expected {num_columns} whitespace-separated columns "
+            f"(features then target), got {table.shape[1]}"
+        )
+    X, y = table[:, :-1], table[:, -1]
+    train, test = _train_test_rows(len(table), test_fraction, seed)
+    X_train, X_test, _, _ = _standardise(X[train], X[test])
+    y_train, y_test, y_mean, y_std = _standardise(y[train], y[test])
+    return Dataset(
+        X_train=X_train,
+        y_train=y_train,
+        X_test=X_test,
+        y_test=y_test,
+        feature_names=tuple(feature_names),
+        y_mean=float(y_mean),
+        y_std=float(y_std),
+        name=name,
+    )
+
+
+def load_kin8nm(path, *, test_fraction: float = 0.1, seed=0) -> Dataset:
+    """kin8nm robot-arm kinematics regression (DELVE), 8,192 rows.
+
+    Eight inputs, target in the last column. ``X`` and ``y`` are standardised
+    with the training split's statistics; ``y_mean``/``y_std`` undo it.
+
+    :param path: ``kin8nm.txt`` or the folder holding it.
+    :param test_fraction: fraction of rows in the test split.
+    :param seed: seed of the random split.
+    :raises FileNotFoundError: if the file is missing.
+
+    >>> import os, tempfile
+    >>> folder = tempfile.mkdtemp()
+    >>> np.savetxt(os.path.join(folder, "kin8nm.txt"), np.random.default_rng(0).normal(size=(20, 9)))
+    >>> data = load_kin8nm(folder)
+    >>> data.X_train.shape, data.X_test.shape, data.feature_names[0]
+    ((18, 8), (2, 8), 'theta1')
+    """
+    names = [f"theta{i}" for i in range(1, 9)]
+    return _load_regression(path, "kin8nm.txt", 9, names, "kin8nm", test_fraction, seed)
+
+
+def load_protein(path, *, test_fraction: float = 0.1, seed=0) -> Dataset:
+    """UCI protein tertiary structure (CASP) regression, 45,730 rows.
+
+    Nine features ``F1..F9``, RMSD target in the LAST column of
+    ``protein_structure.txt`` (the UCI csv has it first). ``X`` and ``y`` are
+    standardised with the training split's statistics; ``y_mean``/``y_std``
+    undo it.
+
+    :param path: ``protein_structure.txt`` or the folder holding it.
+    :param test_fraction: fraction of rows in the test split.
+    :param seed: seed of the random split.
+    :raises FileNotFoundError: if the file is missing.
+
+    >>> import os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "protein_structure.txt")
+    >>> np.savetxt(path, np.random.default_rng(0).uniform(size=(30, 10)))
+    >>> data = load_protein(path, test_fraction=0.2)
+    >>> data.X_train.shape, round(float(data.y_train.std()), 6)
+    ((24, 9), 1.0)
+    """
+    names = [f"F{i}" for i in range(1, 10)]
+    return _load_regression(path, "protein_structure.txt", 10, names, "protein", test_fraction, seed)
+
+
+# --------------------------------------------------------------------------
+# Fed-PDMC (Bierkens, Duncan et al. 2022), Section 6
+
+
+def fed_pdmc_gaussian(
+    seed, n: int = 50, d: int = 10, *, noise_std: float = 1.0, true_mean: float = 0.5
+) -> GaussianMeanProblem:
+    """Fed-PDMC Section 6.1: the mean of a multivariate normal.
+
+    ``n`` observations ``y_i ~ N(mu_0, alpha^2 I_d)`` with
+    ``mu_0 = (0.5, ..., 0.5)`` and ``alpha = noise_std = 1``. With the paper's
+    flat prior on ``mu`` the posterior is ``N(mean(y), alpha^2 I / n)``,
+    returned as ``posterior_mean``/``posterior_cov``. (The paper spreads the
+    rows evenly over the workers: :func:`numpyro_fed.partition.even`.)
+
+    >>> problem = fed_pdmc_gaussian(0)
+    >>> problem.y.shape, float(problem.posterior_cov[0, 0])
+    ((50, 10), 0.02)
+    """
+    n = _check_int(n, "n", minimum=1)
+    d = _check_int(d, "d", minimum=1)
+    noise_std = _check_positive(noise_std, "noise_std")
+    true_mean = _check_real(true_mean, "true_mean")
+    rng = np.random.default_rng(seed)
+    mu0 = np.full(d, true_mean)
+    y = mu0 + noise_std * rng.standard_normal((n, d))
+    noise_cov = noise_std**2 * np.eye(d)
+    return GaussianMeanProblem(
+        y=y,
+        true_mean=mu0,
+        noise_cov=noise_cov,
+        posterior_mean=y.mean(axis=0),
+        posterior_cov=noise_cov / n,
+    )
+
+
+def fed_pdmc_logistic(
+    seed, n: int = 1000, d: int = 6, *, prior_std: float = 1.0, covariate_std: float = 1.0
+) -> LogisticProblem:
+    """Fed-PDMC Section 6.2 (and App. F.2): Bayesian logistic regression.
+
+    ``N = 1000`` synthetic observations in ``d = 6`` dimensions; the first
+    covariate is the constant 1 (intercept); the prior is standard normal.
+    The paper does not say how covariates and the true coefficients were
+    drawn; here the other covariates are iid ``N(0, covariate_std^2)`` and
+    ``true_coef`` is a draw from the prior ``N(0, prior_std^2 I)``.
+    Labels are ``Bernoulli(sigmoid(X @ true_coef))``. Split the rows over
+    workers with :mod:`numpyro_fed.partition`.
+
+    >>> problem = fed_pdmc_logistic(0)
+    >>> problem.X.shape, float(problem.X[:, 0].min()), problem.prior_variance
+    ((1000, 6), 1.0, 1.0)
+    """
+    n = _check_int(n, "n", minimum=1)
+    d = _check_int(d, "d", minimum=1)
+    prior_std = _check_positive(prior_std, "prior_std")
+    covariate_std = _check_positive(covariate_std, "covariate_std")
+    rng = np.random.default_rng(seed)
+    true_coef = prior_std * rng.standard_normal(d)
+    X = np.concatenate([np.ones((n, 1)), covariate_std * rng.standard_normal((n, d - 1))], axis=1)
+    y = (rng.uniform(size=n) < special.expit(X @ true_coef)).astype(float)
+    return LogisticProblem(X=X, y=y, true_coef=true_coef, prior_variance=prior_std**2)
+
+
+def student_t_ar1(
+    seed,
+    num_series: int = 100,
+    num_steps: int = 10,
+    *,
+    df: float = 3.0,
+    intercept: float = 0.5,
+    coef: float = 0.5,
+    initial_value: float = 0.0,
+) -> AR1Problem:
+    """Fed-PDMC Section 6.3 (and App. F.3): AR(1) with Student-t innovations.
+
+    ``N = num_series`` independent trajectories ``Y_k = c + x Y_{k-1} + eps_k``
+    with ``eps_k ~ t(df)`` (unit scale), each observed at ``K = num_steps``
+    points after the initial value ``Y_0 = initial_value``. The posterior of
+    ``(x, c)`` under the paper's flat prior is
+    ``prod_i prod_k g(y_k - c - x y_{k-1})`` with ``g`` the ``t(df)`` density.
+    The paper fixes none of ``N, K, nu, c, x, Y_0``; the defaults here are
+    this package's choice. Trajectories are the unit to split over workers.
+
+    >>> problem = student_t_ar1(0, num_series=4, num_steps=3)
+    >>> problem.series.shape, problem.previous.shape
+    ((4, 4), (4, 3))
+    """
+    num_series = _check_int(num_series, "num_series", minimum=1)
+    num_steps = _check_int(num_steps, "num_steps", minimum=1)
+    df = _check_positive(df, "df")
+    intercept = _check_real(intercept, "intercept")
+    coef = _check_real(coef, "coef")
+    initial_value = _check_real(initial_value, "initial_value")
+    rng = np.random.default_rng(seed)
+    innovations = rng.standard_t(df, size=(num_series, num_steps))
+    series = np.empty((num_series, num_steps + 1))
+    series[:, 0] = initial_value
+    for k in range(num_steps):
+        series[:, k + 1] = intercept + coef * series[:, k] + innovations[:, k]
+    return AR1Problem(series=series, true_intercept=intercept, true_coef=coef, df=df)
+
+
+# --------------------------------------------------------------------------
+# D-ADMMS (Tzikas et al. 2024), Section 6
+
+
+def dadmms_linear(
+    seed,
+    num_agents: int = 20,
+    n_per_agent: int = 50,
+    *,
+    d: int = 2,
+    noise_std: float = 4.0,
+    prior_variance: float = 10.0,
+) -> LinearGaussianProblem:
+    """D-ADMMS Section 6.2: distributed Bayesian linear regression.
+
+    ``x ~ N(0, lambda I)`` in ``R^2``; each agent has ``n_i`` rows
+    ``z ~ N(0, I)``, ``y = x^T z + delta``, ``delta ~ N(0, xi^2)`` with
+    ``xi = noise_std = 4`` and ``lambda = prior_variance = 10`` (the prior
+    variance: Eq. (27) puts ``||x||^2 / (2 lambda N)`` in each of the ``N``
+    agents' potentials). The paper uses 5, 20 or 100 agents and
+    ``n_i`` = 50 or 200. The exact posterior is Gaussian with covariance
+    ``(Z^T Z / xi^2 + I / lambda)^{-1}`` and mean ``cov @ Z^T y / xi^2``.
+    Rows are grouped by agent; ``owner`` says which.
+
+    >>> problem = dadmms_linear(0, num_agents=5, n_per_agent=50)
+    >>> problem.X.shape, problem.posterior_cov.shape, problem.owner[-1].item()
+    ((250, 2), (2, 2), 4)
+    """
+    num_agents = _check_int(num_agents, "num_agents", minimum=1)
+    n_per_agent = _check_int(n_per_agent, "n_per_agent", minimum=1)
+    d = _check_int(d, "d", minimum=1)
+    noise_std = _check_positive(noise_std, "noise_std")
+    prior_variance = _check_positive(prior_variance, "prior_variance")
+    rng = np.random.default_rng(seed)
+    true_coef = math.sqrt(prior_variance) * rng.standard_normal(d)
+    n = num_agents * n_per_agent
+    X = rng.standard_normal((n, d))
+    y = X @ true_coef + noise_std * rng.standard_normal(n)
+    precision = X.T @ X / noise_std**2 + np.eye(d) / prior_variance
+    posterior_cov = np.linalg.inv(precision)
+    posterior_cov = (posterior_cov + posterior_cov.T) / 2
+    posterior_mean = np.linalg.solve(precision, X.T @ y / noise_std**2)
+    return LinearGaussianProblem(
+        X=X,
+        y=y,
+        owner=np.repeat(np.arange(num_agents), n_per_agent),
+        true_coef=true_coef,
+        noise_std=noise_std,
+        prior_variance=prior_variance,
+        posterior_mean=posterior_mean,
+        posterior_cov=posterior_cov,
+    )
+
+
+def dadmms_logistic(
+    seed,
+    num_agents: int = 20,
+    n_per_agent: int = 50,
+    *,
+    d: int = 3,
+    prior_variance: float = 10.0,
+    covariate_variance: float = 20.0,
+) -> LogisticProblem:
+    """D-ADMMS Section 6.3: distributed Bayesian logistic regression.
+
+    ``x ~ N(0, lambda I)`` in ``R^3`` with ``lambda = 10``; each row
+    ``z ~ N(0, 20 I)`` (20 is a variance, as in the authors' code),
+    ``p ~ U(0, 1)`` and ``y = 1`` if ``p <= sigmoid(x^T z)``. The paper uses
+    ``n_i = 50`` rows per agent and 5, 20 or 50 agents. (The paper lists each
+    agent's label-1 rows first; that order is notation only and is not
+    reproduced.) The posterior has no closed form; the paper reports accuracy.
+
+    >>> problem = dadmms_logistic(0, num_agents=5)
+    >>> problem.X.shape, sorted(set(problem.y.tolist()))
+    ((250, 3), [0.0, 1.0])
+    """
+    num_agents = _check_int(num_agents, "num_agents", minimum=1)
+    n_per_agent = _check_int(n_per_agent, "n_per_agent", minimum=1)
+    d = _check_int(d, "d", minimum=1)
+    prior_variance = _check_positive(prior_variance, "prior_variance")
+    covariate_variance = _check_positive(covariate_variance, "covariate_variance")
+    rng = np.random.default_rng(seed)
+    true_coef = math.sqrt(prior_variance) * rng.standard_normal(d)
+    n = num_agents * n_per_agent
+    X = math.sqrt(covariate_variance) * rng.standard_normal((n, d))
+    y = (rng.uniform(size=n) <= special.expit(X @ true_coef)).astype(float)
+    return LogisticProblem(
+        X=X,
+        y=y,
+        true_coef=true_coef,
+        prior_variance=prior_variance,
+        owner=np.repeat(np.arange(num_agents), n_per_agent),
+    )
+
+
+# --------------------------------------------------------------------------
+# DSVGD (Kassab & Simeone), Section 7 / Appendix B.1
+
+
+def _gaussian_product(means, variances) -> tuple[float, float, float]:
+    """``prod_i N(theta | m_i, v_i) = exp(log_scale) * N(theta | mean, variance)``."""
+    means = np.asarray(means, dtype=float)
+    variances = np.asarray(variances, dtype=float)
+    precision = np.sum(1.0 / variances)
+    mean = np.sum(means / variances) / precision
+    log_scale = (
+        -0.5 * np.sum(np.log(2 * np.pi * variances))
+        + 0.5 * np.log(2 * np.pi / precision)
+        - 0.5 * (np.sum(means**2 / variances) - precision * mean**2)
+    )
+    return float(mean), float(1.0 / precision), float(log_scale)
+
+
+def dsvgd_mixture_1d(prior: str = "gaussian") -> MixtureToy1D:
+    """DSVGD's 1-D Gaussian mixture toy (Sec. 7, Figs. 2-3; App. B.1, Fig. 9a).
+
+    Two agents with local likelihoods ``exp(-L_1) = N(theta | 1, 4)`` and
+    ``exp(-L_2) = N(theta | -3, 1) + N(theta | 3, 2)`` (second argument read
+    as a variance), temperature ``alpha = 1``. The global posterior
+    ``q_opt ∝ p0 * exp(-L_1) * exp(-L_2)`` is then an exact two-component
+    Gaussian mixture, returned as :attr:`MixtureToy1D.posterior` with
+    ``log_pdf``, ``mean`` and exact ``sample``.
+
+    :param prior: ``"gaussian"`` for ``p0 = N(0, 1)``, which App. B.1 uses for
+        the KL-versus-rounds comparison with PVI/GVI (Fig. 9a, and, as the
+        same comparison, Fig. 3); ``"uniform"`` for ``p0 = U(-6, 6)``, the
+        prior of Fig. 2 (the posterior is then truncated to ``[-6, 6]``).
+
+    >>> toy = dsvgd_mixture_1d()
+    >>> toy.num_agents, toy.posterior.means.shape
+    (2, (2,))
+    >>> bool(abs(toy.posterior.sample(20_000, seed=0).mean() - toy.posterior.mean()) < 0.05)
+    True
+    """
+    if prior not in ("gaussian", "uniform"):
+        raise ValueError(f"prior must be 'gaussian' or 'uniform', got {prior!r}")
+    likelihood_1 = GaussianMixture1D(np.array([1.0]), np.array([1.0]), np.array([4.0]))
+    likelihood_2 = GaussianMixture1D(np.array([1.0, 1.0]), np.array([-3.0, 3.0]), np.array([1.0, 2.0]))
+    if prior == "gaussian":
+        prior_params = (0.0, 1.0)
+        prior_factors = ([0.0], [1.0])
+        lower, upper = -math.inf, math.inf
+    else:
+        prior_params = (-6.0, 6.0)
+        # A flat prior adds no Gaussian factor; it only truncates.
+        prior_factors = ([], [])
+        lower, upper = prior_params
+
+    log_weights, means, variances = [], [], []
+    for weight, mean, variance in zip(likelihood_2.weights, likelihood_2.means, likelihood_2.variances):
+        product_mean, product_variance, log_scale = _gaussian_product(
+            [*prior_factors[0], likelihood_1.means[0], mean],
+            [*prior_factors[1], likelihood_1.variances[0], variance],
+        )
+        log_weights.append(np.log(weight) + log_scale)
+        means.append(product_mean)
+        variances.append(product_variance)
+    log_weights = np.array(log_weights)
+    posterior = GaussianMixture1D(
+        weights=np.exp(log_weights - log_weights.max()),
+        means=np.array(means),
+        variances=np.array(variances),
+        lower=lower,
+        upper=upper,
+    )
+    return MixtureToy1D(
+        prior=prior,
+        prior_params=prior_params,
+        local_likelihoods=(likelihood_1, likelihood_2),
+        posterior=posterior,
+        support=(lower, upper),
+    )
