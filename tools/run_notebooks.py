@@ -1,0 +1,70 @@
+"""Executes notebooks in place so that the committed files carry their outputs.
+
+Usage: ``python tools/run_notebooks.py notebooks/*.ipynb`` (what ``make notebooks`` runs).
+
+Each notebook runs in a fresh kernel of the Python that runs this script (the ``python3``
+kernel that ipykernel provides for the current interpreter, so a virtualenv's packages are
+used and no kernel has to be registered), with the notebook's folder as working directory.
+A notebook is rewritten only when every cell succeeded; the exit status is non-zero if any
+notebook failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+
+
+def run_notebook(path: Path, *, timeout: int, kernel_name: str) -> float:
+    """Executes ``path`` and writes it back with its outputs; returns the run time in seconds."""
+    notebook = nbformat.read(path, as_version=4)
+    client = NotebookClient(
+        notebook,
+        timeout=timeout,
+        kernel_name=kernel_name,
+        resources={"metadata": {"path": str(path.parent.resolve())}},
+    )
+    start = time.perf_counter()
+    client.execute()
+    seconds = time.perf_counter() - start
+    nbformat.write(notebook, path)
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("notebooks", nargs="+", type=Path, help="notebook files to execute in place")
+    parser.add_argument("--timeout", type=int, default=1200, help="seconds allowed per cell (default 1200)")
+    parser.add_argument("--kernel", default="python3", help="kernel name (default python3)")
+    args = parser.parse_args(argv)
+
+    failed = []
+    for path in args.notebooks:
+        if not path.is_file():
+            print(f"FAILED {path}: no such file", file=sys.stderr)
+            failed.append(path)
+            continue
+        print(f"running {path} ...", flush=True)
+        try:
+            seconds = run_notebook(path, timeout=args.timeout, kernel_name=args.kernel)
+        except (CellExecutionError, CellTimeoutError, DeadKernelError) as error:
+            print(f"FAILED {path}:\n{error}", file=sys.stderr)
+            failed.append(path)
+            continue
+        print(f"ok     {path} ({seconds:.1f} s)", flush=True)
+
+    if failed:
+        print(f"{len(failed)} of {len(args.notebooks)} notebook(s) failed: "
+              + ", ".join(map(str, failed)), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
