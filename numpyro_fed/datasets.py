@@ -22,11 +22,12 @@ existing :class:`numpy.random.Generator` is also accepted).
 from __future__ import annotations
 
 import math
-import numbers
 import os
 from dataclasses import dataclass
 
 import numpy as np
+
+from numpyro_fed._checks import check_int as _check_int, check_positive as _check_positive, check_real as _check_real
 from scipy import special, stats
 
 __all__ = [
@@ -258,31 +259,10 @@ class MixtureToy1D:
 # argument checks and shared helpers
 
 
-def _check_int(value, name: str, *, minimum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
-    value = int(value)
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
-def _check_positive(value, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
-    value = float(value)
-    if not (math.isfinite(value) and value > 0.0):
-        raise ValueError(f"{name} must be a finite number > 0, got {value}")
-    return value
 
 
-def _check_real(value, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    return value
 
 
 def _check_test_fraction(test_fraction) -> float:

@@ -17,9 +17,10 @@ client owns at least one row and raises :class:`ValueError` otherwise.
 from __future__ import annotations
 
 import math
-import numbers
 
 import numpy as np
+
+from numpyro_fed._checks import check_int as _check_int, check_real as _check_real
 
 __all__ = [
     "DPPVI_SPLITS",
@@ -48,23 +49,8 @@ _FLOOR_SLACK = 1e-9
 # argument checks
 
 
-def _check_int(value, name: str, *, minimum: int | None = None) -> int:
-    # bool is an Integral subclass, but True as a client count is a bug.
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
-    value = int(value)
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
-def _check_real(value, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    return value
 
 
 def _check_labels(labels) -> np.ndarray:
