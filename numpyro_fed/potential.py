@@ -142,6 +142,14 @@ class FederatedPotential:
     :ivar client_data: the clients' stacked, padded blocks (a pytree with leading axis ``M``).
         Block ``m`` is the only input of client ``m``'s function that carries data.
     :ivar bool enumerated: whether discrete latents are marginalised by enumeration.
+    :ivar dict row_arguments: the model arguments cut per client (path -> plate name).
+    :ivar prior_potential_fn: the pure, un-jitted ``z -> prior term`` (server side).
+    :ivar client_potential_fn: the pure, un-jitted ``(z, block) -> client term``, where
+        ``block`` is one client's slice of :attr:`client_data`; algorithms ``vmap`` it (or
+        its derivatives) over ``client_data`` themselves.
+    :ivar postprocess_fn: ``z -> dict`` of constrained values of every latent site and of the
+        deterministic sites that do not depend on client data (as NumPyro's
+        ``postprocess_fn``; row-local latents are constrained by their clients).
     """
 
     def __init__(self, **fields):
