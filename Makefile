@@ -22,7 +22,7 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m slow
 
 docs: $(STAMP)
-	$(VENV)/bin/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 notebooks: $(STAMP)
 	$(PY) tools/run_notebooks.py notebooks/*.ipynb
