@@ -1,0 +1,430 @@
+"""Federated Zig-Zag sampler (Federated PDMC, Bierkens & Duncan 2022, Algorithm 2).
+
+The target is ``exp(-U(x))`` with ``U = sum_j U_j`` over *proposers* ``j``: the clients
+(each holding its own term of a :class:`~numpyro_fed.FederatedPotential`) and, by default,
+the server holding the prior (Remark 3.2). From a state ``(x, v)``, ``v`` in ``{-1, +1}^d``,
+every proposer draws its next switching time from its own rates
+
+    lambda_{j,i}(t) = max(0, v_i (d_i U_j(x + t v) - c_{j,i})) + rho_j / d,
+
+where ``c_j`` are control-variate shifts with ``sum_j c_j = 0`` (Remark 4.3: the sum over
+proposers, hence the target, is unchanged) and ``rho_j`` is the excess (refreshment) rate.
+The server takes the earliest proposal and the winner alone checks it against its exact rate.
+
+Event times are simulated by Poisson thinning with bounds computed automatically along the
+trajectory (the grid bound of Andral & Kamatani 2024): over a horizon ``[0, H]``, ``K``
+grid points give each rate and its slope (a gradient and a Jacobian-vector product), and the
+bound on a segment is ``max(f_k, f_{k+1}, where the tangents meet, 0)``. Rates above their
+bound are counted as violations. After every proposal, accepted or not, all proposers
+rebuild their bounds from the new point (exact by the strong Markov property; vectorised,
+this costs no more wall time than redrawing one client).
+
+This module is the functional core: :func:`init` and :func:`build_kernel` know nothing of
+NumPyro. :class:`numpyro_fed.infer.FedZigZag` wraps them as an ``MCMCKernel``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from numpyro.infer.initialization import init_to_uniform
+from numpyro.infer.mcmc import MCMCKernel
+
+from numpyro_fed._checks import check_int, check_positive, check_real
+from numpyro_fed.potential import split_potential
+
+__all__ = [
+    "FedZigZag",
+    "FedZigZagState",
+    "Proposers",
+    "ZigZagState",
+    "build_kernel",
+    "control_variate_shifts",
+    "init",
+    "proposers_from_potential",
+]
+
+
+class Proposers(NamedTuple):
+    """The proposers' gradients, as pure functions of the flat position.
+
+    :ivar grads: ``x -> (P, d)`` gradient of every proposer's term.
+    :ivar grads_and_slopes: ``(x, v) -> ((P, d), (P, d))``: gradients and their
+        derivatives along ``v`` (Hessian-vector products).
+    :ivar grad_of: ``(x, j) -> (d,)`` the gradient of proposer ``j`` alone (the winner's
+        check: only that proposer evaluates).
+    :ivar int num: ``P``.
+    """
+
+    grads: Callable
+    grads_and_slopes: Callable
+    grad_of: Callable
+    num: int
+
+
+class ZigZagState(NamedTuple):
+    """State of the federated Zig-Zag process.
+
+    :ivar x: position ``(d,)`` (flat, unconstrained).
+    :ivar v: velocity ``(d,)`` in ``{-1, +1}``.
+    :ivar horizon: current horizon of the automatic bounds.
+    :ivar rng_key: random key.
+    :ivar num_events: accepted switches since the last sample.
+    :ivar num_proposals: proposals (accepted or not) since the last sample.
+    :ivar num_violations: proposals whose exact rate exceeded its bound.
+    :ivar events_by_proposer: ``(P,)`` accepted switches per proposer since the last sample.
+    :ivar grad_evals_by_proposer: ``(P,)`` gradient evaluations per proposer since the last sample.
+    :ivar hit_event_cap: whether the last sample stopped at ``max_proposals``.
+    """
+
+    x: jax.Array
+    v: jax.Array
+    horizon: jax.Array
+    rng_key: jax.Array
+    num_events: jax.Array
+    num_proposals: jax.Array
+    num_violations: jax.Array
+    events_by_proposer: jax.Array
+    grad_evals_by_proposer: jax.Array
+    hit_event_cap: jax.Array
+
+
+def init(x, rng_key, num_proposers: int, *, horizon: float = 1.0, v=None) -> ZigZagState:
+    """Initial state at ``x`` with a uniformly random velocity (unless ``v`` is given)."""
+    x = jnp.asarray(x)
+    key_v, rng_key = jax.random.split(rng_key)
+    if v is None:
+        v = jnp.where(jax.random.bernoulli(key_v, 0.5, x.shape), 1.0, -1.0).astype(x.dtype)
+    zeros = jnp.zeros(num_proposers, jnp.int32)
+    return ZigZagState(
+        x=x, v=jnp.asarray(v, x.dtype), horizon=jnp.asarray(horizon, x.dtype), rng_key=rng_key,
+        num_events=jnp.zeros((), jnp.int32), num_proposals=jnp.zeros((), jnp.int32),
+        num_violations=jnp.zeros((), jnp.int32), events_by_proposer=zeros,
+        grad_evals_by_proposer=zeros, hit_event_cap=jnp.zeros((), bool),
+    )
+
+
+def segment_bounds(times, rates, slopes):
+    """Upper bounds of signed rates on each segment of a grid, from values and slopes.
+
+    :param times: ``(K,)`` grid times. :param rates: ``(K, ...)`` signed rates at the grid
+    points. :param slopes: ``(K, ...)`` their time derivatives.
+    :return: ``(K-1, ...)`` bounds, non-negative: ``max(f_k, f_{k+1}, tangent meeting, 0)``.
+    """
+    t0, t1 = times[:-1], times[1:]
+    shape = (-1,) + (1,) * (rates.ndim - 1)
+    t0, t1 = t0.reshape(shape), t1.reshape(shape)
+    f0, f1, s0, s1 = rates[:-1], rates[1:], slopes[:-1], slopes[1:]
+    # Tangent lines f0 + s0 (t - t0) and f1 + s1 (t - t1) meet where a rising rate turns.
+    denominator = s0 - s1
+    safe = jnp.where(denominator > 0, denominator, 1.0)
+    t_meet = (f1 - f0 + s0 * t0 - s1 * t1) / safe
+    inside = (denominator > 0) & (t_meet > t0) & (t_meet < t1)
+    meet_value = jnp.where(inside, f0 + s0 * (t_meet - t0), -jnp.inf)
+    return jnp.maximum(jnp.maximum(f0, f1), jnp.maximum(meet_value, 0.0))
+
+
+def build_kernel(
+    proposers: Proposers,
+    *,
+    shifts=None,
+    excess_rates=None,
+    grid_size: int = 2,
+    safety_factor: float = 1.0,
+    max_proposals: int = 1_000_000,
+):
+    """Builds ``kernel(state, duration) -> state`` running the process for ``duration``.
+
+    :param proposers: the proposers' gradient functions.
+    :param shifts: ``(P, d)`` control-variate shifts summing to zero over proposers.
+    :param excess_rates: ``(P,)`` excess (refreshment) rate of each proposer, split evenly
+        over coordinates.
+    :param int grid_size: ``K`` grid points per horizon for the automatic bound.
+    :param float safety_factor: bounds are multiplied by this (>= 1).
+    :param int max_proposals: proposals allowed per call (guards against a rate that
+        explodes); reaching it sets ``hit_event_cap``.
+    """
+    num = proposers.num
+
+    def kernel(state: ZigZagState, duration) -> ZigZagState:
+        d = state.x.shape[0]
+        dtype = state.x.dtype
+        shift = jnp.zeros((num, d), dtype) if shifts is None else jnp.asarray(shifts, dtype)
+        excess = (jnp.zeros(num, dtype) if excess_rates is None else jnp.asarray(excess_rates, dtype)) / d
+        fractions = jnp.linspace(0.0, 1.0, grid_size, dtype=dtype)
+
+        def one_proposal(carry):
+            state, remaining = carry
+            key, key_time, key_coord, key_accept = jax.random.split(state.rng_key, 4)
+            horizon = jnp.minimum(state.horizon, remaining)
+            times = fractions * horizon
+            # (K, P, d): every proposer's gradient and slope at every grid point.
+            grads, slopes = jax.vmap(lambda t: proposers.grads_and_slopes(state.x + t * state.v, state.v))(times)
+            signed = state.v * (grads - shift)
+            bounds = safety_factor * segment_bounds(times, signed, state.v * slopes) + excess[:, None]
+            totals = bounds.sum(-1)  # (K-1, P)
+            width = horizon / (grid_size - 1)
+            # Inversion of each proposer's piecewise-constant bound.
+            exponentials = jax.random.exponential(key_time, (num,), dtype)
+            cumulative = jnp.cumsum(totals * width, axis=0)  # (K-1, P)
+            segment = jnp.sum(cumulative < exponentials[None, :], axis=0)  # first crossing, K-1 if none
+            has_event = segment < grid_size - 1
+            segment_c = jnp.minimum(segment, grid_size - 2)
+            before = jnp.where(segment_c > 0, jnp.take_along_axis(cumulative, jnp.maximum(segment_c - 1, 0)[None], 0)[0], 0.0)
+            rate_in_segment = jnp.take_along_axis(totals, segment_c[None], 0)[0]
+            tau = segment_c * width + (exponentials - before) / jnp.where(rate_in_segment > 0, rate_in_segment, 1.0)
+            tau = jnp.where(has_event, tau, jnp.inf)
+            winner = jnp.argmin(tau)
+            tau_win = tau[winner]
+
+            def no_event(_):
+                grown = jnp.where(horizon >= state.horizon, state.horizon * 1.01, state.horizon)
+                new = state._replace(x=state.x + horizon * state.v, horizon=grown, rng_key=key,
+                                     grad_evals_by_proposer=state.grad_evals_by_proposer + grid_size)
+                return new, remaining - horizon
+
+            def proposal(_):
+                seg = segment_c[winner]
+                coordinate_bounds = bounds[seg, winner]
+                coordinate = jax.random.categorical(key_coord, jnp.log(coordinate_bounds))
+                x_new = state.x + tau_win * state.v
+                grad = proposers.grad_of(x_new, winner)
+                rate = jnp.maximum(state.v[coordinate] * (grad[coordinate] - shift[winner, coordinate]), 0.0) + excess[winner]
+                bound = coordinate_bounds[coordinate]
+                violated = rate > bound * (1 + 1e-6) + 1e-12
+                accept = jax.random.uniform(key_accept, dtype=dtype) * bound < rate
+                v_new = jnp.where(accept, state.v.at[coordinate].multiply(-1.0), state.v)
+                horizon_new = jnp.where(violated, state.horizon / 2, jnp.where(accept, state.horizon, state.horizon / 1.04))
+                evals = state.grad_evals_by_proposer + grid_size
+                evals = evals.at[winner].add(1)
+                new = state._replace(
+                    x=x_new, v=v_new, horizon=horizon_new, rng_key=key,
+                    num_events=state.num_events + accept,
+                    num_proposals=state.num_proposals + 1,
+                    num_violations=state.num_violations + violated,
+                    events_by_proposer=state.events_by_proposer.at[winner].add(accept.astype(jnp.int32)),
+                    grad_evals_by_proposer=evals,
+                )
+                return new, remaining - tau_win
+
+            return lax.cond(tau_win < horizon, proposal, no_event, None)
+
+        def not_done(carry):
+            state, remaining = carry
+            return (remaining > 0) & (state.num_proposals < max_proposals)
+
+        fresh = state._replace(
+            num_events=jnp.zeros_like(state.num_events),
+            num_proposals=jnp.zeros_like(state.num_proposals),
+            num_violations=jnp.zeros_like(state.num_violations),
+            events_by_proposer=jnp.zeros_like(state.events_by_proposer),
+            grad_evals_by_proposer=jnp.zeros_like(state.grad_evals_by_proposer),
+        )
+        final, remaining = lax.while_loop(not_done, one_proposal, (fresh, jnp.asarray(duration, dtype)))
+        return final._replace(hit_event_cap=remaining > 0)
+
+    return kernel
+
+
+# -- NumPyro face ---------------------------------------------------------------------------
+
+
+def proposers_from_potential(potential, *, prior: str = "server") -> Proposers:
+    """The proposers of a :class:`~numpyro_fed.FederatedPotential`.
+
+    :param str prior: ``"server"``: the prior is an extra proposer held by the server
+        (index ``M``); ``"clients"``: each client proposes from its term plus ``prior / M``.
+    """
+    if prior not in ("server", "clients"):
+        raise ValueError(f"prior must be 'server' or 'clients', got {prior!r}")
+    data = potential.client_data
+    num_clients = potential.num_clients
+    share = 0.0 if prior == "server" else 1.0 / num_clients
+
+    def prior_term(flat):
+        return potential.prior_potential_fn(potential.unravel(flat))
+
+    def client_term(flat, block):
+        return potential.client_potential_fn(potential.unravel(flat), block) + share * prior_term(flat)
+
+    client_grad, prior_grad = jax.grad(client_term), jax.grad(prior_term)
+
+    def grads_and_slopes(x, v):
+        def one(block):
+            return jax.jvp(lambda f: client_grad(f, block), (x,), (v,))
+
+        grads, slopes = jax.vmap(one)(data)
+        if prior == "server":
+            prior_g, prior_s = jax.jvp(prior_grad, (x,), (v,))
+            grads = jnp.concatenate([grads, prior_g[None]])
+            slopes = jnp.concatenate([slopes, prior_s[None]])
+        return grads, slopes
+
+    def grads(x):
+        g = jax.vmap(client_grad, in_axes=(None, 0))(x, data)
+        return jnp.concatenate([g, prior_grad(x)[None]]) if prior == "server" else g
+
+    def grad_of(x, j):
+        block = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, jnp.minimum(j, num_clients - 1), keepdims=False), data)
+        if prior == "clients":
+            return client_grad(x, block)
+        return lax.cond(j == num_clients, lambda: prior_grad(x), lambda: client_grad(x, block))
+
+    return Proposers(grads, grads_and_slopes, grad_of, num_clients + (prior == "server"))
+
+
+def control_variate_shifts(proposers: Proposers, reference):
+    """Shifts ``c_j = grad U_j(x*) - grad U(x*) / P``: they sum to zero over proposers, so
+    the target is unchanged, and near ``x*`` each proposer's rate loses the client-to-client
+    scatter of the gradients (the O(sqrt(NM)) excess of Section 4.1)."""
+    grads = proposers.grads(reference)
+    return grads - grads.sum(0) / proposers.num
+
+
+class FedZigZagState(NamedTuple):
+    """NumPyro-facing state: ``z`` (unconstrained sites, as NumPyro's ``z``), the sample
+    index ``i`` and the process state ``core`` (:class:`ZigZagState`). Diagnostics are read
+    with ``extra_fields=("core.num_events", "core.events_by_proposer", ...)``."""
+
+    i: jax.Array
+    z: dict
+    core: ZigZagState
+
+
+class FedZigZag(MCMCKernel):
+    """Federated Zig-Zag sampler as a NumPyro :class:`~numpyro.infer.mcmc.MCMCKernel`.
+
+    Each client proposes its next switching time from its own term of the potential (see
+    :func:`~numpyro_fed.split_potential`); the server takes the earliest. One MCMC sample is
+    the position after ``sample_interval`` units of process time, so draws are equally
+    spaced in time (stopping on time, not on events, keeps them unbiased).
+
+    :param model: a NumPyro model with a :class:`~numpyro_fed.federated_plate`.
+    :param float sample_interval: process time between two samples (> 0).
+    :param control_variates: ``True`` re-splits the clients' terms around a reference
+        point (the MAP, found at initialisation from the aggregated gradient) so that the
+        sum is unchanged but spurious switches vanish; ``None`` (default): on when M > 1.
+    :param str prior: ``"server"`` (the prior proposes on its own) or ``"clients"``
+        (shared evenly among the clients' terms), the two options of Remark 3.2.
+    :param float excess_rate: refreshment rate ``rho`` added to every proposer (>= 0).
+    :param int grid_size: grid points of the automatic bound (>= 2).
+    :param float safety_factor: multiplies the automatic bounds (>= 1).
+    :param float initial_horizon: starting horizon of the bounds (> 0).
+    :param dict partition: as for :func:`~numpyro_fed.split_potential`.
+    :param init_strategy: NumPyro init strategy (used when control variates are off).
+
+    **Example**
+
+    >>> import jax, numpyro, numpyro.distributions as dist
+    >>> from numpyro.infer import MCMC
+    >>> import numpyro_fed as nf
+    >>> def model(y):
+    ...     mu = numpyro.sample("mu", dist.Normal(0, 10))
+    ...     with nf.federated_plate("data", y.shape[0], clients=4):
+    ...         numpyro.sample("y", dist.Normal(mu, 1), obs=y)
+    >>> y = 1.0 + jax.random.normal(jax.random.PRNGKey(0), (100,))
+    >>> mcmc = MCMC(nf.FedZigZag(model, sample_interval=0.2), num_warmup=100, num_samples=2000,
+    ...             progress_bar=False)
+    >>> mcmc.run(jax.random.PRNGKey(1), y)
+    >>> abs(float(mcmc.get_samples()["mu"].mean() - y.sum() / (100 + 0.01))) < 0.05
+    True
+    """
+
+    sample_field = "z"
+
+    def __init__(
+        self,
+        model,
+        *,
+        sample_interval: float = 1.0,
+        control_variates: bool | None = None,
+        prior: str = "server",
+        excess_rate: float = 0.0,
+        grid_size: int = 2,
+        safety_factor: float = 1.0,
+        initial_horizon: float = 0.1,
+        max_proposals: int = 1_000_000,
+        partition=None,
+        init_strategy=init_to_uniform,
+    ):
+        self._model = model
+        self.sample_interval = check_positive(sample_interval, "sample_interval")
+        if excess_rate is None or check_real(excess_rate, "excess_rate") < 0:
+            raise ValueError(f"excess_rate must be >= 0, got {excess_rate}")
+        self.excess_rate = float(excess_rate)
+        self.grid_size = check_int(grid_size, "grid_size", minimum=2)
+        self.safety_factor = check_real(safety_factor, "safety_factor")
+        if self.safety_factor < 1:
+            raise ValueError(f"safety_factor must be >= 1, got {safety_factor}")
+        self.initial_horizon = check_positive(initial_horizon, "initial_horizon")
+        self.max_proposals = check_int(max_proposals, "max_proposals", minimum=1)
+        if prior not in ("server", "clients"):
+            raise ValueError(f"prior must be 'server' or 'clients', got {prior!r}")
+        self.prior = prior
+        self.control_variates = control_variates
+        self.partition = partition
+        self.init_strategy = init_strategy
+        self.federated_potential = None
+        self.reference_point = None
+
+    @property
+    def model(self):
+        return self._model
+
+    @property
+    def default_fields(self):
+        return ("z",)
+
+    def get_diagnostics_str(self, state):
+        return "{} events, {} proposals".format(int(state.core.num_events), int(state.core.num_proposals))
+
+    def init(self, rng_key, num_warmup, init_params, model_args, model_kwargs):
+        if jnp.shape(rng_key) not in ((2,), ()):
+            raise NotImplementedError(
+                "FedZigZag initialises one chain at a time: use chain_method='sequential'"
+            )
+        key_init, key_state = jax.random.split(rng_key)
+        potential = split_potential(
+            self._model, model_args, model_kwargs, partition=self.partition,
+            init_strategy=self.init_strategy, rng_key=key_init,
+        )
+        self.federated_potential = potential
+        proposers = proposers_from_potential(potential, prior=self.prior)
+        use_cv = potential.num_clients > 1 if self.control_variates is None else bool(self.control_variates)
+        start = potential.ravel(potential.init_params)
+        shifts = None
+        if use_cv:
+            self.reference_point = _minimise(lambda x: potential.potential(potential.unravel(x)), start)
+            shifts = control_variate_shifts(proposers, self.reference_point)
+            start = self.reference_point
+        if init_params is not None:
+            start = potential.ravel(init_params)
+        self._kernel = jax.jit(build_kernel(
+            proposers, shifts=shifts, excess_rates=jnp.full(proposers.num, self.excess_rate),
+            grid_size=self.grid_size, safety_factor=self.safety_factor, max_proposals=self.max_proposals,
+        ))
+        self._unravel = potential.unravel
+        core = init(start, key_state, proposers.num, horizon=self.initial_horizon)
+        return FedZigZagState(jnp.zeros((), jnp.int32), potential.unravel(core.x), core)
+
+    def sample(self, state, model_args, model_kwargs):
+        core = self._kernel(state.core, self.sample_interval)
+        return FedZigZagState(state.i + 1, self._unravel(core.x), core)
+
+    def postprocess_fn(self, model_args, model_kwargs):
+        if self.federated_potential is None:
+            raise RuntimeError("FedZigZag.postprocess_fn needs init() to have run")
+        return self.federated_potential.postprocess_fn
+
+
+def _minimise(fn, x0, num_steps: int = 200):
+    """The MAP from the aggregated potential (BFGS), the control variates' reference point."""
+    from jax.scipy.optimize import minimize
+
+    result = minimize(fn, x0, method="BFGS", options={"maxiter": num_steps})
+    return jnp.where(jnp.all(jnp.isfinite(result.x)), result.x, x0)

@@ -1,0 +1,124 @@
+"""FedZigZag samples the right distribution: closed-form Gaussian posterior, NUTS on logistic regression."""
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import numpyro
+import numpyro.distributions as dist
+from numpyro.diagnostics import effective_sample_size
+from numpyro.infer import MCMC, NUTS
+
+import numpyro_fed as nf
+from numpyro_fed.metrics import marginal_w1
+
+N, D, M = 50, 10, 5
+PRIOR_SD = 100.0
+
+
+def gaussian_mean(y, clients=M):
+    mu = numpyro.sample("mu", dist.Normal(0, PRIOR_SD).expand([y.shape[1]]).to_event(1))
+    with nf.federated_plate("data", y.shape[0], clients=clients):
+        numpyro.sample("y", dist.Normal(mu, 1.0).to_event(1), obs=y)
+
+
+def logistic(X, y=None, clients=4):
+    w = numpyro.sample("w", dist.Normal(0, 1).expand([X.shape[1]]).to_event(1))
+    with nf.federated_plate("data", X.shape[0], clients=clients):
+        numpyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+
+
+def _gaussian_data():
+    # Section 6.1 of the Fed-PDMC paper: N = 50 draws of N(0.5, I_10), M = 5 clients.
+    y = 0.5 + jax.random.normal(jax.random.PRNGKey(0), (N, D))
+    precision = N + PRIOR_SD**-2
+    return y, y.sum(0) / precision, 1 / np.sqrt(precision)
+
+
+def _run(kernel, *args, num_samples=4000, seed=1, **kwargs):
+    mcmc = MCMC(kernel, num_warmup=200, num_samples=num_samples, progress_bar=False)
+    mcmc.run(jax.random.PRNGKey(seed), *args, extra_fields=("core.num_events", "core.num_violations"), **kwargs)
+    return mcmc
+
+
+def _assert_gaussian_moments(draws, mean, sd):
+    draws = np.asarray(draws)
+    ess = effective_sample_size(draws[None])
+    # 4.5 Monte Carlo standard errors over 10 coordinates: fails with probability < 1e-4
+    assert np.all(np.abs(draws.mean(0) - mean) < 4.5 * sd / np.sqrt(ess)), (draws.mean(0) - mean) / sd
+    assert np.all(np.abs(draws.std(0) / sd - 1) < 4.5 / np.sqrt(2 * ess))
+    # off-diagonal correlations of the independent posterior coordinates vanish
+    corr = np.corrcoef(draws.T)[np.triu_indices(draws.shape[1], 1)]
+    assert np.all(np.abs(corr) < 4.5 / np.sqrt(ess.min()))
+
+
+@pytest.mark.parametrize("control_variates", [False, True])
+@pytest.mark.parametrize("prior", ["server", "clients"])
+def test_gaussian_target_matches_closed_form(control_variates, prior):
+    y, mean, sd = _gaussian_data()
+    kernel = nf.FedZigZag(gaussian_mean, sample_interval=0.1, control_variates=control_variates, prior=prior)
+    mcmc = _run(kernel, y)
+    _assert_gaussian_moments(mcmc.get_samples()["mu"], mean, sd)
+    assert int(mcmc.get_extra_fields()["core.num_violations"].sum()) == 0
+
+
+def test_gaussian_target_with_refreshment():
+    y, mean, sd = _gaussian_data()
+    mcmc = _run(nf.FedZigZag(gaussian_mean, sample_interval=0.1, excess_rate=20.0), y)
+    _assert_gaussian_moments(mcmc.get_samples()["mu"], mean, sd)
+
+
+def test_control_variates_remove_spurious_switches():
+    y, _, _ = _gaussian_data()
+    events = {}
+    for cv in (False, True):
+        mcmc = _run(nf.FedZigZag(gaussian_mean, sample_interval=0.1, control_variates=cv), y, num_samples=500)
+        events[cv] = int(mcmc.get_extra_fields()["core.num_events"].sum())
+    # without control variates the federated rate carries an O(sqrt(NM)) excess
+    assert events[True] < 0.7 * events[False]
+
+
+def test_logistic_regression_over_unequal_clients_agrees_with_nuts():
+    key_x, key_y = jax.random.split(jax.random.PRNGKey(2))
+    X = jax.random.normal(key_x, (300, 3))
+    y = jax.random.bernoulli(key_y, jax.nn.sigmoid(X @ jnp.array([1.0, -1.0, 0.5]))) * 1.0
+    owner = np.repeat(np.arange(4), [20, 50, 100, 130])
+    np.random.default_rng(0).shuffle(owner)
+    nuts = MCMC(NUTS(logistic), num_warmup=500, num_samples=4000, progress_bar=False)
+    nuts.run(jax.random.PRNGKey(0), X, y, clients=owner)
+    reference = np.asarray(nuts.get_samples()["w"])
+    ref_sd = reference.std(0)
+    for cv in (False, True):
+        draws = np.asarray(_run(nf.FedZigZag(logistic, sample_interval=0.2, control_variates=cv),
+                                X, y, clients=owner).get_samples()["w"])
+        ess = effective_sample_size(draws[None])
+        # W1 between two samples of a near-Gaussian marginal: O(sd / sqrt(ess)); 5x is a loose
+        # but failing-on-bias bound (a shifted mean or wrong spread of 0.3 sd fails it).
+        assert np.all(marginal_w1(draws, reference) < 5 * ref_sd / np.sqrt(ess))
+        assert np.all(np.abs(draws.std(0) / ref_sd - 1) < 5 / np.sqrt(2 * ess))
+
+
+def test_one_client_agrees_with_many_and_same_key_gives_same_chain():
+    y, mean, sd = _gaussian_data()
+    one = _run(nf.FedZigZag(gaussian_mean, sample_interval=0.1), y, clients=1).get_samples()["mu"]
+    _assert_gaussian_moments(one, mean, sd)
+    again = _run(nf.FedZigZag(gaussian_mean, sample_interval=0.1), y, clients=1).get_samples()["mu"]
+    np.testing.assert_array_equal(one, again)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"sample_interval": 0.0}, ValueError, "sample_interval must be a finite number > 0"),
+        ({"sample_interval": -1.0}, ValueError, "sample_interval must be a finite number > 0"),
+        ({"excess_rate": -0.5}, ValueError, "excess_rate must be >= 0"),
+        ({"grid_size": 1}, ValueError, "grid_size must be >= 2"),
+        ({"safety_factor": 0.5}, ValueError, "safety_factor must be >= 1"),
+        ({"prior": "nowhere"}, ValueError, "prior must be 'server' or 'clients'"),
+    ],
+)
+def test_bad_hyper_parameters(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        nf.FedZigZag(gaussian_mean, **kwargs)
