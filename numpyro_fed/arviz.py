@@ -106,13 +106,27 @@ def _register_numpyro_mcmc():
 
     @register_converter(MCMC)
     def _from_mcmc(mcmc, *, potential=None, observed_data=False, log_likelihood=False, **kwargs):
+        sampler = mcmc.sampler
         idata = az.from_numpyro(mcmc, log_likelihood=log_likelihood, **kwargs)
         idata = _drop_client_data(idata, observed_data=observed_data, log_likelihood=log_likelihood)
-        attrs = {"algorithm": type(mcmc.sampler).__name__}
+        if hasattr(sampler, "sample_stats"):
+            stats = sampler.sample_stats(mcmc.get_extra_fields(group_by_chain=True))
+            sample_stats = az.dict_to_dataset(
+                {name: value for name, (value, _) in stats.items()},
+                library=None,
+                dims={name: dims for name, (_, dims) in stats.items()},
+            )
+            if "sample_stats" in idata.groups():
+                del idata.sample_stats
+            idata.add_groups(sample_stats=sample_stats)
+        attrs = {"algorithm": type(sampler).__name__}
         if potential is None:
-            potential = getattr(mcmc.sampler, "federated_potential", None)
+            potential = getattr(sampler, "federated_potential", None)
         if potential is not None:
             attrs.update(federation_attrs(potential))
+        privacy = getattr(sampler, "privacy", None)
+        if privacy is not None:
+            attrs.update(privacy.as_attrs())
         return _set_attrs(idata, attrs)
 
 

@@ -122,3 +122,54 @@ def test_one_client_agrees_with_many_and_same_key_gives_same_chain():
 def test_bad_hyper_parameters(kwargs, error, message):
     with pytest.raises(error, match=message):
         nf.FedZigZag(gaussian_mean, **kwargs)
+
+
+def test_inference_data_has_per_client_diagnostics_and_attrs():
+    y, _, _ = _gaussian_data()
+    mcmc = _run(nf.FedZigZag(gaussian_mean, sample_interval=0.1), y, num_samples=300)
+    idata = nf.to_inference_data(mcmc)
+    stats = idata.sample_stats
+    assert stats["events_by_client"].dims == ("chain", "draw", "client")
+    assert stats["events_by_client"].shape == (1, 300, M)
+    # every accepted switch is counted once, by the client or the server's prior proposer
+    total = stats["events_by_client"].sum("client") + stats["events_by_prior"]
+    np.testing.assert_array_equal(total, stats["num_events"])
+    assert int(stats["num_proposals"].sum()) >= int(stats["num_events"].sum()) > 0
+    assert idata.attrs["algorithm"] == "FedZigZag"
+    assert idata.attrs["num_clients"] == M
+    assert "privacy_epsilon" not in idata.attrs
+
+
+def test_privacy_calibration_reported_per_message():
+    from numpyro_fed.privacy import switching_time_delta
+
+    y, mean, sd = _gaussian_data()
+    kernel = nf.FedZigZag(gaussian_mean, sample_interval=0.1, dp_sensitivity=3.0, dp_epsilon=2.0, dp_delta=1e-4)
+    # (7): rho = K (1 + log(1/delta)) / epsilon
+    assert kernel.excess_rate == pytest.approx(3.0 * (1 + np.log(1e4)) / 2.0)
+    assert kernel.privacy.epsilon <= 2.0
+    assert switching_time_delta(3.0, kernel.excess_rate, 2.0) <= 1e-4
+    assert "per message" in kernel.privacy.scope
+    assert kernel.control_variates is False
+    mcmc = _run(kernel, y, num_samples=300)
+    idata = nf.to_inference_data(mcmc)
+    assert idata.attrs["privacy_epsilon"] == pytest.approx(kernel.privacy.epsilon)
+    assert idata.attrs["privacy_delta"] == 1e-4
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"dp_sensitivity": 2.0}, "dp_sensitivity needs dp_delta"),
+        ({"dp_epsilon": 1.0, "dp_delta": 1e-5}, "need dp_sensitivity"),
+        ({"dp_sensitivity": 2.0, "dp_delta": 1e-5}, "needs excess_rate > 0"),
+        ({"dp_sensitivity": 0.5, "dp_delta": 1e-5, "excess_rate": 1.0}, "sensitivity K must be > 1"),
+        ({"dp_sensitivity": 2.0, "dp_delta": 1.5, "excess_rate": 1.0}, r"delta must lie in \(0, 1\)"),
+        ({"dp_sensitivity": 2.0, "dp_epsilon": -1.0, "dp_delta": 1e-5}, "dp_epsilon must be a finite number > 0"),
+        ({"dp_sensitivity": 2.0, "dp_epsilon": 1.0, "dp_delta": 1e-5, "excess_rate": 1.0}, "above dp_epsilon=1.0"),
+        ({"dp_sensitivity": 2.0, "dp_epsilon": 1.0, "dp_delta": 1e-5, "control_variates": True}, "not covered by Theorem 5.1"),
+    ],
+)
+def test_bad_privacy_requests(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        nf.FedZigZag(gaussian_mean, **kwargs)

@@ -37,6 +37,11 @@ from numpyro.infer.mcmc import MCMCKernel
 
 from numpyro_fed._checks import check_int, check_positive, check_real
 from numpyro_fed.potential import split_potential
+from numpyro_fed.privacy import (
+    PrivacyGuarantee,
+    calibrate_excess_rate,
+    switching_time_epsilon,
+)
 
 __all__ = [
     "FedZigZag",
@@ -315,8 +320,20 @@ class FedZigZag(MCMCKernel):
     :param int grid_size: grid points of the automatic bound (>= 2).
     :param float safety_factor: multiplies the automatic bounds (>= 1).
     :param float initial_horizon: starting horizon of the bounds (> 0).
+    :param float dp_sensitivity: ``K > 1``, a bound on how much one row of a client can
+        change that client's switching intensity (e.g. the bound on the covariates' norm in
+        logistic regression, Example 5.2). Setting it turns on the privacy guarantee of
+        Theorem 5.1, reported as :attr:`privacy` and in InferenceData ``attrs``.
+    :param float dp_epsilon: target epsilon *per switching time*; with ``dp_sensitivity``
+        and ``dp_delta``, ``excess_rate`` is chosen by (7) unless given.
+    :param float dp_delta: delta per switching time, in (0, 1).
     :param dict partition: as for :func:`~numpyro_fed.split_potential`.
     :param init_strategy: NumPyro init strategy (used when control variates are off).
+
+    The privacy guarantee covers **each switching time a client sends, one message at a
+    time**; it is not composed over the many messages of a run. Control variates need one
+    aggregation round of gradients that the theorem does not cover, so they are off when a
+    guarantee is asked for (and asking for both is an error).
 
     **Example**
 
@@ -351,6 +368,9 @@ class FedZigZag(MCMCKernel):
         max_proposals: int = 1_000_000,
         partition=None,
         init_strategy=init_to_uniform,
+        dp_sensitivity: float | None = None,
+        dp_epsilon: float | None = None,
+        dp_delta: float | None = None,
     ):
         self._model = model
         self.sample_interval = check_positive(sample_interval, "sample_interval")
@@ -367,10 +387,45 @@ class FedZigZag(MCMCKernel):
             raise ValueError(f"prior must be 'server' or 'clients', got {prior!r}")
         self.prior = prior
         self.control_variates = control_variates
+        self.privacy = self._privacy_guarantee(dp_sensitivity, dp_epsilon, dp_delta)
         self.partition = partition
         self.init_strategy = init_strategy
         self.federated_potential = None
         self.reference_point = None
+
+    def _privacy_guarantee(self, sensitivity, epsilon, delta):
+        if sensitivity is None:
+            if epsilon is not None or delta is not None:
+                raise ValueError("dp_epsilon/dp_delta need dp_sensitivity (the bound K of Theorem 5.1)")
+            return None
+        if delta is None:
+            raise ValueError("dp_sensitivity needs dp_delta")
+        if self.control_variates:
+            raise ValueError(
+                "control_variates=True with a privacy guarantee: the control variates' "
+                "aggregation round is not covered by Theorem 5.1"
+            )
+        self.control_variates = False
+        if epsilon is not None:
+            target = check_positive(epsilon, "dp_epsilon")
+            if self.excess_rate == 0.0:
+                self.excess_rate = calibrate_excess_rate(sensitivity, target, delta)
+            achieved = switching_time_epsilon(sensitivity, self.excess_rate, delta)
+            if achieved > target:
+                raise ValueError(
+                    f"excess_rate={self.excess_rate} gives epsilon={achieved:.4g} per switching "
+                    f"time, above dp_epsilon={target}; leave excess_rate unset to calibrate it"
+                )
+        elif self.excess_rate <= 0.0:
+            raise ValueError("a privacy guarantee needs excess_rate > 0 (or dp_epsilon to calibrate it)")
+        return PrivacyGuarantee(
+            epsilon=switching_time_epsilon(sensitivity, self.excess_rate, delta),
+            delta=float(delta),
+            scope="each switching time a client sends (per message, not composed over the run)",
+            neighbouring=f"one row of one client changed, moving its intensity by at most K={sensitivity}",
+            method="Theorem 5.1 of Bierkens & Duncan (2022), excess rate "
+                   f"rho={self.excess_rate:.6g} per client",
+        )
 
     @property
     def model(self):
@@ -378,7 +433,27 @@ class FedZigZag(MCMCKernel):
 
     @property
     def default_fields(self):
-        return ("z",)
+        return ("z",) + tuple("core." + name for name in _DIAGNOSTICS)
+
+    def sample_stats(self, extra_fields):
+        """Diagnostics by name from ``MCMC.get_extra_fields(group_by_chain=True)``:
+        ``{name: (array, dims)}``; per-client counts get a ``client`` dim, the prior's
+        proposer (when it is the server's) its own entries."""
+        stats = {}
+        num_clients = self.federated_potential.num_clients
+        for name in _DIAGNOSTICS:
+            value = extra_fields.get("core." + name)
+            if value is None:
+                continue
+            value = jax.device_get(value)
+            if name.endswith("_by_proposer"):
+                base = name[: -len("_by_proposer")]
+                stats[base + "_by_client"] = (value[..., :num_clients], ["client"])
+                if self.prior == "server":
+                    stats[base + "_by_prior"] = (value[..., num_clients], [])
+            else:
+                stats[name] = (value, [])
+        return stats
 
     def get_diagnostics_str(self, state):
         return "{} events, {} proposals".format(int(state.core.num_events), int(state.core.num_proposals))
@@ -420,6 +495,16 @@ class FedZigZag(MCMCKernel):
         if self.federated_potential is None:
             raise RuntimeError("FedZigZag.postprocess_fn needs init() to have run")
         return self.federated_potential.postprocess_fn
+
+
+_DIAGNOSTICS = (
+    "num_events",
+    "num_proposals",
+    "num_violations",
+    "events_by_proposer",
+    "grad_evals_by_proposer",
+    "hit_event_cap",
+)
 
 
 def _minimise(fn, x0, num_steps: int = 200):

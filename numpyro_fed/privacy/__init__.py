@@ -1,0 +1,15 @@
+"""Privacy guarantees: how they are computed and how they are reported."""
+
+from numpyro_fed.privacy.guarantee import PrivacyGuarantee
+from numpyro_fed.privacy.pdmp import (
+    calibrate_excess_rate,
+    switching_time_delta,
+    switching_time_epsilon,
+)
+
+__all__ = [
+    "PrivacyGuarantee",
+    "calibrate_excess_rate",
+    "switching_time_delta",
+    "switching_time_epsilon",
+]
