@@ -64,6 +64,25 @@ def test_gaussian_target_matches_closed_form(control_variates, prior):
     assert int(mcmc.get_extra_fields()["core.num_violations"].sum()) == 0
 
 
+def test_gaussian_target_with_prior_redistribution():
+    y, mean, sd = _gaussian_data()
+    # a visible prior (sd 1) so that its shares matter; rate 2 so that it is redrawn often
+    def model(y):
+        mu = numpyro.sample("mu", dist.Normal(0, 1.0).expand([D]).to_event(1))
+        with nf.federated_plate("data", y.shape[0], clients=M):
+            numpyro.sample("y", dist.Normal(mu, 1.0).to_event(1), obs=y)
+
+    precision = N + 1.0
+    for cv in (False, True):
+        kernel = nf.FedZigZag(model, sample_interval=0.1, prior="redistribute", redistribution_rate=2.0,
+                              control_variates=cv)
+        mcmc = _run(kernel, y)
+        _assert_gaussian_moments(mcmc.get_samples()["mu"], y.sum(0) / precision, 1 / np.sqrt(precision))
+        weights = np.asarray(mcmc.last_state.core.prior_weights)
+        assert weights.shape == (M,) and abs(weights.sum() - 1) < 1e-12
+        assert not np.allclose(weights, 1 / M)  # redrawn at least once
+
+
 def test_gaussian_target_with_refreshment():
     y, mean, sd = _gaussian_data()
     mcmc = _run(nf.FedZigZag(gaussian_mean, sample_interval=0.1, excess_rate=20.0), y)
@@ -116,7 +135,8 @@ def test_one_client_agrees_with_many_and_same_key_gives_same_chain():
         ({"excess_rate": -0.5}, ValueError, "excess_rate must be >= 0"),
         ({"grid_size": 1}, ValueError, "grid_size must be >= 2"),
         ({"safety_factor": 0.5}, ValueError, "safety_factor must be >= 1"),
-        ({"prior": "nowhere"}, ValueError, "prior must be 'server' or 'clients'"),
+        ({"prior": "nowhere"}, ValueError, "prior must be one of"),
+        ({"prior": "redistribute", "redistribution_rate": 0.0}, ValueError, "redistribution_rate must be a finite number > 0"),
     ],
 )
 def test_bad_hyper_parameters(kwargs, error, message):

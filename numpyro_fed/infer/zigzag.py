@@ -49,26 +49,30 @@ __all__ = [
     "Proposers",
     "ZigZagState",
     "build_kernel",
-    "control_variate_shifts",
+    "control_variate_reference",
     "init",
     "proposers_from_potential",
 ]
 
 
 class Proposers(NamedTuple):
-    """The proposers' gradients, as pure functions of the flat position.
+    """The proposers' terms, as pure functions of the flat position.
 
-    :ivar grads: ``x -> (P, d)`` gradient of every proposer's term.
-    :ivar grads_and_slopes: ``(x, v) -> ((P, d), (P, d))``: gradients and their
-        derivatives along ``v`` (Hessian-vector products).
-    :ivar grad_of: ``(x, j) -> (d,)`` the gradient of proposer ``j`` alone (the winner's
-        check: only that proposer evaluates).
+    Proposer ``j``'s term is ``T_j(x) + w_j U_0(x)``: its own term (a client's potential;
+    zero for the server) plus a share ``w_j`` of the prior ``U_0`` (the weights sum to one,
+    so the proposers' terms always add up to the potential).
+
+    :ivar term_grads_and_slopes: ``(x, v) -> ((P, d), (P, d))``: gradients of the own terms
+        and their derivatives along ``v`` (Hessian-vector products).
+    :ivar term_grad_of: ``(x, j) -> (d,)``: the gradient of proposer ``j``'s own term alone
+        (the winner's check: only that proposer evaluates).
+    :ivar prior_grad_and_slope: ``(x, v) -> ((d,), (d,))`` for ``U_0``.
     :ivar int num: ``P``.
     """
 
-    grads: Callable
-    grads_and_slopes: Callable
-    grad_of: Callable
+    term_grads_and_slopes: Callable
+    term_grad_of: Callable
+    prior_grad_and_slope: Callable
     num: int
 
 
@@ -85,6 +89,7 @@ class ZigZagState(NamedTuple):
     :ivar events_by_proposer: ``(P,)`` accepted switches per proposer since the last sample.
     :ivar grad_evals_by_proposer: ``(P,)`` gradient evaluations per proposer since the last sample.
     :ivar hit_event_cap: whether the last sample stopped at ``max_proposals``.
+    :ivar prior_weights: ``(P,)`` shares of the prior, summing to one.
     """
 
     x: jax.Array
@@ -97,20 +102,26 @@ class ZigZagState(NamedTuple):
     events_by_proposer: jax.Array
     grad_evals_by_proposer: jax.Array
     hit_event_cap: jax.Array
+    prior_weights: jax.Array
 
 
-def init(x, rng_key, num_proposers: int, *, horizon: float = 1.0, v=None) -> ZigZagState:
-    """Initial state at ``x`` with a uniformly random velocity (unless ``v`` is given)."""
+def init(x, rng_key, prior_weights, *, horizon: float = 1.0, v=None) -> ZigZagState:
+    """Initial state at ``x`` with a uniformly random velocity (unless ``v`` is given).
+
+    :param prior_weights: ``(P,)`` initial shares of the prior (summing to one).
+    """
     x = jnp.asarray(x)
     key_v, rng_key = jax.random.split(rng_key)
     if v is None:
         v = jnp.where(jax.random.bernoulli(key_v, 0.5, x.shape), 1.0, -1.0).astype(x.dtype)
-    zeros = jnp.zeros(num_proposers, jnp.int32)
+    prior_weights = jnp.asarray(prior_weights, x.dtype)
+    zeros = jnp.zeros(prior_weights.shape[0], jnp.int32)
     return ZigZagState(
         x=x, v=jnp.asarray(v, x.dtype), horizon=jnp.asarray(horizon, x.dtype), rng_key=rng_key,
         num_events=jnp.zeros((), jnp.int32), num_proposals=jnp.zeros((), jnp.int32),
         num_violations=jnp.zeros((), jnp.int32), events_by_proposer=zeros,
         grad_evals_by_proposer=zeros, hit_event_cap=jnp.zeros((), bool),
+        prior_weights=prior_weights,
     )
 
 
@@ -137,8 +148,9 @@ def segment_bounds(times, rates, slopes):
 def build_kernel(
     proposers: Proposers,
     *,
-    shifts=None,
+    reference=None,
     excess_rates=None,
+    redistribution_rate: float = 0.0,
     grid_size: int = 2,
     safety_factor: float = 1.0,
     max_proposals: int = 1_000_000,
@@ -146,9 +158,14 @@ def build_kernel(
     """Builds ``kernel(state, duration) -> state`` running the process for ``duration``.
 
     :param proposers: the proposers' gradient functions.
-    :param shifts: ``(P, d)`` control-variate shifts summing to zero over proposers.
+    :param reference: ``(own_term_grads (P, d), prior_grad (d,))`` at the control variates'
+        reference point ``x*``; each proposer's rate is then shifted by
+        ``c_j = grad(T_j + w_j U_0)(x*) - grad U(x*) / P``, which sums to zero over proposers
+        for any weights (the target is unchanged). ``None``: no control variates.
     :param excess_rates: ``(P,)`` excess (refreshment) rate of each proposer, split evenly
         over coordinates.
+    :param float redistribution_rate: rate of the Poisson clock that redraws the prior's
+        shares ``w ~ Dirichlet(1, ..., 1)`` (Appendix D, Algorithm 4); 0: fixed shares.
     :param int grid_size: ``K`` grid points per horizon for the automatic bound.
     :param float safety_factor: bounds are multiplied by this (>= 1).
     :param int max_proposals: proposals allowed per call (guards against a rate that
@@ -159,17 +176,29 @@ def build_kernel(
     def kernel(state: ZigZagState, duration) -> ZigZagState:
         d = state.x.shape[0]
         dtype = state.x.dtype
-        shift = jnp.zeros((num, d), dtype) if shifts is None else jnp.asarray(shifts, dtype)
         excess = (jnp.zeros(num, dtype) if excess_rates is None else jnp.asarray(excess_rates, dtype)) / d
         fractions = jnp.linspace(0.0, 1.0, grid_size, dtype=dtype)
 
+        def shift_for(weights):
+            if reference is None:
+                return jnp.zeros((num, d), dtype)
+            term_grads, prior_grad = reference
+            total = term_grads.sum(0) + prior_grad
+            return term_grads + weights[:, None] * prior_grad - total / num
+
+        def grads_and_slopes(x, v, weights):
+            term_g, term_s = proposers.term_grads_and_slopes(x, v)
+            prior_g, prior_s = proposers.prior_grad_and_slope(x, v)
+            return term_g + weights[:, None] * prior_g, term_s + weights[:, None] * prior_s
+
         def one_proposal(carry):
             state, remaining = carry
-            key, key_time, key_coord, key_accept = jax.random.split(state.rng_key, 4)
+            key, key_time, key_coord, key_accept, key_redist, key_weights = jax.random.split(state.rng_key, 6)
+            shift = shift_for(state.prior_weights)
             horizon = jnp.minimum(state.horizon, remaining)
             times = fractions * horizon
             # (K, P, d): every proposer's gradient and slope at every grid point.
-            grads, slopes = jax.vmap(lambda t: proposers.grads_and_slopes(state.x + t * state.v, state.v))(times)
+            grads, slopes = jax.vmap(lambda t: grads_and_slopes(state.x + t * state.v, state.v, state.prior_weights))(times)
             signed = state.v * (grads - shift)
             bounds = safety_factor * segment_bounds(times, signed, state.v * slopes) + excess[:, None]
             totals = bounds.sum(-1)  # (K-1, P)
@@ -198,7 +227,8 @@ def build_kernel(
                 coordinate_bounds = bounds[seg, winner]
                 coordinate = jax.random.categorical(key_coord, jnp.log(coordinate_bounds))
                 x_new = state.x + tau_win * state.v
-                grad = proposers.grad_of(x_new, winner)
+                prior_grad = proposers.prior_grad_and_slope(x_new, state.v)[0]
+                grad = proposers.term_grad_of(x_new, winner) + state.prior_weights[winner] * prior_grad
                 rate = jnp.maximum(state.v[coordinate] * (grad[coordinate] - shift[winner, coordinate]), 0.0) + excess[winner]
                 bound = coordinate_bounds[coordinate]
                 violated = rate > bound * (1 + 1e-6) + 1e-12
@@ -217,7 +247,19 @@ def build_kernel(
                 )
                 return new, remaining - tau_win
 
-            return lax.cond(tau_win < horizon, proposal, no_event, None)
+            if redistribution_rate <= 0:
+                return lax.cond(tau_win < horizon, proposal, no_event, None)
+
+            tau_redist = jax.random.exponential(key_redist, dtype=dtype) / redistribution_rate
+
+            def redistribute(_):
+                weights = jax.random.dirichlet(key_weights, jnp.ones(num, dtype))
+                new = state._replace(x=state.x + tau_redist * state.v, prior_weights=weights, rng_key=key,
+                                     grad_evals_by_proposer=state.grad_evals_by_proposer + grid_size)
+                return new, remaining - tau_redist
+
+            branch = jnp.where(tau_redist < jnp.minimum(tau_win, horizon), 2, jnp.where(tau_win < horizon, 1, 0))
+            return lax.switch(branch, [no_event, proposal, redistribute], None)
 
         def not_done(carry):
             state, remaining = carry
@@ -240,55 +282,63 @@ def build_kernel(
 
 
 def proposers_from_potential(potential, *, prior: str = "server") -> Proposers:
-    """The proposers of a :class:`~numpyro_fed.FederatedPotential`.
+    """The proposers of a :class:`~numpyro_fed.FederatedPotential` and their initial prior
+    weights.
 
     :param str prior: ``"server"``: the prior is an extra proposer held by the server
-        (index ``M``); ``"clients"``: each client proposes from its term plus ``prior / M``.
+        (index ``M``); ``"clients"``: each client's term carries ``prior / M``;
+        ``"redistribute"``: each client's term carries a random share of the prior,
+        redrawn over time (Appendix D).
+    :return: ``(proposers, prior_weights)``.
     """
-    if prior not in ("server", "clients"):
-        raise ValueError(f"prior must be 'server' or 'clients', got {prior!r}")
+    if prior not in _PRIOR_MODES:
+        raise ValueError(f"prior must be one of {_PRIOR_MODES}, got {prior!r}")
     data = potential.client_data
     num_clients = potential.num_clients
-    share = 0.0 if prior == "server" else 1.0 / num_clients
+    on_server = prior == "server"
 
     def prior_term(flat):
         return potential.prior_potential_fn(potential.unravel(flat))
 
     def client_term(flat, block):
-        return potential.client_potential_fn(potential.unravel(flat), block) + share * prior_term(flat)
+        return potential.client_potential_fn(potential.unravel(flat), block)
 
     client_grad, prior_grad = jax.grad(client_term), jax.grad(prior_term)
 
-    def grads_and_slopes(x, v):
+    def term_grads_and_slopes(x, v):
         def one(block):
             return jax.jvp(lambda f: client_grad(f, block), (x,), (v,))
 
         grads, slopes = jax.vmap(one)(data)
-        if prior == "server":
-            prior_g, prior_s = jax.jvp(prior_grad, (x,), (v,))
-            grads = jnp.concatenate([grads, prior_g[None]])
-            slopes = jnp.concatenate([slopes, prior_s[None]])
+        if on_server:  # the server's own term is zero: it proposes from the prior alone
+            grads = jnp.concatenate([grads, jnp.zeros_like(grads[:1])])
+            slopes = jnp.concatenate([slopes, jnp.zeros_like(slopes[:1])])
         return grads, slopes
 
-    def grads(x):
-        g = jax.vmap(client_grad, in_axes=(None, 0))(x, data)
-        return jnp.concatenate([g, prior_grad(x)[None]]) if prior == "server" else g
-
-    def grad_of(x, j):
-        block = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, jnp.minimum(j, num_clients - 1), keepdims=False), data)
-        if prior == "clients":
+    def term_grad_of(x, j):
+        block = jax.tree.map(
+            lambda a: lax.dynamic_index_in_dim(a, jnp.minimum(j, num_clients - 1), keepdims=False), data
+        )
+        if not on_server:
             return client_grad(x, block)
-        return lax.cond(j == num_clients, lambda: prior_grad(x), lambda: client_grad(x, block))
+        return lax.cond(j == num_clients, lambda: jnp.zeros_like(x), lambda: client_grad(x, block))
 
-    return Proposers(grads, grads_and_slopes, grad_of, num_clients + (prior == "server"))
+    def prior_grad_and_slope(x, v):
+        return jax.jvp(prior_grad, (x,), (v,))
+
+    num = num_clients + on_server
+    weights = jnp.zeros(num).at[-1].set(1.0) if on_server else jnp.full(num, 1.0 / num)
+    return Proposers(term_grads_and_slopes, term_grad_of, prior_grad_and_slope, num), weights
 
 
-def control_variate_shifts(proposers: Proposers, reference):
-    """Shifts ``c_j = grad U_j(x*) - grad U(x*) / P``: they sum to zero over proposers, so
-    the target is unchanged, and near ``x*`` each proposer's rate loses the client-to-client
+def control_variate_reference(proposers: Proposers, reference):
+    """``(own term gradients (P, d), prior gradient (d,))`` at the reference point ``x*``:
+    what :func:`build_kernel` needs to shift every proposer's rate by
+    ``c_j = grad(T_j + w_j U_0)(x*) - grad U(x*) / P``. The shifts sum to zero, so the
+    target is unchanged, and near ``x*`` each proposer's rate loses the client-to-client
     scatter of the gradients (the O(sqrt(NM)) excess of Section 4.1)."""
-    grads = proposers.grads(reference)
-    return grads - grads.sum(0) / proposers.num
+    zeros = jnp.zeros_like(reference)
+    return proposers.term_grads_and_slopes(reference, zeros)[0], proposers.prior_grad_and_slope(reference, zeros)[0]
 
 
 class FedZigZagState(NamedTuple):
@@ -314,8 +364,12 @@ class FedZigZag(MCMCKernel):
     :param control_variates: ``True`` re-splits the clients' terms around a reference
         point (the MAP, found at initialisation from the aggregated gradient) so that the
         sum is unchanged but spurious switches vanish; ``None`` (default): on when M > 1.
-    :param str prior: ``"server"`` (the prior proposes on its own) or ``"clients"``
-        (shared evenly among the clients' terms), the two options of Remark 3.2.
+    :param str prior: ``"server"`` (the prior proposes on its own), ``"clients"``
+        (shared evenly among the clients' terms), the two options of Remark 3.2, or
+        ``"redistribute"`` (Appendix D, Algorithm 4: random shares of the prior, redrawn at
+        ``redistribution_rate``).
+    :param float redistribution_rate: rate of the prior's redistribution (> 0 with
+        ``prior="redistribute"``; the paper uses 0.1).
     :param float excess_rate: refreshment rate ``rho`` added to every proposer (>= 0).
     :param int grid_size: grid points of the automatic bound (>= 2).
     :param float safety_factor: multiplies the automatic bounds (>= 1).
@@ -361,6 +415,7 @@ class FedZigZag(MCMCKernel):
         sample_interval: float = 1.0,
         control_variates: bool | None = None,
         prior: str = "server",
+        redistribution_rate: float = 0.1,
         excess_rate: float = 0.0,
         grid_size: int = 2,
         safety_factor: float = 1.0,
@@ -383,9 +438,10 @@ class FedZigZag(MCMCKernel):
             raise ValueError(f"safety_factor must be >= 1, got {safety_factor}")
         self.initial_horizon = check_positive(initial_horizon, "initial_horizon")
         self.max_proposals = check_int(max_proposals, "max_proposals", minimum=1)
-        if prior not in ("server", "clients"):
-            raise ValueError(f"prior must be 'server' or 'clients', got {prior!r}")
+        if prior not in _PRIOR_MODES:
+            raise ValueError(f"prior must be one of {_PRIOR_MODES}, got {prior!r}")
         self.prior = prior
+        self.redistribution_rate = check_positive(redistribution_rate, "redistribution_rate") if prior == "redistribute" else 0.0
         self.control_variates = control_variates
         self.privacy = self._privacy_guarantee(dp_sensitivity, dp_epsilon, dp_delta)
         self.partition = partition
@@ -469,22 +525,23 @@ class FedZigZag(MCMCKernel):
             init_strategy=self.init_strategy, rng_key=key_init,
         )
         self.federated_potential = potential
-        proposers = proposers_from_potential(potential, prior=self.prior)
+        proposers, prior_weights = proposers_from_potential(potential, prior=self.prior)
         use_cv = potential.num_clients > 1 if self.control_variates is None else bool(self.control_variates)
         start = potential.ravel(potential.init_params)
-        shifts = None
+        reference = None
         if use_cv:
             self.reference_point = _minimise(lambda x: potential.potential(potential.unravel(x)), start)
-            shifts = control_variate_shifts(proposers, self.reference_point)
+            reference = control_variate_reference(proposers, self.reference_point)
             start = self.reference_point
         if init_params is not None:
             start = potential.ravel(init_params)
         self._kernel = jax.jit(build_kernel(
-            proposers, shifts=shifts, excess_rates=jnp.full(proposers.num, self.excess_rate),
+            proposers, reference=reference, excess_rates=jnp.full(proposers.num, self.excess_rate),
+            redistribution_rate=self.redistribution_rate,
             grid_size=self.grid_size, safety_factor=self.safety_factor, max_proposals=self.max_proposals,
         ))
         self._unravel = potential.unravel
-        core = init(start, key_state, proposers.num, horizon=self.initial_horizon)
+        core = init(start, key_state, prior_weights, horizon=self.initial_horizon)
         return FedZigZagState(jnp.zeros((), jnp.int32), potential.unravel(core.x), core)
 
     def sample(self, state, model_args, model_kwargs):
@@ -496,6 +553,8 @@ class FedZigZag(MCMCKernel):
             raise RuntimeError("FedZigZag.postprocess_fn needs init() to have run")
         return self.federated_potential.postprocess_fn
 
+
+_PRIOR_MODES = ("server", "clients", "redistribute")
 
 _DIAGNOSTICS = (
     "num_events",
