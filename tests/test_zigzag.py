@@ -193,3 +193,26 @@ def test_privacy_calibration_reported_per_message():
 def test_bad_privacy_requests(kwargs, message):
     with pytest.raises(ValueError, match=message):
         nf.FedZigZag(gaussian_mean, **kwargs)
+
+
+def test_client_local_latents_agree_with_nuts():
+    from models import hierarchical
+
+    # Random effects identified by the data (200 rows, separated groups), so that the
+    # posterior has no funnel and NUTS is a trustworthy reference (checked: no divergences).
+    rng = np.random.default_rng(5)
+    owner = rng.choice(4, size=200, p=[0.1, 0.2, 0.3, 0.4])
+    X = rng.normal(size=(200, 3))
+    y = X @ np.array([0.5, -0.5, 0.0]) + np.array([-1.0, -0.3, 0.4, 1.2])[owner] + 0.5 * rng.normal(size=200)
+    args = (jnp.asarray(X), jnp.asarray(owner), jnp.asarray(y))
+    nuts = MCMC(NUTS(hierarchical), num_warmup=1000, num_samples=4000, progress_bar=False)
+    nuts.run(jax.random.PRNGKey(0), *args, clients=owner, extra_fields=("diverging",))
+    assert int(nuts.get_extra_fields()["diverging"].sum()) == 0
+    zigzag = _run(nf.FedZigZag(hierarchical, sample_interval=0.3), *args, clients=owner, num_samples=4000)
+    for site in ("mu", "tau", "u", "sigma_c", "w"):
+        reference = np.asarray(nuts.get_samples()[site]).reshape(4000, -1)
+        draws = np.asarray(zigzag.get_samples()[site]).reshape(4000, -1)
+        ess = np.minimum(effective_sample_size(draws[None]), effective_sample_size(reference[None]))
+        scale = reference.std(0)
+        assert np.all(marginal_w1(draws, reference) < 5 * scale / np.sqrt(ess)), site
+    assert int(zigzag.get_extra_fields()["core.num_violations"].sum()) < 10
