@@ -193,7 +193,9 @@ def build_kernel(
 
         def one_proposal(carry):
             state, remaining = carry
-            key, key_time, key_coord, key_accept, key_redist, key_weights = jax.random.split(state.rng_key, 6)
+            # One split and one batch of uniforms per step: threefry dominates small steps on CPU.
+            key, key_step = jax.random.split(state.rng_key)
+            uniforms = jax.random.uniform(key_step, (num + 3,), dtype, minval=jnp.finfo(dtype).tiny)
             shift = shift_for(state.prior_weights)
             horizon = jnp.minimum(state.horizon, remaining)
             times = fractions * horizon
@@ -204,7 +206,7 @@ def build_kernel(
             totals = bounds.sum(-1)  # (K-1, P)
             width = horizon / (grid_size - 1)
             # Inversion of each proposer's piecewise-constant bound.
-            exponentials = jax.random.exponential(key_time, (num,), dtype)
+            exponentials = -jnp.log(uniforms[:num])
             cumulative = jnp.cumsum(totals * width, axis=0)  # (K-1, P)
             segment = jnp.sum(cumulative < exponentials[None, :], axis=0)  # first crossing, K-1 if none
             has_event = segment < grid_size - 1
@@ -225,14 +227,17 @@ def build_kernel(
             def proposal(_):
                 seg = segment_c[winner]
                 coordinate_bounds = bounds[seg, winner]
-                coordinate = jax.random.categorical(key_coord, jnp.log(coordinate_bounds))
+                cumulative_bounds = jnp.cumsum(coordinate_bounds)
+                coordinate = jnp.minimum(
+                    jnp.sum(cumulative_bounds < uniforms[num] * cumulative_bounds[-1]), d - 1
+                )
                 x_new = state.x + tau_win * state.v
                 prior_grad = proposers.prior_grad_and_slope(x_new, state.v)[0]
                 grad = proposers.term_grad_of(x_new, winner) + state.prior_weights[winner] * prior_grad
                 rate = jnp.maximum(state.v[coordinate] * (grad[coordinate] - shift[winner, coordinate]), 0.0) + excess[winner]
                 bound = coordinate_bounds[coordinate]
                 violated = rate > bound * (1 + 1e-6) + 1e-12
-                accept = jax.random.uniform(key_accept, dtype=dtype) * bound < rate
+                accept = uniforms[num + 1] * bound < rate
                 v_new = jnp.where(accept, state.v.at[coordinate].multiply(-1.0), state.v)
                 horizon_new = jnp.where(violated, state.horizon / 2, jnp.where(accept, state.horizon, state.horizon / 1.04))
                 evals = state.grad_evals_by_proposer + grid_size
@@ -250,10 +255,10 @@ def build_kernel(
             if redistribution_rate <= 0:
                 return lax.cond(tau_win < horizon, proposal, no_event, None)
 
-            tau_redist = jax.random.exponential(key_redist, dtype=dtype) / redistribution_rate
+            tau_redist = -jnp.log(uniforms[num + 2]) / redistribution_rate
 
             def redistribute(_):
-                weights = jax.random.dirichlet(key_weights, jnp.ones(num, dtype))
+                weights = jax.random.dirichlet(jax.random.fold_in(key_step, 1), jnp.ones(num, dtype))
                 new = state._replace(x=state.x + tau_redist * state.v, prior_weights=weights, rng_key=key,
                                      grad_evals_by_proposer=state.grad_evals_by_proposer + grid_size)
                 return new, remaining - tau_redist
