@@ -216,3 +216,33 @@ def test_client_local_latents_agree_with_nuts():
         scale = reference.std(0)
         assert np.all(marginal_w1(draws, reference) < 5 * scale / np.sqrt(ess)), site
     assert int(zigzag.get_extra_fields()["core.num_violations"].sum()) < 10
+
+
+def test_exact_trajectory_moments_and_skeleton():
+    y, mean, sd = _gaussian_data()
+    kernel = nf.FedZigZag(gaussian_mean, sample_interval=0.1, skeleton_size=64, full_covariance=True)
+    mcmc = _run(kernel, y)
+    moments = kernel.trajectory_moments(mcmc)
+    draws = np.asarray(mcmc.get_samples()["mu"])
+    ess = effective_sample_size(draws[None])
+    # the path average is at least as accurate as the draws' average
+    assert np.all(np.abs(moments["mean"] - mean) < 4.5 * sd / np.sqrt(ess))
+    np.testing.assert_allclose(np.sqrt(np.diag(moments["cov"])) / sd, 1, atol=4.5 / np.sqrt(2 * ess.min()))
+    offdiag = moments["cov"][np.triu_indices(D, 1)] / sd**2
+    assert np.all(np.abs(offdiag) < 4.5 / np.sqrt(ess.min()))
+
+    times, xs, vs = kernel.skeleton(mcmc)
+    assert len(times) == int(mcmc.get_extra_fields()["core.num_events"].sum())
+    assert np.all(np.diff(times) > 0)
+    # between two switches the path is straight: x_{k+1} = x_k + (t_{k+1} - t_k) v_k
+    np.testing.assert_allclose(xs[1:], xs[:-1] + np.diff(times)[:, None] * vs[:-1], atol=1e-9)
+    # and each switch flips exactly one coordinate of the velocity
+    assert np.all((vs[1:] != vs[:-1]).sum(1) == 1)
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from numpyro_fed.plots import plot_zigzag_trajectory
+
+    ax = plot_zigzag_trajectory(times[:200], xs[:200], coords=(0, 1))
+    assert len(ax.get_lines()[0].get_xydata()) == 200

@@ -27,6 +27,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import NamedTuple
+import warnings
+
+import numpy as np
 
 import jax
 import jax.numpy as jnp
@@ -90,6 +93,15 @@ class ZigZagState(NamedTuple):
     :ivar grad_evals_by_proposer: ``(P,)`` gradient evaluations per proposer since the last sample.
     :ivar hit_event_cap: whether the last sample stopped at ``max_proposals``.
     :ivar prior_weights: ``(P,)`` shares of the prior, summing to one.
+    :ivar elapsed: process time since the start of the last call.
+    :ivar path_integral: ``(d,)`` integral of the piecewise-linear path ``x(t)`` over the
+        last call (exact: the path is linear between events).
+    :ivar path_square_integral: integral of ``x(t) x(t)^T``: ``(d,)`` (its diagonal) or
+        ``(d, d)`` with ``full_covariance``.
+    :ivar skeleton_times: ``(S,)`` times (since the start of the last call) of the first
+        ``S`` switches of the last call; ``skeleton_x``/``skeleton_v`` ``(S, d)`` the
+        positions and new velocities there; ``skeleton_count`` how many switches there were
+        (more than ``S`` means the buffer overflowed).
     """
 
     x: jax.Array
@@ -103,12 +115,22 @@ class ZigZagState(NamedTuple):
     grad_evals_by_proposer: jax.Array
     hit_event_cap: jax.Array
     prior_weights: jax.Array
+    elapsed: jax.Array
+    path_integral: jax.Array
+    path_square_integral: jax.Array
+    skeleton_times: jax.Array
+    skeleton_x: jax.Array
+    skeleton_v: jax.Array
+    skeleton_count: jax.Array
 
 
-def init(x, rng_key, prior_weights, *, horizon: float = 1.0, v=None) -> ZigZagState:
+def init(x, rng_key, prior_weights, *, horizon: float = 1.0, v=None, skeleton_size: int = 0,
+         full_covariance: bool = False) -> ZigZagState:
     """Initial state at ``x`` with a uniformly random velocity (unless ``v`` is given).
 
     :param prior_weights: ``(P,)`` initial shares of the prior (summing to one).
+    :param int skeleton_size: switches recorded per call (0: none).
+    :param bool full_covariance: integrate ``x x^T`` in full (else its diagonal).
     """
     x = jnp.asarray(x)
     key_v, rng_key = jax.random.split(rng_key)
@@ -122,6 +144,29 @@ def init(x, rng_key, prior_weights, *, horizon: float = 1.0, v=None) -> ZigZagSt
         num_violations=jnp.zeros((), jnp.int32), events_by_proposer=zeros,
         grad_evals_by_proposer=zeros, hit_event_cap=jnp.zeros((), bool),
         prior_weights=prior_weights,
+        elapsed=jnp.zeros((), x.dtype),
+        path_integral=jnp.zeros_like(x),
+        path_square_integral=jnp.zeros((x.shape[0],) * (2 if full_covariance else 1), x.dtype),
+        skeleton_times=jnp.zeros(skeleton_size, x.dtype),
+        skeleton_x=jnp.zeros((skeleton_size, x.shape[0]), x.dtype),
+        skeleton_v=jnp.zeros((skeleton_size, x.shape[0]), x.dtype),
+        skeleton_count=jnp.zeros((), jnp.int32),
+    )
+
+
+def _move(state: ZigZagState, tau) -> ZigZagState:
+    """Advances ``x`` by ``tau v`` and integrates the straight segment exactly:
+    int x = tau (a + b) / 2 and int x x^T = tau (a a^T + b b^T) / 3 + tau (a b^T + b a^T) / 6."""
+    a, b = state.x, state.x + tau * state.v
+    if state.path_square_integral.ndim == 2:
+        square = tau * ((jnp.outer(a, a) + jnp.outer(b, b)) / 3 + (jnp.outer(a, b) + jnp.outer(b, a)) / 6)
+    else:
+        square = tau * (a * a + b * b + a * b) / 3
+    return state._replace(
+        x=b,
+        elapsed=state.elapsed + tau,
+        path_integral=state.path_integral + tau * (a + b) / 2,
+        path_square_integral=state.path_square_integral + square,
     )
 
 
@@ -220,7 +265,7 @@ def build_kernel(
 
             def no_event(_):
                 grown = jnp.where(horizon >= state.horizon, state.horizon * 1.01, state.horizon)
-                new = state._replace(x=state.x + horizon * state.v, horizon=grown, rng_key=key,
+                new = _move(state, horizon)._replace(horizon=grown, rng_key=key,
                                      grad_evals_by_proposer=state.grad_evals_by_proposer + grid_size)
                 return new, remaining - horizon
 
@@ -231,7 +276,8 @@ def build_kernel(
                 coordinate = jnp.minimum(
                     jnp.sum(cumulative_bounds < uniforms[num] * cumulative_bounds[-1]), d - 1
                 )
-                x_new = state.x + tau_win * state.v
+                moved = _move(state, tau_win)
+                x_new = moved.x
                 prior_grad = proposers.prior_grad_and_slope(x_new, state.v)[0]
                 grad = proposers.term_grad_of(x_new, winner) + state.prior_weights[winner] * prior_grad
                 rate = jnp.maximum(state.v[coordinate] * (grad[coordinate] - shift[winner, coordinate]), 0.0) + excess[winner]
@@ -242,8 +288,16 @@ def build_kernel(
                 horizon_new = jnp.where(violated, state.horizon / 2, jnp.where(accept, state.horizon, state.horizon / 1.04))
                 evals = state.grad_evals_by_proposer + grid_size
                 evals = evals.at[winner].add(1)
-                new = state._replace(
-                    x=x_new, v=v_new, horizon=horizon_new, rng_key=key,
+                if moved.skeleton_times.shape[0]:  # record the switch (beyond capacity: dropped)
+                    slot = jnp.where(accept, moved.skeleton_count, moved.skeleton_times.shape[0])
+                    moved = moved._replace(
+                        skeleton_times=moved.skeleton_times.at[slot].set(moved.elapsed, mode="drop"),
+                        skeleton_x=moved.skeleton_x.at[slot].set(x_new, mode="drop"),
+                        skeleton_v=moved.skeleton_v.at[slot].set(v_new, mode="drop"),
+                    )
+                new = moved._replace(
+                    v=v_new, horizon=horizon_new, rng_key=key,
+                    skeleton_count=moved.skeleton_count + accept,
                     num_events=state.num_events + accept,
                     num_proposals=state.num_proposals + 1,
                     num_violations=state.num_violations + violated,
@@ -259,7 +313,7 @@ def build_kernel(
 
             def redistribute(_):
                 weights = jax.random.dirichlet(jax.random.fold_in(key_step, 1), jnp.ones(num, dtype))
-                new = state._replace(x=state.x + tau_redist * state.v, prior_weights=weights, rng_key=key,
+                new = _move(state, tau_redist)._replace(prior_weights=weights, rng_key=key,
                                      grad_evals_by_proposer=state.grad_evals_by_proposer + grid_size)
                 return new, remaining - tau_redist
 
@@ -271,6 +325,10 @@ def build_kernel(
             return (remaining > 0) & (state.num_proposals < max_proposals)
 
         fresh = state._replace(
+            elapsed=jnp.zeros_like(state.elapsed),
+            path_integral=jnp.zeros_like(state.path_integral),
+            path_square_integral=jnp.zeros_like(state.path_square_integral),
+            skeleton_count=jnp.zeros_like(state.skeleton_count),
             num_events=jnp.zeros_like(state.num_events),
             num_proposals=jnp.zeros_like(state.num_proposals),
             num_violations=jnp.zeros_like(state.num_violations),
@@ -386,6 +444,10 @@ class FedZigZag(MCMCKernel):
     :param float dp_epsilon: target epsilon *per switching time*; with ``dp_sensitivity``
         and ``dp_delta``, ``excess_rate`` is chosen by (7) unless given.
     :param float dp_delta: delta per switching time, in (0, 1).
+    :param int skeleton_size: switches recorded per sample for plots (0: none); read them
+        with :meth:`skeleton`.
+    :param bool full_covariance: integrate the full ``x x^T`` along the path (else only its
+        diagonal) for :meth:`trajectory_moments`.
     :param dict partition: as for :func:`~numpyro_fed.split_potential`.
     :param init_strategy: NumPyro init strategy (used when control variates are off).
 
@@ -431,8 +493,12 @@ class FedZigZag(MCMCKernel):
         dp_sensitivity: float | None = None,
         dp_epsilon: float | None = None,
         dp_delta: float | None = None,
+        skeleton_size: int = 0,
+        full_covariance: bool = False,
     ):
         self._model = model
+        self.skeleton_size = check_int(skeleton_size, "skeleton_size", minimum=0)
+        self.full_covariance = bool(full_covariance)
         self.sample_interval = check_positive(sample_interval, "sample_interval")
         if excess_rate is None or check_real(excess_rate, "excess_rate") < 0:
             raise ValueError(f"excess_rate must be >= 0, got {excess_rate}")
@@ -494,7 +560,45 @@ class FedZigZag(MCMCKernel):
 
     @property
     def default_fields(self):
-        return ("z",) + tuple("core." + name for name in _DIAGNOSTICS)
+        fields = _DIAGNOSTICS + ("elapsed", "path_integral", "path_square_integral")
+        if self.skeleton_size:
+            fields += ("skeleton_times", "skeleton_x", "skeleton_v", "skeleton_count")
+        return ("z",) + tuple("core." + name for name in fields)
+
+    def trajectory_moments(self, mcmc):
+        """Mean and covariance (or variance) of the whole sampled path, computed exactly
+        from the piecewise-linear trajectory rather than from the draws; on the flat
+        unconstrained space (see :meth:`FederatedPotential.unravel`).
+
+        :return: ``{"mean": (d,), "cov": (d, d)}`` with ``full_covariance``, else
+            ``{"mean": (d,), "var": (d,)}``.
+        """
+        fields = mcmc.get_extra_fields()
+        duration = float(jnp.sum(fields["core.elapsed"]))
+        mean = jnp.sum(fields["core.path_integral"], 0) / duration
+        second = jnp.sum(fields["core.path_square_integral"], 0) / duration
+        if second.ndim == 2:
+            return {"mean": mean, "cov": second - jnp.outer(mean, mean)}
+        return {"mean": mean, "var": second - mean**2}
+
+    def skeleton(self, mcmc):
+        """The recorded switches of the sampling phase: ``(times, positions, velocities)``
+        with times counted from the first sample's start, positions flat unconstrained.
+        The path is the straight line between consecutive points."""
+        if not self.skeleton_size:
+            raise ValueError("no skeleton was recorded: pass skeleton_size > 0 to FedZigZag")
+        fields = jax.device_get(mcmc.get_extra_fields())
+        counts = np.asarray(fields["core.skeleton_count"])
+        if (counts > self.skeleton_size).any():
+            warnings.warn(
+                f"{int((counts > self.skeleton_size).sum())} samples had more than "
+                f"skeleton_size={self.skeleton_size} switches; the skeleton misses some of them",
+                stacklevel=2,
+            )
+        offsets = np.concatenate([[0.0], np.cumsum(fields["core.elapsed"])[:-1]])
+        kept = np.arange(self.skeleton_size)[None, :] < np.minimum(counts, self.skeleton_size)[:, None]
+        times = (fields["core.skeleton_times"] + offsets[:, None])[kept]
+        return times, fields["core.skeleton_x"][kept], fields["core.skeleton_v"][kept]
 
     def sample_stats(self, extra_fields):
         """Diagnostics by name from ``MCMC.get_extra_fields(group_by_chain=True)``:
@@ -546,7 +650,8 @@ class FedZigZag(MCMCKernel):
             grid_size=self.grid_size, safety_factor=self.safety_factor, max_proposals=self.max_proposals,
         ))
         self._unravel = potential.unravel
-        core = init(start, key_state, prior_weights, horizon=self.initial_horizon)
+        core = init(start, key_state, prior_weights, horizon=self.initial_horizon,
+                    skeleton_size=self.skeleton_size, full_covariance=self.full_covariance)
         return FedZigZagState(jnp.zeros((), jnp.int32), potential.unravel(core.x), core)
 
     def sample(self, state, model_args, model_kwargs):
