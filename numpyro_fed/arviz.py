@@ -107,6 +107,8 @@ def _register_numpyro_mcmc():
     @register_converter(MCMC)
     def _from_mcmc(mcmc, *, potential=None, observed_data=False, log_likelihood=False, **kwargs):
         sampler = mcmc.sampler
+        if hasattr(sampler, "check_run"):
+            sampler.check_run(mcmc)
         idata = az.from_numpyro(mcmc, log_likelihood=log_likelihood, **kwargs)
         idata = _drop_client_data(idata, observed_data=observed_data, log_likelihood=log_likelihood)
         if hasattr(sampler, "sample_stats"):

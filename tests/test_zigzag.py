@@ -246,3 +246,34 @@ def test_exact_trajectory_moments_and_skeleton():
 
     ax = plot_zigzag_trajectory(times[:200], xs[:200], coords=(0, 1))
     assert len(ax.get_lines()[0].get_xydata()) == 200
+
+
+class _RecordedRun:
+    """Stands in for an MCMC run with given diagnostics (to test the reporting alone)."""
+
+    def __init__(self, violations, proposals, capped):
+        self.fields = {
+            "core.num_violations": jnp.array(violations),
+            "core.num_proposals": jnp.array(proposals),
+            "core.hit_event_cap": jnp.array(capped),
+        }
+
+    def get_extra_fields(self):
+        return self.fields
+
+
+def test_bound_violations_and_event_cap_are_reported():
+    kernel = nf.FedZigZag(gaussian_mean, max_proposals=10)
+    assert kernel.check_run(_RecordedRun([0, 0], [5, 7], [False, False])) == (0, 12, 0)
+    with pytest.warns(RuntimeWarning, match="3 of 12 proposals had an exact rate above its automatic bound"):
+        kernel.check_run(_RecordedRun([1, 2], [5, 7], [False, False]))
+    with pytest.raises(RuntimeError, match=r"1 samples stopped at max_proposals=10"):
+        kernel.check_run(_RecordedRun([0, 0], [10, 7], [True, False]), strict=True)
+
+
+def test_event_cap_is_hit_and_reported_in_a_real_run():
+    y, _, _ = _gaussian_data()
+    kernel = nf.FedZigZag(gaussian_mean, sample_interval=1.0, max_proposals=5)
+    mcmc = _run(kernel, y, num_samples=20)
+    with pytest.warns(RuntimeWarning, match="stopped at max_proposals=5"):
+        nf.to_inference_data(mcmc)

@@ -565,6 +565,37 @@ class FedZigZag(MCMCKernel):
             fields += ("skeleton_times", "skeleton_x", "skeleton_v", "skeleton_count")
         return ("z",) + tuple("core." + name for name in fields)
 
+    def check_run(self, mcmc, *, strict: bool = False):
+        """Says what went wrong in a run, if anything: proposals whose exact rate exceeded its
+        automatic bound (each one biases the chain slightly) and samples cut short by
+        ``max_proposals``. Warns, or raises ``RuntimeError`` when ``strict``.
+        :func:`~numpyro_fed.to_inference_data` calls it.
+
+        :return: ``(num_violations, num_proposals, num_capped_samples)``.
+        """
+        fields = mcmc.get_extra_fields()
+        violations = int(jnp.sum(fields["core.num_violations"]))
+        proposals = int(jnp.sum(fields["core.num_proposals"]))
+        capped = int(jnp.sum(fields["core.hit_event_cap"]))
+        problems = []
+        if violations:
+            problems.append(
+                f"{violations} of {proposals} proposals had an exact rate above its automatic "
+                "bound (the chain is then slightly biased): raise safety_factor or grid_size"
+            )
+        if capped:
+            problems.append(
+                f"{capped} samples stopped at max_proposals={self.max_proposals} before "
+                f"sample_interval={self.sample_interval}: the rate is exploding or the "
+                "interval is too long for the cap"
+            )
+        if problems:
+            message = "FedZigZag: " + "; ".join(problems)
+            if strict:
+                raise RuntimeError(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+        return violations, proposals, capped
+
     def trajectory_moments(self, mcmc):
         """Mean and covariance (or variance) of the whole sampled path, computed exactly
         from the piecewise-linear trajectory rather than from the draws; on the flat
