@@ -83,6 +83,29 @@ def test_gaussian_target_with_prior_redistribution():
         assert not np.allclose(weights, 1 / M)  # redrawn at least once
 
 
+@pytest.mark.parametrize("excess_rate", [0.0, 20.0])
+def test_affine_bounds_are_exact_on_the_gaussian_target(excess_rate):
+    y, mean, sd = _gaussian_data()
+    kernel = nf.FedZigZag(gaussian_mean, sample_interval=0.1, bounds="affine", excess_rate=excess_rate)
+    mcmc = _run(kernel, y)
+    _assert_gaussian_moments(mcmc.get_samples()["mu"], mean, sd)
+    fields = mcmc.get_extra_fields()
+    # exact inversion: every proposal is a switch, and no bound is ever exceeded
+    np.testing.assert_array_equal(fields["core.num_events"], fields["core.num_proposals"])
+    assert int(fields["core.num_violations"].sum()) == 0
+
+
+def test_affine_bounds_on_a_non_gaussian_target_report_their_violations():
+    key_x, key_y = jax.random.split(jax.random.PRNGKey(2))
+    X = jax.random.normal(key_x, (200, 3))
+    y = jax.random.bernoulli(key_y, jax.nn.sigmoid(X @ jnp.array([1.0, -1.0, 0.5]))) * 1.0
+    mcmc = _run(nf.FedZigZag(logistic, sample_interval=0.2, bounds="affine"), X, y, num_samples=500)
+    violations = int(mcmc.get_extra_fields()["core.num_violations"].sum())
+    assert violations > 0  # the logistic rate is not affine along lines: it is checked
+    with pytest.warns(RuntimeWarning, match=f"{violations} of"):
+        nf.to_inference_data(mcmc)
+
+
 def test_gaussian_target_with_refreshment():
     y, mean, sd = _gaussian_data()
     mcmc = _run(nf.FedZigZag(gaussian_mean, sample_interval=0.1, excess_rate=20.0), y)
@@ -134,6 +157,7 @@ def test_one_client_agrees_with_many_and_same_key_gives_same_chain():
         ({"sample_interval": -1.0}, ValueError, "sample_interval must be a finite number > 0"),
         ({"excess_rate": -0.5}, ValueError, "excess_rate must be >= 0"),
         ({"grid_size": 1}, ValueError, "grid_size must be >= 2"),
+        ({"bounds": "magic"}, ValueError, "bounds must be 'grid' or 'affine'"),
         ({"safety_factor": 0.5}, ValueError, "safety_factor must be >= 1"),
         ({"prior": "nowhere"}, ValueError, "prior must be one of"),
         ({"prior": "redistribute", "redistribution_rate": 0.0}, ValueError, "redistribution_rate must be a finite number > 0"),
