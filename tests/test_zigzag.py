@@ -236,9 +236,13 @@ def test_client_local_latents_agree_with_nuts():
     for site in ("mu", "tau", "u", "sigma_c", "w"):
         reference = np.asarray(nuts.get_samples()[site]).reshape(4000, -1)
         draws = np.asarray(zigzag.get_samples()[site]).reshape(4000, -1)
-        ess = np.minimum(effective_sample_size(draws[None]), effective_sample_size(reference[None]))
+        # Monte Carlo error of a W1 between two independent samples: both samples' errors add;
+        # NUTS's ESS can exceed its draw count (anticorrelation), the empirical law's noise cannot.
+        ess_zigzag = effective_sample_size(draws[None])
+        ess_nuts = np.minimum(effective_sample_size(reference[None]), len(reference))
         scale = reference.std(0)
-        assert np.all(marginal_w1(draws, reference) < 5 * scale / np.sqrt(ess)), site
+        tolerance = 5 * scale * np.sqrt(1 / ess_zigzag + 1 / ess_nuts)
+        assert np.all(marginal_w1(draws, reference) < tolerance), site
     assert int(zigzag.get_extra_fields()["core.num_violations"].sum()) < 10
 
 
