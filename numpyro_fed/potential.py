@@ -121,10 +121,6 @@ class _unconstrain(substitute):
         super().__init__(fn, substitute_fn=partial(_unconstrain_reparam, params))
 
 
-def _take_rows(value, index, axis):
-    return jnp.take(value, index, axis=axis)
-
-
 class FederatedPotential:
     """A model's potential energy split into a prior term and one term per client.
 
@@ -318,7 +314,7 @@ def split_potential(
         z = dict(z)
         for site in latent_sites.values():
             if site.plate in index_of_plate:
-                z[site.name] = _take_rows(z[site.name], index_of_plate[site.plate], site.unconstrained_axis)
+                z[site.name] = jnp.take(z[site.name], index_of_plate[site.plate], axis=site.unconstrained_axis)
         return z
 
     def client_potential_fn(z, block):
@@ -379,7 +375,7 @@ def split_potential(
         for name, site in tr.items():
             if name in latent_sites and latent_sites[name].plate not in client_rows:
                 values[name] = site["value"]
-            elif site["type"] == "deterministic" and not _deterministic_in_plates(site, plates):
+            elif site["type"] == "deterministic" and not _in_plates(site, plates):
                 values[name] = site["value"]
         return values
 
@@ -460,11 +456,8 @@ def _discovery_trace(model, model_args, model_kwargs, rng_key, init_strategy):
 
 
 def _in_plates(site, plates) -> bool:
+    """Whether a sample or deterministic site lies inside one of ``plates``."""
     return any(f.name in plates for f in site["cond_indep_stack"])
-
-
-def _deterministic_in_plates(site, plates) -> bool:
-    return any(f.name in plates for f in site.get("cond_indep_stack", ()))
 
 
 def _is_factor(site) -> bool:
