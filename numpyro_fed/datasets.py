@@ -8,7 +8,7 @@ Synthetic generators follow the experiment sections of
 * Bierkens, Duncan et al. (2022), *Federated Bayesian computation via
   piecewise deterministic Markov chain Monte Carlo* (Fed-PDMC):
   :func:`fed_pdmc_gaussian` (Sec. 6.1), :func:`fed_pdmc_logistic` (Sec. 6.2),
-  :func:`student_t_ar1` (Sec. 6.3);
+  :func:`student_t_ar1` (Sec. 6.3), :func:`fed_pdmc_lgcp` (App. E.1);
 * Tzikas et al. (2024), *Distributed MCMC sampling via ADMM* (D-ADMMS):
   :func:`dadmms_linear` (Sec. 6.2), :func:`dadmms_logistic` (Sec. 6.3);
 * Kassab & Simeone, *Federated generalized Bayesian learning via distributed
@@ -37,6 +37,7 @@ __all__ = [
     "Dataset",
     "GaussianMeanProblem",
     "GaussianMixture1D",
+    "LGCPProblem",
     "LinearGaussianProblem",
     "LogisticProblem",
     "MixtureToy1D",
@@ -44,6 +45,7 @@ __all__ = [
     "dadmms_logistic",
     "dsvgd_mixture_1d",
     "fed_pdmc_gaussian",
+    "fed_pdmc_lgcp",
     "fed_pdmc_logistic",
     "load_adult",
     "load_kin8nm",
@@ -155,6 +157,26 @@ class AR1Problem:
     def current(self) -> np.ndarray:
         """``Y_k`` for ``k = 1..K``, shape ``(num_series, num_steps)``."""
         return self.series[:, 1:]
+
+
+@dataclass(frozen=True, eq=False)
+class LGCPProblem:
+    """Counts on a ``g x g`` grid, ``y_k ~ Poisson(exp(x_k))``, latent ``x ~ N(0, precision^-1)``.
+
+    Nodes are numbered row-major, ``k = i * g + j`` for grid cell ``(i, j)``; ``coords``
+    holds ``(i, j)`` per node. ``precision = beta (I - alpha adjacency)`` with ``adjacency``
+    the 4-neighbour grid graph. ``owner`` gives each node's client (square spatial blocks);
+    ``latent`` is the draw of ``x`` the counts were generated from.
+    """
+
+    counts: np.ndarray
+    latent: np.ndarray
+    precision: np.ndarray
+    adjacency: np.ndarray
+    owner: np.ndarray
+    coords: np.ndarray
+    alpha: float
+    beta: float
 
 
 @dataclass(frozen=True, eq=False)
@@ -581,6 +603,64 @@ def student_t_ar1(
     for k in range(num_steps):
         series[:, k + 1] = intercept + coef * series[:, k] + innovations[:, k]
     return AR1Problem(series=series, true_intercept=intercept, true_coef=coef, df=df)
+
+
+def _grid_adjacency(grid_size: int) -> np.ndarray:
+    """Adjacency matrix of the 4-neighbour ``grid_size x grid_size`` grid, nodes row-major."""
+    grid_size = _check_int(grid_size, "grid_size", minimum=1)
+    index = np.arange(grid_size * grid_size).reshape(grid_size, grid_size)
+    adjacency = np.zeros((index.size, index.size))
+    for a, b in ((index[:, :-1], index[:, 1:]), (index[:-1, :], index[1:, :])):
+        adjacency[a.ravel(), b.ravel()] = adjacency[b.ravel(), a.ravel()] = 1.0
+    return adjacency
+
+
+def fed_pdmc_lgcp(
+    seed, grid_size: int = 4, *, alpha: float = 0.1, beta: float = 1.0, blocks_per_side: int = 2
+) -> LGCPProblem:
+    """Fed-PDMC Appendix E.1 (and F.4): a log-Gaussian Cox model on a grid.
+
+    Counts ``y_k ~ Poisson(exp(x_k))`` on the ``grid_size x grid_size`` grid, with the
+    latent field ``x ~ N(0, P^-1)``, ``P = beta (I - alpha A)`` and ``A`` the grid's
+    adjacency (4 neighbours). The grid is cut into ``blocks_per_side^2`` square blocks of
+    neighbouring nodes, one client each (the paper: a 4 x 4 grid over 4 clients, Figure 6);
+    a client's likelihood touches only its own nodes, the prior couples them on the server.
+    The paper does not give the data; here ``x`` is drawn from the prior and ``y`` from the
+    model. ``P`` must be positive definite (``alpha < 1 / lambda_max(A)``, e.g.
+    ``alpha < 0.25`` on every grid).
+
+    >>> problem = fed_pdmc_lgcp(0)
+    >>> problem.counts.shape, problem.owner.reshape(4, 4).tolist()[0], problem.precision[0, :2].tolist()
+    ((16,), [0, 0, 1, 1], [1.0, -0.1])
+    """
+    grid_size = _check_int(grid_size, "grid_size", minimum=1)
+    blocks_per_side = _check_int(blocks_per_side, "blocks_per_side", minimum=1)
+    if grid_size % blocks_per_side:
+        raise ValueError(
+            f"blocks_per_side={blocks_per_side} must divide grid_size={grid_size} (square blocks)"
+        )
+    alpha = _check_real(alpha, "alpha")
+    beta = _check_positive(beta, "beta")
+    adjacency = _grid_adjacency(grid_size)
+    precision = beta * (np.eye(grid_size * grid_size) - alpha * adjacency)
+    eigenvalues = np.linalg.eigvalsh(precision)
+    if eigenvalues.min() <= 0:
+        raise ValueError(
+            f"alpha={alpha} makes the precision beta (I - alpha A) singular or indefinite "
+            f"(smallest eigenvalue {eigenvalues.min():.3g}); take |alpha| < 1 / lambda_max(A)"
+        )
+    rng = np.random.default_rng(seed)
+    # x = L^-T z with P = L L^T has covariance P^-1
+    cholesky = np.linalg.cholesky(precision)
+    latent = np.linalg.solve(cholesky.T, rng.standard_normal(grid_size * grid_size))
+    counts = rng.poisson(np.exp(latent)).astype(float)
+    i, j = np.divmod(np.arange(grid_size * grid_size), grid_size)
+    block = grid_size // blocks_per_side
+    owner = (i // block) * blocks_per_side + j // block
+    return LGCPProblem(
+        counts=counts, latent=latent, precision=precision, adjacency=adjacency, owner=owner,
+        coords=np.stack([i, j], axis=1), alpha=alpha, beta=beta,
+    )
 
 
 # --------------------------------------------------------------------------

@@ -231,6 +231,46 @@ def test_student_t_ar1_innovations_are_student_t():
     assert stats.kstest(residuals.ravel(), stats.norm(0, residuals.std()).cdf).pvalue < 1e-6
 
 
+def test_fed_pdmc_lgcp_precision_and_spatial_owners():
+    problem = datasets.fed_pdmc_lgcp(0, grid_size=4, alpha=0.1, beta=2.0)
+    g = 4
+    assert problem.counts.shape == (16,) and problem.precision.shape == (16, 16)
+    for k in range(16):
+        for l in range(16):
+            (i, j), (a, b) = problem.coords[k], problem.coords[l]
+            neighbours = abs(i - a) + abs(j - b) == 1
+            assert problem.adjacency[k, l] == float(neighbours)
+            expected = 2.0 if k == l else (-0.2 if neighbours else 0.0)
+            assert problem.precision[k, l] == pytest.approx(expected)
+    np.testing.assert_array_equal(problem.coords[:, 0] * g + problem.coords[:, 1], np.arange(16))
+    # four 2 x 2 blocks of neighbouring cells, one client each
+    np.testing.assert_array_equal(
+        problem.owner.reshape(g, g), [[0, 0, 1, 1], [0, 0, 1, 1], [2, 2, 3, 3], [2, 2, 3, 3]]
+    )
+    nine = datasets.fed_pdmc_lgcp(0, grid_size=6, blocks_per_side=3)
+    assert np.bincount(nine.owner).tolist() == [4] * 9
+    assert np.all(problem.counts >= 0) and np.all(problem.counts == np.round(problem.counts))
+    np.testing.assert_array_equal(datasets.fed_pdmc_lgcp(0, beta=2.0).counts, problem.counts)
+    with pytest.raises(ValueError, match="alpha"):
+        datasets.fed_pdmc_lgcp(0, alpha=0.5)
+    with pytest.raises(ValueError, match="divide"):
+        datasets.fed_pdmc_lgcp(0, grid_size=5)
+
+
+def test_fed_pdmc_lgcp_follows_the_model():
+    # on a large grid the latent field has the prior's covariance and the counts their
+    # Poisson means E y_k = exp(Sigma_kk / 2)
+    problem = datasets.fed_pdmc_lgcp(3, grid_size=60, alpha=0.2, beta=4.0)
+    covariance = np.linalg.inv(problem.precision)
+    whitened = np.linalg.cholesky(problem.precision).T @ problem.latent
+    assert stats.kstest(whitened, stats.norm.cdf).pvalue > 0.01
+    assert stats.kstest(problem.latent / np.sqrt(np.diag(covariance)), stats.norm.cdf).pvalue > 0.001
+    expected = np.exp(np.diag(covariance) / 2)
+    residuals = (problem.counts - np.exp(problem.latent)) / np.sqrt(np.exp(problem.latent))
+    assert abs(residuals.mean()) < 4 / np.sqrt(residuals.size)
+    assert problem.counts.mean() == pytest.approx(expected.mean(), rel=0.1)
+
+
 # --------------------------------------------------------------------------
 # D-ADMMS generators
 
