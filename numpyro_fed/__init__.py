@@ -1,7 +1,7 @@
 """numpyro_fed: federated Bayesian inference for NumPyro models."""
 
 from numpyro_fed.arviz import to_inference_data
-from numpyro_fed.infer import FedZigZag
+from numpyro_fed.infer import FedZigZag, GradientBound, HessianBound
 from numpyro_fed.plate import federated_plate, normalize_clients
 from numpyro_fed.potential import FederatedPotential, PlateInfo, split_potential
 
@@ -10,6 +10,8 @@ __version__ = "0.1.0.dev0"
 __all__ = [
     "FedZigZag",
     "FederatedPotential",
+    "GradientBound",
+    "HessianBound",
     "PlateInfo",
     "federated_plate",
     "normalize_clients",

@@ -37,9 +37,10 @@ def _gaussian_data():
     return y, y.sum(0) / precision, 1 / np.sqrt(precision)
 
 
-def _run(kernel, *args, num_samples=4000, seed=1, **kwargs):
+def _run(kernel, *args, num_samples=4000, seed=1, extra_fields=(), **kwargs):
     mcmc = MCMC(kernel, num_warmup=200, num_samples=num_samples, progress_bar=False)
-    mcmc.run(jax.random.PRNGKey(seed), *args, extra_fields=("core.num_events", "core.num_violations"), **kwargs)
+    fields = ("core.num_events", "core.num_violations") + tuple(extra_fields)
+    mcmc.run(jax.random.PRNGKey(seed), *args, extra_fields=fields, **kwargs)
     return mcmc
 
 
@@ -122,26 +123,6 @@ def test_control_variates_remove_spurious_switches():
     assert events[True] < 0.7 * events[False]
 
 
-def test_logistic_regression_over_unequal_clients_agrees_with_nuts():
-    key_x, key_y = jax.random.split(jax.random.PRNGKey(2))
-    X = jax.random.normal(key_x, (300, 3))
-    y = jax.random.bernoulli(key_y, jax.nn.sigmoid(X @ jnp.array([1.0, -1.0, 0.5]))) * 1.0
-    owner = np.repeat(np.arange(4), [20, 50, 100, 130])
-    np.random.default_rng(0).shuffle(owner)
-    nuts = MCMC(NUTS(logistic), num_warmup=500, num_samples=4000, progress_bar=False)
-    nuts.run(jax.random.PRNGKey(0), X, y, clients=owner)
-    reference = np.asarray(nuts.get_samples()["w"])
-    ref_sd = reference.std(0)
-    for cv in (False, True):
-        draws = np.asarray(_run(nf.FedZigZag(logistic, sample_interval=0.2, control_variates=cv),
-                                X, y, clients=owner).get_samples()["w"])
-        ess = effective_sample_size(draws[None])
-        # W1 between two samples of a near-Gaussian marginal: O(sd / sqrt(ess)); 5x is a loose
-        # but failing-on-bias bound (a shifted mean or wrong spread of 0.3 sd fails it).
-        assert np.all(marginal_w1(draws, reference) < 5 * ref_sd / np.sqrt(ess))
-        assert np.all(np.abs(draws.std(0) / ref_sd - 1) < 5 / np.sqrt(2 * ess))
-
-
 def test_one_client_agrees_with_many_and_same_key_gives_same_chain():
     y, mean, sd = _gaussian_data()
     one = _run(nf.FedZigZag(gaussian_mean, sample_interval=0.1), y, clients=1).get_samples()["mu"]
@@ -157,7 +138,7 @@ def test_one_client_agrees_with_many_and_same_key_gives_same_chain():
         ({"sample_interval": -1.0}, ValueError, "sample_interval must be a finite number > 0"),
         ({"excess_rate": -0.5}, ValueError, "excess_rate must be >= 0"),
         ({"grid_size": 1}, ValueError, "grid_size must be >= 2"),
-        ({"bounds": "magic"}, ValueError, "bounds must be 'grid' or 'affine'"),
+        ({"bounds": "magic"}, ValueError, "bounds must be 'grid', 'affine', a GradientBound or a HessianBound"),
         ({"safety_factor": 0.5}, ValueError, "safety_factor must be >= 1"),
         ({"prior": "nowhere"}, ValueError, "prior must be one of"),
         ({"prior": "redistribute", "redistribution_rate": 0.0}, ValueError, "redistribution_rate must be a finite number > 0"),
@@ -305,3 +286,162 @@ def test_event_cap_is_hit_and_reported_in_a_real_run():
     mcmc = _run(kernel, y, num_samples=20)
     with pytest.warns(RuntimeWarning, match="stopped at max_proposals=5"):
         nf.to_inference_data(mcmc)
+
+
+# -- user-supplied bounds (Appendices A and F) ----------------------------------------------
+
+
+def _gaussian_hessian_bound(y, clients=M):
+    sizes = np.bincount(np.arange(len(y)) * clients // len(y), minlength=clients)
+    return nf.HessianBound(clients=sizes[:, None, None] * np.eye(y.shape[1]), prior=np.eye(y.shape[1]) / PRIOR_SD**2)
+
+
+@pytest.mark.parametrize("control_variates", [False, True])
+def test_hessian_bound_on_the_gaussian_target_matches_closed_form(control_variates):
+    y, mean, sd = _gaussian_data()
+    kernel = nf.FedZigZag(gaussian_mean, sample_interval=0.1, control_variates=control_variates,
+                          bounds=_gaussian_hessian_bound(y))
+    mcmc = _run(kernel, y, extra_fields=("core.num_proposals", "core.grad_evals_by_proposer"))
+    _assert_gaussian_moments(mcmc.get_samples()["mu"], mean, sd)
+    fields = mcmc.get_extra_fields()
+    assert int(fields["core.num_violations"].sum()) == 0
+    evals = int(fields["core.grad_evals_by_proposer"].sum())
+    proposals = int(fields["core.num_proposals"].sum())
+    if control_variates:  # no gradient to propose: only each proposal's winner evaluates
+        assert evals == proposals
+    else:  # every proposer (M clients, the prior) at every proposal and at every sample's
+        # end (the line reaches it without an event), plus each proposal's winner
+        assert evals == (proposals + 4000) * (M + 1) + proposals
+
+
+def _logistic_data():
+    key_x, key_y = jax.random.split(jax.random.PRNGKey(2))
+    X = jax.random.normal(key_x, (300, 3))
+    y = jax.random.bernoulli(key_y, jax.nn.sigmoid(X @ jnp.array([1.0, -1.0, 0.5]))) * 1.0
+    owner = np.repeat(np.arange(4), [20, 50, 100, 130])
+    np.random.default_rng(0).shuffle(owner)
+    return X, y, owner
+
+
+@pytest.fixture(scope="module")
+def logistic_nuts():
+    X, y, owner = _logistic_data()
+    nuts = MCMC(NUTS(logistic), num_warmup=500, num_samples=4000, progress_bar=False)
+    nuts.run(jax.random.PRNGKey(0), X, y, clients=owner)
+    return np.asarray(nuts.get_samples()["w"])
+
+
+def _assert_agrees_with(draws, reference):
+    draws = np.asarray(draws)
+    ref_sd = reference.std(0)
+    ess = effective_sample_size(draws[None])
+    # W1 between two samples of a near-Gaussian marginal: O(sd / sqrt(ess)); 5x is a loose
+    # but failing-on-bias bound (a shifted mean or wrong spread of 0.3 sd fails it).
+    assert np.all(marginal_w1(draws, reference) < 5 * ref_sd / np.sqrt(ess))
+    assert np.all(np.abs(draws.std(0) / ref_sd - 1) < 5 / np.sqrt(2 * ess))
+
+
+@pytest.mark.parametrize("control_variates", [False, True])
+def test_logistic_regression_over_unequal_clients_agrees_with_nuts(logistic_nuts, control_variates):
+    X, y, owner = _logistic_data()
+    mcmc = _run(nf.FedZigZag(logistic, sample_interval=0.2, control_variates=control_variates), X, y, clients=owner)
+    _assert_agrees_with(mcmc.get_samples()["w"], logistic_nuts)
+
+
+@pytest.mark.parametrize("control_variates", [False, True])
+def test_hessian_bound_on_logistic_regression_agrees_with_nuts(logistic_nuts, control_variates):
+    X, y, owner = _logistic_data()
+    # each client bounds its own Hessian from its own rows: sum_r |x_r| |x_r|^T / 4
+    absolute = np.abs(np.asarray(X))
+    clients = np.stack([absolute[owner == m].T @ absolute[owner == m] / 4 for m in range(4)])
+    kernel = nf.FedZigZag(logistic, sample_interval=0.2, control_variates=control_variates,
+                          bounds=nf.HessianBound(clients=clients, prior=np.eye(3)))
+    mcmc = _run(kernel, X, y, clients=owner, extra_fields=("core.num_proposals",))
+    _assert_agrees_with(mcmc.get_samples()["w"], logistic_nuts)
+    fields = mcmc.get_extra_fields()
+    assert int(fields["core.num_violations"].sum()) == 0
+    # a real bound, above the rate: some proposals are thinned away
+    assert 0 < int(fields["core.num_events"].sum()) < int(fields["core.num_proposals"].sum())
+
+
+def robust_location(y, clients=4):
+    # Student-t likelihood and prior: every gradient is bounded (Appendix F.3's setting)
+    mu = numpyro.sample("mu", dist.StudentT(3.0, 0.0, 10.0))
+    with nf.federated_plate("data", y.shape[0], clients=clients):
+        numpyro.sample("y", dist.StudentT(3.0, mu, 1.0), obs=y)
+
+
+def _student_t_gradient_bound(nu, scale):
+    # |d/dmu (nu + 1)/2 log(1 + (y - mu)^2 / (nu s^2))| <= (nu + 1) / (2 s sqrt(nu))
+    return (nu + 1) / (2 * scale * np.sqrt(nu))
+
+
+def test_gradient_bound_agrees_with_nuts_and_too_small_a_bound_is_reported():
+    y = 2.0 + jax.random.t(jax.random.PRNGKey(3), 3.0, (200,))
+    nuts = MCMC(NUTS(robust_location), num_warmup=500, num_samples=4000, progress_bar=False)
+    nuts.run(jax.random.PRNGKey(0), y)
+    reference = np.asarray(nuts.get_samples()["mu"])[:, None]
+    per_row = _student_t_gradient_bound(3.0, 1.0)
+    bound = nf.GradientBound(clients=np.full((4, 1), 50 * per_row), prior=_student_t_gradient_bound(3.0, 10.0))
+    for cv in (False, True):
+        mcmc = _run(nf.FedZigZag(robust_location, sample_interval=0.2, bounds=bound, control_variates=cv),
+                    y, extra_fields=("core.num_proposals", "core.grad_evals_by_proposer"))
+        _assert_agrees_with(np.asarray(mcmc.get_samples()["mu"])[:, None], reference)
+        fields = mcmc.get_extra_fields()
+        assert int(fields["core.num_violations"].sum()) == 0
+        # constant bounds: only each proposal's winner evaluates a gradient
+        assert int(fields["core.grad_evals_by_proposer"].sum()) == int(fields["core.num_proposals"].sum())
+    # a "bound" far below the clients' gradients is exceeded, and the run says so
+    wrong = nf.GradientBound(clients=np.full((4, 1), 0.02 * per_row), prior=0.001)
+    mcmc = _run(nf.FedZigZag(robust_location, sample_interval=0.2, bounds=wrong), y, num_samples=500)
+    with pytest.warns(RuntimeWarning, match="above its GradientBound: it is not a bound for this model"):
+        nf.to_inference_data(mcmc)
+
+
+@pytest.mark.parametrize(
+    "bounds, message",
+    [
+        (nf.HessianBound(clients=np.ones((3, D, D))), r"HessianBound.clients must broadcast to \(5, 10, 10\)"),
+        (nf.HessianBound(clients=1.0, prior=-np.eye(D)), "HessianBound.prior must be finite and >= 0"),
+        (nf.GradientBound(clients=np.full((M, D), np.nan)), "GradientBound.clients must be finite and >= 0"),
+    ],
+)
+def test_bad_user_bounds_are_named(bounds, message):
+    y, _, _ = _gaussian_data()
+    mcmc = MCMC(nf.FedZigZag(gaussian_mean, bounds=bounds), num_warmup=0, num_samples=5, progress_bar=False)
+    with pytest.raises(ValueError, match=message):
+        mcmc.run(jax.random.PRNGKey(0), y)
+
+
+# -- NumPyro's MCMC conveniences ------------------------------------------------------------
+
+
+def test_warmup_then_run_and_post_warmup_state_continue_the_chain():
+    y, mean, sd = _gaussian_data()
+    mcmc = MCMC(nf.FedZigZag(gaussian_mean, sample_interval=0.1), num_warmup=100, num_samples=2000,
+                progress_bar=False)
+    mcmc.warmup(jax.random.PRNGKey(0), y)
+    warm = mcmc.post_warmup_state
+    mcmc.run(warm.rng_key, y)
+    first = np.asarray(mcmc.get_samples()["mu"])
+    _assert_gaussian_moments(first, mean, sd)
+    # continuing from the last state with a new key gives a different, still correct chain
+    mcmc.post_warmup_state = mcmc.last_state
+    mcmc.run(jax.random.PRNGKey(7), y)
+    second = np.asarray(mcmc.get_samples()["mu"])
+    assert not np.allclose(first, second)
+    _assert_gaussian_moments(second, mean, sd)
+
+
+def test_vectorized_chains():
+    y, mean, sd = _gaussian_data()
+    mcmc = MCMC(nf.FedZigZag(gaussian_mean, sample_interval=0.1), num_warmup=100, num_samples=1000,
+                num_chains=4, chain_method="vectorized", progress_bar=False)
+    mcmc.run(jax.random.PRNGKey(0), y, extra_fields=("core.num_events",))
+    draws = mcmc.get_samples(group_by_chain=True)["mu"]
+    assert draws.shape == (4, 1000, D)
+    assert not np.allclose(draws[0], draws[1])
+    _assert_gaussian_moments(np.asarray(draws).reshape(-1, D), mean, sd)
+    idata = nf.to_inference_data(mcmc)
+    assert idata.sample_stats["events_by_client"].shape == (4, 1000, M)
+    assert float(idata.sample_stats["num_events"].min()) >= 0

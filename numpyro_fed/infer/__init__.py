@@ -1,5 +1,5 @@
 """The federated inference algorithms."""
 
-from numpyro_fed.infer.zigzag import FedZigZag
+from numpyro_fed.infer.zigzag import FedZigZag, GradientBound, HessianBound
 
-__all__ = ["FedZigZag"]
+__all__ = ["FedZigZag", "GradientBound", "HessianBound"]

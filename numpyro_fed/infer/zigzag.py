@@ -26,6 +26,7 @@ NumPyro. :class:`numpyro_fed.infer.FedZigZag` wraps them as an ``MCMCKernel``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 import warnings
 
@@ -47,8 +48,11 @@ from numpyro_fed.privacy import (
 )
 
 __all__ = [
+    "ControlVariates",
     "FedZigZag",
     "FedZigZagState",
+    "GradientBound",
+    "HessianBound",
     "Proposers",
     "ZigZagState",
     "build_kernel",
@@ -67,6 +71,7 @@ class Proposers(NamedTuple):
 
     :ivar term_grads_and_slopes: ``(x, v) -> ((P, d), (P, d))``: gradients of the own terms
         and their derivatives along ``v`` (Hessian-vector products).
+    :ivar term_grads: ``x -> (P, d)``: the gradients alone.
     :ivar term_grad_of: ``(x, j) -> (d,)``: the gradient of proposer ``j``'s own term alone
         (the winner's check: only that proposer evaluates).
     :ivar prior_grad_and_slope: ``(x, v) -> ((d,), (d,))`` for ``U_0``.
@@ -74,9 +79,96 @@ class Proposers(NamedTuple):
     """
 
     term_grads_and_slopes: Callable
+    term_grads: Callable
     term_grad_of: Callable
     prior_grad_and_slope: Callable
     num: int
+
+
+class ControlVariates(NamedTuple):
+    """What the control variates need at their reference point ``x*`` (Remark 4.3).
+
+    :ivar point: ``x*`` ``(d,)``, flat and unconstrained.
+    :ivar term_grads: ``(P, d)`` gradients of the proposers' own terms at ``x*``.
+    :ivar prior_grad: ``(d,)`` gradient of the prior's potential at ``x*``.
+    """
+
+    point: jax.Array
+    term_grads: jax.Array
+    prior_grad: jax.Array
+
+
+class GradientBound(NamedTuple):
+    """User-supplied bounds on the gradients: constant switching-rate bounds.
+
+    ``|d_i U_m(x)| <= clients[m, i]`` and ``|d_i U_0(x)| <= prior[i]`` for every ``x``, with
+    ``U_m`` client ``m``'s potential and ``U_0`` the prior's (everything outside the
+    federated plates, Jacobians included), on the flat unconstrained space
+    (:meth:`~numpyro_fed.FederatedPotential.ravel` gives the order). Each proposer's rate is
+    then bounded by a constant, the next switching time is drawn exactly, and only the winner
+    evaluates its gradient: no gradient is evaluated to propose (Appendix F.3 of the paper:
+    heavy-tailed likelihoods have bounded gradients).
+
+    :ivar clients: broadcastable to ``(M, d)``, finite and ``>= 0``; each client computes its
+        own row from its own data.
+    :ivar prior: broadcastable to ``(d,)``, finite and ``>= 0``.
+
+    With control variates, each rate is shifted by a constant ``c`` and its bound grows by
+    ``|c|`` (added automatically). A bound the rate exceeds is counted as a violation and
+    reported by :meth:`FedZigZag.check_run`.
+    """
+
+    clients: jax.Array
+    prior: jax.Array = 0.0
+
+
+class HessianBound(NamedTuple):
+    """User-supplied bounds on the Hessians: switching-rate bounds affine in time.
+
+    ``|d_i d_k U_m(x)| <= clients[m, i, k]`` and ``|d_i d_k U_0(x)| <= prior[i, k]`` for
+    every ``x`` (notation as in :class:`GradientBound`). Along a line ``x + t v`` the rate of
+    coordinate ``i`` then grows at most like ``sum_k H_ik t`` (Appendix A of the paper), and
+    the first event of ``max(0, a + b t)`` is drawn exactly:
+
+    * without control variates ``a`` is the rate at ``t = 0``: one gradient per proposer
+      and proposal, no Hessian-vector product;
+    * with control variates (reference point ``x*``), ``a = v_i d_i U(x*) / P +
+      (H |x - x*|)_i``: **no gradient at all** to propose, only the winner evaluates its
+      own (the super-efficient regime of Bierkens, Fearnhead & Roberts 2019).
+
+    For a logistic regression client with rows ``X_m``: ``clients[m] = |X_m|^T |X_m| / 4``;
+    for a ``Normal(0, s)`` prior on every coordinate: ``prior = eye(d) / s**2``.
+
+    :ivar clients: broadcastable to ``(M, d, d)``, finite and ``>= 0``.
+    :ivar prior: broadcastable to ``(d, d)``, finite and ``>= 0``.
+    """
+
+    clients: jax.Array
+    prior: jax.Array = 0.0
+
+
+def _proposer_bound(bound, num_clients: int, num_proposers: int, d: int, dtype):
+    """The user's client/prior bound arrays, checked and laid out per proposer (a zero row
+    for the server's prior proposer, which has no own term)."""
+    trailing = (d,) if isinstance(bound, GradientBound) else (d, d)
+    name = type(bound).__name__
+    arrays = []
+    for field, shape in (("clients", (num_clients,) + trailing), ("prior", trailing)):
+        value = np.asarray(getattr(bound, field), dtype=float)
+        try:
+            value = np.broadcast_to(value, shape)
+        except ValueError:
+            raise ValueError(
+                f"{name}.{field} must broadcast to {shape} (M={num_clients} clients, d={d} "
+                f"unconstrained coordinates), got shape {value.shape}"
+            ) from None
+        if not np.all(np.isfinite(value)) or np.any(value < 0):
+            raise ValueError(f"{name}.{field} must be finite and >= 0")
+        arrays.append(value)
+    clients, prior = arrays
+    if num_proposers > num_clients:
+        clients = np.concatenate([clients, np.zeros((1,) + trailing)])
+    return type(bound)(jnp.asarray(clients, dtype), jnp.asarray(prior, dtype))
 
 
 class ZigZagState(NamedTuple):
@@ -204,13 +296,25 @@ def _affine_first_arrival(a, b, e):
     return jnp.where(b > 0, rising, jnp.where(b < 0, falling, constant))
 
 
+def _bound_kind(bounds) -> str:
+    if isinstance(bounds, GradientBound):
+        return "gradient"
+    if isinstance(bounds, HessianBound):
+        return "hessian"
+    if isinstance(bounds, str) and bounds in ("grid", "affine"):
+        return bounds
+    raise ValueError(
+        f"bounds must be 'grid', 'affine', a GradientBound or a HessianBound, got {bounds!r}"
+    )
+
+
 def build_kernel(
     proposers: Proposers,
     *,
-    reference=None,
+    reference: ControlVariates | None = None,
     excess_rates=None,
     redistribution_rate: float = 0.0,
-    bounds: str = "grid",
+    bounds="grid",
     grid_size: int = 2,
     safety_factor: float = 1.0,
     max_proposals: int = 1_000_000,
@@ -218,25 +322,30 @@ def build_kernel(
     """Builds ``kernel(state, duration) -> state`` running the process for ``duration``.
 
     :param proposers: the proposers' gradient functions.
-    :param reference: ``(own_term_grads (P, d), prior_grad (d,))`` at the control variates'
-        reference point ``x*``; each proposer's rate is then shifted by
-        ``c_j = grad(T_j + w_j U_0)(x*) - grad U(x*) / P``, which sums to zero over proposers
-        for any weights (the target is unchanged). ``None``: no control variates.
+    :param reference: :class:`ControlVariates` at the reference point ``x*``; each
+        proposer's rate is then shifted by ``c_j = grad(T_j + w_j U_0)(x*) - grad U(x*) / P``,
+        which sums to zero over proposers for any weights (the target is unchanged).
+        ``None``: no control variates.
     :param excess_rates: ``(P,)`` excess (refreshment) rate of each proposer, split evenly
         over coordinates.
     :param float redistribution_rate: rate of the Poisson clock that redraws the prior's
         shares ``w ~ Dirichlet(1, ..., 1)`` (Appendix D, Algorithm 4); 0: fixed shares.
-    :param str bounds: ``"grid"``: the automatic grid bound; ``"affine"``: exact inversion
+    :param bounds: ``"grid"``: the automatic grid bound; ``"affine"``: exact inversion
         of ``max(0, a + b t)`` from the rate and its slope at the start of each line, exact
-        when the potential is quadratic (Gaussian targets), elsewhere checked and counted.
+        when the potential is quadratic (Gaussian targets), elsewhere checked and counted;
+        a :class:`GradientBound` or :class:`HessianBound` whose ``clients`` field has one
+        row per *proposer* (``(P, d)`` or ``(P, d, d)``; the server's row is zero).
     :param int grid_size: ``K`` grid points per horizon for the automatic bound.
     :param float safety_factor: bounds are multiplied by this (>= 1).
     :param int max_proposals: proposals allowed per call (guards against a rate that
         explodes); reaching it sets ``hit_event_cap``.
     """
     num = proposers.num
-    if bounds not in ("grid", "affine"):
-        raise ValueError(f"bounds must be 'grid' or 'affine', got {bounds!r}")
+    kind = _bound_kind(bounds)
+    # gradient evaluations every proposer makes to build its bound, per proposal
+    evaluations_per_step = {
+        "grid": grid_size, "affine": 1, "hessian": 0 if reference is not None else 1, "gradient": 0,
+    }[kind]
 
     def kernel(state: ZigZagState, duration) -> ZigZagState:
         d = state.x.shape[0]
@@ -247,16 +356,33 @@ def build_kernel(
         def shift_for(weights):
             if reference is None:
                 return jnp.zeros((num, d), dtype)
-            term_grads, prior_grad = reference
-            total = term_grads.sum(0) + prior_grad
-            return term_grads + weights[:, None] * prior_grad - total / num
+            total = reference.term_grads.sum(0) + reference.prior_grad
+            return reference.term_grads + weights[:, None] * reference.prior_grad - total / num
 
         def grads_and_slopes(x, v, weights):
             term_g, term_s = proposers.term_grads_and_slopes(x, v)
             prior_g, prior_s = proposers.prior_grad_and_slope(x, v)
             return term_g + weights[:, None] * prior_g, term_s + weights[:, None] * prior_s
 
-        evaluations_per_step = 1 if bounds == "affine" else grid_size
+        def line_coefficients(state, shift):
+            """``(a, b)``, each ``(P, d)``: every rate is at most ``max(0, a + b t)`` along the
+            current line (``"affine"``: the rate's own tangent at ``t = 0``)."""
+            x, v, weights = state.x, state.v, state.prior_weights
+            if kind == "affine":
+                grads, slopes = grads_and_slopes(x, v, weights)
+                return v * (grads - shift), v * slopes
+            if kind == "gradient":
+                gradient_bound = bounds.clients + weights[:, None] * bounds.prior
+                return gradient_bound + jnp.abs(shift), jnp.zeros_like(gradient_bound)
+            hessian = bounds.clients + weights[:, None, None] * bounds.prior  # (P, d, d)
+            growth = hessian.sum(-1)
+            if reference is None:
+                prior_grad = proposers.prior_grad_and_slope(x, jnp.zeros_like(x))[0]
+                grads = proposers.term_grads(x) + weights[:, None] * prior_grad
+                return v * grads, growth
+            # |d_i T_j(y) - d_i T_j(x*)| <= sum_k H_jik |y_k - x*_k| <= (H_j |x - x*|)_i + t (H_j 1)_i
+            total = reference.term_grads.sum(0) + reference.prior_grad
+            return v * total / num + hessian @ jnp.abs(x - reference.point), growth
 
         def grid_proposals(state, shift, uniforms, exponentials, horizon):
             """Proposals from the automatic grid bound over [0, horizon]."""
@@ -284,13 +410,11 @@ def build_kernel(
             bound_values = jnp.take_along_axis(coordinate_bounds, coordinates[:, None], -1)[:, 0]
             return tau, coordinates, bound_values, jnp.zeros(num, bool)
 
-        def affine_proposals(state, shift, uniforms, exponentials):
-            """Exact inversion of max(0, a + b t) per proposer and coordinate, with a and b the
-            rate and its slope at t = 0 (exact when the potential is quadratic along lines),
-            plus each proposer's excess clock (always accepted)."""
-            grads, slopes = grads_and_slopes(state.x, state.v, state.prior_weights)
-            a = state.v * (grads - shift)  # (P, d)
-            b = state.v * slopes
+        def line_proposals(state, shift, uniforms, exponentials):
+            """Exact inversion of the bound max(0, a + b t) per proposer and coordinate, plus
+            each proposer's excess clock (always accepted)."""
+            a, b = line_coefficients(state, shift)
+            a, b = safety_factor * a, safety_factor * b
             e = -jnp.log(uniforms[2 * num: 2 * num + num * d]).reshape(num, d)
             times = _affine_first_arrival(a, b, e)
             coordinates = jnp.argmin(times, -1)
@@ -314,11 +438,11 @@ def build_kernel(
             key, key_step = jax.random.split(state.rng_key)
             uniforms = jax.random.uniform(key_step, (num * (d + 2) + 3,), dtype, minval=jnp.finfo(dtype).tiny)
             shift = shift_for(state.prior_weights)
-            # affine bounds hold on the whole line: no horizon but the time left
-            horizon = remaining if bounds == "affine" else jnp.minimum(state.horizon, remaining)
+            # line bounds hold on the whole line: no horizon but the time left
+            horizon = jnp.minimum(state.horizon, remaining) if kind == "grid" else remaining
             exponentials = -jnp.log(uniforms[:num])
-            if bounds == "affine":
-                tau, coordinates, bound_values, certain = affine_proposals(state, shift, uniforms, exponentials)
+            if kind != "grid":
+                tau, coordinates, bound_values, certain = line_proposals(state, shift, uniforms, exponentials)
             else:
                 tau, coordinates, bound_values, certain = grid_proposals(state, shift, uniforms, exponentials, horizon)
             winner = jnp.argmin(tau)
@@ -338,7 +462,7 @@ def build_kernel(
                 prior_grad = proposers.prior_grad_and_slope(x_new, state.v)[0]
                 grad = proposers.term_grad_of(x_new, winner) + state.prior_weights[winner] * prior_grad
                 rate = jnp.maximum(state.v[coordinate] * (grad[coordinate] - shift[winner, coordinate]), 0.0)
-                if bounds == "grid":  # affine bounds give the excess its own clock
+                if kind == "grid":  # line bounds give the excess its own clock
                     rate = rate + excess[winner]
                 violated = ~certain[winner] & (rate > bound * (1 + 1e-6) + 1e-12)
                 accept = certain[winner] | (uniforms[num + 1] * bound < rate)
@@ -436,6 +560,12 @@ def proposers_from_potential(potential, *, prior: str = "server") -> Proposers:
             slopes = jnp.concatenate([slopes, jnp.zeros_like(slopes[:1])])
         return grads, slopes
 
+    def term_grads(x):
+        grads = jax.vmap(lambda block: client_grad(x, block))(data)
+        if on_server:
+            grads = jnp.concatenate([grads, jnp.zeros_like(grads[:1])])
+        return grads
+
     def term_grad_of(x, j):
         block = jax.tree.map(
             lambda a: lax.dynamic_index_in_dim(a, jnp.minimum(j, num_clients - 1), keepdims=False), data
@@ -449,27 +579,31 @@ def proposers_from_potential(potential, *, prior: str = "server") -> Proposers:
 
     num = num_clients + on_server
     weights = jnp.zeros(num).at[-1].set(1.0) if on_server else jnp.full(num, 1.0 / num)
-    return Proposers(term_grads_and_slopes, term_grad_of, prior_grad_and_slope, num), weights
+    return Proposers(term_grads_and_slopes, term_grads, term_grad_of, prior_grad_and_slope, num), weights
 
 
-def control_variate_reference(proposers: Proposers, reference):
-    """``(own term gradients (P, d), prior gradient (d,))`` at the reference point ``x*``:
-    what :func:`build_kernel` needs to shift every proposer's rate by
-    ``c_j = grad(T_j + w_j U_0)(x*) - grad U(x*) / P``. The shifts sum to zero, so the
-    target is unchanged, and near ``x*`` each proposer's rate loses the client-to-client
-    scatter of the gradients (the O(sqrt(NM)) excess of Section 4.1)."""
-    zeros = jnp.zeros_like(reference)
-    return proposers.term_grads_and_slopes(reference, zeros)[0], proposers.prior_grad_and_slope(reference, zeros)[0]
+def control_variate_reference(proposers: Proposers, reference) -> ControlVariates:
+    """:class:`ControlVariates` at the reference point ``x*``: what :func:`build_kernel`
+    needs to shift every proposer's rate by ``c_j = grad(T_j + w_j U_0)(x*) - grad U(x*) / P``.
+    The shifts sum to zero, so the target is unchanged, and near ``x*`` each proposer's rate
+    loses the client-to-client scatter of the gradients (the O(sqrt(NM)) excess of
+    Section 4.1)."""
+    reference = jnp.asarray(reference)
+    prior_grad = proposers.prior_grad_and_slope(reference, jnp.zeros_like(reference))[0]
+    return ControlVariates(reference, proposers.term_grads(reference), prior_grad)
 
 
 class FedZigZagState(NamedTuple):
     """NumPyro-facing state: ``z`` (unconstrained sites, as NumPyro's ``z``), the sample
-    index ``i`` and the process state ``core`` (:class:`ZigZagState`). Diagnostics are read
-    with ``extra_fields=("core.num_events", "core.events_by_proposer", ...)``."""
+    index ``i``, the process state ``core`` (:class:`ZigZagState`) and ``rng_key``, the key
+    the next sample starts from (NumPyro replaces it to continue a chain with a new key, as
+    in ``mcmc.post_warmup_state``). Diagnostics are read with
+    ``extra_fields=("core.num_events", "core.events_by_proposer", ...)``."""
 
     i: jax.Array
     z: dict
     core: ZigZagState
+    rng_key: jax.Array
 
 
 class FedZigZag(MCMCKernel):
@@ -496,7 +630,11 @@ class FedZigZag(MCMCKernel):
         trajectory, for any differentiable potential; ``"affine"``: exact inversion of the
         rate's linear extrapolation ``max(0, a + b t)``, exact (no rejections) when the
         potential is quadratic, e.g. a Gaussian target; used elsewhere, its violations are
-        counted and reported.
+        counted and reported. Or bounds the user derived (Appendices A and F of the paper):
+        a :class:`GradientBound` (constant rates: no gradient evaluated to propose) or a
+        :class:`HessianBound` (rates affine in time; with control variates, no gradient
+        evaluated to propose either), with one row per client, computed by each client
+        from its own data.
     :param int grid_size: grid points of the automatic bound (>= 2).
     :param float safety_factor: multiplies the automatic bounds (>= 1).
     :param float initial_horizon: starting horizon of the bounds (> 0).
@@ -547,7 +685,7 @@ class FedZigZag(MCMCKernel):
         prior: str = "server",
         redistribution_rate: float = 0.1,
         excess_rate: float = 0.0,
-        bounds: str = "grid",
+        bounds="grid",
         grid_size: int = 2,
         safety_factor: float = 1.0,
         initial_horizon: float = 0.1,
@@ -567,8 +705,7 @@ class FedZigZag(MCMCKernel):
         if excess_rate is None or check_real(excess_rate, "excess_rate") < 0:
             raise ValueError(f"excess_rate must be >= 0, got {excess_rate}")
         self.excess_rate = float(excess_rate)
-        if bounds not in ("grid", "affine"):
-            raise ValueError(f"bounds must be 'grid' or 'affine', got {bounds!r}")
+        _bound_kind(bounds)
         self.bounds = bounds
         self.grid_size = check_int(grid_size, "grid_size", minimum=2)
         self.safety_factor = check_real(safety_factor, "safety_factor")
@@ -646,10 +783,17 @@ class FedZigZag(MCMCKernel):
         capped = int(jnp.sum(fields["core.hit_event_cap"]))
         problems = []
         if violations:
-            problems.append(
-                f"{violations} of {proposals} proposals had an exact rate above its automatic "
-                "bound (the chain is then slightly biased): raise safety_factor or grid_size"
-            )
+            kind = _bound_kind(self.bounds)
+            remedy = {
+                "grid": "automatic bound (the chain is then slightly biased): raise safety_factor or grid_size",
+                "affine": "affine extrapolation (the potential is not quadratic along lines; the "
+                          "chain is biased): use bounds='grid' or a user-supplied bound",
+                "gradient": "GradientBound: it is not a bound for this model (the chain is biased); "
+                            "check each client's bound on |d_i U_m|",
+                "hessian": "HessianBound: it is not a bound for this model (the chain is biased); "
+                           "check each client's bound on |d_i d_k U_m|",
+            }[kind]
+            problems.append(f"{violations} of {proposals} proposals had an exact rate above its {remedy}")
         if capped:
             problems.append(
                 f"{capped} samples stopped at max_proposals={self.max_proposals} before "
@@ -679,13 +823,16 @@ class FedZigZag(MCMCKernel):
             return {"mean": mean, "cov": second - jnp.outer(mean, mean)}
         return {"mean": mean, "var": second - mean**2}
 
-    def skeleton(self, mcmc):
-        """The recorded switches of the sampling phase: ``(times, positions, velocities)``
-        with times counted from the first sample's start, positions flat unconstrained.
-        The path is the straight line between consecutive points."""
+    def skeleton(self, mcmc, *, chain: int = 0):
+        """The recorded switches of one chain's sampling phase: ``(times, positions,
+        velocities)`` with times counted from the first sample's start, positions flat
+        unconstrained. The path is the straight line between consecutive points."""
         if not self.skeleton_size:
             raise ValueError("no skeleton was recorded: pass skeleton_size > 0 to FedZigZag")
-        fields = jax.device_get(mcmc.get_extra_fields())
+        fields = jax.device_get(mcmc.get_extra_fields(group_by_chain=True))
+        if not 0 <= chain < fields["core.elapsed"].shape[0]:
+            raise ValueError(f"chain must be in [0, {fields['core.elapsed'].shape[0]}), got {chain}")
+        fields = {name: value[chain] for name, value in fields.items()}
         counts = np.asarray(fields["core.skeleton_count"])
         if (counts > self.skeleton_size).any():
             warnings.warn(
@@ -722,41 +869,59 @@ class FedZigZag(MCMCKernel):
         return "{} events, {} proposals".format(int(state.core.num_events), int(state.core.num_proposals))
 
     def init(self, rng_key, num_warmup, init_params, model_args, model_kwargs):
-        if jnp.shape(rng_key) not in ((2,), ()):
-            raise NotImplementedError(
-                "FedZigZag initialises one chain at a time: use chain_method='sequential'"
-            )
-        key_init, key_state = jax.random.split(rng_key)
+        # MCMC(..., chain_method="vectorized") passes one key per chain.
+        vectorized = jnp.ndim(rng_key) == 2 or (jnp.ndim(rng_key) == 1 and jnp.issubdtype(rng_key.dtype, jax.dtypes.prng_key))
+        first_key = rng_key[0] if vectorized else rng_key
         potential = split_potential(
             self._model, model_args, model_kwargs, partition=self.partition,
-            init_strategy=self.init_strategy, rng_key=key_init,
+            init_strategy=self.init_strategy, rng_key=jax.random.fold_in(first_key, 0),
         )
         self.federated_potential = potential
         proposers, prior_weights = proposers_from_potential(potential, prior=self.prior)
         use_cv = potential.num_clients > 1 if self.control_variates is None else bool(self.control_variates)
+        ravel = jax.vmap(potential.ravel) if vectorized else potential.ravel
         start = potential.ravel(potential.init_params)
         reference = None
         if use_cv:
+            # one reference point for all chains: the MAP is a property of the target
+            search_from = start
             if init_params is not None:
-                start = potential.ravel(init_params)
-            self.reference_point = _minimise(lambda x: potential.potential(potential.unravel(x)), start)
+                search_from = ravel(init_params)[0] if vectorized else ravel(init_params)
+            self.reference_point = _minimise(lambda x: potential.potential(potential.unravel(x)), search_from)
             reference = control_variate_reference(proposers, self.reference_point)
             start = self.reference_point
         if init_params is not None:
-            start = potential.ravel(init_params)
-        self._kernel = jax.jit(build_kernel(
+            start = ravel(init_params)
+        bounds = self.bounds
+        if not isinstance(bounds, str):
+            bounds = _proposer_bound(bounds, potential.num_clients, proposers.num, start.shape[-1], start.dtype)
+        kernel = jax.jit(build_kernel(
             proposers, reference=reference, excess_rates=jnp.full(proposers.num, self.excess_rate),
-            redistribution_rate=self.redistribution_rate, bounds=self.bounds,
+            redistribution_rate=self.redistribution_rate, bounds=bounds,
             grid_size=self.grid_size, safety_factor=self.safety_factor, max_proposals=self.max_proposals,
         ))
-        self._unravel = potential.unravel
-        core = init(start, key_state, prior_weights, horizon=self.initial_horizon,
-                    skeleton_size=self.skeleton_size, full_covariance=self.full_covariance)
-        return FedZigZagState(jnp.zeros((), jnp.int32), potential.unravel(core.x), core)
+        unravel = potential.unravel
+        core_init = partial(init, prior_weights=prior_weights, horizon=self.initial_horizon,
+                            skeleton_size=self.skeleton_size, full_covariance=self.full_covariance)
+
+        def sample_fn(state):
+            core = kernel(state.core._replace(rng_key=state.rng_key), self.sample_interval)
+            return FedZigZagState(state.i + 1, unravel(core.x), core, core.rng_key)
+
+        def init_fn(key, x):
+            core = core_init(x, key)
+            return FedZigZagState(jnp.zeros((), jnp.int32), unravel(core.x), core, core.rng_key)
+
+        if vectorized:
+            num_chains = rng_key.shape[0]
+            start = jnp.broadcast_to(start, (num_chains,) + start.shape[-1:])
+            sample_fn, init_fn = jax.vmap(sample_fn), jax.vmap(init_fn)
+        # NumPyro skips init (and this set-up) when it has a state and _sample_fn.
+        self._sample_fn = sample_fn
+        return init_fn(rng_key, start)
 
     def sample(self, state, model_args, model_kwargs):
-        core = self._kernel(state.core, self.sample_interval)
-        return FedZigZagState(state.i + 1, self._unravel(core.x), core)
+        return self._sample_fn(state)
 
     def postprocess_fn(self, model_args, model_kwargs):
         if self.federated_potential is None:
