@@ -53,11 +53,13 @@ __all__ = [
     "FedZigZagState",
     "GradientBound",
     "HessianBound",
+    "Preconditioner",
     "Proposers",
     "ZigZagState",
     "build_kernel",
     "control_variate_reference",
     "init",
+    "precondition",
     "proposers_from_potential",
 ]
 
@@ -582,6 +584,67 @@ def proposers_from_potential(potential, *, prior: str = "server") -> Proposers:
     return Proposers(term_grads_and_slopes, term_grads, term_grad_of, prior_grad_and_slope, num), weights
 
 
+class Preconditioner(NamedTuple):
+    """The linear map ``x = center + scale u`` between the model's flat unconstrained space
+    ``x`` and the space ``u`` the process moves in. ``scale`` is ``(d,)`` (diagonal) or
+    ``(d, d)``; a good one makes the posterior of ``u`` close to standard normal, so that
+    the axis-aligned Zig-Zag velocities are not slowed by correlations or unequal scales (the
+    role a mass matrix plays for NUTS)."""
+
+    center: jax.Array
+    scale: jax.Array
+
+    def to_x(self, u):
+        return self.center + self.direction_to_x(u)
+
+    def direction_to_x(self, v):
+        return self.scale * v if self.scale.ndim == 1 else v @ self.scale.T
+
+    def to_u(self, x):
+        if self.scale.ndim == 1:
+            return (x - self.center) / self.scale
+        return jnp.linalg.solve(self.scale, (x - self.center).T).T
+
+    def pull_back(self, rows):
+        """Gradients (rows ``(..., d)`` in ``x``) as gradients in ``u``: ``rows @ scale``."""
+        return rows * self.scale if self.scale.ndim == 1 else rows @ self.scale
+
+    def abs_matrix(self):
+        return jnp.diag(jnp.abs(self.scale)) if self.scale.ndim == 1 else jnp.abs(self.scale)
+
+
+def precondition(proposers: Proposers, preconditioner: Preconditioner) -> Proposers:
+    """The same proposers as functions of ``u`` (``x = center + scale u``): gradients are
+    pulled back (``scale^T grad``) and slopes taken along ``scale v``. The target in ``u`` is
+    the image of the posterior under a linear map, so sampling it and mapping back is exact."""
+    to_x, along, pull = preconditioner.to_x, preconditioner.direction_to_x, preconditioner.pull_back
+
+    def term_grads_and_slopes(u, v):
+        grads, slopes = proposers.term_grads_and_slopes(to_x(u), along(v))
+        return pull(grads), pull(slopes)
+
+    def prior_grad_and_slope(u, v):
+        grad, slope = proposers.prior_grad_and_slope(to_x(u), along(v))
+        return pull(grad), pull(slope)
+
+    return Proposers(
+        term_grads_and_slopes=term_grads_and_slopes,
+        term_grads=lambda u: pull(proposers.term_grads(to_x(u))),
+        term_grad_of=lambda u, j: pull(proposers.term_grad_of(to_x(u), j)),
+        prior_grad_and_slope=prior_grad_and_slope,
+        num=proposers.num,
+    )
+
+
+def _preconditioned_bound(bound, preconditioner: Preconditioner):
+    """A user's bound in ``x`` as a bound in ``u``: ``|scale^T g| <= |scale|^T G`` and
+    ``|scale^T H scale| <= |scale|^T H |scale|`` entrywise."""
+    absolute = preconditioner.abs_matrix()
+    if isinstance(bound, GradientBound):
+        return GradientBound(bound.clients @ absolute, bound.prior @ absolute)
+    return HessianBound(absolute.T @ bound.clients @ absolute, absolute.T @ bound.prior @ absolute)
+
+
 def control_variate_reference(proposers: Proposers, reference) -> ControlVariates:
     """:class:`ControlVariates` at the reference point ``x*``: what :func:`build_kernel`
     needs to shift every proposer's rate by ``c_j = grad(T_j + w_j U_0)(x*) - grad U(x*) / P``.
@@ -649,6 +712,14 @@ class FedZigZag(MCMCKernel):
         with :meth:`skeleton`.
     :param bool full_covariance: integrate the full ``x x^T`` along the path (else only its
         diagonal) for :meth:`trajectory_moments`.
+    :param preconditioner: the process moves in ``u`` with ``x = center + scale u`` (``x``
+        the flat unconstrained latent vector), the Zig-Zag counterpart of NUTS's mass
+        matrix: ``None`` (default); ``"laplace"``: ``scale`` the Cholesky factor of the
+        inverse Hessian at the mode (found as for the control variates; in a federation one
+        round in which each client sends its Hessian there); ``"diagonal"``: its diagonal
+        only; or a user's ``scale``, ``(d,)`` or an invertible ``(d, d)``. Correlated or
+        badly scaled posteriors mix many times faster; the draws, trajectory moments and
+        skeleton are reported in ``x``.
     :param dict partition: as for :func:`~numpyro_fed.split_potential`.
     :param init_strategy: NumPyro init strategy (used when control variates are off).
 
@@ -697,8 +768,13 @@ class FedZigZag(MCMCKernel):
         dp_delta: float | None = None,
         skeleton_size: int = 0,
         full_covariance: bool = False,
+        preconditioner=None,
     ):
         self._model = model
+        if isinstance(preconditioner, str) and preconditioner not in ("laplace", "diagonal"):
+            raise ValueError(f"preconditioner must be None, 'laplace', 'diagonal' or an array, got {preconditioner!r}")
+        self.preconditioner = preconditioner
+        self.preconditioning = None
         self.skeleton_size = check_int(skeleton_size, "skeleton_size", minimum=0)
         self.full_covariance = bool(full_covariance)
         self.sample_interval = check_positive(sample_interval, "sample_interval")
@@ -737,6 +813,12 @@ class FedZigZag(MCMCKernel):
                 "aggregation round is not covered by Theorem 5.1"
             )
         self.control_variates = False
+        if isinstance(self.preconditioner, str):
+            raise ValueError(
+                f"preconditioner={self.preconditioner!r} with a privacy guarantee: the round of "
+                "Hessians it needs is not covered by Theorem 5.1 (pass a fixed scale; K must then "
+                "bound the change of the preconditioned intensities)"
+            )
         if epsilon is not None:
             target = check_positive(epsilon, "dp_epsilon")
             if self.excess_rate == 0.0:
@@ -819,9 +901,19 @@ class FedZigZag(MCMCKernel):
         duration = float(jnp.sum(fields["core.elapsed"]))
         mean = jnp.sum(fields["core.path_integral"], 0) / duration
         second = jnp.sum(fields["core.path_square_integral"], 0) / duration
-        if second.ndim == 2:
-            return {"mean": mean, "cov": second - jnp.outer(mean, mean)}
-        return {"mean": mean, "var": second - mean**2}
+        full = second.ndim == 2
+        cov = second - jnp.outer(mean, mean) if full else second - mean**2
+        pre = self.preconditioning
+        if pre is not None:  # the path was integrated in u; x = center + scale u
+            if not full and pre.scale.ndim == 2:
+                raise ValueError("with a dense preconditioner the variances of x need full_covariance=True")
+            mean = pre.to_x(mean)
+            if full:
+                cov = (pre.scale[:, None] * cov * pre.scale[None, :] if pre.scale.ndim == 1
+                       else pre.scale @ cov @ pre.scale.T)
+            else:
+                cov = pre.scale**2 * cov
+        return {"mean": mean, "cov": cov} if full else {"mean": mean, "var": cov}
 
     def skeleton(self, mcmc, *, chain: int = 0):
         """The recorded switches of one chain's sampling phase: ``(times, positions,
@@ -843,7 +935,11 @@ class FedZigZag(MCMCKernel):
         offsets = np.concatenate([[0.0], np.cumsum(fields["core.elapsed"])[:-1]])
         kept = np.arange(self.skeleton_size)[None, :] < np.minimum(counts, self.skeleton_size)[:, None]
         times = (fields["core.skeleton_times"] + offsets[:, None])[kept]
-        return times, fields["core.skeleton_x"][kept], fields["core.skeleton_v"][kept]
+        positions, velocities = fields["core.skeleton_x"][kept], fields["core.skeleton_v"][kept]
+        if self.preconditioning is not None:  # recorded in u: x = center + scale u moves along scale v
+            positions = np.asarray(self.preconditioning.to_x(positions))
+            velocities = np.asarray(self.preconditioning.direction_to_x(velocities))
+        return times, positions, velocities
 
     def sample_stats(self, extra_fields):
         """Diagnostics by name from ``MCMC.get_extra_fields(group_by_chain=True)``:
@@ -880,37 +976,52 @@ class FedZigZag(MCMCKernel):
         proposers, prior_weights = proposers_from_potential(potential, prior=self.prior)
         use_cv = potential.num_clients > 1 if self.control_variates is None else bool(self.control_variates)
         ravel = jax.vmap(potential.ravel) if vectorized else potential.ravel
+        flat_potential = jax.jit(lambda x: potential.potential(potential.unravel(x)))
         start = potential.ravel(potential.init_params)
-        reference = None
-        if use_cv:
-            # one reference point for all chains: the MAP is a property of the target
+        d = start.shape[-1]
+        self.reference_point = None
+        if use_cv or isinstance(self.preconditioner, str):
+            # one mode for all chains: it is a property of the target
             search_from = start
             if init_params is not None:
                 search_from = ravel(init_params)[0] if vectorized else ravel(init_params)
-            self.reference_point = _minimise(lambda x: potential.potential(potential.unravel(x)), search_from)
-            reference = control_variate_reference(proposers, self.reference_point)
+            self.reference_point = _minimise(flat_potential, search_from)
             start = self.reference_point
         if init_params is not None:
             start = ravel(init_params)
+
+        self.preconditioning = self._preconditioning(flat_potential, d, start.dtype)
         bounds = self.bounds
         if not isinstance(bounds, str):
-            bounds = _proposer_bound(bounds, potential.num_clients, proposers.num, start.shape[-1], start.dtype)
+            bounds = _proposer_bound(bounds, potential.num_clients, proposers.num, d, start.dtype)
+        reference = None
+        if self.preconditioning is not None:
+            proposers = precondition(proposers, self.preconditioning)
+            if not isinstance(bounds, str):
+                bounds = _preconditioned_bound(bounds, self.preconditioning)
+            start = self.preconditioning.to_u(start)
+        if use_cv:
+            point = self.reference_point
+            if self.preconditioning is not None:
+                point = self.preconditioning.to_u(point)
+            reference = control_variate_reference(proposers, point)
         kernel = jax.jit(build_kernel(
             proposers, reference=reference, excess_rates=jnp.full(proposers.num, self.excess_rate),
             redistribution_rate=self.redistribution_rate, bounds=bounds,
             grid_size=self.grid_size, safety_factor=self.safety_factor, max_proposals=self.max_proposals,
         ))
+        to_x = self.preconditioning.to_x if self.preconditioning is not None else (lambda u: u)
         unravel = potential.unravel
         core_init = partial(init, prior_weights=prior_weights, horizon=self.initial_horizon,
                             skeleton_size=self.skeleton_size, full_covariance=self.full_covariance)
 
         def sample_fn(state):
             core = kernel(state.core._replace(rng_key=state.rng_key), self.sample_interval)
-            return FedZigZagState(state.i + 1, unravel(core.x), core, core.rng_key)
+            return FedZigZagState(state.i + 1, unravel(to_x(core.x)), core, core.rng_key)
 
-        def init_fn(key, x):
-            core = core_init(x, key)
-            return FedZigZagState(jnp.zeros((), jnp.int32), unravel(core.x), core, core.rng_key)
+        def init_fn(key, u):
+            core = core_init(u, key)
+            return FedZigZagState(jnp.zeros((), jnp.int32), unravel(to_x(core.x)), core, core.rng_key)
 
         if vectorized:
             num_chains = rng_key.shape[0]
@@ -919,6 +1030,39 @@ class FedZigZag(MCMCKernel):
         # NumPyro skips init (and this set-up) when it has a state and _sample_fn.
         self._sample_fn = sample_fn
         return init_fn(rng_key, start)
+
+    def _preconditioning(self, flat_potential, d, dtype):
+        """The :class:`Preconditioner` asked for, or ``None``."""
+        choice = self.preconditioner
+        if choice is None:
+            return None
+        if isinstance(choice, str):
+            # the Laplace approximation at the mode: in a federation, one aggregation round
+            # (each client's Hessian at x*, summed with the prior's)
+            hessian = jax.hessian(flat_potential)(self.reference_point)
+            if choice == "diagonal":
+                curvature = jnp.diag(hessian)
+                if not bool(jnp.all(curvature > 0)):
+                    raise ValueError("preconditioner='diagonal': the Hessian at the mode has a "
+                                     "non-positive diagonal entry; pass a scale instead")
+                return Preconditioner(self.reference_point, 1 / jnp.sqrt(curvature))
+            scale = jnp.linalg.cholesky(jnp.linalg.inv(hessian))
+            if not bool(jnp.all(jnp.isfinite(scale))):
+                raise ValueError("preconditioner='laplace': the Hessian at the mode is not positive "
+                                 "definite; use 'diagonal' or pass a scale")
+            return Preconditioner(self.reference_point, scale)
+        scale = jnp.asarray(choice, dtype)
+        if scale.shape not in ((d,), (d, d)):
+            raise ValueError(f"preconditioner must have shape ({d},) or ({d}, {d}) (the flat "
+                             f"unconstrained coordinates), got {scale.shape}")
+        if not bool(jnp.all(jnp.isfinite(scale))):
+            raise ValueError("preconditioner must be finite")
+        if scale.ndim == 1 and not bool(jnp.all(scale > 0)):
+            raise ValueError("a diagonal preconditioner must be > 0")
+        if scale.ndim == 2 and abs(float(jnp.linalg.det(scale))) == 0.0:
+            raise ValueError("preconditioner must be an invertible matrix")
+        center = self.reference_point if self.reference_point is not None else jnp.zeros(d, dtype)
+        return Preconditioner(center, scale)
 
     def sample(self, state, model_args, model_kwargs):
         return self._sample_fn(state)
