@@ -58,6 +58,7 @@ from numpyro.infer.initialization import init_to_uniform, init_to_value  # noqa:
 
 import numpyro_fed as nf  # noqa: E402
 from numpyro_fed.infer.zigzag import (  # noqa: E402
+    precondition,
     build_kernel,
     control_variate_reference,
     proposers_from_potential,
@@ -65,6 +66,7 @@ from numpyro_fed.infer.zigzag import (  # noqa: E402
 
 NUM_ROWS = 1000
 RESULTS = Path(__file__).resolve().parent / "results" / "zigzag.json"
+PRECONDITIONER = None  # --preconditioner
 
 # Figures of the throw-away prototype quoted in /work/shared/NOTES.md (section FedZigZag).
 NOTES_EVENTS_PER_ESS = {  # d = 6
@@ -194,7 +196,8 @@ def _make_kernel(h, cv, init_params, cv_init_at_mean):
     # FedZigZag finds the control variates' reference point by BFGS from the init strategy's
     # point (init_to_uniform by default); --cv-init-at-mean starts that search at init_params.
     strategy = init_to_value(values=init_params) if cv_init_at_mean else init_to_uniform
-    return nf.FedZigZag(logistic_federated, sample_interval=h, control_variates=cv, init_strategy=strategy)
+    return nf.FedZigZag(logistic_federated, sample_interval=h, control_variates=cv, init_strategy=strategy,
+                        preconditioner=PRECONDITIONER)
 
 
 def _run_fzz(X, y, M, cv, h, num_samples, init_params, seed, cv_init_at_mean=False):
@@ -273,7 +276,11 @@ def bench_fzz(X, y, M, cv, h, *, init_params, target_ess, min_samples, pilot_sam
     })
     # 4. the bare core: one long duration, no per-sample work
     proposers, _ = proposers_from_potential(potential, prior=kernel.prior)
-    reference = control_variate_reference(proposers, kernel.reference_point) if cv else None
+    point = kernel.reference_point
+    if kernel.preconditioning is not None:  # the core moves in u = scale^-1 (x - center)
+        proposers = precondition(proposers, kernel.preconditioning)
+        point = kernel.preconditioning.to_u(point)
+    reference = control_variate_reference(proposers, point) if cv else None
     core = jax.jit(build_kernel(proposers, reference=reference, excess_rates=jnp.zeros(proposers.num),
                                 grid_size=kernel.grid_size, max_proposals=10_000_000))
     state = mcmc.last_state.core
@@ -423,6 +430,8 @@ def fmt(x, digits=3):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preconditioner", choices=("none", "laplace", "diagonal"), default="none",
+                        help="FedZigZag's preconditioner (default none: the paper's sampler)")
     parser.add_argument("--quick", action="store_true", help="d=6, M in {1, 8} only (~2 minutes)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="JSON output path")
     parser.add_argument("--seed", type=int, default=0)
@@ -437,6 +446,8 @@ def main(argv=None):
                         help="sample_interval = factor * smallest posterior sd (default: 2 "
                              "with --quick, else the best of a small sweep)")
     args = parser.parse_args(argv)
+    global PRECONDITIONER
+    PRECONDITIONER = None if args.preconditioner == "none" else args.preconditioner
     if args.report is not None:
         results = json.loads(args.report.read_text())
         for key in ("nuts", "interval_sweep"):  # JSON turned the int keys d into strings
@@ -462,7 +473,7 @@ def main(argv=None):
         "python": sys.version.split()[0], "jax": jax.__version__, "numpyro": numpyro.__version__,
         "platform": platform.platform(), "cpu_count": os.cpu_count(),
         "load_average_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
-        "quick": args.quick, "cv_init_at_mean": args.cv_init_at_mean, "N": NUM_ROWS, "seed": args.seed, "float64": bool(jax.config.jax_enable_x64),
+        "quick": args.quick, "cv_init_at_mean": args.cv_init_at_mean, "preconditioner": args.preconditioner, "N": NUM_ROWS, "seed": args.seed, "float64": bool(jax.config.jax_enable_x64),
     }
     print(f"FedZigZag benchmark: logistic regression N={NUM_ROWS}, float64, jax {jax.__version__}, "
           f"numpyro {numpyro.__version__}, {os.cpu_count()} CPUs, load {info['load_average_start']}", flush=True)
