@@ -309,9 +309,10 @@ def test_hessian_bound_on_the_gaussian_target_matches_closed_form(control_variat
     proposals = int(fields["core.num_proposals"].sum())
     if control_variates:  # no gradient to propose: only each proposal's winner evaluates
         assert evals == proposals
-    else:  # every proposer (M clients, the prior) at every proposal and at every sample's
-        # end (the line reaches it without an event), plus each proposal's winner
-        assert evals == (proposals + 4000) * (M + 1) + proposals
+    else:  # every proposer (M clients, the prior) once per line, i.e. after every switch (a
+        # rejection or a sample keeps the line and its bound), plus each proposal's winner
+        events = int(fields["core.num_events"].sum())
+        assert evals == events * (M + 1) + proposals
 
 
 def _logistic_data():

@@ -173,6 +173,34 @@ def _proposer_bound(bound, num_clients: int, num_proposers: int, d: int, dtype):
     return type(bound)(jnp.asarray(clients, dtype), jnp.asarray(prior, dtype))
 
 
+class LineBound(NamedTuple):
+    """The switching-rate bound of the current line ``x + t v``, kept between proposals.
+
+    A bound holds for the whole line it was built on, so after a rejected proposal, or when
+    a sample is taken, the next proposals are drawn from the rest of it (the bounding
+    processes are Poisson: memoryless) and nothing is re-evaluated. It is rebuilt after a
+    switch or a redistribution of the prior, and when the line reaches its horizon, where
+    the last grid point's values are reused as the new first one.
+
+    :ivar valid: the bound belongs to the current line.
+    :ivar position: time travelled on the line since the bound was built.
+    :ivar reuse: ``end_grads``/``end_slopes`` hold the values at the current point.
+    :ivar bound: grid bounds ``(K-1, P, d)`` per segment, or ``(2, P, d)``: the ``a`` and
+        ``b`` of ``max(0, a + b t)`` for the line bounds.
+    :ivar times: ``(K,)`` the grid's times (grid bounds only).
+    :ivar end_grads: ``(P, d)`` gradients at the grid's last point; ``end_slopes`` their
+        derivatives along ``v``.
+    """
+
+    valid: jax.Array
+    position: jax.Array
+    reuse: jax.Array
+    bound: jax.Array
+    times: jax.Array
+    end_grads: jax.Array
+    end_slopes: jax.Array
+
+
 class ZigZagState(NamedTuple):
     """State of the federated Zig-Zag process.
 
@@ -196,6 +224,7 @@ class ZigZagState(NamedTuple):
         ``S`` switches of the last call; ``skeleton_x``/``skeleton_v`` ``(S, d)`` the
         positions and new velocities there; ``skeleton_count`` how many switches there were
         (more than ``S`` means the buffer overflowed).
+    :ivar line: the :class:`LineBound` of the current line.
     """
 
     x: jax.Array
@@ -216,15 +245,18 @@ class ZigZagState(NamedTuple):
     skeleton_x: jax.Array
     skeleton_v: jax.Array
     skeleton_count: jax.Array
+    line: LineBound
 
 
 def init(x, rng_key, prior_weights, *, horizon: float = 1.0, v=None, skeleton_size: int = 0,
-         full_covariance: bool = False) -> ZigZagState:
+         full_covariance: bool = False, bounds="grid", grid_size: int = 2) -> ZigZagState:
     """Initial state at ``x`` with a uniformly random velocity (unless ``v`` is given).
 
     :param prior_weights: ``(P,)`` initial shares of the prior (summing to one).
     :param int skeleton_size: switches recorded per call (0: none).
     :param bool full_covariance: integrate ``x x^T`` in full (else its diagonal).
+    :param bounds: and ``grid_size``: as given to :func:`build_kernel` (they fix the shape
+        of the kept :class:`LineBound`).
     """
     x = jnp.asarray(x)
     key_v, rng_key = jax.random.split(rng_key)
@@ -245,6 +277,16 @@ def init(x, rng_key, prior_weights, *, horizon: float = 1.0, v=None, skeleton_si
         skeleton_x=jnp.zeros((skeleton_size, x.shape[0]), x.dtype),
         skeleton_v=jnp.zeros((skeleton_size, x.shape[0]), x.dtype),
         skeleton_count=jnp.zeros((), jnp.int32),
+        line=_empty_line(bounds, grid_size, prior_weights.shape[0], x.shape[0], x.dtype),
+    )
+
+
+def _empty_line(bounds, grid_size, num, d, dtype) -> LineBound:
+    rows = grid_size - 1 if _bound_kind(bounds) == "grid" else 2
+    return LineBound(
+        valid=jnp.zeros((), bool), position=jnp.zeros((), dtype), reuse=jnp.zeros((), bool),
+        bound=jnp.zeros((rows, num, d), dtype), times=jnp.zeros(grid_size, dtype),
+        end_grads=jnp.zeros((num, d), dtype), end_slopes=jnp.zeros((num, d), dtype),
     )
 
 
@@ -354,6 +396,7 @@ def build_kernel(
         dtype = state.x.dtype
         excess = (jnp.zeros(num, dtype) if excess_rates is None else jnp.asarray(excess_rates, dtype)) / d
         fractions = jnp.linspace(0.0, 1.0, grid_size, dtype=dtype)
+        yes, no = jnp.ones((), bool), jnp.zeros((), bool)
 
         def shift_for(weights):
             if reference is None:
@@ -386,37 +429,70 @@ def build_kernel(
             total = reference.term_grads.sum(0) + reference.prior_grad
             return v * total / num + hessian @ jnp.abs(x - reference.point), growth
 
-        def grid_proposals(state, shift, uniforms, exponentials, horizon):
-            """Proposals from the automatic grid bound over [0, horizon]."""
-            times = fractions * horizon
+        # -- building a line's bound ------------------------------------------------------
+
+        def build_grid(state, shift, first=None):
+            """Grid bound over [0, horizon]; ``first``: the values at t = 0, already known."""
+            times = fractions * state.horizon
+            new_times = times if first is None else times[1:]
             # (K, P, d): every proposer's gradient and slope at every grid point.
-            grads, slopes = jax.vmap(lambda t: grads_and_slopes(state.x + t * state.v, state.v, state.prior_weights))(times)
+            grads, slopes = jax.vmap(lambda t: grads_and_slopes(state.x + t * state.v, state.v, state.prior_weights))(new_times)
+            if first is not None:
+                grads = jnp.concatenate([first[0][None], grads])
+                slopes = jnp.concatenate([first[1][None], slopes])
             signed = state.v * (grads - shift)
             bound = safety_factor * segment_bounds(times, signed, state.v * slopes) + excess[:, None]
-            totals = bound.sum(-1)  # (K-1, P)
-            width = horizon / (grid_size - 1)
-            # Inversion of each proposer's piecewise-constant bound.
-            cumulative = jnp.cumsum(totals * width, axis=0)  # (K-1, P)
+            return state.line._replace(valid=yes, position=jnp.zeros((), dtype), reuse=no, bound=bound,
+                                       times=times, end_grads=grads[-1], end_slopes=slopes[-1])
+
+        def build_line(state, shift):
+            a, b = line_coefficients(state, shift)
+            return state.line._replace(valid=yes, position=jnp.zeros((), dtype), reuse=no,
+                                       bound=safety_factor * jnp.stack([a, b]))
+
+        def current_line(state, shift):
+            """``(line bound, gradient evaluations per proposer)``: kept, rebuilt, or (grid, at
+            the horizon) rebuilt from the last grid point's values."""
+            line = state.line
+            count = partial(jnp.asarray, dtype=jnp.int32)
+            if kind != "grid":
+                return lax.cond(line.valid, lambda: (line, count(0)),
+                                lambda: (build_line(state, shift), count(evaluations_per_step)))
+            choice = jnp.where(line.valid & (line.position < line.times[-1]), 0, jnp.where(line.reuse, 2, 1))
+            return lax.switch(choice, [
+                lambda: (line, count(0)),
+                lambda: (build_grid(state, shift), count(grid_size)),
+                lambda: (build_grid(state, shift, (line.end_grads, line.end_slopes)), count(grid_size - 1)),
+            ])
+
+        # -- proposals from the rest of the line's bound ----------------------------------
+
+        def grid_proposals(line, uniforms, exponentials):
+            """First arrivals after ``line.position`` of each proposer's piecewise-constant bound."""
+            edges, position = line.times, line.position
+            lengths = jnp.clip(edges[1:] - jnp.maximum(edges[:-1], position), 0.0)  # (K-1,)
+            totals = line.bound.sum(-1)  # (K-1, P)
+            cumulative = jnp.cumsum(totals * lengths[:, None], axis=0)
             segment = jnp.sum(cumulative < exponentials[None, :], axis=0)  # first crossing, K-1 if none
             has_event = segment < grid_size - 1
             segment = jnp.minimum(segment, grid_size - 2)
             before = jnp.where(segment > 0, jnp.take_along_axis(cumulative, jnp.maximum(segment - 1, 0)[None], 0)[0], 0.0)
             rate_in_segment = jnp.take_along_axis(totals, segment[None], 0)[0]
-            tau = segment * width + (exponentials - before) / jnp.where(rate_in_segment > 0, rate_in_segment, 1.0)
+            tau = (jnp.maximum(edges[segment], position) - position
+                   + (exponentials - before) / jnp.where(rate_in_segment > 0, rate_in_segment, 1.0))
             tau = jnp.where(has_event, tau, jnp.inf)
             # each proposer's coordinate, by inverse CDF of its bounds in its segment
-            coordinate_bounds = bound[segment, jnp.arange(num)]  # (P, d)
+            coordinate_bounds = line.bound[segment, jnp.arange(num)]  # (P, d)
             cumulative_bounds = jnp.cumsum(coordinate_bounds, -1)
             picks = uniforms[num: 2 * num] * cumulative_bounds[:, -1]
             coordinates = jnp.minimum(jnp.sum(cumulative_bounds < picks[:, None], -1), d - 1)
             bound_values = jnp.take_along_axis(coordinate_bounds, coordinates[:, None], -1)[:, 0]
             return tau, coordinates, bound_values, jnp.zeros(num, bool)
 
-        def line_proposals(state, shift, uniforms, exponentials):
-            """Exact inversion of the bound max(0, a + b t) per proposer and coordinate, plus
-            each proposer's excess clock (always accepted)."""
-            a, b = line_coefficients(state, shift)
-            a, b = safety_factor * a, safety_factor * b
+        def line_proposals(line, uniforms, exponentials):
+            """Exact first arrivals of max(0, a + b t) after ``line.position`` per proposer and
+            coordinate, plus each proposer's excess clock (always accepted)."""
+            a, b = line.bound[0] + line.bound[1] * line.position, line.bound[1]
             e = -jnp.log(uniforms[2 * num: 2 * num + num * d]).reshape(num, d)
             times = _affine_first_arrival(a, b, e)
             coordinates = jnp.argmin(times, -1)
@@ -434,27 +510,32 @@ def build_kernel(
                 from_excess,
             )
 
-        def one_proposal(carry):
+        def one_step(carry):
             state, remaining = carry
             # One split and one batch of uniforms per step: threefry dominates small steps on CPU.
             key, key_step = jax.random.split(state.rng_key)
             uniforms = jax.random.uniform(key_step, (num * (d + 2) + 3,), dtype, minval=jnp.finfo(dtype).tiny)
             shift = shift_for(state.prior_weights)
-            # line bounds hold on the whole line: no horizon but the time left
-            horizon = jnp.minimum(state.horizon, remaining) if kind == "grid" else remaining
+            line, evaluations = current_line(state, shift)
+            state = state._replace(rng_key=key, grad_evals_by_proposer=state.grad_evals_by_proposer + evaluations)
             exponentials = -jnp.log(uniforms[:num])
-            if kind != "grid":
-                tau, coordinates, bound_values, certain = line_proposals(state, shift, uniforms, exponentials)
+            if kind == "grid":
+                tau, coordinates, bound_values, certain = grid_proposals(line, uniforms, exponentials)
+                line_left = line.times[-1] - line.position
             else:
-                tau, coordinates, bound_values, certain = grid_proposals(state, shift, uniforms, exponentials, horizon)
+                tau, coordinates, bound_values, certain = line_proposals(line, uniforms, exponentials)
+                line_left = jnp.asarray(jnp.inf, dtype)
             winner = jnp.argmin(tau)
             tau_win = tau[winner]
+            stop = jnp.minimum(line_left, remaining)
 
             def no_event(_):
-                grown = jnp.where(horizon >= state.horizon, state.horizon * 1.01, state.horizon)
-                new = _move(state, horizon)._replace(horizon=grown, rng_key=key,
-                                     grad_evals_by_proposer=state.grad_evals_by_proposer + evaluations_per_step)
-                return new, remaining - horizon
+                moved = _move(state, stop)
+                at_horizon = line_left <= remaining
+                # at the horizon the grid's last point is where the next bound starts
+                kept = line._replace(valid=~at_horizon, reuse=at_horizon, position=line.position + stop)
+                horizon = jnp.where(at_horizon, state.horizon * 1.01, state.horizon)
+                return moved._replace(line=kept, horizon=horizon), remaining - stop
 
             def proposal(_):
                 coordinate = coordinates[winner]
@@ -470,8 +551,8 @@ def build_kernel(
                 accept = certain[winner] | (uniforms[num + 1] * bound < rate)
                 v_new = jnp.where(accept, state.v.at[coordinate].multiply(-1.0), state.v)
                 horizon_new = jnp.where(violated, state.horizon / 2, jnp.where(accept, state.horizon, state.horizon / 1.04))
-                evals = state.grad_evals_by_proposer + evaluations_per_step
-                evals = evals.at[winner].add(1)
+                # a rejection leaves the line, hence its bound, as it was
+                kept = line._replace(valid=~(accept | violated), reuse=no, position=line.position + tau_win)
                 if moved.skeleton_times.shape[0]:  # record the switch (beyond capacity: dropped)
                     slot = jnp.where(accept, moved.skeleton_count, moved.skeleton_times.shape[0])
                     moved = moved._replace(
@@ -480,28 +561,27 @@ def build_kernel(
                         skeleton_v=moved.skeleton_v.at[slot].set(v_new, mode="drop"),
                     )
                 new = moved._replace(
-                    v=v_new, horizon=horizon_new, rng_key=key,
+                    v=v_new, horizon=horizon_new, line=kept,
                     skeleton_count=moved.skeleton_count + accept,
                     num_events=state.num_events + accept,
                     num_proposals=state.num_proposals + 1,
                     num_violations=state.num_violations + violated,
                     events_by_proposer=state.events_by_proposer.at[winner].add(accept.astype(jnp.int32)),
-                    grad_evals_by_proposer=evals,
+                    grad_evals_by_proposer=state.grad_evals_by_proposer.at[winner].add(1),
                 )
                 return new, remaining - tau_win
 
             if redistribution_rate <= 0:
-                return lax.cond(tau_win < horizon, proposal, no_event, None)
+                return lax.cond(tau_win < stop, proposal, no_event, None)
 
             tau_redist = -jnp.log(uniforms[num + 2]) / redistribution_rate
 
             def redistribute(_):
                 weights = jax.random.dirichlet(jax.random.fold_in(key_step, 1), jnp.ones(num, dtype))
-                new = _move(state, tau_redist)._replace(prior_weights=weights, rng_key=key,
-                                     grad_evals_by_proposer=state.grad_evals_by_proposer + evaluations_per_step)
+                new = _move(state, tau_redist)._replace(prior_weights=weights, line=line._replace(valid=no, reuse=no))
                 return new, remaining - tau_redist
 
-            branch = jnp.where(tau_redist < jnp.minimum(tau_win, horizon), 2, jnp.where(tau_win < horizon, 1, 0))
+            branch = jnp.where(tau_redist < jnp.minimum(tau_win, stop), 2, jnp.where(tau_win < stop, 1, 0))
             return lax.switch(branch, [no_event, proposal, redistribute], None)
 
         def not_done(carry):
@@ -519,7 +599,7 @@ def build_kernel(
             events_by_proposer=jnp.zeros_like(state.events_by_proposer),
             grad_evals_by_proposer=jnp.zeros_like(state.grad_evals_by_proposer),
         )
-        final, remaining = lax.while_loop(not_done, one_proposal, (fresh, jnp.asarray(duration, dtype)))
+        final, remaining = lax.while_loop(not_done, one_step, (fresh, jnp.asarray(duration, dtype)))
         return final._replace(hit_event_cap=remaining > 0)
 
     return kernel
@@ -1013,6 +1093,7 @@ class FedZigZag(MCMCKernel):
         to_x = self.preconditioning.to_x if self.preconditioning is not None else (lambda u: u)
         unravel = potential.unravel
         core_init = partial(init, prior_weights=prior_weights, horizon=self.initial_horizon,
+                            bounds=bounds, grid_size=self.grid_size,
                             skeleton_size=self.skeleton_size, full_covariance=self.full_covariance)
 
         def sample_fn(state):
