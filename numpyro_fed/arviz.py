@@ -109,7 +109,15 @@ def _register_numpyro_mcmc():
         sampler = mcmc.sampler
         if hasattr(sampler, "check_run"):
             sampler.check_run(mcmc)
-        idata = az.from_numpyro(mcmc, log_likelihood=log_likelihood, **kwargs)
+        if hasattr(sampler, "inference_data"):
+            # samplers whose draws are not one posterior draw each (e.g. one per agent)
+            posterior, groups, dims = sampler.inference_data(mcmc)
+            idata = az.from_dict(posterior=posterior, **kwargs)
+            for group, values in groups.items():
+                dataset = az.dict_to_dataset(values, library=None, dims=dims.get(group))
+                idata.add_groups({group: dataset})
+        else:
+            idata = az.from_numpyro(mcmc, log_likelihood=log_likelihood, **kwargs)
         idata = _drop_client_data(idata, observed_data=observed_data, log_likelihood=log_likelihood)
         if hasattr(sampler, "sample_stats"):
             stats = sampler.sample_stats(mcmc.get_extra_fields(group_by_chain=True))

@@ -1,0 +1,286 @@
+"""What the decentralised samplers share: agents' local potentials and the NumPyro face.
+
+Every agent ``i`` (one per client) holds the local potential
+
+    f_i(x) = client_potential_i(x) + w_i * prior_potential(x),   sum_i w_i = 1,
+
+on the flat unconstrained latent vector ``x`` (``w_i = 1/N`` by default, as in Eq. (27) of
+the D-ADMMS paper), so that ``sum_i f_i`` is NumPyro's potential energy. The algorithm cores
+(:mod:`~numpyro_fed.infer.admm`, :mod:`~numpyro_fed.infer.baselines`) see only
+:class:`AgentPotentials`; :class:`DecentralisedKernel` turns a core into a NumPyro
+``MCMCKernel`` whose sample is all agents' iterates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+from numpyro.infer.mcmc import MCMCKernel
+from numpyro.util import is_prng_key
+
+from numpyro_fed._checks import check_positive
+from numpyro_fed.infer.topology import make_topology
+from numpyro_fed.potential import split_potential
+
+__all__ = ["AgentPotentials", "DecentralisedKernel", "DecentralisedState", "agent_potentials"]
+
+AVERAGE_SUFFIX = "_avg"
+
+
+class AgentPotentials(NamedTuple):
+    """The agents' local potentials as one vmappable function.
+
+    :ivar fn: ``(x, block, prior_weight) -> f_i(x)`` for a flat ``x`` of shape ``(d,)``,
+        an agent's data block and its share of the prior.
+    :ivar data: the stacked client blocks (leading axis ``N``).
+    :ivar prior_weights: ``(N,)`` shares of the prior, summing to one.
+    :ivar int num_agents: ``N``.
+    :ivar int dim: ``d``.
+    """
+
+    fn: Callable
+    data: Any
+    prior_weights: jax.Array
+    num_agents: int
+    dim: int
+
+    def values(self, x):
+        """``(N,)`` local potentials at the agents' iterates ``x`` of shape ``(N, d)``."""
+        return jax.vmap(self.fn)(x, self.data, self.prior_weights)
+
+    def grads(self, x):
+        """``(N, d)`` gradients of the local potentials at ``x`` of shape ``(N, d)``."""
+        return jax.vmap(jax.grad(self.fn))(x, self.data, self.prior_weights)
+
+    def total(self, x):
+        """The global potential ``sum_i f_i(x)`` at one point ``x`` of shape ``(d,)``."""
+        return jnp.sum(jax.vmap(self.fn, in_axes=(None, 0, 0))(x, self.data, self.prior_weights))
+
+
+def agent_potentials(potential, prior_weights=None) -> AgentPotentials:
+    """The agents' local potentials of a :class:`~numpyro_fed.FederatedPotential`.
+
+    :param prior_weights: ``None`` (the prior split evenly, ``w_i = 1/N``) or ``(N,)``
+        non-negative shares summing to one (e.g. all of it on one agent).
+    """
+    n = potential.num_clients
+    if prior_weights is None:
+        weights = np.full(n, 1.0 / n)
+    else:
+        weights = np.asarray(prior_weights, dtype=float)
+        if weights.shape != (n,):
+            raise ValueError(f"prior_weights must have shape ({n},) (one per client), got {weights.shape}")
+        if not np.all(np.isfinite(weights)) or np.any(weights < 0) or not np.isclose(weights.sum(), 1.0):
+            raise ValueError(f"prior_weights must be non-negative and sum to one, got {weights.tolist()}")
+
+    def fn(x, block, prior_weight):
+        z = potential.unravel(x)
+        return potential.client_potential_fn(z, block) + prior_weight * potential.prior_potential_fn(z)
+
+    return AgentPotentials(fn, potential.client_data, jnp.asarray(weights), n, potential.num_latent)
+
+
+class DecentralisedState(NamedTuple):
+    """NumPyro-facing state of a decentralised sampler.
+
+    :ivar i: iteration counter.
+    :ivar z: the sample: unconstrained sites with a leading agent axis ``(N, ...)``, and the
+        network average of the iterates under ``<site>_avg``.
+    :ivar core: the algorithm's state (e.g. :class:`~numpyro_fed.infer.admm.ADMMState`).
+    :ivar info: the algorithm's diagnostics of the last iteration; read them with
+        ``extra_fields=("info.<name>",)`` or :meth:`DecentralisedKernel.sample_stats`.
+    :ivar rng_key: random key.
+    """
+
+    i: jax.Array
+    z: dict
+    core: Any
+    info: Any
+    rng_key: jax.Array
+
+
+class DecentralisedKernel(MCMCKernel):
+    """Base class: one agent per client on a communication graph, all agents ``vmap``ped.
+
+    One MCMC sample is one iteration of all agents. ``MCMC.get_samples()`` gives, per site,
+    the agents' iterates with a leading agent axis (``(num_samples, N, ...)``) and the
+    network average under ``<site>_avg``. Chains are independent runs of the whole
+    network; ``chain_method="vectorized"`` runs them in one batch.
+
+    Subclasses define :meth:`_build` (the core: ``(init_fn, kernel, info_names)``).
+    """
+
+    sample_field = "z"
+    #: names of the core's per-agent diagnostics (fields of its info namedtuple)
+    info_names: tuple = ()
+
+    def __init__(self, model, *, topology="ring", prior_weights=None, init_scale: float = 1.0,
+                 partition=None):
+        self._model = model
+        self.topology_spec = topology
+        if isinstance(topology, str):  # fail early on an unknown name
+            make_topology(topology, 1, warn_disconnected=False)
+        self.prior_weights = prior_weights
+        self.init_scale = check_positive(init_scale, "init_scale")
+        self.partition = partition
+        self.federated_potential = None
+        self.topology = None
+        self._sample_fn = None
+
+    # -- to be provided by the algorithms ---------------------------------------------------
+    def _build(self, potentials: AgentPotentials, topology, x0):
+        """``(init_fn(x0 (N, d)) -> core, kernel(rng_key, core) -> (core, info))``."""
+        raise NotImplementedError
+
+    # -- MCMCKernel -------------------------------------------------------------------------
+    @property
+    def model(self):
+        return self._model
+
+    @property
+    def default_fields(self):
+        return ("z",) + tuple("info." + name for name in self.info_names)
+
+    def init(self, rng_key, num_warmup, init_params, model_args, model_kwargs):
+        batched = not is_prng_key(rng_key)
+        first_key = rng_key[0] if batched else rng_key
+        potential = split_potential(self._model, model_args, model_kwargs, partition=self.partition,
+                                    rng_key=jax.random.fold_in(first_key, 1))
+        self.federated_potential = potential
+        self.topology = make_topology(self.topology_spec, potential.num_clients)
+        potentials = agent_potentials(potential, self.prior_weights)
+        self.agent_potentials = potentials
+        n, d = potentials.num_agents, potentials.dim
+        base = potential.ravel(potential.init_params)
+        self._check_sites(potential)
+
+        def start(key, params):
+            if params is None:
+                noise = jax.random.normal(key, (n, d), dtype=base.dtype)
+                return self.init_scale * noise
+            return self._flat_init(params, n, d, base)
+
+        init_fn, kernel = self._build(potentials, self.topology, base)
+        self._kernel = kernel
+
+        def one_chain(key, params):
+            key_start, key_state = jax.random.split(key)
+            x0 = start(key_start, params)
+            core = init_fn(x0)
+            info = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: kernel(key_start, core)[1]))
+            return DecentralisedState(jnp.zeros((), jnp.int32), self._z(x0), core, info, key_state)
+
+        if batched:
+            in_axes = (0, None if init_params is None else 0)
+            state = jax.vmap(one_chain, in_axes=in_axes)(rng_key, init_params)
+            self._sample_fn = jax.vmap(self._sample)
+        else:
+            state = one_chain(rng_key, init_params)
+            self._sample_fn = self._sample
+        return state
+
+    def _sample(self, state):
+        key, subkey = jax.random.split(state.rng_key)
+        core, info = self._kernel(subkey, state.core)
+        return DecentralisedState(state.i + 1, self._z(core.x), core, info, key)
+
+    def sample(self, state, model_args, model_kwargs):
+        return self._sample_fn(state)
+
+    def postprocess_fn(self, model_args, model_kwargs):
+        if self.federated_potential is None:
+            raise RuntimeError(f"{type(self).__name__}.postprocess_fn needs init() to have run")
+        constrain = self.federated_potential.postprocess_fn
+        names = set(self.federated_potential.init_params)
+
+        def fn(z):
+            agents = {k: v for k, v in z.items() if k in names}
+            average = {k[: -len(AVERAGE_SUFFIX)]: v for k, v in z.items() if k not in names}
+            out = jax.vmap(constrain)(agents)
+            out.update({k + AVERAGE_SUFFIX: v for k, v in constrain(average).items()})
+            return out
+
+        return fn
+
+    def get_diagnostics_str(self, state):
+        return ""
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _z(self, x):
+        unravel = self.federated_potential.unravel
+        z = jax.vmap(unravel)(x)
+        z.update({k + AVERAGE_SUFFIX: v for k, v in unravel(jnp.mean(x, axis=0)).items()})
+        return z
+
+    def _check_sites(self, potential):
+        names = set(potential.postprocess_fn(potential.init_params))
+        clashes = sorted(n for n in names if n + AVERAGE_SUFFIX in names)
+        if clashes:
+            raise ValueError(
+                f"sites {clashes} clash with the network-average names "
+                f"{[n + AVERAGE_SUFFIX for n in clashes]}: rename them"
+            )
+
+    def _flat_init(self, params, n, d, base):
+        """Flat ``(N, d)`` start from ``init_params`` (unconstrained, by site): each site
+        shaped like its value (every agent starts there) or with a leading agent axis."""
+        reference = self.federated_potential.init_params
+        if set(params) != set(reference):
+            raise ValueError(f"init_params must have the sites {sorted(reference)}, got {sorted(params)}")
+        per_agent = {}
+        for name, ref in reference.items():
+            shape = jnp.shape(params[name])
+            if shape == jnp.shape(ref):
+                per_agent[name] = jnp.broadcast_to(params[name], (n,) + shape)
+            elif shape == (n,) + jnp.shape(ref):
+                per_agent[name] = params[name]
+            else:
+                raise ValueError(
+                    f"init_params[{name!r}] has shape {shape}; expected {jnp.shape(ref)} (all agents) "
+                    f"or {(n,) + jnp.shape(ref)} (one value per agent)"
+                )
+        flat = jax.vmap(self.federated_potential.ravel)(per_agent)
+        return jnp.asarray(flat, dtype=base.dtype)
+
+    # -- diagnostics ------------------------------------------------------------------------
+    def sample_stats(self, extra_fields):
+        """Diagnostics by name from ``MCMC.get_extra_fields(group_by_chain=True)``:
+        ``{name: (array, dims)}``, per-agent ones with an ``agent`` dim."""
+        stats = {}
+        for name in self.info_names:
+            value = extra_fields.get("info." + name)
+            if value is None:
+                continue
+            value = np.asarray(jax.device_get(value))
+            stats[name] = (value, ["agent"] if value.ndim == 3 else [])
+        return stats
+
+    def inference_data(self, mcmc):
+        """``(posterior, groups, dims)`` for :func:`~numpyro_fed.to_inference_data`: the
+        network average in ``posterior`` (plain site names) and each agent's draws in an
+        ``agents`` group with an ``agent`` dim."""
+        samples = jax.device_get(mcmc.get_samples(group_by_chain=True))
+        posterior, agents = {}, {}
+        for name, value in samples.items():
+            if name.endswith(AVERAGE_SUFFIX):
+                posterior[name[: -len(AVERAGE_SUFFIX)]] = np.asarray(value)
+            else:
+                agents[name] = np.asarray(value)
+        dims = {name: ["agent"] + [f"{name}_dim_{k}" for k in range(np.ndim(v) - 3)]
+                for name, v in agents.items()}
+        return posterior, {"agents": agents}, {"agents": dims}
+
+    def agent_draws(self, mcmc, agent: int | None = None, *, group_by_chain: bool = False):
+        """The draws of one agent (``agent``), or of the network average (``None``), keyed
+        by plain site names: ready for :class:`numpyro.infer.Predictive`."""
+        samples = mcmc.get_samples(group_by_chain=group_by_chain)
+        axis = 2 if group_by_chain else 1
+        if agent is None:
+            return {k[: -len(AVERAGE_SUFFIX)]: v for k, v in samples.items() if k.endswith(AVERAGE_SUFFIX)}
+        return {k: jnp.take(v, agent, axis=axis) for k, v in samples.items() if not k.endswith(AVERAGE_SUFFIX)}

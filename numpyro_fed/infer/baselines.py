@@ -1,0 +1,234 @@
+"""Gradient-based decentralised samplers: the baselines of the D-ADMMS paper (Section 6.1).
+
+All three run one agent per client on a communication graph, exchange iterates with the
+neighbours once per iteration, and use full local gradients of ``f_i`` (the client's
+potential plus its share of the prior, see :mod:`numpyro_fed.infer._agents`):
+
+* **D-SGLD** (Gürbüzbalaban et al. 2021), Eq. (22):
+  ``x_i <- sum_j S_ij x_j - eta grad f_i(x_i) + sqrt(2 eta) w_i``;
+* **D-SGHMC** (Gürbüzbalaban et al. 2021), Eqs. (23)-(24):
+  ``v_i <- v_i - eta (gamma v_i + grad f_i(x_i)) + sqrt(2 gamma eta) w_i``,
+  ``x_i <- sum_j S_ij x_j + eta v_i``;
+* **D-ULA** (Parayil et al. 2021), Eq. (25):
+  ``x_i <- x_i - zeta_k sum_{j in N_i} (x_i - x_j) - alpha_k N grad f_i(x_i) + sqrt(2 alpha_k) w_i``
+  with ``w_i ~ N(0, N I)``, ``alpha_k = alpha_0 / (230 + k)^chi_2``,
+  ``zeta_k = zeta_0 / (230 + k)^chi_1``.
+
+``S`` is the doubly stochastic Metropolis matrix of the graph
+(:func:`~numpyro_fed.infer.topology.metropolis_weights`). Defaults are the paper's
+hyper-parameters for its linear regression (Section 6.2.2); its logistic regression
+(Section 6.3.2) uses ``eta = 0.0003`` (D-SGLD) and ``eta = 0.02, gamma = 30`` (D-SGHMC).
+Like :class:`~numpyro_fed.DADMMS`, one MCMC sample is one iteration of all agents.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from numpyro_fed._checks import check_positive, check_real
+from numpyro_fed.infer._agents import AgentPotentials, DecentralisedKernel
+from numpyro_fed.infer.topology import metropolis_weights
+
+__all__ = [
+    "DSGHMC",
+    "DSGLD",
+    "DULA",
+    "GradientInfo",
+    "SGHMCState",
+    "SGLDState",
+    "ULAState",
+    "build_dsghmc_kernel",
+    "build_dsgld_kernel",
+    "build_dula_kernel",
+]
+
+
+class SGLDState(NamedTuple):
+    """:ivar x: ``(N, d)`` the agents' iterates."""
+
+    x: jax.Array
+
+
+class SGHMCState(NamedTuple):
+    """:ivar x: ``(N, d)`` iterates; :ivar v: ``(N, d)`` momenta (zero at the start)."""
+
+    x: jax.Array
+    v: jax.Array
+
+
+class ULAState(NamedTuple):
+    """:ivar x: ``(N, d)`` iterates; :ivar k: iteration counter (for the step sizes)."""
+
+    x: jax.Array
+    k: jax.Array
+
+
+class GradientInfo(NamedTuple):
+    """:ivar primal_residual: ``(N,)`` ``sqrt(sum_{j in N_i} ||x_i - x_j||^2)`` after the step."""
+
+    primal_residual: jax.Array
+
+
+def _residual(adjacency, x):
+    degrees = jnp.sum(adjacency, axis=1)
+    sq = jnp.sum(x**2, axis=1)
+    total = degrees * sq - 2.0 * jnp.sum(x * (adjacency @ x), axis=1) + adjacency @ sq
+    return jnp.sqrt(jnp.maximum(total, 0.0))
+
+
+def build_dsgld_kernel(potentials: AgentPotentials, mixing, step_size: float) -> Callable:
+    """D-SGLD, Eq. (22): ``kernel(rng_key, SGLDState) -> (SGLDState, GradientInfo)``.
+
+    :param mixing: ``(N, N)`` doubly stochastic matrix ``S``.
+    """
+    step_size = check_positive(step_size, "step_size")
+    mixing = jnp.asarray(mixing, dtype=potentials.prior_weights.dtype)
+    adjacency = (mixing != 0) & ~jnp.eye(mixing.shape[0], dtype=bool)
+
+    def kernel(rng_key, state):
+        x = state.x
+        w = jax.random.normal(rng_key, x.shape, dtype=x.dtype)
+        x_new = mixing @ x - step_size * potentials.grads(x) + jnp.sqrt(2.0 * step_size) * w
+        return SGLDState(x_new), GradientInfo(_residual(adjacency.astype(x.dtype), x_new))
+
+    return kernel
+
+
+def build_dsghmc_kernel(potentials: AgentPotentials, mixing, step_size: float, friction: float) -> Callable:
+    """D-SGHMC, Eqs. (23)-(24): ``kernel(rng_key, SGHMCState) -> (SGHMCState, GradientInfo)``."""
+    step_size = check_positive(step_size, "step_size")
+    friction = check_positive(friction, "friction")
+    mixing = jnp.asarray(mixing, dtype=potentials.prior_weights.dtype)
+    adjacency = (mixing != 0) & ~jnp.eye(mixing.shape[0], dtype=bool)
+
+    def kernel(rng_key, state):
+        x, v = state
+        w = jax.random.normal(rng_key, x.shape, dtype=x.dtype)
+        v_new = v - step_size * (friction * v + potentials.grads(x)) + jnp.sqrt(2.0 * friction * step_size) * w
+        x_new = mixing @ x + step_size * v_new
+        return SGHMCState(x_new, v_new), GradientInfo(_residual(adjacency.astype(x.dtype), x_new))
+
+    return kernel
+
+
+def build_dula_kernel(potentials: AgentPotentials, adjacency, *, alpha0: float, zeta0: float,
+                      chi1: float, chi2: float, offset: float = 230.0) -> Callable:
+    """D-ULA, Eq. (25): ``kernel(rng_key, ULAState) -> (ULAState, GradientInfo)``."""
+    alpha0, zeta0 = check_positive(alpha0, "alpha0"), check_real(zeta0, "zeta0")
+    chi1, chi2, offset = check_real(chi1, "chi1"), check_real(chi2, "chi2"), check_positive(offset, "offset")
+    if zeta0 < 0:
+        raise ValueError(f"zeta0 must be >= 0, got {zeta0}")
+    adjacency = jnp.asarray(adjacency, dtype=potentials.prior_weights.dtype)
+    degrees = jnp.sum(adjacency, axis=1)
+    n = potentials.num_agents
+
+    def kernel(rng_key, state):
+        x, k = state
+        alpha = alpha0 / (offset + k) ** chi2
+        zeta = zeta0 / (offset + k) ** chi1
+        w = jnp.sqrt(n) * jax.random.normal(rng_key, x.shape, dtype=x.dtype)  # w ~ N(0, N I)
+        disagreement = degrees[:, None] * x - adjacency @ x
+        x_new = x - zeta * disagreement - alpha * n * potentials.grads(x) + jnp.sqrt(2.0 * alpha) * w
+        return ULAState(x_new, k + 1), GradientInfo(_residual(adjacency, x_new))
+
+    return kernel
+
+
+class DSGLD(DecentralisedKernel):
+    """Decentralised SGLD (Eq. (22)) with Metropolis weights, as an ``MCMCKernel``.
+
+    :param float step_size: ``eta`` (the paper: 0.009 for linear regression, 0.0003 for
+        logistic regression).
+
+    Other arguments (``topology``, ``prior_weights``, ``init_scale``, ``partition``) and the
+    output are those of :class:`~numpyro_fed.DADMMS`.
+
+    >>> import jax, numpyro, numpyro.distributions as dist
+    >>> from numpyro.infer import MCMC
+    >>> import numpyro_fed as nf
+    >>> def model(y):
+    ...     mu = numpyro.sample("mu", dist.Normal(0, 10))
+    ...     with nf.federated_plate("data", y.shape[0], clients=4):
+    ...         numpyro.sample("y", dist.Normal(mu, 1), obs=y)
+    >>> mcmc = MCMC(nf.DSGLD(model, topology="ring"), num_warmup=0, num_samples=20, progress_bar=False)
+    >>> mcmc.run(jax.random.PRNGKey(0), jax.numpy.zeros(40))
+    >>> mcmc.get_samples()["mu"].shape
+    (20, 4)
+    """
+
+    info_names = GradientInfo._fields
+
+    def __init__(self, model, *, topology="ring", step_size: float = 0.009, prior_weights=None,
+                 init_scale: float = 1.0, partition=None):
+        super().__init__(model, topology=topology, prior_weights=prior_weights, init_scale=init_scale,
+                         partition=partition)
+        self.step_size = check_positive(step_size, "step_size")
+
+    def _build(self, potentials, topology, x0):
+        kernel = build_dsgld_kernel(potentials, metropolis_weights(topology.adjacency), self.step_size)
+        return SGLDState, kernel
+
+
+class DSGHMC(DecentralisedKernel):
+    """Decentralised SGHMC (Eqs. (23)-(24)) with Metropolis weights, as an ``MCMCKernel``.
+
+    :param float step_size: ``eta`` (the paper: 0.1 for linear, 0.02 for logistic regression).
+    :param float friction: ``gamma`` (the paper: 7 for linear, 30 for logistic regression).
+
+    Momenta start at zero. Other arguments as :class:`DSGLD`.
+    """
+
+    info_names = GradientInfo._fields
+
+    def __init__(self, model, *, topology="ring", step_size: float = 0.1, friction: float = 7.0,
+                 prior_weights=None, init_scale: float = 1.0, partition=None):
+        super().__init__(model, topology=topology, prior_weights=prior_weights, init_scale=init_scale,
+                         partition=partition)
+        self.step_size = check_positive(step_size, "step_size")
+        self.friction = check_positive(friction, "friction")
+
+    def _build(self, potentials, topology, x0):
+        kernel = build_dsghmc_kernel(potentials, metropolis_weights(topology.adjacency), self.step_size,
+                                     self.friction)
+        return (lambda x: SGHMCState(x, jnp.zeros_like(x))), kernel
+
+
+class DULA(DecentralisedKernel):
+    """Decentralised ULA (Eq. (25)) with decaying step sizes, as an ``MCMCKernel``.
+
+    ``alpha_k = alpha0 / (230 + k)^chi2`` and ``zeta_k = zeta0 / (230 + k)^chi1``, ``k``
+    counting iterations from the start (warm-up included).
+
+    :param float alpha0: 0.00082 in the paper.
+    :param float zeta0: 0.48 in the paper.
+    :param float chi1: ``None``: the paper's choice, 0.55 on a complete graph, else 0.05.
+    :param float chi2: 0.05 in the paper.
+
+    Other arguments as :class:`DSGLD`.
+    """
+
+    info_names = GradientInfo._fields
+
+    def __init__(self, model, *, topology="ring", alpha0: float = 0.00082, zeta0: float = 0.48,
+                 chi1: float | None = None, chi2: float = 0.05, prior_weights=None, init_scale: float = 1.0,
+                 partition=None):
+        super().__init__(model, topology=topology, prior_weights=prior_weights, init_scale=init_scale,
+                         partition=partition)
+        self.alpha0 = check_positive(alpha0, "alpha0")
+        self.zeta0 = check_real(zeta0, "zeta0")
+        if self.zeta0 < 0:
+            raise ValueError(f"zeta0 must be >= 0, got {zeta0}")
+        self.chi1 = None if chi1 is None else check_real(chi1, "chi1")
+        self.chi2 = check_real(chi2, "chi2")
+
+    def _build(self, potentials, topology, x0):
+        chi1 = self.chi1
+        if chi1 is None:
+            chi1 = 0.55 if topology.num_edges == topology.num_agents * (topology.num_agents - 1) // 2 and topology.num_agents > 2 else 0.05
+        kernel = build_dula_kernel(potentials, topology.adjacency, alpha0=self.alpha0, zeta0=self.zeta0,
+                                   chi1=chi1, chi2=self.chi2)
+        return (lambda x: ULAState(x, jnp.zeros((), x.dtype))), kernel
