@@ -801,7 +801,11 @@ class FedZigZag(MCMCKernel):
         badly scaled posteriors mix many times faster; the draws, trajectory moments and
         skeleton are reported in ``x``.
     :param dict partition: as for :func:`~numpyro_fed.split_potential`.
-    :param init_strategy: NumPyro init strategy (used when control variates are off).
+    :param init_strategy: NumPyro init strategy: where the chain starts, or, with control
+        variates or a computed preconditioner, where the search for the mode starts (the
+        chains then start at the mode). ``init_params`` given to ``MCMC.run`` take
+        precedence; with ``num_chains > 1`` and ``chain_method="vectorized"`` the chains
+        run under one ``vmap`` and share the mode, the preconditioner and the split.
 
     The privacy guarantee covers **each switching time a client sends, one message at a
     time**; it is not composed over the many messages of a run. Control variates need one
