@@ -431,19 +431,22 @@ def build_kernel(
 
         # -- building a line's bound ------------------------------------------------------
 
-        def build_grid(state, shift, first=None):
-            """Grid bound over [0, horizon]; ``first``: the values at t = 0, already known."""
+        def build_grid(state, shift):
+            """Grid bound over [0, horizon]. At a horizon the values at t = 0 are the last grid
+            point's, kept in the line bound: nested conditionals, so that a single chain skips
+            that evaluation, and vectorized chains (where both branches run) pay no more."""
+            line = state.line
             times = fractions * state.horizon
-            new_times = times if first is None else times[1:]
-            # (K, P, d): every proposer's gradient and slope at every grid point.
-            grads, slopes = jax.vmap(lambda t: grads_and_slopes(state.x + t * state.v, state.v, state.prior_weights))(new_times)
-            if first is not None:
-                grads = jnp.concatenate([first[0][None], grads])
-                slopes = jnp.concatenate([first[1][None], slopes])
+            # (K-1, P, d): every proposer's gradient and slope at the grid points after t = 0.
+            grads, slopes = jax.vmap(lambda t: grads_and_slopes(state.x + t * state.v, state.v, state.prior_weights))(times[1:])
+            first = lax.cond(line.reuse, lambda: (line.end_grads, line.end_slopes),
+                             lambda: grads_and_slopes(state.x, state.v, state.prior_weights))
+            grads = jnp.concatenate([first[0][None], grads])
+            slopes = jnp.concatenate([first[1][None], slopes])
             signed = state.v * (grads - shift)
             bound = safety_factor * segment_bounds(times, signed, state.v * slopes) + excess[:, None]
-            return state.line._replace(valid=yes, position=jnp.zeros((), dtype), reuse=no, bound=bound,
-                                       times=times, end_grads=grads[-1], end_slopes=slopes[-1])
+            return line._replace(valid=yes, position=jnp.zeros((), dtype), reuse=no, bound=bound,
+                                 times=times, end_grads=grads[-1], end_slopes=slopes[-1])
 
         def build_line(state, shift):
             a, b = line_coefficients(state, shift)
@@ -458,12 +461,11 @@ def build_kernel(
             if kind != "grid":
                 return lax.cond(line.valid, lambda: (line, count(0)),
                                 lambda: (build_line(state, shift), count(evaluations_per_step)))
-            choice = jnp.where(line.valid & (line.position < line.times[-1]), 0, jnp.where(line.reuse, 2, 1))
-            return lax.switch(choice, [
+            return lax.cond(
+                line.valid & (line.position < line.times[-1]),
                 lambda: (line, count(0)),
-                lambda: (build_grid(state, shift), count(grid_size)),
-                lambda: (build_grid(state, shift, (line.end_grads, line.end_slopes)), count(grid_size - 1)),
-            ])
+                lambda: (build_grid(state, shift), count(jnp.where(line.reuse, grid_size - 1, grid_size))),
+            )
 
         # -- proposals from the rest of the line's bound ----------------------------------
 
