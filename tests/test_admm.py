@@ -15,7 +15,7 @@ from numpyro.infer import MCMC, NUTS
 import numpyro_fed as nf
 from numpyro_fed.datasets import dadmms_linear, dadmms_logistic
 from numpyro_fed.infer import admm
-from numpyro_fed.infer._agents import agent_potentials
+from numpyro_fed.infer.agents import agent_potentials
 from numpyro_fed.infer.topology import DisconnectedTopologyWarning
 from numpyro_fed.metrics import accuracy, gaussian_w2, gaussian_w2_from_samples
 

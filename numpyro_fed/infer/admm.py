@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from numpyro_fed._checks import check_int, check_positive, check_real
-from numpyro_fed.infer._agents import AgentPotentials, DecentralisedKernel, agent_potentials
+from numpyro_fed.infer.agents import AgentPotentials, DecentralisedKernel, agent_potentials
 
 __all__ = [
     "ADMM",
@@ -242,7 +242,7 @@ def build_kernel(
     the minimiser of the sum):
 
     >>> import jax, jax.numpy as jnp
-    >>> from numpyro_fed.infer._agents import AgentPotentials
+    >>> from numpyro_fed.infer.agents import AgentPotentials
     >>> pots = AgentPotentials(lambda x, b, w: 0.5 * jnp.sum((x - b) ** 2),
     ...                        jnp.array([0.0, 1.0]), jnp.array([0.5, 0.5]), 2, 1)
     >>> kernel = jax.jit(build_kernel(pots, jnp.array([[0.0, 1.0], [1.0, 0.0]]), 1.0, noise_scale=0.0))

@@ -2,7 +2,7 @@
 
 All three run one agent per client on a communication graph, exchange iterates with the
 neighbours once per iteration, and use full local gradients of ``f_i`` (the client's
-potential plus its share of the prior, see :mod:`numpyro_fed.infer._agents`):
+potential plus its share of the prior, see :mod:`numpyro_fed.infer.agents`):
 
 * **D-SGLD** (Gürbüzbalaban et al. 2021), Eq. (22):
   ``x_i <- sum_j S_ij x_j - eta grad f_i(x_i) + sqrt(2 eta) w_i``;
@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from numpyro_fed._checks import check_positive, check_real
-from numpyro_fed.infer._agents import AgentPotentials, DecentralisedKernel
+from numpyro_fed.infer.agents import AgentPotentials, DecentralisedKernel
 from numpyro_fed.infer.topology import metropolis_weights
 
 __all__ = [
