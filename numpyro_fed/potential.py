@@ -143,6 +143,12 @@ class FederatedPotential:
     :ivar client_potential_fn: the pure, un-jitted ``(z, block) -> client term``, where
         ``block`` is one client's slice of :attr:`client_data`; algorithms ``vmap`` it (or
         its derivatives) over ``client_data`` themselves.
+    :ivar row_log_likelihood_fn: the pure ``(z, rows) -> (num_rows,)`` log-likelihood of
+        each row of a block of data rows (``rows`` has the layout of ``block["rows"]``
+        with any number of rows, e.g. one client's minibatch). Padding is not masked: the
+        caller weights rows by ``block["valid"]``. For models with one federated data plate
+        and global latents only; it is what per-example gradients (DP-SGD) differentiate.
+        Over a client's valid rows it sums to minus that client's potential.
     :ivar postprocess_fn: ``z -> dict`` of constrained values of every latent site and of the
         deterministic sites that do not depend on client data (as NumPyro's
         ``postprocess_fn``; row-local latents are constrained by their clients).
@@ -392,6 +398,38 @@ def split_potential(
             if site.plate in client_rows
         }
 
+    def row_log_likelihood_fn(z, rows):
+        """Log-likelihood of each row of a block of rows: shape ``(num_rows,)``."""
+        if len(data_plates) != 1:
+            raise ValueError(
+                "row_log_likelihood_fn needs exactly one federated data plate, found "
+                f"{[p.name for p in data_plates]}"
+            )
+        if enumerated or any(s.plate is not None for s in latent_sites.values()):
+            raise ValueError(
+                "row_log_likelihood_fn needs a model whose latent variables are all global: "
+                "per-row terms are not defined with client-local or enumerated latents"
+            )
+        plate = data_plates[0]
+        num_rows = jnp.shape(rows[0])[0]
+        args, kwargs = rebuild_args(rows)
+        view = _unconstrain(seed(base_model, rng_seed=0), z)
+        with _override_plate_sizes({plate.name: num_rows}):
+            tr = trace(view).get_trace(*args, **kwargs)
+        total = jnp.zeros(num_rows)
+        for site in tr.values():
+            if site["type"] != "sample":
+                continue
+            frames = [f for f in site["cond_indep_stack"] if f.name == plate.name]
+            if not frames:
+                continue
+            log_prob = site["fn"].log_prob(site["value"])
+            if site["scale"] is not None:
+                log_prob = site["scale"] * log_prob
+            log_prob = jnp.moveaxis(jnp.asarray(log_prob), frames[0].dim, 0)
+            total = total + jnp.reshape(log_prob, (num_rows, -1)).sum(axis=1)
+        return total
+
     z0 = _unconstrained_init(model_trace, latent_sites)
     # Deterministic sites computed from client data stay with the clients.
     server_outputs = _data_free_outputs(server_values, z0, placeholders)
@@ -436,6 +474,7 @@ def split_potential(
         enumerated=enumerated,
         prior_potential_fn=prior_potential_fn,
         client_potential_fn=client_potential_fn,
+        row_log_likelihood_fn=row_log_likelihood_fn,
         postprocess_fn=postprocess_fn,
         row_arguments=_describe_leaves(treedef, len(leaves), row_leaves),
     )

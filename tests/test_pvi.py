@@ -1,0 +1,132 @@
+"""PVI core: per-row likelihoods, the Gaussian prior, clipping, and the exact conjugate fixed point."""
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import numpyro
+import numpyro.distributions as dist
+
+import models
+import numpyro_fed as nf
+from numpyro_fed.infer import pvi
+from numpyro_fed.infer.dppvi import DPPVI
+
+
+def _regression_data(n=37, p=3, seed=0):
+    X = jax.random.normal(jax.random.PRNGKey(seed), (n, p))
+    return X, (X[:, 0] > 0) * 1.0
+
+
+@pytest.mark.parametrize("model", [models.logistic_regression, models.linear_regression])
+def test_row_log_likelihood_sums_to_client_potentials(model):
+    X, y = _regression_data()
+    y = y if model is models.logistic_regression else X[:, 1] + 0.1
+    fp = nf.split_potential(model, (X, y))
+    z = fp.init_params
+    rows = jax.vmap(fp.row_log_likelihood_fn, in_axes=(None, 0))(z, fp.client_data["rows"])
+    assert rows.shape == fp.client_data["valid"]["data"].shape
+    per_client = jnp.sum(rows * fp.client_data["valid"]["data"], axis=1)
+    np.testing.assert_allclose(-per_client, fp.client_potentials(z), rtol=1e-12)
+    # One row alone is that row's term.
+    one = fp.row_log_likelihood_fn(z, [r[0, 2:3] for r in fp.client_data["rows"]])
+    np.testing.assert_allclose(one, rows[0, 2:3], rtol=1e-12)
+
+
+def test_row_log_likelihood_refuses_client_local_latents():
+    X, _ = _regression_data(n=models.NUM_ROWS)
+    group = np.arange(models.NUM_ROWS) % models.NUM_CLIENTS
+    fp = nf.split_potential(models.hierarchical, (X, group, X[:, 0]))
+    with pytest.raises(ValueError, match="global"):
+        fp.row_log_likelihood_fn(fp.init_params, [r[0] for r in fp.client_data["rows"]])
+
+
+def test_gaussian_prior_reads_normal_priors():
+    X, y = _regression_data()
+    fp = nf.split_potential(models.logistic_regression, (X, y))
+    eta = pvi.gaussian_prior(lambda x: fp.prior_potential_fn(fp.unravel(x)), fp.num_latent)
+    loc, scale = pvi.loc_scale(eta)
+    np.testing.assert_allclose(loc, 0.0, atol=1e-12)
+    np.testing.assert_allclose(scale, 1.0, rtol=1e-12)
+
+
+def test_gaussian_prior_refuses_non_gaussian_prior():
+    X, _ = _regression_data()
+    fp = nf.split_potential(models.poisson_glm, (X, jnp.ones(X.shape[0])))
+    with pytest.raises(ValueError, match="Gaussian prior"):
+        pvi.gaussian_prior(lambda x: fp.prior_potential_fn(fp.unravel(x)), fp.num_latent)
+
+
+@pytest.mark.parametrize("clip_norm", [1e-3, 0.5, 3.0])
+def test_clip_by_norm_bounds_every_row(clip_norm):
+    vectors = jax.random.normal(jax.random.PRNGKey(1), (500, 7)) * jnp.logspace(-3, 2, 500)[:, None]
+    clipped, was_clipped = pvi.clip_by_norm(vectors, clip_norm)
+    norms = jnp.linalg.norm(vectors, axis=1)
+    new_norms = jnp.linalg.norm(clipped, axis=1)
+    assert jnp.all(new_norms <= clip_norm * (1 + 1e-12))
+    # Rows within the bound are untouched, the others keep their direction.
+    np.testing.assert_array_equal(was_clipped, norms > clip_norm)
+    np.testing.assert_allclose(clipped[~was_clipped], vectors[~was_clipped])
+    cosine = jnp.sum(clipped * vectors, axis=1) / (new_norms * norms)
+    np.testing.assert_allclose(cosine, 1.0, rtol=1e-12)
+
+
+def test_per_example_grads_match_single_row_gradients():
+    X, y = _regression_data(n=9)
+    fp = nf.split_potential(models.logistic_regression, (X, y))
+    rows = [r[0] for r in fp.client_data["rows"]]
+    d = fp.num_latent
+
+    def row_log_lik(theta, rows):
+        return fp.row_log_likelihood_fn(fp.unravel(theta), rows)
+
+    params = pvi._Params(jnp.arange(d) * 0.3, jnp.full(d, -0.5))
+    eps = jax.random.normal(jax.random.PRNGKey(2), (5, d))
+    grads = pvi.per_example_grads(row_log_lik, params, eps, rows)
+    for i in range(rows[0].shape[0]):
+        def term(p):
+            thetas = p.loc + jnp.exp(p.log_scale) * eps
+            return jnp.mean(jax.vmap(lambda t: row_log_lik(t, [r[i:i + 1] for r in rows])[0])(thetas))
+
+        g = jax.jit(jax.grad(term))(params)
+        np.testing.assert_allclose(grads[i], jnp.concatenate([g.loc, g.log_scale]), rtol=1e-10)
+
+
+def _gaussian_mean_model(y, clients):
+    def model(y):
+        mu = numpyro.sample("mu", dist.Normal(jnp.array([0.5, -1.0]), jnp.array([2.0, 1.0])).to_event(1))
+        with nf.federated_plate("data", y.shape[0], clients=clients):
+            numpyro.sample("y", dist.Normal(mu, jnp.array([1.0, 3.0])).to_event(1), obs=y)
+
+    return model
+
+
+@pytest.mark.parametrize("schedule", ["sequential", "synchronous"])
+def test_conjugate_gaussian_reaches_exact_posterior(schedule):
+    n = 31
+    y = jax.random.normal(jax.random.PRNGKey(0), (n, 2)) * jnp.array([1.0, 3.0]) + jnp.array([1.0, 2.0])
+    model = _gaussian_mean_model(y, np.arange(n) % 3)
+    prior_precision = 1 / jnp.array([2.0, 1.0]) ** 2
+    noise_precision = 1 / jnp.array([1.0, 3.0]) ** 2
+    precision = prior_precision + n * noise_precision
+    mean = (prior_precision * jnp.array([0.5, -1.0]) + noise_precision * y.sum(0)) / precision
+    sd = precision ** -0.5
+
+    optim = optax.adam(optax.exponential_decay(5e-2, 300, 0.05))
+    method = DPPVI(model, schedule=schedule, optim=optim, num_local_steps=300,
+                   num_mc_samples=64, progress_bar=False)
+    result = method.run(jax.random.PRNGKey(1), 6, y)
+    loc, scale = result.params["loc"]["mu"], result.params["scale"]["mu"]
+    # The prior alone is far off: these tolerances are a small fraction of the gap.
+    assert jnp.all(jnp.abs(loc - mean) < 0.05 * sd)
+    np.testing.assert_allclose(scale, sd, rtol=0.02)
+    # The fixed point: q = prior x client factors, each factor that client's likelihood.
+    state = result.state
+    np.testing.assert_allclose(state.q.eta2, state.prior.eta2 + state.factors.eta2.sum(0), rtol=1e-10)
+    client_precision = -2 * state.factors.eta2
+    counts = np.bincount(np.arange(n) % 3)
+    np.testing.assert_allclose(client_precision, counts[:, None] * noise_precision, rtol=0.1)
+    assert not np.any(result.metrics["rejected"])
