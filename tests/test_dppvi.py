@@ -255,3 +255,35 @@ def test_samples_and_inference_data(dpsgd_run):
     assert idata.attrs["privacy_epsilon"] == result.privacy.epsilon
     assert idata.attrs["algorithm"] == "DPPVI" and idata.attrs["num_clients"] == NUM_CLIENTS
     assert idata.sample_stats["clipped"].dims == ("round", "client")
+
+
+@pytest.mark.parametrize("prior", ["same", "split"])
+def test_bcm_is_exact_on_a_conjugate_model(prior):
+    from numpyro_fed.infer.dppvi import BCM
+
+    def gaussian(y):
+        mu = numpyro.sample("mu", dist.Normal(0.5, 2.0))
+        with nf.federated_plate("data", y.shape[0], clients=3):
+            numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+
+    y = jnp.linspace(-1.0, 3.0, 12)
+    precision = 1 / 4 + 12
+    mean = (0.5 / 4 + y.sum()) / precision
+    bcm = BCM(gaussian, prior=prior, dp=None, optim=optax.adam(optax.exponential_decay(5e-2, 400, 0.05)),
+              num_local_steps=400, num_mc_samples=64, progress_bar=False)
+    result = bcm.run(jax.random.PRNGKey(0), y)
+    assert abs(result.params["loc"]["mu"] - mean) < 0.05 * precision ** -0.5
+    np.testing.assert_allclose(result.params["scale"]["mu"], precision ** -0.5, rtol=0.03)
+
+
+def test_global_vi_accounts_the_pooled_rows(data):
+    from numpyro_fed.infer.dppvi import GlobalVI
+
+    method = GlobalVI(model, noise_multiplier=2.0, sampling="without_replacement", sampling_rate=0.05, **FAST)
+    result = method.run(jax.random.PRNGKey(1), *data)
+    event = dp_event.SelfComposedDpEvent(
+        dp_event.SampledWithoutReplacementDpEvent(NUM_ROWS, 6, dp_event.GaussianDpEvent(1.0)),
+        FAST["num_local_steps"],
+    )
+    assert result.privacy.epsilon == _direct_epsilon(RdpAccountant(neighboring_relation=REPLACE), event)
+    assert result.metrics["communications"].tolist() == [NUM_CLIENTS * FAST["num_local_steps"]]

@@ -34,7 +34,7 @@ from numpyro_fed.privacy.accounting import (
 )
 from numpyro_fed.privacy.guarantee import PrivacyGuarantee
 
-__all__ = ["DPPVI", "DPPVIRunResult"]
+__all__ = ["BCM", "DPPVI", "DPPVIRunResult", "GlobalVI"]
 
 
 class DPPVIRunResult(NamedTuple):
@@ -305,17 +305,12 @@ class DPPVI:
         """
         num_rounds = check_int(num_rounds, "num_rounds", minimum=1)
         potential, plate, prior = self._setup(args, kwargs)
-        sizes = np.asarray(potential.client_sizes)
-        num_clients = potential.num_clients
+        sizes, rows, valid = self._layout(potential, plate)
+        num_clients = sizes.size
         key_shards, key_run = jax.random.split(rng_key)
         shard_seed = int(jax.random.randint(key_shards, (), 0, 2**31 - 1))
         shard_index, shard_valid = core.shard_layout(sizes, self.num_shards, 0, seed=shard_seed)
-        data = core.ClientData(
-            rows=potential.client_data["rows"],
-            valid=potential.client_data["valid"][plate],
-            shard_index=shard_index,
-            shard_valid=shard_valid,
-        )
+        data = core.ClientData(rows=rows, valid=valid, shard_index=shard_index, shard_valid=shard_valid)
         sigmas = self.noise_multipliers(num_rounds, sizes)
         config = core.LocalConfig(
             optim=self.optim, num_steps=self.num_local_steps, num_mc_samples=self.num_mc_samples,
@@ -332,9 +327,7 @@ class DPPVI:
             row_log_lik, data, config, dp=self.dp, schedule=self.schedule, damping=self.damping,
             noise_multiplier=sigmas, trusted_aggregator=self.trusted_aggregator, batch_cap=batch_cap,
         ))
-        state = init_state if init_state is not None else core.init(
-            prior, num_clients, self.num_shards if self.dp == "virtual" else 1
-        )
+        state = init_state if init_state is not None else self._initial_state(prior, num_clients)
         keys = jax.random.split(key_run, num_rounds)
         history = []
         iterator = range(num_rounds)
@@ -346,18 +339,37 @@ class DPPVI:
             state, info = round_fn(keys[r], state)
             loc, scale = core.loc_scale(state.q)
             history.append((loc, scale, info.rejected, info.clipped))
+        state = self._final_state(state)
+        if num_rounds:
+            loc, scale = core.loc_scale(state.q)
+            history[-1] = (loc, scale) + history[-1][2:]
         locs, scales, rejected, clipped = (np.asarray(jnp.stack(x)) for x in zip(*history))
         metrics = {
             "loc": locs,
             "scale": scales,
             "rejected": rejected,
             "clipped": clipped,
-            "communications": np.arange(1, num_rounds + 1) * num_clients,
+            "communications": np.arange(1, num_rounds + 1) * self._communications_per_round(potential),
         }
         loc, scale = core.loc_scale(state.q)
         params = {"loc": unravel(loc), "scale": unravel(scale)}
         privacy = self.privacy(sigmas, num_rounds, sizes)
         return DPPVIRunResult(params, state, metrics, privacy, sigmas)
+
+    # -- hooks for the baselines ---------------------------------------------------------------
+    def _layout(self, potential, plate):
+        """``(client sizes, stacked rows, valid mask)`` of the parties that optimise."""
+        return (np.asarray(potential.client_sizes), potential.client_data["rows"],
+                potential.client_data["valid"][plate])
+
+    def _initial_state(self, prior, num_clients):
+        return core.init(prior, num_clients, self.num_shards if self.dp == "virtual" else 1)
+
+    def _final_state(self, state):
+        return state
+
+    def _communications_per_round(self, potential):
+        return potential.num_clients
 
     def get_samples(self, rng_key, result: DPPVIRunResult, num_samples: int) -> dict:
         """``num_samples`` draws of ``q``, constrained, as a dict by site (like
@@ -370,6 +382,88 @@ class DPPVI:
         eps = jax.random.normal(rng_key, (num_samples, loc.shape[0]), loc.dtype)
         flat = loc + scale * eps
         return jax.vmap(lambda x: potential.postprocess_fn(potential.unravel(x)))(flat)
+
+
+class BCM(DPPVI):
+    """Bayesian committee machine (Tresp 2000) trained with DP-SGD: the one-round baseline
+    of the DP-PVI paper. Every client fits its local posterior once, from the prior
+    (``prior="same"``: ``q = prod_m q_m / p^(M-1)``) or from ``p^(1/M)``
+    (``prior="split"``: ``q = prod_m q_m``); the server multiplies them.
+
+    It is DPPVI with one synchronous round, no damping; ``run(rng_key, *args)`` takes no
+    number of rounds. The privacy is that of ``num_local_steps`` DP-SGD steps per client.
+    Other arguments as :class:`DPPVI` (``dp`` is ``"dpsgd"`` or ``None``).
+
+    >>> import jax, jax.numpy as jnp, numpyro, numpyro.distributions as dist
+    >>> import numpyro_fed as nf
+    >>> from numpyro_fed.infer.dppvi import BCM
+    >>> def model(y):
+    ...     mu = numpyro.sample("mu", dist.Normal(0, 1))
+    ...     with nf.federated_plate("data", y.shape[0], clients=2):
+    ...         numpyro.sample("y", dist.Normal(mu, 1), obs=y)
+    >>> bcm = BCM(model, prior="split", dp=None, num_local_steps=300, progress_bar=False)
+    >>> result = bcm.run(jax.random.PRNGKey(0), jnp.ones(8))
+    >>> round(float(result.params["loc"]["mu"]), 1), round(float(result.params["scale"]["mu"]), 2)
+    (0.9, 0.33)
+    """
+
+    def __init__(self, model, *, prior: str = "same", dp: str | None = "dpsgd", **kwargs):
+        if prior not in ("same", "split"):
+            raise ValueError(f"prior must be 'same' or 'split', got {prior!r}")
+        if dp not in (None, "dpsgd"):
+            raise ValueError(f"BCM trains with DP-SGD: dp must be 'dpsgd' or None, got {dp!r}")
+        for name in ("schedule", "damping"):
+            if name in kwargs:
+                raise ValueError(f"BCM fixes {name}: one synchronous round, no damping")
+        self.prior = prior
+        super().__init__(model, dp=dp, schedule="synchronous", damping=1.0, **kwargs)
+
+    def _initial_state(self, prior, num_clients):
+        state = core.init(prior, num_clients)
+        if self.prior == "split":
+            # factors (1 - 1/M) eta_prior make every cavity p^(1/M)
+            share = jax.tree_util.tree_map(
+                lambda x: jnp.broadcast_to((1.0 - 1.0 / num_clients) * x, (num_clients,) + x.shape), prior
+            )
+            state = state._replace(factors=share)
+        return state
+
+    def _final_state(self, state):
+        q = jax.tree_util.tree_map(lambda p, f: p + f.sum(0), state.prior, state.factors)
+        return state._replace(q=q)
+
+    def run(self, rng_key, *args, **kwargs) -> DPPVIRunResult:  # noqa: D102
+        return super().run(rng_key, 1, *args, **kwargs)
+
+
+class GlobalVI(DPPVI):
+    """Global (centralised) DP-VI with a trusted aggregator (Jälkö et al. 2017): the
+    baseline of the DP-PVI paper that needs a communication per optimisation step.
+
+    Every step, each client sends its sum of clipped per-example gradients to a trusted
+    aggregator that adds the noise once: the same as DP-SGD on the pooled rows, which is
+    how it is computed here. ``run(rng_key, *args)`` runs ``num_local_steps`` steps; the
+    communications count ``M`` per step. Other arguments as :class:`DPPVI`.
+    """
+
+    def __init__(self, model, *, dp: str | None = "dpsgd", **kwargs):
+        if dp not in (None, "dpsgd"):
+            raise ValueError(f"GlobalVI trains with DP-SGD: dp must be 'dpsgd' or None, got {dp!r}")
+        for name in ("schedule", "damping"):
+            if name in kwargs:
+                raise ValueError(f"GlobalVI fixes {name}")
+        super().__init__(model, dp=dp, schedule="synchronous", damping=1.0, **kwargs)
+
+    def _layout(self, potential, plate):
+        valid = potential.client_data["valid"][plate]
+        rows = [r.reshape((1, -1) + r.shape[2:]) for r in potential.client_data["rows"]]
+        return np.array([int(np.sum(valid))]), rows, valid.reshape(1, -1)
+
+    def _communications_per_round(self, potential):
+        return potential.num_clients * self.num_local_steps
+
+    def run(self, rng_key, *args, **kwargs) -> DPPVIRunResult:  # noqa: D102
+        return super().run(rng_key, 1, *args, **kwargs)
 
 
 @register_converter(DPPVIRunResult)
