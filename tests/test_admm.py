@@ -111,7 +111,7 @@ def test_noise_free_admm_converges_to_the_map_with_newton(topology, rho, iterati
 
 def test_logistic_regression_accuracy_matches_nuts():
     X, y = LOGISTIC.X, LOGISTIC.y
-    nuts = MCMC(NUTS(logistic_model), num_warmup=300, num_samples=500, progress_bar=False)
+    nuts = MCMC(NUTS(logistic_model), num_warmup=200, num_samples=300, progress_bar=False)
     nuts.run(jax.random.PRNGKey(0), X, y)
     posterior_mean = np.asarray(nuts.get_samples()["x"].mean(0))
     reference = accuracy(1 / (1 + np.exp(-X @ posterior_mean)), y)
