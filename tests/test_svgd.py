@@ -1,0 +1,309 @@
+"""DSVGD and its baselines: kernels, conjugate moments, the 1-D mixture of the paper, the
+fixed point, argument checks."""
+
+import math
+
+import numpy as np
+import pytest
+from scipy import stats
+
+import jax
+import jax.numpy as jnp
+
+import numpyro
+import numpyro.distributions as dist
+
+import numpyro_fed as nf
+from numpyro_fed import datasets, metrics
+from numpyro_fed.infer import svgd
+
+# -- models -------------------------------------------------------------------------------------
+
+# Conjugate Gaussian mean, 3 clients of 2 rows: prior N(0, 3^2), noise N(0, 3^2).
+PRIOR_SD, NOISE_SD = 3.0, 3.0
+Y = jnp.array([2.5, -1.0, 4.0, 0.5, 3.0, 1.5])
+POST_PRECISION = 1 / PRIOR_SD**2 + Y.size / NOISE_SD**2
+POST_MEAN = float(Y.sum() / NOISE_SD**2 / POST_PRECISION)  # 1.5
+POST_VAR = 1 / POST_PRECISION  # 9/7
+
+
+def gaussian_mean(y):
+    mu = numpyro.sample("mu", dist.Normal(0, PRIOR_SD))
+    with nf.federated_plate("data", y.shape[0], clients=3):
+        numpyro.sample("y", dist.Normal(mu, NOISE_SD), obs=y)
+
+
+# The paper's 1-D mixture (App. B.1): exp(-L_1) = N(theta | 1, 4), exp(-L_2) = N(theta | -3, 1)
+# + N(theta | 3, 2), prior N(0, 1). Row k of the arguments is agent k's likelihood, written as a
+# two-component mixture observed at y_k with component means theta + shift.
+MIX_Y = jnp.array([1.0, 0.0])
+MIX_SHIFTS = jnp.array([[0.0, 0.0], [3.0, -3.0]])
+MIX_LOG_SCALES = jnp.log(jnp.array([[2.0, 2.0], [1.0, math.sqrt(2.0)]]))
+
+
+def mixture_toy(y, shifts, log_scales):
+    theta = numpyro.sample("theta", dist.Normal(0, 1))
+    with nf.federated_plate("agents", 2, clients=2):
+        components = dist.Normal(theta + shifts, jnp.exp(log_scales))
+        numpyro.sample("obs", dist.MixtureSameFamily(dist.Categorical(probs=jnp.full(2, 0.5)), components),
+                       obs=y)
+
+
+def moments(particles):
+    particles = np.asarray(particles)[:, 0]
+    return particles.mean(), particles.var()
+
+
+# -- kernels and optimiser ----------------------------------------------------------------------
+
+
+def test_svgd_direction_matches_autodiff():
+    x = jax.random.normal(jax.random.PRNGKey(0), (7, 3))
+    scores = jax.random.normal(jax.random.PRNGKey(1), (7, 3))
+    h = svgd.median_bandwidth(x)
+
+    def direction(n):  # (1/N) sum_j k(x_j, x_n) s_j + grad_{x_j} k(x_j, x_n), by autodiff
+        kernel = lambda xj: jnp.exp(-jnp.sum((xj - x[n]) ** 2) / h)
+        return sum(kernel(x[j]) * scores[j] + jax.grad(kernel)(x[j]) for j in range(7)) / 7
+
+    expected = jnp.stack([direction(n) for n in range(7)])
+    np.testing.assert_allclose(svgd.svgd_direction(x, scores), expected, rtol=1e-10)
+
+
+def test_median_bandwidth_is_med_squared_over_log_n():
+    x = jnp.array([[0.0], [1.0], [3.0], [7.0]])  # distances 1, 3, 7, 2, 6, 4: median 3.5
+    assert float(svgd.median_bandwidth(x)) == pytest.approx(3.5**2 / math.log(4))
+
+
+def test_kde_gradient_matches_autodiff_and_density_is_normalised():
+    centres = jax.random.normal(jax.random.PRNGKey(2), (5, 2))
+    x = jax.random.normal(jax.random.PRNGKey(3), (4, 2)) * 2
+    auto = jax.vmap(jax.grad(lambda p: svgd.kde_log_density(p[None], centres, 0.55)[0]))(x)
+    np.testing.assert_allclose(svgd.kde_grad_log_density(x, centres, 0.55), auto, rtol=1e-10)
+    grid = np.linspace(-8, 8, 4001)
+    density = np.exp(svgd.kde_log_density(jnp.asarray(grid)[:, None], centres[:, :1], 0.55))
+    assert np.trapezoid(density, grid) == pytest.approx(1.0, abs=1e-8)
+
+
+def test_svgd_reaches_a_gaussian_target():
+    x0 = jax.random.normal(jax.random.PRNGKey(0), (100, 1)) * 0.3 + 4.0
+    x = svgd.svgd_run(x0, lambda x: -(x - 1.0) / 4.0, 2000, svgd.adagrad_momentum(0.05))
+    mean, var = moments(x)
+    # 100 particles: Monte Carlo scale of the mean 2/10 = 0.2; SVGD's deterministic particles do better
+    assert abs(mean - 1.0) < 0.1
+    assert abs(var / 4.0 - 1.0) < 0.15
+
+
+# -- DSVGD on a conjugate Gaussian --------------------------------------------------------------
+
+
+def test_dsvgd_conjugate_gaussian_moments():
+    n = 100
+    dsvgd = nf.DSVGD(gaussian_mean, num_particles=n, local_steps=200, distill_steps=200,
+                     progress_bar=False)
+    result = dsvgd.run(jax.random.PRNGKey(0), 6, Y)
+    mean, var = moments(result.particles)
+    # Tolerances of N = 100 independent draws (3 standard errors): mean 3 sqrt(v / N),
+    # variance 3 v sqrt(2 / N). The KDE of bandwidth 0.55 biases the variance upwards.
+    assert abs(mean - POST_MEAN) < 3 * math.sqrt(POST_VAR / n)
+    assert abs(var - POST_VAR) < 3 * POST_VAR * math.sqrt(2 / n)
+    # ... and the rounds moved the particles from the prior (variance 9) to the posterior
+    prior_mean, prior_var = moments(result.history[0])
+    assert prior_var > 3 * POST_VAR
+    assert result.metrics["client"].tolist() == [0, 1, 2, 0, 1, 2]
+    assert result.history.shape == (7, n, 1)
+
+
+def test_dsvgd_global_posterior_is_a_fixed_point():
+    """Theorem 1: from particles of the exact posterior and local particles of the exact
+    factors (the local particles encode p_0 t_k), a round of every client leaves the global
+    particles statistically unchanged."""
+    n = 200
+    # Quantile-spaced draws (the deterministic sets SVGD itself produces): a ratio of two
+    # KDEs is decided in its tails by their outermost particles, and iid draws would make
+    # those a lottery (see the docs on tails).
+    normal_quantiles = jnp.asarray(stats.norm.ppf((np.arange(n) + 0.5) / n))[:, None]
+    global_particles = POST_MEAN + math.sqrt(POST_VAR) * normal_quantiles
+    y_bar = Y.reshape(3, 2).mean(axis=1)
+    factor_precision = 1 / PRIOR_SD**2 + 2 / NOISE_SD**2  # p_0 times one client's likelihood
+    factor_mean = y_bar * 2 / NOISE_SD**2 / factor_precision
+    local = factor_mean[:, None, None] + normal_quantiles[None] / math.sqrt(factor_precision)
+    state = svgd.DSVGDState(global_particles, local, jnp.ones(3, bool), jnp.zeros((), jnp.int32))
+    dsvgd = nf.DSVGD(gaussian_mean, num_particles=n, local_steps=100, distill_steps=100,
+                     progress_bar=False)
+    result = dsvgd.run(jax.random.PRNGKey(1), 3, Y, init_state=state)
+    tolerance_mean = 3 * math.sqrt(POST_VAR / n)
+    # Theorem 1 is about exact densities. Here each round passes the posterior through two
+    # KDEs (of the global and of the local particles), each blurring by the kernel's
+    # variance 0.55^2: the variance may grow by up to 2 x 0.55^2 on top of 3 standard errors.
+    tolerance_var = 3 * POST_VAR * math.sqrt(2 / n) + 2 * 0.55**2
+    for particles in result.history[1:]:
+        mean, var = moments(particles)
+        assert abs(mean - POST_MEAN) < tolerance_mean
+        assert abs(var - POST_VAR) < tolerance_var
+
+
+def test_dsvgd_away_from_the_fixed_point_moves():
+    """The fixed-point test can fail: local particles that do not match the global ones
+    (here: all clients' factors flat) move the global particles away from the posterior."""
+    n = 100
+    global_particles = POST_MEAN + math.sqrt(POST_VAR) * jax.random.normal(jax.random.PRNGKey(5), (n, 1))
+    wrong_local = jnp.broadcast_to(global_particles, (3, n, 1))  # claims p_0 t_k = q
+    state = svgd.DSVGDState(global_particles, wrong_local, jnp.ones(3, bool), jnp.zeros((), jnp.int32))
+    dsvgd = nf.DSVGD(gaussian_mean, num_particles=n, local_steps=100, distill_steps=100,
+                     progress_bar=False)
+    result = dsvgd.run(jax.random.PRNGKey(1), 1, Y, init_state=state)
+    _, var = moments(result.particles)
+    assert abs(var - POST_VAR) > 3 * POST_VAR * math.sqrt(2 / n)
+
+
+def test_udsvgd_and_pdsvgd_conjugate_moments():
+    n = 60
+    tolerance_mean = 3 * math.sqrt(POST_VAR / n)
+    udsvgd = svgd.UDSVGD(gaussian_mean, num_particles=n, local_steps=200, progress_bar=False)
+    mean, var = moments(udsvgd.run(jax.random.PRNGKey(0), 6, Y).particles)
+    assert abs(mean - POST_MEAN) < tolerance_mean
+    assert abs(var - POST_VAR) < 3 * POST_VAR * math.sqrt(2 / n) + 0.3  # + the KDE's 0.55^2
+    pdsvgd = svgd.PDSVGD(gaussian_mean, num_particles=n, clients_per_round=3, local_steps=200,
+                         distill_steps=200, progress_bar=False)
+    result = pdsvgd.run(jax.random.PRNGKey(0), 3, Y)
+    assert result.metrics["client"].shape == (3, 3)
+    mean, var = moments(result.particles)
+    assert abs(mean - POST_MEAN) < tolerance_mean
+    assert abs(var - POST_VAR) < 3 * POST_VAR * math.sqrt(2 / n) + 0.3
+
+
+# -- the paper's 1-D mixture --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mixture_kls():
+    toy = datasets.dsvgd_mixture_1d("gaussian")
+    grid = np.linspace(-6, 6, 2001)
+    kl = svgd.kl_metric_1d("theta", toy.log_posterior, grid)
+    args = (MIX_Y, MIX_SHIFTS, MIX_LOG_SCALES)
+    common = dict(num_particles=100, metrics={"kl": kl}, progress_bar=False)
+    dsvgd = nf.DSVGD(mixture_toy, local_steps=200, distill_steps=200, **common).run(
+        jax.random.PRNGKey(0), 5, *args)
+    central = svgd.SVGD(mixture_toy, steps_per_round=200, **common).run(jax.random.PRNGKey(0), 5, *args)
+    # The best Gaussian in KL(q_opt || q) matches q_opt's moments: a lower bound for Gaussian PVI.
+    draws = toy.posterior.sample(400_000, seed=0)
+    gaussian = metrics.kl_1d(toy.log_posterior, stats.norm(draws.mean(), draws.std()).logpdf, grid)
+    return dsvgd.metrics["kl"], central.metrics["kl"], gaussian
+
+
+def test_mixture_kl_beats_every_gaussian_and_approaches_svgd(mixture_kls):
+    dsvgd_kl, svgd_kl, gaussian_kl = mixture_kls
+    assert gaussian_kl > 0.06  # a Gaussian cannot fit the bimodal posterior
+    assert dsvgd_kl[-1] < gaussian_kl  # hence below PVI with Gaussian factors, after 5 rounds
+    assert dsvgd_kl[-1] < 2.5 * svgd_kl[-1]  # close to centralised SVGD after the same 5 x 200 steps
+    assert dsvgd_kl[-1] < 0.5 * dsvgd_kl[0]  # the second agent's data did arrive
+
+
+# -- baselines ----------------------------------------------------------------------------------
+
+
+def test_fedavg_reaches_the_map_and_dsgld_the_posterior():
+    result = svgd.FedAvg(gaussian_mean, local_steps=300, learning_rate=0.1, progress_bar=False).run(
+        jax.random.PRNGKey(0), 9, Y)
+    # MAP of the conjugate model equals the posterior mean; FedAvg with one client per round
+    # lands near the last client's local optimum, so the check is loose: within one posterior sd.
+    assert abs(float(result.particles[0, 0]) - POST_MEAN) < math.sqrt(POST_VAR)
+    fedavg = svgd.FedAvg(gaussian_mean, local_steps=10, progress_bar=False)
+    point = fedavg.run(jax.random.PRNGKey(0), 2, Y)
+    assert fedavg.get_samples(jax.random.PRNGKey(0), point, 5)["mu"].shape == (5,)
+    n = 100
+    sgld = svgd.DistributedSGLD(gaussian_mean, num_particles=n, local_steps=300, a0=0.5,
+                                progress_bar=False).run(jax.random.PRNGKey(0), 6, Y)
+    mean, var = moments(sgld.particles)
+    assert abs(mean - POST_MEAN) < 0.5
+    assert 0.3 * POST_VAR < var < 3 * POST_VAR
+
+
+# -- interface ----------------------------------------------------------------------------------
+
+
+def test_get_samples_and_inference_data():
+    dsvgd = nf.DSVGD(gaussian_mean, num_particles=10, local_steps=20, distill_steps=20,
+                     metrics={"mean": lambda draws: float(draws["mu"].mean())}, progress_bar=False)
+    result = dsvgd.run(jax.random.PRNGKey(0), 3, Y)
+    assert dsvgd.get_samples(jax.random.PRNGKey(1), result)["mu"].shape == (10,)
+    draws = dsvgd.get_samples(jax.random.PRNGKey(1), result, 50)
+    assert set(np.asarray(draws["mu"]).tolist()) <= set(np.asarray(result.particles[:, 0]).tolist())
+    smooth = dsvgd.get_samples(jax.random.PRNGKey(1), result, 50, smooth=True)
+    assert not set(np.asarray(smooth["mu"]).tolist()) & set(np.asarray(result.particles[:, 0]).tolist())
+    assert result.metrics["mean"].shape == (3,)
+    idata = nf.to_inference_data(dsvgd, result)
+    assert idata.posterior["mu"].shape == (1, 10)
+    assert idata.attrs["algorithm"] == "DSVGD" and idata.attrs["num_clients"] == 3
+    assert idata.sample_stats["mean"].dims == ("round",)
+
+
+def test_same_key_same_result():
+    dsvgd = nf.DSVGD(gaussian_mean, num_particles=8, local_steps=10, distill_steps=10,
+                     schedule="random", progress_bar=False)
+    a = dsvgd.run(jax.random.PRNGKey(3), 4, Y)
+    b = dsvgd.run(jax.random.PRNGKey(3), 4, Y)
+    np.testing.assert_array_equal(a.particles, b.particles)
+    np.testing.assert_array_equal(a.metrics["client"], b.metrics["client"])
+
+
+def test_user_schedule_is_followed():
+    dsvgd = nf.DSVGD(gaussian_mean, num_particles=8, local_steps=5, distill_steps=5,
+                     schedule=[2, 2, 0], progress_bar=False)
+    result = dsvgd.run(jax.random.PRNGKey(0), 3, Y)
+    assert result.metrics["client"].tolist() == [2, 2, 0]
+    assert np.asarray(result.state.visited).tolist() == [True, False, True]
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(num_particles=0), ValueError, "num_particles"),
+        (dict(num_particles=2.5), TypeError, "num_particles"),
+        (dict(kde_bandwidth=0.0), ValueError, "kde_bandwidth"),
+        (dict(kde_bandwidth=-1.0), ValueError, "kde_bandwidth"),
+        (dict(svgd_bandwidth=float("nan")), ValueError, "svgd_bandwidth"),
+        (dict(local_steps=0), ValueError, "local_steps"),
+        (dict(temperature=0.0), ValueError, "temperature"),
+        (dict(schedule="fastest"), ValueError, "schedule"),
+        (dict(learning_rate=-0.1), ValueError, "learning_rate"),
+    ],
+)
+def test_invalid_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        nf.DSVGD(gaussian_mean, **kwargs)
+
+
+def test_schedule_naming_unknown_clients():
+    with pytest.raises(ValueError, match=r"unknown client\(s\) \[3\]"):
+        nf.DSVGD(gaussian_mean, num_particles=4, schedule=[0, 3, 1], progress_bar=False).run(
+            jax.random.PRNGKey(0), 3, Y)
+    with pytest.raises(ValueError, match="gives 2 rounds"):
+        nf.DSVGD(gaussian_mean, num_particles=4, schedule=[0, 1], progress_bar=False).run(
+            jax.random.PRNGKey(0), 3, Y)
+    with pytest.raises(ValueError, match="names a client twice"):
+        svgd.PDSVGD(gaussian_mean, num_particles=4, clients_per_round=2, schedule=[[0, 0]],
+                    progress_bar=False).run(jax.random.PRNGKey(0), 1, Y)
+    with pytest.raises(ValueError, match="clients_per_round"):
+        svgd.PDSVGD(gaussian_mean, num_particles=4, clients_per_round=5, progress_bar=False).run(
+            jax.random.PRNGKey(0), 1, Y)
+
+
+def test_client_local_latents_are_rejected():
+    def model(group, y):
+        mu = numpyro.sample("mu", dist.Normal(0, 1))
+        with nf.federated_plate("clients", 3, clients=3):
+            offset = numpyro.sample("offset", dist.Normal(0, 1))
+        with nf.federated_plate("data", y.shape[0], clients=group):
+            numpyro.sample("y", dist.Normal(mu + offset[group], 1), obs=y)
+
+    group = jnp.array([0, 0, 1, 1, 2, 2])
+    with pytest.raises(ValueError, match="offset"):
+        nf.DSVGD(model, num_particles=4, progress_bar=False).run(jax.random.PRNGKey(0), 1, group, Y)
+
+
+def test_init_particles_shape_is_checked():
+    with pytest.raises(ValueError, match="init_particles"):
+        nf.DSVGD(gaussian_mean, num_particles=4, progress_bar=False).run(
+            jax.random.PRNGKey(0), 1, Y, init_particles=jnp.zeros((3, 1)))
