@@ -3,17 +3,23 @@
 from numpyro_fed.arviz import to_inference_data
 from numpyro_fed.infer import ADMM, DADMMS, DSGHMC, DSGLD, DULA, make_topology
 from numpyro_fed.infer import FedZigZag, GradientBound, HessianBound
+from numpyro_fed.infer import DPPVI
+from numpyro_fed.infer import DSVGD, PDSVGD, UDSVGD
 from numpyro_fed.plate import federated_plate, normalize_clients
 from numpyro_fed.potential import FederatedPotential, PlateInfo, split_potential
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "DPPVI",
     "ADMM",
     "DADMMS",
     "DSGHMC",
     "DSGLD",
     "DULA",
+    "DSVGD",
+    "PDSVGD",
+    "UDSVGD",
     "make_topology",
     "FedZigZag",
     "FederatedPotential",
