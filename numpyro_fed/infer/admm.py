@@ -153,7 +153,8 @@ def newton_prox(fn: Callable, *, tolerance: float, max_iterations: int):
 
     def solve(x_start, v, p, c, *args):
         dim = x_start.shape[0]
-        slack = 8 * jnp.finfo(x_start.dtype).eps
+        eps = jnp.finfo(x_start.dtype).eps
+        slack = 8 * eps
 
         def phi(x):
             return fn(x, *args) + p @ x + 0.5 * c * jnp.sum((x - v) ** 2)
@@ -183,9 +184,9 @@ def newton_prox(fn: Callable, *, tolerance: float, max_iterations: int):
             # nested in this one never ended under vmap over agents and chains (seen with JAX 0.10.2).
             values = jax.vmap(lambda t: phi(x + t * step))(ladder)
             armijo = (values <= phi_x + 1e-4 * ladder * slope + slack * jnp.abs(phi_x)) & jnp.isfinite(values)
-            # Near the minimum (Newton decrement at round-off level) phi cannot resolve the
-            # decrease: take the full step, which is then quadratically convergent.
-            full = small | (-slope <= 1e-8 * (1.0 + jnp.abs(phi_x)))
+            # Near the minimum (squared Newton decrement below sqrt(eps) |phi|) phi cannot
+            # resolve the decrease: take the full step, which is then quadratically convergent.
+            full = small | (-slope <= jnp.sqrt(eps) * (1.0 + jnp.abs(phi_x)))
             t = jnp.where(full, 1.0, ladder[jnp.argmax(armijo)])
             t = jnp.where(full | jnp.any(armijo), t, ladder[-1])
             return x + t * step, k + 1, small
