@@ -36,8 +36,9 @@ divided by ``sqrt(M)``: the sum the aggregator releases carries the full noise (
 
 Schedules: ``"sequential"`` (clients in turn, the server updating after each) and
 ``"synchronous"`` (all clients from the same ``q``, vmapped). One *round* visits every
-client once. A server update that would leave ``q`` with a non-positive precision is not
-applied (it is counted in ``RoundInfo.rejected``); this only post-processes released values.
+client once. Where a server update would leave a coordinate of ``q`` with a non-positive
+precision, that coordinate keeps its previous value in ``q`` and in the factors (counted in
+``RoundInfo.rejected``); this only post-processes released values.
 
 This module is the functional core (pure functions of arrays); :class:`~numpyro_fed.DPPVI`
 is the face.
@@ -109,8 +110,8 @@ class PVIState(NamedTuple):
 class RoundInfo(NamedTuple):
     """Diagnostics of one round.
 
-    :ivar rejected: ``(M,)`` bool (sequential) or ``()`` (synchronous): server updates not
-        applied because they would make ``q`` improper.
+    :ivar rejected: ``(M,)`` (sequential: per client update) or ``()`` (synchronous):
+        coordinates of an update not applied because they would make ``q`` improper.
     :ivar clipped: ``(M,)`` fraction of clipped terms (per-example gradients or shard
         changes) in each client's update; zero without clipping.
     """
@@ -165,9 +166,6 @@ def _unflat(vector) -> GaussianNatural:
     d = vector.shape[-1] // 2
     return GaussianNatural(vector[..., :d], vector[..., d:])
 
-
-def _proper(eta: GaussianNatural):
-    return jnp.all(eta.eta2 < 0) & jnp.all(jnp.isfinite(eta.eta1)) & jnp.all(jnp.isfinite(eta.eta2))
 
 
 def gaussian_prior(prior_potential: Callable, d: int, *, dtype=None, rtol: float | None = None) -> GaussianNatural:
@@ -311,7 +309,7 @@ class LocalConfig(NamedTuple):
 
 
 def _draw_batch(rng_key, valid, count, config: LocalConfig, batch_cap: int):
-    """Row positions and weights of one step's batch.
+    """Row positions and weights of one step's batch (``batch_cap`` rows at most).
 
     :return: ``(positions (B,), in_batch (B,), scale)``: ``scale`` turns the batch sum into an
         estimate of the full sum.
@@ -320,8 +318,14 @@ def _draw_batch(rng_key, valid, count, config: LocalConfig, batch_cap: int):
     if config.sampling == "full":
         return jnp.arange(num_rows), valid, 1.0
     if config.sampling == "poisson":
-        take = jax.random.bernoulli(rng_key, config.sampling_rate, (num_rows,))
-        return jnp.arange(num_rows), valid & take, 1.0 / config.sampling_rate
+        take = valid & jax.random.bernoulli(rng_key, config.sampling_rate, (num_rows,))
+        if batch_cap >= num_rows:
+            return jnp.arange(num_rows), take, 1.0 / config.sampling_rate
+        # The sampled rows first, at most batch_cap of them: per-example work scales with
+        # the batch, not the client. The caller picks batch_cap so that a larger draw is
+        # negligible (and accounted for in delta).
+        positions = jnp.argsort(~take, stable=True)[:batch_cap]
+        return positions, take[positions], 1.0 / config.sampling_rate
     # without replacement: a uniformly random subset of the valid rows
     batch_size = jnp.maximum(1, jnp.round(config.sampling_rate * count)).astype(jnp.int32)
     keys = jnp.where(valid, jax.random.uniform(rng_key, (num_rows,)), 2.0)
@@ -492,12 +496,13 @@ def build_round(
         )
 
     def apply(state: PVIState, new_q, new_factors, new_virtual):
-        ok = _proper(new_q)
+        # Per coordinate: one coordinate's noise must not discard a whole update.
+        ok = (new_q.eta2 < 0) & jnp.isfinite(new_q.eta1) & jnp.isfinite(new_q.eta2)
         pick = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new, old)
         return (
             state._replace(q=pick(new_q, state.q), factors=pick(new_factors, state.factors),
                            virtual=pick(new_virtual, state.virtual)),
-            ~ok,
+            jnp.sum(~ok),
         )
 
     if schedule == "synchronous":
