@@ -204,7 +204,7 @@ class LineBound(NamedTuple):
 class ZigZagState(NamedTuple):
     """State of the federated Zig-Zag process.
 
-    :ivar x: position ``(d,)`` (flat, unconstrained).
+    :ivar x: position ``(d,)`` (flat, unconstrained; with a preconditioner, ``u``).
     :ivar v: velocity ``(d,)`` in ``{-1, +1}``.
     :ivar horizon: current horizon of the automatic bounds.
     :ivar rng_key: random key.
@@ -386,10 +386,9 @@ def build_kernel(
     """
     num = proposers.num
     kind = _bound_kind(bounds)
-    # gradient evaluations every proposer makes to build its bound, per proposal
-    evaluations_per_step = {
-        "grid": grid_size, "affine": 1, "hessian": 0 if reference is not None else 1, "gradient": 0,
-    }[kind]
+    # gradient evaluations every proposer makes to build a line bound (the grid's are counted
+    # where it is built: K, or K - 1 when its first point is reused)
+    evaluations_per_step = {"affine": 1, "hessian": 0 if reference is not None else 1, "gradient": 0}.get(kind)
 
     def kernel(state: ZigZagState, duration) -> ZigZagState:
         d = state.x.shape[0]
