@@ -315,3 +315,19 @@ def test_gradient_baselines_mix_with_metropolis_weights():
     w = jax.random.normal(jax.random.PRNGKey(2), x.shape)
     expected = s @ x - 0.01 * potentials.grads(x) + np.sqrt(0.02) * w
     np.testing.assert_allclose(state.x, expected, atol=1e-12)
+
+
+def test_dula_warns_when_its_consensus_step_diverges():
+    # zeta_0 / 230^0.55 = 0.024 times the complete graph's largest Laplacian eigenvalue N:
+    # stable for the paper's 5 and 20 agents, divergent for 100 (where the paper has no run).
+    X = np.random.default_rng(0).normal(size=(200, 2))
+
+    def model(X, y=None):
+        linear_model(X, y, clients=np.repeat(np.arange(100), 2))
+
+    with pytest.warns(RuntimeWarning, match="consensus update diverges"):
+        MCMC(nf.DULA(model, topology="complete"), num_warmup=0, num_samples=1,
+             progress_bar=False).run(jax.random.PRNGKey(0), X, X[:, 0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        _run(nf.DULA(linear_model, topology="complete"), LINEAR, num_samples=1)

@@ -25,6 +25,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import NamedTuple
+import warnings
+
+import numpy as np
 
 import jax
 import jax.numpy as jnp
@@ -229,6 +232,16 @@ class DULA(DecentralisedKernel):
         chi1 = self.chi1
         if chi1 is None:
             chi1 = 0.55 if topology.num_edges == topology.num_agents * (topology.num_agents - 1) // 2 and topology.num_agents > 2 else 0.05
+        laplacian = np.diag(topology.degrees) - topology.adjacency
+        zeta = self.zeta0 / 230.0**chi1
+        if topology.num_edges and zeta * np.linalg.eigvalsh(laplacian).max() >= 2.0:
+            warnings.warn(
+                f"DULA: the first consensus step zeta_0 / 230^chi1 = {zeta:.3g} times the largest "
+                f"Laplacian eigenvalue {np.linalg.eigvalsh(laplacian).max():.3g} is >= 2, so the "
+                "consensus update diverges at first; lower zeta0 or raise chi1",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         kernel = build_dula_kernel(potentials, topology.adjacency, alpha0=self.alpha0, zeta0=self.zeta0,
                                    chi1=chi1, chi2=self.chi2)
         return (lambda x: ULAState(x, jnp.zeros((), x.dtype))), kernel
