@@ -376,7 +376,7 @@ class DPPVI:
 
             iterator = tqdm(iterator, desc=f"DPPVI ({self.dp or 'non-private'})", unit="round")
         for r in iterator:
-            state, info = round_fn(keys[r], state)
+            state, info = round_fn(keys[r], state, data)
             loc, scale = core.loc_scale(state.q)
             history.append((loc, scale, info.rejected, info.clipped))
         state = self._final_state(state)

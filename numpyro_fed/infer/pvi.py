@@ -477,7 +477,9 @@ def build_round(
     trusted_aggregator: bool = False,
     batch_cap: int | None = None,
 ) -> Callable:
-    """A pure ``round(rng_key, state) -> (state, RoundInfo)`` visiting every client once.
+    """A pure ``round(rng_key, state, data) -> (state, RoundInfo)`` visiting every client
+    once. ``data`` is the :class:`ClientData` (passed, not captured, so that ``jit`` does
+    not embed it as constants); it must keep the shapes of the one given here.
 
     :param row_log_lik: ``(theta_flat, rows) -> (R,)`` log-likelihood of each row.
     :param noise_multiplier: scalar or ``(M,)``: the noise standard deviation over the clip
@@ -487,7 +489,7 @@ def build_round(
     sigmas = jnp.broadcast_to(jnp.asarray(noise_multiplier, dtype=jnp.zeros(()).dtype), (num_clients,))
     noise_divisor = float(np.sqrt(num_clients)) if trusted_aggregator else 1.0
 
-    def update_of(key, q, m, factor, virtual):
+    def update_of(data, key, q, m, factor, virtual):
         rows = [r[m] for r in data.rows]
         return client_update(
             key, row_log_lik, q, factor, virtual, rows, data.valid[m],
@@ -507,10 +509,10 @@ def build_round(
 
     if schedule == "synchronous":
 
-        def round_fn(rng_key, state: PVIState):
+        def round_fn(rng_key, state: PVIState, data: ClientData):
             keys = jax.random.split(rng_key, num_clients)
             deltas, virtual_deltas, clipped = jax.vmap(
-                lambda k, m, f, v: update_of(k, state.q, m, f, v)
+                lambda k, m, f, v: update_of(data, k, state.q, m, f, v)
             )(keys, jnp.arange(num_clients), state.factors, state.virtual)
             new_factors = _tree_add(state.factors, deltas, damping)
             new_virtual = _tree_add(state.virtual, virtual_deltas, damping)
@@ -521,14 +523,14 @@ def build_round(
 
     elif schedule == "sequential":
 
-        def round_fn(rng_key, state: PVIState):
+        def round_fn(rng_key, state: PVIState, data: ClientData):
             keys = jax.random.split(rng_key, num_clients)
 
             def visit(state, inputs):
                 key, m = inputs
                 factor = jax.tree_util.tree_map(lambda x: x[m], state.factors)
                 virtual = jax.tree_util.tree_map(lambda x: x[m], state.virtual)
-                delta, virtual_delta, clipped = update_of(key, state.q, m, factor, virtual)
+                delta, virtual_delta, clipped = update_of(data, key, state.q, m, factor, virtual)
                 new_factors = jax.tree_util.tree_map(
                     lambda all_, d: all_.at[m].add(damping * d), state.factors, delta
                 )
