@@ -18,8 +18,11 @@
   on the pooled posterior in the same process as a reference.
 
 Everything runs in float64 through ``MCMC(kernel, num_chains=100, chain_method="vectorized")``.
-Run ``python benchmarks/admm.py`` (about 10-20 minutes on a 2-core CPU) or ``--quick``
-(N = 5 only, about 2-3 minutes). Results: tables on stdout and ``benchmarks/results/admm.json``.
+Run ``python benchmarks/admm.py`` or ``--quick`` (N = 5 only: 8 minutes on a shared 2-core
+CPU). On that machine the linear-regression section took about 13 minutes, the rho ablation
+about 1 and the logistic regression about 4 (5 agents) and 5 (20 agents); the logistic runs with
+50 agents (Newton solves for 5000 agent-chains per iteration) are the slowest part and were not
+timed. ``--sections`` picks parts. Results: tables on stdout and ``benchmarks/results/admm.json``.
 """
 
 from __future__ import annotations
