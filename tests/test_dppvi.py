@@ -184,7 +184,7 @@ def test_clipped_updates_have_norm_at_most_C(data, dp):
     rows = [r[0] for r in fp.client_data["rows"]]
     valid = fp.client_data["valid"]["data"][0]
     shards = 4
-    index, shard_valid = pvi.shard_layout([int(valid.sum())], shards, 0, seed=0)
+    index, shard_valid = pvi.shard_layout([int(valid.sum())], shards, seed=0)
     d = fp.num_latent
     q = pvi.natural(jnp.zeros(d), jnp.ones(d))
     zero = pvi.GaussianNatural(jnp.zeros(d), jnp.zeros(d))

@@ -9,7 +9,7 @@ accounts the privacy of the whole run with ``dp-accounting`` and, given a
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -200,7 +200,6 @@ class DPPVI:
         self.neighbouring = neighbouring
         self.progress_bar = bool(progress_bar)
         self.federated_potential = None
-        self._cache: dict[Any, Any] = {}
 
     # -- set-up --------------------------------------------------------------------------------
     def _setup(self, args, kwargs):
@@ -349,7 +348,7 @@ class DPPVI:
         num_clients = sizes.size
         key_shards, key_run = jax.random.split(rng_key)
         shard_seed = int(jax.random.randint(key_shards, (), 0, 2**31 - 1))
-        shard_index, shard_valid = core.shard_layout(sizes, self.num_shards, 0, seed=shard_seed)
+        shard_index, shard_valid = core.shard_layout(sizes, self.num_shards, seed=shard_seed)
         data = core.ClientData(rows=rows, valid=valid, shard_index=shard_index, shard_valid=shard_valid)
         sigmas = self.noise_multipliers(num_rounds, sizes)
         config = core.LocalConfig(

@@ -60,6 +60,7 @@ import optax
 __all__ = [
     "ClientData",
     "GaussianNatural",
+    "LocalConfig",
     "PVIState",
     "RoundInfo",
     "build_round",
@@ -211,7 +212,7 @@ def init(prior: GaussianNatural, num_clients: int, num_virtual: int = 1) -> PVIS
     )
 
 
-def shard_layout(client_sizes, num_shards: int, max_rows: int, seed=0):
+def shard_layout(client_sizes, num_shards: int, seed=0):
     """Random shards of each client's valid rows (positions ``0 .. n_m - 1`` of its block).
 
     :return: ``(index, valid)``, each ``(M, K, R_k)``; padding repeats a row of the shard
@@ -230,7 +231,6 @@ def shard_layout(client_sizes, num_shards: int, max_rows: int, seed=0):
         for k, part in enumerate(np.array_split(rng.permutation(n), num_shards)):
             index[m, k] = np.resize(part, rows_per_shard)
             valid[m, k, : part.size] = True
-    del max_rows
     return jnp.asarray(index), jnp.asarray(valid)
 
 
@@ -368,7 +368,6 @@ def optimise_local(
         positions, in_batch, scale = _draw_batch(key_batch, valid, count, config, batch_cap)
         batch_rows = [r[positions] for r in rows]
         eps = jax.random.normal(key_eps, (config.num_mc_samples, d), start.eta1.dtype)
-        prior_grad = jax.grad(_prior_side)(params, cavity)
         if config.dpsgd:
             grads = per_example_grads(row_log_lik, params, eps, batch_rows)
             grads, was_clipped = clip_by_norm(grads, config.clip_norm)
@@ -376,17 +375,12 @@ def optimise_local(
             total = weight @ grads
             noise = jax.random.normal(key_noise, total.shape, total.dtype)
             total = (total + noise_multiplier * config.clip_norm * noise) * scale * likelihood_weight
-            data_grad = _Params(total[:d], total[d:])
+            ascent = _tree_add(_Params(total[:d], total[d:]), jax.grad(_prior_side)(params, cavity))
             frac = jnp.sum(was_clipped * weight) / jnp.maximum(jnp.sum(weight), 1.0)
         else:
             weights = in_batch * scale * likelihood_weight
-
-            def data_term(p):
-                return jnp.sum(weights * _expected_row_log_lik(row_log_lik, p, eps, batch_rows))
-
-            data_grad = jax.grad(data_term)(params)
+            ascent = jax.grad(local_elbo, argnums=1)(row_log_lik, params, cavity, eps, batch_rows, weights)
             frac = jnp.zeros(())
-        ascent = _tree_add(data_grad, prior_grad)
         descent = jax.tree_util.tree_map(jnp.negative, ascent)
         updates, opt_state = config.optim.update(descent, opt_state, params)
         params = optax.apply_updates(params, updates)
