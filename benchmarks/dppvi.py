@@ -8,8 +8,9 @@ delta) the run reports; wall time.
 
     python benchmarks/dppvi.py --split balanced --epsilon 1 --seeds 0
     python benchmarks/dppvi.py --variants dpsgd,virtual --num-clients 200 --epsilon 0.5
+    python benchmarks/dppvi.py --model bnn --epsilon 2 --variants pvi,dpsgd,bcm_same,global_vi
 
-Writes ``benchmarks/results/dppvi_<split>_<M>clients_eps<epsilon>.json``.
+Writes ``benchmarks/results/dppvi_<model>_<split>_<M>clients_eps<epsilon>.json``.
 """
 
 from __future__ import annotations
@@ -72,6 +73,26 @@ VARIANTS = {
         cls=GlobalVI, rounds=1, kwargs=dict(dp=None, optim=optax.adam(2e-2), num_local_steps=1000,
                                             sampling="poisson", sampling_rate=0.01)),
 }
+# The BNN of Figure 4 (epsilon = 2): DP-SGD and the DP-SGD baselines.
+BNN_VARIANTS = {
+    "pvi (non-private)": dict(
+        cls=DPPVI, rounds=4, kwargs=dict(dp=None, optim=optax.adam(1e-2), num_local_steps=200,
+                                         num_mc_samples=2, sampling="poisson", sampling_rate=0.05,
+                                         damping=0.5)),
+    "dpsgd": dict(
+        cls=DPPVI, rounds=2, kwargs=dict(dp="dpsgd", optim=optax.adam(1e-2), num_local_steps=200,
+                                         num_mc_samples=2, sampling="poisson", sampling_rate=0.05,
+                                         clip_norm=2.0, damping=0.5)),
+    "bcm same": dict(
+        cls=BCM, rounds=1, kwargs=dict(prior="same", optim=optax.adam(1e-2), num_local_steps=400,
+                                       num_mc_samples=2, sampling="poisson", sampling_rate=0.05,
+                                       clip_norm=2.0)),
+    "global vi, trusted aggr.": dict(
+        cls=GlobalVI, rounds=1, kwargs=dict(optim=optax.adam(1e-2), num_local_steps=1000,
+                                            num_mc_samples=2, sampling="poisson", sampling_rate=0.01,
+                                            clip_norm=2.0)),
+}
+
 SHORT = {"pvi": "pvi (non-private)", "dpsgd": "dpsgd", "local_avg": "local avg", "virtual": "virtual",
          "local_avg_trusted": "local avg, trusted aggr.", "virtual_trusted": "virtual, trusted aggr.",
          "bcm_same": "bcm same", "bcm_split": "bcm split", "global_vi": "global vi, trusted aggr.",
@@ -84,25 +105,43 @@ def logistic_regression(X, y=None, clients=None):
         numpyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
 
 
+def bnn(X, y=None, clients=None, hidden=50):
+    """One hidden layer of ``hidden`` ReLUs, standard normal priors (Section 5, Figure 4)."""
+    p = X.shape[1]
+    w1 = numpyro.sample("w1", dist.Normal(0, 1).expand([p, hidden]).to_event(2))
+    b1 = numpyro.sample("b1", dist.Normal(0, 1).expand([hidden]).to_event(1))
+    w2 = numpyro.sample("w2", dist.Normal(0, 1).expand([hidden]).to_event(1))
+    b2 = numpyro.sample("b2", dist.Normal(0, 1))
+    with nf.federated_plate("data", X.shape[0], clients=clients):
+        numpyro.sample("y", dist.Bernoulli(logits=jax.nn.relu(X @ w1 + b1) @ w2 + b2), obs=y)
+
+
+MODELS = {
+    "logistic": (logistic_regression, lambda v, X: X @ v["w"]),
+    "bnn": (bnn, lambda v, X: jax.nn.relu(X @ v["w1"] + v["b1"]) @ v["w2"] + v["b2"]),
+}
+
+
 def with_bias(X):
     return np.concatenate([np.ones((X.shape[0], 1)), X], axis=1)
 
 
-def evaluate(loc, scale, X_test, y_test, rng_key, num_draws=100):
+def evaluate(loc, scale, unravel, logits_fn, X_test, y_test, rng_key, num_draws=100):
     """Accuracy and mean test log-likelihood of the Monte Carlo predictive."""
-    w = loc + scale * jax.random.normal(rng_key, (num_draws, loc.shape[0]), loc.dtype)
-    logits = jnp.asarray(X_test) @ w.T  # (n, S)
+    flat = loc + scale * jax.random.normal(rng_key, (num_draws, loc.shape[0]), loc.dtype)
+    logits = jax.vmap(lambda f: logits_fn(unravel(f), jnp.asarray(X_test)))(flat).T  # (n, S)
     log_lik = jnp.where(jnp.asarray(y_test)[:, None] == 1, jax.nn.log_sigmoid(logits), jax.nn.log_sigmoid(-logits))
     probs = np.asarray(jnp.mean(jax.nn.sigmoid(logits), axis=1))
     return metrics.accuracy(probs, y_test), metrics.log_predictive_density(np.asarray(log_lik.T))
 
 
-def run_variant(name, spec, X, y, owner, X_test, y_test, epsilon, delta, seed, num_clients):
+def run_variant(name, spec, X, y, owner, X_test, y_test, epsilon, delta, seed, num_clients, model="logistic"):
     kwargs = dict(spec["kwargs"], progress_bar=False)
     if kwargs.get("dp", "dpsgd") is not None:
         kwargs.update(target_epsilon=epsilon, delta=delta)
     model_clients = owner
-    method = spec["cls"](lambda X, y=None: logistic_regression(X, y, clients=model_clients), **kwargs)
+    model_fn, logits_fn = MODELS[model]
+    method = spec["cls"](lambda X, y=None: model_fn(X, y, clients=model_clients), **kwargs)
     key = jax.random.PRNGKey(seed)
     start = time.perf_counter()
     if spec["cls"] is DPPVI:
@@ -113,7 +152,8 @@ def run_variant(name, spec, X, y, owner, X_test, y_test, epsilon, delta, seed, n
     wall = time.perf_counter() - start
     curve = []
     for r in range(result.metrics["loc"].shape[0]):
-        acc, ll = evaluate(result.metrics["loc"][r], result.metrics["scale"][r], X_test, y_test,
+        acc, ll = evaluate(result.metrics["loc"][r], result.metrics["scale"][r],
+                           method.federated_potential.unravel, logits_fn, X_test, y_test,
                            jax.random.PRNGKey(1000 + r))
         curve.append({"communications": int(result.metrics["communications"][r]), "accuracy": acc,
                       "log_likelihood": ll})
@@ -137,20 +177,27 @@ def main(argv=None):
     parser.add_argument("--delta", type=float, default=1e-5)
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--variants", default=",".join(SHORT))
+    parser.add_argument("--model", default="logistic", choices=sorted(MODELS))
     parser.add_argument("--data", default=ADULT)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
     data = load_adult(args.data, seed=0)
-    X, X_test = with_bias(data.X_train), with_bias(data.X_test)
+    if args.model == "logistic":
+        X, X_test = with_bias(data.X_train), with_bias(data.X_test)
+    else:
+        X, X_test = data.X_train, data.X_test
+    table = VARIANTS if args.model == "logistic" else BNN_VARIANTS
     rho, kappa = partition.DPPVI_SPLITS[args.split]
     results = []
     for seed in [int(s) for s in args.seeds.split(",")]:
         owner = partition.by_label(data.y_train, args.num_clients, rho=rho, kappa=kappa, seed=seed)
         for short in args.variants.split(","):
             name = SHORT[short]
-            out = run_variant(name, VARIANTS[name], X, data.y_train, owner, X_test, data.y_test,
-                              args.epsilon, args.delta, seed, args.num_clients)
+            if name not in table:
+                continue
+            out = run_variant(name, table[name], X, data.y_train, owner, X_test, data.y_test,
+                              args.epsilon, args.delta, seed, args.num_clients, args.model)
             results.append(out)
             last = out["curve"][-1]
             best = max(out["curve"], key=lambda c: c["log_likelihood"])
@@ -162,11 +209,11 @@ def main(argv=None):
                   f"{out['wall_seconds']:.1f} s", flush=True)
     out_path = args.out or os.path.join(
         os.path.dirname(__file__), "results",
-        f"dppvi_{args.split}_{args.num_clients}clients_eps{args.epsilon:g}.json",
+        f"dppvi_{args.model}_{args.split}_{args.num_clients}clients_eps{args.epsilon:g}.json",
     )
     os.makedirs(os.path.dirname(out_path), exist_ok=True)
     with open(out_path, "w") as handle:
-        json.dump({"split": args.split, "num_clients": args.num_clients, "epsilon": args.epsilon,
+        json.dump({"model": args.model, "split": args.split, "num_clients": args.num_clients, "epsilon": args.epsilon,
                    "delta": args.delta, "results": results}, handle, indent=1)
     print(f"wrote {out_path}")
 
