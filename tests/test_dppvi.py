@@ -246,7 +246,7 @@ def test_virtual_with_one_shard_is_parameter_perturbation(data):
         (dict(dp="dpsgd", target_epsilon=1.0, sampling="poisson", sampling_rate=0.0), "sampling_rate"),
         (dict(dp="dpsgd", target_epsilon=1.0, sampling="poisson", sampling_rate=1.5), "sampling_rate"),
         (dict(dp="dpsgd", target_epsilon=1.0, sampling="poisson"), "sampling_rate"),
-        (dict(dp="dpsgd", noise_multiplier=0.0), "noise_multiplier"),
+        (dict(dp="dpsgd", noise_multiplier=-1.0), "noise_multiplier"),
         (dict(dp="dpsgd"), "exactly one"),
         (dict(dp="dpsgd", target_epsilon=1.0, noise_multiplier=1.0), "exactly one"),
         (dict(dp="virtual", target_epsilon=1.0, trusted_aggregator=True), "synchronous"),
@@ -312,3 +312,10 @@ def test_global_vi_accounts_the_pooled_rows(data):
     )
     assert result.privacy.epsilon == _direct_epsilon(RdpAccountant(neighboring_relation=REPLACE), event)
     assert result.metrics["communications"].tolist() == [NUM_CLIENTS * FAST["num_local_steps"]]
+
+
+def test_zero_noise_clips_without_privacy(data):
+    method = DPPVI(model, dp="local_avg", noise_multiplier=0.0, num_shards=2, clip_norm=0.5, **FAST)
+    result = method.run(jax.random.PRNGKey(11), 1, *data)
+    assert result.privacy is None
+    assert np.all(result.metrics["clipped"] > 0)

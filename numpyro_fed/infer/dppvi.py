@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 import optax
 
-from numpyro_fed._checks import check_int, check_positive
+from numpyro_fed._checks import check_int, check_positive, check_real
 from numpyro_fed.arviz import federation_attrs, register_converter
 from numpyro_fed.infer import pvi as core
 from numpyro_fed.potential import split_potential
@@ -88,6 +88,8 @@ class DPPVI:
     :param float clip_norm: ``C``: bound on each per-example gradient (``"dpsgd"``) or each
         shard's change of natural parameters (``"local_avg"``, ``"virtual"``).
     :param noise_multiplier: noise standard deviation over ``C``; or give ``target_epsilon``.
+        ``0`` clips without noise: no privacy (``result.privacy`` is ``None``), for
+        studying the effect of clipping and sharding alone.
     :param float target_epsilon: calibrate the noise so that the run spends at most this.
     :param float delta: the run's delta.
     :param int num_shards: ``K``: shards (local averaging) or virtual clients per client.
@@ -190,7 +192,11 @@ class DPPVI:
                 raise ValueError("dp=None is non-private: do not pass noise_multiplier or target_epsilon")
         elif (noise_multiplier is None) == (target_epsilon is None):
             raise ValueError(f"dp={dp!r} needs exactly one of noise_multiplier and target_epsilon")
-        self.noise_multiplier = None if noise_multiplier is None else check_positive(noise_multiplier, "noise_multiplier")
+        if noise_multiplier is not None:
+            noise_multiplier = check_real(noise_multiplier, "noise_multiplier")
+            if noise_multiplier < 0:
+                raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
+        self.noise_multiplier = noise_multiplier
         self.target_epsilon = None if target_epsilon is None else check_epsilon(target_epsilon)
         if accountant not in (None, "pld", "rdp"):
             raise ValueError(f"accountant must be 'pld', 'rdp' or None, got {accountant!r}")
@@ -284,8 +290,9 @@ class DPPVI:
 
         steps = num_rounds * self.num_local_steps
         epsilon = 50.0
-        if self.dp == "dpsgd":
-            epsilon = self.privacy(sigmas, num_rounds, sizes).epsilon
+        guarantee = self.privacy(sigmas, num_rounds, sizes) if self.dp == "dpsgd" else None
+        if guarantee is not None:
+            epsilon = guarantee.epsilon
         if epsilon > 50.0:
             return None
         budget = _CAP_DELTA_SHARE * self.delta / (steps * (1.0 + np.exp(epsilon)))
@@ -296,7 +303,7 @@ class DPPVI:
     def privacy(self, noise_multipliers, num_rounds: int, client_sizes) -> PrivacyGuarantee | None:
         """The guarantee of a run: each client's events accounted with ``dp-accounting``;
         the run's epsilon is the largest (each row belongs to one client)."""
-        if self.dp is None:
+        if self.dp is None or not np.all(np.asarray(noise_multipliers) > 0):
             return None
         sizes = np.asarray(client_sizes, int)
         events = self._client_events(np.asarray(noise_multipliers), num_rounds, sizes)
