@@ -389,6 +389,8 @@ def build_kernel(
     # gradient evaluations every proposer makes to build a line bound (the grid's are counted
     # where it is built: K, or K - 1 when its first point is reused)
     evaluations_per_step = {"affine": 1, "hessian": 0 if reference is not None else 1, "gradient": 0}.get(kind)
+    # grad U(x*) / P: each proposer's share of the full gradient at the reference point
+    mean_gradient = None if reference is None else (reference.term_grads.sum(0) + reference.prior_grad) / num
 
     def kernel(state: ZigZagState, duration) -> ZigZagState:
         d = state.x.shape[0]
@@ -400,8 +402,7 @@ def build_kernel(
         def shift_for(weights):
             if reference is None:
                 return jnp.zeros((num, d), dtype)
-            total = reference.term_grads.sum(0) + reference.prior_grad
-            return reference.term_grads + weights[:, None] * reference.prior_grad - total / num
+            return reference.term_grads + weights[:, None] * reference.prior_grad - mean_gradient
 
         def grads_and_slopes(x, v, weights):
             term_g, term_s = proposers.term_grads_and_slopes(x, v)
@@ -425,8 +426,7 @@ def build_kernel(
                 grads = proposers.term_grads(x) + weights[:, None] * prior_grad
                 return v * grads, growth
             # |d_i T_j(y) - d_i T_j(x*)| <= sum_k H_jik |y_k - x*_k| <= (H_j |x - x*|)_i + t (H_j 1)_i
-            total = reference.term_grads.sum(0) + reference.prior_grad
-            return v * total / num + hessian @ jnp.abs(x - reference.point), growth
+            return v * mean_gradient + hessian @ jnp.abs(x - reference.point), growth
 
         # -- building a line's bound ------------------------------------------------------
 
