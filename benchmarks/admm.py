@@ -10,7 +10,8 @@
   {1, 5, 10, 20, 50, 100, 200, 500, 1000}.
 * **Section 6.3, logistic regression** (Figure 6): x in R^3, z ~ N(0, 20 I), n_i = 50,
   N in {5, 20, 50}, the same graphs; accuracy of agent 0's iterate on the pooled data
-  (mean and sd over chains) per iteration. D-SGLD eta = 0.0003, D-SGHMC eta = 0.02,
+  (mean and sd over chains) per iteration, over Figure 6's horizon (30 iterations for
+  N = 5, 15 for N = 20 and 50; ``--logistic-iterations`` overrides). D-SGLD eta = 0.0003, D-SGHMC eta = 0.02,
   gamma = 30, D-ULA chi = 0.9 / 0.9 on the complete graph of 50 agents.
 * **Speed**: the 5-agent ring x 100 chains x 100 iterations (linear regression), as users
   run it (``MCMC.run`` wall time, including set-up and compilation) and the bare iteration
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 import warnings
@@ -96,6 +98,14 @@ def make_kernel(method, model, topology, num_agents, task, rho=5.0):
     raise ValueError(method)
 
 
+def save(results, out):
+    """Write the results so far (after every configuration: a stopped run keeps what it did)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(results, indent=1))
+    tmp.replace(out)
+
+
 def run(kernel, problem, iterations, chains, seed):
     mcmc = MCMC(kernel, num_warmup=0, num_samples=iterations, num_chains=chains,
                 chain_method="vectorized", progress_bar=False)
@@ -129,7 +139,8 @@ def linear_section(args, results):
                     ag, avg = w2_curve(agent, problem), w2_curve(np.asarray(samples["x_avg"]), problem)
                     results["linear"].append(dict(n_i=n_i, num_agents=num_agents, topology=topology,
                                                   method=method, w2_agent0=ag, w2_average=avg,
-                                                  run_seconds=seconds))
+                                                  run_seconds=seconds, load_average=os.getloadavg()[0]))
+                    save(results, args.out_path)
                     print(f"{n_i:>4} {num_agents:>4} {topology:>9} {method:>7} | {ag[9]:6.3f} {ag[29]:6.3f} "
                           f"{ag[-1]:6.3f} | {avg[9]:6.3f} {avg[-1]:7.3f} | {iterations:>5} {seconds:6.1f}",
                           flush=True)
@@ -142,7 +153,8 @@ def rho_section(args, results):
     for rho in args.rhos:
         samples, seconds = run(nf.DADMMS(linear_model(problem), topology="ring", rho=rho), problem, 50, args.chains, args.seed)
         ag = w2_curve(np.asarray(samples["x"][:, :, 0]), problem)
-        results["rho"].append(dict(rho=rho, w2_agent0=ag, run_seconds=seconds))
+        results["rho"].append(dict(rho=rho, w2_agent0=ag, run_seconds=seconds, load_average=os.getloadavg()[0]))
+        save(results, args.out_path)
         print(f"{rho:7g} | {ag[4]:6.3f} {ag[9]:6.3f} {ag[19]:6.3f} {ag[49]:6.3f}", flush=True)
 
 
@@ -154,7 +166,7 @@ def accuracy_curves(draws, X, y):
 
 def logistic_section(args, results):
     print("\n## Section 6.3: logistic regression, accuracy of agent 0 on the pooled data (mean +- sd over chains)")
-    print(f"{'N':>4} {'graph':>9} {'method':>7} | {'@5':>11} {'@20':>11} {'@end':>11} | {'run s':>6}")
+    print(f"{'N':>4} {'graph':>9} {'method':>7} | {'@5':>11} {'@15':>11} {'@end':>11} | {'run s':>6}")
     for num_agents in args.logistic_agents:
         problem = dadmms_logistic(args.seed, num_agents=num_agents, n_per_agent=50)
         nuts = MCMC(NUTS(logistic_model(problem)), num_warmup=500, num_samples=1000, progress_bar=False)
@@ -162,18 +174,21 @@ def logistic_section(args, results):
         mean = np.asarray(nuts.get_samples()["x"].mean(0))
         reference = float(((problem.X @ mean >= 0) == (problem.y == 1)).mean())
         print(f"{num_agents:>4} {'pooled':>9} {'NUTS':>7} | posterior-mean accuracy {reference:.3f}")
+        iterations = args.logistic_iterations or (30 if num_agents <= 5 else 15)  # Figure 6's horizon
         for topology in TOPOLOGIES:
             for method in args.methods:
                 kernel = make_kernel(method, logistic_model(problem), topology, num_agents, "logistic")
-                samples, seconds = run(kernel, problem, 100, args.chains, args.seed)
+                samples, seconds = run(kernel, problem, iterations, args.chains, args.seed)
                 acc = accuracy_curves(np.asarray(samples["x"][:, :, 0]), problem.X, problem.y)
                 m, s = acc.mean(0), acc.std(0)
                 results["logistic"].append(dict(num_agents=num_agents, topology=topology, method=method,
                                                 accuracy_mean=m.tolist(), accuracy_sd=s.tolist(),
-                                                nuts_accuracy=reference, run_seconds=seconds))
+                                                nuts_accuracy=reference, run_seconds=seconds,
+                                                load_average=os.getloadavg()[0]))
+                save(results, args.out_path)
                 cell = lambda k: f"{m[k]:.3f}+-{s[k]:.3f}"  # noqa: E731
-                print(f"{num_agents:>4} {topology:>9} {method:>7} | {cell(4)} {cell(19)} {cell(-1)} | {seconds:6.1f}",
-                      flush=True)
+                print(f"{num_agents:>4} {topology:>9} {method:>7} | {cell(4)} {cell(min(14, iterations - 1))} "
+                      f"{cell(-1)} | {seconds:6.1f}", flush=True)
 
 
 def speed_section(args, results):
@@ -193,7 +208,8 @@ def speed_section(args, results):
         jax.block_until_ready(scan(state))
         bare = (time.perf_counter() - start) / 100
         rows.append(dict(method=method, solver=getattr(kernel, "solver_used", None),
-                         mcmc_run_seconds=first, bare_seconds_per_iteration=bare))
+                         mcmc_run_seconds=first, bare_seconds_per_iteration=bare,
+                         load_average=os.getloadavg()[0]))
         print(f"{method:>7}: MCMC.run {first:6.2f} s (set-up and compilation included, "
               f"{first / 100 * 1e3:6.2f} ms per iteration); bare iteration {bare * 1e6:8.1f} us "
               f"({getattr(kernel, 'solver_used', '') or 'gradient'})", flush=True)
@@ -209,7 +225,7 @@ def speed_section(args, results):
     jax.block_until_ready(scan(state))
     bare = (time.perf_counter() - start) / 100
     rows.append(dict(method="DADMMS-logistic", solver=kernel.solver_used, mcmc_run_seconds=first,
-                     bare_seconds_per_iteration=bare))
+                     bare_seconds_per_iteration=bare, load_average=os.getloadavg()[0]))
     print(f"DADMMS logistic (Newton): MCMC.run {first:6.2f} s, bare iteration {bare * 1e6:8.1f} us")
     nuts = MCMC(NUTS(linear_model(problem)), num_warmup=500, num_samples=1000, progress_bar=False)
     nuts.run(jax.random.PRNGKey(0), problem.X, problem.y)
@@ -217,11 +233,13 @@ def speed_section(args, results):
     nuts.run(jax.random.PRNGKey(1), problem.X, problem.y)
     jax.block_until_ready(nuts.get_samples())
     nuts_seconds = time.perf_counter() - start
-    rows.append(dict(method="NUTS (pooled, 1 chain, 500 + 1000)", mcmc_run_seconds=nuts_seconds))
+    rows.append(dict(method="NUTS (pooled, 1 chain, 500 + 1000)", mcmc_run_seconds=nuts_seconds,
+                     load_average=os.getloadavg()[0]))
     print(f"NUTS on the pooled posterior (1 chain, 500 warm-up + 1000 draws): {nuts_seconds:.2f} s per run")
     print("Reference (issue 4): the authors' cvxpy code takes about 5 ms per linear proximal solve,"
           " i.e. about 2.5 s per iteration of this configuration (5 agents x 100 chains).")
     results["speed"] = rows
+    save(results, args.out_path)
 
 
 def main():
@@ -232,24 +250,26 @@ def main():
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--sections", nargs="+", default=["speed", "linear", "rho", "logistic"],
                         choices=["speed", "linear", "rho", "logistic"])
+    parser.add_argument("--logistic-iterations", type=int, default=None,
+                        help="iterations of the logistic runs (default: Figure 6's, 30 for N = 5, else 15)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "admm.json"))
     args = parser.parse_args()
+    args.out_path = Path(args.out)
     args.rows = [50, 200]
     args.agents = [5] if args.quick else [5, 20, 100]
     args.logistic_agents = [5] if args.quick else [5, 20, 50]
     args.rhos = [1.0, 5.0, 50.0, 1000.0] if args.quick else [1.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0]
 
     results = {"platform": platform.platform(), "jax": jax.__version__, "numpyro": numpyro.__version__,
-               "chains": args.chains, "seed": args.seed, "linear": [], "rho": [], "logistic": []}
+               "chains": args.chains, "seed": args.seed, "sections": args.sections,
+               "linear": [], "rho": [], "logistic": []}
     start = time.perf_counter()
     sections = {"speed": speed_section, "linear": linear_section, "rho": rho_section, "logistic": logistic_section}
     for name in args.sections:
         sections[name](args, results)
     results["total_seconds"] = time.perf_counter() - start
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1))
-    print(f"\ntotal {results['total_seconds']:.0f} s; results in {out}")
+    save(results, args.out_path)
+    print(f"\ntotal {results['total_seconds']:.0f} s; results in {args.out_path}")
 
 
 if __name__ == "__main__":
