@@ -29,7 +29,9 @@ Also here: :class:`UDSVGD` (Algorithm 4: each client keeps every global iterate 
 instead of distilling), :class:`PDSVGD` (Algorithm 5: several clients per round, the server
 distils their local particles), and the baselines the paper compares with under the same
 interface: centralised :class:`SVGD` on the pooled potential, :class:`FedAvg` (a point
-estimate) and :class:`DistributedSGLD` (Ahn et al. 2014).
+estimate), :class:`DistributedSGLD` (Ahn et al. 2014) and :class:`GaussianPVI` (partitioned
+variational inference with a mean-field Gaussian, an adapter over
+:mod:`numpyro_fed.infer.pvi`).
 
 The functional core (:func:`svgd_direction`, :func:`kde_grad_log_density`,
 :func:`build_svgd_kernel`, :func:`build_dsvgd_round`, ...) knows nothing of NumPyro: it works
@@ -65,6 +67,7 @@ __all__ = [
     "DSVGDState",
     "DistributedSGLD",
     "FedAvg",
+    "GaussianPVI",
     "Optimizer",
     "PDSVGD",
     "SVGD",
@@ -300,9 +303,22 @@ def svgd_run(particles, score_fn: Callable, num_steps: int, optimizer: Optimizer
     >>> abs(float(x.mean())) < 0.05, abs(float(x.std()) - 1.0) < 0.1
     (True, True)
     """
-    kernel = build_svgd_kernel(score_fn, optimizer, bandwidth)
+    return _svgd_scan(particles, score_fn, num_steps, optimizer, bandwidth)
+
+
+def _svgd_scan(particles, score_fn, num_steps, optimizer, bandwidth, key=None):
+    """:func:`svgd_run`; with a ``key``, ``score_fn(x, key_t)`` gets a fresh key per step
+    (minibatch gradients)."""
     state = SVGDState(particles, optimizer.init(particles))
-    state, _ = lax.scan(lambda s, _: (kernel(s), None), state, None, length=num_steps)
+    if key is None:
+        kernel = build_svgd_kernel(score_fn, optimizer, bandwidth)
+        state, _ = lax.scan(lambda s, _: (kernel(s), None), state, None, length=num_steps)
+        return state.particles
+
+    def step(s, k):
+        return build_svgd_kernel(lambda x: score_fn(x, k), optimizer, bandwidth)(s), None
+
+    state, _ = lax.scan(step, state, jax.random.split(key, num_steps))
     return state.particles
 
 
@@ -342,11 +358,12 @@ def dsvgd_init(particles, num_clients: int) -> DSVGDState:
 
 def _client_update(global_particles, local_particles, block, *, prior_score, client_grad,
                    kde_bandwidth, temperature, local_steps, distill_steps, optimizer,
-                   distill_optimizer, svgd_bandwidth):
+                   distill_optimizer, svgd_bandwidth, key=None):
     """Lines 4-7 of Algorithm 1 at one client: returns (new global, new local) particles.
 
     The local particles encode ``p_0 t_k`` (a proper density), so that
-    ``grad log t_k = grad log KDE(local) - grad log p_0``.
+    ``grad log t_k = grad log KDE(local) - grad log p_0``. ``client_grad(x, block, key)``
+    is the batched gradient of ``L_k`` (``key``: a fresh key per step, ``None`` without one).
     """
 
     def score_previous(x):  # grad log q^(i-1)
@@ -355,10 +372,10 @@ def _client_update(global_particles, local_particles, block, *, prior_score, cli
     def score_factor(x):  # grad log t_k^(i-1)
         return kde_grad_log_density(x, local_particles, kde_bandwidth) - prior_score(x)
 
-    def tilted_score(x):  # Eq. (14)
-        return score_previous(x) - score_factor(x) - client_grad(x, block) / temperature
+    def tilted_score(x, step_key=None):  # Eq. (14)
+        return score_previous(x) - score_factor(x) - client_grad(x, block, step_key) / temperature
 
-    new_global = svgd_run(global_particles, tilted_score, local_steps, optimizer, svgd_bandwidth)
+    new_global = _svgd_scan(global_particles, tilted_score, local_steps, optimizer, svgd_bandwidth, key)
 
     def factor_score(x):  # grad log p_0 t_k^(i), t_k^(i) = t_k^(i-1) q^(i) / q^(i-1)  (Eq. (17))
         return (kde_grad_log_density(x, new_global, kde_bandwidth)
@@ -366,6 +383,21 @@ def _client_update(global_particles, local_particles, block, *, prior_score, cli
 
     new_local = svgd_run(local_particles, factor_score, distill_steps, distill_optimizer, svgd_bandwidth)
     return new_global, new_local
+
+
+def _batched_grad(client_grad, stochastic_client_grad):
+    """``(x (N, d), block, key) -> (N, d)``: the minibatch estimate when a key is given and
+    ``stochastic_client_grad`` exists, the full-batch ``client_grad`` at every particle
+    otherwise."""
+    full = jax.vmap(client_grad, in_axes=(0, None))
+    if stochastic_client_grad is None:
+        return lambda x, block, key=None: full(x, block)
+    return lambda x, block, key=None: full(x, block) if key is None else stochastic_client_grad(x, block, key)
+
+
+def _check_key(key, stochastic_client_grad):
+    if stochastic_client_grad is not None and key is None:
+        raise ValueError("a round with stochastic_client_grad needs a key: round(state, client, block, key)")
 
 
 def build_dsvgd_round(
@@ -379,8 +411,9 @@ def build_dsvgd_round(
     kde_bandwidth: float = 0.55,
     svgd_bandwidth=None,
     temperature: float = 1.0,
+    stochastic_client_grad: Callable | None = None,
 ) -> Callable:
-    """One round of DSVGD (Algorithm 1) as ``round(state, client, block) -> state``.
+    """One round of DSVGD (Algorithm 1) as ``round(state, client, block, key=None) -> state``.
 
     :param prior_grad: ``(d,) -> (d,)``, gradient of the prior potential ``-log p_0``.
     :param client_grad: ``((d,), block) -> (d,)``, gradient of client ``k``'s loss ``L_k``
@@ -392,20 +425,26 @@ def build_dsvgd_round(
     :param float kde_bandwidth: standard deviation of the KDE kernel ``K``.
     :param svgd_bandwidth: ``h`` of the SVGD kernel; ``None``: median heuristic.
     :param float temperature: ``alpha``.
+    :param stochastic_client_grad: ``((N, d), block, key) -> (N, d)``, an unbiased estimate
+        of ``grad L_k`` at every particle from a minibatch drawn with ``key`` (the same
+        minibatch for all particles); used instead of ``client_grad`` in the ``L`` steps,
+        with a fresh key per step split from the round's ``key``.
 
-    ``client`` is the scheduled client's index (may be traced) and ``block`` its data.
+    ``client`` is the scheduled client's index (may be traced) and ``block`` its data;
+    ``key`` is needed with ``stochastic_client_grad`` only.
     """
     distill_optimizer = optimizer if distill_optimizer is None else distill_optimizer
     prior_score = jax.vmap(lambda x: -prior_grad(x))
-    batched_client_grad = jax.vmap(client_grad, in_axes=(0, None))
+    batched_client_grad = _batched_grad(client_grad, stochastic_client_grad)
 
-    def round_fn(state: DSVGDState, client, block) -> DSVGDState:
+    def round_fn(state: DSVGDState, client, block, key=None) -> DSVGDState:
+        _check_key(key, stochastic_client_grad)
         new_global, new_local = _client_update(
             state.global_particles, state.local_particles[client], block,
             prior_score=prior_score, client_grad=batched_client_grad,
             kde_bandwidth=kde_bandwidth, temperature=temperature, local_steps=local_steps,
             distill_steps=distill_steps, optimizer=optimizer,
-            distill_optimizer=distill_optimizer, svgd_bandwidth=svgd_bandwidth,
+            distill_optimizer=distill_optimizer, svgd_bandwidth=svgd_bandwidth, key=key,
         )
         return DSVGDState(
             global_particles=new_global,
@@ -430,32 +469,39 @@ def build_pdsvgd_round(
     kde_bandwidth: float = 0.55,
     svgd_bandwidth=None,
     temperature: float = 1.0,
+    stochastic_client_grad: Callable | None = None,
 ) -> Callable:
-    """One round of P-DSVGD (Algorithm 5) as ``round(state, clients, blocks) -> state``.
+    """One round of P-DSVGD (Algorithm 5) as ``round(state, clients, blocks, key=None) -> state``.
 
     The scheduled ``clients`` (an ``(C,)`` array of distinct indices; ``blocks`` their data,
     stacked) each run the two loops of DSVGD from the server particles, in parallel
     (``vmap``), and upload their local particles; the server then runs ``server_steps`` SVGD
     steps (Eq. (29)) on its particles towards ``q^(i) = p_0 prod_k t_k^(i)`` (Eq. (28)), over
-    the clients scheduled so far.
+    the clients scheduled so far. ``stochastic_client_grad`` as in :func:`build_dsvgd_round`.
     """
     distill_optimizer = optimizer if distill_optimizer is None else distill_optimizer
     server_optimizer = optimizer if server_optimizer is None else server_optimizer
     prior_score = jax.vmap(lambda x: -prior_grad(x))
-    batched_client_grad = jax.vmap(client_grad, in_axes=(0, None))
+    batched_client_grad = _batched_grad(client_grad, stochastic_client_grad)
 
-    def one_client(global_particles, local, block):
+    def one_client(global_particles, local, block, key):
         return _client_update(
             global_particles, local, block,
             prior_score=prior_score, client_grad=batched_client_grad,
             kde_bandwidth=kde_bandwidth, temperature=temperature, local_steps=local_steps,
             distill_steps=distill_steps, optimizer=optimizer,
-            distill_optimizer=distill_optimizer, svgd_bandwidth=svgd_bandwidth,
+            distill_optimizer=distill_optimizer, svgd_bandwidth=svgd_bandwidth, key=key,
         )[1]
 
-    def round_fn(state: DSVGDState, clients, blocks) -> DSVGDState:
-        new_locals = jax.vmap(one_client, in_axes=(None, 0, 0))(
-            state.global_particles, state.local_particles[clients], blocks)
+    def round_fn(state: DSVGDState, clients, blocks, key=None) -> DSVGDState:
+        _check_key(key, stochastic_client_grad)
+        if key is None:
+            new_locals = jax.vmap(lambda local, block: one_client(state.global_particles, local, block, None))(
+                state.local_particles[clients], blocks)
+        else:
+            new_locals = jax.vmap(one_client, in_axes=(None, 0, 0, 0))(
+                state.global_particles, state.local_particles[clients], blocks,
+                jax.random.split(key, clients.shape[0]))
         local_particles = state.local_particles.at[clients].set(new_locals)
         visited = state.visited.at[clients].set(True)
 
@@ -504,16 +550,19 @@ def build_udsvgd_round(
     kde_bandwidth: float = 0.55,
     svgd_bandwidth=None,
     temperature: float = 1.0,
+    stochastic_client_grad: Callable | None = None,
 ) -> Callable:
-    """One round of U-DSVGD (Algorithm 4) as ``round(state, client, block) -> state``.
+    """One round of U-DSVGD (Algorithm 4) as ``round(state, client, block, key=None) -> state``.
 
     ``grad log t_k^(i-1)`` is the recursion (15) over the client's buffer:
     ``sum_{j in I_k} grad log q^(j) - grad log q^(j-1)``, with ``q^(0) = p_0``.
+    ``stochastic_client_grad`` as in :func:`build_dsvgd_round`.
     """
     prior_score = jax.vmap(lambda x: -prior_grad(x))
-    batched_client_grad = jax.vmap(client_grad, in_axes=(0, None))
+    batched_client_grad = _batched_grad(client_grad, stochastic_client_grad)
 
-    def round_fn(state: UDSVGDState, client, block) -> UDSVGDState:
+    def round_fn(state: UDSVGDState, client, block, key=None) -> UDSVGDState:
+        _check_key(key, stochastic_client_grad)
         num_rounds = state.scheduled.shape[0]
         mine = (state.scheduled == client) & (jnp.arange(num_rounds) < state.round)
 
@@ -521,13 +570,14 @@ def build_udsvgd_round(
             kde = jax.vmap(kde_grad_log_density, in_axes=(None, 0, None))(x, state.history, kde_bandwidth)
             return kde.at[0].set(prior_score(x))
 
-        def tilted_score(x):
+        def tilted_score(x, step_key=None):
             scores = iterate_scores(x)
             factor = jnp.sum(jnp.where(mine[:, None, None], scores[1:] - scores[:-1], 0.0), axis=0)
             previous = scores[state.round]
-            return previous - factor - batched_client_grad(x, block) / temperature
+            return previous - factor - batched_client_grad(x, block, step_key) / temperature
 
-        new_global = svgd_run(state.global_particles, tilted_score, local_steps, optimizer, svgd_bandwidth)
+        new_global = _svgd_scan(state.global_particles, tilted_score, local_steps, optimizer,
+                                svgd_bandwidth, key)
         return UDSVGDState(
             new_global,
             state.history.at[state.round + 1].set(new_global),
@@ -542,26 +592,30 @@ def build_udsvgd_round(
 
 
 def _sgld_run(key, particles, grad_potential, num_steps, step_size_fn, first_step):
-    """``num_steps`` Langevin steps ``x <- x - (eps/2) grad U + N(0, eps)``, eps from a schedule."""
+    """``num_steps`` Langevin steps ``x <- x - (eps/2) grad U + N(0, eps)``, eps from a schedule;
+    ``grad_potential(x, key)`` gets a fresh key per step (minibatches)."""
 
     def step(x, inputs):
         t, k = inputs
         eps = step_size_fn(first_step + t)
-        noise = jax.random.normal(k, x.shape, x.dtype)
-        return x - 0.5 * eps * grad_potential(x) + jnp.sqrt(eps) * noise, None
+        noise_key, batch_key = jax.random.split(k)
+        noise = jax.random.normal(noise_key, x.shape, x.dtype)
+        return x - 0.5 * eps * grad_potential(x, batch_key) + jnp.sqrt(eps) * noise, None
 
     keys = jax.random.split(key, num_steps)
     x, _ = lax.scan(step, particles, (jnp.arange(num_steps), keys))
     return x
 
 
-def _descend(params, grad_fn, num_steps, optimizer):
-    def step(carry, _):
+def _descend(params, grad_fn, num_steps, optimizer, key):
+    """``num_steps`` optimiser steps on ``grad_fn(x, key_t)``, a fresh key per step."""
+
+    def step(carry, k):
         x, opt_state = carry
-        updates, opt_state = optimizer.update(grad_fn(x), opt_state, x)
+        updates, opt_state = optimizer.update(grad_fn(x, k), opt_state, x)
         return (x + updates, opt_state), None
 
-    (x, _), _ = lax.scan(step, (params, optimizer.init(params)), None, length=num_steps)
+    (x, _), _ = lax.scan(step, (params, optimizer.init(params)), jax.random.split(key, num_steps))
     return x
 
 
@@ -725,12 +779,16 @@ class _ParticleMethod:
 
     _per_round: int | None = None  # clients per round (P-DSVGD), None: one
 
+    _step_size_name = "learning_rate"  # what to lower when the particles diverge
+
     def __init__(self, model, *, num_particles: int, metrics: Mapping[str, Callable] | None,
-                 partition, init_strategy, progress_bar: bool, temperature: float):
+                 partition, init_strategy, progress_bar: bool, temperature: float,
+                 batch_size: int | None = None):
         if not callable(model):
             raise TypeError(f"model must be a callable NumPyro model, got {type(model).__name__}")
         self.model = model
         self.num_particles = check_int(num_particles, "num_particles", minimum=1)
+        self.batch_size = None if batch_size is None else check_int(batch_size, "batch_size", minimum=1)
         self.temperature = check_positive(temperature, "temperature")
         metrics = dict(metrics or {})
         for name, fn in metrics.items():
@@ -763,20 +821,63 @@ class _ParticleMethod:
             return jax.grad(lambda y: fp.client_potential_fn(unravel(y), block))(x)
 
         self._prior_grad, self._client_grad = prior_grad, client_grad
+        self._stochastic_grad = None if self.batch_size is None else self._minibatch_grad(fp, self.batch_size)
         self._postprocess = jax.jit(jax.vmap(lambda x: fp.postprocess_fn(unravel(x))))
         return fp
+
+    @staticmethod
+    def _minibatch_grad(fp, batch_size: int) -> Callable:
+        """``(x (N, d), block, key) -> (N, d)``: ``grad L_k`` at every particle estimated from
+        ``batch_size`` of the client's rows drawn without replacement (the same rows for every
+        particle), scaled by ``n_k / batch_size``. A client with fewer rows uses them all."""
+        plates = [p.name for p in fp.plates.values() if p.holds_data]
+        if len(plates) != 1:
+            raise ValueError(f"batch_size needs a model with one federated data plate, found {plates}")
+        plate, unravel = plates[0], fp.unravel
+
+        def loss(y, rows, weights, scale):
+            return -scale * jnp.sum(weights * fp.row_log_likelihood_fn(unravel(y), rows))
+
+        grad = jax.vmap(jax.grad(loss), in_axes=(0, None, None, None))
+
+        def stochastic_grad(x, block, key):
+            valid = block["valid"][plate]
+            count = min(batch_size, valid.shape[0])
+            priority = jnp.where(valid, jax.random.uniform(key, valid.shape), -1.0)
+            positions = lax.top_k(priority, count)[1]
+            weights = valid[positions].astype(x.dtype)
+            scale = jnp.sum(valid).astype(x.dtype) / jnp.maximum(jnp.sum(weights), 1.0)
+            rows = jax.tree.map(lambda r: r[positions], block["rows"])
+            return grad(x, rows, weights, scale)
+
+        return stochastic_grad
+
+    def _client_grad_fn(self) -> Callable:
+        """``(x (N, d), block, key) -> (N, d)``: minibatch or full-batch ``grad L_k``."""
+        return _batched_grad(self._client_grad, self._stochastic_grad)
 
     def _prior_particles(self, rng_key, args, kwargs, num):
         """``num`` draws of the global latents from the prior, flat and unconstrained."""
         fp = self.federated_potential
         names = list(fp.init_params)
 
-        def one(key):
-            tr = trace(seed(self.model, key)).get_trace(*args, **kwargs)
+        # One compiled program, the data arrays as its arguments (not constants; other
+        # arguments, e.g. sizes, stay static): run op by op, the model's likelihood would be
+        # evaluated, and each operation compiled, for nothing.
+        leaves, treedef = jax.tree_util.tree_flatten((tuple(args), dict(kwargs)))
+        dynamic = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, np.ndarray))]
+
+        def one(key, arrays):
+            full = list(leaves)
+            for i, array in zip(dynamic, arrays):
+                full[i] = array
+            model_args, model_kwargs = jax.tree_util.tree_unflatten(treedef, full)
+            tr = trace(seed(self.model, key)).get_trace(*model_args, **model_kwargs)
             z = {name: biject_to(tr[name]["fn"].support).inv(tr[name]["value"]) for name in names}
             return fp.ravel(z)
 
-        return jax.vmap(one)(jax.random.split(rng_key, num))
+        draw = jax.jit(jax.vmap(one, in_axes=(0, None)))
+        return draw(jax.random.split(rng_key, num), [leaves[i] for i in dynamic])
 
     def _block(self, client):
         return jax.tree.map(lambda a: a[client], self.federated_potential.client_data)
@@ -847,8 +948,14 @@ class _ParticleMethod:
         for i in bar:
             state = step(state, i)
             particles = particles_of(state)
-            particles.block_until_ready()
+            finite = bool(jnp.all(jnp.isfinite(particles)))  # also waits for the round
             records["wall_time"].append(time.perf_counter() - start)
+            if not finite:
+                bar.close()
+                raise FloatingPointError(
+                    f"{type(self).__name__} diverged: non-finite particles after round {i + 1} "
+                    f"of {num_rounds}; lower {self._step_size_name}"
+                )
             records["client"].append(np.asarray(schedule[i]) if schedule is not None else -1)
             history.append(particles)
             values = self._evaluate_metrics(particles)
@@ -889,6 +996,10 @@ class DSVGD(_ParticleMethod):
     :param init_strategy: NumPyro init strategy used to build the potential (the particles
         themselves start as prior draws, Algorithm 1 line 1).
     :param bool progress_bar: a progress bar over rounds.
+    :param int batch_size: rows of the client's data per SVGD step (drawn afresh at every
+        step, without replacement, the gradient scaled by ``n_k / batch_size``), as in the
+        paper's experiments (Table 2: 100 for the regression BNNs); ``None`` (default): all
+        of them. Needs a model with one federated data plate.
 
     **Example**
 
@@ -927,10 +1038,11 @@ class DSVGD(_ParticleMethod):
         partition=None,
         init_strategy=init_to_uniform,
         progress_bar: bool = True,
+        batch_size: int | None = None,
     ):
         super().__init__(model, num_particles=num_particles, metrics=metrics, partition=partition,
                          init_strategy=init_strategy, progress_bar=progress_bar,
-                         temperature=temperature)
+                         temperature=temperature, batch_size=batch_size)
         self.local_steps = check_int(local_steps, "local_steps", minimum=1)
         self.distill_steps = check_int(distill_steps, "distill_steps", minimum=0)
         self.optimizer = (adagrad_momentum(learning_rate) if optimizer is None
@@ -962,7 +1074,24 @@ class DSVGD(_ParticleMethod):
             distill_steps=self.distill_steps, optimizer=self.optimizer,
             distill_optimizer=self.distill_optimizer, kde_bandwidth=self.kde_bandwidth,
             svgd_bandwidth=self.svgd_bandwidth, temperature=self.temperature,
+            stochastic_client_grad=self._stochastic_grad,
         )
+
+    def _run_rounds(self, num_rounds, state, schedule_key) -> DSVGDRunResult:
+        """The driver shared by the DSVGD variants: schedule, one jitted round per round."""
+        fp = self.federated_potential
+        schedule = _make_schedule(self.schedule, num_rounds, fp.num_clients, schedule_key, self._per_round)
+        round_fn = jax.jit(self._round_fn())
+        data = fp.client_data
+        keys = (None if self._stochastic_grad is None
+                else jax.random.split(jax.random.fold_in(schedule_key, 1), num_rounds))
+
+        def step(state, i):
+            client = jnp.asarray(schedule[i])
+            block = jax.tree.map(lambda a: a[client], data)
+            return round_fn(state, client, block) if keys is None else round_fn(state, client, block, keys[i])
+
+        return self._loop(num_rounds, state, step, lambda s: s.global_particles, schedule)
 
     def run(self, rng_key, num_rounds: int, *args, init_state=None, init_particles=None, **kwargs) -> DSVGDRunResult:
         """Runs ``num_rounds`` communication rounds.
@@ -986,16 +1115,7 @@ class DSVGD(_ParticleMethod):
                 raise ValueError(f"init_state has {init_state.local_particles.shape[0]} clients, "
                                  f"the model {fp.num_clients}")
             state = init_state
-        fp = self.federated_potential
-        schedule = _make_schedule(self.schedule, num_rounds, fp.num_clients, schedule_key, self._per_round)
-        round_fn = jax.jit(self._round_fn())
-        data = fp.client_data
-
-        def step(state, i):
-            client = jnp.asarray(schedule[i])
-            return round_fn(state, client, jax.tree.map(lambda a: a[client], data))
-
-        return self._loop(num_rounds, state, step, lambda s: s.global_particles, schedule)
+        return self._run_rounds(num_rounds, state, schedule_key)
 
 
 class PDSVGD(DSVGD):
@@ -1049,6 +1169,7 @@ class PDSVGD(DSVGD):
             optimizer=self.optimizer, distill_optimizer=self.distill_optimizer,
             server_optimizer=self.server_optimizer, kde_bandwidth=self.kde_bandwidth,
             svgd_bandwidth=self.svgd_bandwidth, temperature=self.temperature,
+            stochastic_client_grad=self._stochastic_grad,
         )
 
 
@@ -1073,6 +1194,7 @@ class UDSVGD(DSVGD):
             self._prior_grad, self._client_grad, local_steps=self.local_steps,
             optimizer=self.optimizer, kde_bandwidth=self.kde_bandwidth,
             svgd_bandwidth=self.svgd_bandwidth, temperature=self.temperature,
+            stochastic_client_grad=self._stochastic_grad,
         )
 
     def run(self, rng_key, num_rounds: int, *args, init_particles=None, **kwargs) -> DSVGDRunResult:
@@ -1080,16 +1202,7 @@ class UDSVGD(DSVGD):
         num_rounds = check_int(num_rounds, "num_rounds", minimum=1)
         init_key, schedule_key = jax.random.split(rng_key)
         state = self.init(init_key, *args, num_rounds=num_rounds, init_particles=init_particles, **kwargs)
-        fp = self.federated_potential
-        schedule = _make_schedule(self.schedule, num_rounds, fp.num_clients, schedule_key, None)
-        round_fn = jax.jit(self._round_fn())
-        data = fp.client_data
-
-        def step(state, i):
-            client = jnp.asarray(schedule[i])
-            return round_fn(state, client, jax.tree.map(lambda a: a[client], data))
-
-        return self._loop(num_rounds, state, step, lambda s: s.global_particles, schedule)
+        return self._run_rounds(num_rounds, state, schedule_key)
 
 
 # -- baselines --------------------------------------------------------------------------------
@@ -1103,6 +1216,8 @@ class SVGD(_ParticleMethod):
     up with DSVGD's ``I x L`` iterations. The optimiser's state is kept across rounds.
 
     :param int steps_per_round: SVGD steps per recorded round (e.g. DSVGD's ``local_steps``).
+    :param int batch_size: rows of the pooled data per step, ``ceil(batch_size / K)`` from each
+        client (``None``: all).
 
     Other parameters as :class:`DSVGD`.
     """
@@ -1110,10 +1225,11 @@ class SVGD(_ParticleMethod):
     def __init__(self, model, *, num_particles: int = 20, steps_per_round: int = 200,
                  learning_rate: float = 0.05, optimizer=None, svgd_bandwidth=None,
                  temperature: float = 1.0, metrics=None, partition=None,
-                 init_strategy=init_to_uniform, progress_bar: bool = True):
+                 init_strategy=init_to_uniform, progress_bar: bool = True,
+                 batch_size: int | None = None):
         super().__init__(model, num_particles=num_particles, metrics=metrics, partition=partition,
                          init_strategy=init_strategy, progress_bar=progress_bar,
-                         temperature=temperature)
+                         temperature=temperature, batch_size=batch_size)
         self.steps_per_round = check_int(steps_per_round, "steps_per_round", minimum=1)
         self.optimizer = (adagrad_momentum(learning_rate) if optimizer is None
                           else _check_optimizer(optimizer, "optimizer"))
@@ -1127,20 +1243,28 @@ class SVGD(_ParticleMethod):
         else:
             particles = self._check_particles(init_particles, "init_particles")
         prior_score = jax.vmap(lambda x: -self._prior_grad(x))
-        clients_grad = jax.vmap(jax.vmap(self._client_grad, in_axes=(0, None)), in_axes=(None, 0))
-        data, temperature = fp.client_data, self.temperature
+        if self.batch_size is None:
+            one_client = _batched_grad(self._client_grad, None)
+        else:
+            per_client = math.ceil(self.batch_size / fp.num_clients)
+            one_client = _batched_grad(self._client_grad, self._minibatch_grad(fp, per_client))
+        num_clients, temperature, steps = fp.num_clients, self.temperature, self.steps_per_round
 
-        def score(x):
-            return prior_score(x) - jnp.sum(clients_grad(x, data), axis=0) / temperature
-
-        kernel = build_svgd_kernel(score, self.optimizer, self.svgd_bandwidth)
+        def score(x, data, key):
+            keys = jax.random.split(key, num_clients)
+            grads = jax.vmap(one_client, in_axes=(None, 0, 0))(x, data, keys)
+            return prior_score(x) - jnp.sum(grads, axis=0) / temperature
 
         @jax.jit
-        def round_fn(state):
-            return lax.scan(lambda s, _: (kernel(s), None), state, None, length=self.steps_per_round)[0]
+        def round_fn(state, data, key):
+            def step(s, k):
+                return build_svgd_kernel(lambda x: score(x, data, k), self.optimizer, self.svgd_bandwidth)(s), None
+            return lax.scan(step, state, jax.random.split(key, steps))[0]
 
         state = SVGDState(particles, self.optimizer.init(particles))
-        return self._loop(num_rounds, state, lambda s, i: round_fn(s), lambda s: s.particles, None)
+        data = fp.client_data
+        keys = jax.random.split(jax.random.fold_in(rng_key, 1), num_rounds)
+        return self._loop(num_rounds, state, lambda s, i: round_fn(s, data, keys[i]), lambda s: s.particles, None)
 
 
 class FedAvg(_ParticleMethod):
@@ -1155,13 +1279,16 @@ class FedAvg(_ParticleMethod):
     :param float learning_rate: of the default optimiser, :func:`adagrad_momentum`.
     :param optimizer: any :class:`Optimizer` or optax optimiser.
     :param schedule: as :class:`DSVGD`.
+    :param int batch_size: as :class:`DSVGD`.
     """
 
     def __init__(self, model, *, local_steps: int = 200, learning_rate: float = 0.05,
                  optimizer=None, schedule="round_robin", metrics=None, partition=None,
-                 init_strategy=init_to_uniform, progress_bar: bool = True):
+                 init_strategy=init_to_uniform, progress_bar: bool = True,
+                 batch_size: int | None = None):
         super().__init__(model, num_particles=1, metrics=metrics, partition=partition,
-                         init_strategy=init_strategy, progress_bar=progress_bar, temperature=1.0)
+                         init_strategy=init_strategy, progress_bar=progress_bar, temperature=1.0,
+                         batch_size=batch_size)
         self.local_steps = check_int(local_steps, "local_steps", minimum=1)
         self.optimizer = (adagrad_momentum(learning_rate) if optimizer is None
                           else _check_optimizer(optimizer, "optimizer"))
@@ -1181,18 +1308,19 @@ class FedAvg(_ParticleMethod):
             point = self._check_particles(jnp.reshape(jnp.asarray(init_params), (1, -1)), "init_params")
         schedule = _make_schedule(self.schedule, num_rounds, fp.num_clients, schedule_key, None)
         share = 1.0 / fp.num_clients
-        prior_grad, client_grad, optimizer = self._prior_grad, self._client_grad, self.optimizer
+        prior_grad, client_grad, optimizer = jax.vmap(self._prior_grad), self._client_grad_fn(), self.optimizer
 
         @jax.jit
-        def round_fn(x, block):
-            def objective_grad(p):
-                return jax.vmap(lambda q: client_grad(q, block) + share * prior_grad(q))(p)
-            return _descend(x, objective_grad, self.local_steps, optimizer)
+        def round_fn(x, block, key):
+            def objective_grad(p, k):
+                return client_grad(p, block, k) + share * prior_grad(p)
+            return _descend(x, objective_grad, self.local_steps, optimizer, key)
 
         data = fp.client_data
+        keys = jax.random.split(jax.random.fold_in(schedule_key, 1), num_rounds)
 
         def step(x, i):
-            return round_fn(x, jax.tree.map(lambda a: a[int(schedule[i])], data))
+            return round_fn(x, jax.tree.map(lambda a: a[int(schedule[i])], data), keys[i])
 
         return self._loop(num_rounds, point, step, lambda s: s, schedule)
 
@@ -1207,16 +1335,25 @@ class DistributedSGLD(_ParticleMethod):
 
     :param int num_particles: number of chains.
     :param int local_steps: Langevin steps per round.
-    :param float a0: step-size scale (the paper's Table 4: 0.01, 0.0005 for large data).
+    :param float a0: step-size scale (the paper's Table 4: 0.01, 0.0005 for large data; its
+        authors' code also divides each step by the number of chains). The largest stable
+        step shrinks with the data size: Langevin steps need ``eps`` below about
+        ``2 / (largest curvature of U)``.
     :param schedule: as :class:`DSVGD`.
+    :param int batch_size: as :class:`DSVGD`.
+
+    Non-finite chains stop the run with a :class:`FloatingPointError` naming ``a0``.
     """
+
+    _step_size_name = "a0"
 
     def __init__(self, model, *, num_particles: int = 20, local_steps: int = 200, a0: float = 0.01,
                  temperature: float = 1.0, schedule="round_robin", metrics=None, partition=None,
-                 init_strategy=init_to_uniform, progress_bar: bool = True):
+                 init_strategy=init_to_uniform, progress_bar: bool = True,
+                 batch_size: int | None = None):
         super().__init__(model, num_particles=num_particles, metrics=metrics, partition=partition,
                          init_strategy=init_strategy, progress_bar=progress_bar,
-                         temperature=temperature)
+                         temperature=temperature, batch_size=batch_size)
         self.local_steps = check_int(local_steps, "local_steps", minimum=1)
         self.a0 = check_positive(a0, "a0")
         if isinstance(schedule, str) and schedule not in ("round_robin", "random"):
@@ -1235,12 +1372,14 @@ class DistributedSGLD(_ParticleMethod):
         schedule = _make_schedule(self.schedule, num_rounds, fp.num_clients, schedule_key, None)
         sizes = jnp.asarray(fp.client_sizes, particles.dtype)
         scales = jnp.sum(sizes) / sizes / self.temperature
-        prior_grad, client_grad, a0, steps = self._prior_grad, self._client_grad, self.a0, self.local_steps
+        prior_grad, client_grad = jax.vmap(self._prior_grad), self._client_grad_fn()
+        a0, steps = self.a0, self.local_steps
+        stochastic = self._stochastic_grad is not None
 
         @jax.jit
         def round_fn(x, key, client, block, first_step):
-            def grad_potential(p):
-                return jax.vmap(lambda q: prior_grad(q) + scales[client] * client_grad(q, block))(p)
+            def grad_potential(p, k):
+                return prior_grad(p) + scales[client] * client_grad(p, block, k if stochastic else None)
             return _sgld_run(key, x, grad_potential, steps, lambda t: a0 * (0.5 + t) ** -0.55, first_step)
 
         data = fp.client_data
@@ -1251,6 +1390,129 @@ class DistributedSGLD(_ParticleMethod):
             return round_fn(x, keys[i], client, jax.tree.map(lambda a: a[client], data), i * steps)
 
         return self._loop(num_rounds, particles, step, lambda s: s, schedule)
+
+
+class GaussianPVI(_ParticleMethod):
+    """Partitioned variational inference with a mean-field Gaussian (the paper's PVI
+    baseline) under the interface of :class:`DSVGD`: one scheduled client per round.
+
+    A thin adapter over :mod:`numpyro_fed.infer.pvi` (non-private, as
+    :class:`~numpyro_fed.DPPVI` with ``dp=None``): ``q = p_0 prod_k t_k`` with Gaussian
+    factors on the flat unconstrained space; the scheduled client maximises its local ELBO
+    against the cavity ``q / t_k`` with ``optim`` for ``local_steps`` steps, and the server
+    adds ``damping`` times the change to ``q`` and to the client's factor. The model's prior
+    must be a Gaussian with independent coordinates on the unconstrained space (e.g.
+    ``Normal`` priors): a ``ValueError`` says so otherwise.
+
+    The "particles" of each round, which the metrics see and :meth:`get_samples` draws from,
+    are ``num_particles`` draws of ``q`` made with the same standard normal noise every
+    round (common random numbers). ``result.metrics`` also holds ``loc`` and ``scale`` of
+    ``q`` after each round (``(num_rounds, d)``); :meth:`log_density` evaluates ``q``.
+
+    :param int num_particles: draws of ``q`` reported per round.
+    :param int local_steps: steps of the local optimisation.
+    :param optim: an optax optimiser (default ``adam(1e-2)``).
+    :param int num_mc_samples: Monte Carlo draws of ``q`` per step.
+    :param float damping: in ``(0, 1]``.
+    :param schedule: as :class:`DSVGD`.
+    """
+
+    _step_size_name = "the optimiser's learning rate or damping"
+
+    def __init__(self, model, *, num_particles: int = 20, local_steps: int = 200, optim=None,
+                 num_mc_samples: int = 10, damping: float = 1.0, schedule="round_robin",
+                 metrics=None, partition=None, init_strategy=init_to_uniform,
+                 progress_bar: bool = True):
+        super().__init__(model, num_particles=num_particles, metrics=metrics, partition=partition,
+                         init_strategy=init_strategy, progress_bar=progress_bar, temperature=1.0)
+        import optax
+
+        self.local_steps = check_int(local_steps, "local_steps", minimum=1)
+        self.optim = optax.adam(1e-2) if optim is None else optim
+        self.num_mc_samples = check_int(num_mc_samples, "num_mc_samples", minimum=1)
+        self.damping = check_positive(damping, "damping")
+        if self.damping > 1.0:
+            raise ValueError(f"damping must lie in (0, 1], got {self.damping}")
+        if isinstance(schedule, str) and schedule not in ("round_robin", "random"):
+            raise ValueError(f"schedule must be 'round_robin', 'random' or a sequence of client "
+                             f"indices, got {schedule!r}")
+        self.schedule = schedule
+
+    def run(self, rng_key, num_rounds: int, *args, **kwargs) -> DSVGDRunResult:
+        """Runs ``num_rounds`` rounds; ``result.state`` is the final
+        :class:`~numpyro_fed.infer.pvi.PVIState`."""
+        from numpyro_fed.infer import pvi
+
+        num_rounds = check_int(num_rounds, "num_rounds", minimum=1)
+        draw_key, schedule_key, run_key = jax.random.split(rng_key, 3)
+        fp = self._setup(args, kwargs)
+        plates = [p.name for p in fp.plates.values() if p.holds_data]
+        if len(plates) != 1:
+            raise ValueError(f"GaussianPVI needs one federated data plate, found {plates}")
+        unravel, d = fp.unravel, fp.num_latent
+        prior = pvi.gaussian_prior(lambda x: fp.prior_potential_fn(unravel(x)), d)
+        schedule = _make_schedule(self.schedule, num_rounds, fp.num_clients, schedule_key, None)
+        sizes = np.asarray(fp.client_sizes)
+        shard_index, shard_valid = pvi.shard_layout(sizes, 1)
+        data = pvi.ClientData(rows=fp.client_data["rows"], valid=fp.client_data["valid"][plates[0]],
+                              shard_index=shard_index, shard_valid=shard_valid)
+        config = pvi.LocalConfig(optim=self.optim, num_steps=self.local_steps,
+                                 num_mc_samples=self.num_mc_samples, sampling="full",
+                                 sampling_rate=1.0, dpsgd=False, clip_norm=1.0)
+
+        def row_log_lik(theta, rows):
+            return fp.row_log_likelihood_fn(unravel(theta), rows)
+
+        one = lambda tree, m: jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, m, 1), tree)
+        visit = pvi.build_round(row_log_lik, one(data, 0), config, dp=None,
+                                schedule="sequential", damping=self.damping)
+
+        @jax.jit
+        def round_fn(state, key, m, data):  # PVI's round over the one scheduled client
+            mine = state._replace(factors=one(state.factors, m), virtual=one(state.virtual, m))
+            new, _ = visit(key, mine, one(data, m))
+            put = lambda all_, new_: jax.tree.map(lambda a, b: lax.dynamic_update_slice_in_dim(a, b, m, 0),
+                                                  all_, new_)
+            return new._replace(factors=put(state.factors, new.factors),
+                                virtual=put(state.virtual, new.virtual))
+
+        eps = jax.random.normal(draw_key, (self.num_particles, d))
+        keys = jax.random.split(run_key, num_rounds)
+
+        def draws(state):
+            loc, scale = pvi.loc_scale(state.q)
+            return loc + scale * eps
+
+        locs, scales = [], []
+
+        def step(state, i):
+            state = round_fn(state, keys[i], jnp.asarray(schedule[i]), data)
+            loc, scale = pvi.loc_scale(state.q)
+            locs.append(np.asarray(loc))
+            scales.append(np.asarray(scale))
+            return state
+
+        result = self._loop(num_rounds, pvi.init(prior, fp.num_clients), step, draws, schedule)
+        result.metrics.update(loc=np.stack(locs), scale=np.stack(scales))
+        return result
+
+    def log_density(self, result: DSVGDRunResult, particles) -> jax.Array:
+        """``log q`` of the final Gaussian at ``(M, d)`` flat unconstrained points."""
+        from numpyro_fed.infer import pvi
+
+        loc, scale = pvi.loc_scale(result.state.q)
+        z = (jnp.asarray(particles) - loc) / scale
+        return jnp.sum(-0.5 * z**2 - jnp.log(scale) - 0.5 * math.log(2 * math.pi), axis=-1)
+
+    def get_samples(self, rng_key, result: DSVGDRunResult, num_samples: int | None = None) -> dict:
+        """Constrained draws of the final ``q`` (``None``: the reported particles)."""
+        from numpyro_fed.infer import pvi
+
+        if num_samples is None:
+            return self.constrained(result.particles)
+        num_samples = check_int(num_samples, "num_samples", minimum=1)
+        loc, scale = pvi.loc_scale(result.state.q)
+        return self.constrained(loc + scale * jax.random.normal(rng_key, (num_samples, loc.shape[0]), loc.dtype))
 
 
 # -- ArviZ ------------------------------------------------------------------------------------
