@@ -133,6 +133,44 @@ def test_calibration_of_update_perturbation():
     assert method.privacy(sigmas * 0.99, 7, SIZES).epsilon > 0.5
 
 
+RUN_SIZES = np.full(NUM_CLIENTS, NUM_ROWS // NUM_CLIENTS)  # the client sizes of `data`
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(dp="dpsgd", noise_multiplier=3.0, sampling="poisson", sampling_rate=0.1),
+        dict(dp="dpsgd", noise_multiplier=8.0, sampling="without_replacement", sampling_rate=0.1),
+        dict(dp="virtual", noise_multiplier=16.0, num_shards=2, schedule="synchronous", trusted_aggregator=True),
+    ],
+)
+def test_calibrated_number_of_rounds_spends_at_most_the_target(data, kwargs):
+    """Given sigma and a target epsilon, num_rounds=None runs the most rounds that fit: the
+    reported epsilon is at most the target, and one more round would exceed it."""
+    method = DPPVI(model, target_epsilon=1.0, delta=1e-5, **dict(FAST, **kwargs))
+    result = method.run(jax.random.PRNGKey(4), None, *data)
+    rounds = result.metrics["loc"].shape[0]
+    assert rounds == method.max_rounds(RUN_SIZES) >= 2
+    assert result.privacy.epsilon <= 1.0
+    sigmas = np.full(NUM_CLIENTS, kwargs["noise_multiplier"])
+    assert method.privacy(sigmas, rounds + 1, RUN_SIZES).epsilon > 1.0
+    # close to the target: within one round's share of the budget
+    assert result.privacy.epsilon >= 1.0 * (rounds - 1) / rounds
+    # the guarantee of the run is the independent accounting of that many rounds
+    assert result.privacy.epsilon == method.privacy(sigmas, rounds, RUN_SIZES).epsilon
+
+
+def test_fixed_noise_and_budget_refuses_too_many_rounds(data):
+    method = DPPVI(model, dp="virtual", noise_multiplier=16.0, target_epsilon=1.0, **FAST)
+    too_many = method.max_rounds(RUN_SIZES) + 1
+    with pytest.raises(ValueError, match="spend"):
+        method.run(jax.random.PRNGKey(0), too_many, *data)
+    with pytest.raises(ValueError, match="already spends more"):
+        DPPVI(model, dp="virtual", noise_multiplier=2.0, target_epsilon=1.0, **FAST).max_rounds(RUN_SIZES)
+    with pytest.raises(ValueError, match="num_rounds=None"):
+        DPPVI(model, dp="virtual", target_epsilon=1.0, **FAST).run(jax.random.PRNGKey(0), None, *data)
+
+
 def test_dpsgd_noise_has_the_stated_scale():
     # With no data and q equal to the cavity, one SGD step of size 1 moves the
     # parameters by exactly the noise: sigma * C / rate per coordinate.
@@ -234,6 +272,38 @@ def test_virtual_with_one_shard_is_parameter_perturbation(data):
     np.testing.assert_allclose(state.virtual.eta1.sum(1), state.factors.eta1, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("noise_multiplier", [0.0, 0.7])
+def test_one_virtual_client_equals_naive_parameter_perturbation_by_hand(data, noise_multiplier):
+    """A virtual-client update with one shard against naive parameter perturbation written
+    out: optimise the local ELBO on all the client's rows against the cavity, clip the change
+    of the natural parameters to C, add N(0, (sigma C)^2)."""
+    fp = nf.split_potential(model, data)
+    rows = [r[1] for r in fp.client_data["rows"]]
+    valid = fp.client_data["valid"]["data"][1]
+    d = fp.num_latent
+    row_log_lik = lambda t, r: fp.row_log_likelihood_fn(fp.unravel(t), r)
+    q = pvi.natural(jnp.array([0.3, -0.2]), jnp.array([0.8, 0.9]))
+    factor = pvi.GaussianNatural(jnp.array([0.1, 0.2]), jnp.array([-0.05, -0.1]))
+    index, shard_valid = pvi.shard_layout([int(valid.sum())], 1, seed=0)
+    clip = 0.4
+    config = pvi.LocalConfig(optim=optax.adam(0.1), num_steps=20, num_mc_samples=2, sampling="full",
+                             sampling_rate=1.0, dpsgd=False, clip_norm=clip)
+    key = jax.random.PRNGKey(11)
+    delta, _, _ = pvi.client_update(
+        key, row_log_lik, q, factor, jax.tree_util.tree_map(lambda x: x[None], factor), rows, valid,
+        index[0], shard_valid[0], config, dp="virtual", noise_multiplier=noise_multiplier,
+    )
+    # by hand
+    key_opt, key_noise = jax.random.split(key)
+    cavity = pvi.GaussianNatural(q.eta1 - factor.eta1, q.eta2 - factor.eta2)
+    new_q, _ = pvi.optimise_local(jax.random.split(key_opt, 1)[0], row_log_lik, q, cavity, rows, valid, config)
+    change = jnp.concatenate([new_q.eta1 - q.eta1, new_q.eta2 - q.eta2])
+    assert jnp.linalg.norm(change) > clip  # clipping is active
+    change = change * clip / jnp.linalg.norm(change)
+    change = change + noise_multiplier * clip * jax.random.normal(key_noise, (2 * d,))
+    np.testing.assert_allclose(jnp.concatenate([delta.eta1, delta.eta2]), change, rtol=1e-6, atol=1e-9)
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -247,8 +317,8 @@ def test_virtual_with_one_shard_is_parameter_perturbation(data):
         (dict(dp="dpsgd", target_epsilon=1.0, sampling="poisson", sampling_rate=1.5), "sampling_rate"),
         (dict(dp="dpsgd", target_epsilon=1.0, sampling="poisson"), "sampling_rate"),
         (dict(dp="dpsgd", noise_multiplier=-1.0), "noise_multiplier"),
-        (dict(dp="dpsgd"), "exactly one"),
-        (dict(dp="dpsgd", target_epsilon=1.0, noise_multiplier=1.0), "exactly one"),
+        (dict(dp="dpsgd"), "noise_multiplier, target_epsilon or both"),
+        (dict(dp="dpsgd", target_epsilon=1.0, noise_multiplier=0.0), "no privacy"),
         (dict(dp="virtual", target_epsilon=1.0, trusted_aggregator=True), "synchronous"),
         (dict(dp="dpsgd", target_epsilon=1.0, schedule="synchronous", trusted_aggregator=True), "trusted_aggregator"),
         (dict(dp="gaussian"), "dp must be"),

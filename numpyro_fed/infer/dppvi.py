@@ -90,7 +90,10 @@ class DPPVI:
     :param noise_multiplier: noise standard deviation over ``C``; or give ``target_epsilon``.
         ``0`` clips without noise: no privacy (``result.privacy`` is ``None``), for
         studying the effect of clipping and sharding alone.
-    :param float target_epsilon: calibrate the noise so that the run spends at most this.
+    :param float target_epsilon: the run spends at most this. Alone, it calibrates the noise
+        for the given number of rounds; with ``noise_multiplier`` too, it calibrates the
+        number of rounds instead: ``run(rng_key, None, ...)`` runs the most rounds whose
+        privacy cost stays within the target (see :meth:`max_rounds`).
     :param float delta: the run's delta.
     :param int num_shards: ``K``: shards (local averaging) or virtual clients per client.
     :param bool trusted_aggregator: the clients' updates are summed by a trusted aggregator
@@ -190,12 +193,14 @@ class DPPVI:
         if dp is None:
             if noise_multiplier is not None or target_epsilon is not None:
                 raise ValueError("dp=None is non-private: do not pass noise_multiplier or target_epsilon")
-        elif (noise_multiplier is None) == (target_epsilon is None):
-            raise ValueError(f"dp={dp!r} needs exactly one of noise_multiplier and target_epsilon")
+        elif noise_multiplier is None and target_epsilon is None:
+            raise ValueError(f"dp={dp!r} needs noise_multiplier, target_epsilon or both")
         if noise_multiplier is not None:
             noise_multiplier = check_real(noise_multiplier, "noise_multiplier")
             if noise_multiplier < 0:
                 raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
+            if noise_multiplier == 0 and target_epsilon is not None:
+                raise ValueError("noise_multiplier=0 gives no privacy: do not pass target_epsilon")
         self.noise_multiplier = noise_multiplier
         self.target_epsilon = None if target_epsilon is None else check_epsilon(target_epsilon)
         if accountant not in (None, "pld", "rdp"):
@@ -268,6 +273,38 @@ class DPPVI:
             out[[i for i, k in enumerate(keys) if k == key]] = sigma
         return out
 
+    def max_rounds(self, client_sizes, *, limit: int = 100_000) -> int:
+        """The most rounds a run can have with the given ``noise_multiplier`` and still
+        spend at most ``target_epsilon`` (both given at construction): ``run(rng_key, None,
+        ...)`` runs that many. For ``dp="dpsgd"`` a round is ``num_local_steps`` DP-SGD steps
+        per client.
+
+        :raises ValueError: when even one round spends more than the target.
+        """
+        if self.dp is None or self.noise_multiplier is None or self.target_epsilon is None:
+            raise ValueError("max_rounds needs a private dp, noise_multiplier and target_epsilon")
+        sizes = np.asarray(client_sizes, int)
+        sigmas = np.full(sizes.size, self.noise_multiplier)
+
+        def fits(rounds):
+            return self.privacy(sigmas, rounds, sizes).epsilon <= self.target_epsilon
+
+        if not fits(1):
+            raise ValueError(
+                f"one round with noise_multiplier={self.noise_multiplier} already spends more "
+                f"than target_epsilon={self.target_epsilon}: raise the noise or the target"
+            )
+        # Epsilon grows with the number of rounds: double, then bisect.
+        low, high = 1, 2
+        while fits(high):
+            low, high = high, 2 * high
+            if high > limit:
+                return limit
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if fits(mid) else (low, mid)
+        return low
+
     def _accounting_delta(self):
         # Poisson batches are capped (see _batch_cap): a 1e-6 share of delta covers the cap.
         if self.dp == "dpsgd" and self.sampling == "poisson":
@@ -307,10 +344,15 @@ class DPPVI:
             return None
         sizes = np.asarray(client_sizes, int)
         events = self._client_events(np.asarray(noise_multipliers), num_rounds, sizes)
-        epsilons = [
-            compute_epsilon(e, self._accounting_delta(), accountant=self.accountant, neighbouring=self.neighbouring)
-            for e in events
-        ]
+        cache = {}  # clients with the same events (same noise, and size where it matters)
+        epsilons = []
+        for e in events:
+            key = repr(e)
+            if key not in cache:
+                cache[key] = compute_epsilon(
+                    e, self._accounting_delta(), accountant=self.accountant, neighbouring=self.neighbouring
+                )
+            epsilons.append(cache[key])
         accountant = self.accountant or ("rdp" if self.sampling == "without_replacement" else "pld")
         if self.dp == "dpsgd":
             mechanism = (
@@ -341,17 +383,34 @@ class DPPVI:
         )
 
     # -- running -------------------------------------------------------------------------------
-    def run(self, rng_key, num_rounds: int, *args, init_state: core.PVIState | None = None, **kwargs) -> DPPVIRunResult:
+    def run(self, rng_key, num_rounds: int | None, *args, init_state: core.PVIState | None = None, **kwargs) -> DPPVIRunResult:
         """Runs ``num_rounds`` rounds (each visits every client once).
 
         :param rng_key: a JAX PRNG key.
-        :param int num_rounds: global rounds.
+        :param int num_rounds: global rounds; ``None`` (with both ``noise_multiplier`` and
+            ``target_epsilon``) runs the most rounds that spend at most the target
+            (:meth:`max_rounds`).
         :param args, kwargs: the model's arguments (the data).
         :param init_state: continue from a previous run's state (its privacy is not added).
+        :raises ValueError: if ``noise_multiplier`` and ``target_epsilon`` are both given and
+            ``num_rounds`` rounds would spend more than the target.
         """
-        num_rounds = check_int(num_rounds, "num_rounds", minimum=1)
         potential, plate, prior = self._setup(args, kwargs)
         sizes, rows, valid = self._layout(potential, plate)
+        fixed_noise_budget = self.noise_multiplier is not None and self.target_epsilon is not None
+        if num_rounds is None:
+            if not fixed_noise_budget:
+                raise ValueError("num_rounds=None needs both noise_multiplier and target_epsilon")
+            num_rounds = self.max_rounds(sizes)
+        num_rounds = check_int(num_rounds, "num_rounds", minimum=1)
+        if fixed_noise_budget:
+            spent = self.privacy(np.full(sizes.size, self.noise_multiplier), num_rounds, sizes).epsilon
+            if spent > self.target_epsilon:
+                raise ValueError(
+                    f"{num_rounds} rounds with noise_multiplier={self.noise_multiplier} spend "
+                    f"epsilon={spent:.4g} > target_epsilon={self.target_epsilon}; "
+                    f"pass num_rounds=None for the most that fit"
+                )
         num_clients = sizes.size
         key_shards, key_run = jax.random.split(rng_key)
         shard_seed = int(jax.random.randint(key_shards, (), 0, 2**31 - 1))
