@@ -242,6 +242,57 @@ def speed_section(args, results):
     save(results, args.out_path)
 
 
+def report(path):
+    """Markdown tables (as in ``benchmarks/admm.md``) from a results file of this script."""
+    results = json.loads(Path(path).read_text())
+    lines = []
+
+    def fmt(v):  # diverging runs reach 1e16
+        return f"{v:.3f}" if abs(v) < 100 else f"{v:.1e}"
+
+    if results.get("speed"):
+        lines += ["| method | solver | `MCMC.run`, 100 iterations (s) | bare iteration (ms) | load average |",
+                  "|---|---|---|---|---|"]
+        for r in results["speed"]:
+            bare = r.get("bare_seconds_per_iteration")
+            lines.append(f"| {r['method']} | {r.get('solver') or '-'} | {r['mcmc_run_seconds']:.2f} | "
+                         f"{'-' if bare is None else f'{bare * 1e3:.3f}'} | {r.get('load_average', float('nan')):.1f} |")
+        lines.append("")
+    marks = (1, 5, 10, 20, 30, 50, 100)
+    if results.get("linear"):
+        for n_i in sorted({r["n_i"] for r in results["linear"]}):
+            lines += [f"W2 to the exact posterior, n_i = {n_i}: agent 0 / network average at iterations {marks}.", "",
+                      "| N | graph | method | agent 0 | average | run (s) |", "|---|---|---|---|---|---|"]
+            for r in results["linear"]:
+                if r["n_i"] != n_i:
+                    continue
+                cells = [(fmt(r["w2_agent0"][k - 1]), fmt(r["w2_average"][k - 1]))
+                         for k in marks if k <= len(r["w2_agent0"])]
+                lines.append(f"| {r['num_agents']} | {r['topology']} | {r['method']} | "
+                             f"{' '.join(c[0] for c in cells)} | {' '.join(c[1] for c in cells)} | "
+                             f"{r['run_seconds']:.1f} |")
+            lines.append("")
+    if results.get("rho"):
+        lines += [f"rho ablation (20-agent ring, n_i = 50): W2 of agent 0 at iterations {marks[:-1]}.", "",
+                  "| rho | agent 0 | run (s) |", "|---|---|---|"]
+        for r in results["rho"]:
+            cells = [fmt(r["w2_agent0"][k - 1]) for k in marks[:-1]]
+            lines.append(f"| {r['rho']:g} | {' '.join(cells)} | {r['run_seconds']:.1f} |")
+        lines.append("")
+    if results.get("logistic"):
+        marks = (1, 2, 3, 5, 10, 15, 30)
+        lines += [f"Logistic regression: accuracy of agent 0 on the pooled data, mean over chains at "
+                  f"iterations {marks} (sd at the last iteration).", "",
+                  "| N | graph | method | accuracy | sd at end | NUTS mean | run (s) |", "|---|---|---|---|---|---|---|"]
+        for r in results["logistic"]:
+            m = r["accuracy_mean"]
+            cells = [f"{m[k - 1]:.3f}" for k in marks if k <= len(m)]
+            lines.append(f"| {r['num_agents']} | {r['topology']} | {r['method']} | {' '.join(cells)} | "
+                         f"{r['accuracy_sd'][-1]:.3f} | {r['nuts_accuracy']:.3f} | {r['run_seconds']:.1f} |")
+        lines.append("")
+    print("\n".join(lines))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="N = 5 only (linear and logistic), fewer rho values")
@@ -253,7 +304,11 @@ def main():
     parser.add_argument("--logistic-iterations", type=int, default=None,
                         help="iterations of the logistic runs (default: Figure 6's, 30 for N = 5, else 15)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "admm.json"))
+    parser.add_argument("--report", metavar="JSON", help="print markdown tables of a results file and exit")
     args = parser.parse_args()
+    if args.report:
+        report(args.report)
+        return
     args.out_path = Path(args.out)
     args.rows = [50, 200]
     args.agents = [5] if args.quick else [5, 20, 100]
