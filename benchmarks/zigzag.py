@@ -67,6 +67,7 @@ from numpyro_fed.infer.zigzag import (  # noqa: E402
 NUM_ROWS = 1000
 RESULTS = Path(__file__).resolve().parent / "results" / "zigzag.json"
 PRECONDITIONER = None  # --preconditioner
+CV_ON = True  # what "control variates on" passes: True (first order) or "second_order" (--cv-order 2)
 
 # Figures of the throw-away prototype quoted in /work/shared/NOTES.md (section FedZigZag).
 NOTES_EVENTS_PER_ESS = {  # d = 6
@@ -196,7 +197,8 @@ def _make_kernel(h, cv, init_params, cv_init_at_mean):
     # FedZigZag finds the control variates' reference point by BFGS from the init strategy's
     # point (init_to_uniform by default); --cv-init-at-mean starts that search at init_params.
     strategy = init_to_value(values=init_params) if cv_init_at_mean else init_to_uniform
-    return nf.FedZigZag(logistic_federated, sample_interval=h, control_variates=cv, init_strategy=strategy,
+    return nf.FedZigZag(logistic_federated, sample_interval=h, control_variates=CV_ON if cv else False,
+                        init_strategy=strategy,
                         preconditioner=PRECONDITIONER)
 
 
@@ -280,7 +282,7 @@ def bench_fzz(X, y, M, cv, h, *, init_params, target_ess, min_samples, pilot_sam
     if kernel.preconditioning is not None:  # the core moves in u = scale^-1 (x - center)
         proposers = precondition(proposers, kernel.preconditioning)
         point = kernel.preconditioning.to_u(point)
-    reference = control_variate_reference(proposers, point) if cv else None
+    reference = control_variate_reference(proposers, point, order=2 if CV_ON == "second_order" else 1) if cv else None
     core = jax.jit(build_kernel(proposers, reference=reference, excess_rates=jnp.zeros(proposers.num),
                                 grid_size=kernel.grid_size, max_proposals=10_000_000))
     state = mcmc.last_state.core
@@ -432,6 +434,10 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preconditioner", choices=("none", "laplace", "diagonal"), default="none",
                         help="FedZigZag's preconditioner (default none: the paper's sampler)")
+    parser.add_argument("--cv-order", type=int, choices=(1, 2), default=1,
+                        help="order of the control variates in the 'CV on' rows: 1 (default, the "
+                             "paper's) or 2 (control_variates='second_order': the clients' Hessians "
+                             "at the reference point too)")
     parser.add_argument("--quick", action="store_true", help="d=6, M in {1, 8} only (~2 minutes)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="JSON output path")
     parser.add_argument("--seed", type=int, default=0)
@@ -446,8 +452,9 @@ def main(argv=None):
                         help="sample_interval = factor * smallest posterior sd (default: 2 "
                              "with --quick, else the best of a small sweep)")
     args = parser.parse_args(argv)
-    global PRECONDITIONER
+    global PRECONDITIONER, CV_ON
     PRECONDITIONER = None if args.preconditioner == "none" else args.preconditioner
+    CV_ON = "second_order" if args.cv_order == 2 else True
     if args.report is not None:
         results = json.loads(args.report.read_text())
         for key in ("nuts", "interval_sweep"):  # JSON turned the int keys d into strings
@@ -473,7 +480,7 @@ def main(argv=None):
         "python": sys.version.split()[0], "jax": jax.__version__, "numpyro": numpyro.__version__,
         "platform": platform.platform(), "cpu_count": os.cpu_count(),
         "load_average_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
-        "quick": args.quick, "cv_init_at_mean": args.cv_init_at_mean, "preconditioner": args.preconditioner, "N": NUM_ROWS, "seed": args.seed, "float64": bool(jax.config.jax_enable_x64),
+        "quick": args.quick, "cv_init_at_mean": args.cv_init_at_mean, "preconditioner": args.preconditioner, "cv_order": args.cv_order, "N": NUM_ROWS, "seed": args.seed, "float64": bool(jax.config.jax_enable_x64),
     }
     print(f"FedZigZag benchmark: logistic regression N={NUM_ROWS}, float64, jax {jax.__version__}, "
           f"numpyro {numpyro.__version__}, {os.cpu_count()} CPUs, load {info['load_average_start']}", flush=True)
@@ -535,6 +542,10 @@ def main(argv=None):
 
 def report(results):
     rows = results["fedzigzag"]
+    info = results.get("info", {})
+    second = info.get("cv_order", 1) == 2
+    print(f"\n(preconditioner: {info.get('preconditioner', 'none')}; control variates in the 'on' rows: "
+          f"{'second order' if second else 'first order'})")
     print("\n== FedZigZag (MCMC(FedZigZag), times exclude compilation) vs NUTS on the pooled posterior ==")
     header = ["d", "M", "CV", "h", "samples", "ev/s", "prop/s", "minESS", "ESS/s", "NUTS", "ratio",
               "ESS/s samp", "NUTS", "ratio", "ESS/kgrad", "(full-data)", "NUTS", "ev/ESS", "NOTES",
@@ -543,7 +554,7 @@ def report(results):
     for r in rows:
         nuts = results["nuts"][r["d"]]
         notes = NOTES_EVENTS_PER_ESS.get((r["M"], r["control_variates"])) if r["d"] == 6 else None
-        table.append([r["d"], r["M"], "on" if r["control_variates"] else "off", fmt(r["sample_interval"], 2),
+        table.append([r["d"], r["M"], ("2nd" if second else "on") if r["control_variates"] else "off", fmt(r["sample_interval"], 2),
                       r["num_samples"], fmt(r["events_per_s"]), fmt(r["proposals_per_s"]), fmt(r["ess"]),
                       fmt(r["ess_per_s"]), fmt(nuts["ess_per_s"]), fmt(r["ratio_to_nuts"], 2),
                       fmt(r["ess_per_s_sampling"]), fmt(nuts["ess_per_s_sampling"]),
@@ -558,7 +569,7 @@ def report(results):
               "MCMC ev/s", "MCMC us/sample", "events/sample", "setup s", "compile s", "NOTES ev/s"]
     table = []
     for r in rows:
-        table.append([r["d"], r["M"], "on" if r["control_variates"] else "off", fmt(r["core_events_per_s"]),
+        table.append([r["d"], r["M"], ("2nd" if second else "on") if r["control_variates"] else "off", fmt(r["core_events_per_s"]),
                       fmt(r["core_proposals_per_s"]), fmt(r["core_us_per_iteration"]), fmt(r["scan_events_per_s"]),
                       fmt(r["scan_us_per_sample"]), fmt(r["events_per_s"]), fmt(r["mcmc_us_per_sample"]),
                       fmt(r["events"] / r["num_samples"]), fmt(r["setup_s"], 2), fmt(r["compile_s"], 2),

@@ -93,11 +93,16 @@ class ControlVariates(NamedTuple):
     :ivar point: ``x*`` ``(d,)``, flat and unconstrained.
     :ivar term_grads: ``(P, d)`` gradients of the proposers' own terms at ``x*``.
     :ivar prior_grad: ``(d,)`` gradient of the prior's potential at ``x*``.
+    :ivar term_hessians: ``(P, d, d)`` Hessians of the proposers' own terms at ``x*``, for
+        second-order control variates (``None``: first order).
+    :ivar prior_hessian: ``(d, d)`` Hessian of the prior's potential at ``x*`` (second order).
     """
 
     point: jax.Array
     term_grads: jax.Array
     prior_grad: jax.Array
+    term_hessians: jax.Array | None = None
+    prior_hessian: jax.Array | None = None
 
 
 class GradientBound(NamedTuple):
@@ -369,7 +374,9 @@ def build_kernel(
     :param reference: :class:`ControlVariates` at the reference point ``x*``; each
         proposer's rate is then shifted by ``c_j = grad(T_j + w_j U_0)(x*) - grad U(x*) / P``,
         which sums to zero over proposers for any weights (the target is unchanged).
-        ``None``: no control variates.
+        With Hessians in ``reference`` (second order) the shift also has a linear part,
+        ``c_j + A_j (x - x*)`` with ``A_j = hess(T_j + w_j U_0)(x*) - hess U(x*) / P``, which
+        sums to zero as well. ``None``: no control variates.
     :param excess_rates: ``(P,)`` excess (refreshment) rate of each proposer, split evenly
         over coordinates.
     :param float redistribution_rate: rate of the Poisson clock that redraws the prior's
@@ -391,6 +398,14 @@ def build_kernel(
     evaluations_per_step = {"affine": 1, "hessian": 0 if reference is not None else 1, "gradient": 0}.get(kind)
     # grad U(x*) / P: each proposer's share of the full gradient at the reference point
     mean_gradient = None if reference is None else (reference.term_grads.sum(0) + reference.prior_grad) / num
+    second_order = reference is not None and reference.term_hessians is not None
+    if second_order and kind in ("gradient", "hessian"):
+        raise ValueError(
+            "second-order control variates need the automatic bounds ('grid' or 'affine'): "
+            f"a {type(bounds).__name__} does not bound the linear part of their shift"
+        )
+    # hess U(x*) / P, the second-order counterpart
+    mean_hessian = (reference.term_hessians.sum(0) + reference.prior_hessian) / num if second_order else None
 
     def kernel(state: ZigZagState, duration) -> ZigZagState:
         d = state.x.shape[0]
@@ -400,9 +415,26 @@ def build_kernel(
         yes, no = jnp.ones((), bool), jnp.zeros((), bool)
 
         def shift_for(weights):
+            """``(c, A)``: every proposer's shift is ``c_j + A_j (x - x*)`` (``A = None``: first
+            order or no control variates, the shift is the constant ``c_j``)."""
             if reference is None:
-                return jnp.zeros((num, d), dtype)
-            return reference.term_grads + weights[:, None] * reference.prior_grad - mean_gradient
+                return jnp.zeros((num, d), dtype), None
+            constant = reference.term_grads + weights[:, None] * reference.prior_grad - mean_gradient
+            return constant, (weights if second_order else None)
+
+        def linear_part(weights, y):
+            """``(P, d)``: ``A_j y`` for every proposer, without forming the ``A_j``."""
+            return (reference.term_hessians @ y + weights[:, None] * (reference.prior_hessian @ y)
+                    - mean_hessian @ y)
+
+        def shift_at(shift, x):
+            """``(P, d)`` shifts at ``x``."""
+            constant, weights = shift
+            return constant if weights is None else constant + linear_part(weights, x - reference.point)
+
+        def shift_slope(shift, v):
+            """``(P, d)`` derivatives of the shifts along ``v``."""
+            return 0.0 if shift[1] is None else linear_part(shift[1], v)
 
         def grads_and_slopes(x, v, weights):
             term_g, term_s = proposers.term_grads_and_slopes(x, v)
@@ -415,10 +447,10 @@ def build_kernel(
             x, v, weights = state.x, state.v, state.prior_weights
             if kind == "affine":
                 grads, slopes = grads_and_slopes(x, v, weights)
-                return v * (grads - shift), v * slopes
+                return v * (grads - shift_at(shift, x)), v * (slopes - shift_slope(shift, v))
             if kind == "gradient":
                 gradient_bound = bounds.clients + weights[:, None] * bounds.prior
-                return gradient_bound + jnp.abs(shift), jnp.zeros_like(gradient_bound)
+                return gradient_bound + jnp.abs(shift[0]), jnp.zeros_like(gradient_bound)
             hessian = bounds.clients + weights[:, None, None] * bounds.prior  # (P, d, d)
             growth = hessian.sum(-1)
             if reference is None:
@@ -442,8 +474,12 @@ def build_kernel(
                              lambda: grads_and_slopes(state.x, state.v, state.prior_weights))
             grads = jnp.concatenate([first[0][None], grads])
             slopes = jnp.concatenate([first[1][None], slopes])
-            signed = state.v * (grads - shift)
-            bound = safety_factor * segment_bounds(times, signed, state.v * slopes) + excess[:, None]
+            shifts = shift_at(shift, state.x)
+            shift_slopes = shift_slope(shift, state.v)
+            if shift[1] is not None:  # the shift moves along the line: c + A (x + t v - x*)
+                shifts = shifts + times[:, None, None] * shift_slopes
+            signed = state.v * (grads - shifts)
+            bound = safety_factor * segment_bounds(times, signed, state.v * (slopes - shift_slopes)) + excess[:, None]
             return line._replace(valid=yes, position=jnp.zeros((), dtype), reuse=no, bound=bound,
                                  times=times, end_grads=grads[-1], end_slopes=slopes[-1])
 
@@ -545,7 +581,13 @@ def build_kernel(
                 x_new = moved.x
                 prior_grad = proposers.prior_grad_and_slope(x_new, state.v)[0]
                 grad = proposers.term_grad_of(x_new, winner) + state.prior_weights[winner] * prior_grad
-                rate = jnp.maximum(state.v[coordinate] * (grad[coordinate] - shift[winner, coordinate]), 0.0)
+                constant, weights = shift
+                winner_shift = constant[winner, coordinate]
+                if weights is not None:  # row `coordinate` of A_winner, applied to x - x*
+                    row = (reference.term_hessians[winner, coordinate] + weights[winner] * reference.prior_hessian[coordinate]
+                           - mean_hessian[coordinate])
+                    winner_shift = winner_shift + row @ (x_new - reference.point)
+                rate = jnp.maximum(state.v[coordinate] * (grad[coordinate] - winner_shift), 0.0)
                 if kind == "grid":  # line bounds give the excess its own clock
                     rate = rate + excess[winner]
                 violated = ~certain[winner] & (rate > bound * (1 + 1e-6) + 1e-12)
@@ -726,15 +768,34 @@ def _preconditioned_bound(bound, preconditioner: Preconditioner):
     return HessianBound(absolute.T @ bound.clients @ absolute, absolute.T @ bound.prior @ absolute)
 
 
-def control_variate_reference(proposers: Proposers, reference) -> ControlVariates:
+def control_variate_reference(proposers: Proposers, reference, *, order: int = 1) -> ControlVariates:
     """:class:`ControlVariates` at the reference point ``x*``: what :func:`build_kernel`
     needs to shift every proposer's rate by ``c_j = grad(T_j + w_j U_0)(x*) - grad U(x*) / P``.
     The shifts sum to zero, so the target is unchanged, and near ``x*`` each proposer's rate
     loses the client-to-client scatter of the gradients (the O(sqrt(NM)) excess of
-    Section 4.1)."""
+    Section 4.1).
+
+    ``order=2`` also records every proposer's Hessian at ``x*`` (``d`` Hessian-vector
+    products per client: in a federation, one round in which each client sends its
+    Hessian), so that the shift becomes ``c_j + A_j (x - x*)`` with
+    ``A_j = hess(T_j + w_j U_0)(x*) - hess U(x*) / P``. Each proposer's shifted gradient is
+    then ``grad U(x) / P`` up to second order around ``x*``: the clients' rates no longer
+    scatter when their curvatures differ (few rows per client, many coordinates)."""
+    if order not in (1, 2):
+        raise ValueError(f"order must be 1 or 2, got {order!r}")
     reference = jnp.asarray(reference)
     prior_grad = proposers.prior_grad_and_slope(reference, jnp.zeros_like(reference))[0]
-    return ControlVariates(reference, proposers.term_grads(reference), prior_grad)
+    term_grads = proposers.term_grads(reference)
+    if order == 1:
+        return ControlVariates(reference, term_grads, prior_grad)
+    basis = jnp.eye(reference.shape[0], dtype=reference.dtype)
+    # column k of every Hessian is its product with e_k
+    term_hessians = jax.vmap(lambda e: proposers.term_grads_and_slopes(reference, e)[1], out_axes=2)(basis)
+    prior_hessian = jax.vmap(lambda e: proposers.prior_grad_and_slope(reference, e)[1], out_axes=1)(basis)
+    # symmetrise: the products are exact up to rounding
+    term_hessians = (term_hessians + jnp.swapaxes(term_hessians, 1, 2)) / 2
+    prior_hessian = (prior_hessian + prior_hessian.T) / 2
+    return ControlVariates(reference, term_grads, prior_grad, term_hessians, prior_hessian)
 
 
 class FedZigZagState(NamedTuple):
@@ -763,6 +824,11 @@ class FedZigZag(MCMCKernel):
     :param control_variates: ``True`` re-splits the clients' terms around a reference
         point (the MAP, found at initialisation from the aggregated gradient) so that the
         sum is unchanged but spurious switches vanish; ``None`` (default): on when M > 1.
+        ``"second_order"`` also matches the clients' Hessians at the reference point (one
+        more aggregation round, in which each client sends its ``d x d`` Hessian there): the
+        re-split terms then agree to second order, which removes the spurious switches that
+        remain when clients hold few rows for many coordinates (their curvatures differ).
+        It needs the automatic bounds (``"grid"`` or ``"affine"``).
     :param str prior: ``"server"`` (the prior proposes on its own), ``"clients"``
         (shared evenly among the clients' terms), the two options of Remark 3.2, or
         ``"redistribute"`` (Appendix D, Algorithm 4: random shares of the prior, redrawn at
@@ -837,7 +903,7 @@ class FedZigZag(MCMCKernel):
         model,
         *,
         sample_interval: float = 1.0,
-        control_variates: bool | None = None,
+        control_variates: bool | str | None = None,
         prior: str = "server",
         redistribution_rate: float = 0.1,
         excess_rate: float = 0.0,
@@ -878,6 +944,16 @@ class FedZigZag(MCMCKernel):
             raise ValueError(f"prior must be one of {_PRIOR_MODES}, got {prior!r}")
         self.prior = prior
         self.redistribution_rate = check_positive(redistribution_rate, "redistribution_rate") if prior == "redistribute" else 0.0
+        if not (control_variates is None or isinstance(control_variates, (bool, np.bool_))
+                or control_variates == "second_order"):
+            raise ValueError(
+                f"control_variates must be None, True, False or 'second_order', got {control_variates!r}"
+            )
+        if control_variates == "second_order" and not isinstance(bounds, str):
+            raise ValueError(
+                "control_variates='second_order' needs the automatic bounds ('grid' or 'affine'): "
+                f"a {type(bounds).__name__} does not bound the linear part of the shift"
+            )
         self.control_variates = control_variates
         self.privacy = self._privacy_guarantee(dp_sensitivity, dp_epsilon, dp_delta)
         self.partition = partition
@@ -894,8 +970,8 @@ class FedZigZag(MCMCKernel):
             raise ValueError("dp_sensitivity needs dp_delta")
         if self.control_variates:
             raise ValueError(
-                "control_variates=True with a privacy guarantee: the control variates' "
-                "aggregation round is not covered by Theorem 5.1"
+                f"control_variates={self.control_variates!r} with a privacy guarantee: the control "
+                "variates' aggregation round is not covered by Theorem 5.1"
             )
         self.control_variates = False
         if isinstance(self.preconditioner, str):
@@ -1089,7 +1165,8 @@ class FedZigZag(MCMCKernel):
             point = self.reference_point
             if self.preconditioning is not None:
                 point = self.preconditioning.to_u(point)
-            reference = control_variate_reference(proposers, point)
+            reference = control_variate_reference(
+                proposers, point, order=2 if self.control_variates == "second_order" else 1)
         kernel = jax.jit(build_kernel(
             proposers, reference=reference, excess_rates=jnp.full(proposers.num, self.excess_rate),
             redistribution_rate=self.redistribution_rate, bounds=bounds,
