@@ -6,9 +6,13 @@ variant: test accuracy and test log-likelihood of the Monte Carlo predictive (10
 q) after each round, against the number of server-client communications; the (epsilon,
 delta) the run reports; wall time.
 
-    python benchmarks/dppvi.py --split balanced --epsilon 1 --seeds 0
+    python benchmarks/dppvi.py --split balanced --epsilon 1 --seeds 0,1,2,3,4
     python benchmarks/dppvi.py --variants dpsgd,virtual --num-clients 200 --epsilon 0.5
     python benchmarks/dppvi.py --model bnn --epsilon 2 --variants pvi,dpsgd,bcm_same,global_vi
+
+With several ``--seeds`` (each also redraws the split) it prints the mean and standard error
+of the final figures per variant. With more shards than the smallest client has rows (200
+clients), the update-perturbation variants use one shard per row of the smallest client.
 
 Writes ``benchmarks/results/dppvi_<model>_<split>_<M>clients_eps<epsilon>.json``.
 """
@@ -16,6 +20,7 @@ Writes ``benchmarks/results/dppvi_<model>_<split>_<M>clients_eps<epsilon>.json``
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -37,7 +42,8 @@ from numpyro_fed.infer.dppvi import BCM, DPPVI, GlobalVI
 ADULT = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "shared", "data", "uci_adult")
 
 # Hyper-parameters per variant (tuned by hand on the balanced 10-client split at epsilon = 1,
-# seed 0); "rounds" are global rounds, each visiting every client once.
+# seed 0; the sweep of the update-perturbation variants is in benchmarks/dppvi.md); "rounds"
+# are global rounds, each visiting every client once.
 VARIANTS = {
     "pvi (non-private)": dict(
         cls=DPPVI, rounds=4, kwargs=dict(dp=None, optim=optax.adam(2e-2), num_local_steps=200,
@@ -47,18 +53,18 @@ VARIANTS = {
                                          sampling="poisson", sampling_rate=0.05, clip_norm=2.0,
                                          damping=0.5)),
     "local avg": dict(
-        cls=DPPVI, rounds=2, kwargs=dict(dp="local_avg", optim=optax.adam(5e-2), num_local_steps=100,
-                                         num_shards=100, clip_norm=100.0, damping=0.2)),
+        cls=DPPVI, rounds=2, kwargs=dict(dp="local_avg", optim=optax.adam(1e-1), num_local_steps=40,
+                                         num_mc_samples=4, num_shards=500, clip_norm=50.0, damping=0.2)),
     "virtual": dict(
         cls=DPPVI, rounds=2, kwargs=dict(dp="virtual", optim=optax.adam(5e-2), num_local_steps=100,
-                                         num_shards=200, clip_norm=2.0, damping=0.2)),
+                                         num_mc_samples=4, num_shards=1000, clip_norm=0.5, damping=0.2)),
     "local avg, trusted aggr.": dict(
-        cls=DPPVI, rounds=2, kwargs=dict(dp="local_avg", optim=optax.adam(5e-2), num_local_steps=100,
-                                         num_shards=100, clip_norm=100.0, damping=0.3,
+        cls=DPPVI, rounds=2, kwargs=dict(dp="local_avg", optim=optax.adam(1e-1), num_local_steps=40,
+                                         num_mc_samples=4, num_shards=500, clip_norm=50.0, damping=0.3,
                                          schedule="synchronous", trusted_aggregator=True)),
     "virtual, trusted aggr.": dict(
         cls=DPPVI, rounds=2, kwargs=dict(dp="virtual", optim=optax.adam(5e-2), num_local_steps=100,
-                                         num_shards=200, clip_norm=2.0, damping=0.3,
+                                         num_mc_samples=4, num_shards=1000, clip_norm=0.5, damping=0.3,
                                          schedule="synchronous", trusted_aggregator=True)),
     "bcm same": dict(
         cls=BCM, rounds=1, kwargs=dict(prior="same", optim=optax.adam(2e-2), num_local_steps=400,
@@ -73,7 +79,9 @@ VARIANTS = {
         cls=GlobalVI, rounds=1, kwargs=dict(dp=None, optim=optax.adam(2e-2), num_local_steps=1000,
                                             sampling="poisson", sampling_rate=0.01)),
 }
-# The BNN of Figure 4 (epsilon = 2): DP-SGD and the DP-SGD baselines.
+# The BNN of Figure 4 (epsilon = 2). The update-perturbation variants use fewer shards than
+# for logistic regression: every shard holds a copy of the 5,501 weights' optimiser state.
+_BNN_UPDATE = dict(optim=optax.adam(1e-2), num_local_steps=100, num_mc_samples=2)
 BNN_VARIANTS = {
     "pvi (non-private)": dict(
         cls=DPPVI, rounds=4, kwargs=dict(dp=None, optim=optax.adam(1e-2), num_local_steps=200,
@@ -83,8 +91,22 @@ BNN_VARIANTS = {
         cls=DPPVI, rounds=2, kwargs=dict(dp="dpsgd", optim=optax.adam(1e-2), num_local_steps=200,
                                          num_mc_samples=2, sampling="poisson", sampling_rate=0.05,
                                          clip_norm=2.0, damping=0.5)),
+    "local avg": dict(
+        cls=DPPVI, rounds=2, kwargs=dict(dp="local_avg", num_shards=20, clip_norm=50.0, damping=0.2, **_BNN_UPDATE)),
+    "virtual": dict(
+        cls=DPPVI, rounds=2, kwargs=dict(dp="virtual", num_shards=50, clip_norm=1.0, damping=0.2, **_BNN_UPDATE)),
+    "local avg, trusted aggr.": dict(
+        cls=DPPVI, rounds=2, kwargs=dict(dp="local_avg", num_shards=20, clip_norm=50.0, damping=0.3,
+                                         schedule="synchronous", trusted_aggregator=True, **_BNN_UPDATE)),
+    "virtual, trusted aggr.": dict(
+        cls=DPPVI, rounds=2, kwargs=dict(dp="virtual", num_shards=50, clip_norm=1.0, damping=0.3,
+                                         schedule="synchronous", trusted_aggregator=True, **_BNN_UPDATE)),
     "bcm same": dict(
         cls=BCM, rounds=1, kwargs=dict(prior="same", optim=optax.adam(1e-2), num_local_steps=400,
+                                       num_mc_samples=2, sampling="poisson", sampling_rate=0.05,
+                                       clip_norm=2.0)),
+    "bcm split": dict(
+        cls=BCM, rounds=1, kwargs=dict(prior="split", optim=optax.adam(1e-2), num_local_steps=400,
                                        num_mc_samples=2, sampling="poisson", sampling_rate=0.05,
                                        clip_norm=2.0)),
     "global vi, trusted aggr.": dict(
@@ -137,6 +159,9 @@ def evaluate(loc, scale, unravel, logits_fn, X_test, y_test, rng_key, num_draws=
 
 def run_variant(name, spec, X, y, owner, X_test, y_test, epsilon, delta, seed, num_clients, model="logistic"):
     kwargs = dict(spec["kwargs"], progress_bar=False)
+    if kwargs.get("num_shards", 1) > 1:
+        # at most one shard per row of the smallest client (200 clients, unbalanced splits)
+        kwargs["num_shards"] = min(kwargs["num_shards"], int(np.bincount(owner, minlength=num_clients).min()))
     if kwargs.get("dp", "dpsgd") is not None:
         kwargs.update(target_epsilon=epsilon, delta=delta)
     model_clients = owner
@@ -160,6 +185,7 @@ def run_variant(name, spec, X, y, owner, X_test, y_test, epsilon, delta, seed, n
     return {
         "variant": name,
         "seed": seed,
+        "num_shards": kwargs.get("num_shards", 1),
         "wall_seconds": wall,
         "epsilon": None if result.privacy is None else result.privacy.epsilon,
         "delta": None if result.privacy is None else result.privacy.delta,
@@ -169,20 +195,53 @@ def run_variant(name, spec, X, y, owner, X_test, y_test, epsilon, delta, seed, n
     }
 
 
+def summarise(results):
+    """Per variant over seeds: mean and standard error of the final accuracy and test
+    log-likelihood (the paper: mean over 5 seeds with SEM), epsilon, wall time."""
+    by_name = {}
+    for r in results:
+        by_name.setdefault(r["variant"], []).append(r)
+    summary = {}
+    for name, runs in by_name.items():
+        acc = np.array([r["curve"][-1]["accuracy"] for r in runs])
+        ll = np.array([r["curve"][-1]["log_likelihood"] for r in runs])
+        sem = lambda v: float(v.std(ddof=1) / np.sqrt(v.size)) if v.size > 1 else float("nan")
+        eps = [r["epsilon"] for r in runs if r["epsilon"] is not None]
+        summary[name] = {
+            "seeds": [r["seed"] for r in runs],
+            "communications": runs[0]["curve"][-1]["communications"],
+            "accuracy_mean": float(acc.mean()), "accuracy_sem": sem(acc),
+            "log_likelihood_mean": float(ll.mean()), "log_likelihood_sem": sem(ll),
+            "epsilon_max": max(eps) if eps else None,
+            "wall_seconds_mean": float(np.mean([r["wall_seconds"] for r in runs])),
+        }
+    return summary
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--split", default="balanced", choices=sorted(partition.DPPVI_SPLITS))
     parser.add_argument("--num-clients", type=int, default=10)
     parser.add_argument("--epsilon", type=float, default=1.0)
     parser.add_argument("--delta", type=float, default=1e-5)
-    parser.add_argument("--seeds", default="0")
+    parser.add_argument("--seeds", default="0", help="comma-separated; each seed also redraws the split")
     parser.add_argument("--variants", default=",".join(SHORT))
     parser.add_argument("--model", default="logistic", choices=sorted(MODELS))
     parser.add_argument("--data", default=ADULT)
+    parser.add_argument("--drop-rare", type=int, default=0, metavar="N",
+                        help="drop one-hot columns with fewer than N training rows (a diagnostic: "
+                             "the update-perturbation variants' noise swamps rare coordinates)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
     data = load_adult(args.data, seed=0)
+    if args.drop_rare:
+        binary = np.all(np.isin(data.X_train, (0.0, 1.0)), axis=0)
+        keep = ~binary | ((data.X_train != 0).sum(0) >= args.drop_rare)
+        names = tuple(n for n, k in zip(data.feature_names, keep) if k)
+        data = dataclasses.replace(data, X_train=data.X_train[:, keep], X_test=data.X_test[:, keep],
+                                   feature_names=names)
+        print(f"kept {keep.sum()} of {keep.size} columns", flush=True)
     if args.model == "logistic":
         X, X_test = with_bias(data.X_train), with_bias(data.X_test)
     else:
@@ -209,12 +268,21 @@ def main(argv=None):
                   f"{out['wall_seconds']:.1f} s", flush=True)
     out_path = args.out or os.path.join(
         os.path.dirname(__file__), "results",
-        f"dppvi_{args.model}_{args.split}_{args.num_clients}clients_eps{args.epsilon:g}.json",
+        f"dppvi_{args.model}_{args.split}_{args.num_clients}clients_eps{args.epsilon:g}"
+        + (f"_droprare{args.drop_rare}" if args.drop_rare else "") + ".json",
     )
+    summary = summarise(results)
+    print(f"\nmean +- SEM over seeds {args.seeds}:")
+    for name, row in summary.items():
+        eps = "-" if row["epsilon_max"] is None else f"{row['epsilon_max']:.3f}"
+        print(f"{name:26s} comms {row['communications']:6d}  acc {row['accuracy_mean']:.4f} +- {row['accuracy_sem']:.4f}  "
+              f"ll {row['log_likelihood_mean']:.4f} +- {row['log_likelihood_sem']:.4f}  eps {eps:>6s}  "
+              f"{row['wall_seconds_mean']:.1f} s/run")
     os.makedirs(os.path.dirname(out_path), exist_ok=True)
     with open(out_path, "w") as handle:
         json.dump({"model": args.model, "split": args.split, "num_clients": args.num_clients, "epsilon": args.epsilon,
-                   "delta": args.delta, "results": results}, handle, indent=1)
+                   "delta": args.delta, "seeds": args.seeds, "load_average": os.getloadavg(),
+                   "summary": summary, "results": results}, handle, indent=1)
     print(f"wrote {out_path}")
 
 
