@@ -143,6 +143,28 @@ def test_dsvgd_global_posterior_is_a_fixed_point():
         assert abs(var - POST_VAR) < tolerance_var
 
 
+def test_first_round_uses_the_exact_prior_and_unit_factors():
+    """Algorithm 1, line 1: q^(0) = p_0 and t_k^(0) = 1. The first round is plain SVGD towards
+    p_0 exp(-L_k), whatever the initial particles; a later first visit of another client
+    uses t_k = 1 (its tilted target is q^(i-1) exp(-L_k))."""
+    dsvgd = nf.DSVGD(gaussian_mean, num_particles=5, local_steps=30, distill_steps=30,
+                     progress_bar=False)
+    state = dsvgd.init(jax.random.PRNGKey(0), Y)
+    round_fn = dsvgd._round_fn()
+    optimizer = dsvgd.optimizer
+    prior_score = jax.vmap(lambda x: -dsvgd._prior_grad(x))
+    client_grad = jax.vmap(dsvgd._client_grad, in_axes=(0, None))
+    after = round_fn(state, 0, dsvgd._block(0))
+    expected = svgd.svgd_run(state.global_particles,
+                             lambda x: prior_score(x) - client_grad(x, dsvgd._block(0)), 30, optimizer)
+    np.testing.assert_allclose(after.global_particles, expected, rtol=1e-10)
+    second = round_fn(after, 1, dsvgd._block(1))
+    g = after.global_particles
+    expected = svgd.svgd_run(
+        g, lambda x: svgd.kde_grad_log_density(x, g, 0.55) - client_grad(x, dsvgd._block(1)), 30, optimizer)
+    np.testing.assert_allclose(second.global_particles, expected, rtol=1e-10)
+
+
 def test_dsvgd_away_from_the_fixed_point_moves():
     """The fixed-point test can fail: local particles that do not match the global ones
     (here: all clients' factors flat) move the global particles away from the posterior."""

@@ -335,8 +335,10 @@ class DSVGDState(NamedTuple):
     :ivar round: rounds done.
 
     The local particles of client ``k`` encode ``p_0 t_k`` (their KDE over the prior), a
-    proper density: before its first round they are the initial prior draws, which encode
-    ``t_k^(0) = 1`` (Algorithm 1, line 1), and ``q^(0) = p_0`` is the KDE of the same draws.
+    proper density. Before its first round they are the initial prior draws, but the rounds
+    use ``t_k^(0) = 1`` (Algorithm 1, line 1) exactly for a client not yet visited, and
+    ``q^(0) = p_0`` exactly while no client has been visited: a KDE of a few prior draws is a
+    poor stand-in for the prior in many dimensions.
     """
 
     global_particles: jax.Array
@@ -358,28 +360,30 @@ def dsvgd_init(particles, num_clients: int) -> DSVGDState:
 
 def _client_update(global_particles, local_particles, block, *, prior_score, client_grad,
                    kde_bandwidth, temperature, local_steps, distill_steps, optimizer,
-                   distill_optimizer, svgd_bandwidth, key=None):
+                   distill_optimizer, svgd_bandwidth, key=None, visited=True, first=False):
     """Lines 4-7 of Algorithm 1 at one client: returns (new global, new local) particles.
 
     The local particles encode ``p_0 t_k`` (a proper density), so that
-    ``grad log t_k = grad log KDE(local) - grad log p_0``. ``client_grad(x, block, key)``
+    ``grad log t_k = grad log KDE(local) - grad log p_0``. Where Algorithm 1 knows the
+    densities exactly, they are used instead of KDEs: ``t_k^(0) = 1`` for a client not yet
+    ``visited``, and ``q^(0) = p_0`` while no client has been visited (``first``). ``client_grad(x, block, key)``
     is the batched gradient of ``L_k`` (``key``: a fresh key per step, ``None`` without one).
     """
 
     def score_previous(x):  # grad log q^(i-1)
-        return kde_grad_log_density(x, global_particles, kde_bandwidth)
+        return jnp.where(first, prior_score(x), kde_grad_log_density(x, global_particles, kde_bandwidth))
 
-    def score_factor(x):  # grad log t_k^(i-1)
-        return kde_grad_log_density(x, local_particles, kde_bandwidth) - prior_score(x)
+    def score_local(x):  # grad log p_0 t_k^(i-1)
+        return jnp.where(visited, kde_grad_log_density(x, local_particles, kde_bandwidth), prior_score(x))
 
     def tilted_score(x, step_key=None):  # Eq. (14)
-        return score_previous(x) - score_factor(x) - client_grad(x, block, step_key) / temperature
+        return (score_previous(x) - score_local(x) + prior_score(x)
+                - client_grad(x, block, step_key) / temperature)
 
     new_global = _svgd_scan(global_particles, tilted_score, local_steps, optimizer, svgd_bandwidth, key)
 
     def factor_score(x):  # grad log p_0 t_k^(i), t_k^(i) = t_k^(i-1) q^(i) / q^(i-1)  (Eq. (17))
-        return (kde_grad_log_density(x, new_global, kde_bandwidth)
-                + kde_grad_log_density(x, local_particles, kde_bandwidth) - score_previous(x))
+        return kde_grad_log_density(x, new_global, kde_bandwidth) + score_local(x) - score_previous(x)
 
     new_local = svgd_run(local_particles, factor_score, distill_steps, distill_optimizer, svgd_bandwidth)
     return new_global, new_local
@@ -445,6 +449,7 @@ def build_dsvgd_round(
             kde_bandwidth=kde_bandwidth, temperature=temperature, local_steps=local_steps,
             distill_steps=distill_steps, optimizer=optimizer,
             distill_optimizer=distill_optimizer, svgd_bandwidth=svgd_bandwidth, key=key,
+            visited=state.visited[client], first=~jnp.any(state.visited),
         )
         return DSVGDState(
             global_particles=new_global,
@@ -484,31 +489,35 @@ def build_pdsvgd_round(
     prior_score = jax.vmap(lambda x: -prior_grad(x))
     batched_client_grad = _batched_grad(client_grad, stochastic_client_grad)
 
-    def one_client(global_particles, local, block, key):
+    def one_client(global_particles, local, block, key, visited, first):
         return _client_update(
             global_particles, local, block,
             prior_score=prior_score, client_grad=batched_client_grad,
             kde_bandwidth=kde_bandwidth, temperature=temperature, local_steps=local_steps,
             distill_steps=distill_steps, optimizer=optimizer,
             distill_optimizer=distill_optimizer, svgd_bandwidth=svgd_bandwidth, key=key,
+            visited=visited, first=first,
         )[1]
 
     def round_fn(state: DSVGDState, clients, blocks, key=None) -> DSVGDState:
         _check_key(key, stochastic_client_grad)
+        first = ~jnp.any(state.visited)
         if key is None:
-            new_locals = jax.vmap(lambda local, block: one_client(state.global_particles, local, block, None))(
-                state.local_particles[clients], blocks)
+            new_locals = jax.vmap(
+                lambda local, block, seen: one_client(state.global_particles, local, block, None, seen, first))(
+                state.local_particles[clients], blocks, state.visited[clients])
         else:
-            new_locals = jax.vmap(one_client, in_axes=(None, 0, 0, 0))(
+            new_locals = jax.vmap(one_client, in_axes=(None, 0, 0, 0, 0, None))(
                 state.global_particles, state.local_particles[clients], blocks,
-                jax.random.split(key, clients.shape[0]))
+                jax.random.split(key, clients.shape[0]), state.visited[clients], first)
         local_particles = state.local_particles.at[clients].set(new_locals)
         visited = state.visited.at[clients].set(True)
 
-        def server_score(x):  # Eq. (28): grad log p_0 + sum_k grad log t_k^(i)
+        def server_score(x):  # Eq. (28): grad log p_0 + sum_k grad log t_k^(i), t_k = 1 if unvisited
             prior = prior_score(x)
             factors = jax.vmap(kde_grad_log_density, in_axes=(None, 0, None))(
                 x, local_particles, kde_bandwidth) - prior  # local particles encode p_0 t_k
+            factors = jnp.where(visited[:, None, None], factors, 0.0)
             return prior + jnp.sum(factors, axis=0)
 
         new_global = svgd_run(state.global_particles, server_score, server_steps,
