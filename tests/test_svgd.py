@@ -85,6 +85,24 @@ def test_kde_gradient_matches_autodiff_and_density_is_normalised():
     assert np.trapezoid(density, grid) == pytest.approx(1.0, abs=1e-8)
 
 
+def test_kde_gradient_does_not_vanish_in_many_dimensions_in_float32():
+    # Adult's 109 dimensions, 6 centres, bandwidth 0.55: the normalised KDE value is below
+    # 1e-15 even at the centres, so the log of the density plus a small guard (1e-10), or of
+    # an exp that underflows, has a gradient of about 0. The softmax form must still give
+    # (weighted centre - x) / bandwidth^2, in float32 too.
+    d, lam = 109, 0.55
+    centres = np.asarray(jax.random.normal(jax.random.PRNGKey(4), (6, d)), np.float64) * 0.3
+    x = centres + 0.1 * np.asarray(jax.random.normal(jax.random.PRNGKey(5), (6, d)), np.float64)
+    x = np.concatenate([x, centres[:1] + 10.0])  # and a point far from every centre
+    assert float(np.max(svgd.kde_log_density(jnp.asarray(x), jnp.asarray(centres), lam))) < math.log(1e-15)
+    logits = -((x[:, None] - centres[None]) ** 2).sum(-1) / (2 * lam**2)
+    weights = np.exp(logits - logits.max(1, keepdims=True))
+    expected = (weights / weights.sum(1, keepdims=True) @ centres - x) / lam**2
+    got = svgd.kde_grad_log_density(jnp.asarray(x, jnp.float32), jnp.asarray(centres, jnp.float32), lam)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-3, atol=1e-3 * np.abs(expected).max())
+
+
 def test_svgd_reaches_a_gaussian_target():
     x0 = jax.random.normal(jax.random.PRNGKey(0), (100, 1)) * 0.3 + 4.0
     x = svgd.svgd_run(x0, lambda x: -(x - 1.0) / 4.0, 2000, svgd.adagrad_momentum(0.05))
