@@ -22,6 +22,7 @@ on it.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -34,6 +35,7 @@ from jax.extend.core import Literal
 from jax.flatten_util import ravel_pytree
 
 import numpyro.distributions as dist
+from numpyro.distributions.distribution import validation_enabled
 from numpyro.distributions.transforms import biject_to
 from numpyro.handlers import seed, substitute, trace
 from numpyro.infer.initialization import init_to_uniform
@@ -354,9 +356,18 @@ def split_potential(
         )
         return _unconstrain(view, local_latents(z, first_row)), args, kwargs
 
+    def server_plates():
+        """Context of the server's view: one placeholder row per data plate, and no argument
+        validation (the placeholder, zeros, need not be valid for the clients' distributions,
+        e.g. a covariance matrix; those sites are masked out and never evaluated)."""
+        stack = ExitStack()
+        stack.enter_context(_override_plate_sizes({p.name: 1 for p in data_plates}))
+        stack.enter_context(validation_enabled(False))
+        return stack
+
     def prior_site_log_probs(z, row_values):
         view, args, kwargs = server_view(z, row_values)
-        with _override_plate_sizes({p.name: 1 for p in data_plates}):
+        with server_plates():
             tr = trace(view).get_trace(*args, **kwargs)
         out = {}
         for name, site in tr.items():
@@ -369,13 +380,13 @@ def split_potential(
 
     def prior_potential_fn(z):
         view, args, kwargs = server_view(z, placeholders)
-        with _override_plate_sizes({p.name: 1 for p in data_plates}):
+        with server_plates():
             log_joint, _ = _numpyro_log_density(view, args, kwargs, {})
         return -log_joint
 
     def server_values(z, row_values):
         view, args, kwargs = server_view(z, row_values)
-        with _override_plate_sizes({p.name: 1 for p in data_plates}):
+        with server_plates():
             tr = trace(view).get_trace(*args, **kwargs)
         values = {}
         for name, site in tr.items():

@@ -148,3 +148,25 @@ def test_each_client_function_sees_only_its_rows():
         # padding repeats the client's own rows only
         padded = {tuple(r) for r in np.asarray(stacked_X[m])}
         assert padded <= {tuple(r) for r in np.asarray(X)[rows]}
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_row_arguments_need_not_be_valid_when_zero(form):
+    # Row-indexed covariance matrices as a model argument: the server's view replaces client
+    # rows by a zero placeholder, which is not a valid covariance; its sites are masked out,
+    # so the split must neither validate nor evaluate them.
+    import numpyro.distributions as dist
+
+    clients, owner = owners_in_three_forms()[form]
+    n = len(owner)
+    cov = jnp.array([[1.0, 0.3], [0.3, 2.0]]) * (1.0 + jnp.arange(n))[:, None, None]
+    y = jax.random.normal(jax.random.PRNGKey(3), (n, 2))
+
+    def model(y, cov, clients):
+        mu = numpyro.sample("mu", dist.Normal(0, 1).expand([2]).to_event(1))
+        with nf.federated_plate("data", y.shape[0], clients=clients):
+            numpyro.sample("y", dist.MultivariateNormal(mu, covariance_matrix=cov), obs=y)
+
+    with numpyro.validation_enabled(True):
+        fp = _assert_split_matches_numpyro(model, (y, cov, clients), {})
+    assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(fp.prior_grad(fp.init_params)))
