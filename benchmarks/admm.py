@@ -117,6 +117,19 @@ def run(kernel, problem, iterations, chains, seed):
     return samples, time.perf_counter() - start
 
 
+def bare_iteration_seconds(kernel, problem, chains=100, iterations=100):
+    """One iteration of all agents and chains: the kernel's vmapped sample function in a
+    compiled scan, timed on its second call (compilation excluded)."""
+    state = kernel.init(jax.random.split(jax.random.PRNGKey(0), chains), 0, None,
+                        (problem.X, problem.y), {})
+    scan = jax.jit(lambda s: lax.scan(lambda c, _: (kernel._sample_fn(c), None), s, None,
+                                      length=iterations)[0])
+    jax.block_until_ready(scan(state))
+    start = time.perf_counter()
+    jax.block_until_ready(scan(state))
+    return (time.perf_counter() - start) / iterations
+
+
 def w2_curve(draws, problem):
     """W2 per iteration of the Gaussian fitted over chains; ``draws``: (chains, iterations, d)."""
     return [gaussian_w2_from_samples(draws[:, k], problem.posterior_mean, problem.posterior_cov)
@@ -199,14 +212,7 @@ def speed_section(args, results):
         kernel = make_kernel(method, linear_model(problem), "ring", 5, "linear")
         run(kernel, problem, 100, 100, args.seed)  # warm JAX's caches
         _, first = run(kernel, problem, 100, 100, args.seed + 1)
-        # the bare iteration: the kernel's vmapped sample function in a compiled scan
-        state = kernel.init(jax.random.split(jax.random.PRNGKey(0), 100), 0, None,
-                            (problem.X, problem.y), {})
-        scan = jax.jit(lambda s: lax.scan(lambda c, _: (kernel._sample_fn(c), None), s, None, length=100)[0])
-        jax.block_until_ready(scan(state))
-        start = time.perf_counter()
-        jax.block_until_ready(scan(state))
-        bare = (time.perf_counter() - start) / 100
+        bare = bare_iteration_seconds(kernel, problem)
         rows.append(dict(method=method, solver=getattr(kernel, "solver_used", None),
                          mcmc_run_seconds=first, bare_seconds_per_iteration=bare,
                          load_average=os.getloadavg()[0]))
@@ -217,13 +223,7 @@ def speed_section(args, results):
     kernel = nf.DADMMS(logistic_model(logistic), topology="ring", rho=5.0)
     run(kernel, logistic, 100, 100, args.seed)
     _, first = run(kernel, logistic, 100, 100, args.seed + 1)
-    state = kernel.init(jax.random.split(jax.random.PRNGKey(0), 100), 0, None,
-                        (logistic.X, logistic.y), {})
-    scan = jax.jit(lambda s: lax.scan(lambda c, _: (kernel._sample_fn(c), None), s, None, length=100)[0])
-    jax.block_until_ready(scan(state))
-    start = time.perf_counter()
-    jax.block_until_ready(scan(state))
-    bare = (time.perf_counter() - start) / 100
+    bare = bare_iteration_seconds(kernel, logistic)
     rows.append(dict(method="DADMMS-logistic", solver=kernel.solver_used, mcmc_run_seconds=first,
                      bare_seconds_per_iteration=bare, load_average=os.getloadavg()[0]))
     print(f"DADMMS logistic (Newton): MCMC.run {first:6.2f} s, bare iteration {bare * 1e6:8.1f} us")

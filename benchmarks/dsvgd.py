@@ -162,6 +162,25 @@ def run_mixture(rounds: int = 10, num_particles: int = 200):
     return out
 
 
+def _run_methods(methods, rounds, X, y, out):
+    """Runs every method, records its per-round metrics, wall time (set-up and compilation
+    included) and the load average in ``out[name]`` (or that it diverged), and yields
+    ``(name, result)`` for the methods that finished."""
+    for name, method in methods.items():
+        load_before = os.getloadavg()[0]
+        start = time.perf_counter()
+        try:
+            result = method.run(jax.random.PRNGKey(0), rounds, X, y)
+        except (FloatingPointError, ValueError) as error:  # the method diverged
+            print(f"  {name:14s} diverged ({error})")
+            out[name] = {"diverged": str(error)}
+            continue
+        total = time.perf_counter() - start
+        out[name] = {k: np.asarray(v).tolist() for k, v in result.metrics.items()}
+        out[name].update(total_seconds=total, load_average=[load_before, os.getloadavg()[0]])
+        yield name, result
+
+
 def _report(name, result, keys):
     m = result.metrics
     cells = "  ".join(f"{k}={float(m[k][-1]):.4f}" for k in keys if k in m)
@@ -190,16 +209,7 @@ def run_adult(num_clients: int, num_particles: int, rounds: int = 10):
     out = {"settings": {"num_clients": num_clients, "num_particles": num_particles, "rounds": rounds,
                         "local_steps": 200, "distill_steps": 200, "learning_rate": 0.05,
                         "batch": "full", "dsgld_a0": 1e-4}}
-    for name, method in methods.items():
-        start = time.perf_counter()
-        try:
-            result = method.run(jax.random.PRNGKey(0), rounds, X, y)
-        except (FloatingPointError, ValueError) as error:  # the method diverged
-            print(f"  {name:14s} diverged ({error})")
-            out[name] = {"diverged": str(error)}
-            continue
-        out[name] = {k: np.asarray(v).tolist() for k, v in result.metrics.items()}
-        out[name]["total_seconds"] = time.perf_counter() - start
+    for name, result in _run_methods(methods, rounds, X, y, out):
         _report(name, result, ["accuracy", "log_predictive_density", "maximum_calibration_error"])
     return out
 
@@ -326,22 +336,13 @@ def run_kin8nm(num_clients: int, rounds: int = 20, num_particles: int = 20, base
                         "local_steps": 200, "distill_steps": 200, "learning_rate": 0.001,
                         "batch_size": batch_size, "dsgld_a0": KIN8NM_SGLD_A0,
                         "authors_seconds_K2": AUTHORS_KIN8NM_SECONDS}}
-    for name, method in methods.items():
-        load_before = os.getloadavg()[0]
-        start = time.perf_counter()
-        try:
-            result = method.run(jax.random.PRNGKey(0), rounds, X, y)
-        except (FloatingPointError, ValueError) as error:  # the method diverged
-            print(f"  {name:14s} diverged ({error})")
-            out[name] = {"diverged": str(error)}
-            continue
-        total = time.perf_counter() - start
-        out[name] = {k: np.asarray(v).tolist() for k, v in result.metrics.items()}
-        out[name].update(total_seconds=total, load_average=[load_before, os.getloadavg()[0]])
+    for name, result in _run_methods(methods, rounds, X, y, out):
+        total = out[name]["total_seconds"]
+        load_before, load_after = out[name]["load_average"]
         _report(name, result, ["rmse", "log_predictive_density"])
         print(f"      RMSE per round: " + " ".join(f"{v:.3f}" for v in result.metrics["rmse"]))
         print(f"      total {total:.1f} s with set-up and compilation, load average "
-              f"{load_before:.1f} -> {os.getloadavg()[0]:.1f}")
+              f"{load_before:.1f} -> {load_after:.1f}")
         if name == "DSVGD":
             print(f"      {AUTHORS_KIN8NM_SECONDS / total:.1f}x faster than the authors' "
                   f"{AUTHORS_KIN8NM_SECONDS:.0f} s (K=2)")
