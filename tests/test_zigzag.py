@@ -65,6 +65,30 @@ def test_gaussian_target_matches_closed_form(control_variates, prior):
     assert int(mcmc.get_extra_fields()["core.num_violations"].sum()) == 0
 
 
+def _prior_dominated(y, clients=1):
+    x = numpyro.sample("x", dist.Normal(0.0, 1.0).expand([y.shape[1]]).to_event(1))
+    with nf.federated_plate("data", y.shape[0], clients=clients):
+        numpyro.sample("y", dist.Normal(x, 3.0).to_event(1), obs=y)
+
+
+def test_every_proposer_thins_with_its_own_uniform():
+    # One client and the prior as the server's proposer (proposer 1), the prior carrying most
+    # of the posterior's curvature: a thinning test that reused the uniform which picked the
+    # proposer's coordinate would accept low coordinates too often and high ones too rarely,
+    # shifting the marginal variances by about 10 % (7 Monte Carlo errors here).
+    y = jnp.asarray(np.random.default_rng(0).normal(size=(4, 3)))
+    precision = 1 + y.shape[0] / 9.0
+    mean, var = y.sum(0) / 9.0 / precision, 1 / precision
+    kernel = nf.FedZigZag(_prior_dominated, sample_interval=0.5, control_variates=False)
+    mcmc = _run(kernel, y, num_samples=40_000)
+    draws = np.asarray(mcmc.get_samples()["x"])
+    squares = (draws - mean) ** 2
+    for values, target in ((draws, mean), (squares, var)):
+        ess = effective_sample_size(values[None])
+        z = (values.mean(0) - target) / (values.std(0) / np.sqrt(ess))
+        assert np.all(np.abs(z) < 4.5), z  # 6 tests at 4.5 errors: fails with probability < 1e-4
+
+
 def test_gaussian_target_with_prior_redistribution():
     y, mean, sd = _gaussian_data()
     # a visible prior (sd 1) so that its shares matter; rate 2 so that it is redrawn often

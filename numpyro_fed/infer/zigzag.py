@@ -530,7 +530,7 @@ def build_kernel(
             """Exact first arrivals of max(0, a + b t) after ``line.position`` per proposer and
             coordinate, plus each proposer's excess clock (always accepted)."""
             a, b = line.bound[0] + line.bound[1] * line.position, line.bound[1]
-            e = -jnp.log(uniforms[2 * num: 2 * num + num * d]).reshape(num, d)
+            e = -jnp.log(uniforms[2 * num + 2:]).reshape(num, d)
             times = _affine_first_arrival(a, b, e)
             coordinates = jnp.argmin(times, -1)
             tau = jnp.min(times, -1)
@@ -550,8 +550,12 @@ def build_kernel(
         def one_step(carry):
             state, remaining = carry
             # One split and one batch of uniforms per step: threefry dominates small steps on CPU.
+            # Each uniform has one use: [0, P) every proposer's exponential clock, [P, 2P) its
+            # coordinate pick, 2P the acceptance test, 2P + 1 the redistribution clock, and for
+            # the line bounds 2P + 2 on one exponential per proposer and coordinate.
             key, key_step = jax.random.split(state.rng_key)
-            uniforms = jax.random.uniform(key_step, (num * (d + 2) + 3,), dtype, minval=jnp.finfo(dtype).tiny)
+            size = 2 * num + 2 + (0 if kind == "grid" else num * d)
+            uniforms = jax.random.uniform(key_step, (size,), dtype, minval=jnp.finfo(dtype).tiny)
             shift = shift_for(state.prior_weights)
             line, evaluations = current_line(state, shift)
             state = state._replace(rng_key=key, grad_evals_by_proposer=state.grad_evals_by_proposer + evaluations)
@@ -591,7 +595,7 @@ def build_kernel(
                 if kind == "grid":  # line bounds give the excess its own clock
                     rate = rate + excess[winner]
                 violated = ~certain[winner] & (rate > bound * (1 + 1e-6) + 1e-12)
-                accept = certain[winner] | (uniforms[num + 1] * bound < rate)
+                accept = certain[winner] | (uniforms[2 * num] * bound < rate)
                 v_new = jnp.where(accept, state.v.at[coordinate].multiply(-1.0), state.v)
                 horizon_new = jnp.where(violated, state.horizon / 2, jnp.where(accept, state.horizon, state.horizon / 1.04))
                 # a rejection leaves the line, hence its bound, as it was
@@ -617,7 +621,7 @@ def build_kernel(
             if redistribution_rate <= 0:
                 return lax.cond(tau_win < stop, proposal, no_event, None)
 
-            tau_redist = -jnp.log(uniforms[num + 2]) / redistribution_rate
+            tau_redist = -jnp.log(uniforms[2 * num + 1]) / redistribution_rate
 
             def redistribute(_):
                 weights = jax.random.dirichlet(jax.random.fold_in(key_step, 1), jnp.ones(num, dtype))
