@@ -367,6 +367,7 @@ def build_kernel(
     grid_size: int = 2,
     safety_factor: float = 1.0,
     max_proposals: int = 1_000_000,
+    batched: bool = False,
 ):
     """Builds ``kernel(state, duration) -> state`` running the process for ``duration``.
 
@@ -390,6 +391,11 @@ def build_kernel(
     :param float safety_factor: bounds are multiplied by this (>= 1).
     :param int max_proposals: proposals allowed per call (guards against a rate that
         explodes); reaching it sets ``hit_event_cap``.
+    :param bool batched: the kernel will run under ``vmap`` (vectorized chains), where both
+        branches of a conditional run: the grid is then evaluated at all its points in one
+        batch, rather than skipping the first point when it is the last one of the previous
+        line. The counts of gradient evaluations are the same either way (they count what
+        the algorithm needs, not what the batching computes).
     """
     num = proposers.num
     kind = _bound_kind(bounds)
@@ -464,16 +470,21 @@ def build_kernel(
 
         def build_grid(state, shift):
             """Grid bound over [0, horizon]. At a horizon the values at t = 0 are the last grid
-            point's, kept in the line bound: nested conditionals, so that a single chain skips
-            that evaluation, and vectorized chains (where both branches run) pay no more."""
+            point's, kept in the line bound, and a single chain evaluates the other K - 1
+            points only; otherwise all K points are evaluated in one batch (one batched call
+            costs much less than K single ones on CPU)."""
             line = state.line
             times = fractions * state.horizon
-            # (K-1, P, d): every proposer's gradient and slope at the grid points after t = 0.
-            grads, slopes = jax.vmap(lambda t: grads_and_slopes(state.x + t * state.v, state.v, state.prior_weights))(times[1:])
-            first = lax.cond(line.reuse, lambda: (line.end_grads, line.end_slopes),
-                             lambda: grads_and_slopes(state.x, state.v, state.prior_weights))
-            grads = jnp.concatenate([first[0][None], grads])
-            slopes = jnp.concatenate([first[1][None], slopes])
+
+            def at(ts):  # (len(ts), P, d): every proposer's gradient and slope at x + t v
+                return jax.vmap(lambda t: grads_and_slopes(state.x + t * state.v, state.v, state.prior_weights))(ts)
+
+            def reusing():
+                grads, slopes = at(times[1:])
+                return (jnp.concatenate([line.end_grads[None], grads]),
+                        jnp.concatenate([line.end_slopes[None], slopes]))
+
+            grads, slopes = at(times) if batched else lax.cond(line.reuse, reusing, lambda: at(times))
             shifts = shift_at(shift, state.x)
             shift_slopes = shift_slope(shift, state.v)
             if shift[1] is not None:  # the shift moves along the line: c + A (x + t v - x*)
@@ -1175,6 +1186,7 @@ class FedZigZag(MCMCKernel):
             proposers, reference=reference, excess_rates=jnp.full(proposers.num, self.excess_rate),
             redistribution_rate=self.redistribution_rate, bounds=bounds,
             grid_size=self.grid_size, safety_factor=self.safety_factor, max_proposals=self.max_proposals,
+            batched=vectorized,
         ))
         to_x = self.preconditioning.to_x if self.preconditioning is not None else (lambda u: u)
         unravel = potential.unravel
