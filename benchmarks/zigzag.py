@@ -78,6 +78,9 @@ NOTES_EVENTS_PER_S = {6: "11-18k", 20: "6-12k"}
 NOTES_NUTS_ESS_PER_S = {6: 750.0}
 NOTES_ESS_PER_S = {(6, 8, True): 3400.0}
 TARGET_EVENTS_PER_S = 20_000  # d=6, M=8
+# sample_interval of the run with MCMC's defaults, in smallest (Laplace) posterior sds: the
+# largest factor of the sweep, whose per-sample cost suits a per-sample progress bar
+DEFAULTS_INTERVAL_FACTOR = 4.0
 
 
 # -- models and data ----------------------------------------------------------------------
@@ -187,6 +190,50 @@ def bench_nuts(X, y, *, num_warmup, num_samples, seed=0):
     }
 
 
+def laplace_sds(X, y):
+    """Marginal sds of the Laplace approximation of the pooled posterior (Newton's method on a
+    hand-written potential): sizes ``sample_interval`` before any sampler has run."""
+    def potential(w):
+        logits = X @ w
+        return jnp.sum(jnp.logaddexp(0.0, logits) - y * logits) + 0.5 * w @ w
+
+    w = jnp.zeros(X.shape[1])
+    for _ in range(30):
+        w = w - jnp.linalg.solve(jax.hessian(potential)(w), jax.grad(potential)(w))
+    return np.sqrt(np.diag(np.linalg.inv(np.asarray(jax.hessian(potential)(w)))))
+
+
+def bench_defaults(X, y, h, *, Ms=(1, 8), rounds=2, num_warmup=1000, num_samples=5000, seed=0):
+    """NUTS and FedZigZag (control variates at their default) as a user runs them: ``MCMC``'s
+    defaults (progress bar on), wall time of ``mcmc.run`` *including* compilation. ``rounds``
+    rounds in this process: the first pays every compilation; later ones find what JAX cached
+    (NUTS's loop is cached; FedZigZag re-jits its kernel in every ``init``). Run before anything
+    else, so that round 1 is a first run. The progress bars are captured, not printed."""
+    import contextlib
+    import io
+
+    rows = []
+    for r in range(rounds):
+        for name, M in [("NUTS", None)] + [("FedZigZag", M) for M in Ms]:
+            if M is None:
+                mcmc = MCMC(NUTS(logistic_pooled), num_warmup=num_warmup, num_samples=num_samples)
+                args, kwargs = (X, y), {}
+            else:
+                mcmc = MCMC(nf.FedZigZag(logistic_federated, sample_interval=h),
+                            num_warmup=num_warmup, num_samples=num_samples)
+                args, kwargs = (X, y), {"clients": M}
+            with contextlib.redirect_stderr(io.StringIO()), Stopwatch() as sw:
+                mcmc.run(jax.random.PRNGKey(seed + r), *args, **kwargs)
+                draws = np.asarray(mcmc.get_samples()["w"])
+            ess = min_ess(draws)
+            rows.append({"round": r + 1, "sampler": name, "M": M, "sample_interval": None if M is None else h,
+                         "num_warmup": num_warmup, "num_samples": num_samples, "ess": ess,
+                         "wall_s": sw.wall, "compile_s": sw.compile, "ess_per_s": ess / sw.wall})
+            print(f"[defaults, round {r + 1}] {name}{'' if M is None else f' M={M}'}: ESS {ess:.0f} in "
+                  f"{sw.wall:.2f} s (compilation {sw.compile:.2f} s) -> {ess / sw.wall:.0f} ESS/s", flush=True)
+    return rows
+
+
 # -- FedZigZag ----------------------------------------------------------------------------
 
 _FIELDS = ("core.num_events", "core.num_proposals", "core.num_violations",
@@ -203,7 +250,18 @@ def _make_kernel(h, cv, init_params, cv_init_at_mean):
 
 
 def _run_fzz(X, y, M, cv, h, num_samples, init_params, seed, cv_init_at_mean=False):
+    """One timed ``MCMC(FedZigZag).run``; ``kernel.setup_s`` is the time (compilation
+    excluded) of the ``init`` inside that run: split, BFGS for the control variates, set-up."""
     kernel = _make_kernel(h, cv, init_params, cv_init_at_mean)
+    init = kernel.init
+
+    def timed_init(*args, **kwargs):
+        with Stopwatch() as setup_sw:
+            state = jax.block_until_ready(init(*args, **kwargs))
+        kernel.setup_s = setup_sw.net
+        return state
+
+    kernel.init = timed_init
     mcmc = MCMC(kernel, num_warmup=0, num_samples=num_samples, progress_bar=False)
     with Stopwatch() as sw:
         mcmc.run(jax.random.PRNGKey(seed), X, y, clients=M, init_params=init_params, extra_fields=_FIELDS)
@@ -236,15 +294,10 @@ def bench_fzz(X, y, M, cv, h, *, init_params, target_ess, min_samples, pilot_sam
               max_seconds, burn_frac=0.1, seed=0, core_events=30_000, scan_samples=2000,
               cv_init_at_mean=False):
     # 1. warm-up / pilot run: compiles what can be cached and sizes the timed run
-    _, pilot_mcmc, pilot_sw = _run_fzz(X, y, M, cv, h, pilot_samples, init_params, seed + 1, cv_init_at_mean)
+    pilot_kernel, pilot_mcmc, pilot_sw = _run_fzz(X, y, M, cv, h, pilot_samples, init_params, seed + 1,
+                                                  cv_init_at_mean)
     pilot = _summarise(pilot_mcmc, pilot_sw, M, h, burn_frac)
-    # 2. setup cost (split_potential, MAP by BFGS for the control variates, jit wrapping)
-    kernel = _make_kernel(h, cv, init_params, cv_init_at_mean)
-    kernel.init(jax.random.PRNGKey(seed + 2), 0, init_params, (X, y), {"clients": M})  # warm
-    with Stopwatch() as setup_sw:
-        state0 = kernel.init(jax.random.PRNGKey(seed + 3), 0, init_params, (X, y), {"clients": M})
-        jax.block_until_ready(state0)
-    setup_s = setup_sw.net
+    setup_s = pilot_kernel.setup_s
     per_sample = max(pilot_sw.net - setup_s, 1e-3) / pilot_samples
     ess_rate = max(pilot["ess"], 1.0) / (pilot["process_time"] * (1 - burn_frac))  # per unit process time
     wanted = math.ceil(1.5 * target_ess / ess_rate / h / (1 - burn_frac))
@@ -260,6 +313,7 @@ def bench_fzz(X, y, M, cv, h, *, init_params, target_ess, min_samples, pilot_sam
         out["reference_grad_norm"] = float(jnp.linalg.norm(grad))
     else:
         out["reference_grad_norm"] = None
+    setup_s = kernel.setup_s  # the timed run's own set-up (its BFGS can take longer or shorter)
     loop_s = max(sw.net - setup_s, 1e-9)
     out.update({
         "d": int(X.shape[1]), "M": M, "control_variates": cv, "sample_interval": h,
@@ -451,6 +505,9 @@ def main(argv=None):
     parser.add_argument("--interval-factor", type=float, default=None,
                         help="sample_interval = factor * smallest posterior sd (default: 2 "
                              "with --quick, else the best of a small sweep)")
+    parser.add_argument("--no-defaults", action="store_true",
+                        help="skip the run of both samplers with MCMC's defaults (progress bar, "
+                             "compilation included; about a minute)")
     args = parser.parse_args(argv)
     global PRECONDITIONER, CV_ON
     PRECONDITIONER = None if args.preconditioner == "none" else args.preconditioner
@@ -486,7 +543,14 @@ def main(argv=None):
           f"numpyro {numpyro.__version__}, {os.cpu_count()} CPUs, load {info['load_average_start']}", flush=True)
 
     results = {"info": info, "nuts": {}, "fedzigzag": [], "interval_sweep": {}, "pdmp_jax": None,
-               "gradients": None}
+               "gradients": None, "defaults": None}
+    if 6 in grid and not args.no_defaults:
+        # first, so that its first round is a first run in this process
+        X, y, _ = make_data(6, args.seed)
+        h = DEFAULTS_INTERVAL_FACTOR * float(laplace_sds(X, y).min())
+        print(f"\n[d=6] As users run them (MCMC defaults, compilation included), sample_interval {h:.3f}:",
+              flush=True)
+        results["defaults"] = bench_defaults(X, y, h, seed=args.seed)
     for d, Ms in grid.items():
         X, y, _ = make_data(d, args.seed)
         nuts = bench_nuts(X, y, num_warmup=nuts_warmup, num_samples=nuts_samples, seed=args.seed)
@@ -581,6 +645,28 @@ def report(results):
               f"{g['full_grad_us']:.1f} us; one grid point of the bound (all proposers' gradients and "
               f"Hessian-vector products) {g['grid_point_all_proposers_us']:.1f} us.")
 
+    work = gradient_work(results)
+    if work:
+        print("\n== Gradient work per effective sample and the ceiling it sets (d=6, CV on) ==")
+        print("A pass = every client's gradient and Hessian-vector product at one point (a grid point "
+              "of the bound); a client's proposal counts 1/M of a pass. ceiling = 1e6 / (work per ESS x "
+              "measured cost of one pass or gradient): ESS/s with no other cost at all.")
+        header = ["sampler", "M", "passes/ESS", "us/pass", "ceiling ESS/s", "1 pass/switch", "ceiling ESS/s",
+                  "measured ESS/s samp"]
+        print_table(header, [[w["sampler"], w["M"], fmt(w["passes_per_ess"]), fmt(w["us_per_pass"]),
+                              fmt(w["ceiling"]), fmt(w.get("one_pass_per_event_per_ess")),
+                              fmt(w.get("one_pass_ceiling")), fmt(w["measured"])] for w in work])
+
+    if results.get("defaults"):
+        print("\n== As users run them: MCMC defaults (progress bar on), wall time INCLUDING compilation, d=6 ==")
+        header = ["round", "sampler", "M", "h", "warmup", "samples", "minESS", "wall s", "compile s", "ESS/s"]
+        print_table(header, [[r["round"], r["sampler"], r["M"] or "-", fmt(r["sample_interval"], 2),
+                              r["num_warmup"], r["num_samples"], fmt(r["ess"]), fmt(r["wall_s"], 2),
+                              fmt(r["compile_s"], 2), fmt(r["ess_per_s"])] for r in results["defaults"]])
+        print("Round 1 is the first run in the process (every compilation paid); NUTS's loop is cached "
+              "in round 2, FedZigZag re-jits its kernel in every init. NOTES.md's NUTS figure (about "
+              "750 ESS/s) matches round 1.")
+
     for d, sweep in results["interval_sweep"].items():
         print(f"\nsample_interval sweep, d={d}, M={sweep['M']}, control variates on (MCMC ESS/s): "
               + ", ".join(f"h={r['sample_interval']:.3g} ({r['factor']:g} sd): {r['ess_per_s']:.0f}"
@@ -608,6 +694,28 @@ def report(results):
     print("\n== Targets from NOTES.md ==")
     for line in targets(results):
         print("  " + line)
+
+
+def gradient_work(results):
+    """Full-data passes per effective sample at d=6 (CV on, and NUTS), from the measured
+    counts and the measured in-loop cost of one pass; [] without those measurements."""
+    g, nuts = results.get("gradients"), results["nuts"].get(6)
+    if not g or not nuts:
+        return []
+    nuts_grads = nuts["grad_evals"] / nuts["ess"]
+    work = [{"sampler": "NUTS", "M": "-", "passes_per_ess": nuts_grads, "us_per_pass": g["full_grad_us"],
+             "ceiling": 1e6 / (nuts_grads * g["full_grad_us"]), "measured": nuts["ess_per_s_sampling"]}]
+    for r in results["fedzigzag"]:
+        if r["d"] != 6 or not r["control_variates"]:
+            continue
+        passes = r["full_data_grad_equiv_post"] / r["ess"]
+        work.append({"sampler": "FedZigZag", "M": r["M"], "passes_per_ess": passes,
+                     "us_per_pass": g["grid_point_all_proposers_us"],
+                     "ceiling": 1e6 / (passes * g["grid_point_all_proposers_us"]),
+                     "one_pass_per_event_per_ess": r["events_per_ess"],
+                     "one_pass_ceiling": 1e6 / (r["events_per_ess"] * g["grid_point_all_proposers_us"]),
+                     "measured": r["ess_per_s_sampling"]})
+    return work
 
 
 def targets(results):
