@@ -80,8 +80,9 @@ def test_poisson_cap_changes_nothing_when_the_batch_fits(data):
     from scipy.stats import binom
 
     method = DPPVI(model, dp="dpsgd", noise_multiplier=1.0, sampling="poisson", sampling_rate=0.05, **FAST)
-    cap = method._batch_cap(np.ones(2), 10, np.array([3900, 3000]), 3900)
-    epsilon = method.privacy(np.ones(2), 10, np.array([3900, 3000])).epsilon
+    guarantee = method.privacy(np.ones(2), 10, np.array([3900, 3000]))
+    cap = method._batch_cap(guarantee, 10, np.array([3900, 3000]), 3900)
+    epsilon = guarantee.epsilon
     assert 195 < cap < 1000
     assert 50 * binom.sf(cap, 3900, 0.05) * (1 + np.exp(epsilon)) <= 1e-6 * 1e-5
 

@@ -311,8 +311,9 @@ class DPPVI:
             return self.delta * (1.0 - _CAP_DELTA_SHARE)
         return self.delta
 
-    def _batch_cap(self, sigmas, num_rounds, sizes, num_rows) -> int | None:
-        """Rows per step's batch that the per-example work is sized for.
+    def _batch_cap(self, guarantee, num_rounds, sizes, num_rows) -> int | None:
+        """Rows per step's batch that the per-example work is sized for (``guarantee``: the
+        run's :meth:`privacy`).
 
         Without replacement: the largest batch. Poisson: the smallest ``c`` such that a
         batch larger than ``c`` (whose extra rows would be dropped) has probability ``p``
@@ -327,8 +328,7 @@ class DPPVI:
 
         steps = num_rounds * self.num_local_steps
         epsilon = 50.0
-        guarantee = self.privacy(sigmas, num_rounds, sizes) if self.dp == "dpsgd" else None
-        if guarantee is not None:
+        if self.dp == "dpsgd" and guarantee is not None:
             epsilon = guarantee.epsilon
         if epsilon > 50.0:
             return None
@@ -403,26 +403,25 @@ class DPPVI:
                 raise ValueError("num_rounds=None needs both noise_multiplier and target_epsilon")
             num_rounds = self.max_rounds(sizes)
         num_rounds = check_int(num_rounds, "num_rounds", minimum=1)
-        if fixed_noise_budget:
-            spent = self.privacy(np.full(sizes.size, self.noise_multiplier), num_rounds, sizes).epsilon
-            if spent > self.target_epsilon:
-                raise ValueError(
-                    f"{num_rounds} rounds with noise_multiplier={self.noise_multiplier} spend "
-                    f"epsilon={spent:.4g} > target_epsilon={self.target_epsilon}; "
-                    f"pass num_rounds=None for the most that fit"
-                )
+        sigmas = self.noise_multipliers(num_rounds, sizes)
+        privacy = self.privacy(sigmas, num_rounds, sizes)  # accounted once per run
+        if fixed_noise_budget and privacy.epsilon > self.target_epsilon:
+            raise ValueError(
+                f"{num_rounds} rounds with noise_multiplier={self.noise_multiplier} spend "
+                f"epsilon={privacy.epsilon:.4g} > target_epsilon={self.target_epsilon}; "
+                f"pass num_rounds=None for the most that fit"
+            )
         num_clients = sizes.size
         key_shards, key_run = jax.random.split(rng_key)
         shard_seed = int(jax.random.randint(key_shards, (), 0, 2**31 - 1))
         shard_index, shard_valid = core.shard_layout(sizes, self.num_shards, seed=shard_seed)
         data = core.ClientData(rows=rows, valid=valid, shard_index=shard_index, shard_valid=shard_valid)
-        sigmas = self.noise_multipliers(num_rounds, sizes)
         config = core.LocalConfig(
             optim=self.optim, num_steps=self.num_local_steps, num_mc_samples=self.num_mc_samples,
             sampling=self.sampling, sampling_rate=self.sampling_rate, dpsgd=self.dp == "dpsgd",
             clip_norm=self.clip_norm,
         )
-        batch_cap = self._batch_cap(sigmas, num_rounds, sizes, int(valid.shape[1]))
+        batch_cap = self._batch_cap(privacy, num_rounds, sizes, int(valid.shape[1]))
         unravel = potential.unravel
 
         def row_log_lik(theta, rows):
@@ -458,7 +457,6 @@ class DPPVI:
         }
         loc, scale = core.loc_scale(state.q)
         params = {"loc": unravel(loc), "scale": unravel(scale)}
-        privacy = self.privacy(sigmas, num_rounds, sizes)
         return DPPVIRunResult(params, state, metrics, privacy, sigmas)
 
     # -- hooks for the baselines ---------------------------------------------------------------
