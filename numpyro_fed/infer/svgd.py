@@ -636,6 +636,23 @@ def _descend(params, grad_fn, num_steps, optimizer, key):
 # -- schedules --------------------------------------------------------------------------------
 
 
+def _check_schedule(schedule):
+    """A method's ``schedule`` argument, its name checked (sequences are checked by
+    :func:`_make_schedule`, which knows the number of rounds and clients)."""
+    if isinstance(schedule, str) and schedule not in ("round_robin", "random"):
+        raise ValueError(f"schedule must be 'round_robin', 'random' or a sequence of client "
+                         f"indices, got {schedule!r}")
+    return schedule
+
+
+def _data_plate(fp, needed_by: str) -> str:
+    """The name of the model's one federated data plate; ``needed_by`` names what needs it."""
+    plates = [p.name for p in fp.plates.values() if p.holds_data]
+    if len(plates) != 1:
+        raise ValueError(f"{needed_by} needs a model with one federated data plate, found {plates}")
+    return plates[0]
+
+
 def _make_schedule(schedule, num_rounds: int, num_clients: int, rng_key, per_round: int | None):
     """``(num_rounds,)`` (or ``(num_rounds, per_round)``) client indices for each round."""
     if isinstance(schedule, str):
@@ -844,10 +861,7 @@ class _ParticleMethod:
         """``(x (N, d), block, key) -> (N, d)``: ``grad L_k`` at every particle estimated from
         ``batch_size`` of the client's rows drawn without replacement (the same rows for every
         particle), scaled by ``n_k / batch_size``. A client with fewer rows uses them all."""
-        plates = [p.name for p in fp.plates.values() if p.holds_data]
-        if len(plates) != 1:
-            raise ValueError(f"batch_size needs a model with one federated data plate, found {plates}")
-        plate, unravel = plates[0], fp.unravel
+        plate, unravel = _data_plate(fp, "batch_size"), fp.unravel
 
         def loss(y, rows, weights, scale):
             return -scale * jnp.sum(weights * fp.row_log_likelihood_fn(unravel(y), rows))
@@ -1065,10 +1079,7 @@ class DSVGD(_ParticleMethod):
                                   else _check_optimizer(distill_optimizer, "distill_optimizer"))
         self.kde_bandwidth = check_positive(kde_bandwidth, "kde_bandwidth")
         self.svgd_bandwidth = None if svgd_bandwidth is None else check_positive(svgd_bandwidth, "svgd_bandwidth")
-        if isinstance(schedule, str) and schedule not in ("round_robin", "random"):
-            raise ValueError(f"schedule must be 'round_robin', 'random' or a sequence of client "
-                             f"indices, got {schedule!r}")
-        self.schedule = schedule
+        self.schedule = _check_schedule(schedule)
 
     def init(self, rng_key, *args, init_particles=None, **kwargs) -> DSVGDState:
         """The initial state (Algorithm 1, line 1): global and local particles from the prior.
@@ -1306,10 +1317,7 @@ class FedAvg(_ParticleMethod):
         self.local_steps = check_int(local_steps, "local_steps", minimum=1)
         self.optimizer = (adagrad_momentum(learning_rate) if optimizer is None
                           else _check_optimizer(optimizer, "optimizer"))
-        if isinstance(schedule, str) and schedule not in ("round_robin", "random"):
-            raise ValueError(f"schedule must be 'round_robin', 'random' or a sequence of client "
-                             f"indices, got {schedule!r}")
-        self.schedule = schedule
+        self.schedule = _check_schedule(schedule)
 
     def run(self, rng_key, num_rounds: int, *args, init_params=None, **kwargs) -> DSVGDRunResult:
         """``init_params``: ``(d,)`` flat unconstrained start (default: a prior draw)."""
@@ -1370,10 +1378,7 @@ class DistributedSGLD(_ParticleMethod):
                          temperature=temperature, batch_size=batch_size)
         self.local_steps = check_int(local_steps, "local_steps", minimum=1)
         self.a0 = check_positive(a0, "a0")
-        if isinstance(schedule, str) and schedule not in ("round_robin", "random"):
-            raise ValueError(f"schedule must be 'round_robin', 'random' or a sequence of client "
-                             f"indices, got {schedule!r}")
-        self.schedule = schedule
+        self.schedule = _check_schedule(schedule)
 
     def run(self, rng_key, num_rounds: int, *args, init_particles=None, **kwargs) -> DSVGDRunResult:
         num_rounds = check_int(num_rounds, "num_rounds", minimum=1)
@@ -1447,10 +1452,7 @@ class GaussianPVI(_ParticleMethod):
         self.damping = check_positive(damping, "damping")
         if self.damping > 1.0:
             raise ValueError(f"damping must lie in (0, 1], got {self.damping}")
-        if isinstance(schedule, str) and schedule not in ("round_robin", "random"):
-            raise ValueError(f"schedule must be 'round_robin', 'random' or a sequence of client "
-                             f"indices, got {schedule!r}")
-        self.schedule = schedule
+        self.schedule = _check_schedule(schedule)
 
     def run(self, rng_key, num_rounds: int, *args, **kwargs) -> DSVGDRunResult:
         """Runs ``num_rounds`` rounds; ``result.state`` is the final
@@ -1460,15 +1462,13 @@ class GaussianPVI(_ParticleMethod):
         num_rounds = check_int(num_rounds, "num_rounds", minimum=1)
         draw_key, schedule_key, run_key = jax.random.split(rng_key, 3)
         fp = self._setup(args, kwargs)
-        plates = [p.name for p in fp.plates.values() if p.holds_data]
-        if len(plates) != 1:
-            raise ValueError(f"GaussianPVI needs one federated data plate, found {plates}")
+        plate = _data_plate(fp, "GaussianPVI")
         unravel, d = fp.unravel, fp.num_latent
         prior = pvi.gaussian_prior(lambda x: fp.prior_potential_fn(unravel(x)), d)
         schedule = _make_schedule(self.schedule, num_rounds, fp.num_clients, schedule_key, None)
         sizes = np.asarray(fp.client_sizes)
         shard_index, shard_valid = pvi.shard_layout(sizes, 1)
-        data = pvi.ClientData(rows=fp.client_data["rows"], valid=fp.client_data["valid"][plates[0]],
+        data = pvi.ClientData(rows=fp.client_data["rows"], valid=fp.client_data["valid"][plate],
                               shard_index=shard_index, shard_valid=shard_valid)
         config = pvi.LocalConfig(optim=self.optim, num_steps=self.local_steps,
                                  num_mc_samples=self.num_mc_samples, sampling="full",
