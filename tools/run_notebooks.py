@@ -7,11 +7,18 @@ kernel that ipykernel provides for the current interpreter, so a virtualenv's pa
 used and no kernel has to be registered), with the notebook's folder as working directory.
 A notebook is rewritten only when every cell succeeded; the exit status is non-zero if any
 notebook failed.
+
+The kernels run with tqdm's "IProgress not found" warning filtered out (``PYTHONWARNINGS``):
+NumPyro imports ``tqdm.auto`` at import time, which in a Jupyter kernel without
+``ipywidgets`` warns, with the path of the local installation, that it falls back to the
+console progress bar. Executed headless, no widget could be shown anyway, so the warning is
+noise in the stored outputs.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -19,6 +26,20 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+
+
+# -W syntax: action:message:category; the message matches at its start, case-insensitively.
+TQDM_WIDGET_WARNING_FILTER = "ignore:IProgress not found"
+
+
+def kernel_environment(environ=None) -> dict[str, str]:
+    """The kernels' environment: ``environ`` (default ``os.environ``) plus the warning filter."""
+    env = dict(os.environ if environ is None else environ)
+    filters = [f for f in env.get("PYTHONWARNINGS", "").split(",") if f]
+    if TQDM_WIDGET_WARNING_FILTER not in filters:
+        filters.append(TQDM_WIDGET_WARNING_FILTER)
+    env["PYTHONWARNINGS"] = ",".join(filters)
+    return env
 
 
 def run_notebook(path: Path, *, timeout: int, kernel_name: str) -> float:
@@ -31,7 +52,7 @@ def run_notebook(path: Path, *, timeout: int, kernel_name: str) -> float:
         resources={"metadata": {"path": str(path.parent.resolve())}},
     )
     start = time.perf_counter()
-    client.execute()
+    client.execute(env=kernel_environment())
     seconds = time.perf_counter() - start
     nbformat.write(notebook, path)
     return seconds
