@@ -1,0 +1,120 @@
+"""The documentation stays true to the package: API page, bundled assets, stored notebooks."""
+
+import importlib
+import importlib.util
+import json
+import pkgutil
+import re
+from pathlib import Path
+
+import pytest
+
+import numpyro_fed
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+API_PAGE = DOCS / "api.md"
+PACKAGES = ("numpyro_fed", "numpyro_fed.infer", "numpyro_fed.privacy")
+
+
+def api_directives():
+    return set(re.findall(r"^::: ([\w.]+)\s*$", API_PAGE.read_text(), re.M))
+
+
+def api_reexport_table():
+    """{(package, name): module} from the table at the top of docs/api.md."""
+    rows = {}
+    for line in API_PAGE.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 3 or cells[0].strip("`") not in PACKAGES:
+            continue
+        package = cells[0].strip("`")
+        module = re.fullmatch(r"\[`([\w.]+)`\]\(#([\w.]+)\)", cells[2])
+        assert module and module.group(1) == module.group(2), f"bad link in docs/api.md: {line}"
+        for name in re.findall(r"`(\w+)`", cells[1]):
+            rows[(package, name)] = module.group(1)
+    return rows
+
+
+def test_api_page_lists_every_reexport_under_the_module_that_defines_it():
+    table = api_reexport_table()
+    expected = {}
+    for package in PACKAGES:
+        module = importlib.import_module(package)
+        for name in module.__all__:
+            expected[(package, name)] = getattr(module, name).__module__
+    assert table == expected
+    # ... and every module named there has its section on the page
+    assert set(expected.values()) <= api_directives()
+
+
+def test_api_page_has_a_section_for_every_public_module():
+    modules = {
+        info.name
+        for info in pkgutil.walk_packages(numpyro_fed.__path__, "numpyro_fed.")
+        if not info.ispkg and not any(part.startswith("_") for part in info.name.split("."))
+    }
+    assert modules - api_directives() == set()
+
+
+def test_site_scripts_are_bundled_not_fetched():
+    yaml = pytest.importorskip("yaml")  # comes with the docs extra (mkdocs)
+
+    class IgnoreTags(yaml.SafeLoader):
+        """mkdocs.yml uses tags such as ``!relative``; their values do not matter here."""
+
+    IgnoreTags.add_multi_constructor("!", lambda loader, suffix, node: None)
+    config = yaml.load((ROOT / "mkdocs.yml").read_text(), Loader=IgnoreTags)
+    scripts = config.get("extra_javascript", [])
+    assert any("mathjax" in s for s in scripts)
+    for script in scripts:
+        assert "://" not in script and not script.startswith("//"), script
+        assert (DOCS / script).is_file(), script
+    assert config["theme"].get("font") is False  # no web fonts from outside
+    # the CHTML output loads its fonts relative to the script
+    fonts = DOCS / "assets" / "mathjax" / "output" / "chtml" / "fonts" / "woff-v2"
+    assert (fonts / "MathJax_Main-Regular.woff").is_file()
+
+
+@pytest.mark.parametrize("page", ["index.md", "notebooks.md", "guide/algorithms.md"])
+def test_pages_do_not_call_existing_algorithms_planned(page):
+    text = (DOCS / page).read_text().lower()
+    for stale in ("planned", "still to come", "not implemented yet", "do not exist yet"):
+        assert stale not in text, f"docs/{page} says {stale!r}"
+
+
+def notebook_outputs():
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        for cell in json.loads(path.read_text())["cells"]:
+            for output in cell.get("outputs", []):
+                text = output.get("text", "")
+                yield path.name, "".join(text) if isinstance(text, list) else text
+
+
+def test_stored_notebooks_carry_no_local_paths_or_tqdm_warning():
+    for name, text in notebook_outputs():
+        assert "TqdmWarning" not in text, name
+        assert "site-packages" not in text and str(ROOT) not in text, name
+
+
+def test_run_notebooks_keeps_the_tqdm_widget_warning_out_of_outputs(tmp_path):
+    """NumPyro imports tqdm.auto; in a kernel without ipywidgets tqdm warns (with the path of
+    the installation). The runner filters that one warning and leaves the others."""
+    nbformat = pytest.importorskip("nbformat")
+    pytest.importorskip("nbclient")
+    pytest.importorskip("ipykernel")
+    spec = importlib.util.spec_from_file_location("run_notebooks", ROOT / "tools" / "run_notebooks.py")
+    runner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runner)
+
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [nbformat.v4.new_code_cell(
+        "import warnings\nimport numpyro\nwarnings.warn('other warnings are kept')"
+    )]
+    path = tmp_path / "tiny.ipynb"
+    nbformat.write(notebook, path)
+    runner.run_notebook(path, timeout=120, kernel_name="python3")
+    outputs = nbformat.read(path, as_version=4).cells[0].outputs
+    stderr = "".join(o.get("text", "") for o in outputs if o.get("name") == "stderr")
+    assert "TqdmWarning" not in stderr and "IProgress" not in stderr
+    assert "other warnings are kept" in stderr
