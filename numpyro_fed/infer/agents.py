@@ -8,7 +8,9 @@ on the flat unconstrained latent vector ``x`` (``w_i = 1/N`` by default, as in E
 the D-ADMMS paper), so that ``sum_i f_i`` is NumPyro's potential energy. The algorithm cores
 (:mod:`~numpyro_fed.infer.admm`, :mod:`~numpyro_fed.infer.baselines`) see only
 :class:`AgentPotentials`; :class:`DecentralisedKernel` turns a core into a NumPyro
-``MCMCKernel`` whose sample is all agents' iterates.
+``MCMCKernel``: one MCMC sample per iteration is one agent's iterate (site shapes as in the
+model, so ``MCMC.get_samples()`` goes straight into :class:`~numpyro.infer.Predictive`), and
+every agent's iterate and the network average are recorded beside it.
 """
 
 from __future__ import annotations
@@ -24,14 +26,11 @@ import jax.numpy as jnp
 from numpyro.infer.mcmc import MCMCKernel
 from numpyro.util import is_prng_key
 
-from numpyro_fed._checks import check_positive
+from numpyro_fed._checks import check_int, check_positive
 from numpyro_fed.infer.topology import make_topology
 from numpyro_fed.potential import split_potential
 
 __all__ = ["AgentPotentials", "DecentralisedKernel", "DecentralisedState", "agent_potentials"]
-
-AVERAGE_SUFFIX = "_avg"
-
 
 class AgentPotentials(NamedTuple):
     """The agents' local potentials as one vmappable function.
@@ -90,8 +89,11 @@ class DecentralisedState(NamedTuple):
     """NumPyro-facing state of a decentralised sampler.
 
     :ivar i: iteration counter.
-    :ivar z: the sample: unconstrained sites with a leading agent axis ``(N, ...)``, and the
-        network average of the iterates under ``<site>_avg``.
+    :ivar z: the MCMC sample: the reporting agent's iterate (unconstrained, by site, shaped
+        as in the model).
+    :ivar agents: every agent's iterate (unconstrained, by site, leading agent axis ``N``).
+    :ivar network_average: the average of the agents' iterates on the unconstrained space
+        (by site).
     :ivar core: the algorithm's state (e.g. :class:`~numpyro_fed.infer.admm.ADMMState`).
     :ivar info: the algorithm's diagnostics of the last iteration; read them with
         ``extra_fields=("info.<name>",)`` or :meth:`DecentralisedKernel.sample_stats`.
@@ -100,6 +102,8 @@ class DecentralisedState(NamedTuple):
 
     i: jax.Array
     z: dict
+    agents: dict
+    network_average: dict
     core: Any
     info: Any
     rng_key: jax.Array
@@ -108,12 +112,22 @@ class DecentralisedState(NamedTuple):
 class DecentralisedKernel(MCMCKernel):
     """Base class: one agent per client on a communication graph, all agents ``vmap``ped.
 
-    One MCMC sample is one iteration of all agents. ``MCMC.get_samples()`` gives, per site,
-    the agents' iterates with a leading agent axis (``(num_samples, N, ...)``) and the
-    network average under ``<site>_avg``. Chains are independent runs of the whole
-    network; ``chain_method="vectorized"`` runs them in one batch.
+    One MCMC sample is one iteration of the network, reported as the iterate of one agent
+    (``agent``, agent 0 by default, the agent the D-ADMMS paper evaluates): the agents'
+    iterates are the algorithm's draws, each one a draw of the whole parameter. So
+    ``MCMC.get_samples()`` has a leading sample axis and the sites' shapes as in the model,
+    ready for :class:`~numpyro.infer.Predictive`, and ``MCMC.print_summary()``,
+    :func:`~numpyro_fed.to_inference_data` (group ``posterior``) and ``az.summary`` all
+    describe these draws. Every agent's iterate is recorded too (:meth:`agent_draws`, the
+    ``agents`` group of :func:`~numpyro_fed.to_inference_data`), and so is the network average
+    (:meth:`network_average`, the ``network_average`` group). The average is not a posterior
+    draw: it is an average of ``N`` draws, so it is narrower than the posterior (by up to a
+    factor ``sqrt(N)`` when the agents disagree) and no agent can compute it.
 
-    Subclasses define :meth:`_build` (the core: ``(init_fn, kernel, info_names)``).
+    Chains are independent runs of the whole network; ``chain_method="vectorized"`` runs
+    them in one batch.
+
+    Subclasses define :meth:`_build` (the core: ``(init_fn, kernel)``).
     """
 
     sample_field = "z"
@@ -121,7 +135,7 @@ class DecentralisedKernel(MCMCKernel):
     info_names: tuple = ()
 
     def __init__(self, model, *, topology="ring", prior_weights=None, init_scale: float = 1.0,
-                 partition=None):
+                 partition=None, agent: int = 0):
         self._model = model
         self.topology_spec = topology
         if isinstance(topology, str):  # fail early on an unknown name
@@ -129,6 +143,7 @@ class DecentralisedKernel(MCMCKernel):
         self.prior_weights = prior_weights
         self.init_scale = check_positive(init_scale, "init_scale")
         self.partition = partition
+        self.agent = check_int(agent, "agent", minimum=0)
         self.federated_potential = None
         self.topology = None
         self._sample_fn = None
@@ -145,20 +160,24 @@ class DecentralisedKernel(MCMCKernel):
 
     @property
     def default_fields(self):
-        return ("z",) + tuple("info." + name for name in self.info_names)
+        return ("z", "agents", "network_average") + tuple("info." + name for name in self.info_names)
 
     def init(self, rng_key, num_warmup, init_params, model_args, model_kwargs):
         batched = not is_prng_key(rng_key)
         first_key = rng_key[0] if batched else rng_key
         potential = split_potential(self._model, model_args, model_kwargs, partition=self.partition,
                                     rng_key=jax.random.fold_in(first_key, 1))
+        if self.agent >= potential.num_clients:
+            raise ValueError(
+                f"agent={self.agent}: the model has {potential.num_clients} clients (agents "
+                f"0 .. {potential.num_clients - 1}); choose one of them as the reporting agent"
+            )
         self.federated_potential = potential
         self.topology = make_topology(self.topology_spec, potential.num_clients)
         potentials = agent_potentials(potential, self.prior_weights)
         self.agent_potentials = potentials
         n, d = potentials.num_agents, potentials.dim
         base = potential.ravel(potential.init_params)
-        self._check_sites(potential)
 
         def start(key, params):
             if params is None:
@@ -174,7 +193,7 @@ class DecentralisedKernel(MCMCKernel):
             x0 = start(key_start, params)
             core = init_fn(x0)
             info = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: kernel(key_start, core)[1]))
-            return DecentralisedState(jnp.zeros((), jnp.int32), self._z(x0), core, info, key_state)
+            return DecentralisedState(jnp.zeros((), jnp.int32), *self._views(x0), core, info, key_state)
 
         if batched:
             in_axes = (0, None if init_params is None else 0)
@@ -188,7 +207,7 @@ class DecentralisedKernel(MCMCKernel):
     def _sample(self, state):
         key, subkey = jax.random.split(state.rng_key)
         core, info = self._kernel(subkey, state.core)
-        return DecentralisedState(state.i + 1, self._z(core.x), core, info, key)
+        return DecentralisedState(state.i + 1, *self._views(core.x), core, info, key)
 
     def sample(self, state, model_args, model_kwargs):
         return self._sample_fn(state)
@@ -196,36 +215,24 @@ class DecentralisedKernel(MCMCKernel):
     def postprocess_fn(self, model_args, model_kwargs):
         if self.federated_potential is None:
             raise RuntimeError(f"{type(self).__name__}.postprocess_fn needs init() to have run")
-        constrain = self.federated_potential.postprocess_fn
-        names = set(self.federated_potential.init_params)
-
-        def fn(z):
-            agents = {k: v for k, v in z.items() if k in names}
-            average = {k[: -len(AVERAGE_SUFFIX)]: v for k, v in z.items() if k not in names}
-            out = jax.vmap(constrain)(agents)
-            out.update({k + AVERAGE_SUFFIX: v for k, v in constrain(average).items()})
-            return out
-
-        return fn
+        return self.federated_potential.postprocess_fn
 
     def get_diagnostics_str(self, state):
         return ""
 
     # -- helpers ----------------------------------------------------------------------------
-    def _z(self, x):
+    def _views(self, x):
+        """``(z, agents, network_average)`` of the flat iterates ``x`` (``(N, d)``)."""
         unravel = self.federated_potential.unravel
-        z = jax.vmap(unravel)(x)
-        z.update({k + AVERAGE_SUFFIX: v for k, v in unravel(jnp.mean(x, axis=0)).items()})
-        return z
+        return unravel(x[self.agent]), jax.vmap(unravel)(x), unravel(jnp.mean(x, axis=0))
 
-    def _check_sites(self, potential):
-        names = set(potential.postprocess_fn(potential.init_params))
-        clashes = sorted(n for n in names if n + AVERAGE_SUFFIX in names)
-        if clashes:
-            raise ValueError(
-                f"sites {clashes} clash with the network-average names "
-                f"{[n + AVERAGE_SUFFIX for n in clashes]}: rename them"
-            )
+    def _constrain(self, values, batch_ndim):
+        """Constrained values of unconstrained ``values`` with ``batch_ndim`` leading axes."""
+        leaves = jax.tree.leaves(values)
+        batch = jnp.shape(leaves[0])[:batch_ndim]
+        flat = jax.tree.map(lambda v: jnp.reshape(v, (-1,) + jnp.shape(v)[batch_ndim:]), values)
+        out = jax.vmap(self.federated_potential.postprocess_fn)(flat)
+        return jax.tree.map(lambda v: jnp.reshape(v, batch + jnp.shape(v)[1:]), out)
 
     def _flat_init(self, params, n, d, base):
         """Flat ``(N, d)`` start from ``init_params`` (unconstrained, by site): each site
@@ -263,24 +270,58 @@ class DecentralisedKernel(MCMCKernel):
 
     def inference_data(self, mcmc):
         """``(posterior, groups, dims)`` for :func:`~numpyro_fed.to_inference_data`: the
-        network average in ``posterior`` (plain site names) and each agent's draws in an
-        ``agents`` group with an ``agent`` dim."""
-        samples = jax.device_get(mcmc.get_samples(group_by_chain=True))
-        posterior, agents = {}, {}
-        for name, value in samples.items():
-            if name.endswith(AVERAGE_SUFFIX):
-                posterior[name[: -len(AVERAGE_SUFFIX)]] = np.asarray(value)
-            else:
-                agents[name] = np.asarray(value)
+        MCMC samples (the reporting agent's draws) in ``posterior``, every agent's draws in an
+        ``agents`` group with an ``agent`` dim, and the network average in a
+        ``network_average`` group (plain site names in all three)."""
+        posterior = {k: np.asarray(v) for k, v in jax.device_get(mcmc.get_samples(group_by_chain=True)).items()}
+        agents = {k: np.asarray(v) for k, v in
+                  jax.device_get(self.agent_draws(mcmc, group_by_chain=True)).items()}
+        average = {k: np.asarray(v) for k, v in
+                   jax.device_get(self.network_average(mcmc, group_by_chain=True)).items()}
         dims = {name: ["agent"] + [f"{name}_dim_{k}" for k in range(np.ndim(v) - 3)]
                 for name, v in agents.items()}
-        return posterior, {"agents": agents}, {"agents": dims}
+        return posterior, {"agents": agents, "network_average": average}, {"agents": dims}
 
-    def agent_draws(self, mcmc, agent: int | None = None, *, group_by_chain: bool = False):
-        """The draws of one agent (``agent``), or of the network average (``None``), keyed
-        by plain site names: ready for :class:`numpyro.infer.Predictive`."""
-        samples = mcmc.get_samples(group_by_chain=group_by_chain)
-        axis = 2 if group_by_chain else 1
-        if agent is None:
-            return {k[: -len(AVERAGE_SUFFIX)]: v for k, v in samples.items() if k.endswith(AVERAGE_SUFFIX)}
-        return {k: jnp.take(v, agent, axis=axis) for k, v in samples.items() if not k.endswith(AVERAGE_SUFFIX)}
+    @staticmethod
+    def agent_draws(mcmc, agent: int | None = None, *, group_by_chain: bool = False) -> dict:
+        """Constrained draws by site of agent ``agent`` (shaped like ``mcmc.get_samples()``,
+        ready for :class:`~numpyro.infer.Predictive`), or of all agents (``agent=None``: an
+        agent axis after the sample axes). Call it on the class or on the kernel:
+        ``DADMMS.agent_draws(mcmc, 2)``.
+
+        :param mcmc: a :class:`~numpyro.infer.MCMC` that ran a decentralised sampler.
+        :param bool group_by_chain: keep the chain axis, as in ``mcmc.get_samples``.
+        """
+        kernel = DecentralisedKernel._kernel_of(mcmc)
+        values = mcmc.get_extra_fields(group_by_chain=group_by_chain).get("agents")
+        if values is None:
+            raise ValueError("this MCMC run did not record the agents' iterates (the 'agents' field)")
+        batch_ndim = 3 if group_by_chain else 2
+        if agent is not None:
+            n = kernel.federated_potential.num_clients
+            if isinstance(agent, bool) or not isinstance(agent, (int, np.integer)) or not 0 <= agent < n:
+                raise ValueError(f"agent must be an integer in 0 .. {n - 1} (or None for all agents), got {agent!r}")
+            values = jax.tree.map(lambda v: jnp.take(v, int(agent), axis=batch_ndim - 1), values)
+            batch_ndim -= 1
+        return kernel._constrain(values, batch_ndim)
+
+    @staticmethod
+    def network_average(mcmc, *, group_by_chain: bool = False) -> dict:
+        """The network average of the agents' iterates by site (averaged on the
+        unconstrained space, then constrained), shaped like ``mcmc.get_samples()``. It is a
+        diagnostic of consensus, not a posterior draw: an average of ``N`` draws is narrower
+        than the posterior."""
+        kernel = DecentralisedKernel._kernel_of(mcmc)
+        values = mcmc.get_extra_fields(group_by_chain=group_by_chain).get("network_average")
+        if values is None:
+            raise ValueError("this MCMC run did not record the network average (the 'network_average' field)")
+        return kernel._constrain(values, 2 if group_by_chain else 1)
+
+    @staticmethod
+    def _kernel_of(mcmc):
+        kernel = getattr(mcmc, "sampler", None)
+        if not isinstance(kernel, DecentralisedKernel):
+            raise TypeError(f"expected an MCMC run of a decentralised sampler (DADMMS, DSGLD, ...), got {mcmc!r}")
+        if kernel.federated_potential is None:
+            raise RuntimeError("run the MCMC first")
+        return kernel

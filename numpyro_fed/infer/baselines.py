@@ -18,7 +18,10 @@ potential plus its share of the prior, see :mod:`numpyro_fed.infer.agents`):
 (:func:`~numpyro_fed.infer.topology.metropolis_weights`). Defaults are the paper's
 hyper-parameters for its linear regression (Section 6.2.2); its logistic regression
 (Section 6.3.2) uses ``eta = 0.0003`` (D-SGLD) and ``eta = 0.02, gamma = 30`` (D-SGHMC).
-Like :class:`~numpyro_fed.DADMMS`, one MCMC sample is one iteration of all agents.
+Like :class:`~numpyro_fed.DADMMS`, one MCMC sample is one iteration of all agents, reported
+as one agent's iterate (``agent=0`` by default); every agent's iterates and the network
+average are recorded beside it (:meth:`~numpyro_fed.infer.agents.DecentralisedKernel.agent_draws`,
+:meth:`~numpyro_fed.infer.agents.DecentralisedKernel.network_average`).
 """
 
 from __future__ import annotations
@@ -147,8 +150,8 @@ class DSGLD(DecentralisedKernel):
     :param float step_size: ``eta`` (the paper: 0.009 for linear regression, 0.0003 for
         logistic regression).
 
-    Other arguments (``topology``, ``prior_weights``, ``init_scale``, ``partition``) and the
-    output are those of :class:`~numpyro_fed.DADMMS`.
+    Other arguments (``topology``, ``prior_weights``, ``init_scale``, ``partition``,
+    ``agent``) and the output are those of :class:`~numpyro_fed.DADMMS`.
 
     >>> import jax, numpyro, numpyro.distributions as dist
     >>> from numpyro.infer import MCMC
@@ -159,16 +162,16 @@ class DSGLD(DecentralisedKernel):
     ...         numpyro.sample("y", dist.Normal(mu, 1), obs=y)
     >>> mcmc = MCMC(nf.DSGLD(model, topology="ring"), num_warmup=0, num_samples=20, progress_bar=False)
     >>> mcmc.run(jax.random.PRNGKey(0), jax.numpy.zeros(40))
-    >>> mcmc.get_samples()["mu"].shape
-    (20, 4)
+    >>> mcmc.get_samples()["mu"].shape, nf.DSGLD.agent_draws(mcmc)["mu"].shape
+    ((20,), (20, 4))
     """
 
     info_names = GradientInfo._fields
 
     def __init__(self, model, *, topology="ring", step_size: float = 0.009, prior_weights=None,
-                 init_scale: float = 1.0, partition=None):
+                 init_scale: float = 1.0, partition=None, agent: int = 0):
         super().__init__(model, topology=topology, prior_weights=prior_weights, init_scale=init_scale,
-                         partition=partition)
+                         partition=partition, agent=agent)
         self.step_size = check_positive(step_size, "step_size")
 
     def _build(self, potentials, topology, x0):
@@ -188,9 +191,9 @@ class DSGHMC(DecentralisedKernel):
     info_names = GradientInfo._fields
 
     def __init__(self, model, *, topology="ring", step_size: float = 0.1, friction: float = 7.0,
-                 prior_weights=None, init_scale: float = 1.0, partition=None):
+                 prior_weights=None, init_scale: float = 1.0, partition=None, agent: int = 0):
         super().__init__(model, topology=topology, prior_weights=prior_weights, init_scale=init_scale,
-                         partition=partition)
+                         partition=partition, agent=agent)
         self.step_size = check_positive(step_size, "step_size")
         self.friction = check_positive(friction, "friction")
 
@@ -218,9 +221,9 @@ class DULA(DecentralisedKernel):
 
     def __init__(self, model, *, topology="ring", alpha0: float = 0.00082, zeta0: float = 0.48,
                  chi1: float | None = None, chi2: float = 0.05, prior_weights=None, init_scale: float = 1.0,
-                 partition=None):
+                 partition=None, agent: int = 0):
         super().__init__(model, topology=topology, prior_weights=prior_weights, init_scale=init_scale,
-                         partition=partition)
+                         partition=partition, agent=agent)
         self.alpha0 = check_positive(alpha0, "alpha0")
         self.zeta0 = check_real(zeta0, "zeta0")
         if self.zeta0 < 0:
