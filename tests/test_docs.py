@@ -3,8 +3,11 @@
 import importlib
 import importlib.util
 import json
+import os
 import pkgutil
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -118,3 +121,25 @@ def test_run_notebooks_keeps_the_tqdm_widget_warning_out_of_outputs(tmp_path):
     stderr = "".join(o.get("text", "") for o in outputs if o.get("name") == "stderr")
     assert "TqdmWarning" not in stderr and "IProgress" not in stderr
     assert "other warnings are kept" in stderr
+
+
+def test_site_builds_strict_renders_every_reexport_and_loads_nothing_from_outside(tmp_path):
+    """``make docs`` in a temporary folder: warnings are errors, every re-exported name has
+    its entry on the API page (mkdocstrings hides names without a docstring), and no page
+    loads a script, a style sheet or a font from another host."""
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("mkdocstrings")
+    site = tmp_path / "site"
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    build = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "-d", str(site)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert build.returncode == 0, build.stderr[-3000:]
+    api = (site / "api" / "index.html").read_text()
+    for (package, name), module in api_reexport_table().items():
+        assert f'id="{module}.{name}"' in api, f"{package}.{name} has no entry on the API page"
+    external = re.compile(r'<(?:script|link|img)\b[^>]*\b(?:src|href)="(?:https?:)?//', re.I)
+    for page in site.rglob("*.html"):
+        found = external.search(page.read_text())
+        assert found is None, f"{page.relative_to(site)} loads {found.group(0)!r}"
