@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 DATA ?= ../shared/data
 
-.PHONY: demo test test-slow docs notebooks bench clean
+.PHONY: demo test test-slow zoo docs notebooks bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,10 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m slow
+
+# The model zoo: every algorithm x every model, default settings; writes docs/guide/zoo.md.
+zoo: $(STAMP)
+	$(PY) tools/zoo_table.py --jobs 2
 
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict

@@ -1,0 +1,166 @@
+"""Runs the model zoo and writes its table (docs/guide/zoo.md).
+
+Every algorithm runs every model of ``tests/zoo/models.py`` with its default settings, each
+run in a child process with a time budget (see ``tests/zoo/harness.py``). The outcomes go to
+``benchmarks/results/zoo.json`` (git-ignored) and the table of ``docs/guide/zoo.md`` is
+rewritten between its ``<!-- zoo-table -->`` markers.
+
+    .venv/bin/python tools/zoo_table.py                # the full zoo (about 30-60 min on 2 cores)
+    .venv/bin/python tools/zoo_table.py --jobs 1 --case gaussian_mean --algorithm DSVGD
+    .venv/bin/python tools/zoo_table.py --from-json    # rewrite the page from the last run
+
+``--case`` / ``--algorithm`` / ``--dtype`` re-run a selection and merge it into the JSON.
+The package under test is a clean ``git worktree`` of ``--commit`` (default ``HEAD``), so
+uncommitted edits never reach the table; ``--commit working-tree`` runs the files as they are.
+"""
+
+import argparse
+import concurrent.futures
+import dataclasses
+import datetime
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(REPO, "tests"))
+
+from zoo import harness, models  # noqa: E402
+from zoo.worker import ALGORITHMS, RUN_LENGTHS  # noqa: E402
+
+RESULTS = os.path.join(REPO, "benchmarks", "results", "zoo.json")
+PAGE = os.path.join(REPO, "docs", "guide", "zoo.md")
+BEGIN, END = "<!-- zoo-table -->", "<!-- /zoo-table -->"
+SYMBOL = {"agrees": "agrees", "warns": "**warns**", "refuses": "refuses", "FAILS": "**FAILS**"}
+
+
+def run_all(selection, jobs):
+    refs = {}
+    for case, algorithm, _ in selection:  # references first, one at a time (NUTS, cached)
+        refused_by_design = models.get_case(case).local_sites and algorithm in harness.GLOBAL_ONLY
+        if case not in refs and not refused_by_design:
+            print(f"reference of {case}", flush=True)
+            refs[case] = harness.reference(case)
+    results = []
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        futures = {pool.submit(harness.run_case, c, a, d, ref=refs.get(c)): (c, a, d) for c, a, d in selection}
+        for future in concurrent.futures.as_completed(futures):
+            outcome = future.result()
+            print(outcome.report(), flush=True)
+            results.append(dataclasses.asdict(outcome))
+    return results
+
+
+def _git(*args):
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+
+
+class _Checkout:
+    """A detached worktree of ``commit`` whose ``numpyro_fed`` the zoo's children import."""
+
+    def __init__(self, commit):
+        self.sha = _git("rev-parse", "--short", commit)
+        self.path = os.path.join("/tmp", f"wt-zoo-{self.sha}")
+
+    def __enter__(self):
+        if not os.path.isdir(self.path):
+            _git("worktree", "add", "--detach", self.path, self.sha)
+        os.environ["ZOO_PACKAGE_PATH"] = self.path
+        return self
+
+    def __exit__(self, *exc):
+        os.environ.pop("ZOO_PACKAGE_PATH", None)
+        _git("worktree", "remove", "--force", self.path)
+
+
+def table(record) -> str:
+    runs = {(r["case"], r["algorithm"], r["dtype"]): r for r in record["runs"]}
+    lines = ["| model | what it stresses | reference | " + " | ".join(ALGORITHMS) + " |",
+             "|---|---|---|" + "---|" * len(ALGORITHMS)]
+    notes = []
+    for case in models.CASES.values():
+        for dtype in ("float32", "float64") if case.float64 else ("float32",):
+            cells = []
+            for algorithm in ALGORITHMS:
+                r = runs.get((case.name, algorithm, dtype))
+                if r is None:
+                    cells.append("not run")
+                    continue
+                seconds = "" if r["seconds"] is None else f" ({r['seconds']:.0f} s)"
+                mark = ""
+                if r["outcome"] != "agrees" or r["warnings"]:
+                    notes.append(r)
+                    mark = f" [{len(notes)}]"
+                cells.append(SYMBOL[r["outcome"]] + seconds + mark)
+            ref = "closed form" if case.closed_form is not None else "NUTS"
+            issue = f" ({case.issue})" if case.issue else ""
+            lines.append(f"| `{case.name}` {dtype}{issue} | {case.what} | {ref} | " + " | ".join(cells) + " |")
+    out = "\n".join(lines) + "\n"
+    if notes:
+        out += "\n"
+        for i, r in enumerate(notes, 1):
+            text = r["detail"].replace("\n", " ").replace("|", "/")
+            out += f"{i}. {r['case']} x {r['algorithm']} ({r['dtype']}), {r['outcome']}: {text}"
+            if r["warnings"]:
+                out += " Warnings: " + "; ".join(w.replace("\n", " ")[:300] for w in r["warnings"])
+            out += "\n"
+    out += (f"\nGenerated at commit `{record['commit']}` on {record['date']} by "
+            "`.venv/bin/python tools/zoo_table.py` (run times on a shared 2-core machine, in the "
+            "child process, compilation included).\n")
+    return out
+
+
+def write_page(record):
+    with open(PAGE) as f:
+        text = f.read()
+    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+    with open(PAGE, "w") as f:
+        f.write(text[:start] + "\n" + table(record) + text[end:])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--case", action="append")
+    parser.add_argument("--algorithm", action="append", choices=ALGORITHMS)
+    parser.add_argument("--dtype", action="append", choices=("float32", "float64"))
+    parser.add_argument("--from-json", action="store_true", help="only rewrite the page from the last run")
+    parser.add_argument("--commit", default="HEAD", help="the commit under test, or 'working-tree'")
+    args = parser.parse_args()
+    if args.from_json:
+        with open(RESULTS) as f:
+            write_page(json.load(f))
+        return
+    selection = [(c, a, d) for c, a, d in harness.all_runs()
+                 if (not args.case or c in args.case) and (not args.algorithm or a in args.algorithm)
+                 and (not args.dtype or d in args.dtype)]
+    if args.commit == "working-tree":
+        commit = _git("rev-parse", "--short", "HEAD") + " + uncommitted edits"
+        results = run_all(selection, args.jobs)
+    else:
+        with _Checkout(args.commit) as checkout:
+            commit = checkout.sha
+            print(f"testing numpyro_fed at {commit} ({checkout.path})", flush=True)
+            results = run_all(selection, args.jobs)
+    old = []
+    if (args.case or args.algorithm or args.dtype) and os.path.exists(RESULTS):
+        with open(RESULTS) as f:
+            old = json.load(f)["runs"]
+    keys = {(r["case"], r["algorithm"], r["dtype"]) for r in results}
+    record = {"commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+              "run_lengths": RUN_LENGTHS,
+              "runs": [r for r in old if (r["case"], r["algorithm"], r["dtype"]) not in keys] + results}
+    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+    with open(RESULTS, "w") as f:
+        json.dump(record, f, indent=1)
+    write_page(record)
+    failures = [r for r in results if r["outcome"] == "FAILS"]
+    print(f"{len(results)} runs: " + ", ".join(f"{k} {sum(r['outcome'] == k for r in results)}"
+                                               for k in ("agrees", "warns", "refuses", "FAILS")))
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
