@@ -8,6 +8,7 @@ import pkgutil
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -143,3 +144,37 @@ def test_site_builds_strict_renders_every_reexport_and_loads_nothing_from_outsid
     for page in site.rglob("*.html"):
         found = external.search(page.read_text())
         assert found is None, f"{page.relative_to(site)} loads {found.group(0)!r}"
+
+
+def page_examples(page, *, float32):
+    """The ``python`` code blocks of a page, in order, as one script."""
+    text = (DOCS / page).read_text()
+    blocks = re.findall(r"^ *```python\n(.*?)^ *```", text, re.S | re.M)
+    code = "\n\n".join(textwrap.dedent(block) for block in blocks)
+    if float32:
+        code = code.replace("numpyro.enable_x64()", "pass  # NumPyro's default: float32")
+    return code
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "page, float32",
+    [("index.md", False), ("guide/federated-models.md", False), ("guide/federated-models.md", True),
+     ("guide/algorithms.md", True)],
+)
+def test_page_examples_run_without_warnings(page, float32):
+    """A new user's check: the examples of the page, run one after the other in a fresh
+    interpreter, finish and warn about nothing (warnings are errors, except deprecations
+    raised inside third-party libraries)."""
+    prelude = textwrap.dedent("""\
+        import warnings
+        warnings.simplefilter("error")
+        for category in (DeprecationWarning, PendingDeprecationWarning, FutureWarning):
+            warnings.simplefilter("ignore", category)
+    """)
+    run = subprocess.run(
+        [sys.executable, "-c", prelude + page_examples(page, float32=float32)],
+        cwd=ROOT, capture_output=True, text=True, timeout=1800,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stderr.strip() == "", run.stderr[-3000:]
