@@ -526,3 +526,28 @@ def test_dula_warns_when_its_consensus_step_diverges():
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         nf.DULA(linear_model, topology="complete").init(jax.random.PRNGKey(0), 0, None, (LINEAR.X, LINEAR.y), {})
+
+
+def test_unstable_step_sizes_warn_and_diverged_runs_are_reported():
+    # 10,000 rows of unit-variance covariates: each agent's curvature is about 2000, and the
+    # paper's eta = 0.009 makes D-SGLD's update multiply errors by about 1 - 18 per iteration.
+    X = np.random.default_rng(0).normal(size=(10_000, 2))
+    y = X @ np.array([0.5, -1.0])
+    with pytest.warns(RuntimeWarning, match=r"DSGLD: the largest curvature .* is 2\.\de\+03 .*use step_size below"):
+        nf.DSGLD(conjugate_model).init(jax.random.PRNGKey(0), 0, None, (X, y), {})
+    with pytest.warns(RuntimeWarning, match="DSGHMC: .* lower step_size"):
+        nf.DSGHMC(conjugate_model).init(jax.random.PRNGKey(0), 0, None, (X, y), {})
+    with pytest.warns(RuntimeWarning, match="DULA: .* lower alpha0"):
+        nf.DULA(conjugate_model).init(jax.random.PRNGKey(0), 0, None, (X, y), {})
+    # the same step on the 250-row problem is stable (curvature about 50): no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        nf.DSGLD(conjugate_model).init(jax.random.PRNGKey(0), 0, None, (CONJUGATE_X, CONJUGATE_Y), {})
+    # a run that diverged is reported when its results are read, with what to change
+    with pytest.warns(RuntimeWarning, match="largest curvature"):
+        kernel = nf.DSGLD(conjugate_model, step_size=10.0)
+        mcmc = _conjugate_run(kernel)
+    with pytest.warns(RuntimeWarning, match=r"agent iterates are not finite \(the run diverged\); lower step_size \(now 10\)"):
+        nf.to_inference_data(mcmc)
+    with pytest.raises(RuntimeError, match="not finite"):
+        kernel.check_run(mcmc, strict=True)

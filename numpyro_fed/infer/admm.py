@@ -380,6 +380,8 @@ class DADMMS(DecentralisedKernel):
     """
 
     info_names = ADMMInfo._fields
+    divergence_advice = ("the proximal steps have no step size to lower: look for a potential that is not "
+                         "finite at the iterates (e.g. an improper or non-convex model), or raise rho")
 
     def __init__(
         self,
@@ -430,9 +432,12 @@ class DADMMS(DecentralisedKernel):
         ``max_inner_iterations`` before the tolerance. :func:`~numpyro_fed.to_inference_data`
         calls it.
 
+        Non-finite iterates (a diverged run) are reported the same way.
+
         :return: ``(num_unconverged, num_steps)``: proximal steps over agents, iterations
             and chains.
         """
+        self._check_finite(mcmc, strict)
         converged = mcmc.get_extra_fields().get("info.converged")
         if converged is None:
             return 0, 0

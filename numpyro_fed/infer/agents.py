@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any, NamedTuple
+import warnings
 
 import numpy as np
 
@@ -256,6 +257,39 @@ class DecentralisedKernel(MCMCKernel):
         return jnp.asarray(flat, dtype=base.dtype)
 
     # -- diagnostics ------------------------------------------------------------------------
+    #: what to change when the iterates diverge (named in :meth:`check_run`'s message)
+    divergence_advice = "lower the step size"
+
+    def check_run(self, mcmc, *, strict: bool = False) -> int:
+        """Warns (or raises ``RuntimeError`` with ``strict``) when agents' iterates are not
+        finite, i.e. the run diverged. :func:`~numpyro_fed.to_inference_data` calls it.
+
+        :return: the number of non-finite agent iterates (over chains, iterations, agents).
+        """
+        return self._check_finite(mcmc, strict)
+
+    def _check_finite(self, mcmc, strict):
+        values = mcmc.get_extra_fields().get("agents")
+        if values is None:
+            return 0
+        bad = np.zeros((), dtype=np.int64)
+        total = 0
+        for v in jax.tree.leaves(values):
+            v = np.asarray(jax.device_get(v))
+            per_iterate = ~np.isfinite(v.reshape(v.shape[:2] + (-1,))).all(-1)
+            bad = bad + per_iterate.sum()
+            total = per_iterate.size
+        bad = int(bad)
+        if bad:
+            message = (
+                f"{type(self).__name__}: {bad} of {total} agent iterates are not finite (the run "
+                f"diverged); {self.divergence_advice}"
+            )
+            if strict:
+                raise RuntimeError(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+        return bad
+
     def sample_stats(self, extra_fields):
         """Diagnostics by name from ``MCMC.get_extra_fields(group_by_chain=True)``:
         ``{name: (array, dims)}``, per-agent ones with an ``agent`` dim."""

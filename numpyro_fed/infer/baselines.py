@@ -34,6 +34,7 @@ import numpy as np
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from numpyro_fed._checks import check_positive, check_real
 from numpyro_fed.infer.agents import AgentPotentials, DecentralisedKernel
@@ -50,6 +51,7 @@ __all__ = [
     "build_dsghmc_kernel",
     "build_dsgld_kernel",
     "build_dula_kernel",
+    "largest_curvatures",
 ]
 
 
@@ -84,6 +86,48 @@ def _residual(adjacency, x):
     sq = jnp.sum(x**2, axis=1)
     total = degrees * sq - 2.0 * jnp.sum(x * (adjacency @ x), axis=1) + adjacency @ sq
     return jnp.sqrt(jnp.maximum(total, 0.0))
+
+
+def largest_curvatures(potentials: AgentPotentials, x, *, iterations: int = 30, rng_key=None):
+    """``(N,)`` the largest absolute eigenvalue of each agent's Hessian at ``x`` (``(d,)``),
+    by power iteration on Hessian-vector products (an estimate from below)."""
+    if rng_key is None:
+        rng_key = jax.random.PRNGKey(0)
+    x = jnp.asarray(x)
+    grad = jax.grad(potentials.fn)
+    start = jax.random.normal(rng_key, x.shape, dtype=x.dtype)
+    tiny = jnp.finfo(x.dtype).tiny
+
+    def one(block, weight):
+        def hvp(u):
+            return jax.jvp(lambda y: grad(y, block, weight), (x,), (u,))[1]
+
+        def body(_, u):
+            h = hvp(u)
+            return h / jnp.maximum(jnp.linalg.norm(h), tiny)
+
+        u = lax.fori_loop(0, iterations, body, start / jnp.linalg.norm(start))
+        return jnp.linalg.norm(hvp(u))
+
+    return jax.jit(jax.vmap(one))(potentials.data, potentials.prior_weights)
+
+
+def _warn_unstable(name, potentials, x0, gain, advice):
+    """Warns when ``gain(curvature) >= 1`` for the stiffest agent at the starting point: the
+    linearised update is then unstable and the iterates run away."""
+    curvatures = np.asarray(largest_curvatures(potentials, x0))
+    if not np.all(np.isfinite(curvatures)):
+        return
+    agent = int(np.argmax(curvatures))
+    curvature = float(curvatures[agent])
+    if gain(curvature) >= 1.0:
+        warnings.warn(
+            f"{name}: the largest curvature of an agent's potential at the starting point is "
+            f"{curvature:.3g} (agent {agent}); with these step sizes the update is unstable there and "
+            f"the iterates diverge: {advice(curvature)}",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
 
 def build_dsgld_kernel(potentials: AgentPotentials, mixing, step_size: float) -> Callable:
@@ -174,7 +218,14 @@ class DSGLD(DecentralisedKernel):
                          partition=partition, agent=agent)
         self.step_size = check_positive(step_size, "step_size")
 
+    @property
+    def divergence_advice(self):
+        return f"lower step_size (now {self.step_size:g})"
+
     def _build(self, potentials, topology, x0):
+        # x' = x - eta f''(x) x on the consensus direction: stable for eta * curvature < 2
+        _warn_unstable("DSGLD", potentials, x0, lambda c: self.step_size * c / 2.0,
+                       lambda c: f"use step_size below {2.0 / c:.2g} (now {self.step_size:g}), e.g. {0.2 / c:.2g}")
         kernel = build_dsgld_kernel(potentials, metropolis_weights(topology.adjacency), self.step_size)
         return SGLDState, kernel
 
@@ -197,7 +248,18 @@ class DSGHMC(DecentralisedKernel):
         self.step_size = check_positive(step_size, "step_size")
         self.friction = check_positive(friction, "friction")
 
+    @property
+    def divergence_advice(self):
+        return f"lower step_size (now {self.step_size:g})"
+
     def _build(self, potentials, topology, x0):
+        # the scalar linearisation (v, x) -> ((1 - eta gamma) v - eta c x, x + eta v') is stable
+        # iff eta gamma < 2 and eta^2 c < 2 (2 - eta gamma) (Jury's conditions)
+        eta, gamma = self.step_size, self.friction
+        _warn_unstable("DSGHMC", potentials, x0,
+                       lambda c: max(eta * gamma / 2.0, eta**2 * c / max(2.0 * (2.0 - eta * gamma), 1e-300)),
+                       lambda c: f"lower step_size (now {eta:g}) so that step_size * friction < 2 and "
+                                 f"step_size^2 * {c:.3g} < 2 (2 - step_size * friction)")
         kernel = build_dsghmc_kernel(potentials, metropolis_weights(topology.adjacency), self.step_size,
                                      self.friction)
         return (lambda x: SGHMCState(x, jnp.zeros_like(x))), kernel
@@ -218,6 +280,7 @@ class DULA(DecentralisedKernel):
     """
 
     info_names = GradientInfo._fields
+    divergence_advice = "lower alpha0 or zeta0"
 
     def __init__(self, model, *, topology="ring", alpha0: float = 0.00082, zeta0: float = 0.48,
                  chi1: float | None = None, chi2: float = 0.05, prior_weights=None, init_scale: float = 1.0,
@@ -245,6 +308,11 @@ class DULA(DecentralisedKernel):
                 RuntimeWarning,
                 stacklevel=2,
             )
+        # the first gradient step alpha_0 / 230^chi2 * N * f'': stable below 2
+        first = self.alpha0 / 230.0**self.chi2 * topology.num_agents
+        _warn_unstable("DULA", potentials, x0, lambda c: first * c / 2.0,
+                       lambda c: f"lower alpha0 (now {self.alpha0:g}) below "
+                                 f"{2.0 / (c * topology.num_agents) * 230.0**self.chi2:.2g}")
         kernel = build_dula_kernel(potentials, topology.adjacency, alpha0=self.alpha0, zeta0=self.zeta0,
                                    chi1=chi1, chi2=self.chi2)
         return (lambda x: ULAState(x, jnp.zeros((), x.dtype))), kernel
