@@ -113,7 +113,9 @@ def run(kernel, problem, iterations, chains, seed):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DisconnectedTopologyWarning)
         mcmc.run(jax.random.PRNGKey(seed), problem.X, problem.y)
-        samples = jax.device_get(mcmc.get_samples(group_by_chain=True))
+        # every agent's draws of x, (chains, iterations, agents, d), and the network average
+        samples = {"agents": jax.device_get(kernel.agent_draws(mcmc, group_by_chain=True)["x"]),
+                   "average": jax.device_get(kernel.network_average(mcmc, group_by_chain=True)["x"])}
     return samples, time.perf_counter() - start
 
 
@@ -148,8 +150,8 @@ def linear_section(args, results):
                 for method in args.methods:
                     kernel = make_kernel(method, linear_model(problem), topology, num_agents, "linear")
                     samples, seconds = run(kernel, problem, iterations, args.chains, args.seed)
-                    agent = np.asarray(samples["x"][:, :, 0])
-                    ag, avg = w2_curve(agent, problem), w2_curve(np.asarray(samples["x_avg"]), problem)
+                    agent = np.asarray(samples["agents"][:, :, 0])
+                    ag, avg = w2_curve(agent, problem), w2_curve(np.asarray(samples["average"]), problem)
                     results["linear"].append(dict(n_i=n_i, num_agents=num_agents, topology=topology,
                                                   method=method, w2_agent0=ag, w2_average=avg,
                                                   run_seconds=seconds, load_average=os.getloadavg()[0]))
@@ -165,7 +167,7 @@ def rho_section(args, results):
     print(f"{'rho':>7} | {'@5':>6} {'@10':>6} {'@20':>6} {'@50':>6}")
     for rho in args.rhos:
         samples, seconds = run(nf.DADMMS(linear_model(problem), topology="ring", rho=rho), problem, 50, args.chains, args.seed)
-        ag = w2_curve(np.asarray(samples["x"][:, :, 0]), problem)
+        ag = w2_curve(np.asarray(samples["agents"][:, :, 0]), problem)
         results["rho"].append(dict(rho=rho, w2_agent0=ag, run_seconds=seconds, load_average=os.getloadavg()[0]))
         save(results, args.out_path)
         print(f"{rho:7g} | {ag[4]:6.3f} {ag[9]:6.3f} {ag[19]:6.3f} {ag[49]:6.3f}", flush=True)
@@ -192,7 +194,7 @@ def logistic_section(args, results):
             for method in args.methods:
                 kernel = make_kernel(method, logistic_model(problem), topology, num_agents, "logistic")
                 samples, seconds = run(kernel, problem, iterations, args.chains, args.seed)
-                acc = accuracy_curves(np.asarray(samples["x"][:, :, 0]), problem.X, problem.y)
+                acc = accuracy_curves(np.asarray(samples["agents"][:, :, 0]), problem.X, problem.y)
                 m, s = acc.mean(0), acc.std(0)
                 results["logistic"].append(dict(num_agents=num_agents, topology=topology, method=method,
                                                 accuracy_mean=m.tolist(), accuracy_sd=s.tolist(),
