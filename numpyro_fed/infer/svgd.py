@@ -20,8 +20,12 @@ client
    ``t_k^(i) = t_k^(i-1) q^(i) / q^(i-1)``.
 
 Two kernels with two bandwidths are involved: the RBF kernel ``k(x, y) = exp(-|x - y|^2 / h)``
-of the SVGD steps, with the median heuristic ``h = med^2 / log N`` recomputed at every step,
-and the Gaussian kernel ``K`` of the KDEs, of fixed standard deviation (0.55 in the paper).
+of the SVGD steps, and the Gaussian kernel ``K`` of the KDEs. The paper fixes ``K``'s standard
+deviation (0.55) and uses the median heuristic ``h = med^2 / log N``; both then depend on the
+units of the parameters (``kde_bandwidth=0.55`` runs it so). By default
+(``kde_bandwidth="auto"``) each round works in the coordinates that whiten the global
+particles it starts from, with KDEs that keep their particles' mean and variance, SVGD loops
+that re-whiten in stages and ``h = 2 med^2``: an affine change of units changes nothing.
 Following Algorithm 1, the prior enters only through ``q^(0)``: the clients' local targets do
 not add it again.
 
@@ -72,6 +76,7 @@ __all__ = [
     "DSVGDState",
     "DistributedSGLD",
     "FedAvg",
+    "Whitening",
     "GaussianPVI",
     "Optimizer",
     "PDSVGD",
@@ -88,6 +93,9 @@ __all__ = [
     "kde_log_density",
     "kl_metric_1d",
     "median_bandwidth",
+    "shrunk_kde",
+    "whitening",
+    "wide_median_bandwidth",
     "rbf_kernel",
     "regression_metrics",
     "sgd",
@@ -103,6 +111,27 @@ def _squared_distances(x, y):
     """``(n, m)`` matrix of squared Euclidean distances between the rows of ``x`` and ``y``."""
     diff = x[:, None, :] - y[None, :, :]
     return jnp.sum(diff * diff, axis=-1)
+
+
+def wide_median_bandwidth(particles) -> jax.Array:
+    """``h = 2 med^2``: the SVGD bandwidth of ``kde_bandwidth="auto"`` (whitened coordinates).
+
+    Wider than the median heuristic by ``2 log N``. For ``N`` particles of a standard normal
+    in ``d`` dimensions, ``med^2`` is about ``2 d`` and the median heuristic's kernel is so
+    narrow that SVGD's particles settle with too little variance (0.38 instead of 1 for
+    ``N = 20``, ``d = 5``); with ``2 med^2`` they settle at about 0.9. DSVGD feeds each
+    round's particles to the next one, so that shortfall would compound round after round.
+
+    >>> import jax.numpy as jnp
+    >>> float(wide_median_bandwidth(jnp.array([[0.0], [1.0], [3.0]])))  # med = 2
+    8.0
+    """
+    n = particles.shape[0]
+    if n < 2:
+        return jnp.ones((), particles.dtype)
+    rows, cols = np.triu_indices(n, k=1)
+    h = 2.0 * jnp.median(_squared_distances(particles, particles)[rows, cols])
+    return jnp.where(h > 0, h, jnp.ones_like(h))
 
 
 def median_bandwidth(particles) -> jax.Array:
@@ -143,7 +172,7 @@ def svgd_direction(particles, scores, bandwidth=None) -> jax.Array:
 
     :param particles: ``(N, d)``.
     :param scores: ``(N, d)``, ``grad log p`` at each particle.
-    :param bandwidth: ``h > 0`` or ``None``.
+    :param bandwidth: ``h > 0``, ``None`` or a function ``particles -> h``.
     :return: ``(N, d)``.
 
     >>> import jax.numpy as jnp
@@ -152,7 +181,12 @@ def svgd_direction(particles, scores, bandwidth=None) -> jax.Array:
     ['0.2970', '-0.2970']
     """
     n = particles.shape[0]
-    h = median_bandwidth(particles) if bandwidth is None else bandwidth
+    if bandwidth is None:
+        h = median_bandwidth(particles)
+    elif callable(bandwidth):
+        h = bandwidth(particles)
+    else:
+        h = bandwidth
     k = rbf_kernel(particles, particles, h)  # symmetric
     column_sums = jnp.sum(k, axis=0)
     repulsion = (2.0 / h) * (particles * column_sums[:, None] - k @ particles)
@@ -160,11 +194,12 @@ def svgd_direction(particles, scores, bandwidth=None) -> jax.Array:
 
 
 def kde_log_density(theta, centres, bandwidth) -> jax.Array:
-    """Log density of the Gaussian KDE ``(1/N) sum_n N(theta | centres_n, bandwidth^2 I)``.
+    """Log density of the Gaussian KDE ``(1/N) sum_n N(theta | centres_n, diag(bandwidth^2))``.
 
     :param theta: ``(M, d)`` query points.
     :param centres: ``(N, d)`` particles.
-    :param bandwidth: standard deviation of the Gaussian kernel.
+    :param bandwidth: standard deviation of the Gaussian kernel: a scalar, or ``(d,)`` (one per
+        coordinate).
     :return: ``(M,)``.
 
     >>> import jax.numpy as jnp
@@ -172,11 +207,12 @@ def kde_log_density(theta, centres, bandwidth) -> jax.Array:
     [-0.9189]
     """
     d = theta.shape[-1]
-    logits = -_squared_distances(theta, centres) / (2.0 * bandwidth**2)
+    bandwidth = jnp.broadcast_to(jnp.asarray(bandwidth, theta.dtype), (d,))
+    logits = -_squared_distances(theta / bandwidth, centres / bandwidth) / 2.0
     return (
         jax.nn.logsumexp(logits, axis=1)
         - math.log(centres.shape[0])
-        - 0.5 * d * jnp.log(2.0 * jnp.pi * bandwidth**2)
+        - 0.5 * jnp.sum(jnp.log(2.0 * jnp.pi * bandwidth**2))
     )
 
 
@@ -184,15 +220,113 @@ def kde_grad_log_density(theta, centres, bandwidth) -> jax.Array:
     """Gradient of :func:`kde_log_density` at each query point, ``(M, d)``.
 
     ``sum_n w_n(theta) (centres_n - theta) / bandwidth^2`` with softmax weights: finite even
-    far from every centre.
+    far from every centre. ``bandwidth``: a scalar or ``(d,)``.
 
     >>> import jax.numpy as jnp
     >>> kde_grad_log_density(jnp.array([[1.0]]), jnp.array([[0.0]]), 0.5).tolist()
     [[-4.0]]
     """
-    logits = -_squared_distances(theta, centres) / (2.0 * bandwidth**2)
+    bandwidth = jnp.asarray(bandwidth, theta.dtype)
+    logits = -_squared_distances(theta / bandwidth, centres / bandwidth) / 2.0
     weights = jax.nn.softmax(logits, axis=1)
     return (weights @ centres - theta) / bandwidth**2
+
+
+#: The kernel of ``kde_bandwidth="auto"``, in standard deviations of the particles (per
+#: coordinate, in whitened coordinates); with the shrinkage of :func:`shrunk_kde` the KDE is
+#: then close to a Gaussian with the particles' moments. Smaller factors keep more of the
+#: particles' shape but make the ratios of KDEs in DSVGD's targets noisier: Silverman's rule
+#: (0.59 for 20 particles in 5 dimensions) left the spread of a logistic regression's
+#: particles 1.3-1.7 times the posterior's, 0.85 within 5% (docs/guide/dsvgd.md).
+AUTO_KDE_FACTOR = 0.85
+
+#: SVGD stages per loop of a round with ``kde_bandwidth="auto"`` (see :func:`_staged_svgd`).
+AUTO_STAGES = 4
+
+
+def _dtype_eps(dtype):
+    return float(jnp.finfo(dtype).eps)
+
+
+def shrunk_kde(centres, factor):
+    """A Gaussian KDE that keeps the mean and the per-coordinate variance of its particles.
+
+    Returns ``(centres', bandwidth)`` for :func:`kde_grad_log_density`: the kernel's standard
+    deviation is ``factor`` times the particles' own, per coordinate, and the particles are
+    first shrunk towards their mean by ``sqrt(1 - factor^2)`` (West 1993), so that the KDE is
+    not wider than the particles (a plain KDE adds the kernel's variance to theirs).
+    Coordinates in which the particles coincide get a kernel of width ``factor``.
+
+    >>> import jax.numpy as jnp
+    >>> c, h = shrunk_kde(jnp.array([[-1.0], [1.0]]), 0.6)
+    >>> [round(v, 4) for v in c[:, 0].tolist()], round(float(h[0]), 4)  # variance 0.8^2 + 0.6^2 = 1
+    ([-0.8, 0.8], 0.6)
+    """
+    mean = jnp.mean(centres, axis=0)
+    sd = jnp.std(centres, axis=0)
+    tiny = 10.0 * _dtype_eps(centres.dtype) * (1.0 + jnp.abs(mean))
+    sd = jnp.where(sd > tiny, sd, 1.0)
+    shrink = math.sqrt(1.0 - factor**2)
+    return mean + shrink * (centres - mean), factor * sd
+
+
+class Whitening(NamedTuple):
+    """An affine change of coordinates ``z = chol^{-1} (x - mean)`` of the latent space.
+
+    :ivar mean: ``(d,)``.
+    :ivar chol: ``(d, d)`` lower-triangular, ``chol chol^T`` the covariance it whitens.
+    """
+
+    mean: jax.Array
+    chol: jax.Array
+
+    def to_z(self, x):
+        """``(..., d)`` points to whitened coordinates."""
+        flat = jnp.reshape(x - self.mean, (-1, x.shape[-1]))
+        z = jax.scipy.linalg.solve_triangular(self.chol, flat.T, lower=True).T
+        return jnp.reshape(z, x.shape)
+
+    def from_z(self, z):
+        """Whitened coordinates back to ``(..., d)`` points."""
+        return self.mean + z @ self.chol.T
+
+    def score_to_z(self, g):
+        """A gradient (score) with respect to ``x`` as one with respect to ``z``: ``chol^T g``."""
+        return g @ self.chol
+
+
+def whitening(particles, full: bool | None = None) -> Whitening:
+    """The :class:`Whitening` that gives ``particles`` (``(N, d)``) mean 0 and identity
+    covariance.
+
+    ``full``: whiten with the full covariance (Cholesky factor; a ridge of ``sqrt(eps)``
+    times its diagonal keeps it positive definite) or, if ``False``, with the per-coordinate
+    standard deviations only. ``None`` (default): full when ``N > 2 d`` (enough particles to
+    estimate ``d (d + 1) / 2`` covariances), per coordinate otherwise. Coordinates in which
+    the particles coincide (e.g. ``N = 1``) keep a scale of 1.
+
+    Under a change of units ``x' = a * x + b`` (``a`` a positive vector) the whitened
+    coordinates of ``x'`` are those of ``x``, exactly.
+
+    >>> import jax.numpy as jnp
+    >>> w = whitening(jnp.array([[0.0, 10.0], [2.0, 30.0], [4.0, 20.0]]), full=False)
+    >>> [[round(v, 4) for v in row] for row in w.to_z(jnp.array([[2.0, 20.0]])).tolist()]
+    [[0.0, 0.0]]
+    """
+    n, d = particles.shape
+    full = (n > 2 * d) if full is None else bool(full)
+    mean = jnp.mean(particles, axis=0)
+    centred = particles - mean
+    var = jnp.mean(centred * centred, axis=0)
+    tiny = (10.0 * _dtype_eps(particles.dtype) * (1.0 + jnp.abs(mean))) ** 2
+    degenerate = ~(var > tiny)
+    var = jnp.where(degenerate, 1.0, var)
+    if not full:
+        return Whitening(mean, jnp.diag(jnp.sqrt(var)))
+    cov = centred.T @ centred / n
+    cov = jnp.where(degenerate[:, None] | degenerate[None, :], 0.0, cov)
+    cov = cov + jnp.diag(jnp.where(degenerate, 1.0, math.sqrt(_dtype_eps(particles.dtype)) * var))
+    return Whitening(mean, jnp.linalg.cholesky(cov))
 
 
 # -- optimisers -------------------------------------------------------------------------------
@@ -327,6 +461,35 @@ def _svgd_scan(particles, score_fn, num_steps, optimizer, bandwidth, key=None):
     return state.particles
 
 
+def _staged_svgd(particles, score_fn, num_steps, optimizer, bandwidth, key=None, stages: int = 1):
+    """:func:`_svgd_scan` in ``stages`` stages of equal length (and one for the remainder);
+    each stage runs in the coordinates that whiten the particles it starts from (the target is
+    the same; only SVGD's kernel and the optimiser's steps follow the particles' current
+    scale) with a fresh optimiser state. One stage: plain :func:`_svgd_scan`."""
+    if stages <= 1 or num_steps < stages:
+        return _svgd_scan(particles, score_fn, num_steps, optimizer, bandwidth, key)
+
+    def stage(x, size, stage_key):
+        w = whitening(x)
+        if stage_key is None:
+            def stage_score(u):
+                return w.score_to_z(score_fn(w.from_z(u)))
+        else:
+            def stage_score(u, k):
+                return w.score_to_z(score_fn(w.from_z(u), k))
+        return w.from_z(_svgd_scan(w.to_z(x), stage_score, size, optimizer, bandwidth, stage_key))
+
+    length, remainder = divmod(num_steps, stages)
+    keys = None if key is None else jax.random.split(key, stages + 1)
+    if keys is None:
+        x, _ = lax.scan(lambda x, _: (stage(x, length, None), None), particles, None, length=stages)
+    else:
+        x, _ = lax.scan(lambda x, k: (stage(x, length, k), None), particles, keys[:stages])
+    if remainder:
+        x = stage(x, remainder, None if keys is None else keys[stages])
+    return x
+
+
 # -- DSVGD core -------------------------------------------------------------------------------
 
 
@@ -364,33 +527,42 @@ def dsvgd_init(particles, num_clients: int) -> DSVGDState:
 
 
 def _client_update(global_particles, local_particles, block, *, prior_score, client_grad,
-                   kde_bandwidth, temperature, local_steps, distill_steps, optimizer,
-                   distill_optimizer, svgd_bandwidth, key=None, visited=True, first=False):
+                   kde_score, temperature, local_steps, distill_steps, optimizer,
+                   distill_optimizer, svgd_bandwidth, key=None, visited=True, first=False,
+                   stages=1):
     """Lines 4-7 of Algorithm 1 at one client: returns (new global, new local) particles.
 
     The local particles encode ``p_0 t_k`` (a proper density), so that
     ``grad log t_k = grad log KDE(local) - grad log p_0``. Where Algorithm 1 knows the
     densities exactly, they are used instead of KDEs: ``t_k^(0) = 1`` for a client not yet
     ``visited``, and ``q^(0) = p_0`` while no client has been visited (``first``). ``client_grad(x, block, key)``
-    is the batched gradient of ``L_k`` (``key``: a fresh key per step, ``None`` without one).
+    is the batched gradient of ``L_k`` (``key``: a fresh key per step, ``None`` without one);
+    ``kde_score(x, centres)`` the gradient of the log KDE of ``centres`` at ``x``.
     """
 
     def score_previous(x):  # grad log q^(i-1)
-        return jnp.where(first, prior_score(x), kde_grad_log_density(x, global_particles, kde_bandwidth))
+        return jnp.where(first, prior_score(x), kde_score(x, global_particles))
 
     def score_local(x):  # grad log p_0 t_k^(i-1)
-        return jnp.where(visited, kde_grad_log_density(x, local_particles, kde_bandwidth), prior_score(x))
+        return jnp.where(visited, kde_score(x, local_particles), prior_score(x))
 
     def tilted_score(x, step_key=None):  # Eq. (14)
         return (score_previous(x) - score_local(x) + prior_score(x)
                 - client_grad(x, block, step_key) / temperature)
 
-    new_global = _svgd_scan(global_particles, tilted_score, local_steps, optimizer, svgd_bandwidth, key)
+    new_global = _staged_svgd(global_particles, tilted_score, local_steps, optimizer, svgd_bandwidth, key,
+                              stages)
 
     def factor_score(x):  # grad log p_0 t_k^(i), t_k^(i) = t_k^(i-1) q^(i) / q^(i-1)  (Eq. (17))
-        return kde_grad_log_density(x, new_global, kde_bandwidth) + score_local(x) - score_previous(x)
+        return kde_score(x, new_global) + score_local(x) - score_previous(x)
 
-    new_local = svgd_run(local_particles, factor_score, distill_steps, distill_optimizer, svgd_bandwidth)
+    # With stages (kde_bandwidth="auto"), a client's first distillation starts from the
+    # uploaded particles: its initial local particles (prior draws) stand for no density
+    # (t_k^(0) = 1 exactly) and may lie many whitened units from the target, further than
+    # the distillation's steps travel. (The paper's variant starts from them.)
+    start = local_particles if stages <= 1 else jnp.where(visited, local_particles, new_global)
+    new_local = _staged_svgd(start, factor_score, distill_steps, distill_optimizer, svgd_bandwidth,
+                             stages=stages)
     return new_global, new_local
 
 
@@ -409,6 +581,51 @@ def _check_key(key, stochastic_client_grad):
         raise ValueError("a round with stochastic_client_grad needs a key: round(state, client, block, key)")
 
 
+def check_kde_bandwidth(kde_bandwidth):
+    """``"auto"`` or a positive float (checked)."""
+    if isinstance(kde_bandwidth, str):
+        if kde_bandwidth != "auto":
+            raise ValueError(f"kde_bandwidth must be 'auto' or a positive number, got {kde_bandwidth!r}")
+        return kde_bandwidth
+    return check_positive(kde_bandwidth, "kde_bandwidth")
+
+
+def _kde_scorer(kde_bandwidth) -> Callable:
+    """``(x, centres) -> grad log KDE(centres)(x)``: with ``"auto"``, the moment-keeping KDE
+    (:func:`shrunk_kde`) with a kernel of :data:`AUTO_KDE_FACTOR` standard deviations;
+    otherwise a plain KDE of standard deviation ``kde_bandwidth``."""
+    if kde_bandwidth == "auto":
+        def score(x, centres):
+            shrunk, bandwidth = shrunk_kde(centres, AUTO_KDE_FACTOR)
+            return kde_grad_log_density(x, shrunk, bandwidth)
+
+        return score
+    return lambda x, centres: kde_grad_log_density(x, centres, kde_bandwidth)
+
+
+class _Frame(NamedTuple):
+    """The coordinates a round runs in, with the scores expressed in them."""
+
+    to_z: Callable
+    from_z: Callable
+    prior_score: Callable
+    client_grad: Callable
+
+
+def _round_frame(kde_bandwidth, global_particles, prior_score, client_grad) -> _Frame:
+    """With ``kde_bandwidth="auto"`` a round runs in the coordinates that whiten the global
+    particles it starts from (:func:`whitening`); with a fixed bandwidth, in the model's own."""
+    if kde_bandwidth != "auto":
+        identity = lambda x: x
+        return _Frame(identity, identity, prior_score, client_grad)
+    w = whitening(global_particles)
+    return _Frame(
+        w.to_z, w.from_z,
+        lambda z: w.score_to_z(prior_score(w.from_z(z))),
+        lambda z, block, key=None: w.score_to_z(client_grad(w.from_z(z), block, key)),
+    )
+
+
 def build_dsvgd_round(
     prior_grad: Callable,
     client_grad: Callable,
@@ -417,7 +634,7 @@ def build_dsvgd_round(
     distill_steps: int,
     optimizer: Optimizer,
     distill_optimizer: Optimizer | None = None,
-    kde_bandwidth: float = 0.55,
+    kde_bandwidth: float | str = "auto",
     svgd_bandwidth=None,
     temperature: float = 1.0,
     stochastic_client_grad: Callable | None = None,
@@ -431,8 +648,17 @@ def build_dsvgd_round(
     :param int distill_steps: ``L'``, distillation steps.
     :param optimizer: step rule of the ``L`` steps (fresh state every round).
     :param distill_optimizer: step rule of the ``L'`` steps (default: ``optimizer``).
-    :param float kde_bandwidth: standard deviation of the KDE kernel ``K``.
-    :param svgd_bandwidth: ``h`` of the SVGD kernel; ``None``: median heuristic.
+    :param kde_bandwidth: ``"auto"``: the round's densities are defined in the coordinates
+        that whiten the global particles it starts from (:func:`whitening`), with
+        moment-keeping KDEs (:func:`shrunk_kde`, kernel :data:`AUTO_KDE_FACTOR` standard
+        deviations); each SVGD loop runs in :data:`AUTO_STAGES` stages that re-whiten its own
+        particles (:func:`_staged_svgd`); a client's first distillation starts from the
+        uploaded particles. Nothing then depends on the units of the parameters. A float:
+        the paper's algorithm as published, a KDE kernel of that standard deviation in the
+        model's own coordinates (the paper uses 0.55).
+    :param svgd_bandwidth: ``h`` of the SVGD kernel (in whitened coordinates with
+        ``kde_bandwidth="auto"``); ``None``: :func:`wide_median_bandwidth` with
+        ``kde_bandwidth="auto"``, the median heuristic otherwise.
     :param float temperature: ``alpha``.
     :param stochastic_client_grad: ``((N, d), block, key) -> (N, d)``, an unbiased estimate
         of ``grad L_k`` at every particle from a minibatch drawn with ``key`` (the same
@@ -443,22 +669,28 @@ def build_dsvgd_round(
     ``key`` is needed with ``stochastic_client_grad`` only.
     """
     distill_optimizer = optimizer if distill_optimizer is None else distill_optimizer
+    kde_bandwidth = check_kde_bandwidth(kde_bandwidth)
+    if kde_bandwidth == "auto" and svgd_bandwidth is None:
+        svgd_bandwidth = wide_median_bandwidth
+    stages = AUTO_STAGES if kde_bandwidth == "auto" else 1
     prior_score = jax.vmap(lambda x: -prior_grad(x))
     batched_client_grad = _batched_grad(client_grad, stochastic_client_grad)
 
     def round_fn(state: DSVGDState, client, block, key=None) -> DSVGDState:
         _check_key(key, stochastic_client_grad)
+        frame = _round_frame(kde_bandwidth, state.global_particles, prior_score, batched_client_grad)
         new_global, new_local = _client_update(
-            state.global_particles, state.local_particles[client], block,
-            prior_score=prior_score, client_grad=batched_client_grad,
-            kde_bandwidth=kde_bandwidth, temperature=temperature, local_steps=local_steps,
+            frame.to_z(state.global_particles), frame.to_z(state.local_particles[client]), block,
+            prior_score=frame.prior_score, client_grad=frame.client_grad,
+            kde_score=_kde_scorer(kde_bandwidth),
+            temperature=temperature, local_steps=local_steps,
             distill_steps=distill_steps, optimizer=optimizer,
             distill_optimizer=distill_optimizer, svgd_bandwidth=svgd_bandwidth, key=key,
-            visited=state.visited[client], first=~jnp.any(state.visited),
+            visited=state.visited[client], first=~jnp.any(state.visited), stages=stages,
         )
         return DSVGDState(
-            global_particles=new_global,
-            local_particles=state.local_particles.at[client].set(new_local),
+            global_particles=frame.from_z(new_global),
+            local_particles=state.local_particles.at[client].set(frame.from_z(new_local)),
             visited=state.visited.at[client].set(True),
             round=state.round + 1,
         )
@@ -476,7 +708,7 @@ def build_pdsvgd_round(
     optimizer: Optimizer,
     distill_optimizer: Optimizer | None = None,
     server_optimizer: Optimizer | None = None,
-    kde_bandwidth: float = 0.55,
+    kde_bandwidth: float | str = "auto",
     svgd_bandwidth=None,
     temperature: float = 1.0,
     stochastic_client_grad: Callable | None = None,
@@ -487,47 +719,56 @@ def build_pdsvgd_round(
     stacked) each run the two loops of DSVGD from the server particles, in parallel
     (``vmap``), and upload their local particles; the server then runs ``server_steps`` SVGD
     steps (Eq. (29)) on its particles towards ``q^(i) = p_0 prod_k t_k^(i)`` (Eq. (28)), over
-    the clients scheduled so far. ``stochastic_client_grad`` as in :func:`build_dsvgd_round`.
+    the clients scheduled so far. ``stochastic_client_grad`` and ``kde_bandwidth`` as in
+    :func:`build_dsvgd_round` (with ``"auto"``, one whitening of the server's particles serves
+    the whole round).
     """
     distill_optimizer = optimizer if distill_optimizer is None else distill_optimizer
     server_optimizer = optimizer if server_optimizer is None else server_optimizer
+    kde_bandwidth = check_kde_bandwidth(kde_bandwidth)
+    if kde_bandwidth == "auto" and svgd_bandwidth is None:
+        svgd_bandwidth = wide_median_bandwidth
+    stages = AUTO_STAGES if kde_bandwidth == "auto" else 1
     prior_score = jax.vmap(lambda x: -prior_grad(x))
     batched_client_grad = _batched_grad(client_grad, stochastic_client_grad)
 
-    def one_client(global_particles, local, block, key, visited, first):
-        return _client_update(
-            global_particles, local, block,
-            prior_score=prior_score, client_grad=batched_client_grad,
-            kde_bandwidth=kde_bandwidth, temperature=temperature, local_steps=local_steps,
-            distill_steps=distill_steps, optimizer=optimizer,
-            distill_optimizer=distill_optimizer, svgd_bandwidth=svgd_bandwidth, key=key,
-            visited=visited, first=first,
-        )[1]
-
     def round_fn(state: DSVGDState, clients, blocks, key=None) -> DSVGDState:
         _check_key(key, stochastic_client_grad)
+        frame = _round_frame(kde_bandwidth, state.global_particles, prior_score, batched_client_grad)
+        kde_score = _kde_scorer(kde_bandwidth)
+        global_z = frame.to_z(state.global_particles)
+
+        def one_client(local, block, key, visited, first):
+            return _client_update(
+                global_z, local, block,
+                prior_score=frame.prior_score, client_grad=frame.client_grad,
+                kde_score=kde_score, temperature=temperature, local_steps=local_steps,
+                distill_steps=distill_steps, optimizer=optimizer,
+                distill_optimizer=distill_optimizer, svgd_bandwidth=svgd_bandwidth, key=key,
+                visited=visited, first=first, stages=stages,
+            )[1]
+
         first = ~jnp.any(state.visited)
+        locals_z = frame.to_z(state.local_particles[clients])
         if key is None:
-            new_locals = jax.vmap(
-                lambda local, block, seen: one_client(state.global_particles, local, block, None, seen, first))(
-                state.local_particles[clients], blocks, state.visited[clients])
+            new_locals = jax.vmap(lambda local, block, seen: one_client(local, block, None, seen, first))(
+                locals_z, blocks, state.visited[clients])
         else:
-            new_locals = jax.vmap(one_client, in_axes=(None, 0, 0, 0, 0, None))(
-                state.global_particles, state.local_particles[clients], blocks,
-                jax.random.split(key, clients.shape[0]), state.visited[clients], first)
-        local_particles = state.local_particles.at[clients].set(new_locals)
+            new_locals = jax.vmap(one_client, in_axes=(0, 0, 0, 0, None))(
+                locals_z, blocks, jax.random.split(key, clients.shape[0]), state.visited[clients], first)
+        local_particles = state.local_particles.at[clients].set(frame.from_z(new_locals))
         visited = state.visited.at[clients].set(True)
+        all_locals_z = frame.to_z(local_particles)
 
         def server_score(x):  # Eq. (28): grad log p_0 + sum_k grad log t_k^(i), t_k = 1 if unvisited
-            prior = prior_score(x)
-            factors = jax.vmap(kde_grad_log_density, in_axes=(None, 0, None))(
-                x, local_particles, kde_bandwidth) - prior  # local particles encode p_0 t_k
+            prior = frame.prior_score(x)
+            factors = jax.vmap(kde_score, in_axes=(None, 0))(x, all_locals_z) - prior  # locals encode p_0 t_k
             factors = jnp.where(visited[:, None, None], factors, 0.0)
             return prior + jnp.sum(factors, axis=0)
 
-        new_global = svgd_run(state.global_particles, server_score, server_steps,
-                              server_optimizer, svgd_bandwidth)
-        return DSVGDState(new_global, local_particles, visited, state.round + 1)
+        new_global = _staged_svgd(global_z, server_score, server_steps, server_optimizer, svgd_bandwidth,
+                                  stages=stages)
+        return DSVGDState(frame.from_z(new_global), local_particles, visited, state.round + 1)
 
     return round_fn
 
@@ -561,7 +802,7 @@ def build_udsvgd_round(
     *,
     local_steps: int,
     optimizer: Optimizer,
-    kde_bandwidth: float = 0.55,
+    kde_bandwidth: float | str = "auto",
     svgd_bandwidth=None,
     temperature: float = 1.0,
     stochastic_client_grad: Callable | None = None,
@@ -570,8 +811,12 @@ def build_udsvgd_round(
 
     ``grad log t_k^(i-1)`` is the recursion (15) over the client's buffer:
     ``sum_{j in I_k} grad log q^(j) - grad log q^(j-1)``, with ``q^(0) = p_0``.
-    ``stochastic_client_grad`` as in :func:`build_dsvgd_round`.
+    ``stochastic_client_grad`` and ``kde_bandwidth`` as in :func:`build_dsvgd_round`.
     """
+    kde_bandwidth = check_kde_bandwidth(kde_bandwidth)
+    if kde_bandwidth == "auto" and svgd_bandwidth is None:
+        svgd_bandwidth = wide_median_bandwidth
+    stages = AUTO_STAGES if kde_bandwidth == "auto" else 1
     prior_score = jax.vmap(lambda x: -prior_grad(x))
     batched_client_grad = _batched_grad(client_grad, stochastic_client_grad)
 
@@ -579,19 +824,22 @@ def build_udsvgd_round(
         _check_key(key, stochastic_client_grad)
         num_rounds = state.scheduled.shape[0]
         mine = (state.scheduled == client) & (jnp.arange(num_rounds) < state.round)
+        frame = _round_frame(kde_bandwidth, state.global_particles, prior_score, batched_client_grad)
+        kde_score = _kde_scorer(kde_bandwidth)
+        history = frame.to_z(state.history)
 
         def iterate_scores(x):  # grad log q^(j) for j = 0..I, q^(0) the prior
-            kde = jax.vmap(kde_grad_log_density, in_axes=(None, 0, None))(x, state.history, kde_bandwidth)
-            return kde.at[0].set(prior_score(x))
+            kde = jax.vmap(kde_score, in_axes=(None, 0))(x, history)
+            return kde.at[0].set(frame.prior_score(x))
 
         def tilted_score(x, step_key=None):
             scores = iterate_scores(x)
             factor = jnp.sum(jnp.where(mine[:, None, None], scores[1:] - scores[:-1], 0.0), axis=0)
             previous = scores[state.round]
-            return previous - factor - batched_client_grad(x, block, step_key) / temperature
+            return previous - factor - frame.client_grad(x, block, step_key) / temperature
 
-        new_global = _svgd_scan(state.global_particles, tilted_score, local_steps, optimizer,
-                                svgd_bandwidth, key)
+        new_global = frame.from_z(_staged_svgd(frame.to_z(state.global_particles), tilted_score,
+                                               local_steps, optimizer, svgd_bandwidth, key, stages))
         return UDSVGDState(
             new_global,
             state.history.at[state.round + 1].set(new_global),
@@ -932,7 +1180,8 @@ class _ParticleMethod:
         :param num_samples: draws to return; ``None``: the particles themselves.
         :param bool smooth: draw from the KDE of the particles (each draw is a random particle
             plus Gaussian noise of the KDE bandwidth, on the unconstrained space) rather than
-            from the particles themselves.
+            from the particles themselves. With ``kde_bandwidth="auto"``, the moment-keeping
+            KDE of :func:`shrunk_kde` per coordinate.
         """
         particles = jnp.asarray(result.particles)
         if num_samples is None:
@@ -947,6 +1196,9 @@ class _ParticleMethod:
             bandwidth = getattr(self, "kde_bandwidth", None)
             if bandwidth is None:
                 raise ValueError(f"{type(self).__name__} has no KDE: smooth=True does not apply")
+            if bandwidth == "auto":
+                shrunk, bandwidth = shrunk_kde(particles, AUTO_KDE_FACTOR)
+                draws = shrunk[index]
             draws = draws + bandwidth * jax.random.normal(noise_key, draws.shape, draws.dtype)
         return self.constrained(draws)
 
@@ -1010,9 +1262,19 @@ class DSVGD(_ParticleMethod):
     :param optimizer: step rule of the ``L`` steps (an :class:`Optimizer` or any optax
         optimiser), overriding ``learning_rate``; its state is reset every round.
     :param distill_optimizer: step rule of the ``L'`` steps (default: as ``optimizer``).
-    :param float kde_bandwidth: standard deviation of the Gaussian KDE kernel ``K`` (0.55).
-    :param svgd_bandwidth: bandwidth ``h`` of the SVGD kernel ``exp(-|x - y|^2 / h)``;
-        ``None`` (default): the median heuristic ``med^2 / log N`` at every step.
+    :param kde_bandwidth: ``"auto"`` (default): every round runs in the coordinates that
+        whiten the global particles it starts from (their mean and covariance, or per-coordinate
+        standard deviations when ``N <= 2 d``); its KDEs keep the mean and variance of their
+        particles (kernel: 0.85 of their standard deviation); its SVGD loops re-whiten their
+        particles in four stages. The run does not depend on the units of the parameters
+        (exactly, up to rounding, for a change of units ``a x + b`` per coordinate). A float:
+        the paper's algorithm as published, a Gaussian KDE kernel of that standard deviation in
+        the model's unconstrained coordinates (the paper: 0.55); its results depend on the
+        units.
+    :param svgd_bandwidth: bandwidth ``h`` of the SVGD kernel ``exp(-|x - y|^2 / h)`` (in the
+        whitened coordinates with ``kde_bandwidth="auto"``); ``None`` (default): ``2 med^2``
+        (:func:`wide_median_bandwidth`) with ``kde_bandwidth="auto"``, the median heuristic
+        ``med^2 / log N`` with a fixed ``kde_bandwidth``.
     :param float temperature: ``alpha`` of the free energy (1: Bayes' posterior).
     :param schedule: ``"round_robin"`` (default), ``"random"`` (a uniformly random client per
         round, from the run's key) or a sequence of client indices, one per round.
@@ -1028,6 +1290,20 @@ class DSVGD(_ParticleMethod):
         step, without replacement, the gradient scaled by ``n_k / batch_size``), as in the
         paper's experiments (Table 2: 100 for the regression BNNs); ``None`` (default): all
         of them. Needs a model with one federated data plate.
+
+    **Checks.** Non-finite particles stop the run with a :class:`FloatingPointError`. Once
+    every client has been scheduled, each round also checks the global particles against
+    Stein's identity for the target ``p``, which holds for any ``p``:
+    ``E_p[d log p / d x_j] = 0`` and ``E_p[(d log p / d x_j) (x_j - m_j)] = -1``. With the
+    full-batch score (one gradient per client and particle), ``result.metrics`` records per
+    round and coordinate ``stein_mean`` (the mean score times the particles' sd: 0 expected;
+    for a Gaussian target, the offset of the mean in posterior sds times the sd ratio) and
+    ``stein_scale`` (minus the mean of score times deviation: 1 expected; for a Gaussian target,
+    the ratio of the particles' variance to the posterior's). After the last round, a mean
+    more than 3 posterior sds off by that measure (``|stein_mean| / sqrt(stein_scale) > 3``),
+    ``stein_scale`` outside ``[1/4, 4]``, or a spread or a distance from the initial
+    particles of more than 1000 of their sds, is reported by a :class:`RuntimeWarning` that
+    names what to change.
 
     **Example**
 
@@ -1058,7 +1334,7 @@ class DSVGD(_ParticleMethod):
         learning_rate: float = 0.05,
         optimizer=None,
         distill_optimizer=None,
-        kde_bandwidth: float = 0.55,
+        kde_bandwidth: float | str = "auto",
         svgd_bandwidth: float | None = None,
         temperature: float = 1.0,
         schedule="round_robin",
@@ -1077,7 +1353,7 @@ class DSVGD(_ParticleMethod):
                           else _check_optimizer(optimizer, "optimizer"))
         self.distill_optimizer = (self.optimizer if distill_optimizer is None
                                   else _check_optimizer(distill_optimizer, "distill_optimizer"))
-        self.kde_bandwidth = check_positive(kde_bandwidth, "kde_bandwidth")
+        self.kde_bandwidth = check_kde_bandwidth(kde_bandwidth)
         self.svgd_bandwidth = None if svgd_bandwidth is None else check_positive(svgd_bandwidth, "svgd_bandwidth")
         self.schedule = _check_schedule(schedule)
 
@@ -1116,7 +1392,74 @@ class DSVGD(_ParticleMethod):
             block = jax.tree.map(lambda a: a[client], data)
             return round_fn(state, client, block) if keys is None else round_fn(state, client, block, keys[i])
 
-        return self._loop(num_rounds, state, step, lambda s: s.global_particles, schedule)
+        result = self._loop(num_rounds, state, step, lambda s: s.global_particles, schedule)
+        return self._check_runaway(result, schedule)
+
+    def _stein_statistics(self):
+        """``history (R, N, d) -> (stein_mean, stein_scale)``, each ``(R, d)``: Stein's identity
+        for the target with the full-batch score, in the particles' own units."""
+        fp = self.federated_potential
+        prior_score = jax.vmap(lambda x: -self._prior_grad(x))
+        client_grad = jax.vmap(self._client_grad, in_axes=(0, None))
+        temperature = self.temperature
+
+        def one(x):
+            grads = jax.vmap(client_grad, in_axes=(None, 0))(x, fp.client_data)
+            score = prior_score(x) - jnp.sum(grads, axis=0) / temperature
+            mean = jnp.mean(x, axis=0)
+            sd = jnp.std(x, axis=0)
+            return jnp.mean(score, axis=0) * sd, -jnp.mean(score * (x - mean), axis=0)
+
+        return jax.jit(lambda history: lax.map(one, history))
+
+    def _check_runaway(self, result: DSVGDRunResult, schedule) -> DSVGDRunResult:
+        """Records the Stein statistics per round; warns if the last round's particles are
+        absurd (see the class docstring)."""
+        import warnings
+
+        history = result.history
+        if history.shape[1] < 2:
+            return result
+        stein_mean, stein_scale = (np.asarray(v) for v in self._stein_statistics()(history[1:]))
+        result.metrics["stein_mean"], result.metrics["stein_scale"] = stein_mean, stein_scale
+        start, end = np.asarray(history[0], dtype=float), np.asarray(history[-1], dtype=float)
+        start_sd = start.std(axis=0)
+        spread = np.where(start_sd > 0, end.std(axis=0) / np.where(start_sd > 0, start_sd, 1.0), 0.0)
+        distance = np.where(start_sd > 0, np.abs(end.mean(axis=0) - start.mean(axis=0))
+                            / np.where(start_sd > 0, start_sd, 1.0), 0.0)
+        problems = []
+        if np.max(spread) > 1e3:
+            problems.append(f"their spread grew {np.max(spread):.3g}-fold from the initial particles "
+                            f"(coordinate {int(np.argmax(spread))})")
+        if np.max(distance) > 1e3:
+            problems.append(f"their mean moved {np.max(distance):.3g} initial sds "
+                            f"(coordinate {int(np.argmax(distance))})")
+        all_visited = len(np.unique(np.asarray(schedule))) == self.federated_potential.num_clients
+        if all_visited:
+            m, v = stein_mean[-1], stein_scale[-1]
+            # For a Gaussian target, stein_mean / sqrt(stein_scale) is the mean's offset in
+            # posterior sds and stein_scale the variance ratio.
+            offset = np.where(v > 0, np.abs(m) / np.sqrt(np.where(v > 0, v, 1.0)), np.inf)
+            if np.max(offset) > 3:
+                j = int(np.argmax(offset))
+                problems.append(f"the target's score at the particles does not average 0 "
+                                f"(stein_mean {m[j]:.3g}, stein_scale {v[j]:.3g} in coordinate {j}: "
+                                f"for a Gaussian posterior, a mean {offset[j]:.3g} posterior sds off)")
+            if np.max(v) > 4 or np.min(v) < 0.25:
+                j = int(np.argmax(np.abs(np.log(np.maximum(v, 1e-300)))))
+                problems.append(f"their spread does not match the target's score (stein_scale "
+                                f"{v[j]:.3g} in coordinate {j}, 1 expected; for a Gaussian posterior, "
+                                f"the particles' variance over the posterior's)")
+        if problems:
+            remedy = ("use kde_bandwidth='auto' (the default), which adapts to the particles' scale, "
+                      if self.kde_bandwidth != "auto" else "")
+            warnings.warn(
+                f"{type(self).__name__}'s particles ran away or did not converge after "
+                f"{history.shape[0] - 1} rounds: " + "; ".join(problems) + ". Change the settings: "
+                + remedy + "lower learning_rate, use more num_particles, local_steps or rounds",
+                RuntimeWarning, stacklevel=3,
+            )
+        return result
 
     def run(self, rng_key, num_rounds: int, *args, init_state=None, init_particles=None, **kwargs) -> DSVGDRunResult:
         """Runs ``num_rounds`` communication rounds.
