@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
+import math
 import warnings
 
 import numpy as np
@@ -53,6 +54,7 @@ __all__ = [
     "FedZigZagState",
     "GradientBound",
     "HessianBound",
+    "ModeSearch",
     "Preconditioner",
     "Proposers",
     "ZigZagState",
@@ -402,18 +404,22 @@ def build_kernel(
     # gradient evaluations every proposer makes to build a line bound (the grid's are counted
     # where it is built: K, or K - 1 when its first point is reused)
     evaluations_per_step = {"affine": 1, "hessian": 0 if reference is not None else 1, "gradient": 0}.get(kind)
-    # grad U(x*) / P: each proposer's share of the full gradient at the reference point
-    mean_gradient = None if reference is None else (reference.term_grads.sum(0) + reference.prior_grad) / num
     second_order = reference is not None and reference.term_hessians is not None
     if second_order and kind in ("gradient", "hessian"):
         raise ValueError(
             "second-order control variates need the automatic bounds ('grid' or 'affine'): "
             f"a {type(bounds).__name__} does not bound the linear part of their shift"
         )
-    # hess U(x*) / P, the second-order counterpart
-    mean_hessian = (reference.term_hessians.sum(0) + reference.prior_hessian) / num if second_order else None
+    built_reference = reference
 
-    def kernel(state: ZigZagState, duration) -> ZigZagState:
+    def kernel(state: ZigZagState, duration, reference: ControlVariates | None = None) -> ZigZagState:
+        """Runs the process for ``duration``; ``reference`` replaces the control variates'
+        reference point given to :func:`build_kernel` (same structure; warmup re-centres it)."""
+        reference = built_reference if reference is None else reference
+        # grad U(x*) / P: each proposer's share of the full gradient at the reference point
+        mean_gradient = None if reference is None else (reference.term_grads.sum(0) + reference.prior_grad) / num
+        # hess U(x*) / P, the second-order counterpart
+        mean_hessian = (reference.term_hessians.sum(0) + reference.prior_hessian) / num if second_order else None
         d = state.x.shape[0]
         dtype = state.x.dtype
         excess = (jnp.zeros(num, dtype) if excess_rates is None else jnp.asarray(excess_rates, dtype)) / d
@@ -824,6 +830,7 @@ class FedZigZagState(NamedTuple):
     z: dict
     core: ZigZagState
     rng_key: jax.Array
+    adapt: "_Adaptation" = None
 
 
 class FedZigZag(MCMCKernel):
@@ -839,6 +846,11 @@ class FedZigZag(MCMCKernel):
     :param control_variates: ``True`` re-splits the clients' terms around a reference
         point (the MAP, found at initialisation from the aggregated gradient) so that the
         sum is unchanged but spurious switches vanish; ``None`` (default): on when M > 1.
+        When the posterior has no mode (a funnel) the reference is re-centred during warmup
+        on the warmup trajectory; at the end of warmup the control variates are kept only if
+        they lower the switching rates at the last warmup positions, and a warmup draw that
+        stalls with them (``max_proposals`` proposals, no switch) turns them off, with a
+        warning (see :attr:`mode_search` and the user guide).
         ``"second_order"`` also matches the clients' Hessians at the reference point (one
         more aggregation round, in which each client sends its ``d x d`` Hessian there): the
         re-split terms then agree to second order, which removes the spurious switches that
@@ -885,9 +897,14 @@ class FedZigZag(MCMCKernel):
     :param dict partition: as for :func:`~numpyro_fed.split_potential`.
     :param init_strategy: NumPyro init strategy: where the chain starts, or, with control
         variates or a computed preconditioner, where the search for the mode starts (the
-        chains then start at the mode). ``init_params`` given to ``MCMC.run`` take
+        chains then start at the mode, if there is one). ``init_params`` given to ``MCMC.run`` take
         precedence; with ``num_chains > 1`` and ``chain_method="vectorized"`` the chains
         run under one ``vmap`` and share the mode, the preconditioner and the split.
+
+    A sample that makes ``max_proposals`` proposals (at least 50) without one switch stops
+    its chain: the remaining draws repeat its last position, are marked ``hit_event_cap``,
+    and a warning names the remedies. After ``init``, :attr:`mode_search` (a
+    :class:`ModeSearch`) says whether a mode was found.
 
     The privacy guarantee covers **each switching time a client sends, one message at a
     time**; it is not composed over the many messages of a run. Control variates need one
@@ -1155,14 +1172,43 @@ class FedZigZag(MCMCKernel):
         flat_potential = jax.jit(lambda x: potential.potential(potential.unravel(x)))
         start = potential.ravel(potential.init_params)
         d = start.shape[-1]
+        num_warmup = int(num_warmup)
+        kind = _bound_kind(self.bounds)
         self.reference_point = None
+        self.mode_search = None
+        recentre = False  # re-centre the control variates on the warmup trajectory
         if use_cv or isinstance(self.preconditioner, str):
             # one mode for all chains: it is a property of the target
             search_from = start
             if init_params is not None:
                 search_from = ravel(init_params)[0] if vectorized else ravel(init_params)
-            self.reference_point = _minimise(flat_potential, search_from)
-            start = self.reference_point
+            search = self.mode_search = _find_mode(flat_potential, search_from)
+            if search.is_mode:
+                self.reference_point = search.point
+                start = search.point
+            elif isinstance(self.preconditioner, str):
+                raise ValueError(
+                    f"preconditioner={self.preconditioner!r} is the Laplace approximation at the "
+                    f"mode, and the posterior has none here ({_no_mode(search)}): pass "
+                    "preconditioner=None or a scale"
+                )
+            elif num_warmup > 0:
+                recentre = True  # the chains start at init_strategy's point
+            elif kind == "hessian":
+                raise ValueError(
+                    f"HessianBound with control variates needs a reference point, and the "
+                    f"posterior has no mode here ({_no_mode(search)}): give MCMC num_warmup > 0 "
+                    "(the reference is then the mean of the warmup trajectory) or pass "
+                    "control_variates=False"
+                )
+            else:
+                warnings.warn(
+                    f"FedZigZag: control variates are off: the posterior has no mode "
+                    f"({_no_mode(search)}) and without warmup there is no trajectory to centre "
+                    "them on; give MCMC num_warmup > 0 to have them",
+                    RuntimeWarning, stacklevel=3,
+                )
+                use_cv = False
         if init_params is not None:
             start = ravel(init_params)
 
@@ -1176,12 +1222,13 @@ class FedZigZag(MCMCKernel):
             if not isinstance(bounds, str):
                 bounds = _preconditioned_bound(bounds, self.preconditioning)
             start = self.preconditioning.to_u(start)
+        order = 2 if self.control_variates == "second_order" else 1
         if use_cv:
-            point = self.reference_point
-            if self.preconditioning is not None:
+            # without a mode: a placeholder at the start, inactive until the first re-centring
+            point = self.reference_point if self.reference_point is not None else (start[0] if start.ndim == 2 else start)
+            if self.preconditioning is not None and self.reference_point is not None:
                 point = self.preconditioning.to_u(point)
-            reference = control_variate_reference(
-                proposers, point, order=2 if self.control_variates == "second_order" else 1)
+            reference = control_variate_reference(proposers, point, order=order)
         kernel = jax.jit(build_kernel(
             proposers, reference=reference, excess_rates=jnp.full(proposers.num, self.excess_rate),
             redistribution_rate=self.redistribution_rate, bounds=bounds,
@@ -1193,14 +1240,29 @@ class FedZigZag(MCMCKernel):
         core_init = partial(init, prior_weights=prior_weights, horizon=self.initial_horizon,
                             bounds=bounds, grid_size=self.grid_size,
                             skeleton_size=self.skeleton_size, full_covariance=self.full_covariance)
+        adapt_step = _warmup_adaptation(
+            proposers, num_warmup=num_warmup if use_cv else 0, recentre=recentre, order=order,
+            can_switch_off=kind != "hessian", max_proposals=self.max_proposals,
+            sample_interval=self.sample_interval,
+        )
 
         def sample_fn(state):
-            core = kernel(state.core._replace(rng_key=state.rng_key), self.sample_interval)
-            return FedZigZagState(state.i + 1, unravel(to_x(core.x)), core, core.rng_key)
+            adapt = state.adapt
+            duration = jnp.where(adapt.stalled, 0.0, self.sample_interval)  # a stalled chain stops
+            control = _active_reference(adapt) if use_cv else None
+            core = kernel(state.core._replace(rng_key=state.rng_key), duration, control)
+            core = core._replace(hit_event_cap=core.hit_event_cap | adapt.stalled)
+            adapt = adapt_step(adapt, core, state.i)
+            return FedZigZagState(state.i + 1, unravel(to_x(core.x)), core, core.rng_key, adapt)
 
         def init_fn(key, u):
             core = core_init(u, key)
-            return FedZigZagState(jnp.zeros((), jnp.int32), unravel(to_x(core.x)), core, core.rng_key)
+            adapt = _Adaptation(
+                reference=reference, active=jnp.asarray(use_cv and not recentre),
+                window_sum=jnp.zeros_like(u), window_time=jnp.zeros((), u.dtype),
+                buffer=jnp.zeros((_BUFFER,) + u.shape, u.dtype), stalled=jnp.zeros((), bool),
+            )
+            return FedZigZagState(jnp.zeros((), jnp.int32), unravel(to_x(core.x)), core, core.rng_key, adapt)
 
         if vectorized:
             num_chains = rng_key.shape[0]
@@ -1264,26 +1326,218 @@ _DIAGNOSTICS = (
 )
 
 
-def _minimise(fn, x0, num_steps: int = 200, max_restarts: int = 20, tolerance: float = 1e-6):
-    """The MAP from the aggregated potential, the control variates' reference point.
+class ModeSearch(NamedTuple):
+    """What the search for the control variates' reference point found
+    (:attr:`FedZigZag.mode_search`).
 
-    BFGS can stop early on a failed line search far from the mode; it is restarted from
-    where it stopped until the gradient is small, and a poor point is reported.
+    :ivar point: the last iterate ``(d,)`` (flat, unconstrained).
+    :ivar is_mode: the Hessian there is positive definite and a Newton step from it moves no
+        coordinate by more than ``newton_tolerance`` (0.05) of its Laplace posterior sd.
+    :ivar newton_step: ``max_i |(H^{-1} g)_i| / sqrt((H^{-1})_ii)``, the largest Newton step
+        in Laplace posterior sds (``inf`` when the Hessian is not positive definite).
+    :ivar max_grad: ``max |grad U|`` at ``point``.
+    :ivar attempts: BFGS runs made (each from where the previous one stopped).
+    """
+
+    point: jax.Array
+    is_mode: bool
+    newton_step: float
+    max_grad: float
+    attempts: int
+
+
+def _find_mode(fn, x0, *, num_steps: int = 200, max_attempts: int = 5,
+               newton_tolerance: float = 0.05) -> ModeSearch:
+    """The MAP of the aggregated potential, or the report that there is none.
+
+    The test of convergence is statistical, hence independent of the float type and of the
+    units: ``x`` is a mode when the Hessian is positive definite and the Newton step to the
+    stationary point is at most ``newton_tolerance`` Laplace posterior sds in every
+    coordinate (a reference point that close gives the control variates all their benefit).
+    BFGS's own gradient tolerance follows the dtype: ``sqrt(eps)`` times the gradient's scale
+    at the start, a precision every float type reaches. A funnel (a hierarchical scale with
+    client-local effects) has no mode: BFGS walks down its neck, where the Hessian is
+    singular or the Newton step is many sds long, and ``is_mode`` is ``False``.
     """
     from jax.scipy.optimize import minimize
 
+    dtype = x0.dtype
+    eps = float(jnp.finfo(dtype).eps)
     grad = jax.jit(jax.grad(fn))
-    x = x0
-    for _ in range(max_restarts):
-        result = minimize(fn, x, method="BFGS", options={"maxiter": num_steps})
-        if jnp.all(jnp.isfinite(result.x)) and fn(result.x) <= fn(x):
-            x = result.x
-        if float(jnp.max(jnp.abs(grad(x)))) < tolerance * (1.0 + float(jnp.abs(fn(x)))):
-            return x
-    warnings.warn(
-        f"FedZigZag: the control variates' reference point is not a mode (max |grad U| = "
-        f"{float(jnp.max(jnp.abs(grad(x)))):.3g}); the chain stays exact but may mix slowly",
-        RuntimeWarning,
-        stacklevel=3,
+    scale = 1.0 + float(jnp.max(jnp.abs(grad(x0))))
+    gtol = math.sqrt(eps) * scale if math.isfinite(scale) else 1.0
+    run = jax.jit(lambda x: minimize(fn, x, method="BFGS", options={"maxiter": num_steps, "gtol": gtol}).x)
+    hessian = jax.jit(jax.hessian(fn))
+
+    def newton_step(x):
+        g, h = grad(x), hessian(x)
+        h = (h + h.T) / 2
+        chol = jnp.linalg.cholesky(h)
+        if not bool(jnp.all(jnp.isfinite(chol))):
+            return math.inf, g
+        step = jax.scipy.linalg.cho_solve((chol, True), g)
+        sd = jnp.sqrt(jnp.diag(jax.scipy.linalg.cho_solve((chol, True), jnp.eye(x.shape[0], dtype=dtype))))
+        # below the float resolution of x a step cannot be taken: it does not count
+        floor = 8 * eps * (1.0 + jnp.abs(x))
+        size = float(jnp.max(jnp.maximum(jnp.abs(step) - floor, 0.0) / sd))
+        return (size if math.isfinite(size) else math.inf), g
+
+    x, attempts = x0, 0
+    step, g = newton_step(x)
+    while step > newton_tolerance and attempts < max_attempts:
+        attempts += 1
+        candidate = run(x)
+        if not (bool(jnp.all(jnp.isfinite(candidate))) and float(fn(candidate)) <= float(fn(x))):
+            break
+        moved = float(jnp.max(jnp.abs(candidate - x)))
+        x = candidate
+        step, g = newton_step(x)
+        if moved == 0.0:
+            break
+    return ModeSearch(x, step <= newton_tolerance, step, float(jnp.max(jnp.abs(g))), attempts)
+
+
+# -- warmup: re-centring the control variates, falling back, detecting a stall ---------------
+
+_BUFFER = 16  # warmup positions kept to compare the rates with and without control variates
+_STALL_MIN_PROPOSALS = 50  # fewer proposals without a switch are not evidence of a stall
+
+
+class _Adaptation(NamedTuple):
+    """Per chain: the control variates' reference (:class:`ControlVariates`, or ``None``),
+    whether they are on, the current warmup window's path integral and duration, the last
+    ``_BUFFER`` warmup positions, and whether the chain has stalled."""
+
+    reference: ControlVariates | None
+    active: jax.Array
+    window_sum: jax.Array
+    window_time: jax.Array
+    buffer: jax.Array
+    stalled: jax.Array
+
+
+def _no_mode(search: ModeSearch) -> str:
+    reason = ("the Hessian is not positive definite" if not math.isfinite(search.newton_step)
+              else f"a Newton step is still {search.newton_step:.3g} posterior sds long")
+    return f"after {search.attempts} BFGS runs max |grad U| = {search.max_grad:.3g} and {reason}"
+
+
+def _active_reference(adapt: _Adaptation) -> ControlVariates:
+    """The reference the kernel uses: zero gradients and Hessians (no shift) when off."""
+    on = adapt.active
+    return adapt.reference._replace(
+        term_grads=jnp.where(on, adapt.reference.term_grads, 0.0),
+        prior_grad=jnp.where(on, adapt.reference.prior_grad, 0.0),
+        **({} if adapt.reference.term_hessians is None else dict(
+            term_hessians=jnp.where(on, adapt.reference.term_hessians, 0.0),
+            prior_hessian=jnp.where(on, adapt.reference.prior_hessian, 0.0))),
     )
-    return x
+
+
+def _rate_scales(proposers: Proposers, reference: ControlVariates, weights, x):
+    """``(with, without)``: ``sum_j sum_i |d_i T_j(x) - c_ji(x)|`` with the control variates'
+    shifts and without them, twice the expected switching rate over velocities at ``x``."""
+    prior_grad = proposers.prior_grad_and_slope(x, jnp.zeros_like(x))[0]
+    grads = proposers.term_grads(x) + weights[:, None] * prior_grad
+    num = proposers.num
+    shift = (reference.term_grads + weights[:, None] * reference.prior_grad
+             - (reference.term_grads.sum(0) + reference.prior_grad) / num)
+    if reference.term_hessians is not None:
+        y = x - reference.point
+        shift = shift + (reference.term_hessians @ y + weights[:, None] * (reference.prior_hessian @ y)
+                         - (reference.term_hessians.sum(0) + reference.prior_hessian) @ y / num)
+    return jnp.abs(grads - shift).sum(), jnp.abs(grads).sum()
+
+
+def _warmup_adaptation(proposers, *, num_warmup, recentre, order, can_switch_off, max_proposals,
+                       sample_interval):
+    """``step(adapt, core, i) -> adapt`` after draw ``i``.
+
+    * Re-centring (no mode was found): the reference moves to the mean of the trajectory over
+      the warmup windows ending at 1/8, 1/4, 1/2 and all of the warmup (each window's mean,
+      the last one over the second half), and the control variates are on from the first.
+    * At the end of the warmup the expected rates with and without the control variates are
+      compared at the last warmup positions; if the shifts make them larger, they are turned
+      off for good (with a warning).
+    * A draw that ends at ``max_proposals`` (>= 50) without a single switch is a stall: during
+      warmup with control variates on they are turned off; otherwise the chain stops (its
+      remaining draws repeat the last position, each marked ``hit_event_cap``) and a warning
+      names the remedy.
+    """
+    ends = sorted({max(1, math.ceil(f * num_warmup)) for f in (1 / 8, 1 / 4, 1 / 2, 1)}) if num_warmup else []
+    window_ends = jnp.asarray(ends if recentre else [0], jnp.int32)
+
+    def step(adapt: _Adaptation, core: ZigZagState, i):
+        warm = i < num_warmup
+        fallback_possible = can_switch_off and adapt.reference is not None
+        stalled_now = (core.hit_event_cap & (core.num_events == 0) & ~adapt.stalled
+                       & (core.num_proposals >= min(max_proposals, _STALL_MIN_PROPOSALS))
+                       & (max_proposals >= _STALL_MIN_PROPOSALS))
+        switch_off = stalled_now & warm & adapt.active if fallback_possible else jnp.zeros((), bool)
+        adapt = adapt._replace(stalled=adapt.stalled | (stalled_now & ~switch_off),
+                               active=adapt.active & ~switch_off)
+        cheaper = jnp.ones((), bool)
+        if num_warmup and adapt.reference is not None:
+            slot = i % _BUFFER
+            adapt = adapt._replace(
+                window_sum=adapt.window_sum + jnp.where(warm, core.path_integral, 0.0),
+                window_time=adapt.window_time + jnp.where(warm, core.elapsed, 0.0),
+                buffer=jnp.where(warm, adapt.buffer.at[slot].set(core.x), adapt.buffer),
+            )
+            if recentre:
+                def move(adapt):
+                    point = adapt.window_sum / adapt.window_time
+                    return adapt._replace(
+                        reference=control_variate_reference(proposers, point, order=order),
+                        active=adapt.active | ~adapt.stalled,
+                        window_sum=jnp.zeros_like(adapt.window_sum),
+                        window_time=jnp.zeros_like(adapt.window_time),
+                    )
+
+                at_end = warm & jnp.any(i + 1 == window_ends) & (adapt.window_time > 0)
+                adapt = lax.cond(at_end & ~switch_off, move, lambda a: a, adapt)
+            if fallback_possible:
+                def compare(adapt):
+                    filled = jnp.arange(_BUFFER) < jnp.minimum(i + 1, _BUFFER)
+                    weights = core.prior_weights
+                    with_cv, without = jax.vmap(lambda x: _rate_scales(proposers, adapt.reference, weights, x))(adapt.buffer)
+                    return jnp.sum(jnp.where(filled, with_cv, 0.0)) <= jnp.sum(jnp.where(filled, without, 0.0))
+
+                last = (i + 1 == num_warmup) & adapt.active
+                cheaper = lax.cond(last, compare, lambda a: jnp.ones((), bool), adapt)
+                adapt = adapt._replace(active=adapt.active & cheaper)
+        lax.cond(stalled_now | switch_off | ~cheaper,
+                 lambda: jax.debug.callback(_report_adaptation, i, stalled_now & ~switch_off, switch_off,
+                                            ~cheaper, max_proposals, sample_interval),
+                 lambda: None)
+        return adapt
+
+    return step
+
+
+def _report_adaptation(i, stalled, switched_off, costlier, max_proposals, sample_interval):
+    """Host side of the warmup's decisions: one warning per decision."""
+    i, stalled, switched_off, costlier = (np.asarray(a) for a in (i, stalled, switched_off, costlier))
+    if np.any(switched_off):
+        warnings.warn(
+            f"FedZigZag: control variates turned off at warmup draw {int(np.max(i))}: a draw made "
+            f"max_proposals={int(max_proposals)} proposals without a switch with them on (their "
+            "reference point is a poor centre for this posterior); the chain continues without",
+            RuntimeWarning, stacklevel=2,
+        )
+    if np.any(costlier):
+        warnings.warn(
+            "FedZigZag: control variates turned off at the end of the warmup: at the last warmup "
+            "positions they made the switching rates larger, not smaller (the posterior is far "
+            "from Gaussian around the reference point)",
+            RuntimeWarning, stacklevel=2,
+        )
+    if np.any(stalled):
+        warnings.warn(
+            f"FedZigZag: a chain stalled at draw {int(np.max(i))}: max_proposals="
+            f"{int(max_proposals)} proposals without a single switch; its remaining draws repeat "
+            "its last position (marked hit_event_cap). The process is caught where the rates are "
+            "huge: reparametrise the model (e.g. non-centred), pass control_variates=False, or "
+            f"shorten sample_interval={sample_interval}",
+            RuntimeWarning, stacklevel=2,
+        )

@@ -1,0 +1,146 @@
+"""FedZigZag with default settings on models nobody tuned it for: a funnel, float32, a stall."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import numpyro
+import numpyro.distributions as dist
+from numpyro.diagnostics import effective_sample_size
+from numpyro.handlers import reparam
+from numpyro.infer import MCMC, NUTS
+from numpyro.infer.reparam import LocScaleReparam
+
+import numpyro_fed as nf
+
+ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
+
+
+def funnel(x, client, y=None):
+    """Per-client random intercepts, centred, with labels that barely identify them: the
+    posterior of (tau, a) is a funnel and has no mode in the unconstrained space."""
+    mu = numpyro.sample("mu", dist.Normal(0, 1))
+    tau = numpyro.sample("tau", dist.HalfNormal(1))
+    b = numpyro.sample("b", dist.Normal(0, 1))
+    with nf.federated_plate("clients", 4, clients=4):
+        a = numpyro.sample("a", dist.Normal(mu, tau))
+    with nf.federated_plate("data", 200, clients=4):
+        numpyro.sample("y", dist.Bernoulli(logits=a[client] + 0.1 * b * x), obs=y)
+
+
+def funnel_data():
+    k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+    x = jax.random.normal(k1, (200,))
+    y = jax.random.bernoulli(k2, 0.5, (200,)) * 1.0
+    return x, jnp.repeat(jnp.arange(4), 50), y
+
+
+# With this key the mode search starts where BFGS walks down the funnel's neck (log tau about
+# -7.6): control variates centred there made every draw exhaust max_proposals without one switch.
+FUNNEL_KEY = 2
+
+
+def test_funnel_has_no_mode_and_the_default_run_does_not_stall():
+    data = funnel_data()
+    kernel = nf.FedZigZag(funnel, max_proposals=20_000)
+    mcmc = MCMC(kernel, num_warmup=20, num_samples=20, progress_bar=False)
+    mcmc.run(jax.random.PRNGKey(FUNNEL_KEY), *data, extra_fields=("core.num_events", "core.hit_event_cap"))
+    fields = mcmc.get_extra_fields()
+    assert not bool(fields["core.hit_event_cap"].any()), fields["core.num_events"]
+    assert int(fields["core.num_events"].min()) > 0
+    assert not kernel.mode_search.is_mode  # the search reports the funnel instead of using its neck
+    # the control variates are on, centred on the second half of the warmup trajectory
+    adapt = mcmc.last_state.adapt
+    assert bool(adapt.active)
+    assert float(jnp.abs(adapt.reference.point - kernel.mode_search.point)[-1]) > 2  # left the neck
+
+
+def _mean_agreement(a, b):
+    """``|mean(a) - mean(b)|`` in units of the Monte Carlo error of the difference, per
+    coordinate (each chain's error from its own effective sample size)."""
+    a, b = np.asarray(a).reshape(len(a), -1), np.asarray(b).reshape(len(b), -1)
+    error = np.sqrt(a.var(0) / effective_sample_size(a[None]) + b.var(0) / effective_sample_size(b[None]))
+    return np.abs(a.mean(0) - b.mean(0)) / error
+
+
+@pytest.mark.slow
+def test_funnel_default_run_agrees_with_nuts():
+    data = funnel_data()
+    mcmc = MCMC(nf.FedZigZag(funnel), num_warmup=300, num_samples=3000, progress_bar=False)
+    mcmc.run(jax.random.PRNGKey(FUNNEL_KEY), *data, extra_fields=("core.hit_event_cap",))
+    assert not bool(mcmc.get_extra_fields()["core.hit_event_cap"].any())
+    # NUTS needs the non-centred funnel; the reparametrisation leaves the posterior unchanged
+    reference = MCMC(NUTS(reparam(funnel, config={"a": LocScaleReparam(0)})), num_warmup=1000,
+                     num_samples=2000, num_chains=2, chain_method="sequential", progress_bar=False)
+    reference.run(jax.random.PRNGKey(0), *data)
+    fed, nuts = mcmc.get_samples(), reference.get_samples()
+    for name in ("mu", "tau", "b", "a"):
+        # 9 quantities at 4.5 Monte Carlo errors each: a false failure has probability < 1e-4
+        z = _mean_agreement(fed[name], nuts[name])
+        assert np.all(z < 4.5), (name, z)
+    # the scale's spread as well (its sd from FedZigZag within 15 % of NUTS's: about 4
+    # Monte Carlo errors of an sd estimated from a few hundred effective draws)
+    assert abs(float(fed["tau"].std()) / float(nuts["tau"].std()) - 1) < 0.15
+
+
+def _gaussian(y):
+    mu = numpyro.sample("mu", dist.Normal(0, 10).expand([2]).to_event(1))
+    with nf.federated_plate("data", y.shape[0], clients=2):
+        numpyro.sample("y", dist.Normal(mu, 1).to_event(1), obs=y)
+
+
+def test_a_stalled_chain_stops_and_says_so():
+    # A (valid but absurdly loose) gradient bound: about one switch per million proposals, so
+    # a draw ends at max_proposals without a switch. The chain must not repeat that silently.
+    y = jax.random.normal(jax.random.PRNGKey(0), (20, 2))
+    kernel = nf.FedZigZag(_gaussian, bounds=nf.GradientBound(clients=1e7, prior=1e7),
+                          control_variates=False, max_proposals=200)
+    mcmc = MCMC(kernel, num_warmup=0, num_samples=5, progress_bar=False)
+    with pytest.warns(RuntimeWarning, match="stalled at draw 0.*control_variates=False"):
+        mcmc.run(jax.random.PRNGKey(1), y, extra_fields=("core.num_proposals", "core.hit_event_cap"))
+    fields = mcmc.get_extra_fields()
+    assert fields["core.num_proposals"].tolist() == [200, 0, 0, 0, 0]  # stopped after the stall
+    assert bool(fields["core.hit_event_cap"].all())
+    with pytest.raises(RuntimeError, match="5 samples stopped at max_proposals"):
+        kernel.check_run(mcmc, strict=True)
+
+
+def _run_float32(code: str, timeout: float = 600):
+    """Runs ``code`` in a fresh interpreter (the tests enable float64; users get float32) with
+    every warning an error, and returns what it printed as JSON on its last line."""
+    env = dict(os.environ, JAX_ENABLE_X64="0", PYTHONPATH=os.path.abspath(ROOT))
+    out = subprocess.run([sys.executable, "-W", "error", "-c", textwrap.dedent(code)], env=env,
+                         capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_float32_mode_search_is_one_bfgs_run_and_silent():
+    # The README's model in float32: the mode's test is statistical (a Newton step of at most
+    # 0.05 posterior sd), which float32 meets at once; it used to ask for |grad U| < 1e-6 (1 + |U|),
+    # restart BFGS 20 times and warn.
+    result = _run_float32("""
+        import json, jax, numpyro, numpyro.distributions as dist
+        from numpyro.infer import MCMC
+        import numpyro_fed as nf
+        def model(X, y=None):
+            w = numpyro.sample("w", dist.Normal(0, 1).expand([X.shape[1]]).to_event(1))
+            with nf.federated_plate("data", X.shape[0], clients=4):
+                numpyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+        X = jax.random.normal(jax.random.PRNGKey(0), (400, 3)); y = (X[:, 0] > 0) * 1.0
+        kernel = nf.FedZigZag(model, sample_interval=0.5)
+        mcmc = MCMC(kernel, num_warmup=10, num_samples=20, progress_bar=False)
+        mcmc.run(jax.random.PRNGKey(2), X, y)
+        search = kernel.mode_search
+        print(json.dumps({"attempts": search.attempts, "is_mode": bool(search.is_mode),
+                          "dtype": str(mcmc.get_samples()["w"].dtype)}))
+    """)
+    assert result == {"attempts": 1, "is_mode": True, "dtype": "float32"}
