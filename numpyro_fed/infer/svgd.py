@@ -1457,7 +1457,7 @@ class DSVGD(_ParticleMethod):
                 f"{type(self).__name__}'s particles ran away or did not converge after "
                 f"{history.shape[0] - 1} rounds: " + "; ".join(problems) + ". Change the settings: "
                 + remedy + "lower learning_rate, use more num_particles, local_steps or rounds",
-                RuntimeWarning, stacklevel=3,
+                RuntimeWarning, stacklevel=4,
             )
         return result
 
