@@ -9,6 +9,7 @@ accounts the privacy of the whole run with ``dp-accounting`` and, given a
 
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -39,6 +40,27 @@ __all__ = ["BCM", "DPPVI", "DPPVIRunResult", "GlobalVI"]
 
 # Share of delta that covers capping Poisson batches (see DPPVI._batch_cap).
 _CAP_DELTA_SHARE = 1e-6
+
+# The default local optimiser (see default_optimiser).
+_DEFAULT_RATE = 0.1
+_FINAL_RATE_SHARE = 0.01
+_AVERAGE_FROM = 0.5
+
+# The automatic DP-SGD settings (see DPPVI's docstring, "Automatic DP-SGD settings").
+_AUTO_BATCH = 64  # expected rows per step in the smallest client
+_AUTO_MIN_NOISE = 2.0  # smallest noise multiplier the automatic rate aims for
+_AUTO_CLIP = 8.0  # clip norm over the typical scaled per-row gradient, sqrt(d / rows seen)
+_MAX_DP_ERROR = 1.0  # predicted_dp_error above which the noise dominates (refuse / warn)
+_MAX_RESIDUAL = 0.25  # local-optimisation residual (in q's scales) above which it has not converged
+_ADAM_WINDOW = 10  # steps a user optimiser's last iterate is taken to average (Adam's momentum)
+
+
+def default_optimiser(num_local_steps: int):
+    """The default local optimiser: Adam whose rate decays from 0.1 to 0.001 (cosine)
+    over the ``num_local_steps`` steps of each local optimisation. :class:`DPPVI` runs it in
+    standardised coordinates (steps in units of the current ``q``'s scale) and returns the
+    average of the iterates over the second half of the steps."""
+    return optax.adam(optax.cosine_decay_schedule(_DEFAULT_RATE, num_local_steps, alpha=_FINAL_RATE_SHARE))
 
 
 class DPPVIRunResult(NamedTuple):
@@ -77,16 +99,23 @@ class DPPVI:
     :param dp: ``None`` (non-private PVI), ``"dpsgd"`` (DP-SGD in the local optimisation,
         Section 4.1), ``"local_avg"`` (Algorithm 2) or ``"virtual"`` (Algorithm 3).
     :param str schedule: ``"sequential"`` or ``"synchronous"``.
-    :param optim: an optax optimiser for the local optimisation (default ``adam(1e-2)``).
+    :param optim: an optax optimiser for the local optimisation, run on ``(loc, log_scale)``
+        and taking its last iterate. Default (``None``): :func:`default_optimiser`, run in
+        units of ``q``'s scale with iterate averaging (see *The default local optimiser*).
     :param int num_local_steps: local optimisation steps per client update.
     :param int num_mc_samples: Monte Carlo draws of ``q`` per step.
     :param float damping: ``rho`` in ``(0, 1]``: the server adds ``rho * Delta``.
     :param str sampling: minibatches of the local optimisation: ``"full"``, ``"poisson"``
         (rate ``sampling_rate``, accounted with PLD) or ``"without_replacement"``
-        (``round(sampling_rate * n_m)`` rows, accounted with RDP).
-    :param float sampling_rate: in ``(0, 1]``; required unless ``sampling="full"``.
-    :param float clip_norm: ``C``: bound on each per-example gradient (``"dpsgd"``) or each
-        shard's change of natural parameters (``"local_avg"``, ``"virtual"``).
+        (``round(sampling_rate * n_m)`` rows, accounted with RDP). Default: ``"poisson"``
+        for ``"dpsgd"`` (at the automatic rate unless ``sampling_rate`` is given),
+        ``"full"`` otherwise (``"poisson"`` if ``sampling_rate`` is given).
+    :param float sampling_rate: in ``(0, 1]``; required for an explicit ``"poisson"`` or
+        ``"without_replacement"``.
+    :param float clip_norm: ``C``: bound on each per-example gradient wrt ``(loc,
+        log_scale)`` (``"dpsgd"``) or each shard's change of natural parameters
+        (``"local_avg"``, ``"virtual"``; default 1). ``None`` with ``"dpsgd"``: the automatic
+        clip norm, in units of ``q``'s scale.
     :param noise_multiplier: noise standard deviation over ``C``; or give ``target_epsilon``.
         ``0`` clips without noise: no privacy (``result.privacy`` is ``None``), for
         studying the effect of clipping and sharding alone.
@@ -104,6 +133,53 @@ class DPPVI:
     :param str neighbouring: ``"replace_one"`` (the paper's) or ``"add_remove"``.
     :param bool progress_bar: a progress bar over rounds.
 
+    **The default local optimiser.** Adam whose rate decays from 0.1 to 0.001 (cosine) over
+    each local optimisation, on the location in units of the starting ``q``'s scale
+    (``loc = loc_0 + scale_0 u``) and the log-scale; the new ``q`` is the average of the
+    iterates over the second half of the steps. The steps are thus relative to ``q``'s width
+    (the fit does not depend on the parameters' units), the decaying rate lets the iterates
+    settle and the averaging removes most of their Monte Carlo jitter: on a conjugate linear
+    regression the default run ends at the exact posterior within Monte Carlo error (a few
+    hundredths of a posterior sd) where a constant rate of 0.01 stopped 0.1-0.4 sd short.
+    ``result.metrics["residual"]`` holds, per round and client, the distance to the local
+    optimum that the averaged gradient still points to (in units of ``q``'s scale); a
+    non-private run warns when the last round's exceeds 0.25 (not converged: more
+    ``num_local_steps`` or rounds). A user ``optim`` gets the plain optimisation.
+
+    **Automatic DP-SGD settings.** With ``dp="dpsgd"`` and no ``sampling``,
+    ``sampling_rate`` or ``clip_norm`` (only a budget, say), the run chooses:
+
+    * *sampling*: Poisson, rate ``max(64 / n_min, 2 / (c sqrt(T)))`` (at most 1), where
+      ``n_min`` is the smallest client's size, ``T`` the run's local steps and ``c`` the noise
+      multiplier of one Gaussian mechanism spending the whole budget. DP-SGD over ``T``
+      steps at rate ``r`` needs about ``sigma = c r sqrt(T)``: the noise per expected row,
+      which is what the answer feels, does not depend on ``r``, so the rate buys cost (about
+      64 rows per step) until ``sigma`` falls to 2, below which subsampling's amplification
+      weakens. (Full batches, the former default, spend the same budget on 10-100 times the
+      work.)
+    * *clip norm*: each row's gradient is measured in units of the current ``q``'s width
+      (location part times ``scale``) and clipped to ``8 sqrt(d / N_seen)``, where ``d`` is
+      the number of latent dimensions and ``N_seen`` the rows whose information ``q`` holds
+      at that update (the client's own and those of the clients before it in the first
+      sequential round; all rows afterwards). Near the posterior the squared row gradients
+      in these units sum to about ``d``, so a typical row's is ``sqrt(d / N)``; 8 times that
+      leaves heavy-tailed rows (misclassified points of a logistic regression) unclipped
+      often enough that clipping does not bias the fit (4 times did, by several sds).
+      The clip norm depends on sizes only and adapts to the parameters' units.
+    * *steps*: ``num_local_steps`` (100) with the default optimiser, whose averaging over
+      the last 50 steps also averages the privacy noise.
+
+    Before running, :meth:`predicted_dp_error` estimates from sizes only how far the privacy
+    noise alone will move the means, in posterior sds; above 1 the automatic settings
+    refuse (``ValueError``) with advice (raise ``target_epsilon``, fewer rounds, more rows,
+    ``dp="virtual"`` with a trusted aggregator), and a user's settings get a
+    ``RuntimeWarning``: the answer would be mostly noise. Measured: 4 clients of 250 rows
+    of a logistic regression at ``epsilon = 1`` are refused (the former default answered
+    2 sds off and 3-6 times too wide); 2 clients of 40,000 rows of a linear regression at
+    ``epsilon = 4`` end within 0.3 posterior sds with sds within 15 %. The first round
+    clips heavily while ``q`` is as wide as the prior: the automatic settings want at least
+    2 rounds (one warns).
+
     **Example**
 
     .. doctest::
@@ -116,16 +192,24 @@ class DPPVI:
         ...         numpyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
         >>> X = jax.random.normal(jax.random.PRNGKey(0), (400, 2))
         >>> y = (X @ jnp.array([1.5, -1.0]) > 0) * 1.0
-        >>> pvi = nf.DPPVI(model, dp="dpsgd", target_epsilon=1.0, delta=1e-5,
-        ...                sampling="poisson", sampling_rate=0.1, clip_norm=2.0,
-        ...                optim=optax.adam(5e-2), num_local_steps=20, damping=0.5,
-        ...                progress_bar=False)
+        >>> pvi = nf.DPPVI(model, progress_bar=False)         # non-private, the defaults
         >>> result = pvi.run(jax.random.PRNGKey(1), 3, X, y)
-        >>> result.privacy.epsilon <= 1.0
+        >>> bool(result.metrics["residual"][-1].max() < 0.25)  # the local fits converged
         True
         >>> draws = pvi.get_samples(jax.random.PRNGKey(2), result, 100)
         >>> draws["w"].shape
         (100, 2)
+
+    Given only a budget, DP-SGD chooses its settings, or refuses when 400 rows cannot pay
+    for it:
+
+    .. doctest::
+
+        >>> private = nf.DPPVI(model, dp="dpsgd", target_epsilon=1.0, delta=1e-5, progress_bar=False)
+        >>> private.run(jax.random.PRNGKey(1), 2, X, y)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: DPPVI(dp='dpsgd'): with target_epsilon=1.0, 2 round(s) ... the answer would be mostly noise...
     """
 
     def __init__(
@@ -138,9 +222,9 @@ class DPPVI:
         num_local_steps: int = 100,
         num_mc_samples: int = 10,
         damping: float = 1.0,
-        sampling: str = "full",
+        sampling: str | None = None,
         sampling_rate: float | None = None,
-        clip_norm: float = 1.0,
+        clip_norm: float | None = None,
         noise_multiplier: float | None = None,
         target_epsilon: float | None = None,
         delta: float = 1e-5,
@@ -154,19 +238,29 @@ class DPPVI:
             raise ValueError(f"dp must be one of {core.DP_VARIANTS}, got {dp!r}")
         if schedule not in core.SCHEDULES:
             raise ValueError(f"schedule must be one of {core.SCHEDULES}, got {schedule!r}")
-        if sampling not in core.SAMPLING:
+        if sampling is not None and sampling not in core.SAMPLING:
             raise ValueError(f"sampling must be one of {core.SAMPLING}, got {sampling!r}")
+        # DP-SGD without a sampling scheme or a clip norm: chosen by the rule of
+        # _auto_sampling_rate and _auto_clip_norms (see the class docstring).
+        self.auto_sampling = dp == "dpsgd" and sampling is None and sampling_rate is None
+        self.auto_clip = dp == "dpsgd" and clip_norm is None
+        if sampling is None:
+            sampling = "poisson" if dp == "dpsgd" or sampling_rate is not None else "full"
         self.model = model
         self.dp = dp
         self.schedule = schedule
-        self.optim = optax.adam(1e-2) if optim is None else optim
         self.num_local_steps = check_int(num_local_steps, "num_local_steps", minimum=1)
+        # The default local optimiser: scale-free steps, a decaying rate, iterate averaging.
+        self.default_optim = optim is None
+        self.optim = default_optimiser(self.num_local_steps) if optim is None else optim
         self.num_mc_samples = check_int(num_mc_samples, "num_mc_samples", minimum=1)
         self.damping = check_positive(damping, "damping")
         if self.damping > 1.0:
             raise ValueError(f"damping must lie in (0, 1], got {self.damping}")
         self.sampling = sampling
-        if sampling == "full":
+        if self.auto_sampling:
+            self.sampling_rate = None  # resolved per run (sizes, rounds): _resolve
+        elif sampling == "full":
             if sampling_rate not in (None, 1.0):
                 raise ValueError("sampling='full' uses every row: leave sampling_rate unset")
             self.sampling_rate = 1.0
@@ -176,7 +270,7 @@ class DPPVI:
             self.sampling_rate = check_sampling_rate(sampling_rate)
         if dp in ("local_avg", "virtual") and sampling != "full":
             raise ValueError(f"dp={dp!r} optimises every shard on all its rows: use sampling='full'")
-        self.clip_norm = check_positive(clip_norm, "clip_norm")
+        self.clip_norm = None if self.auto_clip else check_positive(1.0 if clip_norm is None else clip_norm, "clip_norm")
         self.delta = check_delta(delta)
         self.num_shards = check_int(num_shards, "num_shards", minimum=1)
         if self.num_shards > 1 and dp not in ("local_avg", "virtual"):
@@ -228,6 +322,82 @@ class DPPVI:
         prior = core.gaussian_prior(lambda x: potential.prior_potential_fn(unravel(x)), d)
         return potential, plate, prior
 
+    # -- automatic DP-SGD settings ------------------------------------------------------------
+    def _calibrate(self, make_event):
+        """``calibrate_noise_multiplier`` for this run's budget, remembered per event."""
+        cache = self.__dict__.setdefault("_sigma_cache", {})
+        key = (repr(make_event(1.0)), self.target_epsilon, self.delta, self.accountant, self.neighbouring)
+        if key not in cache:
+            cache[key] = calibrate_noise_multiplier(
+                make_event, self.target_epsilon, self._accounting_delta(),
+                accountant=self.accountant, neighbouring=self.neighbouring,
+            )
+        return cache[key]
+
+    def _auto_sampling_rate(self, num_rounds, sizes) -> float:
+        """Poisson rate: ``_AUTO_BATCH`` expected rows per step in the smallest client (all
+        rows if it has fewer), raised so that the calibrated noise multiplier is about
+        ``_AUTO_MIN_NOISE`` or more: below it, subsampling stops paying for itself (and the
+        accounting gets slow). With many steps, DP-SGD at rate ``r`` over ``T`` steps needs
+        about ``sigma = c r sqrt(T)``, where ``c`` is the noise multiplier of a single
+        Gaussian mechanism with the same budget: the floor is ``_AUTO_MIN_NOISE / (c sqrt(T))``."""
+        rate = min(1.0, _AUTO_BATCH / float(np.min(sizes)))
+        if self.target_epsilon is not None and self.noise_multiplier is None and num_rounds is not None:
+            c = self._calibrate(lambda s: gaussian_event(s, 1))
+            floor = _AUTO_MIN_NOISE / (c * np.sqrt(num_rounds * self.num_local_steps))
+            rate = min(1.0, max(rate, floor))
+        return float(rate)
+
+    def _resolve(self, num_rounds, sizes):
+        """Fixes the automatic sampling rate for a run of ``num_rounds`` on ``sizes``."""
+        if self.auto_sampling:
+            self.sampling_rate = self._auto_sampling_rate(num_rounds, np.asarray(sizes, int))
+
+    def _auto_clip_norms(self, num_rounds, sizes, d, *, continuing=False) -> np.ndarray:
+        """``(num_rounds, M)`` clip norms of the automatic rule: ``_AUTO_CLIP * sqrt(d / N_seen)``
+        where ``N_seen`` counts the rows whose information the client's ``q`` holds at its
+        update: its own and those of the clients before it in the first round (all of them
+        in the first synchronous round: its own only), all rows afterwards."""
+        sizes = np.asarray(sizes, float)
+        seen = np.tile(sizes.sum(), (num_rounds, sizes.size))
+        if not continuing:
+            seen[0] = np.cumsum(sizes) if self.schedule == "sequential" else sizes
+        return _AUTO_CLIP * np.sqrt(d / seen)
+
+    def predicted_dp_error(self, noise_multipliers, num_rounds, client_sizes, num_latent) -> float:
+        """The error the privacy noise alone is expected to put on ``q``'s means, in posterior
+        standard deviations (a rule of thumb, computed from sizes only; ``0`` if non-private):
+
+        ``kappa * sigma * sqrt(d * M / N) / (rate * sqrt(W)) * sqrt(rho / (2 - rho))``
+
+        DP-SGD adds noise ``sigma * C`` per coordinate to a step's sum of clipped row
+        gradients, rescaled by ``1 / rate``. Measured in units of ``q``'s width, a row's
+        gradient is about ``sqrt(d / N)`` near the posterior and the local objective's
+        curvature about 1; an average over ``W`` steps (the default optimiser's averaging
+        window; 10 for a user optimiser) divides the noise by ``sqrt(W)``, the ``M`` clients'
+        errors add up, and damping ``rho`` averages over rounds. ``kappa`` is the clip norm
+        over that row gradient: ``_AUTO_CLIP`` for the automatic clip norm, 1 (the best case)
+        for a user's. Update perturbation (``"local_avg"``, ``"virtual"``) is not covered
+        (``nan``).
+        """
+        if self.dp is None:
+            return 0.0
+        if self.dp != "dpsgd":
+            return float("nan")
+        sizes = np.asarray(client_sizes, float)
+        self._resolve(num_rounds, sizes)
+        sigma = float(np.max(noise_multipliers))
+        if self.sampling == "without_replacement":
+            rate = float(np.min(self._batch_sizes(sizes) / sizes))
+        else:
+            rate = self.sampling_rate
+        window = self.num_local_steps * (1 - _AVERAGE_FROM) if self.default_optim else _ADAM_WINDOW
+        window = max(1.0, min(window, self.num_local_steps))
+        kappa = _AUTO_CLIP if self.auto_clip else 1.0
+        rho = self.damping
+        damp = np.sqrt(rho / (2 - rho)) if num_rounds * rho >= 2 else 1.0
+        return float(kappa * sigma * np.sqrt(num_latent * sizes.size / sizes.sum()) / (rate * np.sqrt(window)) * damp)
+
     def _batch_sizes(self, sizes):
         return np.maximum(1, np.round(self.sampling_rate * sizes)).astype(int)
 
@@ -250,6 +420,7 @@ class DPPVI:
         sizes = np.asarray(client_sizes, int)
         if self.dp is None:
             return np.zeros(sizes.size)
+        self._resolve(num_rounds if self.noise_multiplier is None else None, sizes)
         if self.noise_multiplier is not None:
             return np.full(sizes.size, self.noise_multiplier)
         if self.dp != "dpsgd":
@@ -265,11 +436,7 @@ class DPPVI:
         for key in dict.fromkeys(keys):
             m = keys.index(key)
             n = int(sizes[m])
-            sigma = calibrate_noise_multiplier(
-                lambda s: self._client_events([s], num_rounds, np.array([n]))[0],
-                self.target_epsilon, self._accounting_delta(),
-                accountant=self.accountant, neighbouring=self.neighbouring,
-            )
+            sigma = self._calibrate(lambda s: self._client_events([s], num_rounds, np.array([n]))[0])
             out[[i for i, k in enumerate(keys) if k == key]] = sigma
         return out
 
@@ -343,6 +510,7 @@ class DPPVI:
         if self.dp is None or not np.all(np.asarray(noise_multipliers) > 0):
             return None
         sizes = np.asarray(client_sizes, int)
+        self._resolve(num_rounds if self.noise_multiplier is None else None, sizes)
         events = self._client_events(np.asarray(noise_multipliers), num_rounds, sizes)
         cache = {}  # clients with the same events (same noise, and size where it matters)
         epsilons = []
@@ -411,6 +579,17 @@ class DPPVI:
                 f"epsilon={privacy.epsilon:.4g} > target_epsilon={self.target_epsilon}; "
                 f"pass num_rounds=None for the most that fit"
             )
+        d = potential.num_latent
+        dp_error = self.predicted_dp_error(sigmas, num_rounds, sizes, d) if privacy is not None else 0.0
+        if dp_error > _MAX_DP_ERROR:
+            self._noise_dominates(dp_error, num_rounds, sizes)
+        if self.auto_clip and num_rounds == 1 and init_state is None and type(self) is DPPVI:
+            warnings.warn(
+                "DPPVI(dp='dpsgd') with the automatic clip norm and one round: the first round "
+                "clips heavily while q is still as wide as the prior, which biases it; run at "
+                "least 2 rounds (the budget is calibrated for all of them)",
+                RuntimeWarning, stacklevel=2,
+            )
         num_clients = sizes.size
         key_shards, key_run = jax.random.split(rng_key)
         shard_seed = int(jax.random.randint(key_shards, (), 0, 2**31 - 1))
@@ -419,7 +598,13 @@ class DPPVI:
         config = core.LocalConfig(
             optim=self.optim, num_steps=self.num_local_steps, num_mc_samples=self.num_mc_samples,
             sampling=self.sampling, sampling_rate=self.sampling_rate, dpsgd=self.dp == "dpsgd",
-            clip_norm=self.clip_norm,
+            clip_norm=1.0 if self.auto_clip else self.clip_norm, standardise=self.default_optim,
+            average_from=_AVERAGE_FROM if self.default_optim else 1.0, clip_scaled=self.auto_clip,
+        )
+        clip_norms = (
+            jnp.asarray(self._auto_clip_norms(num_rounds, sizes, d, continuing=init_state is not None),
+                        dtype=jnp.zeros(()).dtype)
+            if self.auto_clip else [None] * num_rounds
         )
         batch_cap = self._batch_cap(privacy, num_rounds, sizes, int(valid.shape[1]))
         unravel = potential.unravel
@@ -440,24 +625,59 @@ class DPPVI:
 
             iterator = tqdm(iterator, desc=f"DPPVI ({self.dp or 'non-private'})", unit="round")
         for r in iterator:
-            state, info = round_fn(keys[r], state, data)
+            state, info = round_fn(keys[r], state, data, clip_norms[r])
             loc, scale = core.loc_scale(state.q)
-            history.append((loc, scale, info.rejected, info.clipped))
+            history.append((loc, scale, info.rejected, info.clipped, info.residual))
         state = self._final_state(state)
         if num_rounds:
             loc, scale = core.loc_scale(state.q)
             history[-1] = (loc, scale) + history[-1][2:]
-        locs, scales, rejected, clipped = (np.asarray(jnp.stack(x)) for x in zip(*history))
+        locs, scales, rejected, clipped, residual = (np.asarray(jnp.stack(x)) for x in zip(*history))
         metrics = {
             "loc": locs,
             "scale": scales,
             "rejected": rejected,
             "clipped": clipped,
+            "residual": residual,
             "communications": np.arange(1, num_rounds + 1) * self._communications_per_round(potential),
+            "predicted_dp_error": dp_error,
         }
+        if not np.all(np.isfinite(locs[-1])) or not np.all(np.isfinite(scales[-1])):
+            raise FloatingPointError(
+                "DPPVI ended with a non-finite q: lower the optimiser's rate (optim) or, with "
+                "privacy, raise the damping's effect (damping=0.2-0.5)"
+            )
+        if privacy is None and self.dp is None and residual[-1].max() > _MAX_RESIDUAL:
+            warnings.warn(
+                f"DPPVI: the local optimisation had not converged in the last round: its "
+                f"gradient puts the optimum about {residual[-1].max():.2g} of q's scale away "
+                f"(metrics['residual']; above {_MAX_RESIDUAL}): raise num_local_steps or run more "
+                "rounds (or, with your own optim, a larger or decaying rate; num_mc_samples if "
+                "the model is noisy)",
+                RuntimeWarning, stacklevel=2,
+            )
         loc, scale = core.loc_scale(state.q)
         params = {"loc": unravel(loc), "scale": unravel(scale)}
         return DPPVIRunResult(params, state, metrics, privacy, sigmas)
+
+    def _noise_dominates(self, dp_error, num_rounds, sizes):
+        """Refuses (automatic settings) or warns (the user's settings): the privacy noise
+        would dominate the answer."""
+        budget = (f"target_epsilon={self.target_epsilon}" if self.target_epsilon is not None
+                  else f"noise_multiplier={self.noise_multiplier}")
+        message = (
+            f"DPPVI(dp='dpsgd'): with {budget}, {num_rounds} round(s) of {self.num_local_steps} "
+            f"local steps, {sizes.size} clients and {int(np.sum(sizes))} rows, the privacy noise "
+            f"alone is expected to move each mean of q by about {dp_error:.2g} posterior standard "
+            f"deviations (predicted_dp_error; more than {_MAX_DP_ERROR}): the answer would be "
+            "mostly noise. Raise target_epsilon (the error scales about as 1/epsilon), run fewer "
+            "rounds (as sqrt(num_rounds)), use damping=0.5 over several rounds, give the clients "
+            "more rows (as 1/sqrt(rows)) or, for many small clients, use dp='virtual' with a "
+            "trusted aggregator"
+        )
+        if self.auto_sampling and self.auto_clip:
+            raise ValueError(message + "; or set sampling, sampling_rate and clip_norm yourself to run anyway")
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     # -- hooks for the baselines ---------------------------------------------------------------
     def _layout(self, potential, plate):

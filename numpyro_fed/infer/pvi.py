@@ -115,10 +115,13 @@ class RoundInfo(NamedTuple):
         coordinates of an update not applied because they would make ``q`` improper.
     :ivar clipped: ``(M,)`` fraction of clipped terms (per-example gradients or shard
         changes) in each client's update; zero without clipping.
+    :ivar residual: ``(M,)`` each client's local-optimisation residual (see
+        :func:`optimise_local`; the largest over its shards).
     """
 
     rejected: jax.Array
     clipped: jax.Array
+    residual: jax.Array | None = None
 
 
 class ClientData(NamedTuple):
@@ -297,7 +300,26 @@ def per_example_grads(row_log_lik, params: _Params, eps, rows):
 
 
 class LocalConfig(NamedTuple):
-    """Static settings of the local optimisation (see :func:`optimise_local`)."""
+    """Static settings of the local optimisation (see :func:`optimise_local`).
+
+    The last three fields have defaults that keep the plain optimisation (``optim`` on
+    ``(loc, log_scale)``, last iterate, DP-SGD clipping the gradients wrt
+    ``(loc, log_scale)``):
+
+    :ivar bool standardise: the optimiser sees the location in units of the starting
+        ``q``'s scale, ``loc = loc_0 + scale_0 * u`` (and ``log_scale - log scale_0``): its
+        steps are then relative to the current width of ``q``, whatever the parameters'
+        units. A change of variables only: DP-SGD clips the same per-example gradients.
+    :ivar float average_from: the result is the average of the iterates (in the optimiser's
+        coordinates) from step ``floor(average_from * num_steps)`` on (Polyak-Ruppert
+        averaging, which removes most of the Monte Carlo jitter of the last iterate);
+        ``1.0``: the last iterate.
+    :ivar bool clip_scaled: DP-SGD clips each row's gradient wrt ``(loc / scale,
+        log_scale)`` at the current iterate (the location part multiplied by the current
+        ``scale``): the clip norm is then in units of ``q``'s width, and a row's clipped
+        gradient at the optimum has a size that depends on the number of rows, not on the
+        parameters' units (see :class:`~numpyro_fed.DPPVI`'s automatic settings).
+    """
 
     optim: Any
     num_steps: int
@@ -306,6 +328,9 @@ class LocalConfig(NamedTuple):
     sampling_rate: float
     dpsgd: bool
     clip_norm: float
+    standardise: bool = False
+    average_from: float = 1.0
+    clip_scaled: bool = False
 
 
 def _draw_batch(rng_key, valid, count, config: LocalConfig, batch_cap: int):
@@ -334,6 +359,12 @@ def _draw_batch(rng_key, valid, count, config: LocalConfig, batch_cap: int):
     return positions, in_batch, count / batch_size
 
 
+def _averaging_window(config: LocalConfig) -> int:
+    """The first step of the averaging window ``[first, num_steps)``."""
+    first = min(int(np.floor(config.average_from * config.num_steps)), config.num_steps - 1)
+    return max(first, 0)
+
+
 def optimise_local(
     rng_key,
     row_log_lik,
@@ -346,49 +377,102 @@ def optimise_local(
     likelihood_weight=1.0,
     noise_multiplier=0.0,
     batch_cap: int | None = None,
+    with_residual: bool = False,
+    clip_norm=None,
 ):
     """Maximises the local ELBO from ``start`` for ``config.num_steps`` steps.
 
     With ``config.dpsgd`` the data term's gradient is DP-SGD's: per-example gradients clipped
     to ``clip_norm``, summed over the batch, plus ``N(0, (noise_multiplier * clip_norm)^2)``,
-    then rescaled to the full data. The KL term is data-free and differentiated exactly.
+    then rescaled to the full data (``clip_norm``, possibly traced, overrides
+    ``config.clip_norm``). The KL term is data-free and differentiated exactly.
+    ``config.standardise`` and ``config.average_from`` only post-process the released
+    noisy gradients and iterates.
 
-    :return: ``(natural parameters of the new q, fraction of clipped gradients)``.
+    :return: ``(natural parameters of the new q, fraction of clipped gradients)``; with
+        ``with_residual``, also the *residual*: the Newton-step estimate of the distance left
+        to the optimum, from the local ELBO's gradient averaged over the averaging window
+        (the last step without averaging): the largest over the coordinates of
+        ``|mean gradient wrt loc| * scale`` and ``|mean gradient wrt log_scale| / 2``
+        (near the optimum the curvatures are ``1 / scale^2`` and 2), in units of the new
+        ``q``'s scale. A converged optimisation has a residual of the order of its Monte
+        Carlo error (a few hundredths with the default settings); a large one means that
+        it stopped short.
     """
     valid = jnp.asarray(valid)
     count = jnp.sum(valid)
     d = start.eta1.shape[-1]
     batch_cap = valid.shape[0] if batch_cap is None else batch_cap
-    params = _params_of(start)
-    opt_state = config.optim.init(params)
+    clip = config.clip_norm if clip_norm is None else clip_norm
+    origin = _params_of(start)
+    if config.standardise:
+        unit = jnp.exp(origin.log_scale)
+        coords = _Params(jnp.zeros_like(origin.loc), jnp.zeros_like(origin.log_scale))
 
-    def step(carry, key):
-        params, opt_state, clipped = carry
+        def to_params(x):
+            return _Params(origin.loc + unit * x.loc, origin.log_scale + x.log_scale)
+
+        def to_coords_grad(g):  # chain rule: d/du = scale_0 * d/dloc
+            return _Params(unit * g.loc, g.log_scale)
+
+    else:
+        coords = origin
+        to_params = to_coords_grad = lambda x: x
+    opt_state = config.optim.init(coords)
+    first = _averaging_window(config)
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, coords)
+
+    def step(carry, inputs):
+        x, opt_state, clipped, sums = carry
+        key, t = inputs
+        params = to_params(x)
         key_batch, key_eps, key_noise = jax.random.split(key, 3)
         positions, in_batch, scale = _draw_batch(key_batch, valid, count, config, batch_cap)
         batch_rows = [r[positions] for r in rows]
         eps = jax.random.normal(key_eps, (config.num_mc_samples, d), start.eta1.dtype)
         if config.dpsgd:
             grads = per_example_grads(row_log_lik, params, eps, batch_rows)
-            grads, was_clipped = clip_by_norm(grads, config.clip_norm)
+            if config.clip_scaled:
+                width = jnp.concatenate([jnp.exp(params.log_scale), jnp.ones(d, grads.dtype)])
+                grads = grads * width
+            grads, was_clipped = clip_by_norm(grads, clip)
             weight = in_batch.astype(grads.dtype)
             total = weight @ grads
             noise = jax.random.normal(key_noise, total.shape, total.dtype)
-            total = (total + noise_multiplier * config.clip_norm * noise) * scale * likelihood_weight
+            total = (total + noise_multiplier * clip * noise) * scale * likelihood_weight
+            if config.clip_scaled:
+                total = total / width
             ascent = _tree_add(_Params(total[:d], total[d:]), jax.grad(_prior_side)(params, cavity))
             frac = jnp.sum(was_clipped * weight) / jnp.maximum(jnp.sum(weight), 1.0)
         else:
             weights = in_batch * scale * likelihood_weight
             ascent = jax.grad(local_elbo, argnums=1)(row_log_lik, params, cavity, eps, batch_rows, weights)
             frac = jnp.zeros(())
-        descent = jax.tree_util.tree_map(jnp.negative, ascent)
-        updates, opt_state = config.optim.update(descent, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        return (params, opt_state, clipped + frac), None
+        descent = jax.tree_util.tree_map(jnp.negative, to_coords_grad(ascent))
+        updates, opt_state = config.optim.update(descent, opt_state, x)
+        x = optax.apply_updates(x, updates)
+        # running sums, over the averaging window, of the iterates and of the gradients
+        weight = (t >= first).astype(origin.loc.dtype)
+        sums = (_tree_add(sums[0], x, weight), _tree_add(sums[1], ascent, weight))
+        return (x, opt_state, clipped + frac, sums), None
 
     keys = jax.random.split(rng_key, config.num_steps)
-    (params, _, clipped), _ = lax.scan(step, (params, opt_state, jnp.zeros(())), keys)
-    return _natural_of(params), clipped / config.num_steps
+    steps = jnp.arange(config.num_steps)
+    grad_zeros = _Params(jnp.zeros_like(origin.loc), jnp.zeros_like(origin.log_scale))
+    init = (coords, opt_state, jnp.zeros((), origin.loc.dtype), (zeros, grad_zeros))
+    (x, _, clipped, (sum_x, sum_g)), _ = lax.scan(step, init, (keys, steps))
+    count_window = config.num_steps - first
+    if count_window > 1:
+        x = jax.tree_util.tree_map(lambda a: a / count_window, sum_x)
+    params = to_params(x)
+    new_q = _natural_of(params)
+    if not with_residual:
+        return new_q, clipped / config.num_steps
+    mean_grad = jax.tree_util.tree_map(lambda a: a / count_window, sum_g)
+    residual = jnp.maximum(
+        jnp.max(jnp.abs(mean_grad.loc) * jnp.exp(params.log_scale)), jnp.max(jnp.abs(mean_grad.log_scale)) / 2
+    )
+    return new_q, clipped / config.num_steps, residual
 
 
 # -- client updates -----------------------------------------------------------------------------
@@ -410,21 +494,27 @@ def client_update(
     noise_multiplier=0.0,
     noise_divisor=1.0,
     batch_cap: int | None = None,
+    with_residual: bool = False,
+    clip_norm=None,
 ):
     """One client's message for the server.
 
     :return: ``(delta, virtual_delta, clipped)``: the change of the client's factor
         (natural parameters, ``(d,)``), the changes of its virtual factors (``(K, d)``; zero
-        unless ``dp="virtual"``; they sum to ``delta``) and the fraction of clipped terms.
+        unless ``dp="virtual"``; they sum to ``delta``) and the fraction of clipped terms;
+        with ``with_residual``, also the local optimisation's residual (see
+        :func:`optimise_local`; the largest over the shards).
     """
     if dp in (None, "dpsgd"):
         cavity = _tree_sub(q, factor)
-        new_q, clipped = optimise_local(
+        new_q, clipped, residual = optimise_local(
             rng_key, row_log_lik, q, cavity, rows, valid, config,
-            noise_multiplier=noise_multiplier, batch_cap=batch_cap,
+            noise_multiplier=noise_multiplier, batch_cap=batch_cap, with_residual=True,
+            clip_norm=clip_norm,
         )
         delta = _tree_sub(new_q, q)
-        return delta, jax.tree_util.tree_map(jnp.zeros_like, virtual), clipped
+        out = (delta, jax.tree_util.tree_map(jnp.zeros_like, virtual), clipped)
+        return out + (residual,) if with_residual else out
 
     num_shards = shard_index.shape[0]
     key_opt, key_noise = jax.random.split(rng_key)
@@ -432,13 +522,14 @@ def client_update(
     keys = jax.random.split(key_opt, num_shards)
     if dp == "local_avg":
         cavity = _tree_sub(q, factor)
-        new_qs, _ = jax.vmap(
-            lambda k, r, v: optimise_local(k, row_log_lik, q, cavity, r, v, config, likelihood_weight=num_shards),
+        new_qs, _, residuals = jax.vmap(
+            lambda k, r, v: optimise_local(k, row_log_lik, q, cavity, r, v, config,
+                                           likelihood_weight=num_shards, with_residual=True),
         )(keys, shard_rows, shard_valid)
     elif dp == "virtual":
         cavities = jax.tree_util.tree_map(lambda a, b: a[None] - b, q, virtual)
-        new_qs, _ = jax.vmap(
-            lambda k, c, r, v: optimise_local(k, row_log_lik, q, c, r, v, config),
+        new_qs, _, residuals = jax.vmap(
+            lambda k, c, r, v: optimise_local(k, row_log_lik, q, c, r, v, config, with_residual=True),
         )(keys, cavities, shard_rows, shard_valid)
     else:
         raise ValueError(f"unknown dp variant {dp!r}")
@@ -453,7 +544,8 @@ def client_update(
     else:
         delta = _unflat(total)
         virtual_delta = _unflat(changes + noise[None] / num_shards)
-    return delta, virtual_delta, jnp.mean(was_clipped.astype(changes.dtype))
+    out = (delta, virtual_delta, jnp.mean(was_clipped.astype(changes.dtype)))
+    return out + (jnp.max(residuals),) if with_residual else out
 
 
 # -- rounds -------------------------------------------------------------------------------------
@@ -471,9 +563,11 @@ def build_round(
     trusted_aggregator: bool = False,
     batch_cap: int | None = None,
 ) -> Callable:
-    """A pure ``round(rng_key, state, data) -> (state, RoundInfo)`` visiting every client
-    once. ``data`` is the :class:`ClientData` (passed, not captured, so that ``jit`` does
-    not embed it as constants); it must keep the shapes of the one given here.
+    """A pure ``round(rng_key, state, data, clip_norm=None) -> (state, RoundInfo)``
+    visiting every client once. ``data`` is the :class:`ClientData` (passed, not captured,
+    so that ``jit`` does not embed it as constants); it must keep the shapes of the one
+    given here. ``clip_norm`` (``(M,)``, DP-SGD only) overrides ``config.clip_norm`` per
+    client for this round.
 
     :param row_log_lik: ``(theta_flat, rows) -> (R,)`` log-likelihood of each row.
     :param noise_multiplier: scalar or ``(M,)``: the noise standard deviation over the clip
@@ -483,12 +577,13 @@ def build_round(
     sigmas = jnp.broadcast_to(jnp.asarray(noise_multiplier, dtype=jnp.zeros(()).dtype), (num_clients,))
     noise_divisor = float(np.sqrt(num_clients)) if trusted_aggregator else 1.0
 
-    def update_of(data, key, q, m, factor, virtual):
+    def update_of(data, key, q, m, factor, virtual, clip_norm):
         rows = [r[m] for r in data.rows]
         return client_update(
             key, row_log_lik, q, factor, virtual, rows, data.valid[m],
             data.shard_index[m], data.shard_valid[m], config, dp=dp,
             noise_multiplier=sigmas[m], noise_divisor=noise_divisor, batch_cap=batch_cap,
+            with_residual=True, clip_norm=None if clip_norm is None else clip_norm[m],
         )
 
     def apply(state: PVIState, new_q, new_factors, new_virtual):
@@ -503,28 +598,28 @@ def build_round(
 
     if schedule == "synchronous":
 
-        def round_fn(rng_key, state: PVIState, data: ClientData):
+        def round_fn(rng_key, state: PVIState, data: ClientData, clip_norm=None):
             keys = jax.random.split(rng_key, num_clients)
-            deltas, virtual_deltas, clipped = jax.vmap(
-                lambda k, m, f, v: update_of(data, k, state.q, m, f, v)
+            deltas, virtual_deltas, clipped, residual = jax.vmap(
+                lambda k, m, f, v: update_of(data, k, state.q, m, f, v, clip_norm)
             )(keys, jnp.arange(num_clients), state.factors, state.virtual)
             new_factors = _tree_add(state.factors, deltas, damping)
             new_virtual = _tree_add(state.virtual, virtual_deltas, damping)
             total = jax.tree_util.tree_map(lambda x: jnp.sum(x, axis=0), deltas)
             new_q = _tree_add(state.q, total, damping)
             state, rejected = apply(state, new_q, new_factors, new_virtual)
-            return state, RoundInfo(rejected=rejected, clipped=clipped)
+            return state, RoundInfo(rejected=rejected, clipped=clipped, residual=residual)
 
     elif schedule == "sequential":
 
-        def round_fn(rng_key, state: PVIState, data: ClientData):
+        def round_fn(rng_key, state: PVIState, data: ClientData, clip_norm=None):
             keys = jax.random.split(rng_key, num_clients)
 
             def visit(state, inputs):
                 key, m = inputs
                 factor = jax.tree_util.tree_map(lambda x: x[m], state.factors)
                 virtual = jax.tree_util.tree_map(lambda x: x[m], state.virtual)
-                delta, virtual_delta, clipped = update_of(data, key, state.q, m, factor, virtual)
+                delta, virtual_delta, clipped, residual = update_of(data, key, state.q, m, factor, virtual, clip_norm)
                 new_factors = jax.tree_util.tree_map(
                     lambda all_, d: all_.at[m].add(damping * d), state.factors, delta
                 )
@@ -533,10 +628,10 @@ def build_round(
                 )
                 new_q = _tree_add(state.q, delta, damping)
                 state, rejected = apply(state, new_q, new_factors, new_virtual)
-                return state, (rejected, clipped)
+                return state, (rejected, clipped, residual)
 
-            state, (rejected, clipped) = lax.scan(visit, state, (keys, jnp.arange(num_clients)))
-            return state, RoundInfo(rejected=rejected, clipped=clipped)
+            state, (rejected, clipped, residual) = lax.scan(visit, state, (keys, jnp.arange(num_clients)))
+            return state, RoundInfo(rejected=rejected, clipped=clipped, residual=residual)
 
     else:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
