@@ -1301,9 +1301,9 @@ class DSVGD(_ParticleMethod):
     ``stein_scale`` (minus the mean of score times deviation: 1 expected; for a Gaussian target,
     the ratio of the particles' variance to the posterior's). After the last round, a mean
     more than 3 posterior sds off by that measure (``|stein_mean| / sqrt(stein_scale) > 3``),
-    ``stein_scale`` outside ``[1/4, 4]``, or a spread or a distance from the initial
-    particles of more than 1000 of their sds, is reported by a :class:`RuntimeWarning` that
-    names what to change.
+    ``stein_scale`` outside ``[1/4, 4]``, or (in a run from prior draws) a spread or a
+    distance from the prior draws of more than 1000 of their sds, is reported by a
+    :class:`RuntimeWarning` that names what to change.
 
     **Example**
 
@@ -1323,6 +1323,8 @@ class DSVGD(_ParticleMethod):
     >>> abs(float(draws["mu"].mean()) - 8.0 / (4 + 1)) < 0.3  # exact posterior mean 1.6
     True
     """
+
+    _from_prior = True  # set by run(): whether the run started from prior draws
 
     def __init__(
         self,
@@ -1423,16 +1425,18 @@ class DSVGD(_ParticleMethod):
         stein_mean, stein_scale = (np.asarray(v) for v in self._stein_statistics()(history[1:]))
         result.metrics["stein_mean"], result.metrics["stein_scale"] = stein_mean, stein_scale
         start, end = np.asarray(history[0], dtype=float), np.asarray(history[-1], dtype=float)
-        start_sd = start.std(axis=0)
+        # Compared with the prior draws only: particles given by the user may be as narrow as
+        # they like.
+        start_sd = start.std(axis=0) if self._from_prior else np.zeros(start.shape[1])
         spread = np.where(start_sd > 0, end.std(axis=0) / np.where(start_sd > 0, start_sd, 1.0), 0.0)
         distance = np.where(start_sd > 0, np.abs(end.mean(axis=0) - start.mean(axis=0))
                             / np.where(start_sd > 0, start_sd, 1.0), 0.0)
         problems = []
         if np.max(spread) > 1e3:
-            problems.append(f"their spread grew {np.max(spread):.3g}-fold from the initial particles "
+            problems.append(f"their spread grew {np.max(spread):.3g}-fold from the prior draws "
                             f"(coordinate {int(np.argmax(spread))})")
         if np.max(distance) > 1e3:
-            problems.append(f"their mean moved {np.max(distance):.3g} initial sds "
+            problems.append(f"their mean moved {np.max(distance):.3g} prior sds "
                             f"(coordinate {int(np.argmax(distance))})")
         all_visited = len(np.unique(np.asarray(schedule))) == self.federated_potential.num_clients
         if all_visited:
@@ -1483,6 +1487,7 @@ class DSVGD(_ParticleMethod):
                 raise ValueError(f"init_state has {init_state.local_particles.shape[0]} clients, "
                                  f"the model {fp.num_clients}")
             state = init_state
+        self._from_prior = init_state is None and init_particles is None
         return self._run_rounds(num_rounds, state, schedule_key)
 
 
@@ -1570,6 +1575,7 @@ class UDSVGD(DSVGD):
         num_rounds = check_int(num_rounds, "num_rounds", minimum=1)
         init_key, schedule_key = jax.random.split(rng_key)
         state = self.init(init_key, *args, num_rounds=num_rounds, init_particles=init_particles, **kwargs)
+        self._from_prior = init_particles is None
         return self._run_rounds(num_rounds, state, schedule_key)
 
 
