@@ -101,6 +101,27 @@ def _set_attrs(idata: az.InferenceData, attrs: dict[str, Any]) -> az.InferenceDa
     return idata
 
 
+def _plate_dims(model, args, kwargs) -> dict[str, list[str]]:
+    """Dims of every site named after its plates (and event dims), from one concrete trace of
+    the model. ArviZ's own inference (``jax.eval_shape`` of a trace) fails on a second call
+    with other data arrays: a federated plate carries its client assignment, an array, in
+    metadata that JAX compares between calls."""
+    from numpyro import handlers
+    from numpyro.infer.initialization import init_to_sample
+
+    seeded = handlers.substitute(handlers.seed(model, 0), substitute_fn=init_to_sample)
+    trace = handlers.trace(seeded).get_trace(*args, **kwargs)
+    dims = {}
+    for name, site in trace.items():
+        if site["type"] not in ("sample", "deterministic"):
+            continue
+        batch = [frame.name for frame in sorted(site["cond_indep_stack"], key=lambda f: f.dim)]
+        event = list(site.get("infer", {}).get("event_dims", []))
+        if batch or event:
+            dims[name] = batch + event
+    return dims
+
+
 def _register_numpyro_mcmc():
     from numpyro.infer import MCMC
 
@@ -109,15 +130,17 @@ def _register_numpyro_mcmc():
         sampler = mcmc.sampler
         if hasattr(sampler, "check_run"):
             sampler.check_run(mcmc)
-        if hasattr(sampler, "inference_data"):
-            # samplers whose draws are not one posterior draw each (e.g. one per agent)
-            posterior, groups, dims = sampler.inference_data(mcmc)
-            idata = az.from_dict(posterior=posterior, **kwargs)
-            for group, values in groups.items():
-                dataset = az.dict_to_dataset(values, library=None, dims=dims.get(group))
+        if kwargs.get("dims") is None:
+            kwargs["dims"] = _plate_dims(sampler.model, mcmc._args, mcmc._kwargs)
+        idata = az.from_numpyro(mcmc, log_likelihood=log_likelihood, **kwargs)
+        if hasattr(sampler, "extra_groups"):
+            # draws beside the posterior ones (e.g. every agent's, their average), dims as in
+            # the posterior (named after plates) after the group's own leading dims
+            for group, (values, leading) in sampler.extra_groups(mcmc).items():
+                dims = {name: list(leading) + list(idata.posterior[name].dims[2:])
+                        for name in values if name in idata.posterior}
+                dataset = az.dict_to_dataset(values, library=None, dims=dims)
                 idata.add_groups({group: dataset})
-        else:
-            idata = az.from_numpyro(mcmc, log_likelihood=log_likelihood, **kwargs)
         idata = _drop_client_data(idata, observed_data=observed_data, log_likelihood=log_likelihood)
         if hasattr(sampler, "sample_stats"):
             stats = sampler.sample_stats(mcmc.get_extra_fields(group_by_chain=True))

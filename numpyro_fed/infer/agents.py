@@ -302,19 +302,16 @@ class DecentralisedKernel(MCMCKernel):
             stats[name] = (value, ["agent"] if value.ndim == 3 else [])
         return stats
 
-    def inference_data(self, mcmc):
-        """``(posterior, groups, dims)`` for :func:`~numpyro_fed.to_inference_data`: the
-        MCMC samples (the reporting agent's draws) in ``posterior``, every agent's draws in an
-        ``agents`` group with an ``agent`` dim, and the network average in a
-        ``network_average`` group (plain site names in all three)."""
-        posterior = {k: np.asarray(v) for k, v in jax.device_get(mcmc.get_samples(group_by_chain=True)).items()}
+    def extra_groups(self, mcmc):
+        """The groups :func:`~numpyro_fed.to_inference_data` adds beside ``posterior`` (which
+        holds ``mcmc.get_samples()``, the reporting agent's draws): ``{group: (values,
+        leading_dims)}`` with every agent's draws in ``agents`` (an ``agent`` dim before the
+        sites' own dims) and the network average in ``network_average``."""
         agents = {k: np.asarray(v) for k, v in
                   jax.device_get(self.agent_draws(mcmc, group_by_chain=True)).items()}
         average = {k: np.asarray(v) for k, v in
                    jax.device_get(self.network_average(mcmc, group_by_chain=True)).items()}
-        dims = {name: ["agent"] + [f"{name}_dim_{k}" for k in range(np.ndim(v) - 3)]
-                for name, v in agents.items()}
-        return posterior, {"agents": agents, "network_average": average}, {"agents": dims}
+        return {"agents": (agents, ["agent"]), "network_average": (average, [])}
 
     @staticmethod
     def agent_draws(mcmc, agent: int | None = None, *, group_by_chain: bool = False) -> dict:
