@@ -611,7 +611,8 @@ def build_kernel(
                 rate = jnp.maximum(state.v[coordinate] * (grad[coordinate] - winner_shift), 0.0)
                 if kind == "grid":  # line bounds give the excess its own clock
                     rate = rate + excess[winner]
-                violated = ~certain[winner] & (rate > bound * (1 + 1e-6) + 1e-12)
+                # rounding slack: 1e-6 relative, or 64 ulps where the dtype is coarser
+                violated = ~certain[winner] & (rate > bound * (1 + max(1e-6, 64 * float(jnp.finfo(dtype).eps))) + 1e-12)
                 accept = certain[winner] | (uniforms[2 * num] * bound < rate)
                 v_new = jnp.where(accept, state.v.at[coordinate].multiply(-1.0), state.v)
                 horizon_new = jnp.where(violated, state.horizon / 2, jnp.where(accept, state.horizon, state.horizon / 1.04))
