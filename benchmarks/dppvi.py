@@ -9,6 +9,7 @@ delta) the run reports; wall time.
     python benchmarks/dppvi.py --split balanced --epsilon 1 --seeds 0,1,2,3,4
     python benchmarks/dppvi.py --variants dpsgd,virtual --num-clients 200 --epsilon 0.5
     python benchmarks/dppvi.py --model bnn --epsilon 2 --variants pvi,dpsgd,bcm_same,global_vi
+    python benchmarks/dppvi.py --defaults --seeds 0,1,2   # default settings vs exact / NUTS
 
 With several ``--seeds`` (each also redraws the split) it prints the mean and standard error
 of the final figures per variant. With more shards than the smallest client has rows (200
@@ -218,6 +219,105 @@ def summarise(results):
     return summary
 
 
+# -- the defaults (no hand tuning) ------------------------------------------------------------------
+
+
+def _regression_problem(n, d, clients, noise, coef, seed=0):
+    """Linear regression with known noise and a N(0, 1) prior: exact Gaussian posterior."""
+    X = jax.random.normal(jax.random.PRNGKey(seed), (n, d))
+    y = X @ jnp.asarray(coef) + noise * jax.random.normal(jax.random.PRNGKey(seed + 1), (n,))
+
+    def model(X, y=None):
+        w = numpyro.sample("w", dist.Normal(0, 1).expand([d]).to_event(1))
+        with nf.federated_plate("data", X.shape[0], clients=clients):
+            numpyro.sample("y", dist.Normal(X @ w, noise), obs=y)
+
+    Xn, yn = np.asarray(X, float), np.asarray(y, float)
+    precision = np.eye(d) + Xn.T @ Xn / noise**2
+    mean = np.linalg.solve(precision, Xn.T @ yn / noise**2)
+    return model, (X, y), mean, 1 / np.sqrt(np.diag(precision))  # mean-field VI's optimum
+
+
+def _logistic_problem(n, clients, seed=0):
+    """Logistic regression, 3 coefficients, N(0, 1) prior; reference: NUTS on the pooled rows."""
+    from numpyro.infer import MCMC, NUTS
+
+    X = jax.random.normal(jax.random.PRNGKey(seed), (n, 3))
+    p = jax.nn.sigmoid(X @ jnp.array([1.0, -1.0, 0.5]))
+    y = (jax.random.uniform(jax.random.PRNGKey(seed + 1), (n,)) < p) * 1.0
+
+    def model(X, y=None):
+        w = numpyro.sample("w", dist.Normal(0, 1).expand([3]).to_event(1))
+        with nf.federated_plate("data", X.shape[0], clients=clients):
+            numpyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+
+    def pooled(X, y=None):
+        w = numpyro.sample("w", dist.Normal(0, 1).expand([3]).to_event(1))
+        with numpyro.plate("data", X.shape[0]):
+            numpyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+
+    mcmc = MCMC(NUTS(pooled), num_warmup=500, num_samples=2000, progress_bar=False)
+    mcmc.run(jax.random.PRNGKey(seed + 5), X, y)
+    draws = np.asarray(mcmc.get_samples()["w"])
+    return model, (X, y), draws.mean(0), draws.std(0)
+
+
+DEFAULT_PROBLEMS = {
+    # name: (problem, DPPVI kwargs, rounds)
+    "regression, non-private": (lambda: _regression_problem(400, 3, 4, 1.0, [1.0, -2.0, 0.5]), {}, 5),
+    "regression, non-private, former default": (
+        lambda: _regression_problem(400, 3, 4, 1.0, [1.0, -2.0, 0.5]), dict(optim=optax.adam(1e-2)), 5),
+    "logistic 4x250, eps 1": (lambda: _logistic_problem(1000, 4), dict(dp="dpsgd", target_epsilon=1.0), 2),
+    "logistic 4x250, eps 1, former default": (
+        lambda: _logistic_problem(1000, 4),
+        dict(dp="dpsgd", target_epsilon=1.0, sampling="full", clip_norm=1.0, optim=optax.adam(1e-2)), 2),
+    "logistic 4x5000, eps 4": (lambda: _logistic_problem(20000, 4), dict(dp="dpsgd", target_epsilon=4.0), 2),
+    "regression 2x40000, eps 4": (
+        lambda: _regression_problem(80000, 2, 2, 1.0, [0.5, -1.0]), dict(dp="dpsgd", target_epsilon=4.0), 2),
+}
+
+
+def run_defaults(seeds, names=None):
+    """Every problem of DEFAULT_PROBLEMS with default settings (and the former defaults):
+    the largest error of the means and the range of the sd ratios against the reference,
+    in posterior sds; the automatic settings; refusals and warnings."""
+    import warnings
+
+    rows = []
+    for name, (make, kwargs, rounds) in DEFAULT_PROBLEMS.items():
+        if names and name not in names:
+            continue
+        model, data, mean, sd = make()
+        for seed in seeds:
+            method = DPPVI(model, progress_bar=False, **kwargs)
+            start = time.perf_counter()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    result = method.run(jax.random.PRNGKey(seed), rounds, *data)
+                except ValueError as error:
+                    print(f"{name:42s} seed {seed}  refused: {error}", flush=True)
+                    rows.append({"problem": name, "seed": seed, "refused": str(error)})
+                    continue
+            loc, scale = np.asarray(result.params["loc"]["w"]), np.asarray(result.params["scale"]["w"])
+            row = {
+                "problem": name, "seed": seed, "max_abs_error_sd": float(np.max(np.abs(loc - mean) / sd)),
+                "sd_ratio_min": float(np.min(scale / sd)), "sd_ratio_max": float(np.max(scale / sd)),
+                "epsilon": None if result.privacy is None else result.privacy.epsilon,
+                "noise_multiplier": float(np.max(result.noise_multiplier)),
+                "sampling_rate": method.sampling_rate,
+                "predicted_dp_error": result.metrics["predicted_dp_error"],
+                "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],
+                "wall_seconds": time.perf_counter() - start,
+            }
+            rows.append(row)
+            print(f"{name:42s} seed {seed}  max |error| {row['max_abs_error_sd']:.3f} sd  sd ratio "
+                  f"{row['sd_ratio_min']:.2f}-{row['sd_ratio_max']:.2f}  rate {row['sampling_rate']:.4g}  "
+                  f"sigma {row['noise_multiplier']:.3g}  predicted {row['predicted_dp_error']:.2g}  "
+                  f"warnings {len(row['warnings'])}  {row['wall_seconds']:.1f} s", flush=True)
+    return rows
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--split", default="balanced", choices=sorted(partition.DPPVI_SPLITS))
@@ -232,7 +332,18 @@ def main(argv=None):
                         help="drop one-hot columns with fewer than N training rows (a diagnostic: "
                              "the update-perturbation variants' noise swamps rare coordinates)")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--defaults", action="store_true",
+                        help="instead of Adult: DPPVI with default settings on problems with exact or NUTS "
+                             "references (non-private convergence; DP-SGD given only a budget)")
     args = parser.parse_args(argv)
+    if args.defaults:
+        rows = run_defaults([int(s) for s in args.seeds.split(",")])
+        out_path = args.out or os.path.join(os.path.dirname(__file__), "results", "dppvi_defaults.json")
+        os.makedirs(os.path.dirname(out_path), exist_ok=True)
+        with open(out_path, "w") as handle:
+            json.dump({"seeds": args.seeds, "load_average": os.getloadavg(), "results": rows}, handle, indent=1)
+        print(f"wrote {out_path}")
+        return
 
     data = load_adult(args.data, seed=0)
     if args.drop_rare:
