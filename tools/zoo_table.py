@@ -36,7 +36,7 @@ BEGIN, END = "<!-- zoo-table -->", "<!-- /zoo-table -->"
 SYMBOL = {"agrees": "agrees", "warns": "**warns**", "refuses": "refuses", "FAILS": "**FAILS**"}
 
 
-def run_all(selection, jobs):
+def run_all(selection, jobs, save=lambda results: None):
     refs = {}
     for case, algorithm, _ in selection:  # references first, one at a time (NUTS, cached)
         refused_by_design = models.get_case(case).local_sites and algorithm in harness.GLOBAL_ONLY
@@ -50,7 +50,21 @@ def run_all(selection, jobs):
             outcome = future.result()
             print(outcome.report(), flush=True)
             results.append(dataclasses.asdict(outcome))
+            save(results)  # a partial table survives an interrupted run
     return results
+
+
+def reclassify(run):
+    """The run classified again from its stored record (after a change of the harness's rules)."""
+    raw = run.get("raw")
+    if not raw:
+        return run
+    case = models.get_case(run["case"])
+    needs_ref = not (case.local_sites and run["algorithm"] in harness.GLOBAL_ONLY)
+    ref = harness.reference(run["case"]) if needs_ref else None
+    outcome = harness.classify(run["case"], run["algorithm"], run["dtype"], raw["record"], raw["seconds"],
+                               raw["timed_out"], raw["stderr"], raw["budget"], ref)
+    return dataclasses.asdict(outcome)
 
 
 def _git(*args):
@@ -131,31 +145,39 @@ def main():
     args = parser.parse_args()
     if args.from_json:
         with open(RESULTS) as f:
-            write_page(json.load(f))
+            record = json.load(f)
+        record["runs"] = [reclassify(r) for r in record["runs"]]
+        with open(RESULTS, "w") as f:
+            json.dump(record, f, indent=1)
+        write_page(record)
         return
     selection = [(c, a, d) for c, a, d in harness.all_runs()
                  if (not args.case or c in args.case) and (not args.algorithm or a in args.algorithm)
                  and (not args.dtype or d in args.dtype)]
-    if args.commit == "working-tree":
-        commit = _git("rev-parse", "--short", "HEAD") + " + uncommitted edits"
-        results = run_all(selection, args.jobs)
-    else:
-        with _Checkout(args.commit) as checkout:
-            commit = checkout.sha
-            print(f"testing numpyro_fed at {commit} ({checkout.path})", flush=True)
-            results = run_all(selection, args.jobs)
     old = []
     if (args.case or args.algorithm or args.dtype) and os.path.exists(RESULTS):
         with open(RESULTS) as f:
             old = json.load(f)["runs"]
-    keys = {(r["case"], r["algorithm"], r["dtype"]) for r in results}
-    record = {"commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-              "run_lengths": RUN_LENGTHS,
-              "runs": [r for r in old if (r["case"], r["algorithm"], r["dtype"]) not in keys] + results}
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as f:
-        json.dump(record, f, indent=1)
-    write_page(record)
+    commit = _git("rev-parse", "--short", "HEAD") + " + uncommitted edits"
+
+    def save(results):
+        keys = {(r["case"], r["algorithm"], r["dtype"]) for r in results}
+        record = {"commit": commit,
+                  "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                  "run_lengths": RUN_LENGTHS,
+                  "runs": [r for r in old if (r["case"], r["algorithm"], r["dtype"]) not in keys] + results}
+        os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+        with open(RESULTS, "w") as f:
+            json.dump(record, f, indent=1)
+        write_page(record)
+
+    if args.commit == "working-tree":
+        results = run_all(selection, args.jobs, save)
+    else:
+        with _Checkout(args.commit) as checkout:
+            commit = checkout.sha
+            print(f"testing numpyro_fed at {commit} ({checkout.path})", flush=True)
+            results = run_all(selection, args.jobs, save)
     failures = [r for r in results if r["outcome"] == "FAILS"]
     print(f"{len(results)} runs: " + ", ".join(f"{k} {sum(r['outcome'] == k for r in results)}"
                                                for k in ("agrees", "warns", "refuses", "FAILS")))

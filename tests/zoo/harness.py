@@ -71,6 +71,9 @@ GLOBAL_ONLY = {"DSVGD", "DPPVI"}
 REFUSALS = {"ValueError", "TypeError", "NotImplementedError", "RuntimeError", "FloatingPointError"}
 IGNORED_WARNINGS = {"DeprecationWarning", "PendingDeprecationWarning", "FutureWarning", "TqdmWarning",
                     "TqdmExperimentalWarning"}
+# Warnings that say nothing about the answer: ArviZ's guess at the layout of many short chains,
+# JAX's note that float64 data were cast to float32.
+IGNORED_MESSAGES = ("More chains (", "Explicitly requested dtype")
 
 
 @dataclasses.dataclass
@@ -82,6 +85,7 @@ class Outcome:
     detail: str
     seconds: float | None
     warnings: list
+    raw: dict | None = None  # what classify() read, to classify again (tools/zoo_table.py --from-json)
 
     def report(self) -> str:
         lines = [f"{self.case} x {self.algorithm} ({self.dtype}): {self.outcome} -- {self.detail}"]
@@ -225,7 +229,7 @@ def _names_a_site(message, sites) -> bool:
 def _relevant_warnings(record):
     seen, out = set(), []
     for w in record.get("warnings", []):
-        if w["category"] in IGNORED_WARNINGS:
+        if w["category"] in IGNORED_WARNINGS or w["message"].startswith(IGNORED_MESSAGES):
             continue
         text = f"{w['category']}: {w['message']}"
         if text not in seen:
@@ -239,6 +243,14 @@ def classify(case_name, algorithm, dtype, record, seconds, timed_out, stderr, bu
     case = models.get_case(case_name)
     make = lambda outcome, detail, warns=(): Outcome(case_name, algorithm, dtype, outcome, detail,
                                                      None if seconds is None else round(seconds, 1), list(warns))
+    outcome = _classify(case_name, algorithm, record, timed_out, stderr, budget, ref, make)
+    outcome.raw = {"record": record, "seconds": seconds, "timed_out": timed_out, "stderr": stderr,
+                   "budget": budget}
+    return outcome
+
+
+def _classify(case_name, algorithm, record, timed_out, stderr, budget, ref, make):
+    case = models.get_case(case_name)
     if timed_out:
         return make("FAILS", f"hang: killed after the time budget of {budget:.0f} s")
     if record is None:
