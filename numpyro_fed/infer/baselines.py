@@ -114,7 +114,9 @@ def largest_curvatures(potentials: AgentPotentials, x, *, iterations: int = 30, 
 
 def _warn_unstable(name, potentials, x0, gain, advice):
     """Warns when ``gain(curvature) >= 1`` for the stiffest agent at the starting point: the
-    linearised update is then unstable and the iterates run away."""
+    linearised update is then unstable. On a quadratic potential the iterates then run away;
+    elsewhere they may settle where the curvature is lower (e.g. logistic regression away
+    from zero), so this is a warning, and :meth:`check_run` reports runs that did diverge."""
     curvatures = np.asarray(largest_curvatures(potentials, x0))
     if not np.all(np.isfinite(curvatures)):
         return
@@ -123,8 +125,8 @@ def _warn_unstable(name, potentials, x0, gain, advice):
     if gain(curvature) >= 1.0:
         warnings.warn(
             f"{name}: the largest curvature of an agent's potential at the starting point is "
-            f"{curvature:.3g} (agent {agent}); with these step sizes the update is unstable there and "
-            f"the iterates diverge: {advice(curvature)}",
+            f"{curvature:.3g} (agent {agent}); with these step sizes the update linearised there is "
+            f"unstable, so the iterates may run away (they do on a Gaussian model): {advice(curvature)}",
             RuntimeWarning,
             stacklevel=4,
         )
