@@ -443,17 +443,17 @@ def optimise_local(
             if config.clip_scaled:
                 total = total / width
             ascent = _tree_add(_Params(total[:d], total[d:]), jax.grad(_prior_side)(params, cavity))
-            frac = jnp.sum(was_clipped * weight) / jnp.maximum(jnp.sum(weight), 1.0)
+            frac = (jnp.sum(was_clipped * weight) / jnp.maximum(jnp.sum(weight), 1.0)).astype(origin.loc.dtype)
         else:
             weights = in_batch * scale * likelihood_weight
             ascent = jax.grad(local_elbo, argnums=1)(row_log_lik, params, cavity, eps, batch_rows, weights)
-            frac = jnp.zeros(())
+            frac = jnp.zeros((), origin.loc.dtype)
         descent = jax.tree_util.tree_map(jnp.negative, to_coords_grad(ascent))
         updates, opt_state = config.optim.update(descent, opt_state, x)
         x = optax.apply_updates(x, updates)
         # running sums, over the averaging window, of the iterates and of the gradients
-        weight = (t >= first).astype(origin.loc.dtype)
-        sums = (_tree_add(sums[0], x, weight), _tree_add(sums[1], ascent, weight))
+        in_window = (t >= first).astype(origin.loc.dtype)
+        sums = (_tree_add(sums[0], x, in_window), _tree_add(sums[1], ascent, in_window))
         return (x, opt_state, clipped + frac, sums), None
 
     keys = jax.random.split(rng_key, config.num_steps)
