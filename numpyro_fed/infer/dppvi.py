@@ -51,6 +51,10 @@ _AUTO_BATCH = 64  # expected rows per step in the smallest client
 _AUTO_MIN_NOISE = 2.0  # smallest noise multiplier the automatic rate aims for
 _AUTO_CLIP = 8.0  # clip norm over the typical scaled per-row gradient, sqrt(d / rows seen)
 _MAX_DP_ERROR = 1.0  # predicted_dp_error above which the noise dominates (refuse / warn)
+# predicted_dp_error above which a run that goes ahead warns: measured errors were up to
+# 5 times the prediction (benchmarks/dppvi.md), so 0.2 can mean a posterior sd.
+_WARN_DP_ERROR = 0.2
+_MIN_NOISE_MULTIPLIER = 0.3  # below: epsilon in the hundreds; accounting blows up
 _MAX_RESIDUAL = 0.25  # local-optimisation residual (in q's scales) above which it has not converged
 _ADAM_WINDOW = 10  # steps a user optimiser's last iterate is taken to average (Adam's momentum)
 
@@ -295,6 +299,14 @@ class DPPVI:
                 raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
             if noise_multiplier == 0 and target_epsilon is not None:
                 raise ValueError("noise_multiplier=0 gives no privacy: do not pass target_epsilon")
+            if 0 < noise_multiplier < _MIN_NOISE_MULTIPLIER:
+                # PLD accounting of 200 Poisson steps at sigma 0.1 gives epsilon ~ 2000 and takes
+                # 20 s; at 1e-3 the accountant tries to allocate tens of GiB.
+                raise ValueError(
+                    f"noise_multiplier={noise_multiplier} gives no meaningful privacy (epsilon in "
+                    f"the hundreds or more, which the accountant cannot compute in reasonable time "
+                    f"and memory): use noise_multiplier >= {_MIN_NOISE_MULTIPLIER}, or dp=None"
+                )
         self.noise_multiplier = noise_multiplier
         self.target_epsilon = None if target_epsilon is None else check_epsilon(target_epsilon)
         if accountant not in (None, "pld", "rdp"):
@@ -654,6 +666,15 @@ class DPPVI:
                 f"(metrics['residual']; above {_MAX_RESIDUAL}): raise num_local_steps or run more "
                 "rounds (or, with your own optim, a larger or decaying rate; num_mc_samples if "
                 "the model is noisy)",
+                RuntimeWarning, stacklevel=2,
+            )
+        if _WARN_DP_ERROR < dp_error <= _MAX_DP_ERROR:
+            warnings.warn(
+                f"DPPVI(dp='dpsgd'): the privacy noise is expected to have moved q's means by "
+                f"about {dp_error:.2g} posterior standard deviations (predicted_dp_error; measured "
+                f"errors have been up to 5 times that), and q's scales do not include that noise: "
+                "read the answer as approximate. For a closer one raise target_epsilon, run "
+                "fewer rounds, or give the clients more rows",
                 RuntimeWarning, stacklevel=2,
             )
         loc, scale = core.loc_scale(state.q)
