@@ -437,7 +437,8 @@ class DADMMS(DecentralisedKernel):
         :return: ``(num_unconverged, num_steps)``: proximal steps over agents, iterations
             and chains.
         """
-        self._check_finite(mcmc, strict)
+        if not self._check_finite(mcmc, strict):
+            self.check_spread(mcmc, strict=strict)
         converged = mcmc.get_extra_fields().get("info.converged")
         if converged is None:
             return 0, 0
@@ -478,6 +479,8 @@ class ADMM(DADMMS):
     >>> bool(abs(nf.ADMM.agent_draws(mcmc)["mu"][-1] - y.sum() / (8 + 0.01)).max() < 1e-6)
     True
     """
+
+    samples_posterior = False  # an optimiser: its iterates converge to the MAP
 
     def __init__(self, model, **kwargs):
         if "noise_scale" in kwargs:
