@@ -64,7 +64,7 @@ def reclassify(run):
     ref = harness.reference(run["case"]) if needs_ref else None
     outcome = harness.classify(run["case"], run["algorithm"], run["dtype"], raw["record"], raw["seconds"],
                                raw["timed_out"], raw["stderr"], raw["budget"], ref)
-    return dataclasses.asdict(outcome)
+    return dict(dataclasses.asdict(outcome), commit=run.get("commit"))
 
 
 def _git(*args):
@@ -120,7 +120,11 @@ def table(record) -> str:
             if r["warnings"]:
                 out += " Warnings: " + "; ".join(w.replace("\n", " ")[:300] for w in r["warnings"])
             out += "\n"
-    out += (f"\nGenerated at commit `{record['commit']}` on {record['date']} by "
+    commits = {}
+    for r in record["runs"]:
+        commits.setdefault(r.get("commit", record["commit"]), set()).add(r["algorithm"])
+    where = "; ".join(f"{', '.join(a for a in ALGORITHMS if a in algs)} at `{c}`" for c, algs in commits.items())
+    out += (f"\nGenerated ({where}) on {record['date']} by "
             "`.venv/bin/python tools/zoo_table.py` (run times on a shared 2-core machine, in the "
             "child process, compilation included).\n")
     return out
@@ -157,10 +161,13 @@ def main():
     old = []
     if (args.case or args.algorithm or args.dtype) and os.path.exists(RESULTS):
         with open(RESULTS) as f:
-            old = json.load(f)["runs"]
+            previous = json.load(f)
+        old = [dict(r, commit=r.get("commit", previous["commit"])) for r in previous["runs"]]
     commit = _git("rev-parse", "--short", "HEAD") + " + uncommitted edits"
 
     def save(results):
+        for r in results:
+            r.setdefault("commit", commit)
         keys = {(r["case"], r["algorithm"], r["dtype"]) for r in results}
         record = {"commit": commit,
                   "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
