@@ -321,6 +321,14 @@ class DPPVI:
     # -- set-up --------------------------------------------------------------------------------
     def _setup(self, args, kwargs):
         potential = split_potential(self.model, args, kwargs)
+        local = [name for name, owner in potential.coordinate_owner_tree.items()
+                 if (np.asarray(owner) >= 0).any()]
+        if local:
+            raise ValueError(
+                f"{type(self).__name__} infers global latent variables only; site(s) {local} are "
+                "client-local (inside a federated plate): a client's factor t_m cannot hold "
+                "latents of its own. Use FedZigZag, which samples client-local latents"
+            )
         data_plates = [p for p in potential.plates.values() if p.holds_data]
         if len(data_plates) != 1 or len(potential.plates) != 1:
             raise ValueError(
