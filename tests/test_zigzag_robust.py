@@ -144,3 +144,27 @@ def test_float32_mode_search_is_one_bfgs_run_and_silent():
                           "dtype": str(mcmc.get_samples()["w"].dtype)}))
     """)
     assert result == {"attempts": 1, "is_mode": True, "dtype": "float32"}
+
+
+def test_too_few_effective_draws_warn():
+    """A run whose draws are too few to summarise (20 draws, about 9 effective) says so at
+    conversion, naming the site and the remedy; 1000 draws of the same chain (hundreds
+    effective) do not warn."""
+    import warnings
+
+    def model(X, y=None):
+        w = numpyro.sample("w", dist.Normal(0, 1).expand([X.shape[1]]).to_event(1))
+        with nf.federated_plate("data", X.shape[0], clients=4):
+            numpyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+
+    X = jax.random.normal(jax.random.PRNGKey(0), (400, 3))
+    y = (X[:, 0] > 0) * 1.0
+    short = MCMC(nf.FedZigZag(model, sample_interval=0.5), num_warmup=100, num_samples=20, progress_bar=False)
+    short.run(jax.random.PRNGKey(2), X, y)
+    with pytest.warns(RuntimeWarning, match=r"'w' \(element \d of 3\) has [\d.]+ effective draws.*num_samples"):
+        nf.to_inference_data(short)
+    long = MCMC(nf.FedZigZag(model, sample_interval=0.5), num_warmup=100, num_samples=1000, progress_bar=False)
+    long.run(jax.random.PRNGKey(2), X, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        nf.to_inference_data(long)

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from numpyro.diagnostics import effective_sample_size
 from numpyro.infer.initialization import init_to_uniform
 from numpyro.infer.mcmc import MCMCKernel
 
@@ -1045,19 +1046,37 @@ class FedZigZag(MCMCKernel):
             fields += ("skeleton_times", "skeleton_x", "skeleton_v", "skeleton_count")
         return ("z",) + tuple("core." + name for name in fields)
 
-    def check_run(self, mcmc, *, strict: bool = False):
+    def check_run(self, mcmc, *, strict: bool = False, min_ess: float = 50.0):
         """Says what went wrong in a run, if anything: proposals whose exact rate exceeded its
-        automatic bound (each one biases the chain slightly) and samples cut short by
-        ``max_proposals``. Warns, or raises ``RuntimeError`` when ``strict``.
+        automatic bound (each one biases the chain slightly), samples cut short by
+        ``max_proposals``, and draws too few to summarise: a site's element with fewer than
+        ``min_ess`` effective draws (NumPyro's estimator over the chains), whose
+        mean then carries a Monte Carlo error above ``1 / sqrt(min_ess)`` (0.14) of its sd.
+        Warns, or raises ``RuntimeError`` when ``strict``.
         :func:`~numpyro_fed.to_inference_data` calls it.
 
         :return: ``(num_violations, num_proposals, num_capped_samples)``.
         """
         fields = mcmc.get_extra_fields()
+        problems = []
+        for site, value in mcmc.get_samples(group_by_chain=True).items():
+            value = np.asarray(jax.device_get(value), dtype=np.float64)
+            if value.shape[1] < 4 or not np.all(np.isfinite(value)):
+                continue
+            with np.errstate(divide="ignore", invalid="ignore"):
+                ess = np.asarray(effective_sample_size(value)).reshape(-1)
+            ess = np.where(np.isfinite(ess), ess, np.inf)  # a constant coordinate has no error
+            if ess.min() < min_ess:
+                j = int(np.argmin(ess))
+                where = f"{site!r}" + (f" (element {j} of {ess.size})" if ess.size > 1 else "")
+                problems.append(
+                    f"{where} has {ess[j]:.3g} effective draws (fewer than {min_ess:g}): its summaries "
+                    "carry a large Monte Carlo error; run more num_samples (or chains), a longer "
+                    "num_warmup, or a larger sample_interval"
+                )
         violations = int(jnp.sum(fields["core.num_violations"]))
         proposals = int(jnp.sum(fields["core.num_proposals"]))
         capped = int(jnp.sum(fields["core.hit_event_cap"]))
-        problems = []
         if violations:
             kind = _bound_kind(self.bounds)
             remedy = {
