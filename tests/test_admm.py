@@ -613,3 +613,16 @@ def test_draws_that_collapse_a_funnel_warn():
     mcmc.run(jax.random.PRNGKey(0), jnp.arange(8), sd, y)
     with pytest.warns(RuntimeWarning, match="do not match the posterior's score.*LocScaleReparam"):
         nf.to_inference_data(mcmc)
+
+
+def test_one_agent_is_refused():
+    """With one client D-ADMMS has no neighbour terms, hence no noise: its 'draws' would
+    collapse on the MAP (the zoo saw a spread of 0). It refuses, naming the alternatives."""
+    def one_client(y):
+        mu = numpyro.sample("mu", dist.Normal(0, 1))
+        with nf.federated_plate("data", y.shape[0], clients=1):
+            numpyro.sample("y", dist.Normal(mu, 1), obs=y)
+
+    mcmc = MCMC(nf.DADMMS(one_client), num_warmup=5, num_samples=5, progress_bar=False)
+    with pytest.raises(ValueError, match="at least 2 clients.*FedZigZag"):
+        mcmc.run(jax.random.PRNGKey(0), jnp.zeros(10))

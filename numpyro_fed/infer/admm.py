@@ -412,6 +412,15 @@ class DADMMS(DecentralisedKernel):
         self.solver_used = None
 
     def _build(self, potentials, topology, x0):
+        if potentials.num_agents == 1 and self.noise_scale > 0:
+            # D-ADMMS's noise enters through the neighbour terms only: a lone agent would run
+            # noise-free ADMM, an optimiser, and report the MAP as draws.
+            raise ValueError(
+                "DADMMS needs at least 2 clients (agents): its noise enters through the terms "
+                "that tie an agent to its neighbours, so one agent alone converges to the MAP "
+                "and its draws have no spread. Split the data over several clients, or use "
+                "FedZigZag (exact with one client) or NUTS"
+            )
         quadratic = None
         if self.solver in ("auto", "quadratic"):
             quadratic = quadratic_potentials(potentials, x0)
