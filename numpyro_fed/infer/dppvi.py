@@ -198,8 +198,10 @@ class DPPVI:
         >>> X = jax.random.normal(jax.random.PRNGKey(0), (400, 2))
         >>> y = (X @ jnp.array([1.5, -1.0]) > 0) * 1.0
         >>> pvi = nf.DPPVI(model, progress_bar=False)         # non-private, the defaults
-        >>> result = pvi.run(jax.random.PRNGKey(1), 3, X, y)
+        >>> result = pvi.run(jax.random.PRNGKey(1), 8, X, y)
         >>> bool(result.metrics["residual"][-1].max() < 0.25)  # the local fits converged
+        True
+        >>> bool(result.metrics["last_move"].max() < 0.1)  # and so did q over the rounds
         True
         >>> draws = pvi.get_samples(jax.random.PRNGKey(2), result, 100)
         >>> draws["w"].shape
