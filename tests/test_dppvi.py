@@ -562,7 +562,7 @@ def test_a_run_still_moving_between_rounds_warns():
     """A strongly correlated posterior (d = 20, condition number 1e3, 4 clients) is reached
     like coordinate ascent: after 10 default rounds q's means were still 2.7 posterior sds
     from the mean-field optimum while every local fit had converged. The run says so
-    (metrics['last_move'], q's move in the last round in its own scales)."""
+    (metrics['last_move'], q's move per round over the last 3 rounds, in its own scales)."""
     rng = np.random.default_rng(20)
     d, n = 20, 40
     q, _ = np.linalg.qr(rng.normal(size=(d, d)))
