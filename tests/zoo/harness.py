@@ -23,6 +23,7 @@ import inspect
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -52,10 +53,15 @@ APPROXIMATE = {"DADMMS", "DSVGD", "DPPVI"}
 MEAN_ALLOWANCE_SD = 0.5
 SD_RATIO_ALLOWANCE = 2.0
 # DPPVI on a Gaussian posterior: its family holds the KL(q || p) optimum in closed form (the
-# exact means; sds 1 / sqrt(diag(precision))), and the fitted q has no Monte Carlo error of its
-# own, so a converged default run must land on it: means within 0.1 posterior sd, sds within
-# 10% (well-tuned runs reach 0.02-0.06 sd on the linear regression, item 6).
+# exact means; sds 1 / sqrt(diag(precision))), so a converged default run must land on it up to
+# the noise of its stochastic local fits: means within 0.1 posterior sd, or within the 99%
+# quantile of the largest of d such errors when d is large, sds within 10% (well-tuned runs
+# reach 0.02-0.06 sd on the linear regression, item 6). That noise was measured on
+# linear_d100 (10 default rounds, 6 seeds, float32): seed-to-seed sd of q's means 0.028
+# posterior sd per coordinate (median; 0.054 at most), the mean over the seeds 0.038 sd from
+# the optimum at worst (no bias), a single seed's worst coordinate 0.07-0.11 sd.
 MEAN_FIELD_MEAN_SD = 0.1
+MEAN_FIELD_NOISE_SD = 0.035
 MEAN_FIELD_SD_RATIO = 1.1
 # Exact samplers must reach this many effective draws on every coordinate for their MCSE (and
 # so the comparison) to mean anything.
@@ -179,9 +185,12 @@ def compare_mean_field(q: dict, mean_field, ref_sd):
     mean, sd = (np.asarray(v, dtype=np.float64) for v in mean_field)
     mean_err = np.abs(loc - mean) / ref_sd
     ratio = scale / sd
-    agrees = mean_err.max() <= MEAN_FIELD_MEAN_SD and np.abs(np.log(ratio)).max() <= math.log(MEAN_FIELD_SD_RATIO)
+    # the 99% quantile of the largest |error| over d coordinates of noise MEAN_FIELD_NOISE_SD
+    z = statistics.NormalDist().inv_cdf(0.5 * (1.0 + 0.99 ** (1.0 / loc.size)))
+    mean_tol = max(MEAN_FIELD_MEAN_SD, MEAN_FIELD_NOISE_SD * z)
+    agrees = mean_err.max() <= mean_tol and np.abs(np.log(ratio)).max() <= math.log(MEAN_FIELD_SD_RATIO)
     return bool(agrees), (f"q vs the best mean-field Gaussian: means {mean_err.max():.3f} posterior sd off "
-                          f"(tolerance {MEAN_FIELD_MEAN_SD}), sd ratios {ratio.min():.3f}-{ratio.max():.3f} "
+                          f"(tolerance {mean_tol:.2g}), sd ratios {ratio.min():.3f}-{ratio.max():.3f} "
                           f"(tolerance x/÷ {MEAN_FIELD_SD_RATIO})")
 
 
