@@ -14,7 +14,7 @@ import numpy as np
 
 import arviz as az
 
-__all__ = ["register_converter", "to_inference_data", "federation_attrs"]
+__all__ = ["register_converter", "to_inference_data", "federation_attrs", "from_dicts"]
 
 _CONVERTERS: list[tuple[type, Callable[..., az.InferenceData]]] = []
 
@@ -77,6 +77,34 @@ def federation_attrs(potential) -> dict[str, Any]:
     }
 
 
+def from_dicts(
+    posterior: dict[str, Any],
+    *,
+    dims: dict[str, list[str]] | None = None,
+    sample_stats: dict[str, tuple[Any, list[str]]] | None = None,
+    coords: dict[str, Any] | None = None,
+    attrs: dict[str, Any] | None = None,
+):
+    """Builds the ArviZ object of a result from plain arrays (the one builder every algorithm's
+    converter calls, so that no other module builds ArviZ objects).
+
+    ``posterior``: constrained draws by site, each ``(chain, draw, *site_shape)``; ``dims``:
+    the names of a site's dims after ``chain`` and ``draw`` (e.g. its plates); ``sample_stats``:
+    name -> ``(values, dims)`` with every dim named (e.g. ``["round", "client"]``);
+    ``coords``: coordinates by dim name; ``attrs``: set on the result and on every group.
+    """
+    idata = az.from_dict(posterior={k: np.asarray(v) for k, v in posterior.items()},
+                         dims=dims, coords=coords)
+    if sample_stats:
+        dataset = az.dict_to_dataset(
+            {name: np.asarray(value) for name, (value, _) in sample_stats.items()},
+            library=None, coords=coords, default_dims=[],
+            dims={name: list(d) for name, (_, d) in sample_stats.items()},
+        )
+        idata.add_groups(sample_stats=dataset)
+    return _set_attrs(idata, attrs or {})
+
+
 def _drop_client_data(idata: az.InferenceData, *, observed_data: bool, log_likelihood: bool):
     keep = {"observed_data": observed_data, "constant_data": observed_data,
             "log_likelihood": log_likelihood}
@@ -88,8 +116,8 @@ def _drop_client_data(idata: az.InferenceData, *, observed_data: bool, log_likel
 
 
 def _jsonable(value):
-    if isinstance(value, np.ndarray):
-        return value.tolist()
+    if isinstance(value, (np.ndarray, tuple)):
+        return np.asarray(value).tolist()
     return value
 
 

@@ -850,35 +850,26 @@ def _dppvi_to_inference_data(result: DPPVIRunResult, method: DPPVI | None = None
     """``nf.to_inference_data(result, method=pvi, num_samples=..., rng_key=...)``: draws of
     ``q`` as the posterior, per-round diagnostics as ``sample_stats`` (dims ``round``,
     ``client``), the federation and the privacy guarantee in ``attrs``."""
-    import arviz as az
-
-    from numpyro_fed.arviz import _set_attrs
+    from numpyro_fed.arviz import from_dicts
 
     if not isinstance(method, DPPVI):
         raise TypeError("to_inference_data(DPPVIRunResult) needs method=<the DPPVI that ran it>")
     rng_key = jax.random.PRNGKey(0) if rng_key is None else rng_key
     draws = method.get_samples(rng_key, result, num_samples)
     posterior = {k: np.asarray(v)[None] for k, v in draws.items()}
-    idata = az.from_dict(posterior=posterior, **kwargs)
     metrics = result.metrics
-    stats = {
-        "rejected": np.asarray(metrics["rejected"]),
-        "clipped": np.asarray(metrics["clipped"]),
-        "communications": np.asarray(metrics["communications"]),
+    rejected = np.asarray(metrics["rejected"])
+    sample_stats = {
+        "rejected": (rejected, ["round"] + (["client"] if rejected.ndim == 2 else [])),
+        "clipped": (np.asarray(metrics["clipped"]), ["round", "client"]),
+        "communications": (np.asarray(metrics["communications"]), ["round"]),
     }
-    dims = {
-        "rejected": ["round"] + (["client"] if stats["rejected"].ndim == 2 else []),
-        "clipped": ["round", "client"],
-        "communications": ["round"],
-    }
-    dataset = az.dict_to_dataset(stats, library=None, dims=dims, default_dims=[])
-    idata.add_groups(sample_stats=dataset)
     attrs = {"algorithm": "DPPVI", "dp": str(method.dp), "schedule": method.schedule,
              "num_rounds": int(np.asarray(metrics["communications"]).size)}
     attrs.update(federation_attrs(method.federated_potential))
     if result.privacy is not None:
         attrs.update(result.privacy.as_attrs())
         attrs["privacy_noise_multiplier"] = [float(s) for s in result.noise_multiplier]
-    return _set_attrs(idata, attrs)
+    return from_dicts(posterior, sample_stats=sample_stats, attrs=attrs, **kwargs)
 
 

@@ -1884,26 +1884,21 @@ class GaussianPVI(_ParticleMethod):
 def _inference_data(method: _ParticleMethod, result: DSVGDRunResult, **kwargs):
     """``posterior``: the final particles (one chain, a draw per particle); ``sample_stats``:
     the per-round metrics with a ``round`` dimension; ``attrs``: the algorithm and federation."""
-    import arviz as az
-    import xarray as xr
+    from numpyro_fed.arviz import from_dicts
 
     draws = {k: np.asarray(v)[None] for k, v in method.constrained(result.particles).items()}
-    idata = az.from_dict(posterior=draws, **kwargs)
-    stats = {}
+    sample_stats = {}
     for name, value in result.metrics.items():
         value = np.asarray(value)
-        stats[name] = (["round"] + [f"{name}_dim_{j}" for j in range(value.ndim - 1)], value)
-    idata.add_groups(sample_stats=xr.Dataset(stats, coords={"round": np.arange(1, len(result.history))}))
+        sample_stats[name] = (value, ["round"] + [f"{name}_dim_{j}" for j in range(value.ndim - 1)])
     attrs = {"algorithm": type(method).__name__, "num_particles": int(result.particles.shape[0])}
     for name in ("kde_bandwidth", "local_steps", "distill_steps", "temperature"):
         if hasattr(method, name):
             attrs[name] = getattr(method, name)
     if method.federated_potential is not None:
         attrs.update(federation_attrs(method.federated_potential))
-    for group in idata.groups():
-        getattr(idata, group).attrs.update({k: (list(v) if isinstance(v, tuple) else v) for k, v in attrs.items()})
-    idata.attrs.update(attrs)
-    return idata
+    coords = {"round": np.arange(1, len(result.history))}
+    return from_dicts(draws, sample_stats=sample_stats, coords=coords, attrs=attrs, **kwargs)
 
 
 @register_converter(_ParticleMethod)
