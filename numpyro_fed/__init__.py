@@ -6,7 +6,7 @@ from numpyro_fed.infer import FedZigZag, GradientBound, HessianBound
 from numpyro_fed.infer import DPPVI
 from numpyro_fed.infer import DSVGD, PDSVGD, UDSVGD
 from numpyro_fed.plate import federated_plate, normalize_clients
-from numpyro_fed.potential import FederatedPotential, PlateInfo, split_potential
+from numpyro_fed.potential import FederatedPotential, FlatPotential, PlateInfo, split_potential
 
 __version__ = "0.1.0.dev0"
 
@@ -23,6 +23,7 @@ __all__ = [
     "make_topology",
     "FedZigZag",
     "FederatedPotential",
+    "FlatPotential",
     "GradientBound",
     "HessianBound",
     "PlateInfo",

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -48,7 +48,7 @@ from numpyro.primitives import Messenger
 
 from numpyro_fed.plate import FEDERATED_KEY, _override_plate_sizes, normalize_clients
 
-__all__ = ["FederatedPotential", "PlateInfo", "split_potential"]
+__all__ = ["FederatedPotential", "FlatPotential", "PlateInfo", "split_potential"]
 
 
 @dataclass(frozen=True)
@@ -121,6 +121,47 @@ class _unconstrain(substitute):
 
     def __init__(self, fn, params):
         super().__init__(fn, substitute_fn=partial(_unconstrain_reparam, params))
+
+
+class FlatPotential(NamedTuple):
+    """A :class:`FederatedPotential`'s pure functions on the flat ``(d,)`` unconstrained vector
+    ``x`` (the order of :meth:`FederatedPotential.ravel`): what an algorithm's core works
+    with. Get it with :meth:`FederatedPotential.flat`. None is jit-compiled: the core does
+    that (and ``vmap``s the client functions over :attr:`client_data`).
+
+    :ivar prior_potential: ``x -> scalar``, the server's term.
+    :ivar client_potential: ``(x, block) -> scalar``, one client's term given its block
+        (one slice of :attr:`client_data`).
+    :ivar row_log_likelihood: ``(x, rows) -> (R,)``, each row's log-likelihood (see
+        :attr:`FederatedPotential.row_log_likelihood_fn`).
+    :ivar postprocess: ``x -> dict`` of constrained values by site.
+    :ivar client_data: the clients' stacked blocks (leading axis ``M``).
+    :ivar int num_latent: ``d``.
+
+    >>> import jax, jax.numpy as jnp, numpyro, numpyro.distributions as dist
+    >>> import numpyro_fed as nf
+    >>> def model(y):
+    ...     mu = numpyro.sample("mu", dist.Normal(0, 1))
+    ...     with nf.federated_plate("data", y.shape[0], clients=2):
+    ...         numpyro.sample("y", dist.Normal(mu, 1), obs=y)
+    >>> flat = nf.split_potential(model, (jnp.arange(4.0),)).flat()
+    >>> x = jnp.zeros(flat.num_latent)
+    >>> grads = jax.vmap(jax.grad(flat.client_potential), in_axes=(None, 0))(x, flat.client_data)
+    >>> grads.shape  # one gradient per client
+    (2, 1)
+    """
+
+    prior_potential: Callable
+    client_potential: Callable
+    row_log_likelihood: Callable
+    postprocess: Callable
+    client_data: Any
+    num_latent: int
+
+    def potential(self, x):
+        """``prior_potential(x) + sum_m client_potential(x, block_m)``."""
+        clients = jax.vmap(self.client_potential, in_axes=(None, 0))(x, self.client_data)
+        return self.prior_potential(x) + jnp.sum(clients)
 
 
 class FederatedPotential:
@@ -215,6 +256,19 @@ class FederatedPotential:
     def unravel(self, flat) -> dict:
         """Inverse of :meth:`ravel`."""
         return self._ravel_unravel(flat)
+
+    def flat(self) -> FlatPotential:
+        """The potential's pure functions on the flat unconstrained vector (the one adapter
+        every algorithm's core uses; see :class:`FlatPotential`)."""
+        unravel = self.unravel
+        return FlatPotential(
+            prior_potential=lambda x: self.prior_potential_fn(unravel(x)),
+            client_potential=lambda x, block: self.client_potential_fn(unravel(x), block),
+            row_log_likelihood=lambda x, rows: self.row_log_likelihood_fn(unravel(x), rows),
+            postprocess=lambda x: self.postprocess_fn(unravel(x)),
+            client_data=self.client_data,
+            num_latent=self.num_latent,
+        )
 
     @property
     def num_latent(self) -> int:

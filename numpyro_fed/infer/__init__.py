@@ -1,6 +1,7 @@
 """The federated inference algorithms."""
 
 from numpyro_fed.infer.admm import ADMM, DADMMS
+from numpyro_fed.infer.base import RunResult, VariationalMethod
 from numpyro_fed.infer.baselines import DSGHMC, DSGLD, DULA
 from numpyro_fed.infer.dppvi import DPPVI, DPPVIRunResult
 from numpyro_fed.infer.svgd import DSVGD, PDSVGD, SVGD, UDSVGD, DistributedSGLD, FedAvg
@@ -11,6 +12,8 @@ __all__ = [
     "DPPVI",
     "DPPVIRunResult",
     "ADMM",
+    "RunResult",
+    "VariationalMethod",
     "DADMMS",
     "DSGHMC",
     "DSGLD",

@@ -1,0 +1,317 @@
+"""What every algorithm's face shares: the way into the model, the run driver, the result.
+
+* :func:`build_potential`: the one way a face calls :func:`~numpyro_fed.split_potential`
+  (``partition`` and ``init_strategy`` passed through), with :func:`check_global_latents`,
+  the one check (and message) for methods that infer global latent variables only. The core
+  then works on :meth:`FederatedPotential.flat() <numpyro_fed.FederatedPotential.flat>`.
+* :func:`run_rounds`: the one round driver: a key per round, the progress bar, per-round
+  metrics stacked into numpy arrays, and the non-finite (divergence) check.
+* :class:`RunResult` and :class:`VariationalMethod`: the result and the face of every
+  variational method, mirroring :class:`numpyro.infer.SVI` (``init``, ``update``, ``run``,
+  ``get_samples``, ``evaluate``). ``nf.to_inference_data(result)`` dispatches to the
+  method's :meth:`~VariationalMethod.arviz_dicts`.
+
+See ``docs/guide/architecture.md`` for the whole shape and a walkthrough that adds an
+algorithm.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+from numpyro.infer.initialization import init_to_uniform
+
+from numpyro_fed._checks import check_int
+from numpyro_fed.arviz import register_converter
+from numpyro_fed.potential import FederatedPotential, split_potential
+
+__all__ = [
+    "RunResult",
+    "VariationalMethod",
+    "build_potential",
+    "check_global_latents",
+    "run_rounds",
+]
+
+
+def check_global_latents(potential: FederatedPotential, method: str, advice: str = "") -> None:
+    """Raises a ``ValueError`` naming the client-local latent sites of ``potential``, for a
+    ``method`` that infers global latent variables only (``advice`` is appended)."""
+    local = [name for name, owner in potential.coordinate_owner_tree.items()
+             if (np.asarray(owner) >= 0).any()]
+    if local:
+        raise ValueError(
+            f"{method} infers global latent variables only; site(s) {local} are client-local "
+            f"(inside a federated plate){': ' + advice if advice else ''}"
+        )
+
+
+def build_potential(
+    model: Callable,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    *,
+    partition=None,
+    init_strategy: Callable = init_to_uniform,
+    rng_key=None,
+    global_latents_only: str | None = None,
+    advice: str = "",
+) -> FederatedPotential:
+    """:func:`~numpyro_fed.split_potential` as every algorithm's face calls it.
+
+    :param global_latents_only: the method's name if it infers global latents only: then
+        :func:`check_global_latents` runs (with ``advice``).
+    """
+    potential = split_potential(model, tuple(args), dict(kwargs or {}), partition=partition,
+                                init_strategy=init_strategy, rng_key=rng_key)
+    if global_latents_only is not None:
+        check_global_latents(potential, global_latents_only, advice)
+    return potential
+
+
+def _all_finite(tree) -> bool:
+    leaves = [x for x in jax.tree_util.tree_leaves(tree)
+              if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)]
+    return all(bool(jnp.all(jnp.isfinite(x))) for x in leaves)
+
+
+def run_rounds(
+    update: Callable,
+    rng_key,
+    state,
+    num_rounds: int,
+    *,
+    record: Callable | None = None,
+    is_finite: Callable | None = None,
+    progress_bar: bool = True,
+    desc: str = "",
+    divergence_advice: str = "",
+):
+    """Runs ``num_rounds`` rounds of ``update(rng_key, state) -> (state, info)``, one key
+    per round (``jax.random.split(rng_key, num_rounds)``).
+
+    After each round ``record(state, info) -> dict`` (default: ``info._asdict()`` of a
+    NamedTuple ``info``, without ``None`` fields) gives that round's metrics, and
+    ``is_finite(state)`` (default: every floating leaf of ``state`` finite) the divergence
+    check: a ``FloatingPointError`` naming the round and ``divergence_advice``. A scalar
+    ``loss`` metric is shown on the progress bar.
+
+    :return: ``(state, metrics)``: metrics by name, each a numpy array with a leading axis
+        of ``num_rounds``, plus ``wall_time`` (seconds since the start, after each round).
+
+    >>> import jax, jax.numpy as jnp
+    >>> def update(key, x):  # a toy round: halve and report
+    ...     return x / 2, {"loss": x}
+    >>> state, metrics = run_rounds(update, jax.random.PRNGKey(0), jnp.float32(8.0), 3,
+    ...                             record=lambda s, info: info, progress_bar=False)
+    >>> float(state), metrics["loss"].tolist()
+    (1.0, [8.0, 4.0, 2.0])
+    """
+    from tqdm.auto import tqdm
+
+    num_rounds = check_int(num_rounds, "num_rounds", minimum=0)
+    if record is None:
+        def record(state, info):
+            if info is None:
+                return {}
+            items = info._asdict() if hasattr(info, "_asdict") else dict(info)
+            return {k: v for k, v in items.items() if v is not None}
+    is_finite = _all_finite if is_finite is None else is_finite
+    keys = jax.random.split(rng_key, num_rounds) if num_rounds else []
+    records: dict[str, list] = {}
+    wall_time = []
+    start = time.perf_counter()
+    bar = tqdm(range(num_rounds), desc=desc, unit="round", disable=not progress_bar)
+    try:
+        for r in bar:
+            state, info = update(keys[r], state)
+            finite = is_finite(state)  # also waits for the round
+            wall_time.append(time.perf_counter() - start)
+            if not finite:
+                raise FloatingPointError(
+                    f"{desc or 'the run'} diverged: non-finite state after round {r + 1} of "
+                    f"{num_rounds}" + (f"; {divergence_advice}" if divergence_advice else "")
+                )
+            values = record(state, info)
+            for name, value in values.items():
+                records.setdefault(name, []).append(value)
+            if progress_bar and "loss" in values and np.ndim(values["loss"]) == 0:
+                bar.set_postfix(loss=f"{float(values['loss']):.4g}")
+    finally:
+        bar.close()
+    metrics = {name: np.stack([np.asarray(v) for v in values]) for name, values in records.items()}
+    metrics["wall_time"] = np.asarray(wall_time)
+    return state, metrics
+
+
+class RunResult(NamedTuple):
+    """What every variational method's ``run`` returns.
+
+    :ivar state: the final state (the method's own NamedTuple; pass it as ``init_state`` to
+        continue).
+    :ivar dict metrics: per-round numpy arrays (leading axis ``num_rounds``): ``loss`` where
+        the method defines one (see its ``evaluate``), ``wall_time`` and the method's own
+        diagnostics.
+    :ivar privacy: the run's :class:`~numpyro_fed.privacy.PrivacyGuarantee`, or ``None``.
+    :ivar method: the :class:`VariationalMethod` that ran it: ``nf.to_inference_data(result)``
+        and ``result.method.get_samples(rng_key, result)`` need nothing else.
+    """
+
+    state: Any
+    metrics: dict
+    privacy: Any
+    method: Any
+
+
+class VariationalMethod:
+    """The face of a variational method, as :class:`numpyro.infer.SVI`: ``init``,
+    ``update`` (one round), ``run``, ``get_samples``, ``evaluate``.
+
+    A subclass implements :meth:`init`, :meth:`update` and :meth:`get_samples` (and
+    :meth:`evaluate` where it has a loss); :meth:`run` drives the rounds with
+    :func:`run_rounds`. Extension points, each optional: :meth:`record` (a round's metrics),
+    :meth:`finish` (checks and warnings on the finished run), :meth:`arviz_dicts` (what
+    ``nf.to_inference_data`` shows) and :attr:`repr_fields`. See
+    ``docs/guide/architecture.md`` for a complete small method.
+
+    :param model: a NumPyro model with a :func:`~numpyro_fed.federated_plate`.
+    :param partition: as :func:`~numpyro_fed.split_potential`.
+    :param init_strategy: as :func:`~numpyro_fed.split_potential`.
+    :param bool progress_bar: a progress bar over rounds.
+    """
+
+    #: constructor arguments shown by ``repr`` (besides the model).
+    repr_fields: tuple = ()
+    #: what to change when a run diverges (in the ``FloatingPointError``).
+    divergence_advice: str = ""
+
+    def __init__(self, model, *, partition=None, init_strategy=init_to_uniform, progress_bar: bool = True):
+        if not callable(model):
+            raise TypeError(f"model must be a callable NumPyro model, got {type(model).__name__}")
+        self.model = model
+        self.partition = partition
+        self.init_strategy = init_strategy
+        self.progress_bar = bool(progress_bar)
+        self.federated_potential: FederatedPotential | None = None
+
+    # -- the model ---------------------------------------------------------------------------
+    def build_potential(self, args, kwargs, *, global_latents_only: bool = True, advice: str = ""):
+        """Splits the model on these arguments (:func:`build_potential` with this method's
+        ``partition`` and ``init_strategy``) and keeps it as :attr:`federated_potential`."""
+        self.federated_potential = build_potential(
+            self.model, args, kwargs, partition=self.partition, init_strategy=self.init_strategy,
+            global_latents_only=type(self).__name__ if global_latents_only else None, advice=advice,
+        )
+        return self.federated_potential
+
+    # -- to implement ------------------------------------------------------------------------
+    def init(self, rng_key, *args, **kwargs):
+        """The initial state for the model's arguments ``args``, ``kwargs`` (the data)."""
+        raise NotImplementedError
+
+    def update(self, rng_key, state, *args, **kwargs):
+        """One round: ``(state, info)``."""
+        raise NotImplementedError
+
+    def get_samples(self, rng_key, result: RunResult, num_samples: int | None = None) -> dict:
+        """Constrained draws of the fitted approximation, by site."""
+        raise NotImplementedError
+
+    def evaluate(self, state, *args, **kwargs):
+        """The loss of ``state`` (e.g. the negative ELBO), where the method defines one."""
+        raise NotImplementedError(f"{type(self).__name__} defines no loss")
+
+    # -- extension points --------------------------------------------------------------------
+    def record(self, state, info) -> dict:
+        """A round's metrics (default: the fields of ``info``)."""
+        if info is None:
+            return {}
+        items = info._asdict() if hasattr(info, "_asdict") else dict(info)
+        return {k: v for k, v in items.items() if v is not None}
+
+    def finish(self, result: RunResult) -> RunResult:
+        """Checks (and warnings) on a finished run; may add metrics (default: none)."""
+        return result
+
+    def arviz_dicts(self, result: RunResult, *, num_samples: int | None = None, rng_key=None) -> dict:
+        """The keyword arguments of :func:`numpyro_fed.arviz.from_dicts` for this result
+        (plain arrays): ``posterior`` (one chain of :meth:`get_samples`), ``sample_stats``
+        (every per-round metric, dim ``round`` first), ``coords`` and ``attrs``."""
+        from numpyro_fed.arviz import federation_attrs
+
+        rng_key = jax.random.PRNGKey(0) if rng_key is None else rng_key
+        draws = self.get_samples(rng_key, result, num_samples)
+        posterior = {k: np.asarray(v)[None] for k, v in draws.items()}
+        sample_stats = {}
+        for name, value in result.metrics.items():
+            value = np.asarray(value)
+            sample_stats[name] = (value, ["round"] + [f"{name}_dim_{j}" for j in range(value.ndim - 1)])
+        num_rounds = len(next(iter(result.metrics.values()), []))
+        attrs = {"algorithm": type(self).__name__}
+        attrs.update({name: _attr(getattr(self, name)) for name in self.repr_fields})
+        if self.federated_potential is not None:
+            attrs.update(federation_attrs(self.federated_potential))
+        if result.privacy is not None:
+            attrs.update(result.privacy.as_attrs())
+        return {"posterior": posterior, "sample_stats": sample_stats,
+                "coords": {"round": np.arange(1, num_rounds + 1)}, "attrs": attrs}
+
+    # -- the driver --------------------------------------------------------------------------
+    def run(self, rng_key, num_rounds: int, *args, init_state=None, **kwargs) -> RunResult:
+        """Runs ``num_rounds`` rounds from :meth:`init`'s state (or ``init_state``).
+
+        :param rng_key: a JAX PRNG key: split into the key of :meth:`init` and those of
+            the rounds.
+        :param int num_rounds: rounds to run.
+        :param args, kwargs: the model's arguments (the data).
+        :param init_state: continue from this state (e.g. a previous ``result.state``);
+            :meth:`init` still runs (it splits the model on these arguments) and its state
+            is replaced.
+        """
+        num_rounds = check_int(num_rounds, "num_rounds", minimum=1)
+        key_init, key_run = jax.random.split(rng_key)
+        state = self.init(key_init, *args, **kwargs)
+        if init_state is not None:
+            state = init_state
+        state, metrics = run_rounds(
+            lambda key, s: self.update(key, s, *args, **kwargs), key_run, state, num_rounds,
+            record=self.record, progress_bar=self.progress_bar, desc=type(self).__name__,
+            divergence_advice=self.divergence_advice,
+        )
+        return self.finish(RunResult(state, metrics, None, self))
+
+    def __repr__(self) -> str:
+        model = getattr(self.model, "__name__", type(self.model).__name__)
+        fields = [f"{name}={getattr(self, name)!r}" for name in self.repr_fields]
+        return f"{type(self).__name__}({', '.join([model] + fields)})"
+
+
+def _attr(value):
+    """An attribute ArviZ can store (netCDF: numbers, strings, lists of them)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value if value is not None else "None"
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return np.asarray(value).tolist()
+    return repr(value)
+
+
+@register_converter(RunResult)
+def _run_result_to_inference_data(result: RunResult, **options):
+    """``nf.to_inference_data(result, num_samples=..., rng_key=...)`` for every variational
+    method: the method's :meth:`~VariationalMethod.arviz_dicts`, built by ``from_dicts``."""
+    from numpyro_fed.arviz import from_dicts
+
+    method = result.method
+    if not hasattr(method, "arviz_dicts"):
+        raise TypeError(f"to_inference_data: result.method ({type(method).__name__}) has no arviz_dicts")
+    builder = {k: options.pop(k) for k in ("dims",) if k in options}
+    dicts = method.arviz_dicts(result, **options)
+    dicts.update(builder)
+    return from_dicts(**dicts)
