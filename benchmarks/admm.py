@@ -51,7 +51,7 @@ from numpyro.infer import MCMC, NUTS  # noqa: E402
 
 import numpyro_fed as nf  # noqa: E402
 from numpyro_fed.datasets import dadmms_linear, dadmms_logistic  # noqa: E402
-from numpyro_fed.infer.topology import DisconnectedTopologyWarning  # noqa: E402
+from numpyro_fed.infer.admm import DisconnectedTopologyWarning  # noqa: E402
 from numpyro_fed.metrics import gaussian_w2_from_samples  # noqa: E402
 
 METHODS = ("DADMMS", "ADMM", "DSGLD", "DSGHMC", "DULA")
@@ -124,7 +124,7 @@ def bare_iteration_seconds(kernel, problem, chains=100, iterations=100):
     compiled scan, timed on its second call (compilation excluded)."""
     state = kernel.init(jax.random.split(jax.random.PRNGKey(0), chains), 0, None,
                         (problem.X, problem.y), {})
-    scan = jax.jit(lambda s: lax.scan(lambda c, _: (kernel._sample_fn(c), None), s, None,
+    scan = jax.jit(lambda s: lax.scan(lambda c, _: (kernel.sample(c, (), {}), None), s, None,
                                       length=iterations)[0])
     jax.block_until_ready(scan(state))
     start = time.perf_counter()

@@ -19,8 +19,7 @@ from numpyro.infer import MCMC, NUTS
 import numpyro_fed as nf
 from numpyro_fed.datasets import dadmms_linear, dadmms_logistic
 from numpyro_fed.infer import admm
-from numpyro_fed.infer.agents import agent_potentials
-from numpyro_fed.infer.topology import DisconnectedTopologyWarning
+from numpyro_fed.infer.admm import DisconnectedTopologyWarning, agent_potentials
 from numpyro_fed.metrics import accuracy, gaussian_w2, gaussian_w2_from_samples
 
 LINEAR = dadmms_linear(0, num_agents=5, n_per_agent=50)
@@ -51,6 +50,11 @@ def _run(kernel, data, *, num_samples=50, num_chains=1, seed=0, **kwargs):
 def _agents(mcmc, group_by_chain=False):
     """Every agent's draws of ``x``: ``(samples, agents, d)`` or ``(chains, samples, agents, d)``."""
     return np.asarray(nf.DADMMS.agent_draws(mcmc, group_by_chain=group_by_chain)["x"])
+
+
+def _agent_noise(key, shape):
+    """``(N, d)``: the standard normal draws of one step, each agent's from its own key."""
+    return jax.vmap(lambda k: jax.random.normal(k, shape[1:]))(jax.random.split(key, shape[0]))
 
 
 def _w2_per_iteration(draws):
@@ -153,7 +157,7 @@ def test_newton_solver_matches_the_closed_form():
     x, p = a.x, a.p
     state, _ = exact(jax.random.PRNGKey(99), a)
     degrees = adjacency.sum(1)
-    w = jax.random.normal(jax.random.PRNGKey(99), x.shape)
+    w = _agent_noise(jax.random.PRNGKey(99), x.shape)
     v = (degrees[:, None] * x + adjacency @ x) / (2 * degrees[:, None]) - np.sqrt(2) / (2 * 5.0) * w
     g = potentials.grads(state.x) + p + 2 * 5.0 * degrees[:, None] * (state.x - v)
     assert float(jnp.max(jnp.abs(g))) < 1e-9
@@ -294,7 +298,7 @@ def _stationary_dsgld(step_size=0.009):
     """Stationary mean and covariance of agent 0's D-SGLD iterate (ring, Metropolis weights),
     Eq. (22): ``x' = T x - eta g + sqrt(2 eta) w`` with ``T = S - eta H``. With a constant step
     the mean is not the MAP: each agent is pulled towards its own data (the bias of
-    decentralised gradient descent)."""
+    decentralized gradient descent)."""
     import scipy.linalg
 
     s = nf.infer.metropolis_weights(nf.make_topology("ring", CONJUGATE_CLIENTS).adjacency)
@@ -394,7 +398,7 @@ def test_init_params_shared_or_per_agent():
 
 
 def test_no_edges_warns_and_noise_vanishes():
-    # Without neighbours the proximal step has no noise term: D-ADMMS is ADMM (Section 6.2.3),
+    # Without neighbors the proximal step has no noise term: D-ADMMS is ADMM (Section 6.2.3),
     # and each agent jumps to the minimiser of its own potential.
     with pytest.warns(DisconnectedTopologyWarning):
         a = _run(nf.DADMMS(linear_model, topology="none"), LINEAR, num_samples=3, num_chains=2)
@@ -501,13 +505,11 @@ def test_gradient_baselines_mix_with_metropolis_weights():
     # One D-SGLD step by hand: x' = S x - eta grad f(x) + sqrt(2 eta) w.
     potential = nf.split_potential(linear_model, (LINEAR.X, LINEAR.y))
     potentials = agent_potentials(potential)
-    from numpyro_fed.infer import baselines
-
     s = nf.infer.metropolis_weights(nf.make_topology("star", 5).adjacency)
-    kernel = baselines.build_dsgld_kernel(potentials, s, 0.01)
+    step = admm.build_dsgld_kernel(potentials, s, 0.01)
     x = jax.random.normal(jax.random.PRNGKey(1), (5, 2))
-    state, _ = kernel(jax.random.PRNGKey(2), baselines.SGLDState(x))
-    w = jax.random.normal(jax.random.PRNGKey(2), x.shape)
+    state, _ = step(jax.random.PRNGKey(2), admm.init_dsgld(x))
+    w = _agent_noise(jax.random.PRNGKey(2), x.shape)
     expected = s @ x - 0.01 * potentials.grads(x) + np.sqrt(0.02) * w
     np.testing.assert_allclose(state.x, expected, atol=1e-12)
 
@@ -616,7 +618,7 @@ def test_draws_that_collapse_a_funnel_warn():
 
 
 def test_one_agent_is_refused():
-    """With one client D-ADMMS has no neighbour terms, hence no noise: its 'draws' would
+    """With one client D-ADMMS has no neighbor terms, hence no noise: its 'draws' would
     collapse on the MAP (the zoo saw a spread of 0). It refuses, naming the alternatives."""
     def one_client(y):
         mu = numpyro.sample("mu", dist.Normal(0, 1))
@@ -626,3 +628,12 @@ def test_one_agent_is_refused():
     mcmc = MCMC(nf.DADMMS(one_client), num_warmup=5, num_samples=5, progress_bar=False)
     with pytest.raises(ValueError, match="at least 2 clients.*FedZigZag"):
         mcmc.run(jax.random.PRNGKey(0), jnp.zeros(10))
+
+
+def test_repr_names_the_model_and_the_arguments_set():
+    assert repr(nf.DADMMS(linear_model)) == "DADMMS(model=linear_model)"
+    assert repr(nf.DADMMS(linear_model, topology="star", rho=1.0, agent=2)) == (
+        "DADMMS(model=linear_model, topology='star', rho=1.0, agent=2)")
+    assert repr(nf.ADMM(linear_model, rho=2.0)) == "ADMM(model=linear_model, rho=2.0)"
+    assert repr(nf.DSGHMC(linear_model, topology=np.ones((5, 5)) - np.eye(5), friction=3.0)) == (
+        "DSGHMC(model=linear_model, topology=<array (5, 5)>, friction=3.0)")

@@ -5,7 +5,7 @@ import warnings
 import numpy as np
 import pytest
 
-from numpyro_fed.infer.topology import (
+from numpyro_fed.infer.admm.topology import (
     DisconnectedTopologyWarning,
     make_topology,
     metropolis_weights,

@@ -1,11 +1,11 @@
 """The federated inference algorithms."""
 
-from numpyro_fed.infer.admm import ADMM, DADMMS
+from numpyro_fed.infer.admm import ADMM, DADMMS, DSGHMC, DSGLD, DULA
 from numpyro_fed.infer.base import RunResult, VariationalMethod
-from numpyro_fed.infer.baselines import DSGHMC, DSGLD, DULA
+from numpyro_fed.infer.kernel import FederatedMCMCKernel
 from numpyro_fed.infer.dppvi import DPPVI, DPPVIRunResult
 from numpyro_fed.infer.svgd import DSVGD, PDSVGD, SVGD, UDSVGD, DistributedSGLD, FedAvg
-from numpyro_fed.infer.topology import Topology, make_topology, metropolis_weights
+from numpyro_fed.infer.admm import DisconnectedTopologyWarning, Topology, make_topology, metropolis_weights
 from numpyro_fed.infer.zigzag import FedZigZag, GradientBound, HessianBound
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "ADMM",
     "RunResult",
     "VariationalMethod",
+    "FederatedMCMCKernel",
     "DADMMS",
     "DSGHMC",
     "DSGLD",
@@ -24,6 +25,7 @@ __all__ = [
     "UDSVGD",
     "DistributedSGLD",
     "FedAvg",
+    "DisconnectedTopologyWarning",
     "Topology",
     "make_topology",
     "metropolis_weights",

@@ -1,93 +1,33 @@
-"""What the decentralised samplers share: agents' local potentials and the NumPyro face.
+"""The NumPyro face of every decentralized sampler: :class:`DecentralizedKernel`.
 
-Every agent ``i`` (one per client) holds the local potential
-
-    f_i(x) = client_potential_i(x) + w_i * prior_potential(x),   sum_i w_i = 1,
-
-on the flat unconstrained latent vector ``x`` (``w_i = 1/N`` by default, as in Eq. (27) of
-the D-ADMMS paper), so that ``sum_i f_i`` is NumPyro's potential energy. The algorithm cores
-(:mod:`~numpyro_fed.infer.admm`, :mod:`~numpyro_fed.infer.baselines`) see only
-:class:`AgentPotentials`; :class:`DecentralisedKernel` turns a core into a NumPyro
-``MCMCKernel``: one MCMC sample per iteration is one agent's iterate (site shapes as in the
+One MCMC sample per iteration of the network is one agent's iterate (site shapes as in the
 model, so ``MCMC.get_samples()`` goes straight into :class:`~numpyro.infer.Predictive`), and
-every agent's iterate and the network average are recorded beside it.
+every agent's iterate and the network average are recorded beside it. The algorithm is a
+pure core (``init_fn(x0) -> state``, ``step(rng_key, state) -> (state, info)``) that a
+subclass returns from :meth:`DecentralizedKernel.build_core`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
-import warnings
 
 import numpy as np
 
 import jax
 import jax.numpy as jnp
 
-from numpyro.infer.mcmc import MCMCKernel
 from numpyro.util import is_prng_key
 
 from numpyro_fed._checks import check_int, check_positive
-from numpyro_fed.infer.topology import make_topology
-from numpyro_fed.potential import split_potential
+from numpyro_fed.infer.admm.agents import AgentPotentials, agent_potentials
+from numpyro_fed.infer.admm.topology import make_topology
+from numpyro_fed.infer.kernel import FederatedMCMCKernel, RunCheck, warn_or_raise
 
-__all__ = ["AgentPotentials", "DecentralisedKernel", "DecentralisedState", "agent_potentials"]
-
-class AgentPotentials(NamedTuple):
-    """The agents' local potentials as one vmappable function.
-
-    :ivar fn: ``(x, block, prior_weight) -> f_i(x)`` for a flat ``x`` of shape ``(d,)``,
-        an agent's data block and its share of the prior.
-    :ivar data: the stacked client blocks (leading axis ``N``).
-    :ivar prior_weights: ``(N,)`` shares of the prior, summing to one.
-    :ivar int num_agents: ``N``.
-    :ivar int dim: ``d``.
-    """
-
-    fn: Callable
-    data: Any
-    prior_weights: jax.Array
-    num_agents: int
-    dim: int
-
-    def values(self, x):
-        """``(N,)`` local potentials at the agents' iterates ``x`` of shape ``(N, d)``."""
-        return jax.vmap(self.fn)(x, self.data, self.prior_weights)
-
-    def grads(self, x):
-        """``(N, d)`` gradients of the local potentials at ``x`` of shape ``(N, d)``."""
-        return jax.vmap(jax.grad(self.fn))(x, self.data, self.prior_weights)
-
-    def total(self, x):
-        """The global potential ``sum_i f_i(x)`` at one point ``x`` of shape ``(d,)``."""
-        return jnp.sum(jax.vmap(self.fn, in_axes=(None, 0, 0))(x, self.data, self.prior_weights))
+__all__ = ["DecentralizedKernel", "DecentralizedState"]
 
 
-def agent_potentials(potential, prior_weights=None) -> AgentPotentials:
-    """The agents' local potentials of a :class:`~numpyro_fed.FederatedPotential`.
-
-    :param prior_weights: ``None`` (the prior split evenly, ``w_i = 1/N``) or ``(N,)``
-        non-negative shares summing to one (e.g. all of it on one agent).
-    """
-    n = potential.num_clients
-    if prior_weights is None:
-        weights = np.full(n, 1.0 / n)
-    else:
-        weights = np.asarray(prior_weights, dtype=float)
-        if weights.shape != (n,):
-            raise ValueError(f"prior_weights must have shape ({n},) (one per client), got {weights.shape}")
-        if not np.all(np.isfinite(weights)) or np.any(weights < 0) or not np.isclose(weights.sum(), 1.0):
-            raise ValueError(f"prior_weights must be non-negative and sum to one, got {weights.tolist()}")
-
-    def fn(x, block, prior_weight):
-        z = potential.unravel(x)
-        return potential.client_potential_fn(z, block) + prior_weight * potential.prior_potential_fn(z)
-
-    return AgentPotentials(fn, potential.client_data, jnp.asarray(weights), n, potential.num_latent)
-
-
-class DecentralisedState(NamedTuple):
-    """NumPyro-facing state of a decentralised sampler.
+class DecentralizedState(NamedTuple):
+    """NumPyro-facing state of a decentralized sampler.
 
     :ivar i: iteration counter.
     :ivar z: the MCMC sample: the reporting agent's iterate (unconstrained, by site, shaped
@@ -95,9 +35,9 @@ class DecentralisedState(NamedTuple):
     :ivar agents: every agent's iterate (unconstrained, by site, leading agent axis ``N``).
     :ivar network_average: the average of the agents' iterates on the unconstrained space
         (by site).
-    :ivar core: the algorithm's state (e.g. :class:`~numpyro_fed.infer.admm.ADMMState`).
+    :ivar core: the algorithm's state (e.g. :class:`~numpyro_fed.infer.admm.dadmms.ADMMState`).
     :ivar info: the algorithm's diagnostics of the last iteration; read them with
-        ``extra_fields=("info.<name>",)`` or :meth:`DecentralisedKernel.sample_stats`.
+        ``extra_fields=("info.<name>",)`` or :meth:`DecentralizedKernel.sample_stats`.
     :ivar rng_key: random key.
     """
 
@@ -110,7 +50,7 @@ class DecentralisedState(NamedTuple):
     rng_key: jax.Array
 
 
-class DecentralisedKernel(MCMCKernel):
+class DecentralizedKernel(FederatedMCMCKernel):
     """Base class: one agent per client on a communication graph, all agents ``vmap``ped.
 
     One MCMC sample is one iteration of the network, reported as the iterate of one agent
@@ -128,37 +68,53 @@ class DecentralisedKernel(MCMCKernel):
     Chains are independent runs of the whole network; ``chain_method="vectorized"`` runs
     them in one batch.
 
-    Subclasses define :meth:`_build` (the core: ``(init_fn, kernel)``).
+    **Adding an algorithm**: subclass, set :attr:`info_names` and return the core from
+    :meth:`build_core`; the face does the rest.
     """
 
-    sample_field = "z"
-    #: names of the core's per-agent diagnostics (fields of its info namedtuple)
-    info_names: tuple = ()
+    client_dim = "agent"
+    #: what to change when the iterates diverge (named in :meth:`check_run`'s message)
+    divergence_advice = "lower the step size"
+    #: whether the reporting agent's draws are meant to spread like the posterior (``False``
+    #: for an optimizer such as :class:`~numpyro_fed.ADMM`)
+    samples_posterior = True
+    #: :meth:`check_spread` warns when a coordinate's variance ratio leaves
+    #: ``[1/spread_tolerance**2, spread_tolerance**2]`` or its mean is more than
+    #: ``offset_tolerance`` posterior sds off (Stein's identity, see there)
+    spread_tolerance = 2.0
+    offset_tolerance = 1.0
+    #: what to change when the draws are off (named in :meth:`check_spread`'s message)
+    spread_advice = ("Treat the draws as approximate; for calibrated uncertainty use FedZigZag (exact), "
+                     "and reparametrize hierarchical models non-centered (numpyro.infer.reparam."
+                     "LocScaleReparam) where the draws collapse a scale")
 
     def __init__(self, model, *, topology="ring", prior_weights=None, init_scale: float = 1.0,
                  partition=None, agent: int = 0):
-        self._model = model
-        self.topology_spec = topology
+        super().__init__(model, partition=partition)
         if isinstance(topology, str):  # fail early on an unknown name
             make_topology(topology, 1, warn_disconnected=False)
+        #: the ``topology`` argument; :attr:`graph` is the graph built from it by ``init``
+        self.topology = topology
+        self.graph = None
         self.prior_weights = prior_weights
         self.init_scale = check_positive(init_scale, "init_scale")
-        self.partition = partition
         self.agent = check_int(agent, "agent", minimum=0)
-        self.federated_potential = None
-        self.topology = None
-        self._sample_fn = None
+        self.agent_potentials = None
 
-    # -- to be provided by the algorithms ---------------------------------------------------
-    def _build(self, potentials: AgentPotentials, topology, x0):
-        """``(init_fn(x0 (N, d)) -> core, kernel(rng_key, core) -> (core, info))``."""
+    # -- the algorithm ----------------------------------------------------------------------
+    def build_core(self, potentials: AgentPotentials, topology, x0):
+        """The algorithm's core: ``(init_fn, step)`` with ``init_fn(x0) -> state`` for the
+        agents' starting iterates ``x0`` (``(N, d)``) and a pure ``step(rng_key, state) ->
+        (state, info)`` whose state has the iterates as ``state.x`` and whose info is a
+        namedtuple with fields :attr:`info_names` (per-agent ones of shape ``(N,)``).
+
+        :param AgentPotentials potentials: the agents' local potentials.
+        :param topology: the :class:`~numpyro_fed.infer.admm.topology.Topology`.
+        :param x0: ``(d,)`` a point where the potentials are finite.
+        """
         raise NotImplementedError
 
     # -- MCMCKernel -------------------------------------------------------------------------
-    @property
-    def model(self):
-        return self._model
-
     @property
     def default_fields(self):
         return ("z", "agents", "network_average") + tuple("info." + name for name in self.info_names)
@@ -166,60 +122,40 @@ class DecentralisedKernel(MCMCKernel):
     def init(self, rng_key, num_warmup, init_params, model_args, model_kwargs):
         batched = not is_prng_key(rng_key)
         first_key = rng_key[0] if batched else rng_key
-        potential = split_potential(self._model, model_args, model_kwargs, partition=self.partition,
-                                    rng_key=jax.random.fold_in(first_key, 1))
+        potential = self.init_potential(jax.random.fold_in(first_key, 1), model_args, model_kwargs)
         if self.agent >= potential.num_clients:
             raise ValueError(
                 f"agent={self.agent}: the model has {potential.num_clients} clients (agents "
                 f"0 .. {potential.num_clients - 1}); choose one of them as the reporting agent"
             )
-        self.federated_potential = potential
-        self.topology = make_topology(self.topology_spec, potential.num_clients)
-        potentials = agent_potentials(potential, self.prior_weights)
-        self.agent_potentials = potentials
+        self.graph = make_topology(self.topology, potential.num_clients)
+        potentials = self.agent_potentials = agent_potentials(potential, self.prior_weights)
         n, d = potentials.num_agents, potentials.dim
         base = potential.ravel(potential.init_params)
+        init_fn, step = self.build_core(potentials, self.graph, base)
 
         def start(key, params):
             if params is None:
-                noise = jax.random.normal(key, (n, d), dtype=base.dtype)
-                return self.init_scale * noise
+                return self.init_scale * jax.random.normal(key, (n, d), dtype=base.dtype)
             return self._flat_init(params, n, d, base)
 
-        init_fn, kernel = self._build(potentials, self.topology, base)
-        self._kernel = kernel
-
         def one_chain(key, params):
-            key_start, key_state = jax.random.split(key)
-            x0 = start(key_start, params)
+            k_start, k_chain = jax.random.split(key)
+            x0 = start(k_start, params)
             core = init_fn(x0)
-            info = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: kernel(key_start, core)[1]))
-            return DecentralisedState(jnp.zeros((), jnp.int32), *self._views(x0), core, info, key_state)
+            info = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: step(k_start, core)[1]))
+            return DecentralizedState(jnp.zeros((), jnp.int32), *self._views(x0), core, info, k_chain)
+
+        def sample(state):
+            k_chain, k_step = jax.random.split(state.rng_key)
+            core, info = step(k_step, state.core)
+            return DecentralizedState(state.i + 1, *self._views(core.x), core, info, k_chain)
 
         if batched:
-            in_axes = (0, None if init_params is None else 0)
-            state = jax.vmap(one_chain, in_axes=in_axes)(rng_key, init_params)
-            self._sample_fn = jax.vmap(self._sample)
-        else:
-            state = one_chain(rng_key, init_params)
-            self._sample_fn = self._sample
-        return state
-
-    def _sample(self, state):
-        key, subkey = jax.random.split(state.rng_key)
-        core, info = self._kernel(subkey, state.core)
-        return DecentralisedState(state.i + 1, *self._views(core.x), core, info, key)
-
-    def sample(self, state, model_args, model_kwargs):
-        return self._sample_fn(state)
-
-    def postprocess_fn(self, model_args, model_kwargs):
-        if self.federated_potential is None:
-            raise RuntimeError(f"{type(self).__name__}.postprocess_fn needs init() to have run")
-        return self.federated_potential.postprocess_fn
-
-    def get_diagnostics_str(self, state):
-        return ""
+            self._sample_fn = jax.vmap(sample)
+            return jax.vmap(one_chain, in_axes=(0, None if init_params is None else 0))(rng_key, init_params)
+        self._sample_fn = sample
+        return one_chain(rng_key, init_params)
 
     # -- helpers ----------------------------------------------------------------------------
     def _views(self, x):
@@ -257,29 +193,20 @@ class DecentralisedKernel(MCMCKernel):
         return jnp.asarray(flat, dtype=base.dtype)
 
     # -- diagnostics ------------------------------------------------------------------------
-    #: what to change when the iterates diverge (named in :meth:`check_run`'s message)
-    divergence_advice = "lower the step size"
-
-    #: whether the reporting agent's draws are meant to spread like the posterior (``False``
-    #: for an optimiser such as :class:`~numpyro_fed.infer.admm.ADMM`)
-    samples_posterior = True
-    #: :meth:`check_spread` warns when a coordinate's variance ratio leaves
-    #: ``[1/spread_tolerance**2, spread_tolerance**2]`` or its mean is more than
-    #: ``offset_tolerance`` posterior sds off (Stein's identity, see there)
-    spread_tolerance = 2.0
-    offset_tolerance = 1.0
-
-    def check_run(self, mcmc, *, strict: bool = False) -> int:
-        """Warns (or raises ``RuntimeError`` with ``strict``) when agents' iterates are not
-        finite, i.e. the run diverged, and when the draws' spread is far from the posterior's
-        (:meth:`check_spread`). :func:`~numpyro_fed.to_inference_data` calls it.
-
-        :return: the number of non-finite agent iterates (over chains, iterations, agents).
-        """
-        bad = self._check_finite(mcmc, strict)
-        if not bad:
-            self.check_spread(mcmc, strict=strict)
-        return bad
+    def diagnose(self, mcmc) -> RunCheck:
+        """Non-finite agent iterates (the run diverged) and, when there are none, draws whose
+        spread is far from the posterior's (:meth:`check_spread`). :meth:`check_run` returns
+        the number of non-finite agent iterates (over chains, iterations, agents)."""
+        bad, total = self._count_nonfinite(mcmc)
+        problems = []
+        if bad:
+            problems.append(f"{bad} of {total} agent iterates are not finite (the run diverged); "
+                            f"{self.divergence_advice}")
+        else:
+            message, _ = self._spread(mcmc)
+            if message:
+                problems.append(message)
+        return RunCheck(problems, bad)
 
     def check_spread(self, mcmc, *, strict: bool = False):
         """Checks the reporting agent's draws against the posterior with Stein's identity,
@@ -287,7 +214,7 @@ class DecentralisedKernel(MCMCKernel):
         ``strict``) when they are far off, since these samplers are biased (D-ADMMS's injected
         noise does not follow the posterior's width: at the default ``rho`` its iterates were
         0.66 of the posterior sd on 250 rows and 0.17 on 10,000) and nothing else would say
-        so.
+        so. :meth:`check_run` includes this check.
 
         Under the posterior ``E[d_i U(x)] = 0`` and ``E[(x_i - m_i) d_i U(x)] = 1`` for any
         smooth target (integration by parts), so over the draws ``stein_scale = mean((x_i -
@@ -301,17 +228,24 @@ class DecentralisedKernel(MCMCKernel):
         algorithm.
 
         :return: ``(stein_mean, stein_scale)``, each ``(d,)`` (``None`` when not checked: the
-            noise-free :class:`~numpyro_fed.infer.admm.ADMM`, fewer than 20 draws).
+            noise-free :class:`~numpyro_fed.ADMM`, fewer than 20 draws).
         """
+        message, result = self._spread(mcmc)
+        if message:
+            warn_or_raise(f"{type(self).__name__}: {message}", strict=strict)
+        return result
+
+    def _spread(self, mcmc):
+        """``(message or None, (stein_mean, stein_scale) or None)``: see :meth:`check_spread`."""
         if not self.samples_posterior:
-            return None
+            return None, None
         values = mcmc.get_extra_fields().get("agents")
         if values is None:
-            return None
+            return None, None
         ravel = self.federated_potential.ravel
         draws = jax.vmap(ravel)(jax.tree.map(lambda v: v[:, self.agent], values))
         if draws.shape[0] < 20 or not bool(jnp.all(jnp.isfinite(draws))):
-            return None
+            return None, None
         grads = np.asarray(jax.device_get(jax.lax.map(jax.grad(self.agent_potentials.total), draws,
                                                        batch_size=256)), dtype=np.float64)
         x = np.asarray(jax.device_get(draws), dtype=np.float64)
@@ -322,60 +256,32 @@ class DecentralisedKernel(MCMCKernel):
             offset = np.abs(stein_mean) / np.sqrt(np.maximum(stein_scale, 1e-300))
             bad_scale = ~((stein_scale >= self.spread_tolerance ** -2) & (stein_scale <= self.spread_tolerance ** 2))
         bad = bad_scale | ~(offset <= self.offset_tolerance)
+        message = None
         if bad.any():
             j = int(np.argmax(np.where(bad, np.abs(np.log(np.abs(stein_scale) + 1e-300)) + offset, -np.inf)))
             message = (
-                f"{type(self).__name__}: agent {self.agent}'s draws do not match the posterior's score "
+                f"agent {self.agent}'s draws do not match the posterior's score "
                 f"(Stein's identity, unconstrained coordinate {j} of {x.shape[1]}: variance ratio "
                 f"about {stein_scale[j]:.3g}, mean about {offset[j]:.2g} posterior sds off; "
                 f"{int(bad.sum())} coordinate(s) outside a factor {self.spread_tolerance:g} in sd or "
                 f"{self.offset_tolerance:g} sd in mean): this sampler is biased and its draws are "
                 f"not the posterior's here. {self.spread_advice}"
             )
-            if strict:
-                raise RuntimeError(message)
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
-        return stein_mean, stein_scale
+        return message, (stein_mean, stein_scale)
 
-    #: what to change when the draws are off (named in :meth:`check_spread`'s message)
-    spread_advice = ("Treat the draws as approximate; for calibrated uncertainty use FedZigZag (exact), "
-                     "and reparametrise hierarchical models non-centred (numpyro.infer.reparam."
-                     "LocScaleReparam) where the draws collapse a scale")
-
-    def _check_finite(self, mcmc, strict):
+    def _count_nonfinite(self, mcmc):
         values = mcmc.get_extra_fields().get("agents")
         if values is None:
-            return 0
-        bad = np.zeros((), dtype=np.int64)
-        total = 0
+            return 0, 0
+        bad, total = 0, 0
         for v in jax.tree.leaves(values):
             v = np.asarray(jax.device_get(v))
             per_iterate = ~np.isfinite(v.reshape(v.shape[:2] + (-1,))).all(-1)
-            bad = bad + per_iterate.sum()
+            bad += int(per_iterate.sum())
             total = per_iterate.size
-        bad = int(bad)
-        if bad:
-            message = (
-                f"{type(self).__name__}: {bad} of {total} agent iterates are not finite (the run "
-                f"diverged); {self.divergence_advice}"
-            )
-            if strict:
-                raise RuntimeError(message)
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
-        return bad
+        return bad, total
 
-    def sample_stats(self, extra_fields):
-        """Diagnostics by name from ``MCMC.get_extra_fields(group_by_chain=True)``:
-        ``{name: (array, dims)}``, per-agent ones with an ``agent`` dim."""
-        stats = {}
-        for name in self.info_names:
-            value = extra_fields.get("info." + name)
-            if value is None:
-                continue
-            value = np.asarray(jax.device_get(value))
-            stats[name] = (value, ["agent"] if value.ndim == 3 else [])
-        return stats
-
+    # -- what to_inference_data reads -------------------------------------------------------
     def extra_groups(self, mcmc):
         """The groups :func:`~numpyro_fed.to_inference_data` adds beside ``posterior`` (which
         holds ``mcmc.get_samples()``, the reporting agent's draws): ``{group: (values,
@@ -394,10 +300,10 @@ class DecentralisedKernel(MCMCKernel):
         agent axis after the sample axes). Call it on the class or on the kernel:
         ``DADMMS.agent_draws(mcmc, 2)``.
 
-        :param mcmc: a :class:`~numpyro.infer.MCMC` that ran a decentralised sampler.
+        :param mcmc: a :class:`~numpyro.infer.MCMC` that ran a decentralized sampler.
         :param bool group_by_chain: keep the chain axis, as in ``mcmc.get_samples``.
         """
-        kernel = DecentralisedKernel._kernel_of(mcmc)
+        kernel = DecentralizedKernel._kernel_of(mcmc)
         values = mcmc.get_extra_fields(group_by_chain=group_by_chain).get("agents")
         if values is None:
             raise ValueError("this MCMC run did not record the agents' iterates (the 'agents' field)")
@@ -416,7 +322,7 @@ class DecentralisedKernel(MCMCKernel):
         unconstrained space, then constrained), shaped like ``mcmc.get_samples()``. It is a
         diagnostic of consensus, not a posterior draw: an average of ``N`` draws is narrower
         than the posterior."""
-        kernel = DecentralisedKernel._kernel_of(mcmc)
+        kernel = DecentralizedKernel._kernel_of(mcmc)
         values = mcmc.get_extra_fields(group_by_chain=group_by_chain).get("network_average")
         if values is None:
             raise ValueError("this MCMC run did not record the network average (the 'network_average' field)")
@@ -425,8 +331,8 @@ class DecentralisedKernel(MCMCKernel):
     @staticmethod
     def _kernel_of(mcmc):
         kernel = getattr(mcmc, "sampler", None)
-        if not isinstance(kernel, DecentralisedKernel):
-            raise TypeError(f"expected an MCMC run of a decentralised sampler (DADMMS, DSGLD, ...), got {mcmc!r}")
+        if not isinstance(kernel, DecentralizedKernel):
+            raise TypeError(f"expected an MCMC run of a decentralized sampler (DADMMS, DSGLD, ...), got {mcmc!r}")
         if kernel.federated_potential is None:
             raise RuntimeError("run the MCMC first")
         return kernel

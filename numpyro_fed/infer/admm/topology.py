@@ -1,4 +1,4 @@
-"""Communication graphs of decentralised samplers: who talks to whom.
+"""Communication graphs of decentralized samplers: who talks to whom.
 
 A :class:`Topology` is an undirected graph on the agents (one agent per client), stored as a
 symmetric 0/1 adjacency matrix without self-loops. :func:`make_topology` builds one from a
@@ -42,7 +42,7 @@ class Topology:
 
     :ivar str name: ``"complete"``, ``"ring"``, ``"star"``, ``"none"`` or ``"custom"``.
     :ivar numpy.ndarray adjacency: ``(N, N)`` symmetric 0/1 float matrix, zero diagonal.
-    :ivar numpy.ndarray degrees: ``(N,)`` number of neighbours of each agent.
+    :ivar numpy.ndarray degrees: ``(N,)`` number of neighbors of each agent.
     :ivar int num_components: connected components (1: connected).
 
     >>> t = make_topology("ring", 5)

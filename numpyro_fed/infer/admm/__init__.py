@@ -1,0 +1,89 @@
+"""Decentralized samplers: D-ADMMS (Tzikas et al. 2024), consensus ADMM and the paper's
+gradient baselines (D-SGLD, D-SGHMC, D-ULA), agents on a communication graph.
+
+* :mod:`~numpyro_fed.infer.admm.topology`: the communication graphs;
+* :mod:`~numpyro_fed.infer.admm.agents`: what each agent knows (its local potential) and
+  what crosses the graph (neighbors' messages);
+* :mod:`~numpyro_fed.infer.admm.dadmms`: D-ADMMS's core (``init``, ``build_kernel``, the
+  agents' functions, the proximal solvers);
+* :mod:`~numpyro_fed.infer.admm.gradient`: the baselines' cores;
+* :mod:`~numpyro_fed.infer.admm.face`: :class:`DecentralizedKernel`, the NumPyro face they
+  share;
+* :mod:`~numpyro_fed.infer.admm.samplers`: :class:`DADMMS`, :class:`ADMM`, :class:`DSGLD`,
+  :class:`DSGHMC`, :class:`DULA`.
+"""
+
+from numpyro_fed.infer.admm.agents import AgentPotentials, agent_potentials, disagreement, mixed, neighbor_sums
+from numpyro_fed.infer.admm.dadmms import (
+    ADMMAgent,
+    ADMMInfo,
+    ADMMState,
+    QuadraticPotentials,
+    build_agent,
+    build_kernel,
+    init,
+    newton_prox,
+    quadratic_potentials,
+)
+from numpyro_fed.infer.admm.face import DecentralizedKernel, DecentralizedState
+from numpyro_fed.infer.admm.gradient import (
+    GradientInfo,
+    SGHMCState,
+    SGLDState,
+    ULAState,
+    build_dsghmc_kernel,
+    build_dsgld_kernel,
+    build_dula_kernel,
+    init_dsghmc,
+    init_dsgld,
+    init_dula,
+    largest_curvatures,
+)
+from numpyro_fed.infer.admm.samplers import ADMM, DADMMS, DSGHMC, DSGLD, DULA
+from numpyro_fed.infer.admm.topology import (
+    DisconnectedTopologyWarning,
+    Topology,
+    make_topology,
+    metropolis_weights,
+    num_components,
+)
+
+__all__ = [
+    "ADMM",
+    "ADMMAgent",
+    "ADMMInfo",
+    "ADMMState",
+    "AgentPotentials",
+    "DADMMS",
+    "DSGHMC",
+    "DSGLD",
+    "DULA",
+    "DecentralizedKernel",
+    "DecentralizedState",
+    "DisconnectedTopologyWarning",
+    "GradientInfo",
+    "QuadraticPotentials",
+    "SGHMCState",
+    "SGLDState",
+    "Topology",
+    "ULAState",
+    "agent_potentials",
+    "build_agent",
+    "build_dsghmc_kernel",
+    "build_dsgld_kernel",
+    "build_dula_kernel",
+    "build_kernel",
+    "disagreement",
+    "init",
+    "init_dsghmc",
+    "init_dsgld",
+    "init_dula",
+    "largest_curvatures",
+    "make_topology",
+    "metropolis_weights",
+    "mixed",
+    "neighbor_sums",
+    "newton_prox",
+    "num_components",
+    "quadratic_potentials",
+]

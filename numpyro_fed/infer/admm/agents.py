@@ -1,0 +1,126 @@
+"""The agents of a decentralized sampler: what each one knows and what crosses the graph.
+
+Every agent ``i`` (one per client) holds the local potential
+
+    f_i(x) = client_potential_i(x) + w_i * prior_potential(x),   sum_i w_i = 1,
+
+on the flat unconstrained latent vector ``x`` (``w_i = 1/N`` by default, as in Eq. (27) of
+the D-ADMMS paper), so that ``sum_i f_i`` is NumPyro's potential energy. The algorithm
+cores (:mod:`~numpyro_fed.infer.admm.dadmms`, :mod:`~numpyro_fed.infer.admm.gradient`) see
+only :class:`AgentPotentials`, and split each iteration into
+
+* an **agent function**: one agent's own data block, its own state and the messages of its
+  neighbors -> its new state (``vmap``ped over the agents in one process), and
+* the **network**: what each agent receives, computed from what the agents sent
+  (:func:`neighbor_sums`, :func:`mixed`); this is where a transport sits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["AgentPotentials", "agent_potentials", "disagreement", "mixed", "neighbor_sums"]
+
+
+class AgentPotentials(NamedTuple):
+    """The agents' local potentials as one vmappable function.
+
+    :ivar fn: ``(x, block, prior_weight) -> f_i(x)`` for a flat ``x`` of shape ``(d,)``,
+        an agent's data block and its share of the prior.
+    :ivar data: the stacked client blocks (leading axis ``N``).
+    :ivar prior_weights: ``(N,)`` shares of the prior, summing to one.
+    :ivar int num_agents: ``N``.
+    :ivar int dim: ``d``.
+
+    >>> pots = AgentPotentials(lambda x, b, w: 0.5 * jnp.sum((x - b) ** 2),
+    ...                        jnp.array([0.0, 1.0]), jnp.array([0.5, 0.5]), 2, 1)
+    >>> pots.values(jnp.zeros((2, 1))).tolist(), float(pots.total(jnp.ones(1)))
+    ([0.0, 0.5], 0.5)
+    """
+
+    fn: Callable
+    data: Any
+    prior_weights: jax.Array
+    num_agents: int
+    dim: int
+
+    def values(self, x):
+        """``(N,)`` local potentials at the agents' iterates ``x`` of shape ``(N, d)``."""
+        return jax.vmap(self.fn)(x, self.data, self.prior_weights)
+
+    def grads(self, x):
+        """``(N, d)`` gradients of the local potentials at ``x`` of shape ``(N, d)``."""
+        return jax.vmap(jax.grad(self.fn))(x, self.data, self.prior_weights)
+
+    def total(self, x):
+        """The global potential ``sum_i f_i(x)`` at one point ``x`` of shape ``(d,)``."""
+        return jnp.sum(jax.vmap(self.fn, in_axes=(None, 0, 0))(x, self.data, self.prior_weights))
+
+
+def agent_potentials(potential, prior_weights=None) -> AgentPotentials:
+    """The agents' local potentials of a :class:`~numpyro_fed.FederatedPotential`.
+
+    :param prior_weights: ``None`` (the prior split evenly, ``w_i = 1/N``) or ``(N,)``
+        non-negative shares summing to one (e.g. all of it on one agent).
+
+    >>> import numpyro, numpyro.distributions as dist
+    >>> import numpyro_fed as nf
+    >>> def model(y):
+    ...     mu = numpyro.sample("mu", dist.Normal(0, 1))
+    ...     with nf.federated_plate("data", y.shape[0], clients=2):
+    ...         numpyro.sample("y", dist.Normal(mu, 1), obs=y)
+    >>> pots = agent_potentials(nf.split_potential(model, (jnp.arange(4.0),)))
+    >>> pots.num_agents, pots.dim, pots.prior_weights.tolist()
+    (2, 1, [0.5, 0.5])
+    """
+    n = potential.num_clients
+    if prior_weights is None:
+        weights = np.full(n, 1.0 / n)
+    else:
+        weights = np.asarray(prior_weights, dtype=float)
+        if weights.shape != (n,):
+            raise ValueError(f"prior_weights must have shape ({n},) (one per client), got {weights.shape}")
+        if not np.all(np.isfinite(weights)) or np.any(weights < 0) or not np.isclose(weights.sum(), 1.0):
+            raise ValueError(f"prior_weights must be non-negative and sum to one, got {weights.tolist()}")
+
+    def fn(x, block, prior_weight):
+        z = potential.unravel(x)
+        return potential.client_potential_fn(z, block) + prior_weight * potential.prior_potential_fn(z)
+
+    return AgentPotentials(fn, potential.client_data, jnp.asarray(weights), n, potential.num_latent)
+
+
+def neighbor_sums(adjacency, x):
+    """``(N, d)``: what each agent receives, the sum of its neighbors' messages
+    ``sum_{j in N_i} x_j`` (``x``: ``(N, d)``, one message per agent).
+
+    >>> neighbor_sums(jnp.array([[0.0, 1.0], [1.0, 0.0]]), jnp.array([[1.0], [2.0]])).tolist()
+    [[2.0], [1.0]]
+    """
+    return adjacency @ x
+
+
+def mixed(mixing, x):
+    """``(N, d)``: what each agent receives under a mixing matrix ``S`` (e.g.
+    :func:`~numpyro_fed.infer.admm.topology.metropolis_weights`), ``sum_j S_ij x_j``
+    (its own message included)."""
+    return mixing @ x
+
+
+def disagreement(adjacency, x):
+    """``(N,)``: ``sqrt(sum_{j in N_i} ||x_i - x_j||^2)``, each agent's disagreement with
+    its neighbors (the primal residual of consensus).
+
+    >>> disagreement(jnp.array([[0.0, 1.0], [1.0, 0.0]]), jnp.array([[0.0], [3.0]])).tolist()
+    [3.0, 3.0]
+    """
+    degrees = jnp.sum(adjacency, axis=1)
+    sq = jnp.sum(x**2, axis=1)
+    total = degrees * sq - 2.0 * jnp.sum(x * (adjacency @ x), axis=1) + adjacency @ sq
+    return jnp.sqrt(jnp.maximum(total, 0.0))

@@ -1,0 +1,341 @@
+"""Distributed ADMM-based sampler (D-ADMMS, Tzikas et al. 2024, Algorithm 1).
+
+``N`` agents on an undirected graph sample from ``exp(-sum_i f_i(x))`` where agent ``i``
+alone knows ``f_i`` (its client's potential plus its share of the prior). Each agent holds
+an iterate ``x_i`` and a dual variable ``p_i`` (zero at the start). Per iteration, all agents
+at once:
+
+1. draw ``w_i ~ N(0, I)`` and solve the noisy proximal step
+
+   .. math::
+
+       x_i^{k+1} = \\arg\\min_x f_i(x) + p_i^\\top x + \\rho \\sum_{j \\in N_i}
+       \\Bigl\\lVert x - \\frac{x_i^k + x_j^k}{2} + \\frac{\\sqrt 2}{2 \\rho} w_i \\Bigr\\rVert^2;
+
+2. send ``x_i^{k+1}`` to their neighbors ``N_i``;
+3. update ``p_i <- p_i + rho sum_{j in N_i} (x_i^{k+1} - x_j^{k+1})``.
+
+Without the noise (``noise_scale=0``) this is consensus ADMM (C-ADMM), which converges to
+the MAP on a connected graph. One noise draw per agent per iteration is shared by all of its
+neighbor terms (Eq. (6)); an agent without neighbors has no noise and simply minimizes its
+own ``f_i + p_i^T x``.
+
+The proximal step is solved in closed form when every ``f_i`` is quadratic (a Gaussian
+likelihood and prior, e.g. linear regression), and otherwise by a damped Newton method in a
+``lax.while_loop`` (warm-started at ``x_i^k``, with a tolerance and an iteration cap; the
+inner iterations and non-convergence are reported per agent and iteration).
+
+This module is the functional core: :func:`init`, :func:`build_kernel` (a pure
+``step(rng_key, state) -> (state, info)``), the agents' side of it (:func:`build_agent`)
+and the solvers; :class:`~numpyro_fed.DADMMS` is the NumPyro face.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from numpyro_fed._checks import check_int, check_positive, check_real
+from numpyro_fed.infer.admm.agents import AgentPotentials, disagreement, neighbor_sums
+
+__all__ = [
+    "ADMMAgent",
+    "ADMMInfo",
+    "ADMMState",
+    "QuadraticPotentials",
+    "build_agent",
+    "build_kernel",
+    "init",
+    "newton_prox",
+    "quadratic_potentials",
+]
+
+
+class ADMMState(NamedTuple):
+    """State of the network.
+
+    :ivar x: ``(N, d)`` the agents' primal iterates (the samples).
+    :ivar p: ``(N, d)`` their dual variables.
+    """
+
+    x: jax.Array
+    p: jax.Array
+
+
+class ADMMInfo(NamedTuple):
+    """Per-agent diagnostics of one iteration, each of shape ``(N,)``.
+
+    :ivar primal_residual: ``sqrt(sum_{j in N_i} ||x_i - x_j||^2)``, the disagreement with
+        the neighbors after the step.
+    :ivar dual_residual: ``rho sqrt(sum_{j in N_i} ||z_ij^{k+1} - z_ij^k||^2)`` with the edge
+        averages ``z_ij = (x_i + x_j) / 2``.
+    :ivar inner_iterations: Newton iterations of the proximal step (0 in closed form).
+    :ivar converged: whether the proximal step met its tolerance before the cap.
+    """
+
+    primal_residual: jax.Array
+    dual_residual: jax.Array
+    inner_iterations: jax.Array
+    converged: jax.Array
+
+
+class QuadraticPotentials(NamedTuple):
+    """Quadratic local potentials ``f_i(x) = x^T H_i x / 2 + g_i^T x + const``.
+
+    :ivar hessians: ``(N, d, d)``.
+    :ivar gradients_at_zero: ``(N, d)`` (``g_i``).
+    """
+
+    hessians: jax.Array
+    gradients_at_zero: jax.Array
+
+
+def init(x) -> ADMMState:
+    """The state at iterates ``x`` (``(N, d)``) with zero dual variables (Algorithm 1).
+
+    >>> init(jnp.ones((3, 2))).p.shape
+    (3, 2)
+    """
+    x = jnp.asarray(x)
+    return ADMMState(x, jnp.zeros_like(x))
+
+
+def quadratic_potentials(potentials: AgentPotentials, x, *, rng_key=None, rtol: float = 1e-6):
+    """The agents' potentials as :class:`QuadraticPotentials` if they are quadratic, else ``None``.
+
+    Each ``f_i`` is taken as quadratic when its Hessian at ``x`` predicts its gradient
+    exactly (to ``rtol``) at three other points, near and far from ``x``.
+
+    :param x: ``(d,)`` a point where every ``f_i`` is finite.
+    """
+    if rng_key is None:
+        rng_key = jax.random.PRNGKey(0)
+    x = jnp.asarray(x)
+    grad = jax.grad(potentials.fn)
+    hess = jax.hessian(potentials.fn)
+    at = jax.jit(jax.vmap(lambda y, block, w: (grad(y, block, w), hess(y, block, w)), in_axes=(None, 0, 0)))
+    g_x, h_x = at(x, potentials.data, potentials.prior_weights)
+    if not (bool(jnp.all(jnp.isfinite(g_x))) and bool(jnp.all(jnp.isfinite(h_x)))):
+        return None
+    scales = jnp.array([0.1, 1.0, 10.0])
+    directions = jax.random.normal(rng_key, (3, x.shape[0]), dtype=x.dtype)
+    for scale, u in zip(scales, directions):
+        y = x + scale * (1.0 + jnp.abs(x)) * u
+        g_y, _ = at(y, potentials.data, potentials.prior_weights)
+        predicted = g_x + jnp.einsum("nij,j->ni", h_x, y - x)
+        tol = rtol * (1.0 + jnp.max(jnp.abs(g_y)) + jnp.max(jnp.abs(g_x)))
+        if not bool(jnp.all(jnp.abs(g_y - predicted) <= tol)):
+            return None
+    h_x = (h_x + jnp.swapaxes(h_x, 1, 2)) / 2
+    return QuadraticPotentials(h_x, g_x - jnp.einsum("nij,j->ni", h_x, x))
+
+
+def newton_prox(fn: Callable, *, tolerance: float, max_iterations: int):
+    """A damped Newton solver of the proximal problem
+
+        min_x phi(x) = fn(x, *args) + p^T x + (c / 2) ||x - v||^2
+
+    returning ``solve(x_start, v, p, c, *args) -> (x, iterations, converged)``. Steps are
+    Newton steps, shortened to the longest of ``2^-k``, ``k`` in ``(0, 1, 2, 3, 5, 7, 10, 14,
+    20, 30)``, that meets the Armijo condition (a gradient step if the Newton
+    direction is not a descent direction); the solve stops when the step is below
+    ``tolerance * (1 + max|x|)`` (converged) or after ``max_iterations`` steps.
+    """
+    grad = jax.grad(fn)
+    hess = jax.hessian(fn)
+
+    def solve(x_start, v, p, c, *args):
+        dim = x_start.shape[0]
+        eps = jnp.finfo(x_start.dtype).eps
+        slack = 8 * eps
+
+        def phi(x):
+            return fn(x, *args) + p @ x + 0.5 * c * jnp.sum((x - v) ** 2)
+
+        def newton_step(x):
+            g = grad(x, *args) + p + c * (x - v)
+            h = hess(x, *args) + c * jnp.eye(dim, dtype=x.dtype)
+            step = -jnp.linalg.solve(h, g)
+            slope = g @ step
+            ok = jnp.all(jnp.isfinite(step)) & (slope < 0)
+            step = jnp.where(ok, step, -g)
+            slope = jnp.where(ok, slope, -(g @ g))
+            return step, slope
+
+        def cond(carry):
+            _, k, done = carry
+            return (~done) & (k < max_iterations)
+
+        ladder = 0.5 ** jnp.asarray(_LADDER_EXPONENTS, dtype=x_start.dtype)
+
+        def body(carry):
+            x, k, _ = carry
+            step, slope = newton_step(x)
+            small = jnp.max(jnp.abs(step)) <= tolerance * (1.0 + jnp.max(jnp.abs(x)))
+            phi_x = phi(x)
+            # Backtracking on a fixed, sparse ladder of step lengths, evaluated at once: a while_loop
+            # nested in this one never ended under vmap over agents and chains (seen with JAX 0.10.2).
+            values = jax.vmap(lambda t: phi(x + t * step))(ladder)
+            armijo = (values <= phi_x + 1e-4 * ladder * slope + slack * jnp.abs(phi_x)) & jnp.isfinite(values)
+            # Near the minimum (squared Newton decrement below sqrt(eps) |phi|) phi cannot
+            # resolve the decrease: take the full step, which is then quadratically convergent.
+            full = small | (-slope <= jnp.sqrt(eps) * (1.0 + jnp.abs(phi_x)))
+            t = jnp.where(full, 1.0, ladder[jnp.argmax(armijo)])
+            t = jnp.where(full | jnp.any(armijo), t, ladder[-1])
+            return x + t * step, k + 1, small
+
+        x, k, done = lax.while_loop(cond, body, (x_start, jnp.zeros((), jnp.int32), jnp.zeros((), bool)))
+        return x, k, done
+
+    return solve
+
+
+_LADDER_EXPONENTS = (0, 1, 2, 3, 5, 7, 10, 14, 20, 30)
+
+
+class ADMMAgent(NamedTuple):
+    """One agent's side of a D-ADMMS iteration, apart from the network that carries the
+    messages (:func:`build_kernel` ``vmap``-s it over the agents; a transport would call it
+    on each agent's worker).
+
+    :ivar primal: ``(rng_key, x_i, p_i, neighbor_sum, degree, local) -> (x_i', iterations,
+        converged)``: step 1, the noisy proximal step from the agent's iterate and dual, the
+        sum of its neighbors' iterates ``sum_{j in N_i} x_j^k`` and its own ``local`` data.
+    :ivar dual: ``(p_i, x_i', neighbor_sum', degree) -> p_i'``: step 3, from the sum of the
+        neighbors' new iterates (step 2 is the network's).
+    :ivar local: what each agent alone holds, stacked with a leading agent axis: its data
+        block and prior share (Newton) or its quadratic's factors (closed form).
+    """
+
+    primal: Callable
+    dual: Callable
+    local: Any
+
+
+def build_agent(
+    potentials: AgentPotentials,
+    degrees,
+    rho: float,
+    *,
+    noise_scale: float = 1.0,
+    quadratic: QuadraticPotentials | None = None,
+    tolerance: float | None = None,
+    max_iterations: int = 50,
+) -> ADMMAgent:
+    """The agents' functions of D-ADMMS (Algorithm 1): see :class:`ADMMAgent` and
+    :func:`build_kernel` for the arguments (``degrees``: ``(N,)`` number of neighbors of
+    each agent, which fixes its proximal curvature ``2 rho degree``)."""
+    rho = check_positive(rho, "rho")
+    noise_scale = check_real(noise_scale, "noise_scale")
+    if noise_scale < 0:
+        raise ValueError(f"noise_scale must be >= 0, got {noise_scale}")
+    max_iterations = check_int(max_iterations, "max_iterations", minimum=1)
+    dtype = potentials.prior_weights.dtype
+    degrees = jnp.asarray(degrees, dtype=dtype)
+    noise_sd = noise_scale * math.sqrt(2.0) / (2.0 * rho)
+
+    if quadratic is not None:
+        dim = quadratic.hessians.shape[-1]
+        # the proximal term is (c_i / 2) ||x - v_i||^2 with c_i = 2 rho deg_i: (H_i + c_i I)^-1
+        # depends on the agent alone and is factored once
+        curvature = 2.0 * rho * degrees
+        systems = quadratic.hessians + curvature[:, None, None] * jnp.eye(dim, dtype=quadratic.hessians.dtype)
+        local = (jnp.linalg.inv(systems), quadratic.gradients_at_zero)
+
+        def prox(x_start, v, p, c, local):
+            inverse, gradient_at_zero = local
+            return inverse @ (c * v - p - gradient_at_zero), jnp.zeros((), jnp.int32), jnp.ones((), bool)
+    else:
+        local = (potentials.data, potentials.prior_weights)
+
+        def prox(x_start, v, p, c, local):
+            tol = tolerance
+            if tol is None:
+                tol = 1e-10 if x_start.dtype == jnp.float64 else 1e-5
+            solve = newton_prox(potentials.fn, tolerance=tol, max_iterations=max_iterations)
+            return solve(x_start, v, p, c, *local)
+
+    def primal(rng_key, x, p, neighbor_sum, degree, local):
+        w = jax.random.normal(rng_key, x.shape, dtype=x.dtype)
+        # mean over the neighbors of the edge averages (x_i + x_j) / 2 (none: no proximal term)
+        edge_mean = jnp.where(degree > 0, (degree * x + neighbor_sum) / (2.0 * jnp.maximum(degree, 1.0)), 0.0)
+        return prox(x, edge_mean - noise_sd * w, p, 2.0 * rho * degree, local)
+
+    def dual(p, x_new, neighbor_sum_new, degree):
+        return p + rho * (degree * x_new - neighbor_sum_new)
+
+    return ADMMAgent(primal, dual, local)
+
+
+def build_kernel(
+    potentials: AgentPotentials,
+    adjacency,
+    rho: float,
+    *,
+    noise_scale: float = 1.0,
+    quadratic: QuadraticPotentials | None = None,
+    tolerance: float | None = None,
+    max_iterations: int = 50,
+) -> Callable:
+    """One D-ADMMS iteration of all agents: ``step(rng_key, state) -> (state, info)``.
+
+    Each agent draws its noise from its own key (``jax.random.split(rng_key, N)``), runs
+    :attr:`ADMMAgent.primal` on its own data and its neighbors' iterates, the network
+    carries the new iterates (:func:`~numpyro_fed.infer.admm.agents.neighbor_sums`) and
+    each agent runs :attr:`ADMMAgent.dual`.
+
+    :param AgentPotentials potentials: the agents' local potentials.
+    :param adjacency: ``(N, N)`` symmetric 0/1 matrix (see
+        :func:`~numpyro_fed.infer.admm.topology.make_topology`).
+    :param float rho: penalty parameter (> 0).
+    :param float noise_scale: multiplies the proximal noise; 1 is D-ADMMS, 0 is C-ADMM.
+    :param QuadraticPotentials quadratic: solve the proximal step in closed form with these
+        (see :func:`quadratic_potentials`); ``None``: Newton's method.
+    :param float tolerance: Newton's step tolerance (default ``1e-10`` in float64,
+        ``1e-5`` in float32).
+    :param int max_iterations: Newton's iteration cap per proximal step.
+
+    **Example** (two agents, Gaussian potentials ``f_i(x) = (x - i)^2 / 2``, C-ADMM finds
+    the minimizer of the sum):
+
+    >>> import jax, jax.numpy as jnp
+    >>> from numpyro_fed.infer.admm import AgentPotentials
+    >>> pots = AgentPotentials(lambda x, b, w: 0.5 * jnp.sum((x - b) ** 2),
+    ...                        jnp.array([0.0, 1.0]), jnp.array([0.5, 0.5]), 2, 1)
+    >>> step = jax.jit(build_kernel(pots, jnp.array([[0.0, 1.0], [1.0, 0.0]]), 1.0, noise_scale=0.0))
+    >>> state = init(jnp.zeros((2, 1)))
+    >>> for _ in range(60):
+    ...     state, info = step(jax.random.PRNGKey(0), state)
+    >>> state.x.ravel().round(6).tolist()
+    [0.5, 0.5]
+    """
+    adjacency = jnp.asarray(adjacency, dtype=potentials.prior_weights.dtype)
+    degrees = jnp.sum(adjacency, axis=1)
+    agent = build_agent(potentials, degrees, rho, noise_scale=noise_scale, quadratic=quadratic,
+                        tolerance=tolerance, max_iterations=max_iterations)
+    rho = float(rho)
+
+    def step(rng_key, state: ADMMState):
+        x, p = state
+        agent_keys = jax.random.split(rng_key, x.shape[0])
+        x_new, iterations, converged = jax.vmap(agent.primal)(
+            agent_keys, x, p, neighbor_sums(adjacency, x), degrees, agent.local)
+        p_new = jax.vmap(agent.dual)(p, x_new, neighbor_sums(adjacency, x_new), degrees)
+        # dual residual: rho sqrt(sum_j ||z_ij' - z_ij||^2) with the edge averages z_ij = (x_i + x_j) / 2
+        move = x_new - x
+        sq = jnp.sum(move**2, axis=1)
+        edge_sums = degrees * sq + 2.0 * jnp.sum(move * neighbor_sums(adjacency, move), axis=1) + adjacency @ sq
+        info = ADMMInfo(
+            primal_residual=disagreement(adjacency, x_new),
+            dual_residual=0.5 * rho * jnp.sqrt(jnp.maximum(edge_sums, 0.0)),
+            inner_iterations=iterations,
+            converged=converged,
+        )
+        return ADMMState(x_new, p_new), info
+
+    return step

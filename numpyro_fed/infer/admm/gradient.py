@@ -1,0 +1,214 @@
+"""Gradient-based decentralized samplers, the baselines of the D-ADMMS paper (Section 6.1):
+their pure cores.
+
+All three run one agent per client on a communication graph, exchange iterates with the
+neighbors once per iteration, and use full local gradients of ``f_i`` (the client's
+potential plus its share of the prior, see :mod:`numpyro_fed.infer.admm.agents`):
+
+* **D-SGLD** (Gürbüzbalaban et al. 2021), Eq. (22):
+  ``x_i <- sum_j S_ij x_j - eta grad f_i(x_i) + sqrt(2 eta) w_i``;
+* **D-SGHMC** (Gürbüzbalaban et al. 2021), Eqs. (23)-(24):
+  ``v_i <- v_i - eta (gamma v_i + grad f_i(x_i)) + sqrt(2 gamma eta) w_i``,
+  ``x_i <- sum_j S_ij x_j + eta v_i``;
+* **D-ULA** (Parayil et al. 2021), Eq. (25):
+  ``x_i <- x_i - zeta_k sum_{j in N_i} (x_i - x_j) - alpha_k N grad f_i(x_i) + sqrt(2 alpha_k) w_i``
+  with ``w_i ~ N(0, N I)``, ``alpha_k = alpha_0 / (230 + k)^chi_2``,
+  ``zeta_k = zeta_0 / (230 + k)^chi_1``.
+
+``S`` is the doubly stochastic Metropolis matrix of the graph
+(:func:`~numpyro_fed.infer.admm.topology.metropolis_weights`). Each algorithm is
+``init_<name>(x) -> state`` and ``build_<name>_kernel(...) -> step(rng_key, state) ->
+(state, GradientInfo)``; inside a step every agent draws its noise from its own key
+(``jax.random.split(rng_key, N)``) and updates from its own gradient and what the network
+delivers (:func:`~numpyro_fed.infer.admm.agents.mixed`,
+:func:`~numpyro_fed.infer.admm.agents.neighbor_sums`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from numpyro_fed._checks import check_positive, check_real
+from numpyro_fed.infer.admm.agents import AgentPotentials, disagreement, mixed, neighbor_sums
+
+__all__ = [
+    "GradientInfo",
+    "SGHMCState",
+    "SGLDState",
+    "ULAState",
+    "build_dsghmc_kernel",
+    "build_dsgld_kernel",
+    "build_dula_kernel",
+    "init_dsghmc",
+    "init_dsgld",
+    "init_dula",
+    "largest_curvatures",
+]
+
+
+class SGLDState(NamedTuple):
+    """:ivar x: ``(N, d)`` the agents' iterates."""
+
+    x: jax.Array
+
+
+class SGHMCState(NamedTuple):
+    """:ivar x: ``(N, d)`` iterates; :ivar v: ``(N, d)`` momenta (zero at the start)."""
+
+    x: jax.Array
+    v: jax.Array
+
+
+class ULAState(NamedTuple):
+    """:ivar x: ``(N, d)`` iterates; :ivar k: iteration counter (for the step sizes)."""
+
+    x: jax.Array
+    k: jax.Array
+
+
+class GradientInfo(NamedTuple):
+    """:ivar primal_residual: ``(N,)`` ``sqrt(sum_{j in N_i} ||x_i - x_j||^2)`` after the step."""
+
+    primal_residual: jax.Array
+
+
+def init_dsgld(x) -> SGLDState:
+    """D-SGLD's state at the agents' iterates ``x`` (``(N, d)``)."""
+    return SGLDState(jnp.asarray(x))
+
+
+def init_dsghmc(x) -> SGHMCState:
+    """D-SGHMC's state at ``x`` (``(N, d)``), momenta zero."""
+    x = jnp.asarray(x)
+    return SGHMCState(x, jnp.zeros_like(x))
+
+
+def init_dula(x) -> ULAState:
+    """D-ULA's state at ``x`` (``(N, d)``), iteration 0."""
+    x = jnp.asarray(x)
+    return ULAState(x, jnp.zeros((), x.dtype))
+
+
+def largest_curvatures(potentials: AgentPotentials, x, *, iterations: int = 30, rng_key=None):
+    """``(N,)`` the largest absolute eigenvalue of each agent's Hessian at ``x`` (``(d,)``),
+    by power iteration on Hessian-vector products (an estimate from below).
+
+    >>> pots = AgentPotentials(lambda x, b, w: b * jnp.sum(x**2), jnp.array([1.0, 3.0]),
+    ...                        jnp.array([0.5, 0.5]), 2, 2)
+    >>> largest_curvatures(pots, jnp.zeros(2)).round(6).tolist()
+    [2.0, 6.0]
+    """
+    if rng_key is None:
+        rng_key = jax.random.PRNGKey(0)
+    x = jnp.asarray(x)
+    grad = jax.grad(potentials.fn)
+    start = jax.random.normal(rng_key, x.shape, dtype=x.dtype)
+    tiny = jnp.finfo(x.dtype).tiny
+
+    def one(block, weight):
+        def hvp(u):
+            return jax.jvp(lambda y: grad(y, block, weight), (x,), (u,))[1]
+
+        def body(_, u):
+            h = hvp(u)
+            return h / jnp.maximum(jnp.linalg.norm(h), tiny)
+
+        u = lax.fori_loop(0, iterations, body, start / jnp.linalg.norm(start))
+        return jnp.linalg.norm(hvp(u))
+
+    return jax.jit(jax.vmap(one))(potentials.data, potentials.prior_weights)
+
+
+def _graph_of(mixing):
+    return ((mixing != 0) & ~jnp.eye(mixing.shape[0], dtype=bool)).astype(mixing.dtype)
+
+
+def build_dsgld_kernel(potentials: AgentPotentials, mixing, step_size: float) -> Callable:
+    """D-SGLD, Eq. (22): ``step(rng_key, SGLDState) -> (SGLDState, GradientInfo)``.
+
+    :param mixing: ``(N, N)`` doubly stochastic matrix ``S``.
+    :param float step_size: ``eta``.
+    """
+    step_size = check_positive(step_size, "step_size")
+    mixing = jnp.asarray(mixing, dtype=potentials.prior_weights.dtype)
+    adjacency = _graph_of(mixing)
+    grad = jax.grad(potentials.fn)
+
+    def agent(rng_key, x, received, block, prior_weight):
+        w = jax.random.normal(rng_key, x.shape, dtype=x.dtype)
+        return received - step_size * grad(x, block, prior_weight) + jnp.sqrt(2.0 * step_size) * w
+
+    def step(rng_key, state):
+        x = state.x
+        keys = jax.random.split(rng_key, x.shape[0])
+        x_new = jax.vmap(agent)(keys, x, mixed(mixing, x), potentials.data, potentials.prior_weights)
+        return SGLDState(x_new), GradientInfo(disagreement(adjacency, x_new))
+
+    return step
+
+
+def build_dsghmc_kernel(potentials: AgentPotentials, mixing, step_size: float, friction: float) -> Callable:
+    """D-SGHMC, Eqs. (23)-(24): ``step(rng_key, SGHMCState) -> (SGHMCState, GradientInfo)``.
+
+    :param mixing: ``(N, N)`` doubly stochastic matrix ``S``.
+    :param float step_size: ``eta``.
+    :param float friction: ``gamma``.
+    """
+    step_size = check_positive(step_size, "step_size")
+    friction = check_positive(friction, "friction")
+    mixing = jnp.asarray(mixing, dtype=potentials.prior_weights.dtype)
+    adjacency = _graph_of(mixing)
+    grad = jax.grad(potentials.fn)
+
+    def agent(rng_key, x, v, received, block, prior_weight):
+        w = jax.random.normal(rng_key, x.shape, dtype=x.dtype)
+        v_new = (v - step_size * (friction * v + grad(x, block, prior_weight))
+                 + jnp.sqrt(2.0 * friction * step_size) * w)
+        return received + step_size * v_new, v_new
+
+    def step(rng_key, state):
+        x, v = state
+        keys = jax.random.split(rng_key, x.shape[0])
+        x_new, v_new = jax.vmap(agent)(keys, x, v, mixed(mixing, x), potentials.data, potentials.prior_weights)
+        return SGHMCState(x_new, v_new), GradientInfo(disagreement(adjacency, x_new))
+
+    return step
+
+
+def build_dula_kernel(potentials: AgentPotentials, adjacency, *, alpha0: float, zeta0: float,
+                      chi1: float, chi2: float, offset: float = 230.0) -> Callable:
+    """D-ULA, Eq. (25): ``step(rng_key, ULAState) -> (ULAState, GradientInfo)``.
+
+    :param adjacency: ``(N, N)`` symmetric 0/1 matrix.
+    :param float alpha0: gradient step ``alpha_k = alpha0 / (offset + k)^chi2``.
+    :param float zeta0: consensus step ``zeta_k = zeta0 / (offset + k)^chi1``.
+    """
+    alpha0, zeta0 = check_positive(alpha0, "alpha0"), check_real(zeta0, "zeta0")
+    chi1, chi2, offset = check_real(chi1, "chi1"), check_real(chi2, "chi2"), check_positive(offset, "offset")
+    if zeta0 < 0:
+        raise ValueError(f"zeta0 must be >= 0, got {zeta0}")
+    adjacency = jnp.asarray(adjacency, dtype=potentials.prior_weights.dtype)
+    degrees = jnp.sum(adjacency, axis=1)
+    n = potentials.num_agents
+    grad = jax.grad(potentials.fn)
+
+    def agent(rng_key, x, received, degree, k, block, prior_weight):
+        alpha = alpha0 / (offset + k) ** chi2
+        zeta = zeta0 / (offset + k) ** chi1
+        w = jnp.sqrt(n) * jax.random.normal(rng_key, x.shape, dtype=x.dtype)  # w ~ N(0, N I)
+        return (x - zeta * (degree * x - received) - alpha * n * grad(x, block, prior_weight)
+                + jnp.sqrt(2.0 * alpha) * w)
+
+    def step(rng_key, state):
+        x, k = state
+        keys = jax.random.split(rng_key, x.shape[0])
+        x_new = jax.vmap(agent, in_axes=(0, 0, 0, 0, None, 0, 0))(
+            keys, x, neighbor_sums(adjacency, x), degrees, k, potentials.data, potentials.prior_weights)
+        return ULAState(x_new, k + 1), GradientInfo(disagreement(adjacency, x_new))
+
+    return step

@@ -1,0 +1,381 @@
+"""The decentralized samplers as NumPyro MCMC kernels: D-ADMMS, its noise-free
+counterpart and the paper's gradient baselines.
+
+Each class is a thin :class:`~numpyro_fed.infer.admm.face.DecentralizedKernel` over a pure
+core (:mod:`~numpyro_fed.infer.admm.dadmms`, :mod:`~numpyro_fed.infer.admm.gradient`): it
+checks its arguments, warns about step sizes that are unstable at the starting point, and
+returns the core from :meth:`~numpyro_fed.infer.admm.face.DecentralizedKernel.build_core`.
+The baselines' defaults are the paper's hyper-parameters for its linear regression (Section
+6.2.2); its logistic regression (Section 6.3.2) uses ``eta = 0.0003`` (D-SGLD) and
+``eta = 0.02, gamma = 30`` (D-SGHMC).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+import jax.numpy as jnp
+
+from numpyro_fed._checks import check_int, check_positive, check_real
+from numpyro_fed.infer.admm.dadmms import ADMMInfo, build_kernel, init, quadratic_potentials
+from numpyro_fed.infer.admm.face import DecentralizedKernel
+from numpyro_fed.infer.admm.gradient import (
+    GradientInfo,
+    build_dsghmc_kernel,
+    build_dsgld_kernel,
+    build_dula_kernel,
+    init_dsghmc,
+    init_dsgld,
+    init_dula,
+    largest_curvatures,
+)
+from numpyro_fed.infer.admm.topology import metropolis_weights
+from numpyro_fed.infer.kernel import RunCheck
+
+__all__ = ["ADMM", "DADMMS", "DSGHMC", "DSGLD", "DULA"]
+
+_SOLVERS = ("auto", "quadratic", "newton")
+
+
+class DADMMS(DecentralizedKernel):
+    """Distributed ADMM-based sampler (D-ADMMS, Tzikas et al. 2024) as a NumPyro
+    :class:`~numpyro.infer.mcmc.MCMCKernel`.
+
+    One agent per client of the model's :class:`~numpyro_fed.federated_plate`; agent ``i``
+    knows only its client's potential plus its share of the prior and talks only to its
+    neighbors in ``topology``. One MCMC sample is one iteration of all agents, reported as
+    the iterate of agent ``agent`` (0 by default): ``MCMC.get_samples()[site]`` has shape
+    ``(num_samples, *site_shape)``, as for any NumPyro sampler, so
+    :class:`~numpyro.infer.Predictive`, ``MCMC.print_summary()`` and
+    :func:`~numpyro_fed.to_inference_data` work on it unchanged. :meth:`agent_draws` gives any
+    agent's draws (or all of them) and :meth:`network_average` the average of the agents'
+    iterates, a diagnostic of consensus that is narrower than the posterior. As in the paper,
+    independent chains (``num_chains``, best with ``chain_method="vectorized"``) are
+    independent runs of the network, and the law of the iterates across chains approaches
+    D-ADMMS's limit as the iterations go on; ``num_warmup`` iterations are discarded.
+
+    D-ADMMS is biased: the limit is not the posterior, and its spread depends on ``rho``
+    and on how concentrated the posterior is (see the guide, "What a sample is": on a
+    Gaussian posterior with 250 rows the iterates' sd is about 0.7 of the posterior's at
+    ``rho = 5``).
+
+    :param model: a NumPyro model with a :class:`~numpyro_fed.federated_plate`.
+    :param topology: ``"ring"`` (default), ``"complete"``, ``"star"``, ``"none"``, an
+        adjacency matrix or a networkx graph, one node per client (see
+        :func:`~numpyro_fed.infer.admm.topology.make_topology`).
+    :param float rho: ADMM penalty (> 0); the paper uses 5.
+    :param str solver: proximal solver: ``"auto"`` (closed form if every local potential
+        is detected to be quadratic, else Newton), ``"quadratic"`` (closed form; an error if
+        a potential is not quadratic) or ``"newton"``.
+    :param float tolerance: Newton's step tolerance (default ``1e-10`` in float64, ``1e-5``
+        in float32).
+    :param int max_inner_iterations: Newton's iteration cap per proximal step.
+    :param prior_weights: shares of the prior per agent (default ``1/N`` each, Eq. (27)).
+    :param float init_scale: the agents start at ``N(0, init_scale^2 I)`` on the
+        unconstrained space (the paper: ``N(0, I)``), unless ``init_params`` is given to
+        ``MCMC.run`` (by site, shaped as the site or with a leading agent axis).
+    :param float noise_scale: multiplies the proximal noise (1: D-ADMMS; 0: C-ADMM, see
+        :class:`ADMM`).
+    :param dict partition: as for :func:`~numpyro_fed.split_potential`.
+    :param int agent: the agent whose iterates are the MCMC samples (default 0).
+
+    Diagnostics per agent and iteration (``extra_fields``, and ``sample_stats`` of
+    :func:`~numpyro_fed.to_inference_data`): ``primal_residual``, ``dual_residual``,
+    ``inner_iterations``, ``converged``. :meth:`check_run` warns about proximal steps that
+    did not converge.
+
+    **Example**
+
+    >>> import jax, numpyro, numpyro.distributions as dist
+    >>> from numpyro.infer import MCMC
+    >>> import numpyro_fed as nf
+    >>> def model(y):
+    ...     mu = numpyro.sample("mu", dist.Normal(0, 10))
+    ...     with nf.federated_plate("data", y.shape[0], clients=5):
+    ...         numpyro.sample("y", dist.Normal(mu, 1), obs=y)
+    >>> y = 1.0 + jax.random.normal(jax.random.PRNGKey(0), (100,))
+    >>> mcmc = MCMC(nf.DADMMS(model, topology="ring", rho=5.0), num_warmup=0, num_samples=30,
+    ...             num_chains=50, chain_method="vectorized", progress_bar=False)
+    >>> mcmc.run(jax.random.PRNGKey(1), y)
+    >>> mcmc.get_samples()["mu"].shape  # agent 0's draws: 50 chains x 30 iterations
+    (1500,)
+    >>> nf.DADMMS.agent_draws(mcmc)["mu"].shape, nf.DADMMS.agent_draws(mcmc, 3)["mu"].shape
+    ((1500, 5), (1500,))
+    >>> nf.DADMMS.network_average(mcmc)["mu"].shape
+    (1500,)
+    >>> final = mcmc.get_samples(group_by_chain=True)["mu"][:, -1]  # agent 0, last iteration
+    >>> bool(abs(final.mean() - y.mean()) < 0.1)
+    True
+    >>> from numpyro.infer import Predictive
+    >>> Predictive(model, mcmc.get_samples())(jax.random.PRNGKey(2), y)["y"].shape
+    (1500, 100)
+    """
+
+    info_names = ADMMInfo._fields
+    divergence_advice = ("the proximal steps have no step size to lower: look for a potential that is not "
+                         "finite at the iterates (e.g. an improper or non-convex model), or raise rho")
+
+    def __init__(
+        self,
+        model,
+        *,
+        topology="ring",
+        rho: float = 5.0,
+        solver: str = "auto",
+        tolerance: float | None = None,
+        max_inner_iterations: int = 50,
+        prior_weights=None,
+        init_scale: float = 1.0,
+        noise_scale: float = 1.0,
+        partition=None,
+        agent: int = 0,
+    ):
+        super().__init__(model, topology=topology, prior_weights=prior_weights, init_scale=init_scale,
+                         partition=partition, agent=agent)
+        self.rho = check_positive(rho, "rho")
+        if solver not in _SOLVERS:
+            raise ValueError(f"solver must be one of {_SOLVERS}, got {solver!r}")
+        self.solver = solver
+        self.tolerance = None if tolerance is None else check_positive(tolerance, "tolerance")
+        self.max_inner_iterations = check_int(max_inner_iterations, "max_inner_iterations", minimum=1)
+        self.noise_scale = check_real(noise_scale, "noise_scale")
+        if self.noise_scale < 0:
+            raise ValueError(f"noise_scale must be >= 0, got {noise_scale}")
+        self.solver_used = None
+
+    def build_core(self, potentials, topology, x0):
+        if potentials.num_agents == 1 and self.noise_scale > 0:
+            # D-ADMMS's noise enters through the neighbor terms only: a lone agent would run
+            # noise-free ADMM, an optimizer, and report the MAP as draws.
+            raise ValueError(
+                "DADMMS needs at least 2 clients (agents): its noise enters through the terms "
+                "that tie an agent to its neighbors, so one agent alone converges to the MAP "
+                "and its draws have no spread. Split the data over several clients, or use "
+                "FedZigZag (exact with one client) or NUTS"
+            )
+        quadratic = None
+        if self.solver in ("auto", "quadratic"):
+            quadratic = quadratic_potentials(potentials, x0)
+            if quadratic is None and self.solver == "quadratic":
+                raise ValueError(
+                    "solver='quadratic': the agents' potentials are not quadratic (their Hessian "
+                    "is not constant); use solver='newton' or 'auto'"
+                )
+        self.solver_used = "quadratic" if quadratic is not None else "newton"
+        kernel = build_kernel(
+            potentials, topology.adjacency, self.rho, noise_scale=self.noise_scale, quadratic=quadratic,
+            tolerance=self.tolerance, max_iterations=self.max_inner_iterations,
+        )
+        return init, kernel
+
+    def diagnose(self, mcmc) -> RunCheck:
+        """Besides diverged iterates and draws far from the posterior (see
+        :meth:`~numpyro_fed.infer.admm.face.DecentralizedKernel.diagnose`): proximal steps
+        that stopped at ``max_inner_iterations`` before the tolerance.
+        :meth:`check_run` returns ``(num_unconverged, num_steps)``: proximal steps over agents,
+        iterations and chains.
+        """
+        found = super().diagnose(mcmc)
+        converged = mcmc.get_extra_fields().get("info.converged")
+        if converged is None:
+            return RunCheck(found.problems, (0, 0))
+        converged = np.asarray(converged)
+        failed = int((~converged).sum())
+        problems = list(found.problems)
+        if failed:
+            problems.append(
+                f"{failed} of {converged.size} proximal steps stopped at "
+                f"max_inner_iterations={self.max_inner_iterations} before the tolerance; "
+                "raise max_inner_iterations or tolerance"
+            )
+        return RunCheck(problems, (failed, int(converged.size)))
+
+    def get_diagnostics_str(self, state):
+        return f"primal residual {float(jnp.max(state.info.primal_residual)):.3g}"
+
+
+class ADMM(DADMMS):
+    """Consensus ADMM (C-ADMM; D-ADMMS without noise, ``w_i = 0`` in Algorithm 1): the
+    optimization baseline of the paper. On a connected graph every agent's iterate
+    converges to the MAP (the minimizer of the potential on the unconstrained space).
+    Same arguments as :class:`DADMMS` except ``noise_scale``.
+
+    >>> import jax, numpyro, numpyro.distributions as dist
+    >>> from numpyro.infer import MCMC
+    >>> import numpyro_fed as nf
+    >>> def model(y):
+    ...     mu = numpyro.sample("mu", dist.Normal(0, 10))
+    ...     with nf.federated_plate("data", y.shape[0], clients=4):
+    ...         numpyro.sample("y", dist.Normal(mu, 1), obs=y)
+    >>> y = jax.numpy.arange(8.0)
+    >>> mcmc = MCMC(nf.ADMM(model, topology="complete", rho=1.0), num_warmup=0, num_samples=100,
+    ...             progress_bar=False)
+    >>> mcmc.run(jax.random.PRNGKey(0), y)
+    >>> bool(abs(nf.ADMM.agent_draws(mcmc)["mu"][-1] - y.sum() / (8 + 0.01)).max() < 1e-6)
+    True
+    """
+
+    samples_posterior = False  # an optimizer: its iterates converge to the MAP
+
+    def __init__(self, model, **kwargs):
+        if "noise_scale" in kwargs:
+            raise TypeError("ADMM has no noise_scale: it is D-ADMMS with noise_scale=0")
+        super().__init__(model, noise_scale=0.0, **kwargs)
+
+    def hyperparameters(self) -> dict:
+        values = super().hyperparameters()
+        values.pop("noise_scale", None)  # not an argument of ADMM
+        return values
+
+
+def _warn_unstable(name, potentials, x0, gain, advice):
+    """Warns when ``gain(curvature) >= 1`` for the stiffest agent at the starting point: the
+    linearized update is then unstable. On a quadratic potential the iterates then run away;
+    elsewhere they may settle where the curvature is lower (e.g. logistic regression away
+    from zero), so this is a warning, and :meth:`check_run` reports runs that did diverge."""
+    curvatures = np.asarray(largest_curvatures(potentials, x0))
+    if not np.all(np.isfinite(curvatures)):
+        return
+    agent = int(np.argmax(curvatures))
+    curvature = float(curvatures[agent])
+    if gain(curvature) >= 1.0:
+        warnings.warn(
+            f"{name}: the largest curvature of an agent's potential at the starting point is "
+            f"{curvature:.3g} (agent {agent}); with these step sizes the update linearized there is "
+            f"unstable, so the iterates may run away (they do on a Gaussian model): {advice(curvature)}",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+
+
+class DSGLD(DecentralizedKernel):
+    """Decentralized SGLD (Eq. (22)) with Metropolis weights, as an ``MCMCKernel``.
+
+    :param float step_size: ``eta`` (the paper: 0.009 for linear regression, 0.0003 for
+        logistic regression).
+
+    Other arguments (``topology``, ``prior_weights``, ``init_scale``, ``partition``,
+    ``agent``) and the output are those of :class:`~numpyro_fed.DADMMS`.
+
+    >>> import jax, numpyro, numpyro.distributions as dist
+    >>> from numpyro.infer import MCMC
+    >>> import numpyro_fed as nf
+    >>> def model(y):
+    ...     mu = numpyro.sample("mu", dist.Normal(0, 10))
+    ...     with nf.federated_plate("data", y.shape[0], clients=4):
+    ...         numpyro.sample("y", dist.Normal(mu, 1), obs=y)
+    >>> mcmc = MCMC(nf.DSGLD(model, topology="ring"), num_warmup=0, num_samples=20, progress_bar=False)
+    >>> mcmc.run(jax.random.PRNGKey(0), jax.numpy.zeros(40))
+    >>> mcmc.get_samples()["mu"].shape, nf.DSGLD.agent_draws(mcmc)["mu"].shape
+    ((20,), (20, 4))
+    """
+
+    info_names = GradientInfo._fields
+
+    def __init__(self, model, *, topology="ring", step_size: float = 0.009, prior_weights=None,
+                 init_scale: float = 1.0, partition=None, agent: int = 0):
+        super().__init__(model, topology=topology, prior_weights=prior_weights, init_scale=init_scale,
+                         partition=partition, agent=agent)
+        self.step_size = check_positive(step_size, "step_size")
+
+    @property
+    def divergence_advice(self):
+        return f"lower step_size (now {self.step_size:g})"
+
+    def build_core(self, potentials, topology, x0):
+        # x' = x - eta f''(x) x on the consensus direction: stable for eta * curvature < 2
+        _warn_unstable("DSGLD", potentials, x0, lambda c: self.step_size * c / 2.0,
+                       lambda c: f"use step_size below {2.0 / c:.2g} (now {self.step_size:g}), e.g. {0.2 / c:.2g}")
+        kernel = build_dsgld_kernel(potentials, metropolis_weights(topology.adjacency), self.step_size)
+        return init_dsgld, kernel
+
+
+class DSGHMC(DecentralizedKernel):
+    """Decentralized SGHMC (Eqs. (23)-(24)) with Metropolis weights, as an ``MCMCKernel``.
+
+    :param float step_size: ``eta`` (the paper: 0.1 for linear, 0.02 for logistic regression).
+    :param float friction: ``gamma`` (the paper: 7 for linear, 30 for logistic regression).
+
+    Momenta start at zero. Other arguments as :class:`DSGLD`.
+    """
+
+    info_names = GradientInfo._fields
+
+    def __init__(self, model, *, topology="ring", step_size: float = 0.1, friction: float = 7.0,
+                 prior_weights=None, init_scale: float = 1.0, partition=None, agent: int = 0):
+        super().__init__(model, topology=topology, prior_weights=prior_weights, init_scale=init_scale,
+                         partition=partition, agent=agent)
+        self.step_size = check_positive(step_size, "step_size")
+        self.friction = check_positive(friction, "friction")
+
+    @property
+    def divergence_advice(self):
+        return f"lower step_size (now {self.step_size:g})"
+
+    def build_core(self, potentials, topology, x0):
+        # the scalar linearization (v, x) -> ((1 - eta gamma) v - eta c x, x + eta v') is stable
+        # iff eta gamma < 2 and eta^2 c < 2 (2 - eta gamma) (Jury's conditions)
+        eta, gamma = self.step_size, self.friction
+        _warn_unstable("DSGHMC", potentials, x0,
+                       lambda c: max(eta * gamma / 2.0, eta**2 * c / max(2.0 * (2.0 - eta * gamma), 1e-300)),
+                       lambda c: f"lower step_size (now {eta:g}) so that step_size * friction < 2 and "
+                                 f"step_size^2 * {c:.3g} < 2 (2 - step_size * friction)")
+        kernel = build_dsghmc_kernel(potentials, metropolis_weights(topology.adjacency), self.step_size,
+                                     self.friction)
+        return init_dsghmc, kernel
+
+
+class DULA(DecentralizedKernel):
+    """Decentralized ULA (Eq. (25)) with decaying step sizes, as an ``MCMCKernel``.
+
+    ``alpha_k = alpha0 / (230 + k)^chi2`` and ``zeta_k = zeta0 / (230 + k)^chi1``, ``k``
+    counting iterations from the start (warm-up included).
+
+    :param float alpha0: 0.00082 in the paper.
+    :param float zeta0: 0.48 in the paper.
+    :param float chi1: ``None``: the paper's choice, 0.55 on a complete graph, else 0.05.
+    :param float chi2: 0.05 in the paper.
+
+    Other arguments as :class:`DSGLD`.
+    """
+
+    info_names = GradientInfo._fields
+    divergence_advice = "lower alpha0 or zeta0"
+
+    def __init__(self, model, *, topology="ring", alpha0: float = 0.00082, zeta0: float = 0.48,
+                 chi1: float | None = None, chi2: float = 0.05, prior_weights=None, init_scale: float = 1.0,
+                 partition=None, agent: int = 0):
+        super().__init__(model, topology=topology, prior_weights=prior_weights, init_scale=init_scale,
+                         partition=partition, agent=agent)
+        self.alpha0 = check_positive(alpha0, "alpha0")
+        self.zeta0 = check_real(zeta0, "zeta0")
+        if self.zeta0 < 0:
+            raise ValueError(f"zeta0 must be >= 0, got {zeta0}")
+        self.chi1 = None if chi1 is None else check_real(chi1, "chi1")
+        self.chi2 = check_real(chi2, "chi2")
+
+    def build_core(self, potentials, topology, x0):
+        chi1 = self.chi1
+        if chi1 is None:
+            chi1 = 0.55 if topology.num_edges == topology.num_agents * (topology.num_agents - 1) // 2 and topology.num_agents > 2 else 0.05
+        laplacian = np.diag(topology.degrees) - topology.adjacency
+        zeta = self.zeta0 / 230.0**chi1
+        if topology.num_edges and zeta * np.linalg.eigvalsh(laplacian).max() >= 2.0:
+            warnings.warn(
+                f"DULA: the first consensus step zeta_0 / 230^chi1 = {zeta:.3g} times the largest "
+                f"Laplacian eigenvalue {np.linalg.eigvalsh(laplacian).max():.3g} is >= 2, so the "
+                "consensus update diverges at first; lower zeta0 or raise chi1",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        # the first gradient step alpha_0 / 230^chi2 * N * f'': stable below 2
+        first = self.alpha0 / 230.0**self.chi2 * topology.num_agents
+        _warn_unstable("DULA", potentials, x0, lambda c: first * c / 2.0,
+                       lambda c: f"lower alpha0 (now {self.alpha0:g}) below "
+                                 f"{2.0 / (c * topology.num_agents) * 230.0**self.chi2:.2g}")
+        kernel = build_dula_kernel(potentials, topology.adjacency, alpha0=self.alpha0, zeta0=self.zeta0,
+                                   chi1=chi1, chi2=self.chi2)
+        return init_dula, kernel

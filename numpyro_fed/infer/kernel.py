@@ -1,0 +1,261 @@
+"""What every MCMC kernel of the project shares: the NumPyro face over a pure core.
+
+A sampler of this project is a :class:`~numpyro.infer.mcmc.MCMCKernel` whose ``init``
+splits the model's potential (:meth:`FederatedMCMCKernel.init_potential`), builds the
+algorithm's pure ``step(rng_key, state, ...) -> (state, info)`` and keeps NumPyro's
+``_sample_fn``; the rest is here, written once:
+
+* :meth:`FederatedMCMCKernel.check_run`, the one path by which a run's problems reach the
+  user: the subclass lists them (:meth:`~FederatedMCMCKernel.diagnose`), this method warns
+  (or raises with ``strict``). :func:`~numpyro_fed.to_inference_data` calls it;
+* the hooks :func:`~numpyro_fed.to_inference_data` reads on an MCMC run:
+  :attr:`~FederatedMCMCKernel.federated_potential` (the federation's attributes),
+  :meth:`~FederatedMCMCKernel.sample_stats` (the diagnostics of the core's ``info``,
+  recorded as extra fields ``"info.<name>"``), :meth:`~FederatedMCMCKernel.extra_groups`
+  (draws beside the posterior's) and :attr:`~FederatedMCMCKernel.privacy`;
+* ``partition`` and ``init_strategy`` handed to :func:`~numpyro_fed.split_potential` the
+  same way for every sampler; ``model``, ``sample``, ``postprocess_fn``;
+* a readable ``repr`` that names the model and the arguments that differ from their
+  defaults.
+
+**Adding a sampler**: subclass :class:`FederatedMCMCKernel`, set :attr:`info_names` to the
+fields of the core's info namedtuple, write ``init`` (call :meth:`init_potential`, build the
+core, set ``self._sample_fn``, return the first state, whose ``info`` field holds the last
+step's info) and, if the run can go wrong in ways the user must hear about,
+:meth:`diagnose`.
+
+>>> import jax, jax.numpy as jnp, numpyro, numpyro.distributions as dist
+>>> from typing import NamedTuple
+>>> from numpyro.infer import MCMC
+>>> import numpyro_fed as nf
+>>> from numpyro_fed.infer.kernel import FederatedMCMCKernel, RunCheck
+>>> class State(NamedTuple):
+...     i: jax.Array
+...     z: dict
+...     info: tuple
+...     rng_key: jax.Array
+>>> class Info(NamedTuple):
+...     size: jax.Array
+>>> class RandomWalk(FederatedMCMCKernel):
+...     '''A (biased) random walk: not a sampler, just the smallest face there is.'''
+...     info_names = Info._fields
+...     def __init__(self, model, *, scale=0.1, partition=None):
+...         super().__init__(model, partition=partition)
+...         self.scale = scale
+...     def init(self, rng_key, num_warmup, init_params, model_args, model_kwargs):
+...         potential = self.init_potential(rng_key, model_args, model_kwargs)
+...         def sample(state):
+...             k_next, k_move = jax.random.split(state.rng_key)
+...             flat = potential.ravel(state.z)
+...             move = self.scale * jax.random.normal(k_move, flat.shape)
+...             return State(state.i + 1, potential.unravel(flat + move),
+...                          Info(jnp.linalg.norm(move)), k_next)
+...         self._sample_fn = sample
+...         return State(jnp.zeros((), int), potential.init_params, Info(jnp.zeros(())), rng_key)
+...     def diagnose(self, mcmc):
+...         return RunCheck(["it is a random walk, not a sampler"], None)
+>>> def model(y):
+...     mu = numpyro.sample("mu", dist.Normal(0, 1))
+...     with nf.federated_plate("data", y.shape[0], clients=2):
+...         numpyro.sample("y", dist.Normal(mu, 1), obs=y)
+>>> kernel = RandomWalk(model, scale=0.5)
+>>> kernel
+RandomWalk(model=model, scale=0.5)
+>>> mcmc = MCMC(kernel, num_warmup=0, num_samples=10, progress_bar=False)
+>>> mcmc.run(jax.random.PRNGKey(0), jnp.zeros(4), extra_fields=("info.size",))
+>>> mcmc.get_samples()["mu"].shape, kernel.sample_stats(mcmc.get_extra_fields(group_by_chain=True))["size"][0].shape
+((10,), (1, 10))
+>>> kernel.check_run(mcmc, strict=True)
+Traceback (most recent call last):
+...
+RuntimeError: RandomWalk: it is a random walk, not a sampler
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, NamedTuple
+import warnings
+
+import numpy as np
+
+import jax
+
+from numpyro.infer.initialization import init_to_uniform
+from numpyro.infer.mcmc import MCMCKernel
+
+from numpyro_fed.potential import FederatedPotential, split_potential
+
+__all__ = ["FederatedMCMCKernel", "RunCheck", "warn_or_raise"]
+
+
+class RunCheck(NamedTuple):
+    """What :meth:`FederatedMCMCKernel.diagnose` found in a run.
+
+    :ivar problems: messages, each one thing that went wrong and what to change (empty: all
+        is well); :meth:`~FederatedMCMCKernel.check_run` joins them after the sampler's name.
+    :ivar result: what :meth:`~FederatedMCMCKernel.check_run` returns (e.g. counts).
+    """
+
+    problems: list
+    result: Any
+
+
+def warn_or_raise(message: str, *, strict: bool = False, stacklevel: int = 3) -> None:
+    """The one way a run's problem reaches the user: a ``RuntimeWarning``, or a
+    ``RuntimeError`` when ``strict``.
+
+    >>> warn_or_raise("FedZigZag: 3 capped samples", strict=True)
+    Traceback (most recent call last):
+    ...
+    RuntimeError: FedZigZag: 3 capped samples
+    """
+    if strict:
+        raise RuntimeError(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
+
+
+class FederatedMCMCKernel(MCMCKernel):
+    """Base class of the project's MCMC kernels (see the module's docstring for the recipe).
+
+    :param model: a NumPyro model with a :class:`~numpyro_fed.federated_plate`.
+    :param dict partition: as for :func:`~numpyro_fed.split_potential`.
+    :param init_strategy: NumPyro init strategy of the potential's initial point
+        (:attr:`FederatedPotential.init_params`).
+    """
+
+    #: names of the fields of the core's info namedtuple; the face records them as extra
+    #: fields ``"info.<name>"`` and :meth:`sample_stats` reports them
+    info_names: tuple = ()
+    #: the dim of a per-client diagnostic (a third axis after chain and draw)
+    client_dim: str = "client"
+    #: the run's privacy guarantee (a :class:`~numpyro_fed.privacy.PrivacyGuarantee`), if any
+    privacy = None
+
+    def __init__(self, model, *, partition=None, init_strategy=init_to_uniform):
+        self._model = model
+        self.partition = partition
+        self.init_strategy = init_strategy
+        #: the :class:`~numpyro_fed.FederatedPotential` of the last ``init`` (``None`` before)
+        self.federated_potential: FederatedPotential | None = None
+        self._sample_fn = None  # NumPyro's MCMC calls init() again while this is None
+
+    # -- set-up -----------------------------------------------------------------------------
+    def init_potential(self, rng_key, model_args, model_kwargs) -> FederatedPotential:
+        """Splits the model's potential with this kernel's ``partition`` and
+        ``init_strategy`` and keeps it as :attr:`federated_potential`.
+
+        :param rng_key: a key, or one key per chain (``chain_method="vectorized"``): the first
+            one seeds the initial point.
+        """
+        if jax.numpy.ndim(rng_key) == 2 or (
+            jax.numpy.ndim(rng_key) == 1 and jax.numpy.issubdtype(rng_key.dtype, jax.dtypes.prng_key)
+        ):
+            rng_key = rng_key[0]
+        potential = split_potential(self._model, model_args, model_kwargs, partition=self.partition,
+                                    init_strategy=self.init_strategy, rng_key=rng_key)
+        self.federated_potential = potential
+        return potential
+
+    # -- MCMCKernel -------------------------------------------------------------------------
+    @property
+    def model(self):
+        return self._model
+
+    @property
+    def sample_field(self):
+        return "z"
+
+    def sample(self, state, model_args, model_kwargs):
+        """One MCMC sample: the compiled core's step on ``state`` (``model_args`` are those of
+        ``init``, already inside the core)."""
+        return self._sample_fn(state)
+
+    def postprocess_fn(self, model_args, model_kwargs):
+        if self.federated_potential is None:
+            raise RuntimeError(f"{type(self).__name__}.postprocess_fn needs init() to have run")
+        return self.federated_potential.postprocess_fn
+
+    def get_diagnostics_str(self, state):
+        return ""
+
+    # -- checks -----------------------------------------------------------------------------
+    def diagnose(self, mcmc, **options) -> RunCheck:
+        """What went wrong in ``mcmc``'s run, if anything (override; the default finds
+        nothing)."""
+        return RunCheck([], None)
+
+    def check_run(self, mcmc, *, strict: bool = False, **options):
+        """Warns (``RuntimeWarning``), or raises ``RuntimeError`` with ``strict``, when the run
+        of ``mcmc`` went wrong, naming what to change; every problem :meth:`diagnose` finds in
+        one message. :func:`~numpyro_fed.to_inference_data` calls it.
+
+        :param options: passed to :meth:`diagnose` (e.g. ``min_ess`` of
+            :class:`~numpyro_fed.FedZigZag`).
+        :return: the ``result`` of :meth:`diagnose` (see the sampler's own documentation).
+        """
+        found = self.diagnose(mcmc, **options)
+        if found.problems:
+            warn_or_raise(f"{type(self).__name__}: " + "; ".join(found.problems), strict=strict, stacklevel=3)
+        return found.result
+
+    # -- what to_inference_data reads -------------------------------------------------------
+    def sample_stats(self, extra_fields) -> dict:
+        """Diagnostics by name from ``MCMC.get_extra_fields(group_by_chain=True)``:
+        ``{name: (array, dims)}`` for every ``"info.<name>"`` recorded, a per-client one
+        (a third axis) with the dim :attr:`client_dim`."""
+        stats = {}
+        for name in self.info_names:
+            value = extra_fields.get("info." + name)
+            if value is None:
+                continue
+            value = np.asarray(jax.device_get(value))
+            stats[name] = (value, [self.client_dim] if value.ndim == 3 else [])
+        return stats
+
+    def extra_groups(self, mcmc) -> dict:
+        """Groups :func:`~numpyro_fed.to_inference_data` adds beside ``posterior``:
+        ``{group: (values_by_site, leading_dims)}``, each value ``(chain, draw,
+        *leading, *site_shape)`` (default: none)."""
+        return {}
+
+    # -- repr -------------------------------------------------------------------------------
+    def hyperparameters(self) -> dict:
+        """The constructors' arguments that differ from their defaults, by name (those
+        stored under their own name): what ``repr`` shows."""
+        values = {}
+        for cls in type(self).__mro__:
+            if "__init__" not in cls.__dict__ or cls in (FederatedMCMCKernel, MCMCKernel, object):
+                continue
+            for name, parameter in inspect.signature(cls.__init__).parameters.items():
+                if name in ("self", "model") or name in values or parameter.kind in (
+                        parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD) or not hasattr(self, name):
+                    continue
+                values[name] = (getattr(self, name), parameter.default)
+        for name in ("partition", "init_strategy"):
+            values.setdefault(name, (getattr(self, name), None if name == "partition" else init_to_uniform))
+        return {name: value for name, (value, default) in values.items() if not _same(value, default)}
+
+    def __repr__(self) -> str:
+        model = getattr(self._model, "__name__", repr(self._model))
+        arguments = [f"model={model}"] + [f"{k}={_short(v)}" for k, v in self.hyperparameters().items()]
+        return f"{type(self).__name__}({', '.join(arguments)})"
+
+
+def _same(value, default) -> bool:
+    if default is inspect.Parameter.empty:
+        return False
+    if value is default:
+        return True
+    try:
+        return bool(np.all(value == default)) and np.shape(value) == np.shape(default)
+    except Exception:  # noqa: BLE001 - incomparable objects are different
+        return False
+
+
+def _short(value) -> str:
+    if hasattr(value, "shape") and np.ndim(value) > 0:
+        return f"<array {tuple(np.shape(value))}>"
+    if callable(value) and hasattr(value, "__name__"):
+        return value.__name__
+    return repr(value)
