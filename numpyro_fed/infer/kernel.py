@@ -14,7 +14,8 @@ algorithm's pure ``step(rng_key, state, ...) -> (state, info)`` and keeps NumPyr
   recorded as extra fields ``"info.<name>"``), :meth:`~FederatedMCMCKernel.extra_groups`
   (draws beside the posterior's) and :attr:`~FederatedMCMCKernel.privacy`;
 * ``partition`` and ``init_strategy`` handed to :func:`~numpyro_fed.split_potential` the
-  same way for every sampler; ``model``, ``sample``, ``postprocess_fn``;
+  same way for every algorithm (:meth:`~FederatedMCMCKernel.init_potential`, through
+  :func:`~numpyro_fed.infer.base.build_potential`); ``model``, ``sample``, ``postprocess_fn``;
 * a readable ``repr`` that names the model and the arguments that differ from their
   defaults.
 
@@ -80,11 +81,13 @@ import warnings
 import numpy as np
 
 import jax
+import jax.numpy as jnp
 
 from numpyro.infer.initialization import init_to_uniform
 from numpyro.infer.mcmc import MCMCKernel
 
-from numpyro_fed.potential import FederatedPotential, split_potential
+from numpyro_fed.infer.base import build_potential
+from numpyro_fed.potential import FederatedPotential
 
 __all__ = ["FederatedMCMCKernel", "RunCheck", "warn_or_raise"]
 
@@ -141,19 +144,22 @@ class FederatedMCMCKernel(MCMCKernel):
         self._sample_fn = None  # NumPyro's MCMC calls init() again while this is None
 
     # -- set-up -----------------------------------------------------------------------------
-    def init_potential(self, rng_key, model_args, model_kwargs) -> FederatedPotential:
+    def init_potential(self, rng_key, model_args, model_kwargs, *, global_latents_only: str | None = None,
+                       advice: str = "") -> FederatedPotential:
         """Splits the model's potential with this kernel's ``partition`` and
-        ``init_strategy`` and keeps it as :attr:`federated_potential`.
+        ``init_strategy`` (through :func:`~numpyro_fed.infer.base.build_potential`, as every
+        algorithm does) and keeps it as :attr:`federated_potential`.
 
         :param rng_key: a key, or one key per chain (``chain_method="vectorized"``): the first
             one seeds the initial point.
+        :param str global_latents_only: the sampler's name if it infers global latents only
+            (then client-local sites are refused, with ``advice``).
         """
-        if jax.numpy.ndim(rng_key) == 2 or (
-            jax.numpy.ndim(rng_key) == 1 and jax.numpy.issubdtype(rng_key.dtype, jax.dtypes.prng_key)
-        ):
+        if jnp.ndim(rng_key) == 2 or (jnp.ndim(rng_key) == 1 and jnp.issubdtype(rng_key.dtype, jax.dtypes.prng_key)):
             rng_key = rng_key[0]
-        potential = split_potential(self._model, model_args, model_kwargs, partition=self.partition,
-                                    init_strategy=self.init_strategy, rng_key=rng_key)
+        potential = build_potential(self._model, model_args, model_kwargs, partition=self.partition,
+                                    init_strategy=self.init_strategy, rng_key=rng_key,
+                                    global_latents_only=global_latents_only, advice=advice)
         self.federated_potential = potential
         return potential
 

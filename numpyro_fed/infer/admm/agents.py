@@ -89,11 +89,12 @@ def agent_potentials(potential, prior_weights=None) -> AgentPotentials:
         if not np.all(np.isfinite(weights)) or np.any(weights < 0) or not np.isclose(weights.sum(), 1.0):
             raise ValueError(f"prior_weights must be non-negative and sum to one, got {weights.tolist()}")
 
-    def fn(x, block, prior_weight):
-        z = potential.unravel(x)
-        return potential.client_potential_fn(z, block) + prior_weight * potential.prior_potential_fn(z)
+    flat = potential.flat()
 
-    return AgentPotentials(fn, potential.client_data, jnp.asarray(weights), n, potential.num_latent)
+    def fn(x, block, prior_weight):
+        return flat.client_potential(x, block) + prior_weight * flat.prior_potential(x)
+
+    return AgentPotentials(fn, flat.client_data, jnp.asarray(weights), n, flat.num_latent)
 
 
 def neighbor_sums(adjacency, x):
