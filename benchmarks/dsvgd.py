@@ -60,7 +60,8 @@ import numpyro.distributions as dist
 
 import numpyro_fed as nf
 from numpyro_fed import datasets, metrics, partition
-from numpyro_fed.infer import svgd
+from numpyro_fed.infer import stein
+from numpyro_fed.infer.stein.dsvgd import batched_client_grad
 
 DATA = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "shared", "data")
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
@@ -134,17 +135,17 @@ def run_mixture(rounds: int = 10, num_particles: int = 200):
 
     toy = datasets.dsvgd_mixture_1d("gaussian")
     grid = np.linspace(-6, 6, 2001)
-    kl = svgd.kl_metric_1d("theta", toy.log_posterior, grid)
+    kl = metrics.kl_metric_1d("theta", toy.log_posterior, grid)
     args = (jnp.array([1.0, 0.0]), jnp.array([[0.0, 0.0], [3.0, -3.0]]),
             jnp.log(jnp.array([[2.0, 2.0], [1.0, math.sqrt(2.0)]])))
     common = dict(num_particles=num_particles, metrics={"kl": kl}, progress_bar=False)
     methods = {
-        "DSVGD": nf.DSVGD(mixture_toy, local_steps=200, distill_steps=200, kde_bandwidth=PAPER_KDE, **common),
-        "U-DSVGD": nf.UDSVGD(mixture_toy, local_steps=200, kde_bandwidth=PAPER_KDE, **common),
-        "DSVGD_auto": nf.DSVGD(mixture_toy, local_steps=200, distill_steps=200, **common),
-        "SVGD": svgd.SVGD(mixture_toy, steps_per_round=200, **common),
-        "DSGLD": svgd.DistributedSGLD(mixture_toy, local_steps=200, a0=0.01, **common),
-        "GaussianPVI": svgd.GaussianPVI(mixture_toy, num_particles=num_particles, local_steps=1000,
+        "DSVGD": nf.DSVGD(mixture_toy, num_local_steps=200, num_distill_steps=200, kde_bandwidth=PAPER_KDE, **common),
+        "U-DSVGD": nf.UDSVGD(mixture_toy, num_local_steps=200, kde_bandwidth=PAPER_KDE, **common),
+        "DSVGD_auto": nf.DSVGD(mixture_toy, num_local_steps=200, num_distill_steps=200, **common),
+        "SVGD": nf.SVGD(mixture_toy, steps_per_round=200, **common),
+        "DSGLD": nf.DistributedSGLD(mixture_toy, num_local_steps=200, a0=0.01, **common),
+        "GaussianPVI": nf.GaussianPVI(mixture_toy, num_particles=num_particles, num_local_steps=1000,
                                         progress_bar=False),
     }
     draws = toy.posterior.sample(400_000, seed=0)
@@ -199,20 +200,20 @@ def run_adult(num_clients: int, num_particles: int, rounds: int = 10):
     data = datasets.load_adult(os.path.join(DATA, "uci_adult"))
     X, y = jnp.asarray(data.X_train), jnp.asarray(data.y_train)
     logistic = make_logistic(partition.even(X.shape[0], num_clients, shuffle=True, seed=0))
-    metric = {"test": svgd.classification_metrics(logistic_probability, data.X_test, data.y_test)}
+    metric = {"test": metrics.classification_metrics(logistic_probability, data.X_test, data.y_test)}
     common = dict(metrics=metric, progress_bar=False)
     methods = {
-        "DSVGD": nf.DSVGD(logistic, num_particles=num_particles, local_steps=200, distill_steps=200,
+        "DSVGD": nf.DSVGD(logistic, num_particles=num_particles, num_local_steps=200, num_distill_steps=200,
                           learning_rate=0.05, kde_bandwidth=PAPER_KDE, **common),
         # The paper's rate lets the particles drift outwards round after round (see dsvgd.md).
-        "DSVGD_lr0.01": nf.DSVGD(logistic, num_particles=num_particles, local_steps=200,
-                                 distill_steps=200, learning_rate=0.01, kde_bandwidth=PAPER_KDE, **common),
-        "DSVGD_auto": nf.DSVGD(logistic, num_particles=num_particles, local_steps=200, distill_steps=200,
+        "DSVGD_lr0.01": nf.DSVGD(logistic, num_particles=num_particles, num_local_steps=200,
+                                 num_distill_steps=200, learning_rate=0.01, kde_bandwidth=PAPER_KDE, **common),
+        "DSVGD_auto": nf.DSVGD(logistic, num_particles=num_particles, num_local_steps=200, num_distill_steps=200,
                                learning_rate=0.05, **common),
-        "SVGD": svgd.SVGD(logistic, num_particles=num_particles, steps_per_round=200,
+        "SVGD": nf.SVGD(logistic, num_particles=num_particles, steps_per_round=200,
                           learning_rate=0.05, **common),
-        "FedAvg": svgd.FedAvg(logistic, local_steps=200, learning_rate=0.05, **common),
-        "DSGLD": svgd.DistributedSGLD(logistic, num_particles=num_particles, local_steps=200,
+        "FedAvg": nf.FedAvg(logistic, num_local_steps=200, learning_rate=0.05, **common),
+        "DSGLD": nf.DistributedSGLD(logistic, num_particles=num_particles, num_local_steps=200,
                                       a0=1e-4, **common),
     }
     print(f"\nAdult logistic regression, K={num_clients}, N={num_particles}, {rounds} rounds")
@@ -230,19 +231,23 @@ class _LocalPosteriorSVGD(nf.DSVGD):
     (float32) the gradients of ``log q`` and ``log t_k`` are exactly 0, and each scheduled
     client runs SVGD towards ``p_0 exp(-L_k)`` from the downloaded particles."""
 
-    def _round_fn(self):
-        prior_score = jax.vmap(lambda x: -self._prior_grad(x))
-        client_grad = self._client_grad_fn()
-        steps, optimizer = self.local_steps, self.optimizer
+    def build_step(self):
+        prior_score = jax.vmap(lambda x: -self.gradients.prior_grad(x))
+        client_grad = batched_client_grad(self.gradients.client_grad, self.stochastic_client_grad)
+        steps, optim = self.num_local_steps, self.optim
 
-        def round_fn(state, client, block, key=None):
-            def score(x, k=None):
-                return prior_score(x) - client_grad(x, block, k)
-            new = svgd._svgd_scan(state.global_particles, score, steps, optimizer, None, key)
+        def step(rng_key, state, client, block):
+            if rng_key is None:
+                new = stein.svgd_run(state.global_particles, lambda x: prior_score(x) - client_grad(x, block),
+                                     steps, optim)
+            else:
+                new = stein.svgd_run(state.global_particles, lambda x, k: prior_score(x) - client_grad(x, block, k),
+                                     steps, optim, rng_key=rng_key)
+            info = stein.DSVGDInfo(jnp.asarray(client), jnp.sqrt(jnp.mean(jnp.sum((new - state.global_particles) ** 2, -1))))
             return state._replace(global_particles=new, visited=state.visited.at[client].set(True),
-                                  round=state.round + 1)
+                                  round=state.round + 1), info
 
-        return round_fn
+        return step
 
 
 def _gap_trace(X, y, kde_bandwidth, rounds=8):
@@ -250,16 +255,15 @@ def _gap_trace(X, y, kde_bandwidth, rounds=8):
     the global particles and of the scheduled client's local particles (the gap), the move of
     the global mean in the round and its cosine with the gap."""
     model = make_logistic(partition.even(X.shape[0], 2, shuffle=True, seed=0))
-    method = nf.DSVGD(model, num_particles=6, local_steps=200, distill_steps=200, learning_rate=0.05,
+    method = nf.DSVGD(model, num_particles=6, num_local_steps=200, num_distill_steps=200, learning_rate=0.05,
                       kde_bandwidth=kde_bandwidth, progress_bar=False)
     state = method.init(jax.random.PRNGKey(0), X, y)
-    round_fn, data = jax.jit(method._round_fn()), method.federated_potential.client_data
     trace = {"gap": [], "move": [], "cosine": []}
     for i in range(rounds):
         client = i % 2
         before = np.asarray(state.global_particles).mean(0)
         gap = before - np.asarray(state.local_particles[client]).mean(0)
-        state = round_fn(state, client, jax.tree.map(lambda a: a[client], data))
+        state, _ = method.update(jax.random.PRNGKey(i), state, X, y, client=client)
         move = np.asarray(state.global_particles).mean(0) - before
         norms = np.linalg.norm(gap) * np.linalg.norm(move)
         trace["gap"].append(float(np.linalg.norm(gap)))
@@ -271,7 +275,7 @@ def _gap_trace(X, y, kde_bandwidth, rounds=8):
 def run_adult_drift():
     data = datasets.load_adult(os.path.join(DATA, "uci_adult"))
     X, y = jnp.asarray(data.X_train), jnp.asarray(data.y_train)
-    metric = {"test": svgd.classification_metrics(logistic_probability, data.X_test, data.y_test)}
+    metric = {"test": metrics.classification_metrics(logistic_probability, data.X_test, data.y_test)}
 
     def gaussian_prior_logistic(clients):
         def logistic(X, y):
@@ -294,7 +298,7 @@ def run_adult_drift():
     out = {"settings": {"learning_rate": 0.05, "local_steps": 200, "distill_steps": 200}}
     for name, (cls, k, n, rounds, kde, batch, maker) in runs.items():
         model = maker(partition.even(X.shape[0], k, shuffle=True, seed=0))
-        method = cls(model, num_particles=n, local_steps=200, distill_steps=200, learning_rate=0.05,
+        method = cls(model, num_particles=n, num_local_steps=200, num_distill_steps=200, learning_rate=0.05,
                      kde_bandwidth=kde, batch_size=batch, metrics=metric, progress_bar=False)
         start = time.perf_counter()
         try:
@@ -325,18 +329,18 @@ def run_kin8nm(num_clients: int, rounds: int = 20, num_particles: int = 20, base
     data = datasets.load_kin8nm(os.path.join(DATA, "kin8nm"))
     X, y = jnp.asarray(data.X_train), jnp.asarray(data.y_train)
     bnn = make_bnn(partition.even(X.shape[0], num_clients, shuffle=True, seed=0))
-    metric = {"test": svgd.regression_metrics(bnn_predict, data.X_test, data.y_test, y_scale=data.y_std)}
+    metric = {"test": metrics.regression_metrics(bnn_predict, data.X_test, data.y_test, y_scale=data.y_std)}
     common = dict(metrics=metric, progress_bar=False, batch_size=batch_size)
     methods = {
-        "DSVGD": nf.DSVGD(bnn, num_particles=num_particles, local_steps=200, distill_steps=200,
+        "DSVGD": nf.DSVGD(bnn, num_particles=num_particles, num_local_steps=200, num_distill_steps=200,
                           learning_rate=0.001, kde_bandwidth=PAPER_KDE, **common),
     }
     if baselines:
         methods.update({
-            "SVGD": svgd.SVGD(bnn, num_particles=num_particles, steps_per_round=200,
+            "SVGD": nf.SVGD(bnn, num_particles=num_particles, steps_per_round=200,
                               learning_rate=0.001, **common),
-            "FedAvg": svgd.FedAvg(bnn, local_steps=200, learning_rate=0.001, **common),
-            "DSGLD": svgd.DistributedSGLD(bnn, num_particles=num_particles, local_steps=200,
+            "FedAvg": nf.FedAvg(bnn, num_local_steps=200, learning_rate=0.001, **common),
+            "DSGLD": nf.DistributedSGLD(bnn, num_particles=num_particles, num_local_steps=200,
                                           a0=KIN8NM_SGLD_A0, **common),
         })
     print(f"\nkin8nm BNN (50 ReLUs), K={num_clients}, N={num_particles}, L=L'=200, {rounds} rounds, "

@@ -4,7 +4,7 @@ from numpyro_fed.arviz import to_inference_data
 from numpyro_fed.infer import ADMM, DADMMS, DSGHMC, DSGLD, DULA, make_topology
 from numpyro_fed.infer import FedZigZag, GradientBound, HessianBound
 from numpyro_fed.infer import DPPVI
-from numpyro_fed.infer import DSVGD, PDSVGD, UDSVGD
+from numpyro_fed.infer import DSVGD, PDSVGD, SVGD, UDSVGD, DistributedSGLD, FedAvg, GaussianPVI
 from numpyro_fed.plate import federated_plate, normalize_clients
 from numpyro_fed.potential import FederatedPotential, FlatPotential, PlateInfo, split_potential
 
@@ -18,7 +18,11 @@ __all__ = [
     "DSGLD",
     "DULA",
     "DSVGD",
+    "DistributedSGLD",
+    "FedAvg",
+    "GaussianPVI",
     "PDSVGD",
+    "SVGD",
     "UDSVGD",
     "make_topology",
     "FedZigZag",

@@ -21,7 +21,7 @@ import numpyro.distributions as dist
 from numpyro.infer import MCMC, NUTS
 
 import numpyro_fed as nf
-from numpyro_fed.infer import svgd
+from numpyro_fed.infer import stein
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
@@ -74,9 +74,9 @@ def test_conjugate_gaussian_mean_with_default_settings():
     assert np.all(np.abs(result.metrics["stein_scale"][-1] - 1) < 0.5)
 
 
-def _standardised_run(scale, shift, **kwargs):
+def _standardized_run(scale, shift, **kwargs):
     model, y, mean, sd = gaussian_problem(scale, shift)
-    method = nf.DSVGD(model, num_particles=20, local_steps=60, distill_steps=60,
+    method = nf.DSVGD(model, num_particles=20, num_local_steps=60, num_distill_steps=60,
                       progress_bar=False, **kwargs)
     result = method.run(jax.random.PRNGKey(1), 4, y)
     return (np.asarray(result.history)[:, :, 0] - mean) / sd
@@ -86,10 +86,10 @@ def _standardised_run(scale, shift, **kwargs):
 @pytest.mark.filterwarnings("ignore:DSVGD's particles ran away")
 def test_a_change_of_units_changes_nothing():
     """The same data in units 1000 times smaller, shifted by 500: whitening by the particles'
-    mean and sd maps both runs to the same coordinates, so the standardised particles agree
+    mean and sd maps both runs to the same coordinates, so the standardized particles agree
     (up to rounding, which the rounds' chaotic steps amplify a little; measured 1e-4 sd)."""
-    a = _standardised_run(1.0, 0.0)
-    b = _standardised_run(1000.0, 500.0)
+    a = _standardized_run(1.0, 0.0)
+    b = _standardized_run(1000.0, 500.0)
     np.testing.assert_allclose(np.sort(a[-1]), np.sort(b[-1]), atol=0.01)
     np.testing.assert_allclose(a, b, atol=0.01)
 
@@ -98,9 +98,9 @@ def test_the_papers_fixed_bandwidth_is_kept_and_depends_on_units():
     # Both runs end far off (in units 1: 21 sds after these four short rounds); the check
     # names the default as the remedy.
     with pytest.warns(RuntimeWarning, match="kde_bandwidth='auto'"):
-        a = _standardised_run(1.0, 0.0, kde_bandwidth=0.55)
+        a = _standardized_run(1.0, 0.0, kde_bandwidth=0.55)
     with pytest.warns(RuntimeWarning, match="kde_bandwidth='auto'"):
-        b = _standardised_run(1000.0, 500.0, kde_bandwidth=0.55)
+        b = _standardized_run(1000.0, 500.0, kde_bandwidth=0.55)
     assert abs(a[-1].mean() - b[-1].mean()) > 1 or abs(a[-1].var() / b[-1].var() - 1) > 1
 
 
@@ -119,7 +119,7 @@ def test_spread_grown_by_orders_of_magnitude_warns():
     # A runaway seen from the prior draws (one round: Stein's check waits for every client):
     # steps far too long throw the particles thousands of prior sds out, finite.
     model, y, mean, sd = gaussian_problem()
-    method = nf.DSVGD(model, num_particles=20, local_steps=20, distill_steps=20, learning_rate=1e6,
+    method = nf.DSVGD(model, num_particles=20, num_local_steps=20, num_distill_steps=20, learning_rate=1e6,
                       kde_bandwidth=0.55, progress_bar=False)
     with pytest.warns(RuntimeWarning, match="spread grew .*-fold from the prior draws.*lower learning_rate"):
         result = method.run(jax.random.PRNGKey(0), 1, y)
@@ -128,7 +128,7 @@ def test_spread_grown_by_orders_of_magnitude_warns():
     start = mean + sd * 1e-4 * jax.random.normal(jax.random.PRNGKey(2), (20, 1))
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*spread grew")
-        nf.DSVGD(model, num_particles=20, local_steps=20, distill_steps=20, kde_bandwidth=0.55,
+        nf.DSVGD(model, num_particles=20, num_local_steps=20, num_distill_steps=20, kde_bandwidth=0.55,
                  progress_bar=False).run(jax.random.PRNGKey(0), 1, y, init_particles=start)
 
 
@@ -136,19 +136,19 @@ def test_whitening_is_exact_for_a_change_of_units():
     x = jax.random.normal(jax.random.PRNGKey(3), (30, 3)) @ jnp.array([[1.0, 0.5, 0.0], [0.0, 1.0, 0.3], [0.0, 0.0, 2.0]])
     units = jnp.array([1000.0, 0.001, 3.0])
     for full in (True, False):
-        z = svgd.whitening(x, full=full).to_z(x)
-        z_units = svgd.whitening(x * units - 7.0, full=full).to_z(x * units - 7.0)
+        z = stein.whitening(x, full=full).to_z(x)
+        z_units = stein.whitening(x * units - 7.0, full=full).to_z(x * units - 7.0)
         np.testing.assert_allclose(z, z_units, atol=1e-9)
-        w = svgd.whitening(x, full=full)
+        w = stein.whitening(x, full=full)
         np.testing.assert_allclose(w.from_z(z), x, atol=1e-12)
-    z = svgd.whitening(x).to_z(x)  # full covariance (N > 2 d): mean 0, covariance I
+    z = stein.whitening(x).to_z(x)  # full covariance (N > 2 d): mean 0, covariance I
     np.testing.assert_allclose(z.mean(0), 0, atol=1e-12)
     np.testing.assert_allclose(z.T @ z / 30, np.eye(3), atol=1e-6)
 
 
 def test_shrunk_kde_keeps_the_particles_moments():
     x = jax.random.normal(jax.random.PRNGKey(4), (40, 2)) * jnp.array([3.0, 0.1]) + 5.0
-    centres, bandwidth = svgd.shrunk_kde(x, 0.85)
+    centres, bandwidth = stein.shrunk_kde(x, 0.85)
     # a KDE's variance is the centres' variance plus the kernel's
     np.testing.assert_allclose(centres.var(0) + bandwidth**2, x.var(0), rtol=1e-10)
     np.testing.assert_allclose(centres.mean(0), x.mean(0), rtol=1e-12)
@@ -241,8 +241,8 @@ def test_float32_conjugate_gaussian_mean_in_two_units():
 def test_udsvgd_and_pdsvgd_defaults_in_two_units(scale, shift):
     model, y, mean, sd = gaussian_problem(scale, shift)
     n = 50
-    for method in (svgd.UDSVGD(model, num_particles=n, progress_bar=False),
-                   svgd.PDSVGD(model, num_particles=n, clients_per_round=2, progress_bar=False)):
+    for method in (stein.UDSVGD(model, num_particles=n, progress_bar=False),
+                   stein.PDSVGD(model, num_particles=n, clients_per_round=2, progress_bar=False)):
         context = _no_runaway_warning()
         try:
             x = np.asarray(method.run(jax.random.PRNGKey(0), 8, y).particles)[:, 0]

@@ -1,0 +1,61 @@
+"""The SVGD family: distributed Stein variational gradient descent (Kassab & Simeone) and the
+baselines of its paper.
+
+Layout (data flows down):
+
+* :mod:`.kernels`, :mod:`.kde`, :mod:`.whitening`: the RBF kernel and its bandwidths, the
+  KDEs that stand for DSVGD's densities, the change of coordinates that makes a round
+  independent of the parameters' units;
+* :mod:`.optim`: AdaGrad with momentum as optax pieces (every ``optim`` argument takes any
+  optax ``GradientTransformation``);
+* the cores, pure and BlackJAX-shaped (``init``, ``build_kernel`` returning
+  ``step(rng_key, state, ...) -> (state, info)``, client and server functions apart):
+  :mod:`.svgd`, :mod:`.dsvgd`, :mod:`.pdsvgd`, :mod:`.udsvgd`, :mod:`.sgld`;
+* :mod:`.model`: a NumPyro model's split potential as flat gradient functions, prior draws,
+  minibatch gradients; :mod:`.client_order`; :mod:`.checks` (Stein's identity);
+* the faces, mirroring :class:`numpyro.infer.SVI`: :class:`DSVGD`, :class:`PDSVGD`,
+  :class:`UDSVGD` (:mod:`.methods`), :class:`SVGD`, :class:`FedAvg`,
+  :class:`DistributedSGLD` (:mod:`.baselines`), :class:`GaussianPVI`; their results convert
+  with :func:`numpyro_fed.to_inference_data` (:mod:`.convert`).
+"""
+
+from numpyro_fed.infer.stein import convert as _convert  # noqa: F401  (registers the converter)
+from numpyro_fed.infer.stein.baselines import SVGD, DistributedSGLD, FedAvg
+from numpyro_fed.infer.stein.dsvgd import DSVGDInfo, DSVGDState
+from numpyro_fed.infer.stein.face import ParticleRunResult, kernel_stein_discrepancy
+from numpyro_fed.infer.stein.gaussian_pvi import GaussianPVI
+from numpyro_fed.infer.stein.kde import kde_grad_log_density, kde_log_density, shrunk_kde
+from numpyro_fed.infer.stein.kernels import median_bandwidth, rbf_kernel, svgd_direction, wide_median_bandwidth
+from numpyro_fed.infer.stein.methods import DSVGD, PDSVGD, UDSVGD
+from numpyro_fed.infer.stein.optim import adagrad_momentum, scale_by_adagrad_momentum
+from numpyro_fed.infer.stein.svgd import staged_svgd, svgd_run
+from numpyro_fed.infer.stein.udsvgd import UDSVGDState
+from numpyro_fed.infer.stein.whitening import Whitening, whitening
+
+__all__ = [
+    "DSVGD",
+    "DSVGDInfo",
+    "DSVGDState",
+    "DistributedSGLD",
+    "FedAvg",
+    "GaussianPVI",
+    "PDSVGD",
+    "ParticleRunResult",
+    "SVGD",
+    "UDSVGD",
+    "UDSVGDState",
+    "Whitening",
+    "adagrad_momentum",
+    "kde_grad_log_density",
+    "kde_log_density",
+    "kernel_stein_discrepancy",
+    "median_bandwidth",
+    "rbf_kernel",
+    "scale_by_adagrad_momentum",
+    "shrunk_kde",
+    "staged_svgd",
+    "svgd_direction",
+    "svgd_run",
+    "whitening",
+    "wide_median_bandwidth",
+]

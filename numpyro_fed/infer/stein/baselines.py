@@ -1,0 +1,313 @@
+"""The baselines of the DSVGD paper under DSVGD's interface: centralized :class:`SVGD` on the
+pooled potential, :class:`FedAvg` (a point estimate) and :class:`DistributedSGLD`."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from numpyro.infer.initialization import init_to_uniform
+
+from numpyro_fed._checks import check_int, check_positive
+from numpyro_fed.infer.stein import svgd as svgd_core
+from numpyro_fed.infer.stein.client_order import check_client_order
+from numpyro_fed.infer.stein.dsvgd import batched_client_grad
+from numpyro_fed.infer.stein.face import ParticleMethod
+from numpyro_fed.infer.stein.model import minibatch_client_grad
+from numpyro_fed.infer.stein.optim import adagrad_momentum, check_optim
+from numpyro_fed.infer.stein.sgld import descend, sgld_run
+
+__all__ = ["BaselineInfo", "DistributedSGLD", "FedAvg", "ParticleState", "SVGD", "SVGDRoundState"]
+
+
+class BaselineInfo(NamedTuple):
+    """:ivar client: the scheduled client (-1: all, centralized); :ivar move: root mean square
+    move of the particles in the round."""
+
+    client: jax.Array
+    move: jax.Array
+
+
+class ParticleState(NamedTuple):
+    """:ivar particles: ``(N, d)`` (``(1, d)``: FedAvg's point); :ivar round: rounds done."""
+
+    particles: jax.Array
+    round: jax.Array
+
+
+class SVGDRoundState(NamedTuple):
+    """:ivar particles: ``(N, d)``; :ivar opt_state: the optimizer's state (kept across
+    rounds); :ivar round: rounds done."""
+
+    particles: jax.Array
+    opt_state: Any
+    round: jax.Array
+
+
+def _move(new, old):
+    return jnp.sqrt(jnp.mean(jnp.sum((new - old) ** 2, axis=-1)))
+
+
+class SVGD(ParticleMethod):
+    """Centralized SVGD on the pooled potential (the paper's reference), as a round method.
+
+    Runs ``num_rounds * steps_per_round`` SVGD steps towards ``p_0 exp(-(1/alpha) sum_k L_k)``
+    with the same number of particles; a "round" is ``steps_per_round`` steps, so curves line
+    up with DSVGD's ``I x L`` iterations. The optimizer's state is kept across rounds.
+
+    :param int steps_per_round: SVGD steps per recorded round (e.g. DSVGD's ``num_local_steps``).
+    :param float learning_rate: of the default optimizer (AdaGrad with momentum).
+    :param optim: an optax ``GradientTransformation`` overriding ``learning_rate``.
+    :param int batch_size: rows of the pooled data per step, ``ceil(batch_size / K)`` from each
+        client (``None``: all).
+
+    Other parameters as :class:`~numpyro_fed.DSVGD`; ``metrics["client"]`` is -1 (every
+    client's data in every step). No loss: :meth:`evaluate` gives the kernel Stein discrepancy.
+
+    >>> import jax, jax.numpy as jnp, numpyro, numpyro.distributions as dist
+    >>> import numpyro_fed as nf
+    >>> def model(y):
+    ...     mu = numpyro.sample("mu", dist.Normal(0, 3))
+    ...     with nf.federated_plate("data", y.shape[0], clients=2):
+    ...         numpyro.sample("y", dist.Normal(mu, 3), obs=y)
+    >>> svgd = nf.SVGD(model, steps_per_round=100, progress_bar=False)
+    >>> result = svgd.run(jax.random.PRNGKey(0), 3, jnp.array([0.5, 1.5, 2.0, 4.0]))
+    >>> abs(float(result.particles.mean()) - 1.6) < 0.3
+    True
+    """
+
+    def __init__(self, model, *, num_particles: int = 20, steps_per_round: int = 200,
+                 learning_rate: float = 0.05, optim=None, svgd_bandwidth=None,
+                 temperature: float = 1.0, metrics=None, partition=None,
+                 init_strategy=init_to_uniform, progress_bar: bool = True,
+                 batch_size: int | None = None):
+        super().__init__(model, num_particles=num_particles, metrics=metrics, partition=partition,
+                         init_strategy=init_strategy, progress_bar=progress_bar,
+                         temperature=temperature, batch_size=batch_size)
+        self.steps_per_round = check_int(steps_per_round, "steps_per_round", minimum=1)
+        self.learning_rate = check_positive(learning_rate, "learning_rate")
+        self.optim = adagrad_momentum(self.learning_rate) if optim is None else check_optim(optim, "optim")
+        self.svgd_bandwidth = None if svgd_bandwidth is None else check_positive(svgd_bandwidth, "svgd_bandwidth")
+
+    def _repr_fields(self) -> dict:
+        return {"num_particles": self.num_particles, "steps_per_round": self.steps_per_round,
+                "temperature": self.temperature}
+
+    def particles(self, state):
+        return state.particles
+
+    def _order(self):
+        return "round_robin"
+
+    def _run_keys(self, rng_key, num_rounds):
+        k_init, k_rounds = rng_key, jax.random.fold_in(rng_key, 1)
+        return k_init, None, jax.random.split(k_rounds, num_rounds)
+
+    def _initial_state(self, rng_key, particles, num_rounds):
+        return SVGDRoundState(particles, self.optim.init(particles), jnp.zeros((), jnp.int32))
+
+    def _round_key(self, rng_key):
+        return rng_key
+
+    def build_step(self):
+        fp = self.federated_potential
+        prior_score = jax.vmap(lambda x: -self.gradients.prior_grad(x))
+        if self.batch_size is None:
+            one_client = batched_client_grad(self.gradients.client_grad, None)
+        else:
+            per_client = math.ceil(self.batch_size / fp.num_clients)
+            one_client = batched_client_grad(self.gradients.client_grad, minibatch_client_grad(fp, per_client))
+        num_clients, temperature, num_steps = fp.num_clients, self.temperature, self.steps_per_round
+
+        def score(x, key):
+            keys = jax.random.split(key, num_clients)
+            grads = jax.vmap(one_client, in_axes=(None, 0, 0))(x, fp.client_data, keys)
+            return prior_score(x) - jnp.sum(grads, axis=0) / temperature
+
+        kernel = svgd_core.build_kernel(score, self.optim, self.svgd_bandwidth)
+
+        def step(rng_key, state, client, block):
+            del client, block  # every client's data in every step
+            inner = svgd_core.SVGDState(state.particles, state.opt_state)
+            inner, _ = lax.scan(lambda s, k: (kernel(k, s)[0], None), inner, jax.random.split(rng_key, num_steps))
+            info = BaselineInfo(jnp.asarray(-1), _move(inner.particles, state.particles))
+            return SVGDRoundState(inner.particles, inner.opt_state, state.round + 1), info
+
+        return step
+
+    def _round(self, rng_key, state, client):
+        if self._step is None:
+            self._step = jax.jit(self.build_step())
+        return self._step(rng_key, state, None, None)
+
+    def run(self, rng_key, num_rounds: int, *args, init_state=None, init_particles=None, **kwargs):
+        result = super().run(rng_key, num_rounds, *args, init_state=init_state,
+                             init_particles=init_particles, **kwargs)
+        result.metrics["client"] = -jnp.ones(num_rounds, jnp.int32)
+        return result
+
+
+class FedAvg(ParticleMethod):
+    """Federated averaging with one client per round, as in the paper's comparisons.
+
+    A point estimate: the server holds one parameter vector; the scheduled client runs
+    ``num_local_steps`` optimizer steps on its objective ``L_k(theta) + (1/K) (-log p_0(theta))``
+    (its loss plus its share of the prior, so that the clients' objectives add up to the
+    negative log posterior) and uploads the result. :meth:`get_samples` repeats the point.
+    No loss is recorded: :meth:`evaluate` gives the kernel Stein discrepancy (of one point).
+
+    :param int num_local_steps: ``L``.
+    :param float learning_rate: of the default optimizer (AdaGrad with momentum).
+    :param optim: an optax ``GradientTransformation`` overriding ``learning_rate``.
+    :param client_order: as :class:`~numpyro_fed.DSVGD`.
+    :param int batch_size: as :class:`~numpyro_fed.DSVGD`.
+
+    >>> import jax, jax.numpy as jnp, numpyro, numpyro.distributions as dist
+    >>> import numpyro_fed as nf
+    >>> def model(y):
+    ...     mu = numpyro.sample("mu", dist.Normal(0, 3))
+    ...     with nf.federated_plate("data", y.shape[0], clients=2):
+    ...         numpyro.sample("y", dist.Normal(mu, 3), obs=y)
+    >>> fedavg = nf.FedAvg(model, num_local_steps=50, progress_bar=False)
+    >>> fedavg.run(jax.random.PRNGKey(0), 2, jnp.arange(4.0)).particles.shape
+    (1, 1)
+    """
+
+    def __init__(self, model, *, num_local_steps: int = 200, learning_rate: float = 0.05,
+                 optim=None, client_order="round_robin", metrics=None, partition=None,
+                 init_strategy=init_to_uniform, progress_bar: bool = True,
+                 batch_size: int | None = None):
+        super().__init__(model, num_particles=1, metrics=metrics, partition=partition,
+                         init_strategy=init_strategy, progress_bar=progress_bar, temperature=1.0,
+                         batch_size=batch_size)
+        self.num_local_steps = check_int(num_local_steps, "num_local_steps", minimum=1)
+        self.learning_rate = check_positive(learning_rate, "learning_rate")
+        self.optim = adagrad_momentum(self.learning_rate) if optim is None else check_optim(optim, "optim")
+        self.client_order = check_client_order(client_order)
+
+    def _repr_fields(self) -> dict:
+        return {"num_local_steps": self.num_local_steps, "client_order": self.client_order}
+
+    def particles(self, state):
+        return state.particles
+
+    def _initial_state(self, rng_key, particles, num_rounds):
+        return ParticleState(particles, jnp.zeros((), jnp.int32))
+
+    def _round_key(self, rng_key):
+        return rng_key
+
+    def build_step(self):
+        share = 1.0 / self.federated_potential.num_clients
+        prior_grad, client_grad = jax.vmap(self.gradients.prior_grad), self._client_grad_fn()
+        stochastic = self.stochastic_client_grad is not None
+
+        def step(rng_key, state, client, block):
+            def objective_grad(p, key):
+                return client_grad(p, block, key if stochastic else None) + share * prior_grad(p)
+
+            x = descend(rng_key, state.particles, objective_grad, self.num_local_steps, self.optim)
+            return ParticleState(x, state.round + 1), BaselineInfo(jnp.asarray(client), _move(x, state.particles))
+
+        return step
+
+    def init(self, rng_key, *args, init_params=None, num_rounds=None, **kwargs):
+        """The initial state: a prior draw, or ``init_params`` (``(d,)`` flat unconstrained)."""
+        if init_params is not None:
+            self._setup(args, kwargs)
+            init_params = jnp.reshape(jnp.asarray(init_params), (1, -1))
+            return self._initial_state(rng_key, self._check_particles(init_params, "init_params"), num_rounds)
+        return super().init(rng_key, *args, num_rounds=num_rounds, **kwargs)
+
+    def run(self, rng_key, num_rounds: int, *args, init_state=None, init_params=None, **kwargs):
+        """``init_params``: ``(d,)`` flat unconstrained start (default: a prior draw)."""
+        if init_params is not None and init_state is None:
+            self._setup(args, kwargs)
+            init_state = self.init(jax.random.split(rng_key)[0], *args, init_params=init_params, **kwargs)
+        return super().run(rng_key, num_rounds, *args, init_state=init_state, **kwargs)
+
+
+class DistributedSGLD(ParticleMethod):
+    """Distributed SGLD (Ahn et al. 2014) with one scheduled client per round.
+
+    The server holds ``N`` chains; the scheduled client ``k`` moves every chain with
+    ``num_local_steps`` Langevin steps on its data, the gradient of its loss scaled up to the
+    whole data set: ``grad U ≈ grad(-log p_0) + (n / n_k) (1/alpha) grad L_k``. Step sizes
+    follow the paper's annealing ``a0 (0.5 + t)^(-0.55)`` with ``t`` the global step count.
+    No loss: :meth:`evaluate` gives the kernel Stein discrepancy of the chains' states.
+
+    :param int num_particles: number of chains.
+    :param int num_local_steps: Langevin steps per round.
+    :param float a0: step-size scale (the paper's Table 4: 0.01, 0.0005 for large data; its
+        authors' code also divides each step by the number of chains). The largest stable
+        step shrinks with the data size: Langevin steps need ``eps`` below about
+        ``2 / (largest curvature of U)``.
+    :param client_order: as :class:`~numpyro_fed.DSVGD`.
+    :param int batch_size: as :class:`~numpyro_fed.DSVGD`.
+
+    Non-finite chains stop the run with a :class:`FloatingPointError` naming ``a0``.
+
+    >>> import jax, jax.numpy as jnp, numpyro, numpyro.distributions as dist
+    >>> import numpyro_fed as nf
+    >>> def model(y):
+    ...     mu = numpyro.sample("mu", dist.Normal(0, 3))
+    ...     with nf.federated_plate("data", y.shape[0], clients=2):
+    ...         numpyro.sample("y", dist.Normal(mu, 3), obs=y)
+    >>> sgld = nf.DistributedSGLD(model, num_local_steps=50, a0=0.5, progress_bar=False)
+    >>> sgld.run(jax.random.PRNGKey(0), 2, jnp.arange(4.0)).particles.shape
+    (20, 1)
+    """
+
+    _step_size_name = "a0"
+
+    def __init__(self, model, *, num_particles: int = 20, num_local_steps: int = 200, a0: float = 0.01,
+                 temperature: float = 1.0, client_order="round_robin", metrics=None, partition=None,
+                 init_strategy=init_to_uniform, progress_bar: bool = True,
+                 batch_size: int | None = None):
+        super().__init__(model, num_particles=num_particles, metrics=metrics, partition=partition,
+                         init_strategy=init_strategy, progress_bar=progress_bar,
+                         temperature=temperature, batch_size=batch_size)
+        self.num_local_steps = check_int(num_local_steps, "num_local_steps", minimum=1)
+        self.a0 = check_positive(a0, "a0")
+        self.client_order = check_client_order(client_order)
+
+    def _repr_fields(self) -> dict:
+        return {"num_particles": self.num_particles, "num_local_steps": self.num_local_steps,
+                "a0": self.a0, "client_order": self.client_order}
+
+    def particles(self, state):
+        return state.particles
+
+    def _initial_state(self, rng_key, particles, num_rounds):
+        return ParticleState(particles, jnp.zeros((), jnp.int32))
+
+    def _round_key(self, rng_key):
+        return rng_key
+
+    def _run_keys(self, rng_key, num_rounds):
+        k_init, k_order, k_noise = jax.random.split(rng_key, 3)
+        return k_init, k_order, jax.random.split(k_noise, num_rounds)
+
+    def build_step(self):
+        fp = self.federated_potential
+        sizes = jnp.asarray(fp.client_sizes)
+        prior_grad, client_grad = jax.vmap(self.gradients.prior_grad), self._client_grad_fn()
+        a0, num_steps, temperature = self.a0, self.num_local_steps, self.temperature
+        stochastic = self.stochastic_client_grad is not None
+
+        def step(rng_key, state, client, block):
+            x0 = state.particles
+            scale = jnp.sum(sizes).astype(x0.dtype) / sizes[client].astype(x0.dtype) / temperature
+
+            def grad_potential(p, key):
+                return prior_grad(p) + scale * client_grad(p, block, key if stochastic else None)
+
+            x = sgld_run(rng_key, x0, grad_potential, num_steps, lambda t: a0 * (0.5 + t) ** -0.55,
+                         state.round * num_steps)
+            return ParticleState(x, state.round + 1), BaselineInfo(jnp.asarray(client), _move(x, x0))
+
+        return step

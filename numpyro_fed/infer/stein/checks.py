@@ -1,0 +1,90 @@
+"""Stein's identity as a convergence check of a particle run, and the runaway warning."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = ["runaway_problems", "stein_statistics", "warn_runaway"]
+
+
+def stein_statistics(score_fn: Callable) -> Callable:
+    """``history (R, N, d) -> (stein_mean, stein_scale)``, each ``(R, d)``.
+
+    Stein's identity holds for any target ``p``: ``E_p[d log p / d x_j] = 0`` and
+    ``E_p[(d log p / d x_j) (x_j - m_j)] = -1``. Per set of particles, ``stein_mean`` is the
+    mean score times the particles' sd (0 expected) and ``stein_scale`` minus the mean of
+    score times deviation (1 expected); for a Gaussian target they are the mean's offset in
+    posterior sds times the sd ratio, and the ratio of the variances.
+
+    :param score_fn: ``(N, d) -> (N, d)``, the target's full ``grad log p``.
+
+    >>> import jax, jax.numpy as jnp
+    >>> x = jax.random.normal(jax.random.PRNGKey(0), (1, 4000, 1))
+    >>> mean, scale = stein_statistics(lambda x: -x)(x)  # N(0, 1) draws for N(0, 1)
+    >>> abs(float(mean[0, 0])) < 0.1, abs(float(scale[0, 0]) - 1) < 0.1
+    (True, True)
+    """
+
+    def one(x):
+        score = score_fn(x)
+        mean = jnp.mean(x, axis=0)
+        sd = jnp.std(x, axis=0)
+        return jnp.mean(score, axis=0) * sd, -jnp.mean(score * (x - mean), axis=0)
+
+    return jax.jit(lambda history: lax.map(one, history))
+
+
+def runaway_problems(start, end, stein_mean, stein_scale, *, from_prior: bool, all_visited: bool) -> list[str]:
+    """What is absurd about the particles ``end`` (``(N, d)``) of a run from ``start``: a
+    spread or a move of more than 1000 sds of ``start`` (prior draws only: particles given by
+    the user may be as narrow as they like) and, once every client has been visited, the last
+    Stein statistics (``(d,)`` each) more than 3 posterior sds off or a variance ratio
+    outside ``[1/4, 4]``."""
+    start, end = np.asarray(start, dtype=float), np.asarray(end, dtype=float)
+    start_sd = start.std(axis=0) if from_prior else np.zeros(start.shape[1])
+    safe_sd = np.where(start_sd > 0, start_sd, 1.0)
+    spread = np.where(start_sd > 0, end.std(axis=0) / safe_sd, 0.0)
+    distance = np.where(start_sd > 0, np.abs(end.mean(axis=0) - start.mean(axis=0)) / safe_sd, 0.0)
+    problems = []
+    if np.max(spread) > 1e3:
+        problems.append(f"their spread grew {np.max(spread):.3g}-fold from the prior draws "
+                        f"(coordinate {int(np.argmax(spread))})")
+    if np.max(distance) > 1e3:
+        problems.append(f"their mean moved {np.max(distance):.3g} prior sds "
+                        f"(coordinate {int(np.argmax(distance))})")
+    if all_visited:
+        m, v = np.asarray(stein_mean), np.asarray(stein_scale)
+        # For a Gaussian target, stein_mean / sqrt(stein_scale) is the mean's offset in
+        # posterior sds and stein_scale the variance ratio.
+        offset = np.where(v > 0, np.abs(m) / np.sqrt(np.where(v > 0, v, 1.0)), np.inf)
+        if np.max(offset) > 3:
+            j = int(np.argmax(offset))
+            problems.append(f"the target's score at the particles does not average 0 "
+                            f"(stein_mean {m[j]:.3g}, stein_scale {v[j]:.3g} in coordinate {j}: "
+                            f"for a Gaussian posterior, a mean {offset[j]:.3g} posterior sds off)")
+        if np.max(v) > 4 or np.min(v) < 0.25:
+            j = int(np.argmax(np.abs(np.log(np.maximum(v, 1e-300)))))
+            problems.append(f"their spread does not match the target's score (stein_scale "
+                            f"{v[j]:.3g} in coordinate {j}, 1 expected; for a Gaussian posterior, "
+                            f"the particles' variance over the posterior's)")
+    return problems
+
+
+def warn_runaway(method_name: str, num_rounds: int, problems: list[str], *, fixed_kde: bool, stacklevel: int = 3):
+    """A :class:`RuntimeWarning` naming the ``problems`` and what to change."""
+    if not problems:
+        return
+    remedy = "use kde_bandwidth='auto' (the default), which adapts to the particles' scale, " if fixed_kde else ""
+    warnings.warn(
+        f"{method_name}'s particles ran away or did not converge after {num_rounds} rounds: "
+        + "; ".join(problems) + ". Change the settings: " + remedy
+        + "lower learning_rate, use more num_particles, num_local_steps or rounds",
+        RuntimeWarning, stacklevel=stacklevel,
+    )

@@ -1,0 +1,119 @@
+"""From a NumPyro model to what the SVGD family's cores take: flat gradient functions, prior
+draws, minibatch gradient estimates."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from numpyro.distributions.transforms import biject_to
+from numpyro.handlers import seed, trace
+
+__all__ = ["FlatGradients", "client_block", "data_plate", "flat_gradients", "minibatch_client_grad",
+           "prior_draws"]
+
+
+class FlatGradients(NamedTuple):
+    """Gradients of a :class:`~numpyro_fed.FederatedPotential` on flat ``(d,)`` vectors.
+
+    :ivar prior_grad: ``(d,) -> (d,)``, gradient of the prior potential ``-log p_0``.
+    :ivar client_grad: ``((d,), block) -> (d,)``, gradient of a client's term given its
+        data block.
+    """
+
+    prior_grad: Callable
+    client_grad: Callable
+
+
+def flat_gradients(fp) -> FlatGradients:
+    """The :class:`FlatGradients` of ``fp``.
+
+    >>> import jax.numpy as jnp, numpyro, numpyro.distributions as dist
+    >>> import numpyro_fed as nf
+    >>> def model(y):
+    ...     mu = numpyro.sample("mu", dist.Normal(0, 1))
+    ...     with nf.federated_plate("data", y.shape[0], clients=2):
+    ...         numpyro.sample("y", dist.Normal(mu, 1), obs=y)
+    >>> fp = nf.split_potential(model, (jnp.array([1.0, 2.0]),))
+    >>> grads = flat_gradients(fp)
+    >>> grads.prior_grad(jnp.array([0.5])).tolist(), grads.client_grad(jnp.array([0.5]), client_block(fp, 1)).tolist()
+    ([0.5], [-1.5])
+    """
+    unravel = fp.unravel
+
+    def prior_grad(x):
+        return jax.grad(lambda y: fp.prior_potential_fn(unravel(y)))(x)
+
+    def client_grad(x, block):
+        return jax.grad(lambda y: fp.client_potential_fn(unravel(y), block))(x)
+
+    return FlatGradients(prior_grad, client_grad)
+
+
+def client_block(fp, client):
+    """Client ``client``'s data block (its rows of every federated data plate)."""
+    return jax.tree.map(lambda a: a[client], fp.client_data)
+
+
+def data_plate(fp, needed_by: str) -> str:
+    """The name of the model's one federated data plate; ``needed_by`` names what needs it."""
+    plates = [p.name for p in fp.plates.values() if p.holds_data]
+    if len(plates) != 1:
+        raise ValueError(f"{needed_by} needs a model with one federated data plate, found {plates}")
+    return plates[0]
+
+
+def minibatch_client_grad(fp, batch_size: int) -> Callable:
+    """``(x (N, d), block, key) -> (N, d)``: ``grad L_k`` at every particle estimated from
+    ``batch_size`` of the client's rows drawn without replacement (the same rows for every
+    particle), scaled by ``n_k / batch_size``. A client with fewer rows uses them all.
+
+    The ``stochastic_client_grad`` of the cores, for a model with one federated data plate.
+    """
+    plate, unravel = data_plate(fp, "batch_size"), fp.unravel
+
+    def loss(y, rows, weights, scale):
+        return -scale * jnp.sum(weights * fp.row_log_likelihood_fn(unravel(y), rows))
+
+    grad = jax.vmap(jax.grad(loss), in_axes=(0, None, None, None))
+
+    def stochastic_grad(x, block, key):
+        valid = block["valid"][plate]
+        count = min(batch_size, valid.shape[0])
+        priority = jnp.where(valid, jax.random.uniform(key, valid.shape), -1.0)
+        positions = lax.top_k(priority, count)[1]
+        weights = valid[positions].astype(x.dtype)
+        scale = jnp.sum(valid).astype(x.dtype) / jnp.maximum(jnp.sum(weights), 1.0)
+        rows = jax.tree.map(lambda r: r[positions], block["rows"])
+        return grad(x, rows, weights, scale)
+
+    return stochastic_grad
+
+
+def prior_draws(model, fp, rng_key, args, kwargs, num: int) -> jax.Array:
+    """``(num, d)`` draws of the global latents from the model's prior, flat and unconstrained."""
+    names = list(fp.init_params)
+
+    # One compiled program, the data arrays as its arguments (not constants; other arguments,
+    # e.g. sizes, stay static): run op by op, the model's likelihood would be evaluated, and
+    # each operation compiled, for nothing.
+    leaves, treedef = jax.tree_util.tree_flatten((tuple(args), dict(kwargs)))
+    dynamic = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, np.ndarray))]
+
+    def one(key, arrays):
+        full = list(leaves)
+        for i, array in zip(dynamic, arrays):
+            full[i] = array
+        model_args, model_kwargs = jax.tree_util.tree_unflatten(treedef, full)
+        tr = trace(seed(model, key)).get_trace(*model_args, **model_kwargs)
+        z = {name: biject_to(tr[name]["fn"].support).inv(tr[name]["value"]) for name in names}
+        return fp.ravel(z)
+
+    draw = jax.jit(jax.vmap(one, in_axes=(0, None)))
+    return draw(jax.random.split(rng_key, num), [leaves[i] for i in dynamic])
