@@ -229,7 +229,24 @@ def build_agent(
 ) -> ADMMAgent:
     """The agents' functions of D-ADMMS (Algorithm 1): see :class:`ADMMAgent` and
     :func:`build_kernel` for the arguments (``degrees``: ``(N,)`` number of neighbors of
-    each agent, which fixes its proximal curvature ``2 rho degree``)."""
+    each agent, which fixes its proximal curvature ``2 rho degree``).
+
+    **Example**: agent 0 of two, alone on a worker, with ``f_0(x) = x^2 / 2`` and no noise;
+    its neighbor sent ``x_1 = 1``:
+
+    >>> import jax, jax.numpy as jnp
+    >>> from numpyro_fed.infer.admm import AgentPotentials
+    >>> pots = AgentPotentials(lambda x, b, w: 0.5 * jnp.sum((x - b) ** 2),
+    ...                        jnp.array([0.0, 1.0]), jnp.array([0.5, 0.5]), 2, 1)
+    >>> agent = build_agent(pots, jnp.array([1.0, 1.0]), 1.0, noise_scale=0.0)
+    >>> mine = jax.tree.map(lambda a: a[0], agent.local)  # what agent 0 alone holds
+    >>> x0, _, converged = agent.primal(jax.random.PRNGKey(0), jnp.zeros(1), jnp.zeros(1),
+    ...                                 jnp.ones(1), 1.0, mine)
+    >>> round(float(x0[0]), 4), bool(converged)  # argmin x^2/2 + (x - 1/2)^2
+    (0.3333, True)
+    >>> round(float(agent.dual(jnp.zeros(1), x0, jnp.ones(1), 1.0)[0]), 4)  # rho (x_0 - x_1)
+    -0.6667
+    """
     rho = check_positive(rho, "rho")
     noise_scale = check_real(noise_scale, "noise_scale")
     if noise_scale < 0:

@@ -69,7 +69,37 @@ class DecentralizedKernel(FederatedMCMCKernel):
     them in one batch.
 
     **Adding an algorithm**: subclass, set :attr:`info_names` and return the core from
-    :meth:`build_core`; the face does the rest.
+    :meth:`build_core`; the face does the rest. Here, gossip averaging (each agent moves to
+    the Metropolis-weighted mean of its neighbors: a consensus algorithm, not a sampler):
+
+    >>> from typing import NamedTuple
+    >>> import jax, jax.numpy as jnp, numpyro, numpyro.distributions as dist
+    >>> from numpyro.infer import MCMC
+    >>> import numpyro_fed as nf
+    >>> from numpyro_fed.infer.admm import DecentralizedKernel, metropolis_weights, mixed
+    >>> class GossipState(NamedTuple):
+    ...     x: jax.Array
+    >>> class GossipInfo(NamedTuple):
+    ...     distance_to_mean: jax.Array
+    >>> class Gossip(DecentralizedKernel):
+    ...     info_names = GossipInfo._fields
+    ...     samples_posterior = False  # no spread check: it is not a sampler
+    ...     def build_core(self, potentials, topology, x0):
+    ...         weights = jnp.asarray(metropolis_weights(topology), x0.dtype)
+    ...         def step(rng_key, state):
+    ...             x = mixed(weights, state.x)  # what the network delivers is the new iterate
+    ...             return GossipState(x), GossipInfo(jnp.linalg.norm(x - x.mean(0), axis=-1))
+    ...         return GossipState, step
+    >>> def model(y):
+    ...     mu = numpyro.sample("mu", dist.Normal(0, 1))
+    ...     with nf.federated_plate("data", y.shape[0], clients=4):
+    ...         numpyro.sample("y", dist.Normal(mu, 1), obs=y)
+    >>> mcmc = MCMC(Gossip(model, topology="ring"), num_warmup=0, num_samples=30, progress_bar=False)
+    >>> mcmc.run(jax.random.PRNGKey(0), jnp.zeros(8))
+    >>> Gossip.agent_draws(mcmc)["mu"].shape, mcmc.get_extra_fields()["info.distance_to_mean"].shape
+    ((30, 4), (30, 4))
+    >>> bool(mcmc.get_extra_fields()["info.distance_to_mean"][-1].max() < 1e-6)  # consensus
+    True
     """
 
     client_dim = "agent"

@@ -133,6 +133,19 @@ def build_dsgld_kernel(potentials: AgentPotentials, mixing, step_size: float) ->
 
     :param mixing: ``(N, N)`` doubly stochastic matrix ``S``.
     :param float step_size: ``eta``.
+
+    **Example** (three agents, each ``f_i(x) = x^2 / 6``: together a standard normal):
+
+    >>> import jax, jax.numpy as jnp
+    >>> from numpyro_fed.infer.admm import make_topology, metropolis_weights
+    >>> pots = AgentPotentials(lambda x, b, w: jnp.sum(x**2) / 6, jnp.zeros(3), jnp.full(3, 1 / 3), 3, 1)
+    >>> step = jax.jit(build_dsgld_kernel(pots, metropolis_weights(make_topology("ring", 3)), 0.05))
+    >>> def run(state, key):
+    ...     state, info = step(key, state)
+    ...     return state, state.x[0, 0]
+    >>> _, draws = jax.lax.scan(run, init_dsgld(jnp.zeros((3, 1))), jax.random.split(jax.random.PRNGKey(0), 4000))
+    >>> bool(0.7 < draws[500:].std() < 1.5)  # agent 0's draws: about N(0, 1)
+    True
     """
     step_size = check_positive(step_size, "step_size")
     mixing = jnp.asarray(mixing, dtype=potentials.prior_weights.dtype)
