@@ -1,39 +1,50 @@
-"""Conversion of every result of the project to :class:`arviz.InferenceData`.
+"""Conversion of every result of the project to ArviZ's data structure.
 
-This is the only module that imports ArviZ, so a move to ArviZ 1.x (``xarray.DataTree``)
-touches this file alone. Algorithms register a converter for their result type with
-:func:`register_converter`; :func:`to_inference_data` dispatches on the object's type.
+This is the only module that builds ArviZ objects, and it imports ArviZ only when a result
+is converted (``import numpyro_fed`` does not import ArviZ, as ``import numpyro`` does not).
+It returns what ArviZ's own :func:`arviz.from_numpyro` returns for the installed ArviZ: an
+:class:`xarray.DataTree` on ArviZ 1.x (Python >= 3.12), an :class:`arviz.InferenceData` on
+ArviZ 0.2x (Python 3.10 and 3.11, where ArviZ 1.x cannot be installed). Both have the groups
+as attributes (``idata.posterior``), ``"posterior" in idata`` and ``idata.attrs``.
+
+Algorithms register a converter for their result type with :func:`register_converter`; the
+converter hands plain arrays to :func:`from_dicts`, and :func:`to_inference_data` dispatches
+on the object's type.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-import arviz as az
-
 __all__ = ["register_converter", "to_inference_data", "federation_attrs", "from_dicts"]
 
-_CONVERTERS: list[tuple[type, Callable[..., az.InferenceData]]] = []
+_CONVERTERS: list[tuple[type, Callable[..., Any], bool]] = []
 
-# Groups that carry client data; they leave the clients only when asked for.
-_CLIENT_DATA_GROUPS = ("observed_data", "log_likelihood", "constant_data")
+# what to_inference_data adds to any result whose converter does not take them itself
+_DATA_OPTIONS = ("log_likelihood", "observed_data", "model_args", "model_kwargs")
 
 
-def register_converter(result_type: type):
-    """Decorator: registers ``fn(obj, **kwargs) -> InferenceData`` for ``result_type``."""
+def register_converter(result_type: type, *, handles_data: bool = False):
+    """Decorator: registers ``fn(obj, **options)`` for ``result_type``, the converter that
+    :func:`to_inference_data` calls for such an object. It should build its result with
+    :func:`from_dicts`. Unless ``handles_data``, the options ``log_likelihood``,
+    ``observed_data``, ``model_args`` and ``model_kwargs`` do not reach it:
+    :func:`to_inference_data` adds those groups itself from the model of ``obj.method``."""
 
     def decorator(fn):
-        _CONVERTERS.insert(0, (result_type, fn))
+        _CONVERTERS.insert(0, (result_type, fn, handles_data))
         return fn
 
     return decorator
 
 
-def to_inference_data(obj: Any, *args, **kwargs) -> az.InferenceData:
-    """Converts a result of any algorithm of the project to :class:`arviz.InferenceData`.
+def to_inference_data(obj: Any, *args, **kwargs):
+    """Converts a result of any algorithm of the project to ArviZ's data structure (what
+    :func:`arviz.from_numpyro` returns: an :class:`xarray.DataTree` on ArviZ 1.x):
 
     * ``posterior``: constrained sites, dims named after their plates;
     * ``sample_stats``: the algorithm's diagnostics (per-client ones with a ``client`` dim);
@@ -41,8 +52,11 @@ def to_inference_data(obj: Any, *args, **kwargs) -> az.InferenceData:
       has one, its privacy guarantee.
 
     Observed data and pointwise log-likelihoods stay out unless asked for
-    (``observed_data=True``, ``log_likelihood=True``): collecting them pools the clients'
-    data, which the federated setting forbids.
+    (``observed_data=True``, ``log_likelihood=True``; the latter for :func:`arviz.loo`):
+    collecting them pools the clients' data, which the federated setting forbids. A result
+    that does not keep the data it was fitted to (a variational method's ``RunResult``)
+    needs them as ``model_args=`` (and ``model_kwargs=``), as
+    :func:`arviz.from_numpyro_svi` does.
 
     For a :class:`numpyro.infer.MCMC` run (e.g. the NUTS reference on pooled data) pass
     ``potential=`` (a :class:`~numpyro_fed.FederatedPotential`) to record the federation.
@@ -58,14 +72,24 @@ def to_inference_data(obj: Any, *args, **kwargs) -> az.InferenceData:
     >>> mcmc = MCMC(NUTS(model), num_warmup=50, num_samples=50, progress_bar=False)
     >>> mcmc.run(jax.random.PRNGKey(0), y)
     >>> idata = nf.to_inference_data(mcmc, potential=nf.split_potential(model, (y,)))
-    >>> idata.attrs["num_clients"], "observed_data" in idata.groups()
-    (2, False)
+    >>> idata.attrs["num_clients"], "posterior" in idata, "observed_data" in idata
+    (2, True, False)
+    >>> idata.posterior["mu"].dims
+    ('chain', 'draw')
     """
-    for result_type, converter in _CONVERTERS:
+    for result_type, converter, handles_data in _CONVERTERS:
         if isinstance(obj, result_type):
-            return converter(obj, *args, **kwargs)
-    known = ", ".join(t.__name__ for t, _ in _CONVERTERS)
-    raise TypeError(f"to_inference_data: no converter for {type(obj).__name__} (known: {known})")
+            break
+    else:
+        known = ", ".join(t.__name__ for t, _, _ in _CONVERTERS)
+        raise TypeError(f"to_inference_data: no converter for {type(obj).__name__} (known: {known})")
+    if handles_data:
+        return converter(obj, *args, **kwargs)
+    data = {name: kwargs.pop(name) for name in _DATA_OPTIONS if name in kwargs}
+    idata = converter(obj, *args, **kwargs)
+    if data.get("log_likelihood") or data.get("observed_data"):
+        idata = _add_client_data(idata, _model_of(obj), **data)
+    return idata
 
 
 def federation_attrs(potential) -> dict[str, Any]:
@@ -75,6 +99,15 @@ def federation_attrs(potential) -> dict[str, Any]:
         "client_sizes": [int(n) for n in potential.client_sizes],
         "federated_plates": list(potential.plates),
     }
+
+
+@functools.cache
+def _arviz_major() -> int:
+    """The installed ArviZ's major version (imports ArviZ): 1 builds an
+    :class:`xarray.DataTree`, 0 an :class:`arviz.InferenceData`."""
+    import arviz
+
+    return int(arviz.__version__.split(".")[0])
 
 
 def from_dicts(
@@ -88,30 +121,107 @@ def from_dicts(
     """Builds the ArviZ object of a result from plain arrays (the one builder every algorithm's
     converter calls, so that no other module builds ArviZ objects).
 
-    ``posterior``: constrained draws by site, each ``(chain, draw, *site_shape)``; ``dims``:
-    the names of a site's dims after ``chain`` and ``draw`` (e.g. its plates); ``sample_stats``:
-    name -> ``(values, dims)`` with every dim named (e.g. ``["round", "client"]``);
-    ``coords``: coordinates by dim name; ``attrs``: set on the result and on every group.
+    :param posterior: constrained draws by site, each ``(chain, draw, *site_shape)``.
+    :param dims: the names of a site's dims after ``chain`` and ``draw`` (e.g. its plates).
+    :param sample_stats: name -> ``(values, dims)`` with every dim named (e.g.
+        ``["round", "client"]``).
+    :param coords: coordinates by dim name.
+    :param attrs: set on the result and on every group.
+
+    >>> import numpy as np
+    >>> from numpyro_fed.arviz import from_dicts
+    >>> idata = from_dicts({"w": np.zeros((1, 10, 3))}, dims={"w": ["feature"]},
+    ...                    sample_stats={"loss": (np.ones(5), ["round"])}, attrs={"algorithm": "X"})
+    >>> idata.posterior["w"].dims, idata.sample_stats["loss"].dims, idata.attrs["algorithm"]
+    (('chain', 'draw', 'feature'), ('round',), 'X')
     """
-    idata = az.from_dict(posterior={k: np.asarray(v) for k, v in posterior.items()},
-                         dims=dims, coords=coords)
+    posterior = {k: np.asarray(v) for k, v in posterior.items()}
+    dims = {name: list(d) for name, d in (dims or {}).items() if name in posterior}
+    groups = {"posterior": _dataset(posterior, dims=dims, coords=coords, sample_dims=("chain", "draw"))}
     if sample_stats:
-        dataset = az.dict_to_dataset(
-            {name: np.asarray(value) for name, (value, _) in sample_stats.items()},
-            library=None, coords=coords, default_dims=[],
-            dims={name: list(d) for name, (_, d) in sample_stats.items()},
+        groups["sample_stats"] = _dataset(
+            {name: value for name, (value, _) in sample_stats.items()},
+            dims={name: list(d) for name, (_, d) in sample_stats.items()}, coords=coords, sample_dims=(),
         )
-        idata.add_groups(sample_stats=dataset)
-    return _set_attrs(idata, attrs or {})
+    return _build(groups, attrs or {})
 
 
-def _drop_client_data(idata: az.InferenceData, *, observed_data: bool, log_likelihood: bool):
-    keep = {"observed_data": observed_data, "constant_data": observed_data,
-            "log_likelihood": log_likelihood}
-    for group in _CLIENT_DATA_GROUPS:
-        if not keep[group] and group in idata.groups():
-            delattr(idata, group)
-            idata._groups = [g for g in idata._groups if g != group]
+def _model_of(obj):
+    """The model a result was fitted with: ``obj.method.model`` (a ``RunResult``) or
+    ``obj.model``."""
+    model = getattr(getattr(obj, "method", None), "model", None) or getattr(obj, "model", None)
+    if model is None:
+        raise TypeError(f"to_inference_data: a {type(obj).__name__} does not say which model it "
+                        "fitted, so log_likelihood and observed_data cannot be computed")
+    return model
+
+
+def _add_client_data(idata, model, *, log_likelihood=False, observed_data=False, model_args=(),
+                     model_kwargs=None):
+    """``idata`` with the groups ``log_likelihood`` (every observed site's pointwise
+    log-likelihood at every posterior draw) and ``observed_data``, as asked for."""
+    model_args, model_kwargs = tuple(model_args or ()), dict(model_kwargs or {})
+    if not (model_args or model_kwargs):
+        raise TypeError("log_likelihood=True and observed_data=True need the data the result was "
+                        "fitted to: pass model_args=(...) (and model_kwargs=) to to_inference_data")
+    groups = _groups_of(idata)
+    trace = _trace(model, model_args, model_kwargs)
+    observed = {name: site for name, site in trace.items()
+                if site["type"] == "sample" and site["is_observed"]}
+    if log_likelihood:
+        from numpyro.infer import log_likelihood as numpyro_log_likelihood
+
+        posterior = {k: np.asarray(v) for k, v in groups["posterior"].data_vars.items()}
+        chains, draws = next(iter(posterior.values())).shape[:2]
+        flat = {k: v.reshape((chains * draws,) + v.shape[2:]) for k, v in posterior.items()}
+        values = numpyro_log_likelihood(model, flat, *model_args, **model_kwargs)
+        values = {k: np.asarray(v).reshape((chains, draws) + v.shape[1:]) for k, v in values.items()}
+        # pointwise: a site's batch (plate) dims, not its event dims
+        dims = {k: [f.name for f in sorted(observed[k]["cond_indep_stack"], key=lambda f: f.dim)]
+                for k in values}
+        groups["log_likelihood"] = _dataset(values, dims=dims, coords=None, sample_dims=("chain", "draw"))
+    if observed_data:
+        groups["observed_data"] = _dataset({k: site["value"] for k, site in observed.items()},
+                                           dims={k: _site_dims(site) for k, site in observed.items()},
+                                           coords=None, sample_dims=())
+    return _build(groups, dict(idata.attrs))
+
+
+# -- building blocks (the only code that knows which ArviZ is installed) ---------------------
+
+
+def _dataset(values: dict[str, Any], *, dims, coords, sample_dims):
+    """An :class:`xarray.Dataset` of ``values``: leading ``sample_dims``, then ``dims``."""
+    import arviz as az
+
+    values = {k: np.asarray(v) for k, v in values.items()}
+    if _arviz_major() >= 1:
+        return az.dict_to_dataset(values, coords=coords, dims=dims, sample_dims=list(sample_dims),
+                                  index_origin=0)
+    return az.dict_to_dataset(values, library=None, coords=coords, dims=dims,
+                              default_dims=list(sample_dims), index_origin=0)
+
+
+def _groups_of(idata) -> dict:
+    """The groups of what ArviZ built, as :class:`xarray.Dataset` by name."""
+    if _arviz_major() >= 1:
+        return {name: node.to_dataset() for name, node in idata.children.items()}
+    return {name: idata[name] for name in idata.groups()}
+
+
+def _build(groups: dict, attrs: dict[str, Any]):
+    """ArviZ's object from datasets by group; ``attrs`` on it and on every group."""
+    attrs = {k: _jsonable(v) for k, v in attrs.items()}
+    groups = {name: dataset.assign_attrs(attrs) for name, dataset in groups.items()}
+    if _arviz_major() >= 1:
+        import xarray as xr
+
+        idata = xr.DataTree.from_dict(groups)
+    else:
+        import arviz as az
+
+        idata = az.InferenceData(**groups)
+    idata.attrs.update(attrs)
     return idata
 
 
@@ -121,12 +231,17 @@ def _jsonable(value):
     return value
 
 
-def _set_attrs(idata: az.InferenceData, attrs: dict[str, Any]) -> az.InferenceData:
-    attrs = {k: _jsonable(v) for k, v in attrs.items()}
-    idata.attrs.update(attrs)
-    for group in idata.groups():
-        getattr(idata, group).attrs.update(attrs)
-    return idata
+def _trace(model, args, kwargs):
+    from numpyro import handlers
+    from numpyro.infer.initialization import init_to_sample
+
+    seeded = handlers.substitute(handlers.seed(model, 0), substitute_fn=init_to_sample)
+    return handlers.trace(seeded).get_trace(*args, **kwargs)
+
+
+def _site_dims(site) -> list[str]:
+    batch = [frame.name for frame in sorted(site["cond_indep_stack"], key=lambda f: f.dim)]
+    return batch + list(site.get("infer", {}).get("event_dims", []))
 
 
 def _plate_dims(model, args, kwargs) -> dict[str, list[str]]:
@@ -134,52 +249,51 @@ def _plate_dims(model, args, kwargs) -> dict[str, list[str]]:
     the model. ArviZ's own inference (``jax.eval_shape`` of a trace) fails on a second call
     with other data arrays: a federated plate carries its client assignment, an array, in
     metadata that JAX compares between calls."""
-    from numpyro import handlers
-    from numpyro.infer.initialization import init_to_sample
-
-    seeded = handlers.substitute(handlers.seed(model, 0), substitute_fn=init_to_sample)
-    trace = handlers.trace(seeded).get_trace(*args, **kwargs)
     dims = {}
-    for name, site in trace.items():
-        if site["type"] not in ("sample", "deterministic"):
-            continue
-        batch = [frame.name for frame in sorted(site["cond_indep_stack"], key=lambda f: f.dim)]
-        event = list(site.get("infer", {}).get("event_dims", []))
-        if batch or event:
-            dims[name] = batch + event
+    for name, site in _trace(model, args, kwargs).items():
+        if site["type"] in ("sample", "deterministic") and _site_dims(site):
+            dims[name] = _site_dims(site)
     return dims
+
+
+# -- NumPyro's MCMC (NUTS, and this project's MCMC kernels) ----------------------------------
 
 
 def _register_numpyro_mcmc():
     from numpyro.infer import MCMC
 
-    @register_converter(MCMC)
+    @register_converter(MCMC, handles_data=True)
     def _from_mcmc(mcmc, *, potential=None, observed_data=False, log_likelihood=False, **kwargs):
+        import arviz as az
+
         sampler = mcmc.sampler
         if hasattr(sampler, "check_run"):
             sampler.check_run(mcmc)
         if kwargs.get("dims") is None:
+            # NumPyro keeps the model's arguments of the last run only in MCMC._args and
+            # MCMC._kwargs (no public accessor; ArviZ's from_numpyro reads the same fields).
             kwargs["dims"] = _plate_dims(sampler.model, mcmc._args, mcmc._kwargs)
-        idata = az.from_numpyro(mcmc, log_likelihood=log_likelihood, **kwargs)
+        groups = _groups_of(az.from_numpyro(mcmc, log_likelihood=log_likelihood, **kwargs))
+        # from_numpyro always adds the observed (and constant) data; they leave the clients
+        # only when asked for
+        keep = {"observed_data": observed_data, "constant_data": observed_data,
+                "log_likelihood": log_likelihood}
+        groups = {name: dataset for name, dataset in groups.items() if keep.get(name, True)}
         if hasattr(sampler, "extra_groups"):
             # draws beside the posterior ones (e.g. every agent's, their average), dims as in
             # the posterior (named after plates) after the group's own leading dims
+            posterior = groups["posterior"]
             for group, (values, leading) in sampler.extra_groups(mcmc).items():
-                dims = {name: list(leading) + list(idata.posterior[name].dims[2:])
-                        for name in values if name in idata.posterior}
-                dataset = az.dict_to_dataset(values, library=None, dims=dims)
-                idata.add_groups({group: dataset})
-        idata = _drop_client_data(idata, observed_data=observed_data, log_likelihood=log_likelihood)
+                dims = {name: ["chain", "draw", *leading, *posterior[name].dims[2:]]
+                        for name in values if name in posterior}
+                groups[group] = _dataset(values, dims=dims, coords=kwargs.get("coords"), sample_dims=())
         if hasattr(sampler, "sample_stats"):
             stats = sampler.sample_stats(mcmc.get_extra_fields(group_by_chain=True))
-            sample_stats = az.dict_to_dataset(
+            groups["sample_stats"] = _dataset(
                 {name: value for name, (value, _) in stats.items()},
-                library=None,
-                dims={name: dims for name, (_, dims) in stats.items()},
+                dims={name: list(dims) for name, (_, dims) in stats.items()},
+                coords=kwargs.get("coords"), sample_dims=("chain", "draw"),
             )
-            if "sample_stats" in idata.groups():
-                del idata.sample_stats
-            idata.add_groups(sample_stats=sample_stats)
         attrs = {"algorithm": type(sampler).__name__}
         if potential is None:
             potential = getattr(sampler, "federated_potential", None)
@@ -188,7 +302,7 @@ def _register_numpyro_mcmc():
         privacy = getattr(sampler, "privacy", None)
         if privacy is not None:
             attrs.update(privacy.as_attrs())
-        return _set_attrs(idata, attrs)
+        return _build(groups, attrs)
 
 
 _register_numpyro_mcmc()
