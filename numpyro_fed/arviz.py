@@ -273,6 +273,7 @@ def _register_numpyro_mcmc():
             # NumPyro keeps the model's arguments of the last run only in MCMC._args and
             # MCMC._kwargs (no public accessor; ArviZ's from_numpyro reads the same fields).
             kwargs["dims"] = _plate_dims(sampler.model, mcmc._args, mcmc._kwargs)
+        kwargs.setdefault("pred_dims", kwargs["dims"])  # ArviZ 1.x infers these too otherwise
         groups = _groups_of(az.from_numpyro(mcmc, log_likelihood=log_likelihood, **kwargs))
         # from_numpyro always adds the observed (and constant) data; they leave the clients
         # only when asked for
