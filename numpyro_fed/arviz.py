@@ -263,7 +263,10 @@ def _register_numpyro_mcmc():
     from numpyro.infer import MCMC
 
     @register_converter(MCMC, handles_data=True)
-    def _from_mcmc(mcmc, *, potential=None, observed_data=False, log_likelihood=False, **kwargs):
+    def _from_mcmc(mcmc, *, potential=None, observed_data=False, log_likelihood=False,
+                   model_args=None, model_kwargs=None, **kwargs):
+        # model_args, model_kwargs: accepted as for every result, and not needed: an MCMC run
+        # keeps the arguments it ran with
         import arviz as az
 
         sampler = mcmc.sampler
