@@ -185,7 +185,7 @@ def _run_methods(methods, rounds, X, y, out):
             out[name] = {"diverged": str(error)}
             continue
         total = time.perf_counter() - start
-        out[name] = {k: np.asarray(v).tolist() for k, v in result.metrics.items()}
+        out[name] = {k: np.asarray(v).tolist() for k, v in result.metrics.items() if k != "particles"}
         out[name].update(total_seconds=total, load_average=[load_before, os.getloadavg()[0]])
         yield name, result
 
@@ -307,8 +307,8 @@ def run_adult_drift():
             print(f"  {name:32s} diverged ({error})")
             out[name] = {"diverged": str(error)}
             continue
-        norms = [float(np.linalg.norm(np.asarray(p), axis=1).mean()) for p in result.history[1:]]
-        out[name] = {k_: np.asarray(v).tolist() for k_, v in result.metrics.items()}
+        norms = [float(np.linalg.norm(np.asarray(p), axis=1).mean()) for p in result.metrics["particles"]]
+        out[name] = {k_: np.asarray(v).tolist() for k_, v in result.metrics.items() if k_ != "particles"}
         out[name].update(mean_particle_norm=norms, total_seconds=time.perf_counter() - start,
                          settings=dict(num_clients=k, num_particles=n, rounds=rounds, kde_bandwidth=kde,
                                        batch_size=batch))
@@ -395,7 +395,7 @@ def run_units(rounds: int = 8):
             method = nf.DSVGD(model, num_particles=50, kde_bandwidth=kde, progress_bar=False)
             start = time.perf_counter()
             result, warned_about = warned(lambda: method.run(jax.random.PRNGKey(0), rounds, y))
-            x = np.asarray(result.particles)[:, 0]
+            x = np.asarray(method.particles(result.state))[:, 0]
             row = {"offset_sd": float((x.mean() - mean) * math.sqrt(precision)),
                    "variance_ratio": float(x.var() * precision), "warning": warned_about,
                    "seconds": time.perf_counter() - start}

@@ -57,6 +57,11 @@ def moments(particles):
     return particles.mean(), particles.var()
 
 
+def final(result):
+    """The final particles of a run, flat and unconstrained."""
+    return np.asarray(result.method.particles(result.state))
+
+
 # -- kernels and optimiser ----------------------------------------------------------------------
 
 
@@ -123,16 +128,16 @@ def test_dsvgd_conjugate_gaussian_moments():
     dsvgd = nf.DSVGD(gaussian_mean, num_particles=n, num_local_steps=200, num_distill_steps=200,
                      progress_bar=False)
     result = dsvgd.run(jax.random.PRNGKey(0), 6, Y)
-    mean, var = moments(result.particles)
+    mean, var = moments(final(result))
     # Tolerances of N = 100 independent draws (3 standard errors): mean 3 sqrt(v / N),
     # variance 3 v sqrt(2 / N).
     assert abs(mean - POST_MEAN) < 3 * math.sqrt(POST_VAR / n)
     assert abs(var - POST_VAR) < 3 * POST_VAR * math.sqrt(2 / n)
     # ... and the rounds moved the particles from the prior (variance 9) to the posterior
-    prior_mean, prior_var = moments(result.history[0])
+    prior_mean, prior_var = moments(dsvgd.init(jax.random.PRNGKey(0), Y).global_particles)
     assert prior_var > 3 * POST_VAR
     assert result.metrics["client"].tolist() == [0, 1, 2, 0, 1, 2]
-    assert result.history.shape == (7, n, 1)
+    assert result.metrics["particles"].shape == (6, n, 1)
 
 
 @pytest.mark.parametrize("kde_bandwidth", ["auto", 0.55])
@@ -161,7 +166,7 @@ def test_dsvgd_global_posterior_is_a_fixed_point(kde_bandwidth):
     # standard errors. The default's KDEs keep their particles' variance: 3 standard errors.
     blur = 0.0 if kde_bandwidth == "auto" else 2 * 0.55**2
     tolerance_var = 3 * POST_VAR * math.sqrt(2 / n) + blur
-    for particles in result.history[1:]:
+    for particles in result.metrics["particles"]:
         mean, var = moments(particles)
         assert abs(mean - POST_MEAN) < tolerance_mean
         assert abs(var - POST_VAR) < tolerance_var
@@ -203,7 +208,7 @@ def test_dsvgd_away_from_the_fixed_point_moves():
     dsvgd = nf.DSVGD(gaussian_mean, num_particles=n, num_local_steps=100, num_distill_steps=100,
                      progress_bar=False)
     result = dsvgd.run(jax.random.PRNGKey(1), 1, Y, init_state=state)
-    _, var = moments(result.particles)
+    _, var = moments(final(result))
     assert abs(var - POST_VAR) > 3 * POST_VAR * math.sqrt(2 / n)
 
 
@@ -211,14 +216,14 @@ def test_udsvgd_and_pdsvgd_conjugate_moments():
     n = 60
     tolerance_mean = 3 * math.sqrt(POST_VAR / n)
     udsvgd = stein.UDSVGD(gaussian_mean, num_particles=n, num_local_steps=200, progress_bar=False)
-    mean, var = moments(udsvgd.run(jax.random.PRNGKey(0), 6, Y).particles)
+    mean, var = moments(final(udsvgd.run(jax.random.PRNGKey(0), 6, Y)))
     assert abs(mean - POST_MEAN) < tolerance_mean
     assert abs(var - POST_VAR) < 3 * POST_VAR * math.sqrt(2 / n) + 0.3  # + a KDE's blur
     pdsvgd = stein.PDSVGD(gaussian_mean, num_particles=n, clients_per_round=3, num_local_steps=200,
                          num_distill_steps=200, progress_bar=False)
     result = pdsvgd.run(jax.random.PRNGKey(0), 3, Y)
     assert result.metrics["client"].shape == (3, 3)
-    mean, var = moments(result.particles)
+    mean, var = moments(final(result))
     assert abs(mean - POST_MEAN) < tolerance_mean
     assert abs(var - POST_VAR) < 3 * POST_VAR * math.sqrt(2 / n) + 0.3
 
@@ -269,14 +274,14 @@ def test_fedavg_reaches_the_map_and_dsgld_the_posterior():
         jax.random.PRNGKey(0), 9, Y)
     # MAP of the conjugate model equals the posterior mean; FedAvg with one client per round
     # lands near the last client's local optimum, so the check is loose: within one posterior sd.
-    assert abs(float(result.particles[0, 0]) - POST_MEAN) < math.sqrt(POST_VAR)
+    assert abs(float(final(result)[0, 0]) - POST_MEAN) < math.sqrt(POST_VAR)
     fedavg = stein.FedAvg(gaussian_mean, num_local_steps=10, progress_bar=False)
     point = fedavg.run(jax.random.PRNGKey(0), 2, Y)
     assert fedavg.get_samples(jax.random.PRNGKey(0), point, 5)["mu"].shape == (5,)
     n = 100
     sgld = stein.DistributedSGLD(gaussian_mean, num_particles=n, num_local_steps=300, a0=0.5,
                                 progress_bar=False).run(jax.random.PRNGKey(0), 6, Y)
-    mean, var = moments(sgld.particles)
+    mean, var = moments(final(sgld))
     assert abs(mean - POST_MEAN) < 0.5
     assert 0.3 * POST_VAR < var < 3 * POST_VAR
 
@@ -363,7 +368,7 @@ def test_minibatch_runs_reach_the_posterior():
                             learning_rate=0.05, batch_size=10, progress_bar=False),
                    stein.SVGD(linear, num_particles=n, steps_per_round=300, learning_rate=0.05,
                              batch_size=10, progress_bar=False)):
-        particles = np.asarray(method.run(jax.random.PRNGKey(0), 4, LIN_X, LIN_Y).particles)
+        particles = final(method.run(jax.random.PRNGKey(0), 4, LIN_X, LIN_Y))
         # Stochastic steps at a fixed step size leave a noise floor (measured: up to 0.5 sd
         # off), and the KDE widens DSVGD's particles: within one posterior sd, not to Monte
         # Carlo precision; the spread within a factor 2.
@@ -372,7 +377,7 @@ def test_minibatch_runs_reach_the_posterior():
     point = stein.FedAvg(linear, num_local_steps=300, learning_rate=0.05, batch_size=10,
                         progress_bar=False).run(jax.random.PRNGKey(0), 4, LIN_X, LIN_Y)
     # FedAvg ends at the last client's optimum (0.9 sd off with full batches).
-    assert np.all(np.abs(np.asarray(point.particles[0]) - mean) < 2 * sd)
+    assert np.all(np.abs(final(point)[0] - mean) < 2 * sd)
 
 
 def test_round_with_stochastic_gradients_needs_a_key():
@@ -392,14 +397,15 @@ def test_get_samples_and_inference_data():
     result = dsvgd.run(jax.random.PRNGKey(0), 3, Y)
     assert dsvgd.get_samples(jax.random.PRNGKey(1), result)["mu"].shape == (10,)
     draws = dsvgd.get_samples(jax.random.PRNGKey(1), result, 50)
-    assert set(np.asarray(draws["mu"]).tolist()) <= set(np.asarray(result.particles[:, 0]).tolist())
+    assert set(np.asarray(draws["mu"]).tolist()) <= set(final(result)[:, 0].tolist())
     smooth = dsvgd.get_samples(jax.random.PRNGKey(1), result, 50, smooth=True)
-    assert not set(np.asarray(smooth["mu"]).tolist()) & set(np.asarray(result.particles[:, 0]).tolist())
+    assert not set(np.asarray(smooth["mu"]).tolist()) & set(final(result)[:, 0].tolist())
     assert result.metrics["mean"].shape == (3,)
     idata = nf.to_inference_data(result)
     assert idata.posterior["mu"].shape == (1, 10)
     assert idata.attrs["algorithm"] == "DSVGD" and idata.attrs["num_clients"] == 3
     assert idata.sample_stats["mean"].dims == ("round",)
+    assert "particles" not in idata.sample_stats  # the trajectory stays in result.metrics
 
 
 def test_same_key_same_result():
@@ -407,7 +413,7 @@ def test_same_key_same_result():
                      client_order="random", progress_bar=False)
     a = dsvgd.run(jax.random.PRNGKey(3), 4, Y)
     b = dsvgd.run(jax.random.PRNGKey(3), 4, Y)
-    np.testing.assert_array_equal(a.particles, b.particles)
+    np.testing.assert_array_equal(final(a), final(b))
     np.testing.assert_array_equal(a.metrics["client"], b.metrics["client"])
 
 

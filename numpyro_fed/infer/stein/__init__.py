@@ -15,14 +15,14 @@ Layout (data flows down):
   minibatch gradients; :mod:`.client_order`; :mod:`.checks` (Stein's identity);
 * the faces, mirroring :class:`numpyro.infer.SVI`: :class:`DSVGD`, :class:`PDSVGD`,
   :class:`UDSVGD` (:mod:`.methods`), :class:`SVGD`, :class:`FedAvg`,
-  :class:`DistributedSGLD` (:mod:`.baselines`), :class:`GaussianPVI`; their results convert
-  with :func:`numpyro_fed.to_inference_data` (:mod:`.convert`).
+  :class:`DistributedSGLD` (:mod:`.baselines`), :class:`GaussianPVI`, all over
+  :class:`~numpyro_fed.infer.base.VariationalMethod` (:mod:`.face`): their
+  :class:`~numpyro_fed.infer.RunResult` converts with :func:`numpyro_fed.to_inference_data`.
 """
 
-from numpyro_fed.infer.stein import convert as _convert  # noqa: F401  (registers the converter)
 from numpyro_fed.infer.stein.baselines import SVGD, DistributedSGLD, FedAvg
 from numpyro_fed.infer.stein.dsvgd import DSVGDInfo, DSVGDState
-from numpyro_fed.infer.stein.face import ParticleRunResult, kernel_stein_discrepancy
+from numpyro_fed.infer.stein.face import ParticleMethod, kernel_stein_discrepancy
 from numpyro_fed.infer.stein.gaussian_pvi import GaussianPVI
 from numpyro_fed.infer.stein.kde import kde_grad_log_density, kde_log_density, shrunk_kde
 from numpyro_fed.infer.stein.kernels import median_bandwidth, rbf_kernel, svgd_direction, wide_median_bandwidth
@@ -40,7 +40,7 @@ __all__ = [
     "FedAvg",
     "GaussianPVI",
     "PDSVGD",
-    "ParticleRunResult",
+    "ParticleMethod",
     "SVGD",
     "UDSVGD",
     "UDSVGDState",

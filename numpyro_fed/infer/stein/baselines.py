@@ -76,9 +76,11 @@ class SVGD(ParticleMethod):
     ...         numpyro.sample("y", dist.Normal(mu, 3), obs=y)
     >>> svgd = nf.SVGD(model, steps_per_round=100, progress_bar=False)
     >>> result = svgd.run(jax.random.PRNGKey(0), 3, jnp.array([0.5, 1.5, 2.0, 4.0]))
-    >>> abs(float(result.particles.mean()) - 1.6) < 0.3
+    >>> abs(float(svgd.particles(result.state).mean()) - 1.6) < 0.3
     True
     """
+
+    repr_fields = ("num_particles", "steps_per_round", "temperature", "batch_size")
 
     def __init__(self, model, *, num_particles: int = 20, steps_per_round: int = 200,
                  learning_rate: float = 0.05, optim=None, svgd_bandwidth=None,
@@ -93,9 +95,6 @@ class SVGD(ParticleMethod):
         self.optim = adagrad_momentum(self.learning_rate) if optim is None else check_optim(optim, "optim")
         self.svgd_bandwidth = None if svgd_bandwidth is None else check_positive(svgd_bandwidth, "svgd_bandwidth")
 
-    def _repr_fields(self) -> dict:
-        return {"num_particles": self.num_particles, "steps_per_round": self.steps_per_round,
-                "temperature": self.temperature}
 
     def particles(self, state):
         return state.particles
@@ -103,11 +102,10 @@ class SVGD(ParticleMethod):
     def _order(self):
         return "round_robin"
 
-    def _run_keys(self, rng_key, num_rounds):
-        k_init, k_rounds = rng_key, jax.random.fold_in(rng_key, 1)
-        return k_init, None, jax.random.split(k_rounds, num_rounds)
+    def _run_keys(self, rng_key):
+        return rng_key, None, jax.random.fold_in(rng_key, 1)
 
-    def _initial_state(self, rng_key, particles, num_rounds):
+    def initial_state(self, particles, num_rounds=None):
         return SVGDRoundState(particles, self.optim.init(particles), jnp.zeros((), jnp.int32))
 
     def _round_key(self, rng_key):
@@ -144,12 +142,6 @@ class SVGD(ParticleMethod):
             self._step = jax.jit(self.build_step())
         return self._step(rng_key, state, None, None)
 
-    def run(self, rng_key, num_rounds: int, *args, init_state=None, init_particles=None, **kwargs):
-        result = super().run(rng_key, num_rounds, *args, init_state=init_state,
-                             init_particles=init_particles, **kwargs)
-        result.metrics["client"] = -jnp.ones(num_rounds, jnp.int32)
-        return result
-
 
 class FedAvg(ParticleMethod):
     """Federated averaging with one client per round, as in the paper's comparisons.
@@ -173,9 +165,11 @@ class FedAvg(ParticleMethod):
     ...     with nf.federated_plate("data", y.shape[0], clients=2):
     ...         numpyro.sample("y", dist.Normal(mu, 3), obs=y)
     >>> fedavg = nf.FedAvg(model, num_local_steps=50, progress_bar=False)
-    >>> fedavg.run(jax.random.PRNGKey(0), 2, jnp.arange(4.0)).particles.shape
+    >>> fedavg.run(jax.random.PRNGKey(0), 2, jnp.arange(4.0)).state.particles.shape
     (1, 1)
     """
+
+    repr_fields = ("num_local_steps", "client_order", "batch_size")
 
     def __init__(self, model, *, num_local_steps: int = 200, learning_rate: float = 0.05,
                  optim=None, client_order="round_robin", metrics=None, partition=None,
@@ -189,13 +183,11 @@ class FedAvg(ParticleMethod):
         self.optim = adagrad_momentum(self.learning_rate) if optim is None else check_optim(optim, "optim")
         self.client_order = check_client_order(client_order)
 
-    def _repr_fields(self) -> dict:
-        return {"num_local_steps": self.num_local_steps, "client_order": self.client_order}
 
     def particles(self, state):
         return state.particles
 
-    def _initial_state(self, rng_key, particles, num_rounds):
+    def initial_state(self, particles, num_rounds=None):
         return ParticleState(particles, jnp.zeros((), jnp.int32))
 
     def _round_key(self, rng_key):
@@ -220,7 +212,7 @@ class FedAvg(ParticleMethod):
         if init_params is not None:
             self._setup(args, kwargs)
             init_params = jnp.reshape(jnp.asarray(init_params), (1, -1))
-            return self._initial_state(rng_key, self._check_particles(init_params, "init_params"), num_rounds)
+            return self.initial_state(self._check_particles(init_params, "init_params"), num_rounds)
         return super().init(rng_key, *args, num_rounds=num_rounds, **kwargs)
 
     def run(self, rng_key, num_rounds: int, *args, init_state=None, init_params=None, **kwargs):
@@ -258,11 +250,12 @@ class DistributedSGLD(ParticleMethod):
     ...     with nf.federated_plate("data", y.shape[0], clients=2):
     ...         numpyro.sample("y", dist.Normal(mu, 3), obs=y)
     >>> sgld = nf.DistributedSGLD(model, num_local_steps=50, a0=0.5, progress_bar=False)
-    >>> sgld.run(jax.random.PRNGKey(0), 2, jnp.arange(4.0)).particles.shape
+    >>> sgld.run(jax.random.PRNGKey(0), 2, jnp.arange(4.0)).state.particles.shape
     (20, 1)
     """
 
-    _step_size_name = "a0"
+    repr_fields = ("num_particles", "num_local_steps", "a0", "client_order", "batch_size")
+    divergence_advice = "lower a0"
 
     def __init__(self, model, *, num_particles: int = 20, num_local_steps: int = 200, a0: float = 0.01,
                  temperature: float = 1.0, client_order="round_robin", metrics=None, partition=None,
@@ -275,22 +268,18 @@ class DistributedSGLD(ParticleMethod):
         self.a0 = check_positive(a0, "a0")
         self.client_order = check_client_order(client_order)
 
-    def _repr_fields(self) -> dict:
-        return {"num_particles": self.num_particles, "num_local_steps": self.num_local_steps,
-                "a0": self.a0, "client_order": self.client_order}
 
     def particles(self, state):
         return state.particles
 
-    def _initial_state(self, rng_key, particles, num_rounds):
+    def initial_state(self, particles, num_rounds=None):
         return ParticleState(particles, jnp.zeros((), jnp.int32))
 
     def _round_key(self, rng_key):
         return rng_key
 
-    def _run_keys(self, rng_key, num_rounds):
-        k_init, k_order, k_noise = jax.random.split(rng_key, 3)
-        return k_init, k_order, jax.random.split(k_noise, num_rounds)
+    def _run_keys(self, rng_key):
+        return tuple(jax.random.split(rng_key, 3))  # k_init, k_order, k_noise
 
     def build_step(self):
         fp = self.federated_potential

@@ -1,16 +1,15 @@
-"""The shared face of the SVGD family: model -> split potential -> rounds -> results.
+"""The shared face of the SVGD family over :class:`~numpyro_fed.infer.base.VariationalMethod`.
 
 Every method here mirrors :class:`numpyro.infer.SVI`: ``init``, ``update`` (one round),
-``run``, ``get_samples``, ``evaluate``. A subclass says how to start (:meth:`_initial_state`),
-how to run one round from the core (:meth:`build_step`) and where the particles are in its
-state (:meth:`particles`).
+``run`` (the rounds, by :func:`~numpyro_fed.infer.base.run_rounds`), ``get_samples``,
+``evaluate``. A subclass says how to start (:meth:`ParticleMethod.initial_state`), how to run
+one round from the core (:meth:`ParticleMethod.build_step`) and where the particles are in
+its state (:meth:`ParticleMethod.particles`).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -20,36 +19,15 @@ import jax.numpy as jnp
 from numpyro.infer.initialization import init_to_uniform
 
 from numpyro_fed._checks import check_int, check_positive
+from numpyro_fed.infer.base import RunResult, VariationalMethod, run_rounds
 from numpyro_fed.infer.stein.checks import stein_statistics
 from numpyro_fed.infer.stein.client_order import make_client_order
 from numpyro_fed.infer.stein.dsvgd import batched_client_grad
 from numpyro_fed.infer.stein.kde import AUTO_KDE_FACTOR, shrunk_kde
 from numpyro_fed.infer.stein.kernels import median_bandwidth, squared_distances
 from numpyro_fed.infer.stein.model import client_block, flat_gradients, minibatch_client_grad, prior_draws
-from numpyro_fed.potential import split_potential
 
-__all__ = ["ParticleMethod", "ParticleRunResult", "kernel_stein_discrepancy"]
-
-
-class ParticleRunResult(NamedTuple):
-    """What ``run`` of the methods here returns.
-
-    :ivar particles: ``(N, d)`` final particles, flat and unconstrained (see ``get_samples``
-        for constrained values by site).
-    :ivar state: the final state of the method.
-    :ivar dict metrics: per-round metrics, each an array with a leading axis of
-        ``num_rounds``: ``client`` (the scheduled client(s)), ``wall_time`` (seconds since
-        the start, after each round), ``move`` where the core reports it, and the user's metrics.
-    :ivar history: ``(num_rounds + 1, N, d)`` particles before the first round and after each.
-    :ivar method: the method object that made the result (for
-        :func:`~numpyro_fed.to_inference_data`).
-    """
-
-    particles: jax.Array
-    state: Any
-    metrics: dict
-    history: jax.Array
-    method: Any = None
+__all__ = ["ParticleMethod", "kernel_stein_discrepancy"]
 
 
 def kernel_stein_discrepancy(particles, scores, bandwidth=None) -> jax.Array:
@@ -77,7 +55,7 @@ def kernel_stein_discrepancy(particles, scores, bandwidth=None) -> jax.Array:
     return jnp.sum(stein_kernel) / (n * max(n - 1, 1))
 
 
-class ParticleMethod:
+class ParticleMethod(VariationalMethod):
     """Shared face of the methods here (not used directly).
 
     :param model: a NumPyro model with a :class:`~numpyro_fed.federated_plate` and global
@@ -94,18 +72,24 @@ class ParticleMethod:
     :param bool progress_bar: a progress bar over rounds.
     :param float temperature: ``alpha`` of the free energy (1: Bayes' posterior).
     :param int batch_size: rows of a client's data per step (``None``: all).
+
+    **Results.** ``run`` returns a :class:`~numpyro_fed.infer.RunResult`: ``state`` (the
+    method's state; :meth:`particles` gives its ``(N, d)`` flat unconstrained particles) and
+    ``metrics``, per round: ``client`` (the scheduled client(s); -1: all), ``move`` (root mean
+    square move of the particles), ``particles`` (the particles after the round, ``(N, d)``),
+    ``wall_time`` and the user's metrics. These methods define no loss: :meth:`evaluate`
+    gives the kernel Stein discrepancy of a state's particles instead.
     """
 
+    repr_fields = ("num_particles",)
+    divergence_advice = "lower learning_rate"
     _per_round: int | None = None  # clients per round (P-DSVGD), None: one
-    _step_size_name = "learning_rate"  # what to lower when the particles diverge
     _from_prior = True  # whether the current run started from prior draws
 
     def __init__(self, model, *, num_particles: int, metrics: Mapping[str, Callable] | None,
                  partition, init_strategy=init_to_uniform, progress_bar: bool = True,
                  temperature: float = 1.0, batch_size: int | None = None):
-        if not callable(model):
-            raise TypeError(f"model must be a callable NumPyro model, got {type(model).__name__}")
-        self.model = model
+        super().__init__(model, partition=partition, init_strategy=init_strategy, progress_bar=progress_bar)
         self.num_particles = check_int(num_particles, "num_particles", minimum=1)
         self.batch_size = None if batch_size is None else check_int(batch_size, "batch_size", minimum=1)
         self.temperature = check_positive(temperature, "temperature")
@@ -114,39 +98,20 @@ class ParticleMethod:
             if not callable(fn):
                 raise TypeError(f"metric '{name}' must be a callable draws -> value")
         self.metrics = metrics
-        self.partition = partition
-        self.init_strategy = init_strategy
-        self.progress_bar = bool(progress_bar)
-        self.federated_potential = None
         self._setup_key = None
-
-    def __repr__(self) -> str:
-        shown = ", ".join(f"{k}={v!r}" for k, v in self._repr_fields().items())
-        return f"{type(self).__name__}({getattr(self.model, '__name__', 'model')}, {shown})"
-
-    def _repr_fields(self) -> dict:
-        return {"num_particles": self.num_particles}
+        self._step = None
 
     # -- model plumbing ------------------------------------------------------------------
     def _setup(self, args, kwargs):
+        """Splits the model (once per set of arguments) and builds what the core takes."""
         key = (tuple(map(id, args)), tuple((k, id(v)) for k, v in sorted(kwargs.items())))
         if self.federated_potential is not None and key == self._setup_key:
             return self.federated_potential
-        fp = split_potential(self.model, args, kwargs, partition=self.partition,
-                             init_strategy=self.init_strategy)
-        local = np.asarray(fp.coordinate_owner) >= 0
-        if local.any():
-            sites = [name for name, owner in fp.coordinate_owner_tree.items() if (np.asarray(owner) >= 0).any()]
-            raise ValueError(
-                f"{type(self).__name__} infers global latent variables only; site(s) {sites} are "
-                "client-local (inside a federated plate)"
-            )
-        self.federated_potential = fp
+        fp = self.build_potential(args, kwargs)
         self.gradients = flat_gradients(fp)
         self.stochastic_client_grad = (None if self.batch_size is None
                                        else minibatch_client_grad(fp, self.batch_size))
-        unravel = fp.unravel
-        self._postprocess = jax.jit(jax.vmap(lambda x: fp.postprocess_fn(unravel(x))))
+        self._postprocess = jax.jit(jax.vmap(fp.flat().postprocess))
         self._setup_key = key
         self._step = None
         self._configure(fp)
@@ -154,9 +119,6 @@ class ParticleMethod:
 
     def _configure(self, fp):
         """Checks that need the potential (e.g. the number of clients)."""
-
-    def _prior_particles(self, rng_key, args, kwargs, num):
-        return prior_draws(self.model, self.federated_potential, rng_key, args, kwargs, num)
 
     def _check_particles(self, particles, name):
         d = self.federated_potential.num_latent
@@ -189,41 +151,48 @@ class ParticleMethod:
         """The ``(N, d)`` particles (flat, unconstrained) of a state."""
         raise NotImplementedError
 
-    def _initial_state(self, rng_key, particles, num_rounds):
+    def initial_state(self, particles, num_rounds: int | None):
+        """The state of a run from ``particles`` (``(N, d)``; ``num_rounds``: only for methods
+        whose buffers it sizes)."""
         raise NotImplementedError
 
     def build_step(self) -> Callable:
         """One round as the method runs it: ``step(rng_key, state, client, block) -> (state,
         info)``, built from the core with the method's settings (``rng_key``: ``None`` unless
         the round draws minibatches or noise). The extension point of a variant: a subclass
-        that overrides it runs its own rounds under the same driver. Call it after
-        :meth:`init` (it needs the model's potential; :attr:`gradients` and
-        :attr:`stochastic_client_grad` are then set)."""
+        that overrides it runs its own rounds under the same driver. It is called after the
+        model is split (:attr:`gradients` and :attr:`stochastic_client_grad` are then set)."""
         raise NotImplementedError
 
-    # -- public ------------------------------------------------------------------------------
+    # -- SVI's face ------------------------------------------------------------------------------
     def init(self, rng_key, *args, init_particles=None, num_rounds: int | None = None, **kwargs):
         """The initial state: particles drawn from the prior (or ``init_particles``, ``(N, d)``
-        flat unconstrained), the potential built from the model's arguments ``args``,
+        flat unconstrained), the potential split on the model's arguments ``args``,
         ``kwargs`` (the clients' data)."""
         self._setup(args, kwargs)
         if init_particles is None:
-            particles = self._prior_particles(rng_key, args, kwargs, self.num_particles)
+            particles = prior_draws(self.model, self.federated_potential, rng_key, args, kwargs,
+                                    self.num_particles)
         else:
             particles = self._check_particles(init_particles, "init_particles")
-        return self._initial_state(rng_key, particles, num_rounds)
+        return self.initial_state(particles, num_rounds)
 
     def _round(self, rng_key, state, client):
         if self._step is None:
             self._step = jax.jit(self.build_step())
-        fp = self.federated_potential
         client = jnp.asarray(client)
-        return self._step(rng_key, state, client, client_block(fp, client))
+        return self._step(rng_key, state, client, client_block(self.federated_potential, client))
 
     def _round_key(self, rng_key):
         """The key a round passes to the core: used for minibatches only (the cores are
         deterministic otherwise)."""
         return None if self.stochastic_client_grad is None else rng_key
+
+    def _order(self):
+        return getattr(self, "client_order", "round_robin")
+
+    def _rounds_done(self, state) -> int:
+        return int(state.round)
 
     def update(self, rng_key, state, *args, client=None, **kwargs):
         """One round: ``(state, info)``.
@@ -234,15 +203,9 @@ class ParticleMethod:
         fp = self._setup(args, kwargs)
         k_order, k_round = jax.random.split(rng_key)
         if client is None:
-            done = int(self._rounds_done(state))
+            done = self._rounds_done(state)
             client = make_client_order(self._order(), done + 1, fp.num_clients, k_order, self._per_round)[done]
         return self._round(self._round_key(k_round), state, client)
-
-    def _order(self):
-        return getattr(self, "client_order", "round_robin")
-
-    def _rounds_done(self, state) -> int:
-        return int(getattr(state, "round", 0))
 
     def constrained(self, particles) -> dict:
         """Constrained values by site of ``(S, d)`` flat unconstrained particles."""
@@ -256,10 +219,11 @@ class ParticleMethod:
         x = self.particles(state)
         return kernel_stein_discrepancy(x, self._target_score()(x))
 
-    def get_samples(self, rng_key, result, num_samples: int | None = None, *, smooth: bool = False) -> dict:
+    def get_samples(self, rng_key, result: RunResult, num_samples: int | None = None, *,
+                    smooth: bool = False) -> dict:
         """Constrained posterior draws by site.
 
-        :param rng_key: key for the draws.
+        :param rng_key: key for the draws (unused with ``num_samples=None``).
         :param result: what :meth:`run` returned.
         :param num_samples: draws to return; ``None``: the particles themselves.
         :param bool smooth: draw from the KDE of the particles (each draw is a random particle
@@ -267,7 +231,7 @@ class ParticleMethod:
             from the particles themselves. With ``kde_bandwidth="auto"``, the moment-keeping
             KDE (:func:`~numpyro_fed.infer.stein.kde.shrunk_kde`) per coordinate.
         """
-        particles = jnp.asarray(result.particles)
+        particles = jnp.asarray(self.particles(result.state))
         if num_samples is None:
             if smooth:
                 raise ValueError("smooth=True needs num_samples")
@@ -286,21 +250,48 @@ class ParticleMethod:
             draws = draws + bandwidth * jax.random.normal(k_noise, draws.shape, draws.dtype)
         return self.constrained(draws)
 
-    def _evaluate_metrics(self, particles):
-        if not self.metrics:
-            return {}
-        draws = {k: np.asarray(v) for k, v in self.constrained(particles).items()}
-        out = {}
-        for name, fn in self.metrics.items():
-            value = fn(draws)
-            if isinstance(value, Mapping):
-                out.update({f"{name}.{k}" if len(self.metrics) > 1 else k: v for k, v in value.items()})
-            else:
-                out[name] = value
+    # -- the driver's extension points -------------------------------------------------------------
+    def record(self, state, info) -> dict:
+        """A round's metrics: the core's info (``client``, ``move``), the particles and the
+        user's metrics of them."""
+        out = super().record(state, info)
+        particles = self.particles(state)
+        out["particles"] = particles
+        if self.metrics:
+            draws = {k: np.asarray(v) for k, v in self.constrained(particles).items()}
+            for name, fn in self.metrics.items():
+                value = fn(draws)
+                if isinstance(value, Mapping):
+                    out.update({f"{name}.{k}" if len(self.metrics) > 1 else k: v for k, v in value.items()})
+                else:
+                    out[name] = value
         return out
 
-    def run(self, rng_key, num_rounds: int, *args, init_state=None, init_particles=None, **kwargs):
-        """Runs ``num_rounds`` communication rounds and returns a :class:`ParticleRunResult`.
+    def arviz_dicts(self, result: RunResult, **options) -> dict:
+        """As :meth:`VariationalMethod.arviz_dicts`, without the per-round ``particles`` (the
+        trajectory, not a diagnostic)."""
+        dicts = super().arviz_dicts(result, **options)
+        dicts["sample_stats"].pop("particles", None)
+        return dicts
+
+    def _stein_metrics(self, particles):
+        """``stein_mean``, ``stein_scale`` per round (see
+        :func:`~numpyro_fed.infer.stein.checks.stein_statistics`) of ``(R, N, d)`` particles."""
+        stein_mean, stein_scale = stein_statistics(self._target_score())(jnp.asarray(particles))
+        return np.asarray(stein_mean), np.asarray(stein_scale)
+
+    def _run_keys(self, rng_key):
+        """``(k_init, k_order, k_rounds)`` of a run: the initial particles, a random client
+        order, and the key the driver splits into one key per round."""
+        k_init, k_order = jax.random.split(rng_key)
+        return k_init, k_order, jax.random.fold_in(k_order, 1)
+
+    def _check_state(self, state):
+        self._check_particles(self.particles(state), "init_state's particles")
+        return state
+
+    def run(self, rng_key, num_rounds: int, *args, init_state=None, init_particles=None, **kwargs) -> RunResult:
+        """Runs ``num_rounds`` communication rounds.
 
         :param rng_key: key for the initial particles, a random client order and minibatches.
         :param int num_rounds: ``I``.
@@ -311,64 +302,24 @@ class ParticleMethod:
         :param kwargs: the model's keyword arguments.
         """
         num_rounds = check_int(num_rounds, "num_rounds", minimum=1)
-        k_init, k_order, round_keys = self._run_keys(rng_key, num_rounds)
+        k_init, k_order, k_rounds = self._run_keys(rng_key)
         fp = self._setup(args, kwargs)
         if init_state is None:
             state = self.init(k_init, *args, init_particles=init_particles, num_rounds=num_rounds, **kwargs)
         else:
             state = self._check_state(init_state)
         self._from_prior = init_state is None and init_particles is None
+        self._initial_particles = self.particles(state)
         order = make_client_order(self._order(), num_rounds, fp.num_clients, k_order, self._per_round)
-        result = self._loop(num_rounds, state, lambda s, i: self._round(self._round_key(round_keys[i]), s, order[i]),
-                            order)
-        return self._finish(result, order)
+        start = self._rounds_done(state)
 
-    def _run_keys(self, rng_key, num_rounds):
-        """``(k_init, k_order, round_keys)`` of a run: the initial particles, a random client
-        order, and one key per round (``(num_rounds, 2)``)."""
-        k_init, k_order = jax.random.split(rng_key)
-        return k_init, k_order, jax.random.split(jax.random.fold_in(k_order, 1), num_rounds)
+        def update(key, s):
+            return self._round(self._round_key(key), s, order[self._rounds_done(s) - start])
 
-    def _check_state(self, state):
-        self._check_particles(self.particles(state), "init_state's particles")
-        return state
-
-    def _finish(self, result, order):
-        return result
-
-    def _stein_metrics(self, history):
-        """``stein_mean``, ``stein_scale`` per round (see :func:`~numpyro_fed.infer.stein.checks.stein_statistics`)."""
-        stein_mean, stein_scale = stein_statistics(self._target_score())(history[1:])
-        return np.asarray(stein_mean), np.asarray(stein_scale)
-
-    def _loop(self, num_rounds, state, step, order):
-        from tqdm.auto import tqdm
-
-        history = [self.particles(state)]
-        records: dict[str, list] = {"client": [], "wall_time": []}
-        start = time.perf_counter()
-        bar = tqdm(range(num_rounds), desc=type(self).__name__, disable=not self.progress_bar)
-        for i in bar:
-            state, info = step(state, i)
-            particles = self.particles(state)
-            finite = bool(jnp.all(jnp.isfinite(particles)))  # also waits for the round
-            records["wall_time"].append(time.perf_counter() - start)
-            if not finite:
-                bar.close()
-                raise FloatingPointError(
-                    f"{type(self).__name__} diverged: non-finite particles after round {i + 1} "
-                    f"of {num_rounds}; lower {self._step_size_name}"
-                )
-            records["client"].append(np.asarray(order[i]) if order is not None else -1)
-            for name, value in (info._asdict() if hasattr(info, "_asdict") else dict(info)).items():
-                if name != "client":
-                    records.setdefault(name, []).append(np.asarray(value))
-            history.append(particles)
-            values = self._evaluate_metrics(particles)
-            for name, value in values.items():
-                records.setdefault(name, []).append(value)
-            if self.progress_bar and values:
-                scalars = {k: float(v) for k, v in values.items() if np.ndim(v) == 0}
-                bar.set_postfix({k: f"{v:.4g}" for k, v in list(scalars.items())[:3]})
-        metrics = {name: np.asarray(values) for name, values in records.items()}
-        return ParticleRunResult(self.particles(state), state, metrics, jnp.stack(history), self)
+        state, metrics = run_rounds(
+            update, k_rounds, state, num_rounds, record=self.record,
+            is_finite=lambda s: bool(jnp.all(jnp.isfinite(self.particles(s)))),
+            progress_bar=self.progress_bar, desc=type(self).__name__,
+            divergence_advice=self.divergence_advice,
+        )
+        return self.finish(RunResult(state, metrics, None, self))

@@ -15,6 +15,7 @@ from numpyro.infer.initialization import init_to_uniform
 
 from numpyro_fed._checks import check_int, check_positive
 from numpyro_fed.infer.stein.client_order import check_client_order, make_client_order
+from numpyro_fed.infer.base import RunResult, run_rounds
 from numpyro_fed.infer.stein.face import ParticleMethod
 from numpyro_fed.infer.stein.model import data_plate
 
@@ -45,7 +46,8 @@ class GaussianPVI(ParticleMethod):
     :param client_order: as :class:`~numpyro_fed.DSVGD`.
     """
 
-    _step_size_name = "the optimizer's learning rate or damping"
+    repr_fields = ("num_particles", "num_local_steps", "num_mc_samples", "damping", "client_order")
+    divergence_advice = "lower the optimizer's learning rate or damping"
 
     def __init__(self, model, *, num_particles: int = 20, num_local_steps: int = 200, optim=None,
                  num_mc_samples: int = 10, damping: float = 1.0, client_order="round_robin",
@@ -102,17 +104,26 @@ class GaussianPVI(ParticleMethod):
 
             return new._replace(factors=put(state.factors, new.factors), virtual=put(state.virtual, new.virtual))
 
-        eps = jax.random.normal(k_draws, (self.num_particles, d))
-        keys = jax.random.split(k_rounds, num_rounds)
-        self._eps = eps
+        self._eps = jax.random.normal(k_draws, (self.num_particles, d))
+        state = pvi.init(prior, fp.num_clients)
+        self._initial_particles = self.particles(state)
 
-        def step(state, i):
-            state = round_fn(state, keys[i], jnp.asarray(order[i]), data)
+        def update(key, state_and_round):
+            state, i = state_and_round
+            state = round_fn(state, key, jnp.asarray(order[i]), data)
             loc, scale = pvi.loc_scale(state.q)
-            return state, {"loc": loc, "scale": scale}
+            return (state, i + 1), {"client": order[i], "loc": loc, "scale": scale}
 
-        result = self._loop(num_rounds, pvi.init(prior, fp.num_clients), step, order)
-        return result
+        def record(state_and_round, info):
+            return {**info, **ParticleMethod.record(self, state_and_round[0], None)}
+
+        (state, _), metrics = run_rounds(
+            update, k_rounds, (state, 0), num_rounds, record=record,
+            is_finite=lambda s: bool(jnp.all(jnp.isfinite(self.particles(s[0])))),
+            progress_bar=self.progress_bar, desc=type(self).__name__,
+            divergence_advice=self.divergence_advice,
+        )
+        return RunResult(state, metrics, None, self)
 
     def particles(self, state):
         from numpyro_fed.infer import pvi
@@ -133,7 +144,7 @@ class GaussianPVI(ParticleMethod):
         from numpyro_fed.infer import pvi
 
         if num_samples is None:
-            return self.constrained(result.particles)
+            return self.constrained(self.particles(result.state))
         num_samples = check_int(num_samples, "num_samples", minimum=1)
         loc, scale = pvi.loc_scale(result.state.q)
         return self.constrained(loc + scale * jax.random.normal(rng_key, (num_samples, loc.shape[0]), loc.dtype))

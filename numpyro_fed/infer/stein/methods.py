@@ -9,9 +9,6 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-import jax
-import jax.numpy as jnp
-
 from numpyro.infer.initialization import init_to_uniform
 
 from numpyro_fed._checks import check_int, check_positive
@@ -77,9 +74,12 @@ class DSVGD(ParticleMethod):
         paper's experiments (Table 2: 100 for the regression BNNs); ``None`` (default): all
         of them. Needs a model with one federated data plate.
 
-    **Metrics.** DSVGD defines no loss. ``result.metrics`` holds per round ``client``,
-    ``wall_time``, ``move`` (root mean square move of the global particles) and the user's
-    metrics; :meth:`evaluate` gives the kernel Stein discrepancy of a state's particles.
+    **Results.** ``run`` returns a :class:`~numpyro_fed.infer.RunResult` whose ``state`` is a
+    :class:`~numpyro_fed.infer.stein.dsvgd.DSVGDState` (:meth:`particles` gives its global
+    particles). DSVGD defines no loss: ``result.metrics`` holds per round ``client``, ``move``
+    (root mean square move of the global particles), ``particles`` (the global particles),
+    ``wall_time``, the user's metrics and Stein's checks below; :meth:`evaluate` gives the
+    kernel Stein discrepancy of a state's particles.
 
     **Checks.** Non-finite particles stop the run with a :class:`FloatingPointError`. Once
     every client has been scheduled, each round also checks the global particles against
@@ -110,6 +110,9 @@ class DSVGD(ParticleMethod):
     >>> abs(float(draws["mu"].mean()) - 8.0 / (4 + 1)) < 0.3  # exact posterior mean 1.6
     True
     """
+
+    repr_fields = ("num_particles", "num_local_steps", "num_distill_steps", "kde_bandwidth", "temperature",
+                   "client_order", "batch_size")
 
     def __init__(
         self,
@@ -143,15 +146,10 @@ class DSVGD(ParticleMethod):
         self.svgd_bandwidth = None if svgd_bandwidth is None else check_positive(svgd_bandwidth, "svgd_bandwidth")
         self.client_order = check_client_order(client_order)
 
-    def _repr_fields(self) -> dict:
-        return {"num_particles": self.num_particles, "num_local_steps": self.num_local_steps,
-                "num_distill_steps": self.num_distill_steps, "kde_bandwidth": self.kde_bandwidth,
-                "temperature": self.temperature, "client_order": self.client_order}
-
     def particles(self, state):
         return state.global_particles
 
-    def _initial_state(self, rng_key, particles, num_rounds):
+    def initial_state(self, particles, num_rounds=None):
         return dsvgd_core.init(particles, self.federated_potential.num_clients)
 
     def _core_options(self) -> dict:
@@ -170,18 +168,18 @@ class DSVGD(ParticleMethod):
             raise ValueError(f"init_state has {state.local_particles.shape[0]} clients, the model {num_clients}")
         return state
 
-    def _finish(self, result, order):
+    def finish(self, result):
         """Records the Stein statistics per round; warns if the last round's particles are
         absurd (see the class docstring)."""
-        history = result.history
-        if history.shape[1] < 2:
+        particles = result.metrics["particles"]
+        if particles.shape[1] < 2:
             return result
-        stein_mean, stein_scale = self._stein_metrics(history)
+        stein_mean, stein_scale = self._stein_metrics(particles)
         result.metrics["stein_mean"], result.metrics["stein_scale"] = stein_mean, stein_scale
-        all_visited = len(np.unique(np.asarray(order))) == self.federated_potential.num_clients
-        problems = runaway_problems(history[0], history[-1], stein_mean[-1], stein_scale[-1],
+        all_visited = len(np.unique(result.metrics["client"])) == self.federated_potential.num_clients
+        problems = runaway_problems(self._initial_particles, particles[-1], stein_mean[-1], stein_scale[-1],
                                     from_prior=self._from_prior, all_visited=all_visited)
-        warn_runaway(type(self).__name__, history.shape[0] - 1, problems,
+        warn_runaway(type(self).__name__, particles.shape[0], problems,
                      fixed_kde=self.kde_bandwidth != "auto", stacklevel=4)
         return result
 
@@ -230,9 +228,7 @@ class PDSVGD(DSVGD):
                                  else check_int(num_server_steps, "num_server_steps", minimum=1))
         self.server_optim = self.optim if server_optim is None else check_optim(server_optim, "server_optim")
 
-    def _repr_fields(self) -> dict:
-        return {**super()._repr_fields(), "clients_per_round": self.clients_per_round,
-                "num_server_steps": self.num_server_steps}
+    repr_fields = DSVGD.repr_fields + ("clients_per_round", "num_server_steps")
 
     def _configure(self, fp):
         c = self.clients_per_round
@@ -269,7 +265,10 @@ class UDSVGD(DSVGD):
     (4, 20, 1)
     """
 
-    def _initial_state(self, rng_key, particles, num_rounds):
+    repr_fields = ("num_particles", "num_local_steps", "kde_bandwidth", "temperature", "client_order",
+                   "batch_size")
+
+    def initial_state(self, particles, num_rounds=None):
         if num_rounds is None:
             raise ValueError("UDSVGD.init needs num_rounds: its clients' buffers are sized by it")
         return udsvgd_core.init(particles, check_int(num_rounds, "num_rounds", minimum=1))
@@ -282,6 +281,3 @@ class UDSVGD(DSVGD):
     def run(self, rng_key, num_rounds: int, *args, init_particles=None, **kwargs):
         """As :meth:`DSVGD.run` (no ``init_state``: the buffers are sized by ``num_rounds``)."""
         return super().run(rng_key, num_rounds, *args, init_particles=init_particles, **kwargs)
-
-    def _check_state(self, state):
-        return state

@@ -32,7 +32,8 @@ class FlatGradients(NamedTuple):
 
 
 def flat_gradients(fp) -> FlatGradients:
-    """The :class:`FlatGradients` of ``fp``.
+    """The :class:`FlatGradients` of ``fp``: the gradients of its flat adapter
+    (:meth:`FederatedPotential.flat() <numpyro_fed.FederatedPotential.flat>`).
 
     >>> import jax.numpy as jnp, numpyro, numpyro.distributions as dist
     >>> import numpyro_fed as nf
@@ -45,15 +46,8 @@ def flat_gradients(fp) -> FlatGradients:
     >>> grads.prior_grad(jnp.array([0.5])).tolist(), grads.client_grad(jnp.array([0.5]), client_block(fp, 1)).tolist()
     ([0.5], [-1.5])
     """
-    unravel = fp.unravel
-
-    def prior_grad(x):
-        return jax.grad(lambda y: fp.prior_potential_fn(unravel(y)))(x)
-
-    def client_grad(x, block):
-        return jax.grad(lambda y: fp.client_potential_fn(unravel(y), block))(x)
-
-    return FlatGradients(prior_grad, client_grad)
+    flat = fp.flat()
+    return FlatGradients(jax.grad(flat.prior_potential), jax.grad(flat.client_potential))
 
 
 def client_block(fp, client):
@@ -76,10 +70,10 @@ def minibatch_client_grad(fp, batch_size: int) -> Callable:
 
     The ``stochastic_client_grad`` of the cores, for a model with one federated data plate.
     """
-    plate, unravel = data_plate(fp, "batch_size"), fp.unravel
+    plate, row_log_likelihood = data_plate(fp, "batch_size"), fp.flat().row_log_likelihood
 
     def loss(y, rows, weights, scale):
-        return -scale * jnp.sum(weights * fp.row_log_likelihood_fn(unravel(y), rows))
+        return -scale * jnp.sum(weights * row_log_likelihood(y, rows))
 
     grad = jax.vmap(jax.grad(loss), in_axes=(0, None, None, None))
 
