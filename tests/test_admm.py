@@ -227,7 +227,7 @@ def test_output_layout_and_inference_data():
     for name in ("primal_residual", "dual_residual", "inner_iterations", "converged"):
         assert idata.sample_stats[name].dims == ("chain", "draw", "agent")
     assert idata.attrs["algorithm"] == "DADMMS" and idata.attrs["num_clients"] == 5
-    assert "observed_data" not in idata.groups()
+    assert "observed_data" not in idata
     # one agent's draws, called on the class (as the guide does) or on the kernel
     assert nf.DADMMS.agent_draws(mcmc, 2)["x"].shape == (30, 2)
     np.testing.assert_allclose(mcmc.sampler.agent_draws(mcmc, 2)["x"], agents[:, 2], atol=1e-12)
