@@ -243,8 +243,8 @@ def bench_defaults(X, y, h, *, Ms=(1, 8), rounds=2, num_warmup=1000, num_samples
 
 # -- FedZigZag ----------------------------------------------------------------------------
 
-_FIELDS = ("core.num_events", "core.num_proposals", "core.num_violations",
-           "core.grad_evals_by_proposer", "core.hit_event_cap")
+_FIELDS = ("info.num_events", "info.num_proposals", "info.num_violations",
+           "info.grad_evals_by_proposer", "info.hit_event_cap")
 
 
 def _make_kernel(h, cv, init_params, cv_init_at_mean, bounds="grid"):
@@ -283,14 +283,14 @@ def _summarise(mcmc, sw, M, h, burn_frac):
     S = draws.shape[0]
     burn = int(burn_frac * S)
     ess = min_ess(draws[burn:])
-    grads = extra["core.grad_evals_by_proposer"]  # (S, P): clients 0..M-1, then the prior's proposer
+    grads = extra["info.grad_evals_by_proposer"]  # (S, P): clients 0..M-1, then the prior's proposer
     return {
         "num_samples": S, "burn_in": burn, "process_time": S * h, "ess": ess,
-        "events": int(extra["core.num_events"].sum()),
-        "events_post": int(extra["core.num_events"][burn:].sum()),
-        "proposals": int(extra["core.num_proposals"].sum()),
-        "violations": int(extra["core.num_violations"].sum()),
-        "hit_event_cap": bool(extra["core.hit_event_cap"].any()),
+        "events": int(extra["info.num_events"].sum()),
+        "events_post": int(extra["info.num_events"][burn:].sum()),
+        "proposals": int(extra["info.num_proposals"].sum()),
+        "violations": int(extra["info.num_violations"].sum()),
+        "hit_event_cap": bool(extra["info.hit_event_cap"].any()),
         "grad_evals_post": int(grads[burn:].sum()),
         # client gradients each touch N/M rows; the prior proposer's touch none
         "full_data_grad_equiv_post": float(grads[burn:, :M].sum() / M),
@@ -348,29 +348,32 @@ def bench_fzz(X, y, M, cv, h, *, init_params, target_ess, min_samples, pilot_sam
     core = jax.jit(build_kernel(proposers, reference=reference, excess_rates=jnp.zeros(proposers.num),
                                 grid_size=kernel.grid_size, max_proposals=10_000_000))
     state = mcmc.last_state.core
+    key = jax.random.PRNGKey(seed + 2)
     events_per_time = max(out["events"] / out["process_time"], 1e-3)
     duration = core_events / events_per_time
-    jax.block_until_ready(core(state, 0.1 * duration))  # compile
+    jax.block_until_ready(core(key, state, 0.1 * duration))  # compile
     with Stopwatch() as core_sw:
-        final = core(state, duration)
-        jax.block_until_ready(final)
+        _, info = core(key, state, duration)
+        jax.block_until_ready(info)
     K, P = kernel.grid_size, proposers.num
-    iterations = (int(final.grad_evals_by_proposer.sum()) - int(final.num_proposals)) / (K * P)
+    iterations = (int(info.grad_evals_by_proposer.sum()) - int(info.num_proposals)) / (K * P)
     out.update({
-        "core_events_per_s": int(final.num_events) / core_sw.net,
-        "core_proposals_per_s": int(final.num_proposals) / core_sw.net,
+        "core_events_per_s": int(info.num_events) / core_sw.net,
+        "core_proposals_per_s": int(info.num_proposals) / core_sw.net,
         "core_us_per_iteration": 1e6 * core_sw.net / max(iterations, 1),
-        "core_events": int(final.num_events), "core_wall_s": core_sw.net,
-        "core_violations": int(final.num_violations),
+        "core_events": int(info.num_events), "core_wall_s": core_sw.net,
+        "core_violations": int(info.num_violations),
     })
     # 5. the core called once per sample in a compiled scan (no NumPyro)
     n_scan = int(min(scan_samples, num_samples))
 
     def scan_run(s):
-        def body(s, _):
-            s = core(s, h)
-            return s, (s.num_events, s.num_proposals)
-        return lax.scan(body, s, None, length=n_scan)
+        def body(carry, _):
+            key, s = carry
+            key, k_sample = jax.random.split(key)
+            s, info = core(k_sample, s, h)
+            return (key, s), (info.num_events, info.num_proposals)
+        return lax.scan(body, (key, s), None, length=n_scan)
 
     scan_jit = jax.jit(scan_run)
     jax.block_until_ready(scan_jit(state))  # compile
@@ -416,7 +419,7 @@ def bench_pdmp_jax(X, y, x_start, *, num_events, grid_sizes=(10, 2), num_draws=2
     runs = []
     for K in grid_sizes:
         try:
-            sampler = pdmp_jax.ZigZag(d, grad_U, grid_size=K)  # defaults: tmax=2, adaptive, signed vectorised bound
+            sampler = pdmp_jax.ZigZag(d, grad_U, grid_size=K)  # defaults: tmax=2, adaptive, signed vectorized bound
             x0 = jnp.asarray(x_start, jnp.float64)
             v0 = jnp.ones(d, jnp.float64)
             skeleton = jax.jit(lambda x, v: sampler.sample_skeleton(num_events, x, v, 0, verbose=False))

@@ -190,12 +190,12 @@ def main():
     start = time.perf_counter()
     map_point = jax.tree.map(lambda a: jnp.broadcast_to(a, (args.num_chains,) + a.shape), fp.unravel(flat))
     fed.run(jax.random.PRNGKey(args.seed + 1), X, y, clients=owner,
-            init_params=map_point, extra_fields=("core.num_proposals",))
+            init_params=map_point, extra_fields=("info.num_proposals",))
     jax.block_until_ready(fed.get_samples())
     fed_idata = nf.to_inference_data(fed)
     stats = fed_idata.sample_stats
     print(f"  {time.perf_counter() - start:.1f} s: {int(stats['num_events'].sum())} switches from "
-          f"{int(fed.get_extra_fields()['core.num_proposals'].sum())} proposals, "
+          f"{int(fed.get_extra_fields()['info.num_proposals'].sum())} proposals, "
           f"{int(stats['num_violations'].sum())} bound violations; switches by client: "
           f"{np.asarray(stats['events_by_client'].sum(('chain', 'draw'))).tolist()}, "
           f"by the prior: {int(stats['events_by_prior'].sum())}")

@@ -39,7 +39,7 @@ def _gaussian_data():
 
 def _run(kernel, *args, num_samples=4000, seed=1, extra_fields=(), **kwargs):
     mcmc = MCMC(kernel, num_warmup=200, num_samples=num_samples, progress_bar=False)
-    fields = ("core.num_events", "core.num_violations") + tuple(extra_fields)
+    fields = ("info.num_events", "info.num_violations") + tuple(extra_fields)
     mcmc.run(jax.random.PRNGKey(seed), *args, extra_fields=fields, **kwargs)
     return mcmc
 
@@ -62,7 +62,7 @@ def test_gaussian_target_matches_closed_form(control_variates, prior):
     kernel = nf.FedZigZag(gaussian_mean, sample_interval=0.1, control_variates=control_variates, prior=prior)
     mcmc = _run(kernel, y)
     _assert_gaussian_moments(mcmc.get_samples()["mu"], mean, sd)
-    assert int(mcmc.get_extra_fields()["core.num_violations"].sum()) == 0
+    assert int(mcmc.get_extra_fields()["info.num_violations"].sum()) == 0
 
 
 def _prior_dominated(y, clients=1):
@@ -116,8 +116,8 @@ def test_affine_bounds_are_exact_on_the_gaussian_target(excess_rate):
     _assert_gaussian_moments(mcmc.get_samples()["mu"], mean, sd)
     fields = mcmc.get_extra_fields()
     # exact inversion: every proposal is a switch, and no bound is ever exceeded
-    np.testing.assert_array_equal(fields["core.num_events"], fields["core.num_proposals"])
-    assert int(fields["core.num_violations"].sum()) == 0
+    np.testing.assert_array_equal(fields["info.num_events"], fields["info.num_proposals"])
+    assert int(fields["info.num_violations"].sum()) == 0
 
 
 def test_affine_bounds_on_a_non_gaussian_target_report_their_violations():
@@ -125,7 +125,7 @@ def test_affine_bounds_on_a_non_gaussian_target_report_their_violations():
     X = jax.random.normal(key_x, (200, 3))
     y = jax.random.bernoulli(key_y, jax.nn.sigmoid(X @ jnp.array([1.0, -1.0, 0.5]))) * 1.0
     mcmc = _run(nf.FedZigZag(logistic, sample_interval=0.2, bounds="affine"), X, y, num_samples=500)
-    violations = int(mcmc.get_extra_fields()["core.num_violations"].sum())
+    violations = int(mcmc.get_extra_fields()["info.num_violations"].sum())
     assert violations > 0  # the logistic rate is not affine along lines: it is checked
     with pytest.warns(RuntimeWarning, match=f"{violations} of"):
         nf.to_inference_data(mcmc)
@@ -142,7 +142,7 @@ def test_control_variates_remove_spurious_switches():
     events = {}
     for cv in (False, True):
         mcmc = _run(nf.FedZigZag(gaussian_mean, sample_interval=0.1, control_variates=cv), y, num_samples=500)
-        events[cv] = int(mcmc.get_extra_fields()["core.num_events"].sum())
+        events[cv] = int(mcmc.get_extra_fields()["info.num_events"].sum())
     # without control variates the federated rate carries an O(sqrt(NM)) excess
     assert events[True] < 0.7 * events[False]
 
@@ -166,7 +166,7 @@ def test_second_order_control_variates_match_closed_form_without_spurious_switch
     for cv in (True, "second_order"):
         mcmc = _run(nf.FedZigZag(linear_regression, sample_interval=0.1, control_variates=cv), X, y,
                     num_samples=2000)
-        events[cv] = int(mcmc.get_extra_fields()["core.num_events"].sum())
+        events[cv] = int(mcmc.get_extra_fields()["info.num_events"].sum())
     draws = np.asarray(mcmc.get_samples()["w"])
     ess = effective_sample_size(draws[None])
     assert np.all(np.abs(draws.mean(0) - mean) < 4.5 * sd / np.sqrt(ess))
@@ -174,7 +174,7 @@ def test_second_order_control_variates_match_closed_form_without_spurious_switch
     # one proposer holding the whole potential: the rate no federation can go below
     single = _run(nf.FedZigZag(linear_regression, sample_interval=0.1, control_variates=False, prior="clients"),
                   X, y, clients=1, num_samples=2000)
-    events["single"] = int(single.get_extra_fields()["core.num_events"].sum())
+    events["single"] = int(single.get_extra_fields()["info.num_events"].sum())
     # On a quadratic potential, second order gives every proposer exactly grad U / P, so the
     # federated rate is the single proposer's: the same switch count up to Poisson noise
     # (5 sd for the difference of two counts of about n), while first order keeps an excess
@@ -289,7 +289,7 @@ def test_client_local_latents_agree_with_nuts():
         scale = reference.std(0)
         tolerance = 5 * scale * np.sqrt(1 / ess_zigzag + 1 / ess_nuts)
         assert np.all(marginal_w1(draws, reference) < tolerance), site
-    assert int(zigzag.get_extra_fields()["core.num_violations"].sum()) < 10
+    assert int(zigzag.get_extra_fields()["info.num_violations"].sum()) < 10
 
 
 def test_exact_trajectory_moments_and_skeleton():
@@ -306,7 +306,7 @@ def test_exact_trajectory_moments_and_skeleton():
     assert np.all(np.abs(offdiag) < 4.5 / np.sqrt(ess.min()))
 
     times, xs, vs = kernel.skeleton(mcmc)
-    assert len(times) == int(mcmc.get_extra_fields()["core.num_events"].sum())
+    assert len(times) == int(mcmc.get_extra_fields()["info.num_events"].sum())
     assert np.all(np.diff(times) > 0)
     # between two switches the path is straight: x_{k+1} = x_k + (t_{k+1} - t_k) v_k
     np.testing.assert_allclose(xs[1:], xs[:-1] + np.diff(times)[:, None] * vs[:-1], atol=1e-9)
@@ -327,9 +327,9 @@ class _RecordedRun:
 
     def __init__(self, violations, proposals, capped):
         self.fields = {
-            "core.num_violations": jnp.array(violations),
-            "core.num_proposals": jnp.array(proposals),
-            "core.hit_event_cap": jnp.array(capped),
+            "info.num_violations": jnp.array(violations),
+            "info.num_proposals": jnp.array(proposals),
+            "info.hit_event_cap": jnp.array(capped),
         }
 
     def get_extra_fields(self):
@@ -369,17 +369,17 @@ def test_hessian_bound_on_the_gaussian_target_matches_closed_form(control_variat
     y, mean, sd = _gaussian_data()
     kernel = nf.FedZigZag(gaussian_mean, sample_interval=0.1, control_variates=control_variates,
                           bounds=_gaussian_hessian_bound(y))
-    mcmc = _run(kernel, y, extra_fields=("core.num_proposals", "core.grad_evals_by_proposer"))
+    mcmc = _run(kernel, y, extra_fields=("info.num_proposals", "info.grad_evals_by_proposer"))
     _assert_gaussian_moments(mcmc.get_samples()["mu"], mean, sd)
     fields = mcmc.get_extra_fields()
-    assert int(fields["core.num_violations"].sum()) == 0
-    evals = int(fields["core.grad_evals_by_proposer"].sum())
-    proposals = int(fields["core.num_proposals"].sum())
+    assert int(fields["info.num_violations"].sum()) == 0
+    evals = int(fields["info.grad_evals_by_proposer"].sum())
+    proposals = int(fields["info.num_proposals"].sum())
     if control_variates:  # no gradient to propose: only each proposal's winner evaluates
         assert evals == proposals
     else:  # every proposer (M clients, the prior) once per line, i.e. after every switch (a
         # rejection or a sample keeps the line and its bound), plus each proposal's winner
-        events = int(fields["core.num_events"].sum())
+        events = int(fields["info.num_events"].sum())
         assert evals == events * (M + 1) + proposals
 
 
@@ -425,12 +425,12 @@ def test_hessian_bound_on_logistic_regression_agrees_with_nuts(logistic_nuts, co
     clients = np.stack([absolute[owner == m].T @ absolute[owner == m] / 4 for m in range(4)])
     kernel = nf.FedZigZag(logistic, sample_interval=0.2, control_variates=control_variates,
                           bounds=nf.HessianBound(clients=clients, prior=np.eye(3)))
-    mcmc = _run(kernel, X, y, clients=owner, extra_fields=("core.num_proposals",))
+    mcmc = _run(kernel, X, y, clients=owner, extra_fields=("info.num_proposals",))
     _assert_agrees_with(mcmc.get_samples()["w"], logistic_nuts)
     fields = mcmc.get_extra_fields()
-    assert int(fields["core.num_violations"].sum()) == 0
+    assert int(fields["info.num_violations"].sum()) == 0
     # a real bound, above the rate: some proposals are thinned away
-    assert 0 < int(fields["core.num_events"].sum()) < int(fields["core.num_proposals"].sum())
+    assert 0 < int(fields["info.num_events"].sum()) < int(fields["info.num_proposals"].sum())
 
 
 def robust_location(y, clients=4):
@@ -454,12 +454,12 @@ def test_gradient_bound_agrees_with_nuts_and_too_small_a_bound_is_reported():
     bound = nf.GradientBound(clients=np.full((4, 1), 50 * per_row), prior=_student_t_gradient_bound(3.0, 10.0))
     for cv in (False, True):
         mcmc = _run(nf.FedZigZag(robust_location, sample_interval=0.2, bounds=bound, control_variates=cv),
-                    y, extra_fields=("core.num_proposals", "core.grad_evals_by_proposer"))
+                    y, extra_fields=("info.num_proposals", "info.grad_evals_by_proposer"))
         _assert_agrees_with(np.asarray(mcmc.get_samples()["mu"])[:, None], reference)
         fields = mcmc.get_extra_fields()
-        assert int(fields["core.num_violations"].sum()) == 0
+        assert int(fields["info.num_violations"].sum()) == 0
         # constant bounds: only each proposal's winner evaluates a gradient
-        assert int(fields["core.grad_evals_by_proposer"].sum()) == int(fields["core.num_proposals"].sum())
+        assert int(fields["info.grad_evals_by_proposer"].sum()) == int(fields["info.num_proposals"].sum())
     # a "bound" far below the clients' gradients is exceeded, and the run says so
     wrong = nf.GradientBound(clients=np.full((4, 1), 0.02 * per_row), prior=0.001)
     mcmc = _run(nf.FedZigZag(robust_location, sample_interval=0.2, bounds=wrong), y, num_samples=500)
@@ -506,7 +506,7 @@ def test_vectorized_chains():
     y, mean, sd = _gaussian_data()
     mcmc = MCMC(nf.FedZigZag(gaussian_mean, sample_interval=0.1), num_warmup=100, num_samples=1000,
                 num_chains=4, chain_method="vectorized", progress_bar=False)
-    mcmc.run(jax.random.PRNGKey(0), y, extra_fields=("core.num_events",))
+    mcmc.run(jax.random.PRNGKey(0), y, extra_fields=("info.num_events",))
     draws = mcmc.get_samples(group_by_chain=True)["mu"]
     assert draws.shape == (4, 1000, D)
     assert not np.allclose(draws[0], draws[1])
@@ -561,7 +561,7 @@ def test_laplace_preconditioning_speeds_up_a_correlated_posterior():
         kernel = nf.FedZigZag(correlated_gaussian, sample_interval=1.0, preconditioner=preconditioner)
         mcmc = _run(kernel, y, num_samples=2000)
         ess = effective_sample_size(np.asarray(mcmc.get_samples()["x"])[None]).min()
-        events_per_ess[preconditioner] = int(mcmc.get_extra_fields()["core.num_events"].sum()) / ess
+        events_per_ess[preconditioner] = int(mcmc.get_extra_fields()["info.num_events"].sum()) / ess
     assert events_per_ess["laplace"] < events_per_ess[None] / 3, events_per_ess
 
 
@@ -583,3 +583,27 @@ def test_bad_preconditioner_shape_is_named():
     mcmc = MCMC(nf.FedZigZag(gaussian_mean, preconditioner=np.ones(3)), num_warmup=0, num_samples=5, progress_bar=False)
     with pytest.raises(ValueError, match=r"preconditioner must have shape \(10,\) or \(10, 10\)"):
         mcmc.run(jax.random.PRNGKey(0), y)
+
+
+def test_core_client_functions_add_up_to_the_potential_and_the_kernel_is_pure():
+    """The seam a transport will sit on: what each client computes from its own rows, summed
+    by the server with the prior, is the potential's gradient; and the core's kernel is a
+    pure function of its key and state (documented info, nothing kept between calls)."""
+    from numpyro_fed.infer import zigzag
+
+    X, y, owner = _logistic_data()
+    potential = nf.split_potential(logistic, (X, y), {"clients": owner})
+    proposers, weights = zigzag.proposers_from_potential(potential, prior="server")
+    x = jnp.linspace(-1.0, 1.0, X.shape[1])
+    full = potential.ravel(potential.grad(potential.unravel(x)))
+    prior_grad = proposers.prior_grad_and_slope(x, jnp.zeros_like(x))[0]
+    np.testing.assert_allclose(proposers.term_grads(x).sum(0) + prior_grad, full, rtol=1e-10)
+    kernel = jax.jit(zigzag.build_kernel(proposers, excess_rates=jnp.full(proposers.num, 0.5)))
+    state = zigzag.init(x, jax.random.PRNGKey(0), weights)
+    new, info = kernel(jax.random.PRNGKey(1), state, 2.0)
+    again, info_again = kernel(jax.random.PRNGKey(1), state, 2.0)
+    np.testing.assert_array_equal(new.x, again.x)
+    assert float(info.elapsed) == pytest.approx(2.0)
+    assert int(info.events_by_proposer.sum()) == int(info.num_events) <= int(info.num_proposals)
+    other, _ = kernel(jax.random.PRNGKey(2), state, 2.0)
+    assert not np.allclose(new.x, other.x)

@@ -11,6 +11,7 @@ from numpyro_fed.privacy.pdmp import (
     calibrate_excess_rate,
     switching_time_delta,
     switching_time_epsilon,
+    switching_time_guarantee,
 )
 
 __all__ = [
@@ -22,4 +23,5 @@ __all__ = [
     "calibrate_excess_rate",
     "switching_time_delta",
     "switching_time_epsilon",
+    "switching_time_guarantee",
 ]

@@ -19,8 +19,14 @@ from __future__ import annotations
 import math
 
 from numpyro_fed._checks import check_positive
+from numpyro_fed.privacy.guarantee import PrivacyGuarantee
 
-__all__ = ["calibrate_excess_rate", "switching_time_delta", "switching_time_epsilon"]
+__all__ = [
+    "calibrate_excess_rate",
+    "switching_time_delta",
+    "switching_time_epsilon",
+    "switching_time_guarantee",
+]
 
 
 def _check_sensitivity(sensitivity) -> float:
@@ -78,3 +84,43 @@ def calibrate_excess_rate(sensitivity: float, epsilon: float, delta: float) -> f
     epsilon = check_positive(epsilon, "epsilon")
     delta = _check_delta(delta)
     return sensitivity * (1 + math.log(1 / delta)) / epsilon
+
+
+def switching_time_guarantee(sensitivity: float, excess_rate: float, delta: float, *,
+                             epsilon: float | None = None) -> tuple[float, PrivacyGuarantee]:
+    """The excess rate a federated PDMP runs with and the guarantee of Theorem 5.1 for each
+    switching time a client sends.
+
+    :param float sensitivity: ``K > 1``, the most one row of a client moves its intensity.
+    :param float excess_rate: the refreshment rate ``rho`` asked for; 0 with ``epsilon``:
+        calibrate it by (7).
+    :param float delta: delta per switching time, in (0, 1).
+    :param float epsilon: the target epsilon per switching time (``None``: whatever
+        ``excess_rate`` gives).
+    :return: ``(excess_rate, guarantee)``.
+
+    >>> rho, guarantee = switching_time_guarantee(2.0, 0.0, 1e-5, epsilon=1.0)
+    >>> round(rho, 3), guarantee.epsilon <= 1.0, guarantee.scope.startswith("each switching time")
+    (25.026, True, True)
+    """
+    if epsilon is not None:
+        target = check_positive(epsilon, "dp_epsilon")
+        if excess_rate == 0.0:
+            excess_rate = calibrate_excess_rate(sensitivity, target, delta)
+        achieved = switching_time_epsilon(sensitivity, excess_rate, delta)
+        if achieved > target:
+            raise ValueError(
+                f"excess_rate={excess_rate} gives epsilon={achieved:.4g} per switching "
+                f"time, above dp_epsilon={target}; leave excess_rate unset to calibrate it"
+            )
+    elif excess_rate <= 0.0:
+        raise ValueError("a privacy guarantee needs excess_rate > 0 (or dp_epsilon to calibrate it)")
+    guarantee = PrivacyGuarantee(
+        epsilon=switching_time_epsilon(sensitivity, excess_rate, delta),
+        delta=float(delta),
+        scope="each switching time a client sends (per message, not composed over the run)",
+        neighbouring=f"one row of one client changed, moving its intensity by at most K={sensitivity}",
+        method="Theorem 5.1 of Bierkens & Duncan (2022), excess rate "
+               f"rho={excess_rate:.6g} per client",
+    )
+    return excess_rate, guarantee

@@ -1,0 +1,457 @@
+"""The NumPyro face of the federated Zig-Zag sampler: an ``MCMCKernel`` over the core."""
+
+from __future__ import annotations
+
+import warnings
+from typing import NamedTuple
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+from numpyro.infer.initialization import init_to_uniform
+from numpyro.infer.mcmc import MCMCKernel
+from numpyro.util import is_prng_key
+
+from numpyro_fed._checks import check_int, check_positive, check_real
+from numpyro_fed.infer.zigzag.bounds import bound_kind, per_proposer_bound
+from numpyro_fed.infer.zigzag.control_variates import control_variate_reference, switched
+from numpyro_fed.infer.zigzag.diagnostics import (
+    DIAGNOSTICS,
+    SKELETON,
+    TRAJECTORY,
+    few_effective_draws,
+    per_client_stats,
+    rate_problems,
+    skeleton_of,
+    trajectory_moments_of,
+)
+from numpyro_fed.infer.zigzag.kernel import build_kernel, init
+from numpyro_fed.infer.zigzag.mode import describe_no_mode, find_mode
+from numpyro_fed.infer.zigzag.preconditioning import (
+    laplace_preconditioner,
+    precondition,
+    preconditioned_bound,
+    user_preconditioner,
+)
+from numpyro_fed.infer.zigzag.proposers import PRIOR_MODES, proposers_from_potential
+from numpyro_fed.infer.zigzag.state import SampleInfo, ZigZagState
+from numpyro_fed.infer.zigzag.warmup import WarmupState, init_warmup, warmup_adaptation
+from numpyro_fed.potential import split_potential
+from numpyro_fed.privacy import switching_time_guarantee
+
+__all__ = ["FedZigZag", "FedZigZagState"]
+
+
+class FedZigZagState(NamedTuple):
+    """NumPyro-facing state of :class:`FedZigZag`.
+
+    :ivar i: the sample index.
+    :ivar z: the MCMC sample: unconstrained sites, as NumPyro's ``z``.
+    :ivar core: the process's state (:class:`~numpyro_fed.infer.zigzag.ZigZagState`).
+    :ivar info: what the last sample did (:class:`~numpyro_fed.infer.zigzag.SampleInfo`);
+        read it with ``extra_fields=("info.num_events", "info.events_by_proposer", ...)``.
+    :ivar rng_key: the key the next sample starts from (NumPyro replaces it to continue a
+        chain with a new key, as in ``mcmc.post_warmup_state``).
+    :ivar adapt: the warmup's state (:class:`~numpyro_fed.infer.zigzag.WarmupState`).
+    """
+
+    i: jax.Array
+    z: dict
+    core: ZigZagState
+    info: SampleInfo
+    rng_key: jax.Array
+    adapt: WarmupState
+
+
+class FedZigZag(MCMCKernel):
+    """Federated Zig-Zag sampler as a NumPyro :class:`~numpyro.infer.mcmc.MCMCKernel`.
+
+    Each client proposes its next switching time from its own term of the potential (see
+    :func:`~numpyro_fed.split_potential`); the server takes the earliest. One MCMC sample is
+    the position after ``sample_interval`` units of process time, so draws are equally
+    spaced in time (stopping on time, not on events, keeps them unbiased).
+
+    :param model: a NumPyro model with a :class:`~numpyro_fed.federated_plate`.
+    :param float sample_interval: process time between two samples (> 0).
+    :param control_variates: ``True`` re-splits the clients' terms around a reference
+        point (the MAP, found at initialization from the aggregated gradient) so that the
+        sum is unchanged but spurious switches vanish; ``None`` (default): on when M > 1.
+        When the posterior has no mode (a funnel) the reference is re-centered during warmup
+        on the warmup trajectory; at the end of warmup the control variates are kept only if
+        they lower the switching rates at the last warmup positions, and a warmup draw that
+        stalls with them (``max_proposals`` proposals, no switch) turns them off, with a
+        warning (see :attr:`mode_search` and the user guide).
+        ``"second_order"`` also matches the clients' Hessians at the reference point (one
+        more aggregation round, in which each client sends its ``d x d`` Hessian there): the
+        re-split terms then agree to second order, which removes the spurious switches that
+        remain when clients hold few rows for many coordinates (their curvatures differ).
+        It needs the automatic bounds (``"grid"`` or ``"affine"``).
+    :param str prior: ``"server"`` (the prior proposes on its own), ``"clients"``
+        (shared evenly among the clients' terms), the two options of Remark 3.2, or
+        ``"redistribute"`` (Appendix D, Algorithm 4: random shares of the prior, redrawn at
+        ``redistribution_rate``).
+    :param float redistribution_rate: rate of the prior's redistribution (> 0 with
+        ``prior="redistribute"``; the paper uses 0.1).
+    :param float excess_rate: refreshment rate ``rho`` added to every proposer (>= 0).
+    :param str bounds: ``"grid"`` (default): automatic bounds on a grid along the
+        trajectory, for any differentiable potential; ``"affine"``: exact inversion of the
+        rate's linear extrapolation ``max(0, a + b t)``, exact (no rejections) when the
+        potential is quadratic, e.g. a Gaussian target; used elsewhere, its violations are
+        counted and reported. Or bounds the user derived (Appendices A and F of the paper):
+        a :class:`GradientBound` (constant rates: no gradient evaluated to propose) or a
+        :class:`HessianBound` (rates affine in time; with control variates, no gradient
+        evaluated to propose either), with one row per client, computed by each client
+        from its own data.
+    :param int grid_size: grid points of the automatic bound (>= 2).
+    :param float safety_factor: multiplies the automatic bounds (>= 1).
+    :param float initial_horizon: starting horizon of the bounds (> 0).
+    :param float dp_sensitivity: ``K > 1``, a bound on how much one row of a client can
+        change that client's switching intensity (e.g. the bound on the covariates' norm in
+        logistic regression, Example 5.2). Setting it turns on the privacy guarantee of
+        Theorem 5.1, reported as :attr:`privacy` and in InferenceData ``attrs``.
+    :param float dp_epsilon: target epsilon *per switching time*; with ``dp_sensitivity``
+        and ``dp_delta``, ``excess_rate`` is chosen by (7) unless given.
+    :param float dp_delta: delta per switching time, in (0, 1).
+    :param int skeleton_size: switches recorded per sample for plots (0: none); read them
+        with :meth:`skeleton`.
+    :param bool full_covariance: integrate the full ``x x^T`` along the path (else only its
+        diagonal) for :meth:`trajectory_moments`.
+    :param preconditioner: the process moves in ``u`` with ``x = center + scale u`` (``x``
+        the flat unconstrained latent vector), the Zig-Zag counterpart of NUTS's mass
+        matrix: ``None`` (default); ``"laplace"``: ``scale`` the Cholesky factor of the
+        inverse Hessian at the mode (found as for the control variates; in a federation one
+        round in which each client sends its Hessian there); ``"diagonal"``: its diagonal
+        only; or a user's ``scale``, ``(d,)`` or an invertible ``(d, d)``. Correlated or
+        badly scaled posteriors mix many times faster; the draws, trajectory moments and
+        skeleton are reported in ``x``.
+    :param dict partition: as for :func:`~numpyro_fed.split_potential`.
+    :param init_strategy: NumPyro init strategy: where the chain starts, or, with control
+        variates or a computed preconditioner, where the search for the mode starts (the
+        chains then start at the mode, if there is one). ``init_params`` given to ``MCMC.run`` take
+        precedence; with ``num_chains > 1`` and ``chain_method="vectorized"`` the chains
+        run under one ``vmap`` and share the mode, the preconditioner and the split.
+
+    A sample that makes ``max_proposals`` proposals (at least 50) without one switch stops
+    its chain: the remaining draws repeat its last position, are marked ``hit_event_cap``,
+    and a warning names the remedies. After ``init``, :attr:`mode_search` (a
+    :class:`ModeSearch`) says whether a mode was found.
+
+    The privacy guarantee covers **each switching time a client sends, one message at a
+    time**; it is not composed over the many messages of a run. Control variates need one
+    aggregation round of gradients that the theorem does not cover, so they are off when a
+    guarantee is asked for (and asking for both is an error).
+
+    **Example**
+
+    >>> import jax, numpyro, numpyro.distributions as dist
+    >>> from numpyro.infer import MCMC
+    >>> import numpyro_fed as nf
+    >>> def model(y):
+    ...     mu = numpyro.sample("mu", dist.Normal(0, 10))
+    ...     with nf.federated_plate("data", y.shape[0], clients=4):
+    ...         numpyro.sample("y", dist.Normal(mu, 1), obs=y)
+    >>> y = 1.0 + jax.random.normal(jax.random.PRNGKey(0), (100,))
+    >>> mcmc = MCMC(nf.FedZigZag(model, sample_interval=0.2), num_warmup=100, num_samples=2000,
+    ...             progress_bar=False)
+    >>> mcmc.run(jax.random.PRNGKey(1), y)
+    >>> abs(float(mcmc.get_samples()["mu"].mean() - y.sum() / (100 + 0.01))) < 0.05
+    True
+    """
+
+    sample_field = "z"
+
+    def __init__(
+        self,
+        model,
+        *,
+        sample_interval: float = 1.0,
+        control_variates: bool | str | None = None,
+        prior: str = "server",
+        redistribution_rate: float = 0.1,
+        excess_rate: float = 0.0,
+        bounds="grid",
+        grid_size: int = 2,
+        safety_factor: float = 1.0,
+        initial_horizon: float = 0.1,
+        max_proposals: int = 1_000_000,
+        partition=None,
+        init_strategy=init_to_uniform,
+        dp_sensitivity: float | None = None,
+        dp_epsilon: float | None = None,
+        dp_delta: float | None = None,
+        skeleton_size: int = 0,
+        full_covariance: bool = False,
+        preconditioner=None,
+    ):
+        self._model = model
+        if isinstance(preconditioner, str) and preconditioner not in ("laplace", "diagonal"):
+            raise ValueError(f"preconditioner must be None, 'laplace', 'diagonal' or an array, got {preconditioner!r}")
+        self.preconditioner = preconditioner
+        self.preconditioning = None
+        self.skeleton_size = check_int(skeleton_size, "skeleton_size", minimum=0)
+        self.full_covariance = bool(full_covariance)
+        self.sample_interval = check_positive(sample_interval, "sample_interval")
+        if excess_rate is None or check_real(excess_rate, "excess_rate") < 0:
+            raise ValueError(f"excess_rate must be >= 0, got {excess_rate}")
+        self.excess_rate = float(excess_rate)
+        bound_kind(bounds)
+        self.bounds = bounds
+        self.grid_size = check_int(grid_size, "grid_size", minimum=2)
+        self.safety_factor = check_real(safety_factor, "safety_factor")
+        if self.safety_factor < 1:
+            raise ValueError(f"safety_factor must be >= 1, got {safety_factor}")
+        self.initial_horizon = check_positive(initial_horizon, "initial_horizon")
+        self.max_proposals = check_int(max_proposals, "max_proposals", minimum=1)
+        if prior not in PRIOR_MODES:
+            raise ValueError(f"prior must be one of {PRIOR_MODES}, got {prior!r}")
+        self.prior = prior
+        self.redistribution_rate = (check_positive(redistribution_rate, "redistribution_rate")
+                                    if prior == "redistribute" else 0.0)
+        if not (control_variates is None or isinstance(control_variates, (bool, np.bool_))
+                or control_variates == "second_order"):
+            raise ValueError(
+                f"control_variates must be None, True, False or 'second_order', got {control_variates!r}"
+            )
+        if control_variates == "second_order" and not isinstance(bounds, str):
+            raise ValueError(
+                "control_variates='second_order' needs the automatic bounds ('grid' or 'affine'): "
+                f"a {type(bounds).__name__} does not bound the linear part of the shift"
+            )
+        self.control_variates = control_variates
+        self.privacy = self._privacy_guarantee(dp_sensitivity, dp_epsilon, dp_delta)
+        self.partition = partition
+        self.init_strategy = init_strategy
+        self.federated_potential = None
+        self.reference_point = None
+        self.mode_search = None
+        self._sample_fn = None
+
+    def __repr__(self):
+        bounds = self.bounds if isinstance(self.bounds, str) else type(self.bounds).__name__
+        return (f"FedZigZag(model={getattr(self._model, '__name__', self._model)!r}, "
+                f"sample_interval={self.sample_interval}, control_variates={self.control_variates!r}, "
+                f"prior={self.prior!r}, bounds={bounds!r}, excess_rate={self.excess_rate:g}, "
+                f"preconditioner={self.preconditioner if isinstance(self.preconditioner, (str, type(None))) else 'user'!r}"
+                f"{'' if self.privacy is None else f', epsilon={self.privacy.epsilon:.3g}'})")
+
+    def _privacy_guarantee(self, sensitivity, epsilon, delta):
+        if sensitivity is None:
+            if epsilon is not None or delta is not None:
+                raise ValueError("dp_epsilon/dp_delta need dp_sensitivity (the bound K of Theorem 5.1)")
+            return None
+        if delta is None:
+            raise ValueError("dp_sensitivity needs dp_delta")
+        if self.control_variates:
+            raise ValueError(
+                f"control_variates={self.control_variates!r} with a privacy guarantee: the control "
+                "variates' aggregation round is not covered by Theorem 5.1"
+            )
+        self.control_variates = False
+        if isinstance(self.preconditioner, str):
+            raise ValueError(
+                f"preconditioner={self.preconditioner!r} with a privacy guarantee: the round of "
+                "Hessians it needs is not covered by Theorem 5.1 (pass a fixed scale; K must then "
+                "bound the change of the preconditioned intensities)"
+            )
+        self.excess_rate, guarantee = switching_time_guarantee(sensitivity, self.excess_rate, delta,
+                                                               epsilon=epsilon)
+        return guarantee
+
+    @property
+    def model(self):
+        return self._model
+
+    @property
+    def default_fields(self):
+        fields = DIAGNOSTICS + TRAJECTORY + (SKELETON if self.skeleton_size else ())
+        return ("z",) + tuple("info." + name for name in fields)
+
+    def check_run(self, mcmc, *, strict: bool = False, min_ess: float = 50.0):
+        """Says what went wrong in a run, if anything: proposals whose exact rate exceeded its
+        automatic bound (each one biases the chain slightly), samples cut short by
+        ``max_proposals``, and draws too few to summarize: a site's element with fewer than
+        ``min_ess`` effective draws (NumPyro's estimator over the chains), whose
+        mean then carries a Monte Carlo error above ``1 / sqrt(min_ess)`` (0.14) of its sd.
+        Warns, or raises ``RuntimeError`` when ``strict``.
+        :func:`~numpyro_fed.to_inference_data` calls it.
+
+        :return: ``(num_violations, num_proposals, num_capped_samples)``.
+        """
+        problems = few_effective_draws(mcmc.get_samples(group_by_chain=True), min_ess)
+        violations, proposals, capped, rates = rate_problems(
+            mcmc.get_extra_fields(), kind=bound_kind(self.bounds), max_proposals=self.max_proposals,
+            sample_interval=self.sample_interval)
+        problems += rates
+        if problems:
+            message = "FedZigZag: " + "; ".join(problems)
+            if strict:
+                raise RuntimeError(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+        return violations, proposals, capped
+
+    def trajectory_moments(self, mcmc):
+        """Mean and covariance (or variance) of the whole sampled path, computed exactly
+        from the piecewise-linear trajectory rather than from the draws; on the flat
+        unconstrained space (see :meth:`FederatedPotential.unravel`).
+
+        :return: ``{"mean": (d,), "cov": (d, d)}`` with ``full_covariance``, else
+            ``{"mean": (d,), "var": (d,)}``.
+        """
+        return trajectory_moments_of(mcmc.get_extra_fields(), self.preconditioning)
+
+    def skeleton(self, mcmc, *, chain: int = 0):
+        """The recorded switches of one chain's sampling phase: ``(times, positions,
+        velocities)`` with times counted from the first sample's start, positions flat
+        unconstrained. The path is the straight line between consecutive points."""
+        if not self.skeleton_size:
+            raise ValueError("no skeleton was recorded: pass skeleton_size > 0 to FedZigZag")
+        return skeleton_of(mcmc.get_extra_fields(group_by_chain=True), chain, self.skeleton_size,
+                           self.preconditioning)
+
+    def sample_stats(self, extra_fields):
+        """Diagnostics by name from ``MCMC.get_extra_fields(group_by_chain=True)``:
+        ``{name: (array, dims)}``; per-client counts get a ``client`` dim, the prior's
+        proposer (when it is the server's) its own entries."""
+        return per_client_stats(extra_fields, self.federated_potential.num_clients, self.prior == "server")
+
+    def get_diagnostics_str(self, state):
+        return "{} events, {} proposals".format(int(state.info.num_events), int(state.info.num_proposals))
+
+    # -- set-up: the mode, the preconditioner, the kernel ------------------------------------
+
+    def _search_mode(self, flat_potential, start, init_params, ravel, vectorized, num_warmup):
+        """``(start, use_cv, recenter)`` after looking for the mode when the control variates
+        or a Laplace preconditioner need it (one mode for all chains: it is the target's)."""
+        kind = bound_kind(self.bounds)
+        search_from = start
+        if init_params is not None:
+            search_from = ravel(init_params)[0] if vectorized else ravel(init_params)
+        search = self.mode_search = find_mode(flat_potential, search_from)
+        if search.is_mode:
+            self.reference_point = search.point
+            return search.point, True, False
+        if isinstance(self.preconditioner, str):
+            raise ValueError(
+                f"preconditioner={self.preconditioner!r} is the Laplace approximation at the "
+                f"mode, and the posterior has none here ({describe_no_mode(search)}): pass "
+                "preconditioner=None or a scale"
+            )
+        if num_warmup > 0:
+            return start, True, True  # the chains start at init_strategy's point
+        if kind == "hessian":
+            raise ValueError(
+                f"HessianBound with control variates needs a reference point, and the "
+                f"posterior has no mode here ({describe_no_mode(search)}): give MCMC num_warmup > 0 "
+                "(the reference is then the mean of the warmup trajectory) or pass "
+                "control_variates=False"
+            )
+        warnings.warn(
+            f"FedZigZag: control variates are off: the posterior has no mode "
+            f"({describe_no_mode(search)}) and without warmup there is no trajectory to center "
+            "them on; give MCMC num_warmup > 0 to have them",
+            RuntimeWarning, stacklevel=4,
+        )
+        return start, False, False
+
+    def _preconditioning(self, flat_potential, d, dtype):
+        """The :class:`~numpyro_fed.infer.zigzag.Preconditioner` asked for, or ``None``."""
+        if self.preconditioner is None:
+            return None
+        if isinstance(self.preconditioner, str):
+            return laplace_preconditioner(flat_potential, self.reference_point,
+                                          diagonal=self.preconditioner == "diagonal")
+        return user_preconditioner(self.preconditioner, self.reference_point, d, dtype)
+
+    def init(self, rng_key, num_warmup, init_params, model_args, model_kwargs):
+        # MCMC(..., chain_method="vectorized") passes one key per chain.
+        vectorized = not is_prng_key(rng_key)
+        first_key = rng_key[0] if vectorized else rng_key
+        potential = split_potential(
+            self._model, model_args, model_kwargs, partition=self.partition,
+            init_strategy=self.init_strategy, rng_key=jax.random.fold_in(first_key, 0),
+        )
+        self.federated_potential = potential
+        proposers, prior_weights = proposers_from_potential(potential, prior=self.prior)
+        use_cv = potential.num_clients > 1 if self.control_variates is None else bool(self.control_variates)
+        ravel = jax.vmap(potential.ravel) if vectorized else potential.ravel
+        flat_potential = jax.jit(lambda x: potential.potential(potential.unravel(x)))
+        start = potential.ravel(potential.init_params)
+        d = start.shape[-1]
+        num_warmup = int(num_warmup)
+        self.reference_point = None
+        self.mode_search = None
+        recenter = False  # re-center the control variates on the warmup trajectory
+        if use_cv or isinstance(self.preconditioner, str):
+            start, found_cv, recenter = self._search_mode(flat_potential, start, init_params, ravel,
+                                                          vectorized, num_warmup)
+            use_cv = use_cv and found_cv
+        if init_params is not None:
+            start = ravel(init_params)
+
+        self.preconditioning = self._preconditioning(flat_potential, d, start.dtype)
+        bounds = self.bounds
+        if not isinstance(bounds, str):
+            bounds = per_proposer_bound(bounds, potential.num_clients, proposers.num, d, start.dtype)
+        if self.preconditioning is not None:
+            proposers = precondition(proposers, self.preconditioning)
+            if not isinstance(bounds, str):
+                bounds = preconditioned_bound(bounds, self.preconditioning)
+            start = self.preconditioning.to_u(start)
+        order = 2 if self.control_variates == "second_order" else 1
+        reference = None
+        if use_cv:
+            # without a mode: a placeholder at the start, inactive until the first re-centering
+            point = self.reference_point if self.reference_point is not None else (start[0] if start.ndim == 2 else start)
+            if self.preconditioning is not None and self.reference_point is not None:
+                point = self.preconditioning.to_u(point)
+            reference = control_variate_reference(proposers, point, order=order)
+        kernel = jax.jit(build_kernel(
+            proposers, reference=reference, excess_rates=jnp.full(proposers.num, self.excess_rate),
+            redistribution_rate=self.redistribution_rate, bounds=bounds,
+            grid_size=self.grid_size, safety_factor=self.safety_factor, max_proposals=self.max_proposals,
+            batched=vectorized, full_covariance=self.full_covariance, skeleton_size=self.skeleton_size,
+        ))
+        to_x = self.preconditioning.to_x if self.preconditioning is not None else (lambda u: u)
+        unravel = potential.unravel
+        adapt_update = warmup_adaptation(
+            proposers, num_warmup=num_warmup if use_cv else 0, recenter=recenter, order=order,
+            can_switch_off=bound_kind(self.bounds) != "hessian", max_proposals=self.max_proposals,
+            sample_interval=self.sample_interval,
+        )
+
+        def sample_fn(state):
+            adapt = state.adapt
+            key, k_sample = jax.random.split(state.rng_key)
+            duration = jnp.where(adapt.stalled, 0.0, self.sample_interval)  # a stalled chain stops
+            control = switched(adapt.reference, adapt.active) if use_cv else None
+            core, info = kernel(k_sample, state.core, duration, control)
+            info = info._replace(hit_event_cap=info.hit_event_cap | adapt.stalled)
+            adapt = adapt_update(adapt, core, info, state.i)
+            return FedZigZagState(state.i + 1, unravel(to_x(core.x)), core, info, key, adapt)
+
+        def init_fn(key, u):
+            k_velocity, key = jax.random.split(key)
+            core = init(u, k_velocity, prior_weights, horizon=self.initial_horizon, bounds=bounds,
+                        grid_size=self.grid_size)
+            info = SampleInfo.zeros(proposers.num, d, u.dtype, skeleton_size=self.skeleton_size,
+                                    full_covariance=self.full_covariance)
+            adapt = init_warmup(reference, use_cv and not recenter, u)
+            return FedZigZagState(jnp.zeros((), jnp.int32), unravel(to_x(core.x)), core, info, key, adapt)
+
+        if vectorized:
+            num_chains = rng_key.shape[0]
+            start = jnp.broadcast_to(start, (num_chains,) + start.shape[-1:])
+            sample_fn, init_fn = jax.vmap(sample_fn), jax.vmap(init_fn)
+        # NumPyro skips init (and this set-up) when it has a state and the sample function.
+        self._sample_fn = sample_fn
+        return init_fn(rng_key, start)
+
+    def sample(self, state, model_args, model_kwargs):
+        return self._sample_fn(state)
+
+    def postprocess_fn(self, model_args, model_kwargs):
+        if self.federated_potential is None:
+            raise RuntimeError("FedZigZag.postprocess_fn needs init() to have run")
+        return self.federated_potential.postprocess_fn
