@@ -89,14 +89,9 @@ def client_functions(potential) -> ClientFunctions:
     -5.0
     """
 
-    def prior_term(flat):
-        return potential.prior_potential_fn(potential.unravel(flat))
-
-    def client_term(flat, block):
-        return potential.client_potential_fn(potential.unravel(flat), block)
-
-    grad = jax.grad(client_term)
-    prior_grad = jax.grad(prior_term)
+    flat = potential.flat()
+    grad = jax.grad(flat.client_potential)
+    prior_grad = jax.grad(flat.prior_potential)
 
     def grad_and_slope(x, v, block):
         return jax.jvp(lambda f: grad(f, block), (x,), (v,))

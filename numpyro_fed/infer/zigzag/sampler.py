@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import NamedTuple
+import warnings
 
 import numpy as np
 
@@ -11,10 +11,10 @@ import jax
 import jax.numpy as jnp
 
 from numpyro.infer.initialization import init_to_uniform
-from numpyro.infer.mcmc import MCMCKernel
 from numpyro.util import is_prng_key
 
 from numpyro_fed._checks import check_int, check_positive, check_real
+from numpyro_fed.infer.kernel import FederatedMCMCKernel, RunCheck
 from numpyro_fed.infer.zigzag.bounds import bound_kind, per_proposer_bound
 from numpyro_fed.infer.zigzag.control_variates import control_variate_reference, switched
 from numpyro_fed.infer.zigzag.diagnostics import (
@@ -38,7 +38,6 @@ from numpyro_fed.infer.zigzag.preconditioning import (
 from numpyro_fed.infer.zigzag.proposers import PRIOR_MODES, proposers_from_potential
 from numpyro_fed.infer.zigzag.state import SampleInfo, ZigZagState
 from numpyro_fed.infer.zigzag.warmup import WarmupState, init_warmup, warmup_adaptation
-from numpyro_fed.potential import split_potential
 from numpyro_fed.privacy import switching_time_guarantee
 
 __all__ = ["FedZigZag", "FedZigZagState"]
@@ -65,7 +64,7 @@ class FedZigZagState(NamedTuple):
     adapt: WarmupState
 
 
-class FedZigZag(MCMCKernel):
+class FedZigZag(FederatedMCMCKernel):
     """Federated Zig-Zag sampler as a NumPyro :class:`~numpyro.infer.mcmc.MCMCKernel`.
 
     Each client proposes its next switching time from its own term of the potential (see
@@ -160,7 +159,8 @@ class FedZigZag(MCMCKernel):
     True
     """
 
-    sample_field = "z"
+    #: the counts of :class:`~numpyro_fed.infer.zigzag.SampleInfo` reported in ``sample_stats``
+    info_names = DIAGNOSTICS
 
     def __init__(
         self,
@@ -185,7 +185,7 @@ class FedZigZag(MCMCKernel):
         full_covariance: bool = False,
         preconditioner=None,
     ):
-        self._model = model
+        super().__init__(model, partition=partition, init_strategy=init_strategy)
         if isinstance(preconditioner, str) and preconditioner not in ("laplace", "diagonal"):
             raise ValueError(f"preconditioner must be None, 'laplace', 'diagonal' or an array, got {preconditioner!r}")
         self.preconditioner = preconditioner
@@ -208,7 +208,7 @@ class FedZigZag(MCMCKernel):
             raise ValueError(f"prior must be one of {PRIOR_MODES}, got {prior!r}")
         self.prior = prior
         self.redistribution_rate = (check_positive(redistribution_rate, "redistribution_rate")
-                                    if prior == "redistribute" else 0.0)
+                                    if prior == "redistribute" else redistribution_rate)
         if not (control_variates is None or isinstance(control_variates, (bool, np.bool_))
                 or control_variates == "second_order"):
             raise ValueError(
@@ -221,20 +221,8 @@ class FedZigZag(MCMCKernel):
             )
         self.control_variates = control_variates
         self.privacy = self._privacy_guarantee(dp_sensitivity, dp_epsilon, dp_delta)
-        self.partition = partition
-        self.init_strategy = init_strategy
-        self.federated_potential = None
         self.reference_point = None
         self.mode_search = None
-        self._sample_fn = None
-
-    def __repr__(self):
-        bounds = self.bounds if isinstance(self.bounds, str) else type(self.bounds).__name__
-        return (f"FedZigZag(model={getattr(self._model, '__name__', self._model)!r}, "
-                f"sample_interval={self.sample_interval}, control_variates={self.control_variates!r}, "
-                f"prior={self.prior!r}, bounds={bounds!r}, excess_rate={self.excess_rate:g}, "
-                f"preconditioner={self.preconditioner if isinstance(self.preconditioner, (str, type(None))) else 'user'!r}"
-                f"{'' if self.privacy is None else f', epsilon={self.privacy.epsilon:.3g}'})")
 
     def _privacy_guarantee(self, sensitivity, epsilon, delta):
         if sensitivity is None:
@@ -260,36 +248,26 @@ class FedZigZag(MCMCKernel):
         return guarantee
 
     @property
-    def model(self):
-        return self._model
-
-    @property
     def default_fields(self):
         fields = DIAGNOSTICS + TRAJECTORY + (SKELETON if self.skeleton_size else ())
         return ("z",) + tuple("info." + name for name in fields)
 
-    def check_run(self, mcmc, *, strict: bool = False, min_ess: float = 50.0):
-        """Says what went wrong in a run, if anything: proposals whose exact rate exceeded its
-        automatic bound (each one biases the chain slightly), samples cut short by
+    def diagnose(self, mcmc, *, min_ess: float = 50.0) -> RunCheck:
+        """What went wrong in a run, if anything (:meth:`check_run` warns, or raises with
+        ``strict``; :func:`~numpyro_fed.to_inference_data` calls it): proposals whose exact
+        rate exceeded its bound (each one biases the chain slightly), samples cut short by
         ``max_proposals``, and draws too few to summarize: a site's element with fewer than
-        ``min_ess`` effective draws (NumPyro's estimator over the chains), whose
-        mean then carries a Monte Carlo error above ``1 / sqrt(min_ess)`` (0.14) of its sd.
-        Warns, or raises ``RuntimeError`` when ``strict``.
-        :func:`~numpyro_fed.to_inference_data` calls it.
+        ``min_ess`` effective draws (NumPyro's estimator over the chains), whose mean then
+        carries a Monte Carlo error above ``1 / sqrt(min_ess)`` (0.14) of its sd.
 
-        :return: ``(num_violations, num_proposals, num_capped_samples)``.
+        Its ``result`` (what :meth:`check_run` returns) is ``(num_violations, num_proposals,
+        num_capped_samples)``.
         """
         problems = few_effective_draws(mcmc.get_samples(group_by_chain=True), min_ess)
         violations, proposals, capped, rates = rate_problems(
             mcmc.get_extra_fields(), kind=bound_kind(self.bounds), max_proposals=self.max_proposals,
             sample_interval=self.sample_interval)
-        problems += rates
-        if problems:
-            message = "FedZigZag: " + "; ".join(problems)
-            if strict:
-                raise RuntimeError(message)
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
-        return violations, proposals, capped
+        return RunCheck(problems + rates, (violations, proposals, capped))
 
     def trajectory_moments(self, mcmc):
         """Mean and covariance (or variance) of the whole sampled path, computed exactly
@@ -368,15 +346,11 @@ class FedZigZag(MCMCKernel):
         # MCMC(..., chain_method="vectorized") passes one key per chain.
         vectorized = not is_prng_key(rng_key)
         first_key = rng_key[0] if vectorized else rng_key
-        potential = split_potential(
-            self._model, model_args, model_kwargs, partition=self.partition,
-            init_strategy=self.init_strategy, rng_key=jax.random.fold_in(first_key, 0),
-        )
-        self.federated_potential = potential
+        potential = self.init_potential(jax.random.fold_in(first_key, 0), model_args, model_kwargs)
         proposers, prior_weights = proposers_from_potential(potential, prior=self.prior)
         use_cv = potential.num_clients > 1 if self.control_variates is None else bool(self.control_variates)
         ravel = jax.vmap(potential.ravel) if vectorized else potential.ravel
-        flat_potential = jax.jit(lambda x: potential.potential(potential.unravel(x)))
+        flat_potential = jax.jit(potential.flat().potential)
         start = potential.ravel(potential.init_params)
         d = start.shape[-1]
         num_warmup = int(num_warmup)
@@ -409,7 +383,7 @@ class FedZigZag(MCMCKernel):
             reference = control_variate_reference(proposers, point, order=order)
         kernel = jax.jit(build_kernel(
             proposers, reference=reference, excess_rates=jnp.full(proposers.num, self.excess_rate),
-            redistribution_rate=self.redistribution_rate, bounds=bounds,
+            redistribution_rate=self.redistribution_rate if self.prior == "redistribute" else 0.0, bounds=bounds,
             grid_size=self.grid_size, safety_factor=self.safety_factor, max_proposals=self.max_proposals,
             batched=vectorized, full_covariance=self.full_covariance, skeleton_size=self.skeleton_size,
         ))
@@ -447,11 +421,3 @@ class FedZigZag(MCMCKernel):
         # NumPyro skips init (and this set-up) when it has a state and the sample function.
         self._sample_fn = sample_fn
         return init_fn(rng_key, start)
-
-    def sample(self, state, model_args, model_kwargs):
-        return self._sample_fn(state)
-
-    def postprocess_fn(self, model_args, model_kwargs):
-        if self.federated_potential is None:
-            raise RuntimeError("FedZigZag.postprocess_fn needs init() to have run")
-        return self.federated_potential.postprocess_fn
