@@ -3,7 +3,7 @@
 from numpyro_fed.arviz import to_inference_data
 from numpyro_fed.infer import ADMM, DADMMS, DSGHMC, DSGLD, DULA, make_topology
 from numpyro_fed.infer import FedZigZag, GradientBound, HessianBound
-from numpyro_fed.infer import DPPVI
+from numpyro_fed.infer import BCM, DPPVI, GlobalVI
 from numpyro_fed.infer import DSVGD, PDSVGD, SVGD, UDSVGD, DistributedSGLD, FedAvg, GaussianPVI
 from numpyro_fed.plate import federated_plate, normalize_clients
 from numpyro_fed.potential import FederatedPotential, FlatPotential, PlateInfo, split_potential
@@ -11,7 +11,9 @@ from numpyro_fed.potential import FederatedPotential, FlatPotential, PlateInfo, 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "BCM",
     "DPPVI",
+    "GlobalVI",
     "ADMM",
     "DADMMS",
     "DSGHMC",

@@ -20,11 +20,16 @@ import numpyro.distributions as dist
 
 import numpyro_fed as nf
 from numpyro_fed.infer import pvi
-from numpyro_fed.infer.dppvi import DPPVI
+from numpyro_fed.infer.pvi import DPPVI
 from numpyro_fed.privacy import calibrate_noise_multiplier, gaussian_event
 
 REPLACE = dp_accounting.NeighboringRelation.REPLACE_ONE
 NUM_ROWS, NUM_CLIENTS = 120, 3
+
+def params(result):
+    """``q``'s ``loc`` and ``scale`` by site after a run."""
+    return result.method.get_params(result.state)
+
 
 
 def model(X, y=None):
@@ -74,9 +79,9 @@ def test_poisson_cap_changes_nothing_when_the_batch_fits(data):
     config = pvi.LocalConfig(optim=optax.adam(0.1), num_steps=3, num_mc_samples=2, sampling="poisson",
                              sampling_rate=0.1, dpsgd=True, clip_norm=1.0)
     row_log_lik = lambda t, r: fp.row_log_likelihood_fn(fp.unravel(t), r)
-    full, _ = pvi.optimise_local(jax.random.PRNGKey(0), row_log_lik, start, start, rows, valid, config,
+    full, _ = pvi.optimize_local(jax.random.PRNGKey(0), row_log_lik, start, start, rows, valid, config,
                                  noise_multiplier=1.0)
-    capped, _ = pvi.optimise_local(jax.random.PRNGKey(0), row_log_lik, start, start, rows, valid, config,
+    capped, _ = pvi.optimize_local(jax.random.PRNGKey(0), row_log_lik, start, start, rows, valid, config,
                                    noise_multiplier=1.0, batch_cap=20)
     np.testing.assert_allclose(capped.eta1, full.eta1, rtol=1e-10)
     # The cap the class picks keeps the overflow probability within its share of delta.
@@ -84,7 +89,7 @@ def test_poisson_cap_changes_nothing_when_the_batch_fits(data):
 
     method = DPPVI(model, dp="dpsgd", noise_multiplier=1.0, sampling="poisson", sampling_rate=0.05, **FAST)
     guarantee = method.privacy(np.ones(2), 10, np.array([3900, 3000]))
-    cap = method._batch_cap(guarantee, 10, np.array([3900, 3000]), 3900)
+    cap = method.batch_cap(guarantee, 10, np.array([3900, 3000]), 3900)
     epsilon = guarantee.epsilon
     assert 195 < cap < 1000
     assert 50 * binom.sf(cap, 3900, 0.05) * (1 + np.exp(epsilon)) <= 1e-6 * 1e-5
@@ -126,7 +131,7 @@ def test_calibrated_run_spends_at_most_the_target(data):
                    sampling_rate=0.2, **FAST)
     result = method.run(jax.random.PRNGKey(3), 2, *data)
     assert 0.99 <= result.privacy.epsilon <= 1.0
-    assert np.all(result.noise_multiplier > 0)
+    assert np.all(result.metrics["noise_multiplier"][-1] > 0)
 
 
 def test_calibration_of_update_perturbation():
@@ -185,7 +190,7 @@ def test_dpsgd_noise_has_the_stated_scale():
                              sampling_rate=rate, dpsgd=True, clip_norm=clip)
 
     def moved(key):
-        new, _ = pvi.optimise_local(key, lambda t, r: jnp.zeros(r[0].shape[0]), start, start,
+        new, _ = pvi.optimize_local(key, lambda t, r: jnp.zeros(r[0].shape[0]), start, start,
                                     rows, jnp.zeros(4, bool), config, noise_multiplier=sigma)
         loc, scale = pvi.loc_scale(new)
         return jnp.concatenate([loc, jnp.log(scale)])
@@ -252,7 +257,7 @@ def test_dpsgd_clipped_gradients_have_norm_at_most_C(data):
     fp = nf.split_potential(model, data)
     rows = [r[0] for r in fp.client_data["rows"]]
     d = fp.num_latent
-    params = pvi._Params(jnp.full(d, 3.0), jnp.zeros(d))
+    params = pvi.LocalParams(jnp.full(d, 3.0), jnp.zeros(d))
     eps = jax.random.normal(jax.random.PRNGKey(7), (3, d))
     grads = pvi.per_example_grads(lambda t, r: fp.row_log_likelihood_fn(fp.unravel(t), r), params, eps, rows)
     clipped, was_clipped = pvi.clip_by_norm(grads, 0.1)
@@ -300,7 +305,7 @@ def test_one_virtual_client_equals_naive_parameter_perturbation_by_hand(data, no
     # by hand
     key_opt, key_noise = jax.random.split(key)
     cavity = pvi.GaussianNatural(q.eta1 - factor.eta1, q.eta2 - factor.eta2)
-    new_q, _ = pvi.optimise_local(jax.random.split(key_opt, 1)[0], row_log_lik, q, cavity, rows, valid, config)
+    new_q, _ = pvi.optimize_local(jax.random.split(key_opt, 1)[0], row_log_lik, q, cavity, rows, valid, config)
     change = jnp.concatenate([new_q.eta1 - q.eta1, new_q.eta2 - q.eta2])
     assert jnp.linalg.norm(change) > clip  # clipping is active
     change = change * clip / jnp.linalg.norm(change)
@@ -347,9 +352,9 @@ def test_samples_and_inference_data(dpsgd_run):
     method, result = dpsgd_run
     draws = method.get_samples(jax.random.PRNGKey(10), result, 4000)
     assert draws["w"].shape == (4000, 2)
-    np.testing.assert_allclose(draws["w"].mean(0), result.params["loc"]["w"], atol=5 * result.params["scale"]["w"].max() / 60)
-    np.testing.assert_allclose(draws["w"].std(0), result.params["scale"]["w"], rtol=0.05)
-    idata = nf.to_inference_data(result, method=method, num_samples=50, rng_key=jax.random.PRNGKey(0))
+    np.testing.assert_allclose(draws["w"].mean(0), params(result)["loc"]["w"], atol=5 * params(result)["scale"]["w"].max() / 60)
+    np.testing.assert_allclose(draws["w"].std(0), params(result)["scale"]["w"], rtol=0.05)
+    idata = nf.to_inference_data(result, num_samples=50, rng_key=jax.random.PRNGKey(0))
     assert idata.posterior["w"].shape[:2] == (1, 50)
     assert idata.attrs["privacy_epsilon"] == result.privacy.epsilon
     assert idata.attrs["algorithm"] == "DPPVI" and idata.attrs["num_clients"] == NUM_CLIENTS
@@ -358,7 +363,7 @@ def test_samples_and_inference_data(dpsgd_run):
 
 @pytest.mark.parametrize("prior", ["same", "split"])
 def test_bcm_is_exact_on_a_conjugate_model(prior):
-    from numpyro_fed.infer.dppvi import BCM
+    from numpyro_fed.infer.pvi import BCM
 
     def gaussian(y):
         mu = numpyro.sample("mu", dist.Normal(0.5, 2.0))
@@ -370,16 +375,16 @@ def test_bcm_is_exact_on_a_conjugate_model(prior):
     mean = (0.5 / 4 + y.sum()) / precision
     bcm = BCM(gaussian, prior=prior, dp=None, optim=optax.adam(optax.exponential_decay(5e-2, 400, 0.05)),
               num_local_steps=400, num_mc_samples=64, progress_bar=False)
-    result = bcm.run(jax.random.PRNGKey(0), y)
-    assert abs(result.params["loc"]["mu"] - mean) < 0.05 * precision ** -0.5
-    np.testing.assert_allclose(result.params["scale"]["mu"], precision ** -0.5, rtol=0.03)
+    result = bcm.run(jax.random.PRNGKey(0), 1, y)
+    assert abs(params(result)["loc"]["mu"] - mean) < 0.05 * precision ** -0.5
+    np.testing.assert_allclose(params(result)["scale"]["mu"], precision ** -0.5, rtol=0.03)
 
 
 def test_global_vi_accounts_the_pooled_rows(data):
-    from numpyro_fed.infer.dppvi import GlobalVI
+    from numpyro_fed.infer.pvi import GlobalVI
 
     method = GlobalVI(model, noise_multiplier=2.0, sampling="without_replacement", sampling_rate=0.05, **FAST)
-    result = method.run(jax.random.PRNGKey(1), *data)
+    result = method.run(jax.random.PRNGKey(1), 1, *data)
     event = dp_event.SelfComposedDpEvent(
         dp_event.SampledWithoutReplacementDpEvent(NUM_ROWS, 6, dp_event.GaussianDpEvent(1.0)),
         FAST["num_local_steps"],
@@ -428,7 +433,7 @@ def test_defaults_reach_the_exact_posterior_of_a_conjugate_regression():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a converged default run does not warn
         result = DPPVI(model, progress_bar=False).run(jax.random.PRNGKey(1), 5, X, y)
-    loc, scale = np.asarray(result.params["loc"]["w"]), np.asarray(result.params["scale"]["w"])
+    loc, scale = np.asarray(params(result)["loc"]["w"]), np.asarray(params(result)["scale"]["w"])
     assert np.max(np.abs(loc - mean) / sd) < 0.08
     assert np.max(np.abs(np.log(scale / sd))) < 0.12
     assert np.all(result.metrics["residual"][-1] < 0.1)
@@ -453,8 +458,8 @@ def test_default_optimiser_is_invariant_to_the_units():
             numpyro.sample("y", dist.Normal(X @ w / 1000.0, 1.0), obs=y)
 
     big = DPPVI(scaled, progress_bar=False).run(jax.random.PRNGKey(3), 3, X, y)
-    np.testing.assert_allclose(big.params["loc"]["w"] / 1000.0, fit.params["loc"]["w"], rtol=1e-6, atol=1e-6 * sd.max())
-    np.testing.assert_allclose(big.params["scale"]["w"] / 1000.0, fit.params["scale"]["w"], rtol=1e-6)
+    np.testing.assert_allclose(params(big)["loc"]["w"] / 1000.0, params(fit)["loc"]["w"], rtol=1e-6, atol=1e-6 * sd.max())
+    np.testing.assert_allclose(params(big)["scale"]["w"] / 1000.0, params(fit)["scale"]["w"], rtol=1e-6)
 
 
 # -- defaults: DP-SGD given only a budget (issue 12, item 5) ----------------------------------------
@@ -486,7 +491,7 @@ def test_user_settings_warn_when_the_noise_would_dominate(data):
     method = DPPVI(model, dp="dpsgd", target_epsilon=1.0, sampling="full", clip_norm=1.0, **FAST)
     with pytest.warns(RuntimeWarning, match="mostly noise"):
         result = method.run(jax.random.PRNGKey(0), 2, *data)
-    assert result.metrics["predicted_dp_error"] > 1.0
+    assert result.metrics["predicted_dp_error"][-1] > 1.0
 
 
 def test_automatic_dpsgd_settings_follow_the_rule():
@@ -500,7 +505,7 @@ def test_automatic_dpsgd_settings_follow_the_rule():
     np.testing.assert_allclose(method.sampling_rate, max(64 / 40000, 2.0 / (single * np.sqrt(200))))
     assert 1.8 < sigmas[0] < 2.5
     # clip norms: 8 sqrt(d / rows seen); the first sequential round sees the clients in turn
-    clips = method._auto_clip_norms(2, sizes, 3)
+    clips = method.auto_clip_norms(2, sizes, 3)
     np.testing.assert_allclose(clips, 8 * np.sqrt(3 / np.array([[40000, 80000], [80000, 80000]])))
 
 
@@ -516,12 +521,12 @@ def test_budget_only_dpsgd_is_useful_where_the_data_allow():
     method = DPPVI(model, dp="dpsgd", target_epsilon=4.0, delta=1e-5, progress_bar=False)
     with pytest.warns(RuntimeWarning, match="approximate"):  # predicted 0.24: up to ~1 sd off
         result = method.run(jax.random.PRNGKey(0), 2, X, y)
-    loc, scale = np.asarray(result.params["loc"]["w"]), np.asarray(result.params["scale"]["w"])
+    loc, scale = np.asarray(params(result)["loc"]["w"]), np.asarray(params(result)["scale"]["w"])
     assert np.all(np.abs(loc - mean) / sd < 1.0)
     assert np.all((scale / sd > 1 / 1.5) & (scale / sd < 1.5))
-    assert result.metrics["predicted_dp_error"] < 0.5
+    assert result.metrics["predicted_dp_error"][-1] < 0.5
     event = dp_event.SelfComposedDpEvent(
-        dp_event.PoissonSampledDpEvent(method.sampling_rate, dp_event.GaussianDpEvent(result.noise_multiplier[0])),
+        dp_event.PoissonSampledDpEvent(method.sampling_rate, dp_event.GaussianDpEvent(result.metrics["noise_multiplier"][-1][0])),
         2 * method.num_local_steps,
     )
     direct = _direct_epsilon(PLDAccountant(REPLACE), event, delta=1e-5 * (1 - 1e-6))

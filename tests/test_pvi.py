@@ -13,7 +13,12 @@ import numpyro.distributions as dist
 import models
 import numpyro_fed as nf
 from numpyro_fed.infer import pvi
-from numpyro_fed.infer.dppvi import DPPVI
+from numpyro_fed.infer.pvi import DPPVI
+
+def params(result):
+    """``q``'s ``loc`` and ``scale`` by site after a run."""
+    return result.method.get_params(result.state)
+
 
 
 def _regression_data(n=37, p=3, seed=0):
@@ -83,7 +88,7 @@ def test_per_example_grads_match_single_row_gradients():
     def row_log_lik(theta, rows):
         return fp.row_log_likelihood_fn(fp.unravel(theta), rows)
 
-    params = pvi._Params(jnp.arange(d) * 0.3, jnp.full(d, -0.5))
+    params = pvi.LocalParams(jnp.arange(d) * 0.3, jnp.full(d, -0.5))
     eps = jax.random.normal(jax.random.PRNGKey(2), (5, d))
     grads = pvi.per_example_grads(row_log_lik, params, eps, rows)
     for i in range(rows[0].shape[0]):
@@ -119,7 +124,7 @@ def test_conjugate_gaussian_reaches_exact_posterior(schedule):
     method = DPPVI(model, schedule=schedule, optim=optim, num_local_steps=300,
                    num_mc_samples=64, progress_bar=False)
     result = method.run(jax.random.PRNGKey(1), 6, y)
-    loc, scale = result.params["loc"]["mu"], result.params["scale"]["mu"]
+    loc, scale = params(result)["loc"]["mu"], params(result)["scale"]["mu"]
     # The prior alone is far off: these tolerances are a small fraction of the gap.
     assert jnp.all(jnp.abs(loc - mean) < 0.05 * sd)
     np.testing.assert_allclose(scale, sd, rtol=0.02)

@@ -3,14 +3,15 @@
 from numpyro_fed.infer.admm import ADMM, DADMMS, DSGHMC, DSGLD, DULA
 from numpyro_fed.infer.base import RunResult, VariationalMethod
 from numpyro_fed.infer.kernel import FederatedMCMCKernel
-from numpyro_fed.infer.dppvi import DPPVI, DPPVIRunResult
+from numpyro_fed.infer.pvi import BCM, DPPVI, GlobalVI
 from numpyro_fed.infer.stein import DSVGD, PDSVGD, SVGD, UDSVGD, DistributedSGLD, FedAvg, GaussianPVI
 from numpyro_fed.infer.admm import DisconnectedTopologyWarning, Topology, make_topology, metropolis_weights
 from numpyro_fed.infer.zigzag import FedZigZag, GradientBound, HessianBound
 
 __all__ = [
     "DPPVI",
-    "DPPVIRunResult",
+    "BCM",
+    "GlobalVI",
     "ADMM",
     "RunResult",
     "VariationalMethod",

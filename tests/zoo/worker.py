@@ -89,7 +89,8 @@ def _run_algorithm(algorithm, case, model, args, rng_key, record, sites):
         raise KeyError(algorithm)
     _phase(record, "results")
     if algorithm == "DPPVI":  # the fitted q itself, flat in the order of ``sites``
-        record["q"] = {k: np.concatenate([np.asarray(result.params[k][name], np.float64).ravel()
+        params = method.get_params(result.state)
+        record["q"] = {k: np.concatenate([np.asarray(params[k][name], np.float64).ravel()
                                           for name in sites]).tolist() for k in ("loc", "scale")}
     draws = method.get_samples(draw_key, result, lengths["num_samples"])
     return {name: np.asarray(draws[name])[None] for name in sites}

@@ -1,0 +1,289 @@
+"""DPPVI's privacy side: the automatic DP-SGD settings, noise calibration, the Poisson batch
+cap and the accounting of a run with ``dp-accounting`` (the mixin :class:`PrivacyAccounting`
+that :class:`~numpyro_fed.DPPVI` and its baselines inherit)."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+from numpyro_fed.privacy.accounting import (
+    calibrate_noise_multiplier,
+    compute_epsilon,
+    dpsgd_event,
+    gaussian_event,
+    privacy_guarantee,
+)
+from numpyro_fed.privacy.guarantee import PrivacyGuarantee
+
+__all__ = ["PrivacyAccounting"]
+
+# Share of delta that covers capping Poisson batches (see PrivacyAccounting.batch_cap).
+CAP_DELTA_SHARE = 1e-6
+# The default local optimizer averages the iterates from this share of the steps on.
+AVERAGE_FROM = 0.5
+
+# The automatic DP-SGD settings (see DPPVI's docstring, "Automatic DP-SGD settings").
+AUTO_BATCH = 64  # expected rows per step in the smallest client
+AUTO_MIN_NOISE = 2.0  # smallest noise multiplier the automatic rate aims for
+AUTO_CLIP = 8.0  # clip norm over the typical scaled per-row gradient, sqrt(d / rows seen)
+MAX_DP_ERROR = 1.0  # predicted_dp_error above which the noise dominates (refuse / warn)
+ADAM_WINDOW = 10  # steps a user optimizer's last iterate is taken to average (Adam's momentum)
+
+
+class PrivacyAccounting:
+    """The privacy methods of :class:`~numpyro_fed.DPPVI` (a mixin: it reads the settings the
+    constructor validated: ``dp``, ``sampling``, ``sampling_rate``, ``num_local_steps``,
+    ``noise_multiplier``, ``target_epsilon``, ``delta``, ``accountant``, ``neighboring``,
+    ``schedule``, ``damping``, ``trusted_aggregator``, ``auto_sampling``, ``auto_clip``,
+    ``default_optim``)."""
+
+    # -- automatic DP-SGD settings ------------------------------------------------------------
+    def _calibrate(self, make_event):
+        """``calibrate_noise_multiplier`` for this run's budget, remembered per event."""
+        cache = self.__dict__.setdefault("_sigma_cache", {})
+        key = (repr(make_event(1.0)), self.target_epsilon, self.delta, self.accountant, self.neighboring)
+        if key not in cache:
+            cache[key] = calibrate_noise_multiplier(
+                make_event, self.target_epsilon, self._accounting_delta(),
+                accountant=self.accountant, neighbouring=self.neighboring,
+            )
+        return cache[key]
+
+    def _auto_sampling_rate(self, num_rounds, sizes) -> float:
+        """Poisson rate: ``AUTO_BATCH`` expected rows per step in the smallest client (all
+        rows if it has fewer), raised so that the calibrated noise multiplier is about
+        ``AUTO_MIN_NOISE`` or more: below it, subsampling stops paying for itself (and the
+        accounting gets slow). With many steps, DP-SGD at rate ``r`` over ``T`` steps needs
+        about ``sigma = c r sqrt(T)``, where ``c`` is the noise multiplier of a single
+        Gaussian mechanism with the same budget: the floor is ``AUTO_MIN_NOISE / (c sqrt(T))``."""
+        rate = min(1.0, AUTO_BATCH / float(np.min(sizes)))
+        if self.target_epsilon is not None and self.noise_multiplier is None and num_rounds is not None:
+            c = self._calibrate(lambda s: gaussian_event(s, 1))
+            floor = AUTO_MIN_NOISE / (c * np.sqrt(num_rounds * self.num_local_steps))
+            rate = min(1.0, max(rate, floor))
+        return float(rate)
+
+    def _resolve(self, num_rounds, sizes):
+        """Fixes the automatic sampling rate for a run of ``num_rounds`` on ``sizes``."""
+        if self.auto_sampling:
+            self.sampling_rate = self._auto_sampling_rate(num_rounds, np.asarray(sizes, int))
+
+    def auto_clip_norms(self, num_rounds, sizes, d, *, continuing=False) -> np.ndarray:
+        """``(num_rounds, M)`` clip norms of the automatic rule: ``AUTO_CLIP * sqrt(d / N_seen)``
+        where ``N_seen`` counts the rows whose information the client's ``q`` holds at its
+        update: its own and those of the clients before it in the first round (all of them
+        in the first synchronous round: its own only), all rows afterwards."""
+        sizes = np.asarray(sizes, float)
+        seen = np.tile(sizes.sum(), (num_rounds, sizes.size))
+        if not continuing:
+            seen[0] = np.cumsum(sizes) if self.schedule == "sequential" else sizes
+        return AUTO_CLIP * np.sqrt(d / seen)
+
+    def predicted_dp_error(self, noise_multipliers, num_rounds, client_sizes, num_latent) -> float:
+        """The error the privacy noise alone is expected to put on ``q``'s means, in posterior
+        standard deviations (a rule of thumb, computed from sizes only; ``0`` if non-private):
+
+        ``kappa * sigma * sqrt(d * M / N) / (rate * sqrt(W)) * sqrt(rho / (2 - rho))``
+
+        DP-SGD adds noise ``sigma * C`` per coordinate to a step's sum of clipped row
+        gradients, rescaled by ``1 / rate``. Measured in units of ``q``'s width, a row's
+        gradient is about ``sqrt(d / N)`` near the posterior and the local objective's
+        curvature about 1; an average over ``W`` steps (the default optimizer's averaging
+        window; 10 for a user optimizer) divides the noise by ``sqrt(W)``, the ``M`` clients'
+        errors add up, and damping ``rho`` averages over rounds. ``kappa`` is the clip norm
+        over that row gradient: ``AUTO_CLIP`` for the automatic clip norm, 1 (the best case)
+        for a user's. Update perturbation (``"local_avg"``, ``"virtual"``) is not covered
+        (``nan``).
+        """
+        if self.dp is None:
+            return 0.0
+        if self.dp != "dpsgd":
+            return float("nan")
+        sizes = np.asarray(client_sizes, float)
+        self._resolve(num_rounds, sizes)
+        sigma = float(np.max(noise_multipliers))
+        if self.sampling == "without_replacement":
+            rate = float(np.min(self._batch_sizes(sizes) / sizes))
+        else:
+            rate = self.sampling_rate
+        window = self.num_local_steps * (1 - AVERAGE_FROM) if self.default_optim else ADAM_WINDOW
+        window = max(1.0, min(window, self.num_local_steps))
+        kappa = AUTO_CLIP if self.auto_clip else 1.0
+        rho = self.damping
+        damp = np.sqrt(rho / (2 - rho)) if num_rounds * rho >= 2 else 1.0
+        return float(kappa * sigma * np.sqrt(num_latent * sizes.size / sizes.sum()) / (rate * np.sqrt(window)) * damp)
+
+    def _batch_sizes(self, sizes):
+        return np.maximum(1, np.round(self.sampling_rate * sizes)).astype(int)
+
+    def _client_events(self, sigmas, num_rounds, sizes):
+        if self.dp == "dpsgd":
+            steps = num_rounds * self.num_local_steps
+            batch_sizes = self._batch_sizes(sizes)
+            return [
+                dpsgd_event(
+                    float(s), steps, dataset_size=int(n), batch_size=int(b),
+                    sampling_rate=self.sampling_rate, sampling=self.sampling,
+                )
+                for s, n, b in zip(sigmas, sizes, batch_sizes)
+            ]
+        return [gaussian_event(float(s), num_rounds) for s in sigmas]
+
+    def noise_multipliers(self, num_rounds: int, client_sizes) -> np.ndarray:
+        """``(M,)`` noise multipliers for a run of ``num_rounds``: the given one, or each
+        client's smallest one spending at most ``target_epsilon``."""
+        sizes = np.asarray(client_sizes, int)
+        if self.dp is None:
+            return np.zeros(sizes.size)
+        self._resolve(num_rounds if self.noise_multiplier is None else None, sizes)
+        if self.noise_multiplier is not None:
+            return np.full(sizes.size, self.noise_multiplier)
+        if self.dp != "dpsgd":
+            # One Gaussian per round, whatever the client's size.
+            sigma = calibrate_noise_multiplier(
+                lambda s: gaussian_event(s, num_rounds), self.target_epsilon, self.delta,
+                accountant=self.accountant, neighbouring=self.neighboring,
+            )
+            return np.full(sizes.size, sigma)
+        out = np.zeros(sizes.size)
+        keys = [(int(n), int(b)) if self.sampling == "without_replacement" else 0
+                for n, b in zip(sizes, self._batch_sizes(sizes))]
+        for key in dict.fromkeys(keys):
+            m = keys.index(key)
+            n = int(sizes[m])
+            sigma = self._calibrate(lambda s: self._client_events([s], num_rounds, np.array([n]))[0])
+            out[[i for i, k in enumerate(keys) if k == key]] = sigma
+        return out
+
+    def max_rounds(self, client_sizes, *, limit: int = 100_000) -> int:
+        """The most rounds a run can have with the given ``noise_multiplier`` and still
+        spend at most ``target_epsilon`` (both given at construction): ``run(rng_key, None,
+        ...)`` runs that many. For ``dp="dpsgd"`` a round is ``num_local_steps`` DP-SGD steps
+        per client.
+
+        :raises ValueError: when even one round spends more than the target.
+        """
+        if self.dp is None or self.noise_multiplier is None or self.target_epsilon is None:
+            raise ValueError("max_rounds needs a private dp, noise_multiplier and target_epsilon")
+        sizes = np.asarray(client_sizes, int)
+        sigmas = np.full(sizes.size, self.noise_multiplier)
+
+        def fits(rounds):
+            return self.privacy(sigmas, rounds, sizes).epsilon <= self.target_epsilon
+
+        if not fits(1):
+            raise ValueError(
+                f"one round with noise_multiplier={self.noise_multiplier} already spends more "
+                f"than target_epsilon={self.target_epsilon}: raise the noise or the target"
+            )
+        # Epsilon grows with the number of rounds: double, then bisect.
+        low, high = 1, 2
+        while fits(high):
+            low, high = high, 2 * high
+            if high > limit:
+                return limit
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if fits(mid) else (low, mid)
+        return low
+
+    def _accounting_delta(self):
+        # Poisson batches are capped (see batch_cap): a 1e-6 share of delta covers the cap.
+        if self.dp == "dpsgd" and self.sampling == "poisson":
+            return self.delta * (1.0 - CAP_DELTA_SHARE)
+        return self.delta
+
+    def batch_cap(self, guarantee, num_rounds, sizes, num_rows) -> int | None:
+        """Rows per step's batch that the per-example work is sized for (``guarantee``: the
+        run's :meth:`privacy`).
+
+        Without replacement: the largest batch. Poisson: the smallest ``c`` such that a
+        batch larger than ``c`` (whose extra rows would be dropped) has probability ``p``
+        with ``T p (1 + e^epsilon) <= 1e-6 delta`` over the run's ``T`` steps; the capped
+        mechanism then differs from the accounted one by at most that share of delta.
+        """
+        if self.sampling == "without_replacement":
+            return int(self._batch_sizes(sizes).max())
+        if self.sampling != "poisson":
+            return None
+        from scipy.stats import binom
+
+        steps = num_rounds * self.num_local_steps
+        epsilon = 50.0
+        if self.dp == "dpsgd" and guarantee is not None:
+            epsilon = guarantee.epsilon
+        if epsilon > 50.0:
+            return None
+        budget = CAP_DELTA_SHARE * self.delta / (steps * (1.0 + np.exp(epsilon)))
+        caps = [int(binom.isf(budget, int(n), self.sampling_rate)) + 1 for n in sizes]
+        cap = max(caps)
+        return None if cap >= num_rows else cap
+
+    def privacy(self, noise_multipliers, num_rounds: int, client_sizes) -> PrivacyGuarantee | None:
+        """The guarantee of a run: each client's events accounted with ``dp-accounting``;
+        the run's epsilon is the largest (each row belongs to one client)."""
+        if self.dp is None or not np.all(np.asarray(noise_multipliers) > 0):
+            return None
+        sizes = np.asarray(client_sizes, int)
+        self._resolve(num_rounds if self.noise_multiplier is None else None, sizes)
+        events = self._client_events(np.asarray(noise_multipliers), num_rounds, sizes)
+        cache = {}  # clients with the same events (same noise, and size where it matters)
+        epsilons = []
+        for e in events:
+            key = repr(e)
+            if key not in cache:
+                cache[key] = compute_epsilon(
+                    e, self._accounting_delta(), accountant=self.accountant, neighbouring=self.neighboring
+                )
+            epsilons.append(cache[key])
+        accountant = self.accountant or ("rdp" if self.sampling == "without_replacement" else "pld")
+        if self.dp == "dpsgd":
+            mechanism = (
+                f"DP-SGD, {num_rounds * self.num_local_steps} steps per client, "
+                f"{self.sampling} sampling at rate {self.sampling_rate:g} (Theorem 6)"
+            )
+            if self.sampling == "poisson":
+                mechanism += (
+                    f"; epsilon at delta (1 - {CAP_DELTA_SHARE:g}), the rest of delta covers "
+                    "the cap on Poisson batch sizes"
+                )
+            scope = "the whole run: every row, through all the client holding it sends"
+        else:
+            theorem = {"local_avg": "Theorem 7", "virtual": "Theorem 12"}[self.dp]
+            if self.trusted_aggregator:
+                theorem = {"local_avg": "Theorem 11", "virtual": "Theorem 14"}[self.dp]
+            mechanism = f"Gaussian mechanism on clipped updates, {num_rounds} per client ({theorem})"
+            scope = (
+                "the whole run: every row, through the sums of the clients' updates that a "
+                "trusted aggregator releases (each client's own message carries 1/sqrt(M) of "
+                "the noise)"
+                if self.trusted_aggregator
+                else "the whole run: every row, through all the client holding it sends"
+            )
+        return privacy_guarantee(
+            max(epsilons), self.delta, scope=scope, neighbouring=self.neighboring,
+            method=f"dp-accounting {accountant.upper()} accountant; {mechanism}",
+        )
+
+
+    def _noise_dominates(self, dp_error, num_rounds, sizes):
+        """Refuses (automatic settings) or warns (the user's settings): the privacy noise
+        would dominate the answer."""
+        budget = (f"target_epsilon={self.target_epsilon}" if self.target_epsilon is not None
+                  else f"noise_multiplier={self.noise_multiplier}")
+        message = (
+            f"DPPVI(dp='dpsgd'): with {budget}, {num_rounds} round(s) of {self.num_local_steps} "
+            f"local steps, {sizes.size} clients and {int(np.sum(sizes))} rows, the privacy noise "
+            f"alone is expected to move each mean of q by about {dp_error:.2g} posterior standard "
+            f"deviations (predicted_dp_error; more than {MAX_DP_ERROR}): the answer would be "
+            "mostly noise. Raise target_epsilon (the error scales about as 1/epsilon), run fewer "
+            "rounds (as sqrt(num_rounds)), use damping=0.5 over several rounds, give the clients "
+            "more rows (as 1/sqrt(rows)) or, for many small clients, use dp='virtual' with a "
+            "trusted aggregator"
+        )
+        if self.auto_sampling and self.auto_clip:
+            raise ValueError(message + "; or set sampling, sampling_rate and clip_norm yourself to run anyway")
+        warnings.warn(message, RuntimeWarning, stacklevel=4)  # run -> init -> here
+

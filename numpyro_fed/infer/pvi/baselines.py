@@ -1,0 +1,108 @@
+"""The baselines of the DP-PVI paper, as :class:`~numpyro_fed.DPPVI` with fixed settings:
+:class:`BCM` (one round, the server multiplies the clients' local posteriors) and
+:class:`GlobalVI` (DP-SGD on the pooled rows through a trusted aggregator)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+from numpyro_fed._checks import check_int
+from numpyro_fed.infer.base import RunResult
+from numpyro_fed.infer.pvi import core
+from numpyro_fed.infer.pvi.dppvi import DPPVI
+
+__all__ = ["BCM", "GlobalVI"]
+
+
+class BCM(DPPVI):
+    """Bayesian committee machine (Tresp 2000) trained with DP-SGD: the one-round baseline
+    of the DP-PVI paper. Every client fits its local posterior once, from the prior
+    (``prior="same"``: ``q = prod_m q_m / p^(M-1)``) or from ``p^(1/M)``
+    (``prior="split"``: ``q = prod_m q_m``); the server multiplies them.
+
+    It is DPPVI with one synchronous round, no damping: ``run(rng_key, 1, *args)`` (one
+    round is all there is). The privacy is that of ``num_local_steps`` DP-SGD steps per
+    client. Other arguments as :class:`~numpyro_fed.DPPVI` (``dp`` is ``"dpsgd"`` or
+    ``None``).
+
+    >>> import jax, jax.numpy as jnp, numpyro, numpyro.distributions as dist
+    >>> import numpyro_fed as nf
+    >>> def model(y):
+    ...     mu = numpyro.sample("mu", dist.Normal(0, 1))
+    ...     with nf.federated_plate("data", y.shape[0], clients=2):
+    ...         numpyro.sample("y", dist.Normal(mu, 1), obs=y)
+    >>> bcm = nf.BCM(model, prior="split", dp=None, num_local_steps=300, progress_bar=False)
+    >>> result = bcm.run(jax.random.PRNGKey(0), 1, jnp.ones(8))
+    >>> params = bcm.get_params(result.state)
+    >>> loc, scale = params["loc"]["mu"], params["scale"]["mu"]
+    >>> bool(abs(loc - 8 / 9) < 0.05 and abs(scale - 1 / 3) < 0.03)  # the exact posterior
+    True
+    """
+
+    repr_fields = ("prior", "dp", "num_local_steps", "num_mc_samples")
+
+    def __init__(self, model, *, prior: str = "same", dp: str | None = "dpsgd", **kwargs):
+        if prior not in ("same", "split"):
+            raise ValueError(f"prior must be 'same' or 'split', got {prior!r}")
+        if dp not in (None, "dpsgd"):
+            raise ValueError(f"BCM trains with DP-SGD: dp must be 'dpsgd' or None, got {dp!r}")
+        for name in ("schedule", "damping"):
+            if name in kwargs:
+                raise ValueError(f"BCM fixes {name}: one synchronous round, no damping")
+        self.prior = prior
+        super().__init__(model, dp=dp, schedule="synchronous", damping=1.0, **kwargs)
+
+    def _initial_state(self, prior, num_clients):
+        state = core.init(prior, num_clients)
+        if self.prior == "split":
+            # factors (1 - 1/M) eta_prior make every cavity p^(1/M)
+            share = jax.tree_util.tree_map(
+                lambda x: jnp.broadcast_to((1.0 - 1.0 / num_clients) * x, (num_clients,) + x.shape), prior
+            )
+            state = state._replace(factors=share)
+        return state
+
+    def _final_state(self, state):
+        q = jax.tree_util.tree_map(lambda p, f: p + f.sum(0), state.prior, state.factors)
+        return state._replace(q=q)
+
+    def run(self, rng_key, num_rounds: int, *args, **kwargs) -> RunResult:
+        """As :meth:`DPPVI.run <numpyro_fed.DPPVI.run>`; ``num_rounds`` must be 1."""
+        if check_int(num_rounds, "num_rounds", minimum=1) != 1:
+            raise ValueError(f"BCM runs one round (the server multiplies the local posteriors once), got num_rounds={num_rounds}")
+        if kwargs.get("init_state") is not None:
+            raise ValueError("BCM runs one round from the prior: init_state does not apply")
+        return super().run(rng_key, 1, *args, **kwargs)
+
+
+class GlobalVI(DPPVI):
+    """Global (centralized) DP-VI with a trusted aggregator (Jälkö et al. 2017): the
+    baseline of the DP-PVI paper that needs a communication per optimization step.
+
+    Every step, each client sends its sum of clipped per-example gradients to a trusted
+    aggregator that adds the noise once: the same as DP-SGD on the pooled rows, which is
+    how it is computed here. A round is ``num_local_steps`` steps (the paper's run is one
+    round); the communications count ``M`` per step. Other arguments as
+    :class:`~numpyro_fed.DPPVI`.
+    """
+
+    repr_fields = ("dp", "num_local_steps", "num_mc_samples")
+
+    def __init__(self, model, *, dp: str | None = "dpsgd", **kwargs):
+        if dp not in (None, "dpsgd"):
+            raise ValueError(f"GlobalVI trains with DP-SGD: dp must be 'dpsgd' or None, got {dp!r}")
+        for name in ("schedule", "damping"):
+            if name in kwargs:
+                raise ValueError(f"GlobalVI fixes {name}")
+        super().__init__(model, dp=dp, schedule="synchronous", damping=1.0, **kwargs)
+
+    def _layout(self, potential, plate):
+        valid = potential.client_data["valid"][plate]
+        rows = [r.reshape((1, -1) + r.shape[2:]) for r in potential.client_data["rows"]]
+        return np.array([int(np.sum(valid))]), rows, valid.reshape(1, -1)
+
+    def _communications_per_round(self):
+        return self.federated_potential.num_clients * self.num_local_steps

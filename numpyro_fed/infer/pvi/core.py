@@ -1,0 +1,257 @@
+"""Partitioned variational inference (PVI, Ashman et al. 2022): the server side and the round.
+
+The approximation is a mean-field Gaussian over the flat unconstrained latent vector,
+
+    q(theta) = p(theta) prod_m t_m(theta),
+
+held as natural parameters ``eta = (precision * mean, -precision / 2)``: those of the prior
+(a Gaussian on the unconstrained space) and of one factor ``t_m`` per client, so that
+``eta_q = eta_prior + sum_m eta_m``. Each client runs :func:`~numpyro_fed.infer.pvi.client.client_update`
+on its own rows and what the server sends (``q``) and returns the change ``Delta`` of its
+factor; the server (:func:`server_update`) adds ``damping * Delta`` to the client's factor and
+to ``q``. Where that would leave a coordinate of ``q`` with a non-positive precision, the
+coordinate keeps its previous value in ``q`` and in the factors (counted in
+``PVIInfo.rejected``); this only post-processes released values.
+
+With a trusted aggregator (synchronous schedule), each client's noise standard deviation is
+divided by ``sqrt(M)``: the sum the aggregator releases carries the full noise (Theorems 11,
+14 of Heikkilä et al. 2023).
+
+Schedules: ``"sequential"`` (clients in turn, the server updating after each) and
+``"synchronous"`` (all clients from the same ``q``, vmapped). One *round* visits every
+client once. The core in BlackJAX's shape: :func:`init` and :func:`build_step`'s pure
+``step(rng_key, state, data, clip_norm=None) -> (state, info)``;
+:class:`~numpyro_fed.DPPVI` is the face.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from numpyro_fed.infer.pvi.client import LocalConfig, client_update
+from numpyro_fed.infer.pvi.gaussian import GaussianNatural, kl_divergence, loc_scale, tree_add
+
+__all__ = [
+    "ClientData",
+    "PVIInfo",
+    "PVIState",
+    "build_step",
+    "init",
+    "negative_elbo",
+    "server_update",
+    "shard_layout",
+]
+
+DP_VARIANTS = (None, "dpsgd", "local_avg", "virtual")
+SCHEDULES = ("sequential", "synchronous")
+SAMPLING = ("poisson", "without_replacement", "full")
+
+
+class PVIState(NamedTuple):
+    """The server's and clients' natural parameters.
+
+    :ivar GaussianNatural q: the global approximation, ``(d,)`` each.
+    :ivar GaussianNatural prior: the prior, ``(d,)``.
+    :ivar GaussianNatural factors: the client factors ``t_m``, ``(M, d)``.
+    :ivar GaussianNatural virtual: the virtual factors ``t_{m,k}``, ``(M, K, d)`` (zeros,
+        ``K = 1``, unless ``dp="virtual"``); each client's sum to its factor.
+    :ivar round: rounds run so far (an int array).
+    """
+
+    q: GaussianNatural
+    prior: GaussianNatural
+    factors: GaussianNatural
+    virtual: GaussianNatural
+    round: jax.Array = 0
+
+
+class PVIInfo(NamedTuple):
+    """Diagnostics of one round.
+
+    :ivar rejected: ``(M,)`` (sequential: per client update) or ``()`` (synchronous):
+        coordinates of an update not applied because they would make ``q`` improper.
+    :ivar clipped: ``(M,)`` fraction of clipped terms (per-example gradients or shard
+        changes) in each client's update; zero without clipping.
+    :ivar residual: ``(M,)`` each client's local-optimization residual (see
+        :func:`~numpyro_fed.infer.pvi.client.optimize_local`; the largest over its shards).
+    :ivar loss: the negative ELBO of ``q`` after the round (:func:`negative_elbo`).
+    """
+
+    rejected: jax.Array
+    clipped: jax.Array
+    residual: jax.Array
+    loss: jax.Array
+
+
+class ClientData(NamedTuple):
+    """Every client's rows, stacked and padded (a client's slice is its only data).
+
+    :ivar rows: list of arrays ``(M, R, ...)``: the model arguments cut per client.
+    :ivar valid: ``(M, R)`` mask of real (non-padding) rows.
+    :ivar shard_index: ``(M, K, R_k)`` row positions of each client's shards.
+    :ivar shard_valid: ``(M, K, R_k)`` mask of real rows in each shard.
+    """
+
+    rows: list
+    valid: jax.Array
+    shard_index: jax.Array
+    shard_valid: jax.Array
+
+
+def init(prior: GaussianNatural, num_clients: int, num_virtual: int = 1) -> PVIState:
+    """All factors at zero: ``q`` is the prior."""
+    d = prior.eta1.shape[-1]
+    zeros = jnp.zeros((num_clients, d), prior.eta1.dtype)
+    zeros_virtual = jnp.zeros((num_clients, num_virtual, d), prior.eta1.dtype)
+    return PVIState(
+        q=prior,
+        prior=prior,
+        factors=GaussianNatural(zeros, zeros),
+        virtual=GaussianNatural(zeros_virtual, zeros_virtual),
+        round=jnp.zeros((), jnp.int32),
+    )
+
+
+def shard_layout(client_sizes, num_shards: int, seed=0):
+    """Random shards of each client's valid rows (positions ``0 .. n_m - 1`` of its block).
+
+    :return: ``(index, valid)``, each ``(M, K, R_k)``; padding repeats a row of the shard
+        and is masked.
+    """
+    rng = np.random.default_rng(seed)
+    client_sizes = [int(n) for n in client_sizes]
+    if min(client_sizes) < num_shards:
+        raise ValueError(
+            f"num_shards={num_shards} exceeds the rows of the smallest client ({min(client_sizes)})"
+        )
+    rows_per_shard = -(-max(client_sizes) // num_shards)
+    index = np.zeros((len(client_sizes), num_shards, rows_per_shard), np.int32)
+    valid = np.zeros_like(index, dtype=bool)
+    for m, n in enumerate(client_sizes):
+        for k, part in enumerate(np.array_split(rng.permutation(n), num_shards)):
+            index[m, k] = np.resize(part, rows_per_shard)
+            valid[m, k, : part.size] = True
+    return jnp.asarray(index), jnp.asarray(valid)
+
+
+def server_update(state: PVIState, new_q, new_factors, new_virtual):
+    """Applies a proposed ``q`` and factors, coordinate by coordinate: where the new ``q``
+    would not be a proper Gaussian (or not finite), the coordinate keeps its old values (one
+    coordinate's noise must not discard a whole update).
+
+    :return: ``(state, number of rejected coordinates)``.
+    """
+    ok = (new_q.eta2 < 0) & jnp.isfinite(new_q.eta1) & jnp.isfinite(new_q.eta2)
+    pick = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new, old)
+    return (
+        state._replace(q=pick(new_q, state.q), factors=pick(new_factors, state.factors),
+                       virtual=pick(new_virtual, state.virtual)),
+        jnp.sum(~ok),
+    )
+
+
+def negative_elbo(rng_key, row_log_lik: Callable, q: GaussianNatural, prior: GaussianNatural,
+                  data: ClientData, num_samples: int):
+    """``-ELBO(q) = KL(q || prior) - sum_m sum_i E_q[log p(x_{m,i} | theta)]``, the
+    expectation estimated with ``num_samples`` draws of ``q`` shared by every client.
+
+    A diagnostic of the run computed on every client's rows in this process: it is not one of
+    the messages the clients send, and no privacy guarantee covers it.
+    """
+    loc, scale = loc_scale(q)
+    thetas = loc + scale * jax.random.normal(rng_key, (num_samples,) + loc.shape, loc.dtype)
+
+    def client_log_lik(rows, valid):
+        per_draw = jax.vmap(row_log_lik, in_axes=(0, None))(thetas, rows)  # (S, R)
+        return jnp.sum(jnp.where(valid, jnp.mean(per_draw, axis=0), 0.0))
+
+    expected = jnp.sum(jax.vmap(client_log_lik)(data.rows, data.valid))
+    return kl_divergence(q, prior) - expected
+
+
+#: ``jax.random.fold_in`` stream of a round's key that draws :func:`negative_elbo`'s samples
+#: (the clients' keys are ``jax.random.split(rng_key, M)``).
+LOSS_STREAM = 1
+
+
+def build_step(
+    row_log_lik: Callable,
+    data: ClientData,
+    config: LocalConfig,
+    *,
+    dp: str | None = None,
+    schedule: str = "sequential",
+    damping: float = 1.0,
+    noise_multiplier=0.0,
+    trusted_aggregator: bool = False,
+    batch_cap: int | None = None,
+) -> Callable:
+    """A pure ``step(rng_key, state, data, clip_norm=None) -> (state, PVIInfo)``: one round,
+    visiting every client once. ``data`` is the :class:`ClientData` (passed, not captured,
+    so that ``jit`` does not embed it as constants); it must keep the shapes of the one
+    given here. ``clip_norm`` (``(M,)``, DP-SGD only) overrides ``config.clip_norm`` per
+    client for this round.
+
+    :param row_log_lik: ``(theta_flat, rows) -> (R,)`` log-likelihood of each row.
+    :param noise_multiplier: scalar or ``(M,)``: the noise standard deviation over the clip
+        norm (per client).
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    num_clients = data.valid.shape[0]
+    sigmas = jnp.broadcast_to(jnp.asarray(noise_multiplier, dtype=jnp.zeros(()).dtype), (num_clients,))
+    noise_divisor = float(np.sqrt(num_clients)) if trusted_aggregator else 1.0
+
+    def client(data, key, q, m, factor, virtual, clip_norm):
+        """Client ``m``: its block of ``data`` and what the server sends (``q``)."""
+        rows = [r[m] for r in data.rows]
+        return client_update(
+            key, row_log_lik, q, factor, virtual, rows, data.valid[m],
+            data.shard_index[m], data.shard_valid[m], config, dp=dp,
+            noise_multiplier=sigmas[m], noise_divisor=noise_divisor, batch_cap=batch_cap,
+            with_residual=True, clip_norm=None if clip_norm is None else clip_norm[m],
+        )
+
+    def synchronous(keys, state, data, clip_norm):
+        deltas, virtual_deltas, clipped, residual = jax.vmap(
+            lambda k, m, f, v: client(data, k, state.q, m, f, v, clip_norm)
+        )(keys, jnp.arange(num_clients), state.factors, state.virtual)
+        new_factors = tree_add(state.factors, deltas, damping)
+        new_virtual = tree_add(state.virtual, virtual_deltas, damping)
+        total = jax.tree_util.tree_map(lambda x: jnp.sum(x, axis=0), deltas)
+        state, rejected = server_update(state, tree_add(state.q, total, damping), new_factors, new_virtual)
+        return state, (rejected, clipped, residual)
+
+    def sequential(keys, state, data, clip_norm):
+        def visit(state, inputs):
+            key, m = inputs
+            factor = jax.tree_util.tree_map(lambda x: x[m], state.factors)
+            virtual = jax.tree_util.tree_map(lambda x: x[m], state.virtual)
+            delta, virtual_delta, clipped, residual = client(data, key, state.q, m, factor, virtual, clip_norm)
+            new_factors = jax.tree_util.tree_map(lambda all_, d: all_.at[m].add(damping * d), state.factors, delta)
+            new_virtual = jax.tree_util.tree_map(
+                lambda all_, d: all_.at[m].add(damping * d), state.virtual, virtual_delta
+            )
+            state, rejected = server_update(state, tree_add(state.q, delta, damping), new_factors, new_virtual)
+            return state, (rejected, clipped, residual)
+
+        return lax.scan(visit, state, (keys, jnp.arange(num_clients)))
+
+    visit_all = synchronous if schedule == "synchronous" else sequential
+
+    def step(rng_key, state: PVIState, data: ClientData, clip_norm=None):
+        keys = jax.random.split(rng_key, num_clients)
+        state, (rejected, clipped, residual) = visit_all(keys, state, data, clip_norm)
+        state = state._replace(round=state.round + 1)
+        loss = negative_elbo(jax.random.fold_in(rng_key, LOSS_STREAM), row_log_lik, state.q, state.prior,
+                             data, config.num_mc_samples)
+        return state, PVIInfo(rejected=rejected, clipped=clipped, residual=residual, loss=loss)
+
+    return step
