@@ -38,7 +38,7 @@ import numpyro.distributions as dist
 import numpyro_fed as nf
 from numpyro_fed import metrics, partition
 from numpyro_fed.datasets import load_adult
-from numpyro_fed.infer.dppvi import BCM, DPPVI, GlobalVI
+from numpyro_fed.infer.pvi import BCM, DPPVI, GlobalVI
 
 ADULT = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "shared", "data", "uci_adult")
 
@@ -170,10 +170,7 @@ def run_variant(name, spec, X, y, owner, X_test, y_test, epsilon, delta, seed, n
     method = spec["cls"](lambda X, y=None: model_fn(X, y, clients=model_clients), **kwargs)
     key = jax.random.PRNGKey(seed)
     start = time.perf_counter()
-    if spec["cls"] is DPPVI:
-        result = method.run(key, spec["rounds"], X, y)
-    else:
-        result = method.run(key, X, y)
+    result = method.run(key, spec["rounds"], X, y)
     jax.block_until_ready(result.state.q)
     wall = time.perf_counter() - start
     curve = []
@@ -190,7 +187,7 @@ def run_variant(name, spec, X, y, owner, X_test, y_test, epsilon, delta, seed, n
         "wall_seconds": wall,
         "epsilon": None if result.privacy is None else result.privacy.epsilon,
         "delta": None if result.privacy is None else result.privacy.delta,
-        "noise_multiplier": float(np.max(result.noise_multiplier)),
+        "noise_multiplier": float(np.max(result.metrics["noise_multiplier"])),
         "rejected_updates": int(np.sum(result.metrics["rejected"])),
         "curve": curve,
     }
@@ -299,14 +296,15 @@ def run_defaults(seeds, names=None):
                     print(f"{name:42s} seed {seed}  refused: {error}", flush=True)
                     rows.append({"problem": name, "seed": seed, "refused": str(error)})
                     continue
-            loc, scale = np.asarray(result.params["loc"]["w"]), np.asarray(result.params["scale"]["w"])
+            params = method.get_params(result.state)
+            loc, scale = np.asarray(params["loc"]["w"]), np.asarray(params["scale"]["w"])
             row = {
                 "problem": name, "seed": seed, "max_abs_error_sd": float(np.max(np.abs(loc - mean) / sd)),
                 "sd_ratio_min": float(np.min(scale / sd)), "sd_ratio_max": float(np.max(scale / sd)),
                 "epsilon": None if result.privacy is None else result.privacy.epsilon,
-                "noise_multiplier": float(np.max(result.noise_multiplier)),
+                "noise_multiplier": float(np.max(result.metrics["noise_multiplier"])),
                 "sampling_rate": method.sampling_rate,
-                "predicted_dp_error": result.metrics["predicted_dp_error"],
+                "predicted_dp_error": float(result.metrics["predicted_dp_error"][-1]),
                 "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],
                 "wall_seconds": time.perf_counter() - start,
             }
