@@ -135,3 +135,95 @@ def test_conjugate_gaussian_reaches_exact_posterior(schedule):
     counts = np.bincount(np.arange(n) % 3)
     np.testing.assert_allclose(client_precision, counts[:, None] * noise_precision, rtol=0.1)
     assert not np.any(result.metrics["rejected"])
+
+
+# -- GaussianPVI: one scheduled client per round (moved here from the DSVGD family) ----------------
+
+PRIOR_SD, NOISE_SD = 3.0, 3.0
+Y = jnp.array([2.5, -1.0, 4.0, 0.5, 3.0, 1.5])
+POST_PRECISION = 1 / PRIOR_SD**2 + Y.size / NOISE_SD**2
+POST_MEAN = float(Y.sum() / NOISE_SD**2 / POST_PRECISION)  # 1.5
+POST_VAR = 1 / POST_PRECISION  # 9/7
+
+
+def gaussian_mean(y):
+    mu = numpyro.sample("mu", dist.Normal(0, PRIOR_SD))
+    with nf.federated_plate("data", y.shape[0], clients=3):
+        numpyro.sample("y", dist.Normal(mu, NOISE_SD), obs=y)
+
+
+def test_gaussian_pvi_is_exact_on_the_conjugate_model():
+    """A Gaussian posterior is in PVI's family: after two visits per client, q is the
+    posterior up to the local optimizer's Monte Carlo noise."""
+    import math
+
+    from scipy import stats
+
+    method = pvi.GaussianPVI(gaussian_mean, num_local_steps=500, num_mc_samples=20, progress_bar=False)
+    result = method.run(jax.random.PRNGKey(0), 6, Y)
+    assert result.metrics["client"].tolist() == [0, 1, 2, 0, 1, 2]
+    loc, scale = result.metrics["loc"][-1, 0], result.metrics["scale"][-1, 0]
+    # 5% of the posterior sd: well above the optimizer's noise, well below the prior's miss.
+    assert abs(loc - POST_MEAN) < 0.05 * math.sqrt(POST_VAR)
+    assert abs(scale - math.sqrt(POST_VAR)) < 0.05 * math.sqrt(POST_VAR)
+    assert abs(result.metrics["loc"][0, 0] - POST_MEAN) > 0.2  # one client alone is not there
+    draws = method.get_samples(jax.random.PRNGKey(1), result, 20_000)["mu"]
+    assert abs(float(draws.mean()) - loc) < 4 * scale / math.sqrt(20_000)
+    x = jnp.array([[POST_MEAN]])
+    assert float(method.log_density(result, x)[0]) == pytest.approx(stats.norm(loc, scale).logpdf(POST_MEAN), rel=1e-5)
+
+
+def test_gaussian_pvi_client_order_and_errors():
+    method = pvi.GaussianPVI(gaussian_mean, num_local_steps=5, client_order=[2, 2, 0], progress_bar=False)
+    assert method.run(jax.random.PRNGKey(0), 3, Y).metrics["client"].tolist() == [2, 2, 0]
+    with pytest.raises(ValueError, match="client_order gives 3 rounds"):
+        method.run(jax.random.PRNGKey(0), 4, Y)
+    with pytest.raises(ValueError, match=r"unknown client\(s\) \[5\]"):
+        pvi.GaussianPVI(gaussian_mean, client_order=[0, 5], progress_bar=False).run(jax.random.PRNGKey(0), 1, Y)
+    with pytest.raises(ValueError, match="client_order must be"):
+        pvi.GaussianPVI(gaussian_mean, client_order="cyclic")
+
+    def non_gaussian(y):
+        sigma = numpyro.sample("sigma", dist.Gamma(2.0, 1.0))
+        with nf.federated_plate("data", y.shape[0], clients=3):
+            numpyro.sample("y", dist.Normal(0.0, sigma), obs=y)
+
+    with pytest.raises(ValueError, match="Gaussian prior"):
+        pvi.GaussianPVI(non_gaussian, progress_bar=False).run(jax.random.PRNGKey(0), 1, Y)
+
+
+def _exact_negative_elbo(loc, scale):
+    """``KL(q || prior) - sum_i E_q[log N(y_i | mu, NOISE_SD^2)]`` in closed form."""
+    kl = np.log(PRIOR_SD / scale) + (scale**2 + loc**2) / (2 * PRIOR_SD**2) - 0.5
+    expected = -0.5 * np.log(2 * np.pi * NOISE_SD**2) - ((np.asarray(Y) - loc) ** 2 + scale**2) / (2 * NOISE_SD**2)
+    return kl - expected.sum()
+
+
+def test_dppvi_loss_is_the_negative_elbo_and_update_continues_run():
+    """metrics['loss'] is the negative ELBO: unbiased for its closed form, which at the
+    exact posterior (PVI's conjugate fixed point) is minus the log evidence; init/update give
+    the rounds of run."""
+    from scipy import stats
+
+    method = DPPVI(gaussian_mean, optim=optax.adam(optax.exponential_decay(5e-2, 300, 0.05)),
+                   num_local_steps=300, num_mc_samples=64, progress_bar=False)
+    result = method.run(jax.random.PRNGKey(1), 3, Y)
+    assert result.metrics["loss"].shape == (3,)
+    assert result.metrics["loss"][0] > result.metrics["loss"][-1]
+    loc, scale = result.metrics["loc"][-1, 0], result.metrics["scale"][-1, 0]
+    exact = _exact_negative_elbo(loc, scale)
+    estimates = np.array([float(method.evaluate(result.state, rng_key=k))
+                          for k in jax.random.split(jax.random.PRNGKey(5), 40)])
+    assert abs(estimates.mean() - exact) < 4 * estimates.std() / np.sqrt(40)
+    evidence = stats.multivariate_normal(np.zeros(Y.size), NOISE_SD**2 * np.eye(Y.size) + PRIOR_SD**2).logpdf(np.asarray(Y))
+    assert exact == pytest.approx(-evidence, abs=1e-3)  # q is the posterior: the ELBO is the evidence
+    # evaluate on other data: the same q against the rows doubled costs more
+    assert float(method.evaluate(result.state, jnp.concatenate([Y, Y]))) > estimates.max()
+    # the same rounds, one at a time
+    key_init, key_run = jax.random.split(jax.random.PRNGKey(1))
+    state = method.init(key_init, Y, num_rounds=3)
+    for key in jax.random.split(key_run, 3):
+        state, info = method.update(key, state)
+    np.testing.assert_array_equal(state.q.eta1, result.state.q.eta1)
+    assert float(info.loss) == result.metrics["loss"][-1]
+    assert repr(method).startswith("DPPVI(gaussian_mean, dp=None, schedule='sequential'")
