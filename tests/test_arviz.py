@@ -155,16 +155,18 @@ RUNS = {
                             chain_method="vectorized"),
     "DSVGD": lambda: nf.DSVGD(logistic_regression, num_particles=40, num_local_steps=20, num_distill_steps=20,
                               progress_bar=False).run(jax.random.PRNGKey(0), NUM_CLIENTS, *DATA),
+    "DPPVI": lambda: nf.DPPVI(logistic_regression, num_local_steps=50, progress_bar=False).run(
+        jax.random.PRNGKey(0), 3, *DATA),
 }
 
 
 @pytest.fixture(scope="module", params=list(RUNS))
 def converted(request):
     """(name, idata without client data, idata with log-likelihoods and observed data)."""
-    result = RUNS[request.param]()
     with warnings.catch_warnings():
-        # short runs: FedZigZag/DADMMS warn about few effective draws; that is not tested here
+        # short runs: the algorithms warn about few effective draws or rounds; not tested here
         warnings.simplefilter("ignore", RuntimeWarning)
+        result = RUNS[request.param]()
         idata = nf.to_inference_data(result)
         # the same call for every result: a variational result does not keep the data
         pooled = nf.to_inference_data(result, log_likelihood=True, observed_data=True, model_args=DATA)
