@@ -145,8 +145,7 @@ def run_mixture(rounds: int = 10, num_particles: int = 200):
         "DSVGD_auto": nf.DSVGD(mixture_toy, num_local_steps=200, num_distill_steps=200, **common),
         "SVGD": nf.SVGD(mixture_toy, steps_per_round=200, **common),
         "DSGLD": nf.DistributedSGLD(mixture_toy, num_local_steps=200, a0=0.01, **common),
-        "GaussianPVI": nf.GaussianPVI(mixture_toy, num_particles=num_particles, num_local_steps=1000,
-                                        progress_bar=False),
+        "GaussianPVI": nf.GaussianPVI(mixture_toy, num_local_steps=1000, progress_bar=False),
     }
     draws = toy.posterior.sample(400_000, seed=0)
     gaussian = metrics.kl_1d(toy.log_posterior, stats.norm(draws.mean(), draws.std()).logpdf, grid)

@@ -3,8 +3,8 @@
 from numpyro_fed.arviz import to_inference_data
 from numpyro_fed.infer import ADMM, DADMMS, DSGHMC, DSGLD, DULA, make_topology
 from numpyro_fed.infer import FedZigZag, GradientBound, HessianBound
-from numpyro_fed.infer import BCM, DPPVI, GlobalVI
-from numpyro_fed.infer import DSVGD, PDSVGD, SVGD, UDSVGD, DistributedSGLD, FedAvg, GaussianPVI
+from numpyro_fed.infer import BCM, DPPVI, GaussianPVI, GlobalVI
+from numpyro_fed.infer import DSVGD, PDSVGD, SVGD, UDSVGD, DistributedSGLD, FedAvg
 from numpyro_fed.plate import federated_plate, normalize_clients
 from numpyro_fed.potential import FederatedPotential, FlatPotential, PlateInfo, split_potential
 

@@ -244,7 +244,7 @@ def mixture_kls():
         jax.random.PRNGKey(0), 5, *args)
     central = stein.SVGD(mixture_toy, steps_per_round=200, **common).run(jax.random.PRNGKey(0), 5, *args)
     # Gaussian PVI, one agent per round as DSVGD; its KL is that of the Gaussian q itself.
-    pvi = stein.GaussianPVI(mixture_toy, num_particles=100, num_local_steps=1000, progress_bar=False).run(
+    pvi = nf.GaussianPVI(mixture_toy, num_local_steps=1000, progress_bar=False).run(
         jax.random.PRNGKey(0), 5, *args)
     pvi_kl = [metrics.kl_1d(toy.log_posterior, stats.norm(loc[0], scale[0]).logpdf, grid)
               for loc, scale in zip(pvi.metrics["loc"], pvi.metrics["scale"])]
@@ -289,8 +289,7 @@ def test_fedavg_reaches_the_map_and_dsgld_the_posterior():
 def test_gaussian_pvi_is_exact_on_the_conjugate_model():
     """A Gaussian posterior is in PVI's family: after two visits per client, q is the
     posterior up to the local optimiser's Monte Carlo noise."""
-    pvi = stein.GaussianPVI(gaussian_mean, num_particles=50, num_local_steps=500, num_mc_samples=20,
-                           progress_bar=False)
+    pvi = nf.GaussianPVI(gaussian_mean, num_local_steps=500, num_mc_samples=20, progress_bar=False)
     result = pvi.run(jax.random.PRNGKey(0), 6, Y)
     assert result.metrics["client"].tolist() == [0, 1, 2, 0, 1, 2]
     loc, scale = result.metrics["loc"][-1, 0], result.metrics["scale"][-1, 0]
@@ -312,7 +311,7 @@ def test_gaussian_pvi_needs_a_gaussian_prior():
             numpyro.sample("y", dist.Normal(0.0, sigma), obs=y)
 
     with pytest.raises(ValueError, match="Gaussian prior"):
-        stein.GaussianPVI(model, progress_bar=False).run(jax.random.PRNGKey(0), 1, Y)
+        nf.GaussianPVI(model, progress_bar=False).run(jax.random.PRNGKey(0), 1, Y)
 
 
 def test_dsgld_divergence_is_an_error_naming_the_step_size():

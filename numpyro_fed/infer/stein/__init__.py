@@ -13,9 +13,11 @@ Layout (data flows down):
   :mod:`.svgd`, :mod:`.dsvgd`, :mod:`.pdsvgd`, :mod:`.udsvgd`, :mod:`.sgld`;
 * :mod:`.model`: a NumPyro model's split potential as flat gradient functions, prior draws,
   minibatch gradients; :mod:`.client_order`; :mod:`.checks` (Stein's identity);
+* (Gaussian PVI, the paper's other baseline, is :class:`numpyro_fed.GaussianPVI` in
+  :mod:`numpyro_fed.infer.pvi`.)
 * the faces, mirroring :class:`numpyro.infer.SVI`: :class:`DSVGD`, :class:`PDSVGD`,
   :class:`UDSVGD` (:mod:`.methods`), :class:`SVGD`, :class:`FedAvg`,
-  :class:`DistributedSGLD` (:mod:`.baselines`), :class:`GaussianPVI`, all over
+  :class:`DistributedSGLD` (:mod:`.baselines`), all over
   :class:`~numpyro_fed.infer.base.VariationalMethod` (:mod:`.face`): their
   :class:`~numpyro_fed.infer.RunResult` converts with :func:`numpyro_fed.to_inference_data`.
 """
@@ -23,7 +25,6 @@ Layout (data flows down):
 from numpyro_fed.infer.stein.baselines import SVGD, DistributedSGLD, FedAvg
 from numpyro_fed.infer.stein.dsvgd import DSVGDInfo, DSVGDState
 from numpyro_fed.infer.stein.face import ParticleMethod, kernel_stein_discrepancy
-from numpyro_fed.infer.stein.gaussian_pvi import GaussianPVI
 from numpyro_fed.infer.stein.kde import kde_grad_log_density, kde_log_density, shrunk_kde
 from numpyro_fed.infer.stein.kernels import median_bandwidth, rbf_kernel, svgd_direction, wide_median_bandwidth
 from numpyro_fed.infer.stein.methods import DSVGD, PDSVGD, UDSVGD
@@ -38,7 +39,6 @@ __all__ = [
     "DSVGDState",
     "DistributedSGLD",
     "FedAvg",
-    "GaussianPVI",
     "PDSVGD",
     "ParticleMethod",
     "SVGD",
