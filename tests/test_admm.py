@@ -52,11 +52,6 @@ def _agents(mcmc, group_by_chain=False):
     return np.asarray(nf.DADMMS.agent_draws(mcmc, group_by_chain=group_by_chain)["x"])
 
 
-def _agent_noise(key, shape):
-    """``(N, d)``: the standard normal draws of one step, each agent's from its own key."""
-    return jax.vmap(lambda k: jax.random.normal(k, shape[1:]))(jax.random.split(key, shape[0]))
-
-
 def _w2_per_iteration(draws):
     """W2 between the Gaussian fitted across chains and the exact posterior, per iteration.
     ``draws``: (chains, iterations, d)."""
@@ -157,7 +152,7 @@ def test_newton_solver_matches_the_closed_form():
     x, p = a.x, a.p
     state, _ = exact(jax.random.PRNGKey(99), a)
     degrees = adjacency.sum(1)
-    w = _agent_noise(jax.random.PRNGKey(99), x.shape)
+    w = jax.random.normal(jax.random.PRNGKey(99), x.shape)
     v = (degrees[:, None] * x + adjacency @ x) / (2 * degrees[:, None]) - np.sqrt(2) / (2 * 5.0) * w
     g = potentials.grads(state.x) + p + 2 * 5.0 * degrees[:, None] * (state.x - v)
     assert float(jnp.max(jnp.abs(g))) < 1e-9
@@ -509,7 +504,7 @@ def test_gradient_baselines_mix_with_metropolis_weights():
     step = admm.build_dsgld_kernel(potentials, s, 0.01)
     x = jax.random.normal(jax.random.PRNGKey(1), (5, 2))
     state, _ = step(jax.random.PRNGKey(2), admm.init_dsgld(x))
-    w = _agent_noise(jax.random.PRNGKey(2), x.shape)
+    w = jax.random.normal(jax.random.PRNGKey(2), x.shape)
     expected = s @ x - 0.01 * potentials.grads(x) + np.sqrt(0.02) * w
     np.testing.assert_allclose(state.x, expected, atol=1e-12)
 

@@ -81,10 +81,10 @@ import warnings
 import numpy as np
 
 import jax
-import jax.numpy as jnp
 
 from numpyro.infer.initialization import init_to_uniform
 from numpyro.infer.mcmc import MCMCKernel
+from numpyro.util import is_prng_key
 
 from numpyro_fed.infer.base import build_potential
 from numpyro_fed.potential import FederatedPotential
@@ -155,7 +155,7 @@ class FederatedMCMCKernel(MCMCKernel):
         :param str global_latents_only: the sampler's name if it infers global latents only
             (then client-local sites are refused, with ``advice``).
         """
-        if jnp.ndim(rng_key) == 2 or (jnp.ndim(rng_key) == 1 and jnp.issubdtype(rng_key.dtype, jax.dtypes.prng_key)):
+        if not is_prng_key(rng_key):
             rng_key = rng_key[0]
         potential = build_potential(self._model, model_args, model_kwargs, partition=self.partition,
                                     init_strategy=self.init_strategy, rng_key=rng_key,

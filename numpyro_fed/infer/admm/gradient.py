@@ -18,9 +18,9 @@ potential plus its share of the prior, see :mod:`numpyro_fed.infer.admm.agents`)
 ``S`` is the doubly stochastic Metropolis matrix of the graph
 (:func:`~numpyro_fed.infer.admm.topology.metropolis_weights`). Each algorithm is
 ``init_<name>(x) -> state`` and ``build_<name>_kernel(...) -> step(rng_key, state) ->
-(state, GradientInfo)``; inside a step every agent draws its noise from its own key
-(``jax.random.split(rng_key, N)``) and updates from its own gradient and what the network
-delivers (:func:`~numpyro_fed.infer.admm.agents.mixed`,
+(state, GradientInfo)``; inside a step the agents' noise is one ``(N, d)`` standard
+normal draw from the step's key (row ``i`` is agent ``i``'s) and every agent updates from
+its own gradient, its noise and what the network delivers (:func:`~numpyro_fed.infer.admm.agents.mixed`,
 :func:`~numpyro_fed.infer.admm.agents.neighbor_sums`).
 """
 
@@ -152,14 +152,13 @@ def build_dsgld_kernel(potentials: AgentPotentials, mixing, step_size: float) ->
     adjacency = _graph_of(mixing)
     grad = jax.grad(potentials.fn)
 
-    def agent(rng_key, x, received, block, prior_weight):
-        w = jax.random.normal(rng_key, x.shape, dtype=x.dtype)
+    def agent(w, x, received, block, prior_weight):
         return received - step_size * grad(x, block, prior_weight) + jnp.sqrt(2.0 * step_size) * w
 
     def step(rng_key, state):
         x = state.x
-        keys = jax.random.split(rng_key, x.shape[0])
-        x_new = jax.vmap(agent)(keys, x, mixed(mixing, x), potentials.data, potentials.prior_weights)
+        w = jax.random.normal(rng_key, x.shape, dtype=x.dtype)
+        x_new = jax.vmap(agent)(w, x, mixed(mixing, x), potentials.data, potentials.prior_weights)
         return SGLDState(x_new), GradientInfo(disagreement(adjacency, x_new))
 
     return step
@@ -178,16 +177,15 @@ def build_dsghmc_kernel(potentials: AgentPotentials, mixing, step_size: float, f
     adjacency = _graph_of(mixing)
     grad = jax.grad(potentials.fn)
 
-    def agent(rng_key, x, v, received, block, prior_weight):
-        w = jax.random.normal(rng_key, x.shape, dtype=x.dtype)
+    def agent(w, x, v, received, block, prior_weight):
         v_new = (v - step_size * (friction * v + grad(x, block, prior_weight))
                  + jnp.sqrt(2.0 * friction * step_size) * w)
         return received + step_size * v_new, v_new
 
     def step(rng_key, state):
         x, v = state
-        keys = jax.random.split(rng_key, x.shape[0])
-        x_new, v_new = jax.vmap(agent)(keys, x, v, mixed(mixing, x), potentials.data, potentials.prior_weights)
+        w = jax.random.normal(rng_key, x.shape, dtype=x.dtype)
+        x_new, v_new = jax.vmap(agent)(w, x, v, mixed(mixing, x), potentials.data, potentials.prior_weights)
         return SGHMCState(x_new, v_new), GradientInfo(disagreement(adjacency, x_new))
 
     return step
@@ -210,18 +208,18 @@ def build_dula_kernel(potentials: AgentPotentials, adjacency, *, alpha0: float, 
     n = potentials.num_agents
     grad = jax.grad(potentials.fn)
 
-    def agent(rng_key, x, received, degree, k, block, prior_weight):
+    def agent(w, x, received, degree, k, block, prior_weight):
         alpha = alpha0 / (offset + k) ** chi2
         zeta = zeta0 / (offset + k) ** chi1
-        w = jnp.sqrt(n) * jax.random.normal(rng_key, x.shape, dtype=x.dtype)  # w ~ N(0, N I)
+        w = jnp.sqrt(n) * w  # w ~ N(0, N I)
         return (x - zeta * (degree * x - received) - alpha * n * grad(x, block, prior_weight)
                 + jnp.sqrt(2.0 * alpha) * w)
 
     def step(rng_key, state):
         x, k = state
-        keys = jax.random.split(rng_key, x.shape[0])
+        w = jax.random.normal(rng_key, x.shape, dtype=x.dtype)
         x_new = jax.vmap(agent, in_axes=(0, 0, 0, 0, None, 0, 0))(
-            keys, x, neighbor_sums(adjacency, x), degrees, k, potentials.data, potentials.prior_weights)
+            w, x, neighbor_sums(adjacency, x), degrees, k, potentials.data, potentials.prior_weights)
         return ULAState(x_new, k + 1), GradientInfo(disagreement(adjacency, x_new))
 
     return step
