@@ -60,7 +60,8 @@ def runaway_problems(start, end, stein_mean, stein_scale, *, from_prior: bool, a
         problems.append(f"their mean moved {np.max(distance):.3g} prior sds "
                         f"(coordinate {int(np.argmax(distance))})")
     if all_visited:
-        m, v = np.asarray(stein_mean), np.asarray(stein_scale)
+        # float64: in float32 the floor 1e-300 below would underflow to 0 (log of 0)
+        m, v = np.asarray(stein_mean, dtype=float), np.asarray(stein_scale, dtype=float)
         # For a Gaussian target, stein_mean / sqrt(stein_scale) is the mean's offset in
         # posterior sds and stein_scale the variance ratio.
         offset = np.where(v > 0, np.abs(m) / np.sqrt(np.where(v > 0, v, 1.0)), np.inf)
