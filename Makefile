@@ -1,13 +1,38 @@
 # Every target creates .venv and installs the project into it on first use.
-PYTHON ?= python3
+#
+# ArviZ 1.x and JAX >= 0.11 need Python >= 3.12, so .venv is made with the first Python
+# >= 3.12 found: python3.12 or python3.13 on PATH, then pyenv's installed versions (oldest
+# first: 3.12 is the tested one), then python3 if it is new enough.
+# `make PYTHON=/path/to/python` chooses another.
+
+ifeq ($(origin PYTHON), undefined)
+PYTHON := $(shell for p in python3.12 python3.13 \
+	$$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.1[2-9].*/bin/python 2>/dev/null | sort -V) python3; do \
+	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(not sys.version_info >= (3, 12))' 2>/dev/null \
+	&& { command -v $$p; break; }; done)
+endif
+# Python 3.10/3.11 users get ArviZ 0.2x and JAX <= 0.10: `make test-compat` tests that stack.
+ifeq ($(origin COMPAT_PYTHON), undefined)
+COMPAT_PYTHON := $(shell for p in python3.11 python3.10 \
+	$$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.1[01].*/bin/python 2>/dev/null | sort -rV) python3; do \
+	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(not ((3, 10) <= sys.version_info < (3, 12)))' 2>/dev/null \
+	&& { command -v $$p; break; }; done)
+endif
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+COMPAT_VENV := .venv-compat
 DATA ?= ../shared/data
 
-.PHONY: demo test test-slow zoo docs notebooks bench clean
+.PHONY: demo test test-slow test-compat zoo docs notebooks bench clean
 
 $(STAMP): pyproject.toml
+	@test -n "$(PYTHON)" || { echo "make: no Python >= 3.12 found (tried python3.12, python3.13," \
+	  "pyenv's versions and python3). Install Python 3.12 or newer (e.g. 'apt-get install" \
+	  "python3.12-venv' or 'pyenv install 3.12'), or run make PYTHON=/path/to/python3.12" >&2; exit 1; }
+	@if [ -x $(PY) ] && [ "$$($(PY) -c 'import sys; print(sys.version_info[:2])')" != \
+	  "$$($(PYTHON) -c 'import sys; print(sys.version_info[:2])')" ]; then \
+	  echo "make: $(VENV) has $$($(PY) -V), not $$($(PYTHON) -V): making it anew"; rm -rf $(VENV); fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -e ".[test,docs,notebooks]"
 	touch $(STAMP)
@@ -21,6 +46,15 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m slow
 
+# The conversion to ArviZ 0.2x (with JAX 0.10) on Python 3.10/3.11, the stack users of
+# those Pythons get; in $(COMPAT_VENV).
+test-compat:
+	@test -n "$(COMPAT_PYTHON)" || { echo "make: no Python 3.10 or 3.11 found for test-compat;" \
+	  "run make COMPAT_PYTHON=/path/to/python3.11" >&2; exit 1; }
+	test -x $(COMPAT_VENV)/bin/python || $(COMPAT_PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip install -q -e ".[test,notebooks]"
+	$(COMPAT_VENV)/bin/python -m pytest -q -n 2 -p no:cacheprovider tests/test_arviz.py numpyro_fed/arviz.py
+
 # The model zoo: every algorithm x every model, default settings; writes docs/guide/zoo.md.
 zoo: $(STAMP)
 	$(PY) tools/zoo_table.py --jobs 2
@@ -32,4 +66,4 @@ notebooks: $(STAMP)
 	$(PY) tools/run_notebooks.py notebooks/*.ipynb
 
 clean:
-	rm -rf $(VENV) site .pytest_cache
+	rm -rf $(VENV) $(COMPAT_VENV) site .pytest_cache
