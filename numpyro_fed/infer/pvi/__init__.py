@@ -47,6 +47,3 @@ __all__ = [
     "shard_layout",
 ]
 
-# infer/svgd.py's GaussianPVI still builds its rounds with the former name; it moves to
-# infer/pvi/gaussian_pvi.py (GaussianPVI here), after which this alias goes.
-build_round = build_step
