@@ -1,9 +1,6 @@
-"""Data loaders and the synthetic problems of the papers this package reproduces.
+"""The synthetic problems of the papers this package reproduces.
 
-Loaders of real data take the path of the files: the package never assumes
-where data lives. They return a frozen :class:`Dataset` of numpy float arrays.
-
-Synthetic generators follow the experiment sections of
+The generators follow the experiment sections of
 
 * Bierkens, Duncan et al. (2022), *Federated Bayesian computation via
   piecewise deterministic Markov chain Monte Carlo* (Fed-PDMC):
@@ -22,7 +19,6 @@ existing :class:`numpy.random.Generator` is also accepted).
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,10 +27,7 @@ from numpyro_fed._checks import check_int as _check_int, check_positive as _chec
 from scipy import special, stats
 
 __all__ = [
-    "ADULT_CATEGORICAL_COLUMNS",
-    "ADULT_NUMERIC_COLUMNS",
     "AR1Problem",
-    "Dataset",
     "GaussianMeanProblem",
     "GaussianMixture1D",
     "LGCPProblem",
@@ -47,43 +40,8 @@ __all__ = [
     "fed_pdmc_gaussian",
     "fed_pdmc_lgcp",
     "fed_pdmc_logistic",
-    "load_adult",
-    "load_kin8nm",
-    "load_protein",
     "student_t_ar1",
 ]
-
-
-# --------------------------------------------------------------------------
-# containers
-#
-# eq=False throughout: the generated __eq__ would compare numpy arrays with
-# ==, whose truth value is ambiguous, so comparing two instances would raise.
-
-
-@dataclass(frozen=True, eq=False)
-class Dataset:
-    """A train/test split of a real data set.
-
-    ``X_*`` are float arrays ``(n, p)`` and ``y_*`` float arrays ``(n,)``.
-    For regression sets ``y`` is standardised with the training split's
-    statistics; undo with ``y * y_std + y_mean`` (so an RMSE on the
-    standardised scale times ``y_std`` is the RMSE in original units). For
-    classification sets ``y_mean`` and ``y_std`` are ``None``.
-    """
-
-    X_train: np.ndarray
-    y_train: np.ndarray
-    X_test: np.ndarray
-    y_test: np.ndarray
-    feature_names: tuple[str, ...]
-    y_mean: float | None = None
-    y_std: float | None = None
-    name: str = ""
-
-    @property
-    def num_features(self) -> int:
-        return self.X_train.shape[1]
 
 
 @dataclass(frozen=True, eq=False)
@@ -100,7 +58,6 @@ class GaussianMeanProblem:
     posterior_mean: np.ndarray
     posterior_cov: np.ndarray
 
-
 @dataclass(frozen=True, eq=False)
 class LogisticProblem:
     """Bayesian logistic regression data: ``P(y=1 | X) = sigmoid(X @ true_coef)``.
@@ -115,7 +72,6 @@ class LogisticProblem:
     true_coef: np.ndarray
     prior_variance: float
     owner: np.ndarray | None = None
-
 
 @dataclass(frozen=True, eq=False)
 class LinearGaussianProblem:
@@ -133,7 +89,6 @@ class LinearGaussianProblem:
     prior_variance: float
     posterior_mean: np.ndarray
     posterior_cov: np.ndarray
-
 
 @dataclass(frozen=True, eq=False)
 class AR1Problem:
@@ -158,7 +113,6 @@ class AR1Problem:
         """``Y_k`` for ``k = 1..K``, shape ``(num_series, num_steps)``."""
         return self.series[:, 1:]
 
-
 @dataclass(frozen=True, eq=False)
 class LGCPProblem:
     """Counts on a ``g x g`` grid, ``y_k ~ Poisson(exp(x_k))``, latent ``x ~ N(0, precision^-1)``.
@@ -177,7 +131,6 @@ class LGCPProblem:
     coords: np.ndarray
     alpha: float
     beta: float
-
 
 @dataclass(frozen=True, eq=False)
 class GaussianMixture1D:
@@ -235,7 +188,6 @@ class GaussianMixture1D:
             size=num_samples, random_state=rng,
         )
 
-
 @dataclass(frozen=True, eq=False)
 class MixtureToy1D:
     """The DSVGD 1-D mixture toy: prior, each agent's likelihood, exact global posterior.
@@ -276,254 +228,6 @@ class MixtureToy1D:
         """Exact, normalised ``log q_opt(theta)``."""
         return self.posterior.log_pdf(theta)
 
-
-# --------------------------------------------------------------------------
-# argument checks and shared helpers
-
-
-
-
-
-
-
-
-def _check_test_fraction(test_fraction) -> float:
-    test_fraction = _check_real(test_fraction, "test_fraction")
-    if not 0.0 < test_fraction < 1.0:
-        raise ValueError(f"test_fraction must lie strictly between 0 and 1, got {test_fraction}")
-    return test_fraction
-
-
-def _train_test_rows(n: int, test_fraction: float, seed) -> tuple[np.ndarray, np.ndarray]:
-    num_test = int(round(test_fraction * n))
-    if not 0 < num_test < n:
-        raise ValueError(f"test_fraction={test_fraction} leaves an empty split of {n} rows")
-    perm = np.random.default_rng(seed).permutation(n)
-    return np.sort(perm[num_test:]), np.sort(perm[:num_test])
-
-
-def _standardise(train: np.ndarray, test: np.ndarray):
-    mean = train.mean(axis=0)
-    std = train.std(axis=0)
-    # A constant training column would divide by zero; centring it is enough.
-    std = np.where(std > 0, std, 1.0)
-    return (train - mean) / std, (test - mean) / std, mean, std
-
-
-def _require_file(path) -> str:
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"data file not found: {path!r}")
-    return path
-
-
-def _resolve_file(path, filename: str) -> str:
-    """``path`` is the file itself or the folder holding ``filename``."""
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        path = os.path.join(path, filename)
-    return _require_file(path)
-
-
-# --------------------------------------------------------------------------
-# UCI Adult
-
-#: Numeric Adult columns (index in the raw file, name); standardised.
-ADULT_NUMERIC_COLUMNS: tuple[tuple[int, str], ...] = (
-    (0, "age"),
-    (2, "fnlwgt"),
-    (4, "education-num"),
-    (10, "capital-gain"),
-    (11, "capital-loss"),
-    (12, "hours-per-week"),
-)
-#: Categorical Adult columns (index in the raw file, name); one-hot encoded.
-ADULT_CATEGORICAL_COLUMNS: tuple[tuple[int, str], ...] = (
-    (1, "workclass"),
-    (3, "education"),
-    (5, "marital-status"),
-    (6, "occupation"),
-    (7, "relationship"),
-    (8, "race"),
-    (9, "sex"),
-    (13, "native-country"),
-)
-_ADULT_NUM_FIELDS = 15
-
-
-def _read_adult_rows(path: str) -> list[list[str]]:
-    rows = []
-    with open(path, newline="") as handle:
-        for line_number, line in enumerate(handle, start=1):
-            line = line.strip()
-            # adult.test opens with "|1x3 Cross validator"; both files end in blank lines.
-            if not line or line.startswith("|"):
-                continue
-            fields = [value.strip() for value in line.split(",")]
-            if len(fields) != _ADULT_NUM_FIELDS:
-                raise ValueError(
-                    f"{path}:{line_number}: expected {_ADULT_NUM_FIELDS} comma-separated "
-                    f"fields, got {len(fields)}"
-                )
-            rows.append(fields)
-    return rows
-
-
-def load_adult(path, *, test_fraction: float = 0.2, seed=0) -> Dataset:
-    """UCI Adult ("Census Income"), the usual federated-VI preprocessing.
-
-    Both original files are concatenated (48,842 rows) and split at random
-    into train/test with ``seed``. The 6 numeric columns
-    (:data:`ADULT_NUMERIC_COLUMNS`) are standardised with the training
-    split's mean and standard deviation; the 8 categorical columns
-    (:data:`ADULT_CATEGORICAL_COLUMNS`) are one-hot encoded over the
-    categories seen in either file (sorted), keeping the missing value ``?``
-    as a category of its own. Label ``1`` is ``>50K`` (about 23.9 % of rows).
-    Features are ordered numeric first, then the one-hot blocks; one-hot
-    feature names read ``"column=category"``.
-
-    :param path: folder holding ``adult.data`` and ``adult.test``.
-    :param test_fraction: fraction of rows in the test split.
-    :param seed: seed of the random split.
-    :returns: :class:`Dataset` with 108 features for the original files.
-    :raises FileNotFoundError: naming the missing file.
-
-    On the original files the training split is 39,074 x 108 with 24 %
-    positive labels. The example writes two tiny files in the original
-    format (``adult.test`` opens with a ``|1x3 Cross validator`` line and
-    its labels end in a full stop) and loads them:
-
-    >>> import os, shutil, tempfile
-    >>> folder = tempfile.mkdtemp()
-    >>> def person(age, sex, label):
-    ...     return (f"{age}, Private, 77516, Bachelors, 13, Never-married, Sales, "
-    ...             f"Not-in-family, White, {sex}, 0, 0, 40, ?, {label}")
-    >>> with open(os.path.join(folder, "adult.data"), "w") as f:
-    ...     _ = f.write("\\n".join([person(39, "Male", "<=50K"), person(50, "Female", ">50K")]))
-    >>> with open(os.path.join(folder, "adult.test"), "w") as f:
-    ...     _ = f.write("\\n".join(["|1x3 Cross validator", person(25, "Female", "<=50K."),
-    ...                             person(44, "Male", ">50K.")]))
-    >>> data = load_adult(folder, test_fraction=0.25)
-    >>> data.X_train.shape, data.X_test.shape, data.feature_names[-3:]
-    ((3, 15), (1, 15), ('sex=Female', 'sex=Male', 'native-country=?'))
-    >>> int(data.y_train.sum() + data.y_test.sum())  # '>50K' and '>50K.'
-    2
-    >>> shutil.rmtree(folder)
-    """
-    test_fraction = _check_test_fraction(test_fraction)
-    folder = os.fspath(path)
-    if not os.path.isdir(folder):
-        raise FileNotFoundError(f"Adult folder not found: {folder!r} (expected adult.data and adult.test in it)")
-    rows = []
-    for filename in ("adult.data", "adult.test"):
-        rows.extend(_read_adult_rows(_require_file(os.path.join(folder, filename))))
-
-    labels = [row[14].rstrip(".") for row in rows]
-    unknown = sorted(set(labels) - {">50K", "<=50K"})
-    if unknown:
-        raise ValueError(f"unexpected Adult labels {unknown}; expected '>50K' or '<=50K'")
-    y = np.array([label == ">50K" for label in labels], dtype=float)
-
-    numeric = np.array([[float(row[i]) for i, _ in ADULT_NUMERIC_COLUMNS] for row in rows])
-    one_hot_blocks = []
-    feature_names = [name for _, name in ADULT_NUMERIC_COLUMNS]
-    for column, name in ADULT_CATEGORICAL_COLUMNS:
-        values = np.array([row[column] for row in rows])
-        categories, codes = np.unique(values, return_inverse=True)
-        one_hot_blocks.append(np.eye(categories.size)[codes])
-        feature_names.extend(f"{name}={category}" for category in categories)
-    categorical = np.concatenate(one_hot_blocks, axis=1)
-
-    train, test = _train_test_rows(len(rows), test_fraction, seed)
-    numeric_train, numeric_test, _, _ = _standardise(numeric[train], numeric[test])
-    return Dataset(
-        X_train=np.concatenate([numeric_train, categorical[train]], axis=1),
-        y_train=y[train],
-        X_test=np.concatenate([numeric_test, categorical[test]], axis=1),
-        y_test=y[test],
-        feature_names=tuple(feature_names),
-        name="adult",
-    )
-
-
-# --------------------------------------------------------------------------
-# UCI regression benchmarks
-
-
-def _load_regression(path, filename, num_columns, feature_names, name, test_fraction, seed) -> Dataset:
-    test_fraction = _check_test_fraction(test_fraction)
-    table = np.loadtxt(_resolve_file(path, filename), dtype=float, ndmin=2)
-    if table.shape[1] != num_columns:
-        raise ValueError(
-            f"{name}: expected {num_columns} whitespace-separated columns "
-            f"(features then target), got {table.shape[1]}"
-        )
-    X, y = table[:, :-1], table[:, -1]
-    train, test = _train_test_rows(len(table), test_fraction, seed)
-    X_train, X_test, _, _ = _standardise(X[train], X[test])
-    y_train, y_test, y_mean, y_std = _standardise(y[train], y[test])
-    return Dataset(
-        X_train=X_train,
-        y_train=y_train,
-        X_test=X_test,
-        y_test=y_test,
-        feature_names=tuple(feature_names),
-        y_mean=float(y_mean),
-        y_std=float(y_std),
-        name=name,
-    )
-
-
-def load_kin8nm(path, *, test_fraction: float = 0.1, seed=0) -> Dataset:
-    """kin8nm robot-arm kinematics regression (DELVE), 8,192 rows.
-
-    Eight inputs, target in the last column. ``X`` and ``y`` are standardised
-    with the training split's statistics; ``y_mean``/``y_std`` undo it.
-
-    :param path: ``kin8nm.txt`` or the folder holding it.
-    :param test_fraction: fraction of rows in the test split.
-    :param seed: seed of the random split.
-    :raises FileNotFoundError: if the file is missing.
-
-    >>> import os, tempfile
-    >>> folder = tempfile.mkdtemp()
-    >>> np.savetxt(os.path.join(folder, "kin8nm.txt"), np.random.default_rng(0).normal(size=(20, 9)))
-    >>> data = load_kin8nm(folder)
-    >>> data.X_train.shape, data.X_test.shape, data.feature_names[0]
-    ((18, 8), (2, 8), 'theta1')
-    """
-    names = [f"theta{i}" for i in range(1, 9)]
-    return _load_regression(path, "kin8nm.txt", 9, names, "kin8nm", test_fraction, seed)
-
-
-def load_protein(path, *, test_fraction: float = 0.1, seed=0) -> Dataset:
-    """UCI protein tertiary structure (CASP) regression, 45,730 rows.
-
-    Nine features ``F1..F9``, RMSD target in the LAST column of
-    ``protein_structure.txt`` (the UCI csv has it first). ``X`` and ``y`` are
-    standardised with the training split's statistics; ``y_mean``/``y_std``
-    undo it.
-
-    :param path: ``protein_structure.txt`` or the folder holding it.
-    :param test_fraction: fraction of rows in the test split.
-    :param seed: seed of the random split.
-    :raises FileNotFoundError: if the file is missing.
-
-    >>> import os, tempfile
-    >>> path = os.path.join(tempfile.mkdtemp(), "protein_structure.txt")
-    >>> np.savetxt(path, np.random.default_rng(0).uniform(size=(30, 10)))
-    >>> data = load_protein(path, test_fraction=0.2)
-    >>> data.X_train.shape, round(float(data.y_train.std()), 6)
-    ((24, 9), 1.0)
-    """
-    names = [f"F{i}" for i in range(1, 10)]
-    return _load_regression(path, "protein_structure.txt", 10, names, "protein", test_fraction, seed)
-
-
-# --------------------------------------------------------------------------
-# Fed-PDMC (Bierkens, Duncan et al. 2022), Section 6
-
-
 def fed_pdmc_gaussian(
     seed, n: int = 50, d: int = 10, *, noise_std: float = 1.0, true_mean: float = 0.5
 ) -> GaussianMeanProblem:
@@ -555,7 +259,6 @@ def fed_pdmc_gaussian(
         posterior_cov=noise_cov / n,
     )
 
-
 def fed_pdmc_logistic(
     seed, n: int = 1000, d: int = 6, *, prior_std: float = 1.0, covariate_std: float = 1.0
 ) -> LogisticProblem:
@@ -582,7 +285,6 @@ def fed_pdmc_logistic(
     X = np.concatenate([np.ones((n, 1)), covariate_std * rng.standard_normal((n, d - 1))], axis=1)
     y = (rng.uniform(size=n) < special.expit(X @ true_coef)).astype(float)
     return LogisticProblem(X=X, y=y, true_coef=true_coef, prior_variance=prior_std**2)
-
 
 def student_t_ar1(
     seed,
@@ -622,7 +324,6 @@ def student_t_ar1(
         series[:, k + 1] = intercept + coef * series[:, k] + innovations[:, k]
     return AR1Problem(series=series, true_intercept=intercept, true_coef=coef, df=df)
 
-
 def _grid_adjacency(grid_size: int) -> np.ndarray:
     """Adjacency matrix of the 4-neighbour ``grid_size x grid_size`` grid, nodes row-major."""
     grid_size = _check_int(grid_size, "grid_size", minimum=1)
@@ -631,7 +332,6 @@ def _grid_adjacency(grid_size: int) -> np.ndarray:
     for a, b in ((index[:, :-1], index[:, 1:]), (index[:-1, :], index[1:, :])):
         adjacency[a.ravel(), b.ravel()] = adjacency[b.ravel(), a.ravel()] = 1.0
     return adjacency
-
 
 def fed_pdmc_lgcp(
     seed, grid_size: int = 4, *, alpha: float = 0.1, beta: float = 1.0, blocks_per_side: int = 2
@@ -679,11 +379,6 @@ def fed_pdmc_lgcp(
         counts=counts, latent=latent, precision=precision, adjacency=adjacency, owner=owner,
         coords=np.stack([i, j], axis=1), alpha=alpha, beta=beta,
     )
-
-
-# --------------------------------------------------------------------------
-# D-ADMMS (Tzikas et al. 2024), Section 6
-
 
 def dadmms_linear(
     seed,
@@ -734,7 +429,6 @@ def dadmms_linear(
         posterior_cov=posterior_cov,
     )
 
-
 def dadmms_logistic(
     seed,
     num_agents: int = 20,
@@ -775,11 +469,6 @@ def dadmms_logistic(
         owner=np.repeat(np.arange(num_agents), n_per_agent),
     )
 
-
-# --------------------------------------------------------------------------
-# DSVGD (Kassab & Simeone), Section 7 / Appendix B.1
-
-
 def _gaussian_product(means, variances) -> tuple[float, float, float]:
     """``prod_i N(theta | m_i, v_i) = exp(log_scale) * N(theta | mean, variance)``."""
     means = np.asarray(means, dtype=float)
@@ -792,7 +481,6 @@ def _gaussian_product(means, variances) -> tuple[float, float, float]:
         - 0.5 * (np.sum(means**2 / variances) - precision * mean**2)
     )
     return float(mean), float(1.0 / precision), float(log_scale)
-
 
 def dsvgd_mixture_1d(prior: str = "gaussian") -> MixtureToy1D:
     """DSVGD's 1-D Gaussian mixture toy (Sec. 7, Figs. 2-3; App. B.1, Fig. 9a).

@@ -1,0 +1,8 @@
+"""The exact split of a model's potential energy into a prior term and one term per client
+(:mod:`~numpyro_fed.potential.federated`), read from the model's trace
+(:mod:`~numpyro_fed.potential.trace`)."""
+
+from numpyro_fed.potential.federated import FederatedPotential, FlatPotential, split_potential
+from numpyro_fed.potential.trace import PlateInfo
+
+__all__ = ["FederatedPotential", "FlatPotential", "PlateInfo", "split_potential"]

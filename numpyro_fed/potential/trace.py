@@ -1,0 +1,361 @@
+"""Reading a model's trace for :func:`~numpyro_fed.split_potential`: which sites are latent
+and where, which plates are federated and who owns their rows, which model arguments carry
+rows, and the check that the split equals NumPyro's potential energy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Literal
+
+import numpyro.distributions as dist
+from numpyro.distributions.transforms import biject_to
+from numpyro.handlers import seed, substitute, trace
+
+from numpyro_fed.plate import FEDERATED_KEY, normalize_clients
+
+__all__ = ["PlateInfo"]
+
+
+@dataclass(frozen=True)
+class PlateInfo:
+    """A federated plate as :func:`split_potential` found it.
+
+    :ivar str name: plate name.
+    :ivar int size: number of rows.
+    :ivar int dim: plate dimension (negative, as in ``numpyro.plate``).
+    :ivar numpy.ndarray owner: ``(size,)`` client id of each row.
+    :ivar bool holds_data: ``True`` if observed sites live in the plate: its rows are cut
+        per client (a *data* plate); ``False`` for plates that only hold latent variables
+        (e.g. per-client random effects), whose rows stay in place and are masked.
+    :ivar int max_rows: rows per client after padding (data plates).
+    """
+
+    name: str
+    size: int
+    dim: int
+    owner: np.ndarray = field(repr=False)
+    holds_data: bool
+    max_rows: int
+
+    @property
+    def client_sizes(self) -> np.ndarray:
+        return np.bincount(self.owner, minlength=int(self.owner.max()) + 1)
+
+
+@dataclass(frozen=True)
+class _LatentSite:
+    name: str
+    plate: str | None  # None: a global site
+    unconstrained_axis: int | None  # plate axis of the unconstrained value (negative)
+
+
+# -- discovery ------------------------------------------------------------------------------
+
+
+def _discovery_trace(model, model_args, model_kwargs, rng_key, init_strategy):
+    seeded = substitute(seed(model, rng_key), substitute_fn=init_strategy)
+    return trace(seeded).get_trace(*model_args, **model_kwargs)
+
+
+def _in_plates(site, plates) -> bool:
+    """Whether a sample or deterministic site lies inside one of ``plates``."""
+    return any(f.name in plates for f in site["cond_indep_stack"])
+
+
+def _is_factor(site) -> bool:
+    fn = site["fn"]
+    while isinstance(fn, (dist.MaskedDistribution, dist.ExpandedDistribution, dist.Independent)):
+        fn = fn.base_dist
+    return isinstance(fn, dist.Unit)
+
+
+def _analyse_trace(model_trace, partition):
+    plate_args = {s["name"]: s["args"] for s in model_trace.values() if s["type"] == "plate"}
+    for name in partition:
+        if name not in plate_args:
+            raise ValueError(
+                f"partition names plate '{name}', but the model has no plate of that name "
+                f"(plates: {sorted(plate_args)})"
+            )
+
+    specs: dict[str, list] = {name: [clients] for name, clients in partition.items()}
+    frames: dict[str, Any] = {}
+    sample_sites = [s for s in model_trace.values() if s["type"] == "sample"]
+    for site in sample_sites:
+        for name, clients in (site.get("infer") or {}).get(FEDERATED_KEY, {}).items():
+            if name in partition:
+                raise ValueError(
+                    f"plate '{name}' is already a federated_plate in the model; "
+                    "do not also name it in `partition`"
+                )
+            specs.setdefault(name, []).append(clients)
+    if not specs:
+        raise ValueError(
+            "the model has no federated plate: wrap the data axis that is split across "
+            "clients in `numpyro_fed.federated_plate(name, size, clients=...)`, or pass "
+            "`partition={plate_name: clients}`"
+        )
+    for site in sample_sites:
+        fed = [f for f in site["cond_indep_stack"] if f.name in specs]
+        if len(fed) > 1:
+            raise ValueError(
+                f"site '{site['name']}' is inside nested federated plates "
+                f"{[f.name for f in fed]}; a site can belong to one federated plate only"
+            )
+        for f in fed:
+            frames.setdefault(f.name, f)
+
+    plates = {}
+    for name, spec_list in specs.items():
+        size, subsample_size = plate_args[name]
+        if subsample_size is not None and subsample_size != size:
+            raise ValueError(
+                f"federated plate '{name}' is subsampled (subsample_size={subsample_size} of "
+                f"{size}): the federated algorithms use every row; remove subsample_size"
+            )
+        owner, _ = normalize_clients(spec_list[0], size, name=name)
+        for other in spec_list[1:]:
+            other_owner, _ = normalize_clients(other, size, name=name)
+            if not np.array_equal(owner, other_owner):
+                raise ValueError(f"federated plate '{name}' is entered twice with different clients")
+        if name not in frames:
+            continue  # a federated plate with no sample site contributes nothing
+        sites_inside = [s for s in sample_sites if frames[name] in s["cond_indep_stack"]]
+        holds_data = any(s["is_observed"] and not _is_factor(s) for s in sites_inside)
+        for s in sites_inside:
+            if s["is_observed"] and not _is_factor(s):
+                _check_observed_rows(s, frames[name], size)
+        counts = np.bincount(owner)
+        plates[name] = PlateInfo(
+            name=name,
+            size=size,
+            dim=frames[name].dim,
+            owner=owner,
+            holds_data=holds_data,
+            max_rows=int(counts.max()) if holds_data else size,
+        )
+    if not plates:
+        raise ValueError(
+            f"the federated plates {sorted(specs)} enclose no sample site: put the "
+            "observed data (the likelihood) inside the federated plate"
+        )
+
+    for site in sample_sites:
+        if site["is_observed"] and not _is_factor(site):
+            value = np.asarray(site["value"])
+            if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
+                bad = np.argwhere(~np.isfinite(value))[0].tolist()
+                raise ValueError(
+                    f"observed site '{site['name']}' holds non-finite data (first at index {bad})"
+                )
+
+    latent_sites, enumerated = {}, False
+    for site in sample_sites:
+        if site["is_observed"]:
+            continue
+        fed = [f for f in site["cond_indep_stack"] if f.name in plates]
+        if site["fn"].support.is_discrete:
+            if not fed:
+                raise ValueError(
+                    f"site '{site['name']}' is a global discrete latent variable (outside every "
+                    "federated plate): it cannot be split over clients; marginalise it in the "
+                    "model or make it local to a federated plate"
+                )
+            if not site["fn"].has_enumerate_support:
+                raise ValueError(
+                    f"discrete latent site '{site['name']}' has no enumerable support, so it "
+                    "cannot be marginalised"
+                )
+            enumerated = True
+            continue
+        if isinstance(site["fn"], dist.Delta):
+            raise ValueError(
+                f"sample site '{site['name']}' has a Delta distribution; use "
+                "numpyro.deterministic instead"
+            )
+        axis = _plate_axis(site, fed[0].dim, constrained=False) if fed else None
+        latent_sites[site["name"]] = _LatentSite(site["name"], fed[0].name if fed else None, axis)
+    return plates, latent_sites, enumerated
+
+
+def _check_observed_rows(site, frame, size):
+    value_shape = jnp.shape(site["value"])
+    axis = frame.dim - len(site["fn"].event_shape)
+    if len(value_shape) >= -axis and value_shape[axis] not in (1, size):
+        raise ValueError(
+            f"observed site '{site['name']}' has {value_shape[axis]} rows along federated "
+            f"plate '{frame.name}', but the plate has size {size}"
+        )
+
+
+def _plate_axis(site, plate_dim, *, constrained):
+    """Axis (negative) of the plate in the site's constrained or unconstrained value."""
+    if constrained:
+        return plate_dim - len(site["fn"].event_shape)
+    return plate_dim - biject_to(site["fn"].support).domain.event_dim
+
+
+def _common_num_clients(plates):
+    counts = {name: int(p.owner.max()) + 1 for name, p in plates.items()}
+    if len(set(counts.values())) > 1:
+        raise ValueError(f"federated plates disagree on the number of clients: {counts}")
+    return next(iter(counts.values()))
+
+
+def _find_row_leaves(leaves, plates) -> dict[int, str]:
+    data_plates = {p.name: p.size for p in plates.values() if p.holds_data}
+    row_leaves = {}
+    for i, leaf in enumerate(leaves):
+        shape = np.shape(leaf)
+        if not shape or isinstance(leaf, (str, bytes)):
+            continue
+        matches = [name for name, size in data_plates.items() if shape[0] == size]
+        if len(matches) > 1:
+            raise ValueError(
+                f"a model argument with leading axis {shape[0]} matches several federated "
+                f"data plates {matches}; give the plates different sizes"
+            )
+        if matches:
+            row_leaves[i] = matches[0]
+    for name in data_plates:
+        if name not in row_leaves.values():
+            raise ValueError(
+                f"federated plate '{name}' holds observed data, but no model argument has "
+                f"{data_plates[name]} rows on its leading axis: pass the clients' data to the "
+                "model as arguments (rows first) so that each client receives only its rows"
+            )
+    return row_leaves
+
+
+def _check_finite_arguments(model_args, model_kwargs):
+    named = {"model_args": tuple(model_args), "model_kwargs": model_kwargs}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(named)[0]:
+        if isinstance(leaf, (str, bytes)) or not np.ndim(leaf):
+            continue
+        array = np.asarray(leaf)
+        if np.issubdtype(array.dtype, np.floating) and not np.isfinite(array).all():
+            first = np.argwhere(~np.isfinite(array))[0].tolist()
+            raise ValueError(
+                f"model argument {jax.tree_util.keystr(path)} holds non-finite values "
+                f"(first at index {first})"
+            )
+
+
+def _describe_leaves(treedef, num_leaves, row_leaves):
+    labels = jax.tree_util.tree_unflatten(treedef, [f"#{i}" for i in range(num_leaves)])
+    paths = jax.tree_util.tree_flatten_with_path(labels)[0]
+    return {jax.tree_util.keystr(path): row_leaves[i] for i, (path, _) in enumerate(paths) if i in row_leaves}
+
+
+def _unconstrained_init(model_trace, latent_sites):
+    z0 = {}
+    for name in latent_sites:
+        site = model_trace[name]
+        z0[name] = biject_to(site["fn"].support).inv(site["value"])
+    return z0
+
+
+def _owner_of_coordinates(site, plates, shape):
+    if site.plate is None:
+        return np.full(shape, -1, dtype=np.int64)
+    owner = plates[site.plate].owner
+    axis = site.unconstrained_axis
+    return np.broadcast_to(owner.reshape((-1,) + (1,) * (-axis - 1)), shape).copy()
+
+
+def _scatter_rows(per_client, index, size, axis):
+    """Puts clients' padded rows (leading client axis) back at their rows of the plate.
+
+    Padding repeats one of the client's own rows, so duplicate indices write equal values.
+    """
+    rows_first = jnp.moveaxis(per_client, axis, 1)  # (M, max_rows, ...)
+    flat = rows_first.reshape((-1,) + rows_first.shape[2:])
+    out = jnp.zeros((size,) + rows_first.shape[2:], per_client.dtype)
+    out = out.at[jnp.ravel(index)].set(flat)
+    return jnp.moveaxis(out, 0, axis)
+
+
+# -- validation -----------------------------------------------------------------------------
+
+
+def _tainted_outputs(fn, args, taint_argnum):
+    """Which outputs of ``fn(*args)`` depend on ``args[taint_argnum]``, by jaxpr data flow.
+
+    Higher-order primitives (``pjit``, ``scan``...) are treated as a whole: any tainted input
+    taints all their outputs, which can only over-report.
+    """
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    jaxpr = closed.jaxpr
+    arg_leaves = [jax.tree_util.tree_leaves(a) for a in args]
+    offset = sum(len(leaves) for leaves in arg_leaves[:taint_argnum])
+    tainted = set(jaxpr.invars[offset: offset + len(arg_leaves[taint_argnum])])
+
+    def is_tainted(var):
+        return not isinstance(var, Literal) and var in tainted
+
+    for eqn in jaxpr.eqns:
+        if any(is_tainted(v) for v in eqn.invars):
+            tainted.update(eqn.outvars)
+    flags = [is_tainted(v) for v in jaxpr.outvars]
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), flags)
+
+
+def _data_free_outputs(server_values, z0, placeholders):
+    flags = _tainted_outputs(server_values, (z0, placeholders), 1)
+    return {name for name, tainted in flags.items() if not tainted}
+
+
+def _validate_split(potential, model, model_args, model_kwargs, model_trace, enumerated,
+                    prior_site_log_probs, placeholders):
+    z0 = potential.init_params
+    flags = _tainted_outputs(prior_site_log_probs, (z0, placeholders), 1)
+    dependent = sorted(name for name, tainted in flags.items() if tainted)
+    if dependent:
+        raise ValueError(
+            f"the prior term of site(s) {dependent} depends on client data (model arguments "
+            f"{sorted(potential.row_arguments)}): everything outside federated plates must "
+            "be computable by the server without the clients' rows"
+        )
+
+    try:
+        prior = float(potential.prior_potential(z0))
+        clients = np.asarray(potential.client_potentials(z0))
+    except Exception as exc:
+        raise ValueError(
+            "evaluating the per-client view of the model failed. Each client runs the model "
+            "on its own rows only, so plate sizes and everything indexed by rows must come "
+            "from the model arguments (e.g. `X.shape[0]`), not from constants captured by "
+            f"the model. The error was: {type(exc).__name__}: {exc}"
+        ) from exc
+    pooled = float(_pooled_potential(model, model_args, model_kwargs, model_trace, enumerated)(z0))
+    split = prior + clients.sum()
+    scale = abs(prior) + np.abs(clients).sum() + 1.0
+    rtol = 1e-9 if jnp.zeros(()).dtype == jnp.float64 else 1e-4
+    if not np.isfinite(split) or not np.isfinite(pooled):
+        raise ValueError(
+            f"the potential is not finite at the initial point (prior {prior}, clients "
+            f"{clients.tolist()}, NumPyro {pooled}); try another init_strategy or rng_key"
+        )
+    if abs(split - pooled) > rtol * scale:
+        raise ValueError(
+            f"the split potential ({split!r}) differs from NumPyro's potential energy "
+            f"({pooled!r}) at the initial point. The model probably combines rows of "
+            "different clients (an aggregate over all rows, or a row-indexed array that is "
+            "not a model argument with rows on its leading axis)."
+        )
+
+
+def _pooled_potential(model, model_args, model_kwargs, model_trace, enumerated):
+    """NumPyro's own potential energy on the pooled data (for validation only)."""
+    # _prepare_model_for_potential is private, but it is how NumPyro's MCMC prepares a model
+    # (enumeration included) for potential_energy; no public function does it.
+    from numpyro.infer.util import _prepare_model_for_potential, potential_energy
+
+    prepared = _prepare_model_for_potential(model, model_trace, enum=enumerated)
+    return jax.jit(lambda z: potential_energy(prepared, model_args, model_kwargs, z, enum=enumerated))
