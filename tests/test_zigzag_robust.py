@@ -111,13 +111,34 @@ def test_a_stalled_chain_stops_and_says_so():
     kernel = nf.FedZigZag(_gaussian, bounds=nf.GradientBound(clients=1e7, prior=1e7),
                           control_variates=False, max_proposals=200)
     mcmc = MCMC(kernel, num_warmup=0, num_samples=5, progress_bar=False)
-    with pytest.warns(RuntimeWarning, match="stalled at draw 0.*control_variates=False"):
+    with pytest.warns(RuntimeWarning, match="stalled at draw 0.*control_variates=False") as caught:
         mcmc.run(jax.random.PRNGKey(1), y, extra_fields=("info.num_proposals", "info.hit_event_cap"))
+    # raised from a host callback inside the compiled loop, it still names the user's line
+    assert {os.path.basename(w.filename) for w in caught} == {os.path.basename(__file__)}
     fields = mcmc.get_extra_fields()
     assert fields["info.num_proposals"].tolist() == [200, 0, 0, 0, 0]  # stopped after the stall
     assert bool(fields["info.hit_event_cap"].all())
     with pytest.raises(RuntimeError, match="5 samples stopped at max_proposals"):
         kernel.check_run(mcmc, strict=True)
+
+
+def test_control_variates_stay_on_where_they_change_nothing():
+    # One client and a flat prior (the Gaussian of Fed-PDMC's Section 6.1): the shifted
+    # gradient is the client's own, so the rates with and without control variates tie;
+    # round-off must not turn them off with a warning (it did, before the margin).
+    y = jax.random.normal(jax.random.PRNGKey(0), (50, 3)) + 0.5
+
+    def model(y):
+        mu = numpyro.sample("mu", dist.ImproperUniform(dist.constraints.real, (), (3,)))
+        with nf.federated_plate("data", y.shape[0], clients=1):
+            numpyro.sample("y", dist.Normal(mu, 1).to_event(1), obs=y)
+
+    kernel = nf.FedZigZag(model, bounds="affine", sample_interval=0.05, control_variates=True)
+    mcmc = MCMC(kernel, num_warmup=200, num_samples=10, num_chains=5, chain_method="vectorized", progress_bar=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mcmc.run(jax.random.PRNGKey(1), y)
+    assert bool(jnp.all(mcmc.last_state.adapt.active))
 
 
 def _run_float32(code: str, timeout: float = 600):

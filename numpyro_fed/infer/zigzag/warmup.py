@@ -4,25 +4,29 @@ when they do not pay, and detecting a stalled chain."""
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import NamedTuple
-import warnings
-
 import numpy as np
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from numpyro_fed._checks import user_origin, warn_user
 from numpyro_fed.infer.zigzag.control_variates import ControlVariates, control_variate_reference, rate_scales
 from numpyro_fed.infer.zigzag.proposers import Proposers
 from numpyro_fed.infer.zigzag.state import SampleInfo, ZigZagState
 
-__all__ = ["BUFFER_SIZE", "STALL_MIN_PROPOSALS", "WarmupState", "init_warmup", "warmup_adaptation"]
+__all__ = ["BUFFER_SIZE", "COSTLIER_MARGIN", "STALL_MIN_PROPOSALS", "WarmupState", "init_warmup", "warmup_adaptation"]
 
 #: warmup positions kept to compare the rates with and without control variates
 BUFFER_SIZE = 16
 #: fewer proposals without a switch are not evidence of a stall
 STALL_MIN_PROPOSALS = 50
+#: the control variates are turned off only if they make the rates this much larger: where
+#: they change nothing (one client, a Gaussian with clients whose gradients share a sign) the
+#: comparison is a tie decided by round-off
+COSTLIER_MARGIN = 0.05
 
 
 class WarmupState(NamedTuple):
@@ -57,8 +61,8 @@ def warmup_adaptation(proposers: Proposers, *, num_warmup, recenter, order, can_
       the warmup windows ending at 1/8, 1/4, 1/2 and all of the warmup (each window's mean,
       the last one over the second half), and the control variates are on from the first.
     * At the end of the warmup the expected rates with and without the control variates are
-      compared at the last warmup positions; if the shifts make them larger, they are turned
-      off for good (with a warning).
+      compared at the last warmup positions; if the shifts make them larger (by more than
+      ``COSTLIER_MARGIN``), they are turned off for good (with a warning).
     * A draw that ends at ``max_proposals`` (>= 50) without a single switch is a stall: during
       warmup with control variates on they are turned off; otherwise the chain stops (its
       remaining draws repeat the last position, each marked ``hit_event_cap``) and a warning
@@ -66,6 +70,7 @@ def warmup_adaptation(proposers: Proposers, *, num_warmup, recenter, order, can_
     """
     ends = sorted({max(1, math.ceil(f * num_warmup)) for f in (1 / 8, 1 / 4, 1 / 2, 1)}) if num_warmup else []
     window_ends = jnp.asarray(ends if recenter else [0], jnp.int32)
+    origin = user_origin()  # the user's line that started the run, for the callback's warnings
 
     def update(adapt: WarmupState, state: ZigZagState, info: SampleInfo, i):
         warm = i < num_warmup
@@ -101,43 +106,42 @@ def warmup_adaptation(proposers: Proposers, *, num_warmup, recenter, order, can_
                     filled = jnp.arange(BUFFER_SIZE) < jnp.minimum(i + 1, BUFFER_SIZE)
                     weights = state.prior_weights
                     with_cv, without = jax.vmap(lambda x: rate_scales(proposers, adapt.reference, weights, x))(adapt.buffer)
-                    return jnp.sum(jnp.where(filled, with_cv, 0.0)) <= jnp.sum(jnp.where(filled, without, 0.0))
+                    with_cv = jnp.sum(jnp.where(filled, with_cv, 0.0))
+                    return with_cv <= (1 + COSTLIER_MARGIN) * jnp.sum(jnp.where(filled, without, 0.0))
 
                 last = (i + 1 == num_warmup) & adapt.active
                 cheaper = lax.cond(last, compare, lambda a: jnp.ones((), bool), adapt)
                 adapt = adapt._replace(active=adapt.active & cheaper)
+        report = partial(_report_adaptation, max_proposals=max_proposals,
+                         sample_interval=sample_interval, origin=origin)
         lax.cond(stalled_now | switch_off | ~cheaper,
-                 lambda: jax.debug.callback(_report_adaptation, i, stalled_now & ~switch_off, switch_off,
-                                            ~cheaper, max_proposals, sample_interval),
+                 lambda: jax.debug.callback(report, i, stalled_now & ~switch_off, switch_off, ~cheaper),
                  lambda: None)
         return adapt
 
     return update
 
 
-def _report_adaptation(i, stalled, switched_off, costlier, max_proposals, sample_interval):
+def _report_adaptation(i, stalled, switched_off, costlier, *, max_proposals, sample_interval, origin=None):
     """Host side of the warmup's decisions: one warning per decision."""
     i, stalled, switched_off, costlier = (np.asarray(a) for a in (i, stalled, switched_off, costlier))
     if np.any(switched_off):
-        warnings.warn(
+        warn_user(
             f"FedZigZag: control variates turned off at warmup draw {int(np.max(i))}: a draw made "
             f"max_proposals={int(max_proposals)} proposals without a switch with them on (their "
             "reference point is a poor center for this posterior); the chain continues without",
-            RuntimeWarning, stacklevel=2,
-        )
+            RuntimeWarning, origin)
     if np.any(costlier):
-        warnings.warn(
+        warn_user(
             "FedZigZag: control variates turned off at the end of the warmup: at the last warmup "
             "positions they made the switching rates larger, not smaller (the posterior is far "
             "from Gaussian around the reference point)",
-            RuntimeWarning, stacklevel=2,
-        )
+            RuntimeWarning, origin)
     if np.any(stalled):
-        warnings.warn(
+        warn_user(
             f"FedZigZag: a chain stalled at draw {int(np.max(i))}: max_proposals="
             f"{int(max_proposals)} proposals without a single switch; its remaining draws repeat "
             "its last position (marked hit_event_cap). The process is caught where the rates are "
             "huge: reparametrize the model (e.g. non-centered), pass control_variates=False, or "
             f"shorten sample_interval={sample_interval}",
-            RuntimeWarning, stacklevel=2,
-        )
+            RuntimeWarning, origin)
