@@ -124,6 +124,25 @@ def test_run_notebooks_keeps_the_tqdm_widget_warning_out_of_outputs(tmp_path):
     assert "other warnings are kept" in stderr
 
 
+def test_run_notebooks_stores_repository_paths_relative():
+    """A warning raised in a helper module of the repository names its file; the stored
+    notebook says ``../benchmarks/x.py``, not this machine's path."""
+    nbformat = pytest.importorskip("nbformat")
+    spec = importlib.util.spec_from_file_location("run_notebooks", ROOT / "tools" / "run_notebooks.py")
+    runner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runner)
+    notebook = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("")
+    cell.outputs = [nbformat.v4.new_output(
+        "stream", name="stderr",
+        text=f"{ROOT.resolve()}/notebooks/../benchmarks/x.py:3: RuntimeWarning: w\n"
+             f"see {ROOT.resolve()}/docs and /usr/lib/python3/x.py\n")]
+    notebook.cells = [cell]
+    runner.relative_paths(notebook, ROOT.resolve() / "notebooks")
+    assert cell.outputs[0]["text"] == (
+        "../benchmarks/x.py:3: RuntimeWarning: w\nsee ../docs and /usr/lib/python3/x.py\n")
+
+
 def test_site_builds_strict_renders_every_reexport_and_loads_nothing_from_outside(tmp_path):
     """``make docs`` in a temporary folder: warnings are errors, every re-exported name has
     its entry on the API page (mkdocstrings hides names without a docstring), and no page

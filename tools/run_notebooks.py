@@ -13,12 +13,18 @@ NumPyro imports ``tqdm.auto`` at import time, which in a Jupyter kernel without
 ``ipywidgets`` warns, with the path of the local installation, that it falls back to the
 console progress bar. Executed headless, no widget could be shown anyway, so the warning is
 noise in the stored outputs.
+
+Warnings print the file of the line they name: a notebook's helper module under the
+repository (``benchmarks/dppvi.py``) would store this machine's path. Before writing, every
+absolute path under the repository in a stream output is rewritten relative to the
+notebook's folder (``../benchmarks/dppvi.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -42,6 +48,23 @@ def kernel_environment(environ=None) -> dict[str, str]:
     return env
 
 
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def relative_paths(notebook, folder: Path, root: Path = ROOT) -> None:
+    """Rewrites, in place, absolute paths under ``root`` in ``notebook``'s stream outputs
+    relative to ``folder`` (the notebook's own)."""
+    pattern = re.compile(re.escape(str(root)) + r"(?:/[^\s:\"']*)?")
+
+    def relative(match):
+        return os.path.relpath(os.path.normpath(match.group(0)), folder)
+
+    for cell in notebook.cells:
+        for output in cell.get("outputs", []):
+            if output.get("output_type") == "stream":
+                output["text"] = pattern.sub(relative, output["text"])
+
+
 def run_notebook(path: Path, *, timeout: int, kernel_name: str) -> float:
     """Executes ``path`` and writes it back with its outputs; returns the run time in seconds."""
     notebook = nbformat.read(path, as_version=4)
@@ -54,6 +77,7 @@ def run_notebook(path: Path, *, timeout: int, kernel_name: str) -> float:
     start = time.perf_counter()
     client.execute(env=kernel_environment())
     seconds = time.perf_counter() - start
+    relative_paths(notebook, path.parent.resolve())
     nbformat.write(notebook, path)
     return seconds
 
