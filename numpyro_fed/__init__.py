@@ -1,6 +1,7 @@
 """numpyro_fed: federated Bayesian inference for NumPyro models."""
 
 from numpyro_fed.arviz import to_inference_data
+from numpyro_fed.federation import ClientError, ClientProgram, Federation, InProcess, MessageLedger
 from numpyro_fed.infer import ADMM, DADMMS, DSGHMC, DSGLD, DULA, make_topology
 from numpyro_fed.infer import FedZigZag, GradientBound, HessianBound
 from numpyro_fed.infer import BCM, DPPVI, GaussianPVI, GlobalVI
@@ -12,6 +13,11 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
     "BCM",
+    "ClientError",
+    "ClientProgram",
+    "Federation",
+    "InProcess",
+    "MessageLedger",
     "DPPVI",
     "GlobalVI",
     "ADMM",

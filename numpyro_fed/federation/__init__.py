@@ -1,0 +1,53 @@
+"""The federation seam: what a server may ask of its clients, and the backends that carry it.
+
+An algorithm's core is written once against :class:`Federation` and runs on every backend:
+
+* :class:`InProcess` (the default): every client in this process, ``vmap``-ed, compiled into
+  the caller's ``jit``;
+* :class:`RayFederation`: one long-lived Ray actor per client, holding only that client's
+  block and its compiled functions (``pip install numpyro_fed[ray]``).
+
+The pieces:
+
+* :class:`ClientProgram`: named pure functions ``f(block, *args)`` every client runs, and the
+  clients' rows, either ``blocks`` (simulation: worker ``m`` receives ``blocks[m]`` only) or a
+  ``loader`` (deployment: ``loader(m)`` runs on worker ``m``; the driver never holds rows).
+* :meth:`Federation.start` / :meth:`Federation.close` (or ``with``) on the host.
+* Traceable calls, usable inside ``jax.jit``, ``lax.while_loop`` and ``vmap`` over chains:
+
+  - ``federation.map(name, *broadcast, per_client=())``: every client's reply, stacked on a
+    leading axis ``M`` (``per_client`` arrays have a leading axis ``M``; client ``m`` gets
+    row ``m``);
+  - ``federation.one(name, client, *broadcast, own=())``: one client's reply; ``client`` may be
+    traced;
+  - ``federation.exchange(name, states, messages, adjacency, num_iterations, *broadcast)``:
+    decentralized iterations, no server. Each iteration every agent ``m`` sends its message to
+    the agents ``k`` with ``adjacency[m, k]`` (on Ray: actor to actor, never through the
+    driver), then runs ``program.agents[name](block_m, state_m, inbox, mask, t, *broadcast)
+    -> (state_m, message_m)`` where ``inbox`` has a leading axis ``M`` (row ``k`` holds ``k``'s
+    message if ``k`` sends to ``m``, zeros otherwise) and ``mask = adjacency[:, m]``. Returns
+    the final ``(states, messages)``, leading axis ``M``. Decentralized algorithms (D-ADMM
+    samplers) build on it.
+
+* :class:`MessageLedger` (``federation.ledger``): messages, bytes and rounds per client, per
+  call and direction. Engine backends count the payloads they send; :class:`InProcess` counts
+  what the algorithm reports through :meth:`Federation.record_calls` with sizes from shapes.
+* :class:`ClientError`: a client died, stopped answering within the timeout, or failed.
+  Compiled code that calls a backend's host callbacks should run under
+  ``with federation.guard():`` so the error surfaces as itself.
+
+>>> import jax, jax.numpy as jnp
+>>> from numpyro_fed.federation import ClientProgram, InProcess
+>>> program = ClientProgram.stacked({"grad": lambda block, w: block * w},
+...                                 jnp.arange(4.0).reshape(2, 2))
+>>> with InProcess().start(program) as fed:
+...     replies = jax.jit(jax.vmap(lambda w: fed.map("grad", w)))(jnp.ones((3, 2)))
+>>> replies.shape  # 3 chains, 2 clients, reply (2,)
+(3, 2, 2)
+"""
+
+from numpyro_fed.federation.base import ClientError, ClientProgram, Federation
+from numpyro_fed.federation.inprocess import InProcess
+from numpyro_fed.federation.ledger import MessageLedger
+
+__all__ = ["ClientError", "ClientProgram", "Federation", "InProcess", "MessageLedger"]

@@ -1,0 +1,265 @@
+"""What a server may ask of its clients: :class:`Federation`, :class:`ClientProgram`,
+:class:`ClientError`, and the helpers every backend shares (message sizes, block checks)."""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+from numpyro_fed.federation.ledger import MessageLedger
+
+__all__ = ["ClientError", "ClientProgram", "Federation", "block_spec", "check_block", "tree_nbytes"]
+
+
+class ClientError(RuntimeError):
+    """A client died, stopped answering within the timeout, or failed a call.
+
+    :ivar tuple clients: the indices of the clients at fault.
+    :ivar str call: the name of the call that failed.
+    """
+
+    def __init__(self, message: str, *, clients=(), call: str | None = None):
+        super().__init__(message)
+        self.clients = tuple(int(c) for c in clients)
+        self.call = call
+
+
+def tree_nbytes(tree) -> int:
+    """Bytes of every array leaf of ``tree`` (arrays, ``ShapeDtypeStruct``s or scalars)."""
+    total = 0
+    for leaf in jax.tree_util.tree_leaves(tree):
+        shape = np.shape(leaf) if not hasattr(leaf, "shape") else leaf.shape
+        dtype = leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
+        if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+            itemsize = 8  # a threefry key: two uint32 words
+        else:
+            itemsize = np.dtype(dtype).itemsize
+        total += int(np.prod(shape, dtype=np.int64)) * itemsize
+    return total
+
+
+def block_spec(block):
+    """The ``jax.ShapeDtypeStruct`` tree of a client block: what a worker reports to the
+    server (shapes and dtypes, never values)."""
+    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)),
+                                  block)
+
+
+def check_block(block, client: int, spec=None, *, rows_axis_free: bool = True) -> None:
+    """Refuses a client's block with a ``ValueError`` naming the client: non-finite floating
+    values, or (given ``spec``, a ``ShapeDtypeStruct`` tree) another tree structure, dtype or
+    shape. With ``rows_axis_free`` the leading axis of each leaf may differ from ``spec``'s
+    (clients hold different numbers of rows)."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(block)
+    if spec is not None:
+        spec_leaves, spec_def = jax.tree_util.tree_flatten(spec)
+        if jax.tree_util.tree_structure(block) != spec_def:
+            raise ValueError(
+                f"client {client}: its data has structure {jax.tree_util.tree_structure(block)}, "
+                f"expected {spec_def}"
+            )
+    for i, (path, leaf) in enumerate(leaves):
+        where = jax.tree_util.keystr(path) or "block"
+        array = np.asarray(leaf)
+        if spec is not None:
+            want = spec_leaves[i]
+            shape, wshape = array.shape, tuple(want.shape)
+            same = (shape[1:] == wshape[1:] and len(shape) == len(wshape)) if rows_axis_free and \
+                len(wshape) > 0 else shape == wshape
+            if not same:
+                raise ValueError(
+                    f"client {client}: {where} has shape {shape}, expected {wshape}"
+                    + (" (any number of rows)" if rows_axis_free and wshape else "")
+                )
+            if array.dtype != np.dtype(want.dtype):
+                raise ValueError(f"client {client}: {where} has dtype {array.dtype}, expected {want.dtype}")
+        if np.issubdtype(array.dtype, np.floating) and not np.isfinite(array).all():
+            first = np.argwhere(~np.isfinite(array))[0].tolist()
+            raise ValueError(f"client {client}: {where} holds non-finite values (first at index {first})")
+
+
+@dataclass(frozen=True)
+class ClientProgram:
+    """What every client runs: named pure functions of its block, and how it gets its block.
+
+    Give exactly one of ``blocks`` and ``loader``.
+
+    :param dict functions: name -> pure JAX function ``f(block, *args) -> reply`` (a pytree of
+        arrays). The server calls them by name through :meth:`Federation.map` and
+        :meth:`Federation.one`. They must be picklable (module-level functions or closures
+        over arrays that are not client rows) for engine backends.
+    :param blocks: simulation: one pytree per client (a sequence of length ``M``); worker
+        ``m`` receives ``blocks[m]`` and nothing else. :meth:`stacked` builds it from a pytree
+        with a leading client axis.
+    :param loader: deployment: ``loader(m) -> block``, run on worker ``m`` (the driver never
+        holds a block; with :class:`InProcess` it runs in the driver's process).
+    :param int num_clients: ``M``; required with ``loader``.
+    :param spec: an optional ``ShapeDtypeStruct`` tree every block must match (the leading
+        axis of each leaf, the rows, may differ); blocks are also refused if they hold
+        non-finite floats.
+    :param dict agents: decentralized programs (see :meth:`Federation.exchange`): name ->
+        ``step(block, state, inbox, mask, t, *broadcast) -> (state, message)``.
+
+    >>> import jax.numpy as jnp
+    >>> from numpyro_fed.federation import ClientProgram
+    >>> program = ClientProgram.stacked({"total": lambda block, w: (block * w).sum()},
+    ...                                 jnp.arange(6.0).reshape(3, 2))
+    >>> program.num_clients, program.blocks[1].tolist()
+    (3, [2.0, 3.0])
+    """
+
+    functions: Mapping[str, Callable]
+    blocks: Sequence[Any] | None = None
+    loader: Callable[[int], Any] | None = None
+    num_clients: int | None = None
+    spec: Any = None
+    agents: Mapping[str, Callable] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if (self.blocks is None) == (self.loader is None):
+            raise ValueError("ClientProgram takes exactly one of blocks= (simulation) and loader= (deployment)")
+        if self.blocks is not None:
+            n = len(self.blocks)
+            if self.num_clients is not None and self.num_clients != n:
+                raise ValueError(f"num_clients={self.num_clients} but {n} blocks were given")
+            object.__setattr__(self, "blocks", tuple(self.blocks))
+            object.__setattr__(self, "num_clients", n)
+        elif self.num_clients is None:
+            raise ValueError("ClientProgram(loader=...) needs num_clients")
+        if int(self.num_clients) < 1:
+            raise ValueError(f"num_clients must be >= 1, not {self.num_clients}")
+        for name, fn in {**self.functions, **self.agents}.items():
+            if not callable(fn):
+                raise TypeError(f"ClientProgram function '{name}' is not callable")
+
+    @classmethod
+    def stacked(cls, functions, stacked_blocks, **kwargs) -> "ClientProgram":
+        """A program from a pytree whose leaves have a leading client axis ``M`` (e.g.
+        :attr:`FederatedPotential.client_data <numpyro_fed.FederatedPotential.client_data>`)."""
+        leaves = jax.tree_util.tree_leaves(stacked_blocks)
+        if not leaves:
+            raise ValueError("stacked_blocks has no array leaves")
+        m = int(np.shape(leaves[0])[0])
+        blocks = [jax.tree_util.tree_map(lambda a, i=i: a[i], stacked_blocks) for i in range(m)]
+        return cls(functions, blocks=blocks, **kwargs)
+
+
+class Federation(abc.ABC):
+    """What a server may ask of its clients; the seam between an algorithm and an engine.
+
+    Host side: :meth:`start` (give the clients their program and rows), :meth:`close`, a
+    context manager, :attr:`ledger`, :attr:`num_clients`. Traceable side, usable inside
+    ``jax.jit``, ``lax.while_loop`` and ``vmap`` over chains, so an algorithm's core is
+    written once for every backend: :meth:`map`, :meth:`one` and :meth:`exchange`.
+
+    Backends: :class:`~numpyro_fed.federation.InProcess` (the default: clients vectorised in
+    this process) and :class:`~numpyro_fed.federation.RayFederation` (one actor per client).
+    """
+
+    def __init__(self):
+        self._program: ClientProgram | None = None
+        self._ledger: MessageLedger | None = None
+
+    # -- host side -------------------------------------------------------------------------
+    @abc.abstractmethod
+    def start(self, program: ClientProgram) -> "Federation":
+        """Gives each client its program and block (or runs its loader); returns ``self``.
+        Refuses bad blocks with a ``ValueError`` naming the client."""
+
+    def close(self) -> None:
+        """Releases the clients. The ledger stays readable."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    @property
+    def started(self) -> bool:
+        return self._program is not None
+
+    @property
+    def program(self) -> ClientProgram:
+        if self._program is None:
+            raise RuntimeError(f"{type(self).__name__} has not been started: call start(program)")
+        return self._program
+
+    @property
+    def num_clients(self) -> int:
+        """``M``."""
+        return int(self.program.num_clients)
+
+    @property
+    def ledger(self) -> MessageLedger:
+        """The :class:`MessageLedger` of every call since :meth:`start`."""
+        if self._ledger is None:
+            raise RuntimeError(f"{type(self).__name__} has not been started: call start(program)")
+        return self._ledger
+
+    @property
+    @abc.abstractmethod
+    def block_specs(self) -> list:
+        """Per client, the ``ShapeDtypeStruct`` tree of its block (as the worker reports it)."""
+
+    def record_calls(self, name: str, calls) -> None:
+        """Adds ``calls`` calls of ``name`` to the ledger (a count for every client, or an
+        ``(M,)`` array of counts per client), with message sizes from the shapes seen when the
+        call was traced. The algorithm's face calls it with the counts its core reports;
+        backends that count real payloads (Ray) ignore it."""
+
+    @contextlib.contextmanager
+    def guard(self):
+        """Re-raises a :class:`ClientError` that a host callback met inside compiled code
+        (JAX wraps it in a ``JaxRuntimeError``). Use around calls of compiled code that calls
+        :meth:`map` or :meth:`one`."""
+        yield
+
+    # -- traceable side --------------------------------------------------------------------
+    @abc.abstractmethod
+    def map(self, name: str, *broadcast, per_client=()):
+        """Every client ``m`` runs ``functions[name](block_m, *broadcast, *own_m)``, ``own_m``
+        being client ``m``'s slice (leading axis ``M``) of each array of ``per_client``;
+        returns the replies stacked on a leading axis ``M``. Traceable."""
+
+    @abc.abstractmethod
+    def one(self, name: str, client, *broadcast, own=()):
+        """Client ``client`` (an int, possibly traced) runs ``functions[name](block, *broadcast,
+        *own_c)``, ``own_c`` its slice of each array of ``own`` (leading axis ``M``); returns
+        its reply. Traceable."""
+
+    def exchange(self, name: str, states, messages, adjacency, num_iterations: int, *broadcast):
+        """Decentralized iterations with no server: ``num_iterations`` times, every agent
+        ``m`` sends its message to its neighbours (``adjacency[m, k]`` true: ``m`` sends to
+        ``k``), then runs ``agents[name](block_m, state_m, inbox, mask, t, *broadcast) ->
+        (state_m, message_m)`` where ``inbox`` is ``(M, ...)`` (row ``k``: ``k``'s message if
+        ``k`` is a neighbour of ``m``, zeros otherwise), ``mask = adjacency[:, m]`` and ``t``
+        the iteration. ``states`` and ``messages`` have a leading axis ``M``; returns the
+        final ``(states, messages)``. Traceable."""
+        raise NotImplementedError(f"{type(self).__name__} has no decentralized exchange")
+
+    # -- shared helpers --------------------------------------------------------------------
+    def _function(self, name: str) -> Callable:
+        try:
+            return self.program.functions[name]
+        except KeyError:
+            raise KeyError(f"the client program has no function '{name}' "
+                           f"(functions: {sorted(self.program.functions)})") from None
+
+    def reply_shape(self, name: str, *args, client: int = 0):
+        """``jax.eval_shape`` of ``functions[name]`` on client ``client``'s block spec: the
+        shape of one client's reply (the server knows shapes, never values)."""
+        return jax.eval_shape(self._function(name), self.block_specs[client], *args)
+
+    def __repr__(self) -> str:
+        state = f"num_clients={self.num_clients}" if self.started else "not started"
+        return f"{type(self).__name__}({state})"
