@@ -34,7 +34,7 @@ $(STAMP): pyproject.toml
 	  "$$($(PYTHON) -c 'import sys; print(sys.version_info[:2])')" ]; then \
 	  echo "make: $(VENV) has $$($(PY) -V), not $$($(PYTHON) -V): making it anew"; rm -rf $(VENV); fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -e ".[test,docs,notebooks]"
+	$(PY) -m pip install -q -e ".[test,docs,notebooks,ray]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -47,7 +47,7 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m slow
 
 # The conversion to ArviZ 0.2x (with JAX 0.10) on Python 3.10/3.11, the stack users of
-# those Pythons get; in $(COMPAT_VENV).
+# those Pythons get; in $(COMPAT_VENV). Without the ray extra: the tests that need Ray skip.
 test-compat:
 	@test -n "$(COMPAT_PYTHON)" || { echo "make: no Python 3.10 or 3.11 found for test-compat;" \
 	  "run make COMPAT_PYTHON=/path/to/python3.11" >&2; exit 1; }

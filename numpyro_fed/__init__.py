@@ -2,6 +2,7 @@
 
 from numpyro_fed.arviz import to_inference_data
 from numpyro_fed.federation import ClientError, ClientProgram, Federation, InProcess, MessageLedger
+from numpyro_fed.federation import RayFederation
 from numpyro_fed.infer import ADMM, DADMMS, DSGHMC, DSGLD, DULA, make_topology
 from numpyro_fed.infer import FedZigZag, GradientBound, HessianBound
 from numpyro_fed.infer import BCM, DPPVI, GaussianPVI, GlobalVI
@@ -39,6 +40,7 @@ __all__ = [
     "GradientBound",
     "HessianBound",
     "PlateInfo",
+    "RayFederation",
     "federated_plate",
     "normalize_clients",
     "split_potential",

@@ -8,3 +8,25 @@ numpyro.enable_x64()
 sys.path.insert(0, os.path.dirname(__file__))
 
 SHARED_DATA = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "shared", "data")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray for the whole session (small, no dashboard), shut down at the end."""
+    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'numpyro_fed[ray]')")
+    import warnings
+
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    started = not ray.is_initialized()
+    if started:
+        with warnings.catch_warnings():
+            # Ray starts its processes with fork+exec; JAX warns of fork in a threaded process.
+            warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)
+            ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+                     configure_logging=False)
+    yield ray
+    if started:
+        ray.shutdown()

@@ -1,6 +1,9 @@
 """The federation seam: InProcess and RayFederation agree, the ledger counts what crosses the
 wire, faults name the client, and no client's function holds another client's rows."""
 
+import pickle
+import time
+
 import numpy as np
 import pytest
 
@@ -26,12 +29,22 @@ def scaled(block, theta, own):
     return weighted_sum(block, theta) * own
 
 
+def _sleep_host(seconds):
+    time.sleep(float(seconds))
+    return np.asarray(seconds)
+
+
+def nap(block, seconds):
+    """Sleeps ``seconds`` on the worker (a hung client when long)."""
+    return jax.pure_callback(_sleep_host, jax.ShapeDtypeStruct((), seconds.dtype), seconds)
+
+
 def ring_step(block, state, inbox, mask, t, step_size):
     new = state + step_size * (inbox.sum(0) - mask.sum() * state) + 0.0 * t
     return new, new
 
 
-FUNCTIONS = {"sum": weighted_sum, "scaled": scaled}
+FUNCTIONS = {"sum": weighted_sum, "scaled": scaled, "nap": nap}
 AGENTS = {"ring": ring_step}
 
 
@@ -124,3 +137,124 @@ def test_ledger_adds_per_client_and_direction():
     with pytest.raises(ValueError, match="direction"):
         ledger.add("x", "sideways", 0)
     assert issubclass(ClientError, RuntimeError)
+
+
+# -- Ray --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ray_pair(ray_session):
+    from numpyro_fed import RayFederation
+
+    ray_fed = RayFederation(timeout=30.0).start(toy_program())
+    yield ray_fed, InProcess().start(toy_program())
+    ray_fed.close()
+
+
+def run_toy_calls(fed):
+    """The same calls on any backend: map and one, inside jit, vmap over chains, while_loop."""
+    theta = jnp.array([0.3, -0.7])
+    thetas = jnp.stack([theta, 2 * theta, -theta])
+    own = jnp.arange(1.0, M + 1)
+    adjacency = np.array([[0, 1, 0], [1, 0, 1], [0, 1, 0]], bool)
+    with fed.guard():
+        out = {
+            "map": jax.jit(lambda t: fed.map("sum", t))(theta),
+            "map_chains": jax.jit(jax.vmap(lambda t, o: fed.map("scaled", t, per_client=(o,))))(
+                thetas, own * jnp.arange(1.0, 4.0)[:, None]),
+            "one": jax.jit(lambda c: fed.one("scaled", c, theta, own=(own,)))(2),
+            "one_chains": jax.jit(jax.vmap(lambda t, c: fed.one("sum", c, t)))(thetas, jnp.array([2, 0, 2])),
+            "loop": jax.jit(lambda: lax.fori_loop(0, 2, lambda i, a: a + fed.map("sum", theta * i), jnp.zeros((M, D))))(),
+            "exchange": jax.jit(lambda s: fed.exchange("ring", s, s, adjacency, 4, 0.1))(thetas[:, :1]),
+        }
+    return out
+
+
+def test_ray_gives_bit_identical_answers_to_inprocess(ray_pair):
+    ray_fed, local = ray_pair
+    ray_fed.ledger.reset()
+    on_ray, in_process = run_toy_calls(ray_fed), run_toy_calls(local)
+    for key in in_process:
+        for a, b in zip(jax.tree.leaves(on_ray[key]), jax.tree.leaves(in_process[key])):
+            assert a.shape == b.shape and a.dtype == b.dtype, key
+            np.testing.assert_array_equal(a, b, err_msg=key)
+    # one round trip per call (all chains together), none per chain
+    assert ray_fed.ledger.round_trips == 7
+
+
+def test_ray_ledger_counts_the_payloads_and_agrees_with_the_inprocess_ledger(ray_pair):
+    ray_fed, local = ray_pair
+    ray_fed.ledger.reset()
+    local.ledger.reset()
+    run_toy_calls(ray_fed)
+    run_toy_calls(local)
+    # what an algorithm reports: its calls per name (per chain; per client for `one`)
+    local.record_calls("sum", 1 + 2)  # "map", and "loop" (2 maps)
+    local.record_calls("sum", [1, 0, 2])  # "one_chains": clients 2, 0, 2
+    local.record_calls("scaled", 3)  # "map_chains": 3 chains
+    local.record_calls("scaled", [0, 0, 1])  # "one": client 2
+    local.record_calls("ring", 4)  # "exchange": 4 iterations
+    ray_summary, local_summary = ray_fed.ledger.summary(), local.ledger.summary()
+    assert ray_summary.keys() == local_summary.keys()
+    for key in ray_summary:
+        np.testing.assert_array_equal(ray_summary[key], local_summary[key], err_msg=key)
+    # the payloads: per chain, theta (D floats) and the client's own factor, both ways
+    itemsize = jnp.zeros(()).dtype.itemsize
+    assert ray_summary["scaled/bytes_to_client"].tolist() == [3 * (D + 1) * itemsize] * 2 + [4 * (D + 1) * itemsize]
+    assert ray_summary["ring/messages_to_peer"].tolist() == [4, 8, 4]
+
+
+def test_a_hung_client_raises_client_error_naming_it_within_the_timeout(ray_session):
+    from numpyro_fed import RayFederation
+
+    with RayFederation(timeout=1.0).start(toy_program()) as fed:
+        naps = jax.jit(lambda s: fed.map("nap", per_client=(s,)))
+        with fed.guard():
+            np.testing.assert_array_equal(naps(jnp.zeros(M)), np.zeros(M))
+        start = time.monotonic()
+        with pytest.raises(ClientError, match=r"call 'nap'.*client\(s\) \[1\] did not answer") as info:
+            with fed.guard():
+                naps(jnp.array([0.0, 5.0, 0.0])).block_until_ready()
+        assert time.monotonic() - start < 4.0 and info.value.clients == (1,)
+
+        import ray
+        ray.kill(fed.actors[2])
+        start = time.monotonic()
+        with pytest.raises(ClientError, match="client 2 died") as info:
+            with fed.guard():
+                jax.jit(lambda t: fed.map("sum", t))(jnp.ones(D)).block_until_ready()
+        assert time.monotonic() - start < 4.0 and info.value.clients == (2,) and info.value.call == "sum"
+
+
+def test_deployment_loaders_run_on_the_workers_and_bad_data_is_refused(ray_session, tmp_path):
+    from numpyro_fed import RayFederation
+
+    blocks = toy_blocks()
+    sentinel = 1234.5678
+    blocks[1]["x"][0, 0] = sentinel
+    for m, block in enumerate(blocks):
+        np.save(tmp_path / f"x{m}.npy", block["x"])
+        np.save(tmp_path / f"w{m}.npy", block["w"])
+    folder = str(tmp_path)
+
+    def loader(m):
+        return {"x": np.load(f"{folder}/x{m}.npy"), "w": np.load(f"{folder}/w{m}.npy")}
+
+    program = ClientProgram(FUNCTIONS, loader=loader, num_clients=M, agents=AGENTS)
+    with RayFederation(timeout=30.0).start(program) as fed:
+        got = jax.jit(lambda t: fed.map("sum", t))(jnp.array([0.3, -0.7]))
+        want = jnp.stack([weighted_sum(b, jnp.array([0.3, -0.7])) for b in blocks])
+        np.testing.assert_allclose(got, want, rtol=1e-14)
+        # the driver holds shapes, never rows
+        assert fed.block_specs[1]["x"].shape == (R, D)
+        held = pickle.dumps((fed.block_specs, fed.ledger.summary())) + \
+            pytest.importorskip("cloudpickle").dumps(program)
+        assert np.float64(sentinel).tobytes() not in held
+
+    np.save(tmp_path / "x2.npy", np.full((R, D), np.nan))
+    with pytest.raises(ValueError, match=r"client 2: \['x'\] holds non-finite"):
+        RayFederation(timeout=30.0).start(program)
+    np.save(tmp_path / "x2.npy", np.zeros((R, D + 1)))
+    spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), blocks[0])
+    with pytest.raises(ValueError, match=r"client 2: \['x'\] has shape \(4, 3\)"):
+        RayFederation(timeout=30.0).start(ClientProgram(FUNCTIONS, loader=loader, num_clients=M, spec=spec))

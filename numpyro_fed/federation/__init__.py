@@ -49,5 +49,6 @@ The pieces:
 from numpyro_fed.federation.base import ClientError, ClientProgram, Federation
 from numpyro_fed.federation.inprocess import InProcess
 from numpyro_fed.federation.ledger import MessageLedger
+from numpyro_fed.federation.ray_backend import RayFederation
 
-__all__ = ["ClientError", "ClientProgram", "Federation", "InProcess", "MessageLedger"]
+__all__ = ["ClientError", "ClientProgram", "Federation", "InProcess", "MessageLedger", "RayFederation"]

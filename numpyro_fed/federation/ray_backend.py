@@ -1,0 +1,562 @@
+"""Clients as Ray actors: :class:`RayFederation` (``pip install numpyro_fed[ray]``).
+
+One long-lived actor per client holds that client's block and its compiled functions, and
+nothing else. Inside compiled code, :meth:`~RayFederation.map` and :meth:`~RayFederation.one`
+are ``jax.pure_callback``\\ s (``vmap_method="expand_dims"``): under a ``vmap`` over chains a
+single round trip carries every chain's request, and each actor ``vmap``\\ s its function over
+the chains it received. :meth:`~RayFederation.exchange` runs decentralized iterations in which
+the actors send their messages to their neighbours' actors directly; the driver only starts
+the run and collects the final states.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import sys
+import threading
+import time
+from collections import defaultdict
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+from numpyro_fed.federation.base import ClientError, ClientProgram, Federation, tree_nbytes
+from numpyro_fed.federation.inprocess import _concrete_adjacency
+from numpyro_fed.federation.ledger import MessageLedger
+
+__all__ = ["RayFederation", "thread_limits"]
+
+
+def thread_limits(threads: int = 1) -> dict:
+    """Environment variables that limit a JAX process to ``threads`` compute threads (XLA's
+    CPU thread pool, OpenMP, MKL, OpenBLAS): what each client actor gets, so that several
+    clients on one machine do not oversubscribe its cores."""
+    flags = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1" if threads == 1 \
+        else f"intra_op_parallelism_threads={threads}"
+    n = str(threads)
+    return {"XLA_FLAGS": flags, "OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n,
+            "OPENBLAS_NUM_THREADS": n, "TF_NUM_INTRAOP_THREADS": n}
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError("RayFederation needs Ray: pip install 'numpyro_fed[ray]'") from exc
+    return ray
+
+
+# -- the actor --------------------------------------------------------------------------------
+
+
+class _ClientWorker:
+    """Client ``m``'s worker: its block, its functions compiled on first use, its inbox."""
+
+    def __init__(self, client, program, x64):
+        jax.config.update("jax_enable_x64", bool(x64))
+        self.client = int(client)
+        self.program = program
+        self.block = None
+        self.compiled = {}
+        self.inbox = defaultdict(dict)  # (tag, t) -> {sender: message}
+        self.inbox_ready = threading.Condition()
+
+    def setup(self):
+        """Loads (deployment) and checks the block; reports its shapes and dtypes only."""
+        from numpyro_fed.federation.base import block_spec, check_block
+
+        program = self.program
+        if program.blocks is not None:
+            block = program.blocks[0]  # the driver sent this client's block only
+        else:
+            block = program.loader(self.client)
+        check_block(block, self.client, program.spec)
+        self.block = jax.tree_util.tree_map(jnp.asarray, block)
+        spec = block_spec(block)
+        return jax.tree_util.tree_map(lambda s: (tuple(s.shape), np.dtype(s.dtype).str), spec)
+
+    def ping(self):
+        return self.client
+
+    def _compiled(self, table, name, in_axes):
+        key = (table, name, repr(in_axes))
+        fn = self.compiled.get(key)
+        if fn is None:
+            raw = getattr(self.program, table)[name]
+            if in_axes is None:
+                fn = jax.jit(raw)
+            else:
+                fn = jax.jit(jax.vmap(raw, in_axes=(None,) + tuple(in_axes)))
+            self.compiled[key] = fn
+        return fn
+
+    def call(self, name, args, in_axes):
+        """``functions[name](block, *args)``, ``vmap``-ed over ``in_axes`` if not ``None``."""
+        reply = self._compiled("functions", name, in_axes)(self.block, *args)
+        return jax.tree_util.tree_map(np.asarray, reply)
+
+    def sleep(self, seconds):
+        """For tests and benchmarks: keep the worker busy."""
+        time.sleep(seconds)
+        return self.client
+
+    # decentralized exchange ---------------------------------------------------------------
+    def deliver(self, tag, t, sender, message):
+        with self.inbox_ready:
+            self.inbox[(tag, t)][sender] = message
+            self.inbox_ready.notify_all()
+
+    def run_agent(self, tag, name, state, message, senders, receivers, mask, num_iterations,
+                  broadcast, in_axes, timeout):
+        """``num_iterations`` of agent ``name``: send to ``receivers`` (actor handles), wait for
+        ``senders``, step. Returns ``(state, message, messages_sent, bytes_sent)``."""
+        step = self._compiled("agents", name, in_axes)
+        batched = in_axes is not None
+        num_clients = mask.shape[0]
+        sent_messages = sent_bytes = 0
+        message_bytes = tree_nbytes(message)
+        for t in range(num_iterations):
+            for handle in receivers:
+                handle.deliver.remote(tag, t, self.client, message)
+            sent_messages += len(receivers)
+            sent_bytes += len(receivers) * message_bytes
+            deadline = time.monotonic() + timeout
+            with self.inbox_ready:
+                while len(self.inbox[(tag, t)]) < len(senders):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        missing = sorted(set(senders) - set(self.inbox[(tag, t)]))
+                        raise TimeoutError(
+                            f"agent {self.client} waited {timeout} s for neighbour(s) {missing} "
+                            f"at iteration {t} of '{name}'")
+                    self.inbox_ready.wait(left)
+                received = self.inbox.pop((tag, t))
+            inbox = _assemble_inbox(message, received, num_clients, batched)
+            state, message = step(self.block, state, inbox, mask, t, *broadcast)
+            state = jax.tree_util.tree_map(np.asarray, state)
+            message = jax.tree_util.tree_map(np.asarray, message)
+        return state, message, sent_messages, sent_bytes
+
+
+def _assemble_inbox(template, received, num_clients, batched):
+    """``(M, ...)`` (or ``(B, M, ...)`` when batched over chains) with row ``k`` the message of
+    sender ``k`` and zeros elsewhere."""
+    leaves, treedef = jax.tree_util.tree_flatten(template)
+    out = []
+    for i, leaf in enumerate(leaves):
+        leaf = np.asarray(leaf)
+        axis = 1 if batched else 0
+        shape = leaf.shape[:axis] + (num_clients,) + leaf.shape[axis:]
+        box = np.zeros(shape, leaf.dtype)
+        for k, msg in received.items():
+            value = jax.tree_util.tree_leaves(msg)[i]
+            if batched:
+                box[:, k] = value
+            else:
+                box[k] = value
+        out.append(box)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+# -- batching over chains ----------------------------------------------------------------------
+
+
+def _unbatch(leaves, ndims):
+    """Host side of a ``vmap_method="expand_dims"`` callback: the batch shape, and every leaf
+    as ``(B, ...)`` (in_axis 0) or without batch axes (in_axis ``None``)."""
+    extra = {leaf.ndim - nd for leaf, nd in zip(leaves, ndims)}
+    if len(extra) != 1:
+        raise RuntimeError(f"inconsistent batch dimensions in a federation callback: {extra}")
+    nb = extra.pop()
+    if nb == 0:
+        return (), list(leaves), [None] * len(leaves)
+    batch_shape = np.broadcast_shapes(*[leaf.shape[:nb] for leaf in leaves])
+    size = int(np.prod(batch_shape))
+    out, axes = [], []
+    for leaf in leaves:
+        lead = leaf.shape[:nb]
+        rest = leaf.shape[nb:]
+        if all(d == 1 for d in lead):
+            out.append(leaf.reshape(rest))
+            axes.append(None)
+        else:
+            out.append(np.broadcast_to(leaf, tuple(batch_shape) + rest).reshape((size,) + rest))
+            axes.append(0)
+    return tuple(batch_shape), out, axes
+
+
+# -- the federation -----------------------------------------------------------------------------
+
+
+class RayFederation(Federation):
+    """Each client a long-lived Ray actor holding only its own block.
+
+    :param str address: the Ray cluster to join (``"auto"``, ``"ray://host:10001"``, ...);
+        ``None`` joins the Ray already running in this process or starts a local one.
+    :param float timeout: seconds to wait for a client's reply (and for the clients to start)
+        before raising :class:`~numpyro_fed.federation.ClientError` naming it.
+    :param int threads: compute threads per client actor (``None``: leave JAX's defaults);
+        see :func:`thread_limits`.
+    :param actor_options: Ray options of each client's actor: a dict, or a function
+        ``m -> dict`` (e.g. ``lambda m: {"resources": {f"client{m}": 1}}`` pins client ``m``
+        to the node started with that custom resource). Default ``{"num_cpus": 0,
+        "scheduling_strategy": "SPREAD"}``: a client reserves no CPU (so ``M`` clients fit on
+        a machine with fewer cores; :func:`thread_limits` keeps them from oversubscribing it)
+        and the clients are spread over the cluster's nodes.
+    :param float start_timeout: seconds to wait for the actors to start and load their blocks
+        (a new process imports JAX: several seconds on a loaded machine).
+    :param dict env_vars: more environment variables for the actors.
+    :param dict init_kwargs: passed to ``ray.init`` when this federation starts Ray.
+
+    On a local Ray (``address=None``), the actors get the driver's ``sys.path`` as
+    ``PYTHONPATH`` so that functions defined in the driver's modules unpickle on the workers;
+    on a cluster, install the package and the modules of your functions on every node (or use
+    Ray's ``runtime_env``).
+
+    .. code-block:: python
+
+        import numpyro_fed as nf
+        with nf.RayFederation(timeout=30.0) as federation:
+            sampler = nf.FedZigZag(model, federation=federation)
+            ...
+    """
+
+    def __init__(self, address: str | None = None, timeout: float = 60.0, *, threads: int | None = 1,
+                 actor_options=None, env_vars: dict | None = None, init_kwargs: dict | None = None,
+                 start_timeout: float = 180.0):
+        super().__init__()
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0, not {timeout}")
+        self.address = address
+        self.timeout = float(timeout)
+        self.start_timeout = float(start_timeout)
+        self.threads = threads
+        self.actor_options = actor_options
+        self.env_vars = dict(env_vars or {})
+        self.init_kwargs = dict(init_kwargs or {})
+        self._actors = []
+        self._specs = None
+        self._started_ray = False
+        self._error = None
+        self._tags = itertools.count()
+        self._reply_cache = {}
+
+    # -- host side -------------------------------------------------------------------------
+    def _ensure_ray(self):
+        ray = _import_ray()
+        if not ray.is_initialized():
+            kwargs = {"include_dashboard": False, "log_to_driver": False}
+            if self.address is None:
+                kwargs["num_cpus"] = max(os.cpu_count() or 1, 2)
+            kwargs.update(self.init_kwargs)
+            ray.init(address=self.address, **kwargs)
+            self._started_ray = True
+        return ray
+
+    def _options(self, m):
+        options = self.actor_options(m) if callable(self.actor_options) else dict(self.actor_options or {})
+        options = dict(options)
+        options.setdefault("num_cpus", 0)
+        if "resources" not in options and "placement_group" not in options:
+            options.setdefault("scheduling_strategy", "SPREAD")
+        options.setdefault("max_concurrency", 4)  # deliver() runs while run_agent() waits
+        env = {"JAX_ENABLE_X64": str(bool(jax.config.jax_enable_x64))}
+        if self.threads is not None:
+            env.update(thread_limits(self.threads))
+        if self.address is None:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+        env.update(self.env_vars)
+        runtime_env = dict(options.pop("runtime_env", {}) or {})
+        runtime_env["env_vars"] = {**env, **runtime_env.get("env_vars", {})}
+        options["runtime_env"] = runtime_env
+        return options
+
+    def start(self, program: ClientProgram) -> "RayFederation":
+        if not isinstance(program, ClientProgram):
+            raise TypeError(f"start takes a ClientProgram, not {type(program).__name__}")
+        if self._actors:
+            raise RuntimeError("this RayFederation is already started; close() it first")
+        ray = self._ensure_ray()
+        remote = ray.remote(_ClientWorker)
+        x64 = bool(jax.config.jax_enable_x64)
+        actors = []
+        for m in range(program.num_clients):
+            if program.blocks is not None:  # only client m's block goes to worker m
+                own = ClientProgram(program.functions, blocks=[program.blocks[m]], spec=program.spec,
+                                    agents=program.agents)
+            else:
+                own = program
+            actors.append(remote.options(**self._options(m)).remote(m, own, x64))
+        self._actors = actors
+        self._program = program
+        self._ledger = MessageLedger(program.num_clients)
+        try:
+            specs = self._gather("setup", {m: a.setup.remote() for m, a in enumerate(actors)},
+                                 refuse=True, timeout=self.start_timeout)
+        except BaseException:
+            self.close()
+            raise
+        self._specs = [
+            jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s[0], np.dtype(s[1])), specs[m],
+                                   is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2
+                                   and isinstance(x[1], str))
+            for m in range(program.num_clients)
+        ]
+        return self
+
+    def close(self) -> None:
+        """Ends the client actors (and the local Ray this federation started)."""
+        if not self._actors and not self._started_ray:
+            return
+        ray = _import_ray()
+        for actor in self._actors:
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
+        self._actors = []
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False
+
+    @property
+    def actors(self) -> list:
+        """The client actors, one per client (for monitoring and fault tests)."""
+        return list(self._actors)
+
+    @property
+    def block_specs(self) -> list:
+        if self._specs is None:
+            raise RuntimeError("RayFederation has not been started: call start(program)")
+        return list(self._specs)
+
+    @contextlib.contextmanager
+    def guard(self):
+        self._error = None
+        try:
+            yield
+        except Exception as exc:  # JAX re-raises callback errors as JaxRuntimeError or ValueError
+            error, self._error = self._error, None
+            if error is not None:
+                raise error from exc
+            raise
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def _gather(self, call, refs, *, refuse=False, timeout=None):
+        """Waits for ``{client: ref}``; a :class:`ClientError` naming the silent, dead or
+        failing clients (a ``ValueError`` for data refused at ``setup``)."""
+        ray = _import_ray()
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+        timeout = self.timeout if timeout is None else timeout
+        clients = list(refs)
+        pending = [refs[c] for c in clients]
+        ready, not_ready = ray.wait(pending, num_returns=len(pending), timeout=timeout)
+        results, failures = {}, []
+        for c in clients:
+            ref = refs[c]
+            if ref in not_ready:
+                continue
+            try:
+                results[c] = ray.get(ref, timeout=timeout)
+            except RayTaskError as exc:
+                cause = getattr(exc, "cause", None)
+                if refuse and isinstance(cause, ValueError):
+                    raise ValueError(str(cause)) from None
+                failures.append((c, f"failed: {type(cause).__name__ if cause else 'error'}: {cause or exc}"))
+            except RayActorError as exc:
+                failures.append((c, f"died ({type(exc).__name__})"))
+            except GetTimeoutError:
+                not_ready.append(ref)
+        silent = [c for c in clients if refs[c] in not_ready]
+        if failures or silent:
+            parts = [f"client {c} {why}" for c, why in failures]
+            if silent:
+                parts.append(f"client(s) {silent} did not answer within {timeout} s")
+            error = ClientError(f"call '{call}': " + "; ".join(parts),
+                                clients=[c for c, _ in failures] + silent, call=call)
+            self._error = error
+            raise error
+        return results
+
+    # -- traceable side --------------------------------------------------------------------
+    def _reply_struct(self, name, arg_structs):
+        key = (name, tuple(jax.tree_util.tree_leaves(arg_structs)),
+               jax.tree_util.tree_structure(arg_structs))
+        if key not in self._reply_cache:
+            shapes = [jax.eval_shape(self._function(name), spec, *arg_structs) for spec in self.block_specs]
+            for m, s in enumerate(shapes[1:], 1):
+                if s != shapes[0]:
+                    raise ValueError(f"call '{name}': client {m}'s reply has shape {s}, client 0's "
+                                     f"{shapes[0]}; replies must not depend on the number of rows")
+            self._reply_cache[key] = shapes[0]
+        return self._reply_cache[key]
+
+    def map(self, name, *broadcast, per_client=()):
+        per_client = tuple(per_client)
+        m_clients = self.num_clients
+        struct = lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))  # noqa: E731
+        own_structs = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)),
+                                             per_client)
+        for leaf in jax.tree_util.tree_leaves(per_client):
+            if jnp.shape(leaf)[:1] != (m_clients,):
+                raise ValueError(f"call '{name}': per_client arrays need a leading axis of {m_clients} "
+                                 f"clients, got shape {jnp.shape(leaf)}")
+        reply = self._reply_struct(name, tuple(jax.tree_util.tree_map(struct, broadcast)) + tuple(own_structs))
+        out_struct = jax.tree_util.tree_map(
+            lambda s: jax.ShapeDtypeStruct((m_clients,) + tuple(s.shape), s.dtype), reply)
+        leaves, treedef = jax.tree_util.tree_flatten((broadcast, per_client))
+        ndims = [jnp.ndim(x) for x in leaves]
+        num_broadcast = len(jax.tree_util.tree_leaves(broadcast))
+        reply_leaves, reply_def = jax.tree_util.tree_flatten(reply)
+
+        def host(*host_leaves):
+            batch, flat, axes = _unbatch([np.asarray(x) for x in host_leaves], ndims)
+            refs, sent = {}, {}
+            for m in range(m_clients):
+                args, args_axes = [], []
+                for i, (leaf, axis) in enumerate(zip(flat, axes)):
+                    if i >= num_broadcast:
+                        leaf = leaf[:, m] if axis == 0 else leaf[m]
+                    args.append(leaf)
+                    args_axes.append(axis)
+                b, p = jax.tree_util.tree_unflatten(treedef, args)
+                bx, px = jax.tree_util.tree_unflatten(treedef, args_axes)
+                in_axes = None if all(a is None for a in args_axes) else tuple(bx) + tuple(px)
+                refs[m] = self._actors[m].call.remote(name, tuple(b) + tuple(p), in_axes)
+                sent[m] = sum(a.nbytes for a in args)
+            replies = self._gather(name, refs)
+            size = int(np.prod(batch)) if batch else 1
+            out = []
+            for j, want in enumerate(reply_leaves):
+                per = []
+                for m in range(m_clients):
+                    value = np.asarray(jax.tree_util.tree_leaves(replies[m])[j], dtype=want.dtype)
+                    if batch and value.ndim == want.ndim:  # no batched argument: one reply for all
+                        value = np.broadcast_to(value, (size,) + value.shape)
+                    per.append(value)
+                stacked = np.stack(per, axis=1 if batch else 0)
+                out.append(stacked.reshape(tuple(batch) + (m_clients,) + tuple(want.shape)))
+            self._count(name, sent, replies, size)
+            return jax.tree_util.tree_unflatten(reply_def, out)
+
+        return jax.pure_callback(host, out_struct, *leaves, vmap_method="expand_dims")
+
+    def _count(self, name, sent, replies, messages):
+        for m, nbytes in sent.items():
+            n = messages[m] if isinstance(messages, dict) else messages
+            self.ledger.add(name, "to_client", m, messages=n, nbytes=nbytes, rounds=n)
+            self.ledger.add(name, "from_client", m, messages=n, nbytes=tree_nbytes(replies[m]))
+        self.ledger.round_trips += 1
+
+    def one(self, name, client, *broadcast, own=()):
+        own = tuple(own)
+        m_clients = self.num_clients
+        struct = lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))  # noqa: E731
+        own_structs = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)), own)
+        reply = self._reply_struct(name, tuple(jax.tree_util.tree_map(struct, broadcast)) + tuple(own_structs))
+        client = jnp.asarray(client, dtype=jnp.int32)
+        leaves, treedef = jax.tree_util.tree_flatten((client, broadcast, own))
+        ndims = [jnp.ndim(x) for x in leaves]
+        num_broadcast = len(jax.tree_util.tree_leaves(broadcast))
+        reply_leaves, reply_def = jax.tree_util.tree_flatten(reply)
+
+        def host(*host_leaves):
+            batch, flat, axes = _unbatch([np.asarray(x) for x in host_leaves], ndims)
+            size = int(np.prod(batch)) if batch else 1
+            chosen = np.broadcast_to(flat[0], (size,)) if batch else np.asarray(flat[0]).reshape(1)
+            refs, sent, members = {}, {}, {}
+            for c in np.unique(chosen):
+                c = int(c)
+                if not 0 <= c < m_clients:
+                    raise ClientError(f"call '{name}': no client {c} (there are {m_clients})",
+                                      clients=[c], call=name)
+                idx = np.flatnonzero(chosen == c)
+                members[c] = idx
+                args, args_axes = [], []
+                for i, (leaf, axis) in enumerate(zip(flat[1:], axes[1:])):
+                    if axis == 0:
+                        leaf = leaf[idx]
+                    if i >= num_broadcast:
+                        leaf = leaf[:, c] if axis == 0 else leaf[c]
+                    args.append(leaf)
+                    args_axes.append(axis)
+                _, b, o = jax.tree_util.tree_unflatten(treedef, [None] + args)
+                _, bx, ox = jax.tree_util.tree_unflatten(treedef, [None] + args_axes)
+                in_axes = None if all(a is None for a in args_axes) else tuple(bx) + tuple(ox)
+                refs[c] = self._actors[c].call.remote(name, tuple(b) + tuple(o), in_axes)
+                sent[c] = sum(a.nbytes for a in args)
+            replies = self._gather(name, refs)
+            out = []
+            for j, want in enumerate(reply_leaves):
+                if not batch:
+                    value = np.asarray(jax.tree_util.tree_leaves(replies[int(chosen[0])])[j], dtype=want.dtype)
+                    out.append(value.reshape(want.shape))
+                    continue
+                full = np.empty((size,) + tuple(want.shape), want.dtype)
+                for c, idx in members.items():
+                    value = np.asarray(jax.tree_util.tree_leaves(replies[c])[j], dtype=want.dtype)
+                    full[idx] = value if value.ndim > want.ndim else value[None]
+                out.append(full.reshape(tuple(batch) + tuple(want.shape)))
+            self._count(name, sent, replies, {c: len(idx) for c, idx in members.items()})
+            return jax.tree_util.tree_unflatten(reply_def, out)
+
+        return jax.pure_callback(host, reply, *leaves, vmap_method="expand_dims")
+
+    def exchange(self, name, states, messages, adjacency, num_iterations, *broadcast):
+        if name not in self.program.agents:
+            raise KeyError(f"the client program has no agent '{name}' (agents: {sorted(self.program.agents)})")
+        adjacency = _concrete_adjacency(adjacency, self.num_clients)
+        num_iterations = int(num_iterations)
+        m_clients = self.num_clients
+        out_struct = jax.tree_util.tree_map(
+            lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), (states, messages))
+        leaves, treedef = jax.tree_util.tree_flatten((states, messages, broadcast))
+        ndims = [jnp.ndim(x) for x in leaves]
+        num_clientwise = len(jax.tree_util.tree_leaves((states, messages)))
+        out_leaves, out_def = jax.tree_util.tree_flatten(out_struct)
+
+        def host(*host_leaves):
+            batch, flat, axes = _unbatch([np.asarray(x) for x in host_leaves], ndims)
+            size = int(np.prod(batch)) if batch else 1
+            if batch:  # every chain runs in every actor: batch the whole carry
+                flat = [leaf if ax == 0 or i >= num_clientwise else np.broadcast_to(leaf, (size,) + leaf.shape)
+                        for i, (leaf, ax) in enumerate(zip(flat, axes))]
+                axes = [0 if i < num_clientwise else ax for i, ax in enumerate(axes)]
+            tag = next(self._tags)
+            refs = {}
+            for m in range(m_clients):
+                mine = [leaf[:, m] if batch else leaf[m] for leaf in flat[:num_clientwise]]
+                s, msg, b = jax.tree_util.tree_unflatten(treedef, mine + flat[num_clientwise:])
+                in_axes = None
+                if batch:
+                    sx, mx, bx = jax.tree_util.tree_unflatten(treedef, axes)
+                    in_axes = (sx, 0, None, None) + tuple(bx)  # state, inbox, mask, t, *broadcast
+                senders = [int(k) for k in np.flatnonzero(adjacency[:, m])]
+                receivers = [self._actors[int(k)] for k in np.flatnonzero(adjacency[m])]
+                refs[m] = self._actors[m].run_agent.remote(
+                    tag, name, s, msg, senders, receivers, adjacency[:, m].copy(), num_iterations,
+                    tuple(b), in_axes, self.timeout)
+            results = self._gather(name, refs, timeout=self.timeout * (num_iterations + 1))
+            out = []
+            parts = [jax.tree_util.tree_leaves((results[m][0], results[m][1])) for m in range(m_clients)]
+            for j, want in enumerate(out_leaves):
+                stacked = np.stack([np.asarray(parts[m][j], dtype=want.dtype) for m in range(m_clients)],
+                                   axis=1 if batch else 0)
+                out.append(stacked.reshape(want.shape if not batch else tuple(batch) + tuple(want.shape)))
+            for m in range(m_clients):
+                self.ledger.add(name, "to_peer", m, messages=results[m][2] * size,
+                                nbytes=results[m][3], rounds=num_iterations * size)
+            self.ledger.round_trips += 1
+            return jax.tree_util.tree_unflatten(out_def, out)
+
+        return jax.pure_callback(host, out_struct, *leaves, vmap_method="expand_dims")
+
+    def __repr__(self) -> str:
+        where = "local" if self.address is None else repr(self.address)
+        state = f"num_clients={self.num_clients}" if self._actors else "not started"
+        return f"RayFederation({where}, {state}, timeout={self.timeout})"
