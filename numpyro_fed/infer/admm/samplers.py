@@ -18,7 +18,7 @@ import numpy as np
 
 import jax.numpy as jnp
 
-from numpyro_fed._checks import check_int, check_positive, check_real
+from numpyro_fed._checks import check_int, check_positive, check_real, warn_user
 from numpyro_fed.infer.admm.dadmms import ADMMInfo, build_kernel, init, quadratic_potentials
 from numpyro_fed.infer.admm.face import DecentralizedKernel
 from numpyro_fed.infer.admm.gradient import (
@@ -241,12 +241,11 @@ def _warn_unstable(name, potentials, x0, gain, advice):
     agent = int(np.argmax(curvatures))
     curvature = float(curvatures[agent])
     if gain(curvature) >= 1.0:
-        warnings.warn(
+        warn_user(
             f"{name}: the largest curvature of an agent's potential at the starting point is "
             f"{curvature:.3g} (agent {agent}); with these step sizes the update linearized there is "
             f"unstable, so the iterates may run away (they do on a Gaussian model): {advice(curvature)}",
             RuntimeWarning,
-            stacklevel=4,
         )
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from typing import NamedTuple
-import warnings
 
 import numpy as np
 
@@ -13,7 +12,7 @@ import jax.numpy as jnp
 from numpyro.infer.initialization import init_to_uniform
 from numpyro.util import is_prng_key
 
-from numpyro_fed._checks import check_int, check_positive, check_real
+from numpyro_fed._checks import check_int, check_positive, check_real, warn_user
 from numpyro_fed.infer.kernel import FederatedMCMCKernel, RunCheck
 from numpyro_fed.infer.zigzag.bounds import bound_kind, per_proposer_bound
 from numpyro_fed.infer.zigzag.control_variates import control_variate_reference, switched
@@ -325,11 +324,11 @@ class FedZigZag(FederatedMCMCKernel):
                 "(the reference is then the mean of the warmup trajectory) or pass "
                 "control_variates=False"
             )
-        warnings.warn(
+        warn_user(
             f"FedZigZag: control variates are off: the posterior has no mode "
             f"({describe_no_mode(search)}) and without warmup there is no trajectory to center "
             "them on; give MCMC num_warmup > 0 to have them",
-            RuntimeWarning, stacklevel=4,
+            RuntimeWarning,
         )
         return start, False, False
 
