@@ -1,7 +1,7 @@
 """The federation seam: InProcess and RayFederation agree, the ledger counts what crosses the
 wire, faults name the client, and no client's function holds another client's rows."""
 
-import pickle
+import contextlib
 import time
 
 import numpy as np
@@ -143,12 +143,19 @@ def test_ledger_adds_per_client_and_direction():
 
 
 @pytest.fixture(scope="module")
-def ray_pair(ray_session):
+def ray_federation(ray_session):
+    """Three client actors for the module: each test starts them with its own program (the
+    actors are reused; starting a process that imports JAX is what costs)."""
     from numpyro_fed import RayFederation
 
-    ray_fed = RayFederation(timeout=30.0).start(toy_program())
-    yield ray_fed, InProcess().start(toy_program())
-    ray_fed.close()
+    federation = RayFederation(timeout=30.0)
+    yield federation
+    federation.close()
+
+
+@pytest.fixture
+def ray_pair(ray_federation):
+    return ray_federation.start(toy_program()), InProcess().start(toy_program())
 
 
 def run_toy_calls(fed):
@@ -207,28 +214,27 @@ def test_ray_ledger_counts_the_payloads_and_agrees_with_the_inprocess_ledger(ray
 def test_a_hung_client_raises_client_error_naming_it_within_the_timeout(ray_session):
     from numpyro_fed import RayFederation
 
-    with RayFederation(timeout=1.0).start(toy_program()) as fed:
+    with RayFederation(timeout=1.0).start(ClientProgram(FUNCTIONS, blocks=toy_blocks()[:2])) as fed:
         naps = jax.jit(lambda s: fed.map("nap", per_client=(s,)))
         with fed.guard():
-            np.testing.assert_array_equal(naps(jnp.zeros(M)), np.zeros(M))
+            np.testing.assert_array_equal(naps(jnp.zeros(2)), np.zeros(2))
         start = time.monotonic()
         with pytest.raises(ClientError, match=r"call 'nap'.*client\(s\) \[1\] did not answer") as info:
             with fed.guard():
-                naps(jnp.array([0.0, 5.0, 0.0])).block_until_ready()
+                naps(jnp.array([0.0, 3.0])).block_until_ready()
         assert time.monotonic() - start < 4.0 and info.value.clients == (1,)
 
         import ray
-        ray.kill(fed.actors[2])
+        ray.kill(fed.actors[0])
         start = time.monotonic()
-        with pytest.raises(ClientError, match="client 2 died") as info:
+        with pytest.raises(ClientError, match="client 0 died") as info:
             with fed.guard():
                 jax.jit(lambda t: fed.map("sum", t))(jnp.ones(D)).block_until_ready()
-        assert time.monotonic() - start < 4.0 and info.value.clients == (2,) and info.value.call == "sum"
+        # (client 1 may still be asleep, and be named too)
+        assert time.monotonic() - start < 4.0 and info.value.clients[0] == 0 and info.value.call == "sum"
 
 
-def test_deployment_loaders_run_on_the_workers_and_bad_data_is_refused(ray_session, tmp_path):
-    from numpyro_fed import RayFederation
-
+def test_deployment_loaders_run_on_the_workers_and_bad_data_is_refused(ray_federation, tmp_path):
     blocks = toy_blocks()
     sentinel = 1234.5678
     blocks[1]["x"][0, 0] = sentinel
@@ -240,21 +246,142 @@ def test_deployment_loaders_run_on_the_workers_and_bad_data_is_refused(ray_sessi
     def loader(m):
         return {"x": np.load(f"{folder}/x{m}.npy"), "w": np.load(f"{folder}/w{m}.npy")}
 
-    program = ClientProgram(FUNCTIONS, loader=loader, num_clients=M, agents=AGENTS)
-    with RayFederation(timeout=30.0).start(program) as fed:
-        got = jax.jit(lambda t: fed.map("sum", t))(jnp.array([0.3, -0.7]))
-        want = jnp.stack([weighted_sum(b, jnp.array([0.3, -0.7])) for b in blocks])
-        np.testing.assert_allclose(got, want, rtol=1e-14)
-        # the driver holds shapes, never rows
-        assert fed.block_specs[1]["x"].shape == (R, D)
-        held = pickle.dumps((fed.block_specs, fed.ledger.summary())) + \
-            pytest.importorskip("cloudpickle").dumps(program)
-        assert np.float64(sentinel).tobytes() not in held
-
-    np.save(tmp_path / "x2.npy", np.full((R, D), np.nan))
-    with pytest.raises(ValueError, match=r"client 2: \['x'\] holds non-finite"):
-        RayFederation(timeout=30.0).start(program)
-    np.save(tmp_path / "x2.npy", np.zeros((R, D + 1)))
     spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), blocks[0])
-    with pytest.raises(ValueError, match=r"client 2: \['x'\] has shape \(4, 3\)"):
-        RayFederation(timeout=30.0).start(ClientProgram(FUNCTIONS, loader=loader, num_clients=M, spec=spec))
+    program = ClientProgram(FUNCTIONS, loader=loader, num_clients=M, agents=AGENTS, spec=spec)
+    fed = ray_federation.start(program)
+    got = jax.jit(lambda t: fed.map("sum", t))(jnp.array([0.3, -0.7]))
+    want = jnp.stack([weighted_sum(b, jnp.array([0.3, -0.7])) for b in blocks])
+    np.testing.assert_allclose(got, want, rtol=1e-14)
+    # the driver holds shapes, never rows
+    assert fed.block_specs[1]["x"].shape == (R, D)
+    assert not holds_sentinel_value(sentinel, fed.block_specs, fed.ledger.summary(), program)
+
+    x1 = blocks[1]["x"].copy()
+    x1[2, 1] = np.nan
+    np.save(tmp_path / "x1.npy", x1)
+    np.save(tmp_path / "x2.npy", np.zeros((R, D + 1)))
+    with pytest.raises(ValueError, match=r"client 1: \['x'\] holds non-finite.*client 2: \['x'\] has shape \(4, 3\)"):
+        fed.start(program)
+
+
+# -- client-side potentials --------------------------------------------------------------------
+
+import numpyro  # noqa: E402
+import numpyro.distributions as dist  # noqa: E402
+
+import numpyro_fed as nf  # noqa: E402
+
+COUNTS = [5, 7, 4]
+SENTINEL = 777.125  # planted in client 1's rows only
+OWNER = np.repeat(np.arange(len(COUNTS)), COUNTS)
+
+
+def logistic(X, y=None, clients=len(COUNTS)):
+    w = numpyro.sample("w", dist.Normal(0, 1).expand([X.shape[1]]).to_event(1))
+    b = numpyro.sample("b", dist.HalfNormal(1.0))
+    with nf.federated_plate("data", X.shape[0], clients=clients):
+        numpyro.sample("y", dist.Bernoulli(logits=X @ w + b), obs=y)
+
+
+def pooled_rows():
+    rng = np.random.default_rng(1)
+    X = rng.normal(size=(sum(COUNTS), 2))
+    X[COUNTS[0], 0] = SENTINEL  # client 1's first row
+    return X, (rng.random(sum(COUNTS)) < 0.5) * 1.0
+
+
+def holds_sentinel_value(value, *objects):
+    cloudpickle = pytest.importorskip("cloudpickle")
+    return np.float64(value).tobytes() in cloudpickle.dumps(objects)
+
+
+def holds_sentinel(*objects):
+    return holds_sentinel_value(SENTINEL, *objects)
+
+
+def save_per_client(tmp_path):
+    X, y = pooled_rows()
+    offsets = np.cumsum([0] + COUNTS)
+    for m in range(len(COUNTS)):
+        np.save(tmp_path / f"X{m}.npy", X[offsets[m]:offsets[m + 1]])
+        np.save(tmp_path / f"y{m}.npy", y[offsets[m]:offsets[m + 1]])
+    folder = str(tmp_path)
+    return lambda m: (np.load(f"{folder}/X{m}.npy"), np.load(f"{folder}/y{m}.npy"))
+
+
+def potential_program(fp):
+    client_potential = fp.client_potential_fn
+    return fp.client_program({
+        "value": lambda block, z: client_potential(z, block),
+        "grad": lambda block, z: jax.grad(client_potential)(z, block),
+    })
+
+
+def test_no_client_function_holds_another_clients_rows():
+    X, y = pooled_rows()
+    fp = nf.split_potential(logistic, (X, y), {"clients": OWNER})
+    assert holds_sentinel(fp.client_block(1))  # the check sees rows when they are there
+    flat = fp.flat()
+    assert not holds_sentinel(fp.client_potential_fn, fp.row_log_likelihood_fn, fp.client_block(0),
+                              fp.client_block(2), flat.client_potential, flat.row_log_likelihood)
+    assert not holds_sentinel(fp.prior_potential_fn, fp.postprocess_fn, fp.init_params,
+                              flat.prior_potential, flat.postprocess)
+    program = potential_program(fp)
+    assert not holds_sentinel(program.functions, program.blocks[0], program.blocks[2])
+
+
+def test_deployment_with_loaders_matches_simulation_bit_for_bit(tmp_path):
+    X, y = pooled_rows()
+    simulated = nf.split_potential(logistic, (X, y), {"clients": OWNER})
+    deployed = nf.split_potential(logistic, loader=save_per_client(tmp_path), num_clients=3)
+    assert deployed.deployed and deployed.client_data is None
+    assert deployed.client_sizes.tolist() == COUNTS
+    z = deployed.init_params
+    fed = InProcess().start(potential_program(deployed))
+    values = jax.jit(lambda f, z: f.map("value", z))(fed, z)
+    np.testing.assert_array_equal(values, simulated.client_potentials(z))
+    np.testing.assert_array_equal(deployed.prior_potential(z), simulated.prior_potential(z))
+    for k, v in deployed.postprocess_fn(z).items():
+        np.testing.assert_array_equal(v, simulated.postprocess_fn(z)[k])
+    # the server's objects hold no row of any client
+    assert not holds_sentinel(deployed.prior_potential_fn, deployed.postprocess_fn,
+                              deployed.client_potential_fn, deployed.block_loader, deployed.init_params)
+    with pytest.raises(ValueError, match="deployment"):
+        deployed.client_potentials(z)
+
+
+def test_deployment_refuses_what_it_cannot_split(tmp_path):
+    loader = save_per_client(tmp_path)
+
+    def local_effects(X, y=None):
+        w = numpyro.sample("w", dist.Normal(0, 1).expand([X.shape[1]]).to_event(1))
+        with nf.federated_plate("data", X.shape[0], clients=3):
+            eta = numpyro.sample("eta", dist.Normal(X @ w, 1.0))
+            numpyro.sample("y", dist.Normal(eta, 1.0), obs=y)
+
+    with pytest.raises(ValueError, match="global latent variables and one federated data plate.*eta"):
+        nf.split_potential(local_effects, loader=loader, num_clients=3)
+    with pytest.raises(ValueError, match="declares 3 clients, but there are 2 loaders"):
+        nf.split_potential(logistic, loader=loader, num_clients=2)
+    with pytest.raises(ValueError, match="not both"):
+        nf.split_potential(logistic, pooled_rows(), loader=loader, num_clients=3)
+
+
+def test_deployment_on_ray_the_driver_never_holds_rows(ray_federation, tmp_path):
+    X, y = pooled_rows()
+    simulated = nf.split_potential(logistic, (X, y), {"clients": OWNER})
+    with contextlib.nullcontext(ray_federation) as fed:
+        deployed = nf.split_potential(logistic, loader=save_per_client(tmp_path), num_clients=3,
+                                      federation=fed)
+        fed.start(potential_program(deployed))
+        z = deployed.init_params
+        with fed.guard():
+            values = jax.jit(lambda z: fed.map("value", z))(z)
+            grads = jax.jit(jax.vmap(lambda z: fed.map("grad", z)))(
+                jax.tree.map(lambda a: jnp.stack([a, a + 0.5]), z))
+        np.testing.assert_array_equal(values, simulated.client_potentials(z))
+        np.testing.assert_allclose(grads["w"][1], simulated.client_grads(jax.tree.map(lambda a: a + 0.5, z))["w"],
+                                   rtol=1e-13)
+        assert not holds_sentinel(deployed.prior_potential_fn, deployed.postprocess_fn,
+                                  deployed.client_potential_fn, deployed.block_loader,
+                                  fed.block_specs, fed.program)

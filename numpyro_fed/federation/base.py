@@ -16,7 +16,8 @@ import jax.numpy as jnp
 
 from numpyro_fed.federation.ledger import MessageLedger
 
-__all__ = ["ClientError", "ClientProgram", "Federation", "block_spec", "check_block", "tree_nbytes"]
+__all__ = ["ClientError", "ClientProgram", "Federation", "block_spec", "check_block",
+           "describe_arguments", "tree_nbytes"]
 
 
 class ClientError(RuntimeError):
@@ -51,6 +52,18 @@ def block_spec(block):
     server (shapes and dtypes, never values)."""
     return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)),
                                   block)
+
+
+def describe_arguments(tree):
+    """What a worker tells the server about its model arguments: a ``ShapeDtypeStruct`` for
+    every array leaf with at least one axis (rows; never their values), the value of every
+    scalar leaf (a setting such as a number of classes, not a row)."""
+    def describe(leaf):
+        if isinstance(leaf, (str, bytes)) or np.ndim(leaf) == 0:
+            return leaf.item() if hasattr(leaf, "item") else leaf
+        return jax.ShapeDtypeStruct(np.shape(leaf), np.asarray(leaf).dtype)
+
+    return jax.tree_util.tree_map(describe, tree)
 
 
 def check_block(block, client: int, spec=None, *, rows_axis_free: bool = True) -> None:
@@ -210,6 +223,12 @@ class Federation(abc.ABC):
     @abc.abstractmethod
     def block_specs(self) -> list:
         """Per client, the ``ShapeDtypeStruct`` tree of its block (as the worker reports it)."""
+
+    def describe(self, loader: Callable[[int], Any], num_clients: int) -> list:
+        """Runs ``loader(m)`` where client ``m`` lives and returns, per client,
+        :func:`describe_arguments` of what it loaded: shapes, dtypes and scalar settings,
+        never rows. (Deployment: the server builds its layout from these.)"""
+        return [describe_arguments(loader(m)) for m in range(int(num_clients))]
 
     def record_calls(self, name: str, calls) -> None:
         """Adds ``calls`` calls of ``name`` to the ledger (a count for every client, or an

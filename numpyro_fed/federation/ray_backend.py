@@ -56,20 +56,27 @@ def _import_ray():
 class _ClientWorker:
     """Client ``m``'s worker: its block, its functions compiled on first use, its inbox."""
 
-    def __init__(self, client, program, x64):
+    def __init__(self, client, x64):
         jax.config.update("jax_enable_x64", bool(x64))
         self.client = int(client)
-        self.program = program
+        self.program = None
         self.block = None
         self.compiled = {}
         self.inbox = defaultdict(dict)  # (tag, t) -> {sender: message}
         self.inbox_ready = threading.Condition()
 
-    def setup(self):
-        """Loads (deployment) and checks the block; reports its shapes and dtypes only."""
+    def describe(self, loader):
+        """Runs the user's loader here; reports shapes, dtypes and scalar settings only."""
+        from numpyro_fed.federation.base import describe_arguments
+
+        return describe_arguments(loader(self.client))
+
+    def load(self, program):
+        """Takes the program; loads (deployment) and checks the block; reports its shapes
+        and dtypes only."""
         from numpyro_fed.federation.base import block_spec, check_block
 
-        program = self.program
+        self.program, self.block, self.compiled = program, None, {}
         if program.blocks is not None:
             block = program.blocks[0]  # the driver sent this client's block only
         else:
@@ -121,7 +128,7 @@ class _ClientWorker:
         message_bytes = tree_nbytes(message)
         for t in range(num_iterations):
             for handle in receivers:
-                handle.deliver.remote(tag, t, self.client, message)
+                handle.deliver.options(concurrency_group="inbox").remote(tag, t, self.client, message)
             sent_messages += len(receivers)
             sent_bytes += len(receivers) * message_bytes
             deadline = time.monotonic() + timeout
@@ -263,7 +270,6 @@ class RayFederation(Federation):
         options.setdefault("num_cpus", 0)
         if "resources" not in options and "placement_group" not in options:
             options.setdefault("scheduling_strategy", "SPREAD")
-        options.setdefault("max_concurrency", 4)  # deliver() runs while run_agent() waits
         env = {"JAX_ENABLE_X64": str(bool(jax.config.jax_enable_x64))}
         if self.threads is not None:
             env.update(thread_limits(self.threads))
@@ -275,28 +281,43 @@ class RayFederation(Federation):
         options["runtime_env"] = runtime_env
         return options
 
+    def _spawn(self, num_clients):
+        """The client actors, created once and reused by later :meth:`start` and
+        :meth:`describe` calls with the same number of clients."""
+        if len(self._actors) == num_clients:
+            return self._actors
+        self._kill_actors()
+        ray = self._ensure_ray()
+        # Calls run one at a time on the actor's main thread (a threaded actor costs a few
+        # milliseconds per call); deliver() has its own group so that neighbours' messages
+        # arrive while run_agent() waits for them.
+        remote = ray.remote(concurrency_groups={"inbox": 2})(_ClientWorker)
+        x64 = bool(jax.config.jax_enable_x64)
+        self._actors = [remote.options(**self._options(m)).remote(m, x64) for m in range(num_clients)]
+        return self._actors
+
     def start(self, program: ClientProgram) -> "RayFederation":
+        """Gives each client actor its program and block (or runs its loader there); the
+        actors of an earlier :meth:`start` or :meth:`describe` with as many clients are
+        reused. A ``ValueError`` naming the clients whose data was refused leaves the actors
+        up: fix the data and start again, or :meth:`close`."""
         if not isinstance(program, ClientProgram):
             raise TypeError(f"start takes a ClientProgram, not {type(program).__name__}")
-        if self._actors:
-            raise RuntimeError("this RayFederation is already started; close() it first")
-        ray = self._ensure_ray()
-        remote = ray.remote(_ClientWorker)
-        x64 = bool(jax.config.jax_enable_x64)
-        actors = []
-        for m in range(program.num_clients):
+        actors = self._spawn(program.num_clients)
+        self._program, self._specs, self._reply_cache = None, None, {}
+        refs = {}
+        for m, actor in enumerate(actors):
             if program.blocks is not None:  # only client m's block goes to worker m
                 own = ClientProgram(program.functions, blocks=[program.blocks[m]], spec=program.spec,
                                     agents=program.agents)
             else:
                 own = program
-            actors.append(remote.options(**self._options(m)).remote(m, own, x64))
-        self._actors = actors
-        self._program = program
+            refs[m] = actor.load.remote(own)
         self._ledger = MessageLedger(program.num_clients)
         try:
-            specs = self._gather("setup", {m: a.setup.remote() for m, a in enumerate(actors)},
-                                 refuse=True, timeout=self.start_timeout)
+            specs = self._gather("start", refs, refuse=True, timeout=self.start_timeout)
+        except ValueError:
+            raise
         except BaseException:
             self.close()
             raise
@@ -306,19 +327,32 @@ class RayFederation(Federation):
                                    and isinstance(x[1], str))
             for m in range(program.num_clients)
         ]
+        self._program = program
         return self
 
-    def close(self) -> None:
-        """Ends the client actors (and the local Ray this federation started)."""
-        if not self._actors and not self._started_ray:
+    def describe(self, loader, num_clients):
+        """Runs ``loader(m)`` on client ``m``'s actor (started here if needed, and reused by
+        :meth:`start`); returns the shapes, dtypes and scalar settings it loaded, never rows."""
+        actors = self._spawn(int(num_clients))
+        out = self._gather("describe", {m: a.describe.remote(loader) for m, a in enumerate(actors)},
+                           refuse=True, timeout=self.start_timeout)
+        return [out[m] for m in range(int(num_clients))]
+
+    def _kill_actors(self):
+        if not self._actors:
             return
         ray = _import_ray()
         for actor in self._actors:
             with contextlib.suppress(Exception):
                 ray.kill(actor)
         self._actors = []
+
+    def close(self) -> None:
+        """Ends the client actors (and the local Ray this federation started)."""
+        self._kill_actors()
+        self._program = None
         if self._started_ray:
-            ray.shutdown()
+            _import_ray().shutdown()
             self._started_ray = False
 
     @property
@@ -355,8 +389,14 @@ class RayFederation(Federation):
         timeout = self.timeout if timeout is None else timeout
         clients = list(refs)
         pending = [refs[c] for c in clients]
-        ready, not_ready = ray.wait(pending, num_returns=len(pending), timeout=timeout)
-        results, failures = {}, []
+        start = time.monotonic()
+        try:  # the common case, in one call
+            return dict(zip(clients, ray.get(pending, timeout=timeout)))
+        except (GetTimeoutError, RayActorError, RayTaskError):
+            pass
+        left = max(timeout - (time.monotonic() - start), 0.0)
+        ready, not_ready = ray.wait(pending, num_returns=len(pending), timeout=left)
+        results, failures, refused = {}, [], []
         for c in clients:
             ref = refs[c]
             if ref in not_ready:
@@ -365,13 +405,16 @@ class RayFederation(Federation):
                 results[c] = ray.get(ref, timeout=timeout)
             except RayTaskError as exc:
                 cause = getattr(exc, "cause", None)
-                if refuse and isinstance(cause, ValueError):
-                    raise ValueError(str(cause)) from None
+                if refuse and isinstance(cause, (ValueError, TypeError)):
+                    refused.append(str(cause))
+                    continue
                 failures.append((c, f"failed: {type(cause).__name__ if cause else 'error'}: {cause or exc}"))
             except RayActorError as exc:
                 failures.append((c, f"died ({type(exc).__name__})"))
             except GetTimeoutError:
                 not_ready.append(ref)
+        if refused:
+            raise ValueError("; ".join(refused))
         silent = [c for c in clients if refs[c] in not_ready]
         if failures or silent:
             parts = [f"client {c} {why}" for c, why in failures]
@@ -558,5 +601,5 @@ class RayFederation(Federation):
 
     def __repr__(self) -> str:
         where = "local" if self.address is None else repr(self.address)
-        state = f"num_clients={self.num_clients}" if self._actors else "not started"
+        state = f"num_clients={self.num_clients}" if self._program is not None else "not started"
         return f"RayFederation({where}, {state}, timeout={self.timeout})"

@@ -165,6 +165,10 @@ class FederatedPotential:
     :ivar dict coordinate_owner_tree: the same, shaped like ``z``.
     :ivar client_data: the clients' stacked, padded blocks (a pytree with leading axis ``M``).
         Block ``m`` is the only input of client ``m``'s function that carries data.
+        ``None`` in deployment (built with ``loader=``): the rows are on the clients.
+    :ivar block_loader: deployment only (else ``None``): the picklable ``m -> block`` that
+        builds client ``m``'s block from its own rows on its worker (see
+        :meth:`client_program`).
     :ivar bool enumerated: whether discrete latents are marginalised by enumeration.
     :ivar dict row_arguments: the model arguments cut per client (path -> plate name).
     :ivar prior_potential_fn: the pure, un-jitted ``z -> prior term`` (server side).
@@ -199,6 +203,45 @@ class FederatedPotential:
         self._jit_total = jax.jit(total)
         self._jit_total_grad = jax.jit(jax.value_and_grad(total))
 
+    # -- the clients' rows -----------------------------------------------------------------
+    @property
+    def deployed(self) -> bool:
+        """Whether the rows stay on the clients (built with ``loader=``): then there is no
+        :attr:`client_data` in this process, and clients are reached through a federation."""
+        return self.client_data is None
+
+    def _rows(self):
+        if self.client_data is None:
+            raise ValueError(
+                "this FederatedPotential was built from loaders (deployment): the clients' rows "
+                "are on their workers, not in this process; evaluate client terms through a "
+                "federation (client_program(...) and Federation.map)"
+            )
+        return self.client_data
+
+    def client_block(self, m: int):
+        """Client ``m``'s block (a copy of its slice of :attr:`client_data`): its rows and
+        nothing else, what worker ``m`` receives in simulation."""
+        data = self._rows()
+        m = int(m)
+        if not 0 <= m < self.num_clients:
+            raise ValueError(f"client must be in [0, {self.num_clients}), not {m}")
+        return jax.tree_util.tree_map(lambda a: jnp.array(a[m], copy=True), data)
+
+    def client_program(self, functions, agents=None):
+        """A :class:`~numpyro_fed.federation.ClientProgram` running ``functions`` (name ->
+        ``f(block, *args)``) on every client: with each client's block (simulation) or with
+        a loader that builds the block from the client's own rows on its worker
+        (deployment)."""
+        from numpyro_fed.federation import ClientProgram
+
+        agents = dict(agents or {})
+        if self.block_loader is not None:
+            return ClientProgram(functions, loader=self.block_loader, num_clients=self.num_clients,
+                                 agents=agents)
+        return ClientProgram(functions, blocks=[self.client_block(m) for m in range(self.num_clients)],
+                             agents=agents)
+
     # -- values ---------------------------------------------------------------------------
     def prior_potential(self, z) -> jax.Array:
         """The server's term: sites outside federated plates and their log-Jacobians."""
@@ -206,11 +249,11 @@ class FederatedPotential:
 
     def client_potentials(self, z) -> jax.Array:
         """Each client's term, shape ``(M,)``."""
-        return self._jit_clients(z, self.client_data)
+        return self._jit_clients(z, self._rows())
 
     def potential(self, z) -> jax.Array:
         """``prior_potential(z) + client_potentials(z).sum()``: NumPyro's potential energy."""
-        return self._jit_total(z, self.client_data)
+        return self._jit_total(z, self._rows())
 
     # -- gradients ------------------------------------------------------------------------
     def prior_grad(self, z):
@@ -219,19 +262,19 @@ class FederatedPotential:
 
     def client_grads(self, z):
         """Per-client gradients: like ``z`` with a leading axis of size ``M``."""
-        return self._jit_client_grads(z, self.client_data)[1]
+        return self._jit_client_grads(z, self._rows())[1]
 
     def grad(self, z):
         """Gradient of :meth:`potential`."""
-        return self._jit_total_grad(z, self.client_data)[1]
+        return self._jit_total_grad(z, self._rows())[1]
 
     def value_and_grad(self, z):
         """``(potential(z), grad(z))`` in one pass."""
-        return self._jit_total_grad(z, self.client_data)
+        return self._jit_total_grad(z, self._rows())
 
     def client_values_and_grads(self, z):
         """``(client_potentials(z), client_grads(z))`` in one pass."""
-        return self._jit_client_grads(z, self.client_data)
+        return self._jit_client_grads(z, self._rows())
 
     # -- layout ---------------------------------------------------------------------------
     def ravel(self, z) -> jax.Array:
@@ -245,12 +288,16 @@ class FederatedPotential:
     def flat(self) -> FlatPotential:
         """The potential's pure functions on the flat unconstrained vector (the one adapter
         every algorithm's core uses; see :class:`FlatPotential`)."""
-        unravel = self.unravel
+        # The functions capture the pure functions and the unravel only, never ``self`` (which
+        # holds the clients' blocks in simulation): they can be shipped to a client as they are.
+        unravel = self._ravel_unravel
+        prior, client = self.prior_potential_fn, self.client_potential_fn
+        row_ll, post = self.row_log_likelihood_fn, self.postprocess_fn
         return FlatPotential(
-            prior_potential=lambda x: self.prior_potential_fn(unravel(x)),
-            client_potential=lambda x, block: self.client_potential_fn(unravel(x), block),
-            row_log_likelihood=lambda x, rows: self.row_log_likelihood_fn(unravel(x), rows),
-            postprocess=lambda x: self.postprocess_fn(unravel(x)),
+            prior_potential=lambda x: prior(unravel(x)),
+            client_potential=lambda x, block: client(unravel(x), block),
+            row_log_likelihood=lambda x, rows: row_ll(unravel(x), rows),
+            postprocess=lambda x: post(unravel(x)),
             client_data=self.client_data,
             num_latent=self.num_latent,
         )
@@ -277,8 +324,15 @@ def split_potential(
     init_strategy: Callable = init_to_uniform,
     rng_key: jax.Array | None = None,
     validate: bool = True,
+    loader: Callable[[int], Any] | None = None,
+    num_clients: int | None = None,
+    federation=None,
 ) -> FederatedPotential:
     """Splits ``model``'s potential energy into a prior term and one term per client.
+
+    Two ways to give the clients' rows: ``model_args`` / ``model_kwargs`` (simulation: the
+    driver holds the pooled data and cuts it; each client's functions receive its block
+    only), or ``loader`` (deployment: the driver never holds rows).
 
     :param model: a NumPyro model with at least one :class:`~numpyro_fed.federated_plate`
         (or plain ``numpyro.plate`` named in ``partition``).
@@ -291,7 +345,21 @@ def split_potential(
     :param init_strategy: NumPyro init strategy for :attr:`FederatedPotential.init_params`.
     :param rng_key: key for the initial point (default ``PRNGKey(0)``).
     :param bool validate: check, at the initial point, that the prior term does not depend
-        on client data and that the split sums to NumPyro's potential energy.
+        on client data and that the split sums to NumPyro's potential energy (the pooled
+        self-check; in deployment only the first check, as there is no pooled data).
+    :param loader: deployment: ``loader(m)`` returns client ``m``'s model arguments (a tuple
+        of positional arguments, or a dict of keyword arguments), rows first. It runs where
+        client ``m`` lives (on its worker with :class:`~numpyro_fed.RayFederation`); the
+        server's layout is built from the shapes, dtypes and row counts the clients report,
+        and :meth:`FederatedPotential.client_program` gives the clients a loader that builds
+        each block from its own rows. Array arguments are rows (the same number per client
+        within a client); scalar arguments are settings and must agree across clients. For
+        models with global latent variables and one federated data plate; the rows of client
+        ``m`` are the rows its loader returns (the plate's ``clients=`` must give ``M``
+        clients).
+    :param int num_clients: ``M``, with ``loader``.
+    :param federation: where the loaders run to describe their rows (default
+        :class:`~numpyro_fed.InProcess`: in this process).
     :return: a :class:`FederatedPotential`.
 
     **Example**
@@ -316,10 +384,25 @@ def split_potential(
     partition = dict(partition or {})
     if rng_key is None:
         rng_key = jax.random.PRNGKey(0)
+    deployment = None
+    if loader is not None:
+        if model_args or model_kwargs:
+            raise ValueError("split_potential takes model_args/model_kwargs (simulation) or loader= "
+                             "(deployment), not both")
+        if num_clients is None:
+            raise ValueError("split_potential(loader=...) needs num_clients")
+        if federation is None:
+            from numpyro_fed.federation import InProcess
+
+            federation = InProcess()
+        descriptions = federation.describe(loader, int(num_clients))
+        model_args, model_kwargs, deployment = _stand_in_arguments(descriptions, loader)
 
     _check_finite_arguments(model_args, model_kwargs)
     model_trace = _discovery_trace(model, model_args, model_kwargs, rng_key, init_strategy)
     plates, latent_sites, enumerated = _analyse_trace(model_trace, partition)
+    if deployment is not None:
+        plates = deployment.fix_plates(plates, latent_sites, enumerated)
     num_clients = _common_num_clients(plates)
 
     leaves, treedef = jax.tree_util.tree_flatten((tuple(model_args), model_kwargs))
@@ -350,9 +433,14 @@ def split_potential(
     }
     owners = {name: jnp.asarray(p.owner) for name, p in plates.items() if not p.holds_data}
     placeholders = [jnp.zeros_like(jnp.asarray(leaves[i])[:1]) for i in row_leaves]
+    # From here on no function sees the pooled rows: every function below rebuilds the model's
+    # arguments from these leaves, whose row arguments are one-row placeholders, and a block.
+    free_leaves = list(leaves)
+    for i, placeholder in zip(row_leaves, placeholders):
+        free_leaves[i] = placeholder
 
     def rebuild_args(row_values):
-        new_leaves = list(leaves)
+        new_leaves = list(free_leaves)
         for i, value in zip(row_leaves, row_values):
             new_leaves[i] = value
         return jax.tree_util.tree_unflatten(treedef, new_leaves)
@@ -370,7 +458,7 @@ def split_potential(
         masks = {name: block["valid"][name] for name in block["valid"]}
         masks.update({name: owner == block["client"] for name, owner in owners.items()})
         view = _mask_unowned(base_model, masks=masks, global_mask=False, enumerated=enumerated)
-        sizes = {p.name: p.max_rows for p in data_plates}
+        sizes = {name: jnp.shape(valid)[0] for name, valid in block["valid"].items()}
         z_local = local_latents(z, block["index"])
         with _override_plate_sizes(sizes):
             if enumerated:
@@ -440,7 +528,7 @@ def split_potential(
         args, kwargs = rebuild_args(block["rows"])
         z_local = local_latents(z, block["index"])
         view = _unconstrain(seed(base_model, rng_seed=0), z_local)
-        with _override_plate_sizes({p.name: p.max_rows for p in data_plates}):
+        with _override_plate_sizes({name: jnp.shape(v)[0] for name, v in block["valid"].items()}):
             tr = trace(view).get_trace(*args, **kwargs)
         return {
             name: tr[name]["value"]
@@ -489,16 +577,24 @@ def split_potential(
         for name, s in row_local.items()
     }
 
+    # The server constrains the row-local latents with zero-filled stand-ins of the clients'
+    # rows: it knows the layout (which plate rows each client owns), never the rows.
+    row_shapes = [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in client_data["rows"]] if client_data else []
+    layout = {k: client_data[k] for k in ("client", "index", "valid")} if client_data else None
+    if row_local:
+        _check_row_local_values_data_free(client_row_values, z0, client_data, row_local)
+
     def postprocess_fn(z):
         """Constrained values of every latent site and the data-free deterministic sites."""
         values = server_values(z, placeholders)
         values = {k: v for k, v in values.items() if k in server_outputs}
         if row_local:
-            per_client = jax.vmap(client_row_values, in_axes=(None, 0))(z, client_data)
+            stand_in = dict(layout, rows=[jnp.zeros(r.shape, r.dtype) for r in row_shapes])
+            per_client = jax.vmap(client_row_values, in_axes=(None, 0))(z, stand_in)
             for name, site in row_local.items():
                 values[name] = _scatter_rows(
                     per_client[name],
-                    client_data["index"][site.plate],
+                    layout["index"][site.plate],
                     plates[site.plate].size,
                     constrained_axes[name],
                 )
@@ -513,7 +609,13 @@ def split_potential(
     )
     first_data_plate = data_plates[0] if data_plates else next(iter(plates.values()))
 
+    block_loader = None
+    if deployment is not None:
+        block_loader = deployment.block_loader(treedef, row_leaves, client_data)
+        client_data = None  # the stand-in's zeros: the rows are on the workers
+
     potential = FederatedPotential(
+        block_loader=block_loader,
         num_clients=num_clients,
         client_sizes=np.bincount(first_data_plate.owner, minlength=num_clients),
         plates=plates,
@@ -531,8 +633,156 @@ def split_potential(
     if validate:
         _validate_split(
             potential, model, model_args, model_kwargs, model_trace, enumerated,
-            prior_site_log_probs, placeholders,
+            prior_site_log_probs, placeholders, pooled=deployment is None,
         )
     return potential
 
 
+def _check_row_local_values_data_free(client_row_values, z0, client_data, row_local):
+    """The server constrains row-local latents with zero stand-ins of the rows: refuse models
+    where their constrained values depend on the data (e.g. a support bounded by a data
+    column), checked at the initial point against the real rows."""
+    stand_in = dict(client_data, rows=[jnp.zeros_like(r) for r in client_data["rows"]])
+    real = jax.vmap(client_row_values, in_axes=(None, 0))(z0, client_data)
+    fake = jax.vmap(client_row_values, in_axes=(None, 0))(z0, stand_in)
+    dependent = sorted(name for name in row_local
+                       if not np.allclose(np.asarray(real[name]), np.asarray(fake[name]), equal_nan=True))
+    if dependent:
+        raise ValueError(
+            f"the constrained values of the client-local latent site(s) {dependent} depend on "
+            "client data (their support is computed from the rows): the server could not "
+            "report them without the clients' rows"
+        )
+
+
+# -- deployment: the rows stay on the clients -------------------------------------------------
+
+
+def _as_arguments(loaded, client):
+    """A loader's output as the model's ``(args, kwargs)``."""
+    if isinstance(loaded, Mapping):
+        return (), dict(loaded)
+    if isinstance(loaded, (tuple, list)):
+        return tuple(loaded), {}
+    raise TypeError(f"client {client}: the loader must return a tuple of positional model "
+                    f"arguments or a dict of keyword arguments, not {type(loaded).__name__}")
+
+
+def _stand_in_arguments(descriptions, loader):
+    """Zero-filled stand-ins of the pooled arguments, built from what the clients reported
+    (shapes, dtypes, row counts, scalar settings), and the deployment's bookkeeping."""
+    described = [_as_arguments(d, m) for m, d in enumerate(descriptions)]
+    is_leaf = lambda x: isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
+    flat = [jax.tree_util.tree_flatten(d, is_leaf=is_leaf) for d in described]
+    treedef = flat[0][1]
+    counts = []
+    for m, (leaves, tdef) in enumerate(flat):
+        if tdef != treedef:
+            raise ValueError(f"client {m}'s loader returns arguments of structure {tdef}, client 0's {treedef}")
+        rows = {leaf.shape[0] for leaf in leaves if is_leaf(leaf)}
+        if len(rows) != 1:
+            raise ValueError(
+                f"client {m}'s array arguments have different numbers of rows {sorted(rows)}: in "
+                "deployment every array argument holds the client's rows, rows first")
+        counts.append(rows.pop())
+    stand_in = []
+    for i, leaf in enumerate(flat[0][0]):
+        others = [f[0][i] for f in flat]
+        if is_leaf(leaf):
+            for m, other in enumerate(others):
+                if other.shape[1:] != leaf.shape[1:] or other.dtype != leaf.dtype:
+                    raise ValueError(
+                        f"model argument {i}: client {m} has rows of shape {other.shape[1:]} and dtype "
+                        f"{other.dtype}, client 0 {leaf.shape[1:]} and {leaf.dtype}")
+            stand_in.append(np.zeros((sum(counts),) + tuple(leaf.shape[1:]), leaf.dtype))
+        else:
+            for m, other in enumerate(others):
+                if not np.array_equal(np.asarray(other), np.asarray(leaf)):
+                    raise ValueError(f"model argument {i} (a setting, not rows) differs between "
+                                     f"client 0 ({leaf!r}) and client {m} ({other!r})")
+            stand_in.append(leaf)
+    args, kwargs = jax.tree_util.tree_unflatten(treedef, stand_in)
+    return args, kwargs, _Deployment(loader, np.asarray(counts, dtype=np.int64))
+
+
+class _Deployment:
+    """What split_potential needs to know in deployment mode: the loader and the row counts."""
+
+    def __init__(self, loader, counts):
+        self.loader = loader
+        self.counts = counts
+
+    def fix_plates(self, plates, latent_sites, enumerated):
+        """The data plate's rows are owned as the loaders returned them: client m the m-th
+        contiguous block of ``counts[m]`` rows of the stand-in."""
+        data = [p for p in plates.values() if p.holds_data]
+        local = sorted(name for name, site in latent_sites.items() if site.plate is not None)
+        if len(plates) != 1 or len(data) != 1 or local or enumerated:
+            raise ValueError(
+                "split_potential(loader=...) (deployment) supports models with global latent "
+                "variables and one federated data plate; this model has federated plates "
+                f"{sorted(plates)}" + (f", client-local latent sites {local}" if local else "")
+                + (", enumerated discrete latents" if enumerated else "")
+                + ". Use model_args (simulation) for it."
+            )
+        plate = data[0]
+        declared = int(plate.owner.max()) + 1
+        if declared != len(self.counts):
+            raise ValueError(
+                f"federated plate '{plate.name}' declares {declared} clients, but there are "
+                f"{len(self.counts)} loaders (num_clients)")
+        if (self.counts == 0).any():
+            raise ValueError(f"client(s) {np.flatnonzero(self.counts == 0).tolist()} loaded no rows")
+        from dataclasses import replace
+
+        owner = np.repeat(np.arange(len(self.counts)), self.counts)
+        return {plate.name: replace(plate, owner=owner, max_rows=int(self.counts.max()))}
+
+    def block_loader(self, treedef, row_leaves, stand_in_data):
+        plate = next(iter(stand_in_data["index"]))
+        return DeployedBlockLoader(
+            self.loader, treedef, tuple(row_leaves), self.counts, plate,
+            index_dtype=np.dtype(stand_in_data["index"][plate].dtype).str,
+            client_dtype=np.dtype(stand_in_data["client"].dtype).str,
+        )
+
+
+class DeployedBlockLoader:
+    """Runs on client ``m``'s worker: ``loader(m)``, checked against what the client reported,
+    cut into the block layout of :attr:`FederatedPotential.client_data` (rows padded to the
+    largest client's count by repeating the client's own rows, and masked). Picklable; it
+    holds the user's loader, the layout and the row counts, never rows."""
+
+    def __init__(self, loader, treedef, row_leaves, counts, plate, *, index_dtype, client_dtype):
+        self.loader = loader
+        self.treedef = treedef
+        self.row_leaves = tuple(row_leaves)
+        self.counts = np.asarray(counts)
+        self.plate = plate
+        self.index_dtype = index_dtype
+        self.client_dtype = client_dtype
+
+    def __call__(self, m):
+        m = int(m)
+        args = _as_arguments(self.loader(m), m)
+        leaves, treedef = jax.tree_util.tree_flatten(args)
+        if treedef != self.treedef:
+            raise ValueError(f"client {m}: the loader's arguments have structure {treedef}, "
+                             f"expected {self.treedef}")
+        n = int(self.counts[m])
+        for i in self.row_leaves:
+            if np.shape(leaves[i])[0] != n:
+                raise ValueError(f"client {m}: model argument {i} has {np.shape(leaves[i])[0]} rows; "
+                                 f"the client reported {n}")
+        max_rows = int(self.counts.max())
+        own = np.resize(np.arange(n), max_rows)
+        offset = int(self.counts[:m].sum())
+        return {
+            "client": np.asarray(m, dtype=self.client_dtype),
+            "rows": [np.asarray(leaves[i])[own] for i in self.row_leaves],
+            "index": {self.plate: (offset + own).astype(self.index_dtype)},
+            "valid": {self.plate: np.arange(max_rows) < n},
+        }
+
+    def __repr__(self):
+        return f"DeployedBlockLoader(num_clients={len(self.counts)}, rows={self.counts.tolist()})"
