@@ -166,7 +166,7 @@ def run_toy_calls(fed):
     adjacency = np.array([[0, 1, 0], [1, 0, 1], [0, 1, 0]], bool)
     with fed.guard():
         out = {
-            "map": jax.jit(lambda t: fed.map("sum", t))(theta),
+            "map": jax.jit(lambda f, t: f.map("sum", t))(fed, theta),  # passed, not closed over
             "map_chains": jax.jit(jax.vmap(lambda t, o: fed.map("scaled", t, per_client=(o,))))(
                 thetas, own * jnp.arange(1.0, 4.0)[:, None]),
             "one": jax.jit(lambda c: fed.one("scaled", c, theta, own=(own,)))(2),
@@ -385,3 +385,21 @@ def test_deployment_on_ray_the_driver_never_holds_rows(ray_federation, tmp_path)
         assert not holds_sentinel(deployed.prior_potential_fn, deployed.postprocess_fn,
                                   deployed.client_potential_fn, deployed.block_loader,
                                   fed.block_specs, fed.program)
+
+
+@pytest.mark.slow
+def test_the_run_across_machines_page_runs(ray_session):
+    """docs/guide/federation.md: its python examples run as printed (a fresh interpreter that
+    starts its own local Ray)."""
+    import subprocess
+    import sys
+
+    from test_docs import ROOT, page_examples
+
+    code = page_examples("guide/federation.md", float32=False)
+    assert "nf.RayFederation" in code
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.splitlines()[0] == "(3, 2)"
+    assert "grad: rounds [1, 1, 1]" in run.stdout

@@ -105,20 +105,20 @@ class ClientProgram:
 
     Give exactly one of ``blocks`` and ``loader``.
 
-    :param dict functions: name -> pure JAX function ``f(block, *args) -> reply`` (a pytree of
+    :ivar dict functions: name -> pure JAX function ``f(block, *args) -> reply`` (a pytree of
         arrays). The server calls them by name through :meth:`Federation.map` and
         :meth:`Federation.one`. They must be picklable (module-level functions or closures
         over arrays that are not client rows) for engine backends.
-    :param blocks: simulation: one pytree per client (a sequence of length ``M``); worker
+    :ivar blocks: simulation: one pytree per client (a sequence of length ``M``); worker
         ``m`` receives ``blocks[m]`` and nothing else. :meth:`stacked` builds it from a pytree
         with a leading client axis.
-    :param loader: deployment: ``loader(m) -> block``, run on worker ``m`` (the driver never
+    :ivar loader: deployment: ``loader(m) -> block``, run on worker ``m`` (the driver never
         holds a block; with :class:`InProcess` it runs in the driver's process).
-    :param int num_clients: ``M``; required with ``loader``.
-    :param spec: an optional ``ShapeDtypeStruct`` tree every block must match (the leading
+    :ivar int num_clients: ``M``; required with ``loader``.
+    :ivar spec: an optional ``ShapeDtypeStruct`` tree every block must match (the leading
         axis of each leaf, the rows, may differ); blocks are also refused if they hold
         non-finite floats.
-    :param dict agents: decentralized programs (see :meth:`Federation.exchange`): name ->
+    :ivar dict agents: decentralized programs (see :meth:`Federation.exchange`): name ->
         ``step(block, state, inbox, mask, t, *broadcast) -> (state, message)``.
 
     >>> import jax.numpy as jnp

@@ -17,6 +17,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 from collections import defaultdict
 
 import numpy as np
@@ -199,6 +200,7 @@ def _unbatch(leaves, ndims):
 # -- the federation -----------------------------------------------------------------------------
 
 
+@jax.tree_util.register_pytree_node_class
 class RayFederation(Federation):
     """Each client a long-lived Ray actor holding only its own block.
 
@@ -252,6 +254,15 @@ class RayFederation(Federation):
         self._tags = itertools.count()
         self._reply_cache = {}
 
+    # -- pytree: no leaves (the blocks live in the actors), so it can be passed to jit like
+    # InProcess --------------------------------------------------------------------------
+    def tree_flatten(self):
+        return (), self
+
+    @classmethod
+    def tree_unflatten(cls, federation, children):
+        return federation
+
     # -- host side -------------------------------------------------------------------------
     def _ensure_ray(self):
         ray = _import_ray()
@@ -260,7 +271,12 @@ class RayFederation(Federation):
             if self.address is None:
                 kwargs["num_cpus"] = max(os.cpu_count() or 1, 2)
             kwargs.update(self.init_kwargs)
-            ray.init(address=self.address, **kwargs)
+            with warnings.catch_warnings():
+                # Ray starts its processes with fork+exec, after JAX has started threads
+                # (JAX warns of fork in a threaded process), and tips about a GPU setting.
+                warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)
+                warnings.filterwarnings("ignore", ".*RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", FutureWarning)
+                ray.init(address=self.address, **kwargs)
             self._started_ray = True
         return ray
 
