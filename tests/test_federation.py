@@ -222,7 +222,7 @@ def test_a_hung_client_raises_client_error_naming_it_within_the_timeout(ray_sess
         with pytest.raises(ClientError, match=r"call 'nap'.*client\(s\) \[1\] did not answer") as info:
             with fed.guard():
                 naps(jnp.array([0.0, 3.0])).block_until_ready()
-        assert time.monotonic() - start < 4.0 and info.value.clients == (1,)
+        assert time.monotonic() - start < 6.0 and info.value.clients == (1,)
 
         import ray
         ray.kill(fed.actors[0])
@@ -231,7 +231,14 @@ def test_a_hung_client_raises_client_error_naming_it_within_the_timeout(ray_sess
             with fed.guard():
                 jax.jit(lambda t: fed.map("sum", t))(jnp.ones(D)).block_until_ready()
         # (client 1 may still be asleep, and be named too)
-        assert time.monotonic() - start < 4.0 and info.value.clients[0] == 0 and info.value.call == "sum"
+        assert time.monotonic() - start < 6.0 and info.value.clients[0] == 0 and info.value.call == "sum"
+
+        # a new worker for the dead client, with the same block: the run can go on
+        fed.restart([0])
+        with fed.guard():
+            np.testing.assert_allclose(jax.jit(lambda t: fed.map("sum", t))(jnp.ones(D)),
+                                       jnp.stack([weighted_sum(b, jnp.ones(D)) for b in toy_blocks()[:2]]),
+                                       rtol=1e-13)
 
 
 def test_deployment_loaders_run_on_the_workers_and_bad_data_is_refused(ray_federation, tmp_path):

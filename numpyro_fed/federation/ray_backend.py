@@ -299,14 +299,15 @@ class RayFederation(Federation):
 
     def _spawn(self, num_clients):
         """The client actors, created once and reused by later :meth:`start` and
-        :meth:`describe` calls with the same number of clients."""
+        :meth:`describe` calls with the same number of clients.
+
+        Calls run one at a time on an actor's main thread (a threaded actor costs a few
+        milliseconds per call); ``deliver`` has its own concurrency group so that neighbours'
+        messages arrive while ``run_agent`` waits for them."""
         if len(self._actors) == num_clients:
             return self._actors
         self._kill_actors()
         ray = self._ensure_ray()
-        # Calls run one at a time on the actor's main thread (a threaded actor costs a few
-        # milliseconds per call); deliver() has its own group so that neighbours' messages
-        # arrive while run_agent() waits for them.
         remote = ray.remote(concurrency_groups={"inbox": 2})(_ClientWorker)
         x64 = bool(jax.config.jax_enable_x64)
         self._actors = [remote.options(**self._options(m)).remote(m, x64) for m in range(num_clients)]
@@ -321,14 +322,7 @@ class RayFederation(Federation):
             raise TypeError(f"start takes a ClientProgram, not {type(program).__name__}")
         actors = self._spawn(program.num_clients)
         self._program, self._specs, self._reply_cache = None, None, {}
-        refs = {}
-        for m, actor in enumerate(actors):
-            if program.blocks is not None:  # only client m's block goes to worker m
-                own = ClientProgram(program.functions, blocks=[program.blocks[m]], spec=program.spec,
-                                    agents=program.agents)
-            else:
-                own = program
-            refs[m] = actor.load.remote(own)
+        refs = {m: actor.load.remote(self._program_for(program, m)) for m, actor in enumerate(actors)}
         self._ledger = MessageLedger(program.num_clients)
         try:
             specs = self._gather("start", refs, refuse=True, timeout=self.start_timeout)
@@ -344,6 +338,43 @@ class RayFederation(Federation):
             for m in range(program.num_clients)
         ]
         self._program = program
+        return self
+
+    def _program_for(self, program, m):
+        if program.blocks is None:
+            return program
+        # only client m's block goes to worker m
+        return ClientProgram(program.functions, blocks=[program.blocks[m]], spec=program.spec,
+                             agents=program.agents)
+
+    def restart(self, clients=None) -> "RayFederation":
+        """Replaces the actors of ``clients`` (default: those that do not answer a ping within
+        the timeout, e.g. after a :class:`~numpyro_fed.federation.ClientError`) by new ones
+        with the same program and block (re-loaded by the loader in deployment), so that a
+        run can be resumed from its last state. The ledger is kept."""
+        ray = self._ensure_ray()
+        program = self.program
+        if clients is None:
+            pings = {m: a.ping.remote() for m, a in enumerate(self._actors)}
+            ready, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=self.timeout)
+            clients = []
+            for m, ref in pings.items():
+                try:
+                    if ref not in ready:
+                        raise TimeoutError
+                    ray.get(ref, timeout=0)
+                except Exception:
+                    clients.append(m)
+        clients = sorted(int(c) for c in clients)
+        remote = ray.remote(concurrency_groups={"inbox": 2})(_ClientWorker)
+        x64 = bool(jax.config.jax_enable_x64)
+        for m in clients:
+            with contextlib.suppress(Exception):
+                ray.kill(self._actors[m])
+            self._actors[m] = remote.options(**self._options(m)).remote(m, x64)
+        refs = {m: self._actors[m].load.remote(self._program_for(program, m)) for m in clients}
+        if refs:
+            self._gather("restart", refs, refuse=True, timeout=self.start_timeout)
         return self
 
     def describe(self, loader, num_clients):
