@@ -152,7 +152,8 @@ def test_newton_solver_matches_the_closed_form():
     x, p = a.x, a.p
     state, _ = exact(jax.random.PRNGKey(99), a)
     degrees = adjacency.sum(1)
-    w = jax.random.normal(jax.random.PRNGKey(99), x.shape)
+    # agent i's noise comes from its own key fold_in(key, i)
+    w = jax.vmap(lambda i: jax.random.normal(jax.random.fold_in(jax.random.PRNGKey(99), i), (2,)))(jnp.arange(5))
     v = (degrees[:, None] * x + adjacency @ x) / (2 * degrees[:, None]) - np.sqrt(2) / (2 * 5.0) * w
     g = potentials.grads(state.x) + p + 2 * 5.0 * degrees[:, None] * (state.x - v)
     assert float(jnp.max(jnp.abs(g))) < 1e-9

@@ -4,8 +4,8 @@ gradient baselines (D-SGLD, D-SGHMC, D-ULA), agents on a communication graph.
 * :mod:`~numpyro_fed.infer.admm.topology`: the communication graphs;
 * :mod:`~numpyro_fed.infer.admm.agents`: what each agent knows (its local potential) and
   what crosses the graph (neighbors' messages);
-* :mod:`~numpyro_fed.infer.admm.dadmms`: D-ADMMS's core (``init``, ``build_kernel``, the
-  agents' functions, the proximal solvers);
+* :mod:`~numpyro_fed.infer.admm.dadmms`: D-ADMMS's core (``init``, ``build_program``, what
+  each agent runs on any network, ``build_kernel``, the proximal solvers);
 * :mod:`~numpyro_fed.infer.admm.gradient`: the baselines' cores;
 * :mod:`~numpyro_fed.infer.admm.face`: :class:`DecentralizedKernel`, the NumPyro face they
   share;
@@ -21,11 +21,12 @@ from numpyro_fed.infer.admm.dadmms import (
     QuadraticPotentials,
     build_agent,
     build_kernel,
+    build_program,
     init,
     newton_prox,
     quadratic_potentials,
 )
-from numpyro_fed.infer.admm.face import DecentralizedKernel, DecentralizedState
+from numpyro_fed.infer.admm.face import DecentralizedKernel, DecentralizedState, SentCounts
 from numpyro_fed.infer.admm.gradient import (
     GradientInfo,
     SGHMCState,
@@ -65,6 +66,7 @@ __all__ = [
     "QuadraticPotentials",
     "SGHMCState",
     "SGLDState",
+    "SentCounts",
     "Topology",
     "ULAState",
     "agent_potentials",
@@ -73,6 +75,7 @@ __all__ = [
     "build_dsgld_kernel",
     "build_dula_kernel",
     "build_kernel",
+    "build_program",
     "disagreement",
     "init",
     "init_dsghmc",

@@ -19,11 +19,21 @@ import jax.numpy as jnp
 from numpyro.util import is_prng_key
 
 from numpyro_fed._checks import check_int, check_positive
+from numpyro_fed.federation import InProcess
+from numpyro_fed.federation.decentralized import (
+    AgentProgram,
+    agent_keys,
+    NetworkState,
+    decentralized_network,
+    deliver,
+    network_iteration,
+    start_network,
+)
 from numpyro_fed.infer.admm.agents import AgentPotentials, agent_potentials
 from numpyro_fed.infer.admm.topology import make_topology
 from numpyro_fed.infer.kernel import FederatedMCMCKernel, RunCheck, warn_or_raise
 
-__all__ = ["DecentralizedKernel", "DecentralizedState"]
+__all__ = ["DecentralizedKernel", "DecentralizedState", "SentCounts"]
 
 
 class DecentralizedState(NamedTuple):
@@ -38,7 +48,10 @@ class DecentralizedState(NamedTuple):
     :ivar core: the algorithm's state (e.g. :class:`~numpyro_fed.infer.admm.dadmms.ADMMState`).
     :ivar info: the algorithm's diagnostics of the last iteration; read them with
         ``extra_fields=("info.<name>",)`` or :meth:`DecentralizedKernel.sample_stats`.
-    :ivar rng_key: random key.
+    :ivar rng_key: the chain's random key (constant through a run: agent ``m`` draws the
+        noise of iteration ``t`` from ``fold_in(fold_in(rng_key, m), t)``).
+    :ivar sent: :class:`SentCounts`, what each agent has sent its neighbors since the
+        network started (one chain's network).
     """
 
     i: jax.Array
@@ -48,6 +61,17 @@ class DecentralizedState(NamedTuple):
     core: Any
     info: Any
     rng_key: jax.Array
+    sent: Any
+
+
+class SentCounts(NamedTuple):
+    """Cumulative counts per agent (each ``(N,)``) of the messages an agent sent to its
+    neighbors and of their bytes (the arrays' bytes, one chain's network): the ledger of the
+    decentralized exchange. In this process they follow from the topology and the message's
+    shape; on Ray the agents count what they really send."""
+
+    messages: jax.Array
+    bytes: jax.Array
 
 
 class DecentralizedKernel(FederatedMCMCKernel):
@@ -119,8 +143,12 @@ class DecentralizedKernel(FederatedMCMCKernel):
                      "LocScaleReparam) where the draws collapse a scale")
 
     def __init__(self, model, *, topology="ring", prior_weights=None, init_scale: float = 1.0,
-                 partition=None, agent: int = 0):
+                 partition=None, agent: int = 0, federation=None):
         super().__init__(model, partition=partition)
+        #: where the agents run: ``None`` (this process) or a
+        #: :class:`~numpyro_fed.federation.Federation`
+        self.federation = federation
+        self._network = None
         if isinstance(topology, str):  # fail early on an unknown name
             make_topology(topology, 1, warn_disconnected=False)
         #: the ``topology`` argument; :attr:`graph` is the graph built from it by ``init``
@@ -147,7 +175,19 @@ class DecentralizedKernel(FederatedMCMCKernel):
     # -- MCMCKernel -------------------------------------------------------------------------
     @property
     def default_fields(self):
-        return ("z", "agents", "network_average") + tuple("info." + name for name in self.info_names)
+        return (("z", "agents", "network_average") + tuple("info." + name for name in self.info_names)
+                + ("sent.messages", "sent.bytes"))
+
+    def sample_stats(self, extra_fields) -> dict:
+        """The core's diagnostics (see :meth:`~numpyro_fed.infer.kernel.FederatedMCMCKernel.sample_stats`)
+        and the ledger of the exchange: ``messages_to_peer`` and ``bytes_to_peer``, each agent's
+        cumulative count of what it sent its neighbors (one chain's network) up to each draw."""
+        stats = super().sample_stats(extra_fields)
+        for field, name in (("sent.messages", "messages_to_peer"), ("sent.bytes", "bytes_to_peer")):
+            value = extra_fields.get(field)
+            if value is not None:
+                stats[name] = (np.asarray(jax.device_get(value)), [self.client_dim])
+        return stats
 
     def init(self, rng_key, num_warmup, init_params, model_args, model_kwargs):
         batched = not is_prng_key(rng_key)
@@ -162,7 +202,18 @@ class DecentralizedKernel(FederatedMCMCKernel):
         potentials = self.agent_potentials = agent_potentials(potential, self.prior_weights)
         n, d = potentials.num_agents, potentials.dim
         base = potential.ravel(potential.init_params)
-        init_fn, step = self.build_core(potentials, self.graph, base)
+        init_fn, core = self.build_core(potentials, self.graph, base)
+        adjacency = np.asarray(self.graph.adjacency)
+        degrees = np.asarray(self.graph.degrees, dtype=np.int64)
+        if isinstance(core, AgentProgram):
+            step = self._network_step(core, adjacency, batched)
+            start_core = lambda x0: start_network(core, adjacency, init_fn(x0))  # noqa: E731
+        else:  # a core written for this process only: step(rng_key, state)
+            if self.federation is not None and not isinstance(self.federation, InProcess):
+                raise ValueError(f"{type(self).__name__} runs in this process only (federation=None or InProcess())")
+            step = self._legacy_step(core, batched)
+            start_core = init_fn
+        message_bytes = d * base.dtype.itemsize
 
         def start(key, params):
             if params is None:
@@ -172,20 +223,84 @@ class DecentralizedKernel(FederatedMCMCKernel):
         def one_chain(key, params):
             k_start, k_chain = jax.random.split(key)
             x0 = start(k_start, params)
-            core = init_fn(x0)
-            info = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: step(k_start, core)[1]))
-            return DecentralizedState(jnp.zeros((), jnp.int32), *self._views(x0), core, info, k_chain)
+            core_state = start_core(x0)
+            info = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: self._info_shape(core, adjacency, core_state)))
+            sent = SentCounts(jnp.asarray(degrees), jnp.asarray(degrees * message_bytes))
+            return DecentralizedState(jnp.zeros((), jnp.int32), *self._views(x0), core_state, info, k_chain, sent)
 
-        def sample(state):
-            k_chain, k_step = jax.random.split(state.rng_key)
-            core, info = step(k_step, state.core)
-            return DecentralizedState(state.i + 1, *self._views(core.x), core, info, k_chain)
+        def counted(sent):
+            return SentCounts(sent.messages + degrees, sent.bytes + degrees * message_bytes)
 
         if batched:
-            self._sample_fn = jax.vmap(sample)
+            def sample(state):
+                core_state, info, sent = step(state)
+                return DecentralizedState(state.i + 1, *jax.vmap(self._views)(core_state.x), core_state, info,
+                                          state.rng_key, sent if sent is not None else jax.vmap(counted)(state.sent))
+            self._sample_fn = sample
             return jax.vmap(one_chain, in_axes=(0, None if init_params is None else 0))(rng_key, init_params)
+
+        def sample(state):
+            core_state, info, sent = step(state)
+            return DecentralizedState(state.i + 1, *self._views(core_state.x), core_state, info, state.rng_key,
+                                      sent if sent is not None else counted(state.sent))
         self._sample_fn = sample
         return one_chain(rng_key, init_params)
+
+    def _info_shape(self, core, adjacency, core_state):
+        """The info of one iteration (for its shape)."""
+        if isinstance(core, AgentProgram):
+            n = adjacency.shape[0]
+            keys = agent_keys(jax.random.PRNGKey(0), n, 0)
+            return network_iteration(core, adjacency, keys, core_state)[1]
+        return core(jax.random.PRNGKey(0), core_state)[1]
+
+    def _legacy_step(self, step, batched):
+        """``state -> (core, info, None)`` for a core ``step(rng_key, state)``: the iteration's
+        key is the chain's key folded with the iteration."""
+        def one(state):
+            core, info = step(jax.random.fold_in(state.rng_key, state.i), state.core)
+            return core, info, None
+        return jax.vmap(one) if batched else one
+
+    def _network_step(self, program, adjacency, batched):
+        """``state -> (core, info, sent or None)``: one iteration of the agents' network, in
+        this process or on the federation's workers."""
+        n = adjacency.shape[0]
+        if self.federation is None or isinstance(self.federation, InProcess):
+            def one(state):
+                keys = agent_keys(state.rng_key, n, state.i)
+                core, info = network_iteration(program, adjacency, keys, state.core)
+                return core, info, None
+            return jax.vmap(one) if batched else one
+        network = self._network = decentralized_network(self.federation, program, adjacency,
+                                                        name=type(self).__name__, previous=self._network,
+                                                        settings=repr(self))
+        network.describe = lambda resume, history: self._describe_failure(program, adjacency, batched,
+                                                                          resume, history)
+        return network.traceable_step(batched, lambda x: deliver(adjacency, x))
+
+    def _describe_failure(self, program, adjacency, batched, resume, history):
+        """``(state, draws)`` of a run that a fault stopped: the state at the last completed
+        iteration (resumable) and every agent's iterates since the network started."""
+        own = jax.tree.map(jnp.asarray, resume["own"])
+        keys = jnp.asarray(resume["keys"])
+        chains = keys.shape[0]
+        x = own.x
+        core = NetworkState(own, jax.vmap(lambda v: deliver(adjacency, v))(x))
+        n = adjacency.shape[0]
+        info_struct = jax.eval_shape(lambda: network_iteration(
+            program, adjacency, agent_keys(keys[0], n, 0), jax.tree.map(lambda a: a[0], core))[1])
+        info = jax.tree.map(lambda s: jnp.zeros((chains,) + s.shape, s.dtype), info_struct)
+        sent = SentCounts(jnp.asarray(resume["sent"][:, 0]), jnp.asarray(resume["sent"][:, 1]))
+        i = jnp.full((chains,), resume["i"], jnp.int32)
+        state = DecentralizedState(i, *jax.vmap(self._views)(x), core, info, keys, sent)
+        if not batched:
+            state = jax.tree.map(lambda a: a[0], state)
+        draws = None
+        if history:
+            flat = jnp.stack([jnp.asarray(h[1].x) for h in history], axis=1)  # (C, T, N, d)
+            draws = self._constrain(jax.vmap(jax.vmap(jax.vmap(self.federated_potential.unravel)))(flat), 3)
+        return state, draws
 
     # -- helpers ----------------------------------------------------------------------------
     def _views(self, x):
@@ -322,6 +437,34 @@ class DecentralizedKernel(FederatedMCMCKernel):
         average = {k: np.asarray(v) for k, v in
                    jax.device_get(self.network_average(mcmc, group_by_chain=True)).items()}
         return {"agents": (agents, ["agent"]), "network_average": (average, [])}
+
+    @staticmethod
+    def message_ledger(mcmc):
+        """The protocol's part of the :class:`~numpyro_fed.federation.MessageLedger` of
+        ``mcmc``'s network since it started (warm-up included), from what the sampler counted
+        (:class:`SentCounts` of the last state, summed over chains), on any backend:
+        ``"<Sampler>/start"`` (each agent's starting iterate to each neighbor) and
+        ``"<Sampler>/iterate"`` (one message per neighbor and iteration), direction ``to_peer``.
+        On Ray, ``federation.ledger`` counts the same messages from the payloads (and the
+        iterations the agents ran ahead of the draws kept)."""
+        from numpyro_fed.federation import MessageLedger
+
+        kernel = DecentralizedKernel._kernel_of(mcmc)
+        state = mcmc.last_state
+        sent = jax.device_get(state.sent)
+        messages = np.asarray(sent.messages).reshape(-1, kernel.graph.num_agents)
+        nbytes = np.asarray(sent.bytes).reshape(-1, kernel.graph.num_agents)
+        iterations = np.asarray(state.i).reshape(-1)
+        chains = messages.shape[0]
+        degrees = np.asarray(kernel.graph.degrees, dtype=np.int64)
+        per_message = nbytes // np.maximum(messages, 1)
+        name = type(kernel).__name__
+        ledger = MessageLedger(kernel.graph.num_agents)
+        ledger.add(f"{name}/start", "to_peer", None, messages=degrees * chains,
+                   nbytes=(degrees * per_message).sum(0), rounds=1)
+        ledger.add(f"{name}/iterate", "to_peer", None, messages=messages.sum(0) - degrees * chains,
+                   nbytes=nbytes.sum(0) - (degrees * per_message).sum(0), rounds=int(iterations.max()))
+        return ledger
 
     @staticmethod
     def agent_draws(mcmc, agent: int | None = None, *, group_by_chain: bool = False) -> dict:

@@ -19,7 +19,7 @@ import numpy as np
 import jax.numpy as jnp
 
 from numpyro_fed._checks import check_int, check_positive, check_real, warn_user
-from numpyro_fed.infer.admm.dadmms import ADMMInfo, build_kernel, init, quadratic_potentials
+from numpyro_fed.infer.admm.dadmms import ADMMInfo, build_program, init, quadratic_potentials
 from numpyro_fed.infer.admm.face import DecentralizedKernel
 from numpyro_fed.infer.admm.gradient import (
     GradientInfo,
@@ -80,11 +80,23 @@ class DADMMS(DecentralizedKernel):
         :class:`ADMM`).
     :param dict partition: as for :func:`~numpyro_fed.split_potential`.
     :param int agent: the agent whose iterates are the MCMC samples (default 0).
+    :param federation: where the agents run: ``None`` or
+        :class:`~numpyro_fed.federation.InProcess` (this process, every agent ``vmap``-ped:
+        the default), or a :class:`~numpyro_fed.RayFederation` (one actor per agent holding
+        its own rows only; each actor runs its own loop and sends its iterate to its
+        neighbors' actors directly, the driver collects the draws and relays nothing). Both
+        draw the same numbers: agent ``i``'s noise of iteration ``t`` comes from its own key
+        ``fold_in(fold_in(rng_key, i), t)``. On Ray, run under ``with federation.guard():``
+        so that a dead or silent agent raises a
+        :class:`~numpyro_fed.federation.decentralized.NetworkError` (a ``ClientError``)
+        naming it, with the state to resume from (see the guide, "Run across machines").
 
     Diagnostics per agent and iteration (``extra_fields``, and ``sample_stats`` of
     :func:`~numpyro_fed.to_inference_data`): ``primal_residual``, ``dual_residual``,
-    ``inner_iterations``, ``converged``. :meth:`check_run` warns about proximal steps that
-    did not converge.
+    ``inner_iterations``, ``converged``, and the ledger of the exchange,
+    ``messages_to_peer`` and ``bytes_to_peer`` (each agent's cumulative count of what it sent
+    its neighbors: its iterate, ``d`` floats, to each neighbor once to start and once per
+    iteration). :meth:`check_run` warns about proximal steps that did not converge.
 
     **Example**
 
@@ -131,9 +143,10 @@ class DADMMS(DecentralizedKernel):
         noise_scale: float = 1.0,
         partition=None,
         agent: int = 0,
+        federation=None,
     ):
         super().__init__(model, topology=topology, prior_weights=prior_weights, init_scale=init_scale,
-                         partition=partition, agent=agent)
+                         partition=partition, agent=agent, federation=federation)
         self.rho = check_positive(rho, "rho")
         if solver not in _SOLVERS:
             raise ValueError(f"solver must be one of {_SOLVERS}, got {solver!r}")
@@ -164,11 +177,11 @@ class DADMMS(DecentralizedKernel):
                     "is not constant); use solver='newton' or 'auto'"
                 )
         self.solver_used = "quadratic" if quadratic is not None else "newton"
-        kernel = build_kernel(
-            potentials, topology.adjacency, self.rho, noise_scale=self.noise_scale, quadratic=quadratic,
+        program = build_program(
+            potentials, topology.degrees, self.rho, noise_scale=self.noise_scale, quadratic=quadratic,
             tolerance=self.tolerance, max_iterations=self.max_inner_iterations,
         )
-        return init, kernel
+        return init, program
 
     def diagnose(self, mcmc) -> RunCheck:
         """Besides diverged iterates and draws far from the posterior (see

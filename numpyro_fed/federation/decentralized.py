@@ -1,0 +1,204 @@
+"""Decentralized exchange: agents that send their iterates to their neighbours, with no server.
+
+A decentralized algorithm (D-ADMMS and its baselines) is an :class:`AgentProgram`: three
+pure functions of **one** agent (its own data, its own state, what its neighbours sent), and
+the per-agent data ``local`` (a pytree with a leading agent axis ``N``; agent ``m`` only ever
+gets its slice). One iteration of agent ``m``:
+
+1. ``send(local_m, key, own, inbox, mask) -> (pending, message)``: compute from its own
+   state and the messages of its neighbours it holds (``inbox``), then send ``message`` to
+   every neighbour;
+2. receive the neighbours' new messages (the new ``inbox``);
+3. ``receive(local_m, pending, inbox, previous_inbox, mask) -> (own, info)``.
+
+``inbox`` is ``(D, *message_shape)`` (``D`` the largest degree): row ``r`` holds the latest
+message of agent ``m``'s ``r``-th neighbour (in increasing order, see :func:`neighbors`) where
+``mask[r]`` is true, zeros past its degree. A network
+is started (or restarted, e.g. to resume a run) from every agent's own state alone: each
+agent sends ``message(own)`` to its neighbours, so the driver never hands an agent another
+agent's iterate. The network's state is :class:`NetworkState` (own states and inboxes).
+
+Two networks run the same program with the same numbers:
+
+* in this process (:func:`start_network`, :func:`network_iteration`): every agent
+  ``vmap``-ped, the exchange an indexing of the stacked messages (:func:`deliver`); this
+  is what :class:`~numpyro_fed.federation.InProcess` runs, inside the caller's ``jit``;
+* :class:`~numpyro_fed.federation.ray_agents.RayNetwork`: one Ray actor per agent holding its ``local`` slice and handles to
+  its neighbours' actors; each actor runs its own loop of iterations and sends its message
+  straight to its neighbours' actors. The driver starts the loops and collects every
+  agent's state per iteration (the draws); it never relays a message.
+
+Randomness: agent ``m`` draws its noise of iteration ``t`` from
+``fold_in(fold_in(rng_key, m), t)`` (:func:`agent_keys`), so each agent draws its own noise and
+the two networks draw the same numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+from numpyro_fed.federation.base import ClientError
+
+__all__ = [
+    "AgentProgram",
+    "NetworkError",
+    "NetworkState",
+    "agent_keys",
+    "decentralized_network",
+    "deliver",
+    "neighbors",
+    "network_iteration",
+    "start_network",
+]
+
+
+class AgentProgram(NamedTuple):
+    """What every agent of a decentralized algorithm runs (see the module's docstring).
+
+    :ivar message: ``own -> message``: what an agent sends when a network starts.
+    :ivar send: ``(local, key, own, inbox, mask) -> (pending, message)``.
+    :ivar receive: ``(local, pending, inbox, previous_inbox, mask) -> (own, info)``.
+    :ivar local: per-agent data, a pytree with a leading agent axis ``N``.
+    """
+
+    message: Callable
+    send: Callable
+    receive: Callable
+    local: Any
+
+
+class NetworkState(NamedTuple):
+    """The state of a network of ``N`` agents.
+
+    :ivar own: every agent's own state (a pytree, leading axis ``N``).
+    :ivar inbox: ``(N, D, *message_shape)``: row ``m`` is agent ``m``'s inbox.
+    """
+
+    own: Any
+    inbox: jax.Array
+
+    @property
+    def x(self):
+        """The agents' iterates ``own.x`` (``(N, d)``)."""
+        return self.own.x
+
+
+def neighbors(adjacency):
+    """``(index, valid)``, each ``(N, D)`` with ``D`` the largest degree (at least 1): row
+    ``m`` lists agent ``m``'s neighbours in increasing order, padded with 0 where ``valid`` is
+    false. The layout of every inbox.
+
+    >>> index, valid = neighbors(np.array([[0, 1, 1], [1, 0, 0], [1, 0, 0]]))
+    >>> index.tolist(), valid.tolist()
+    ([[1, 2], [0, 0], [0, 0]], [[True, True], [True, False], [True, False]])
+    """
+    linked = np.asarray(adjacency) != 0
+    width = max(int(linked.sum(axis=1).max(initial=0)), 1)
+    index = np.zeros((linked.shape[0], width), dtype=np.int32)
+    valid = np.zeros((linked.shape[0], width), dtype=bool)
+    for m, row in enumerate(linked):
+        k = np.flatnonzero(row)
+        index[m, :len(k)] = k
+        valid[m, :len(k)] = True
+    return index, valid
+
+
+def deliver(adjacency, messages):
+    """Every agent's inbox: ``(N, D, *message_shape)``, row ``r`` of agent ``m``'s the message
+    of its ``r``-th neighbour (see :func:`neighbors`; zeros past its degree). ``adjacency``
+    is concrete (the topology is static): the in-process network.
+
+    >>> deliver(np.array([[0.0, 1.0], [1.0, 0.0]]), jnp.array([[1.0], [2.0]]))[:, :, 0].tolist()
+    [[2.0], [1.0]]
+    """
+    index, valid = neighbors(adjacency)
+    inbox = messages[index]
+    valid = valid.reshape(valid.shape + (1,) * (messages.ndim - 1))
+    return jnp.where(valid, inbox, jnp.zeros((), messages.dtype))
+
+
+def agent_keys(rng_key, num_agents: int, t):
+    """``(N,)`` keys of iteration ``t``: agent ``m``'s is ``fold_in(fold_in(rng_key, m), t)``.
+
+    >>> agent_keys(jax.random.PRNGKey(0), 3, 5).shape
+    (3, 2)
+    """
+    return jax.vmap(lambda m: jax.random.fold_in(jax.random.fold_in(rng_key, m), t))(jnp.arange(num_agents))
+
+
+def start_network(program: AgentProgram, adjacency, own) -> NetworkState:
+    """The network at the agents' own states ``own`` (leading axis ``N``): every agent sends
+    ``program.message(own_m)`` to its neighbours."""
+    messages = jax.vmap(program.message)(own)
+    return NetworkState(own, deliver(adjacency, messages))
+
+
+def network_iteration(program: AgentProgram, adjacency, keys, state: NetworkState):
+    """One iteration of every agent in this process: ``(state, info)``, ``info`` stacked on
+    a leading agent axis. ``keys``: ``(N,)`` (see :func:`agent_keys`)."""
+    masks = neighbors(adjacency)[1]
+    pending, messages = jax.vmap(program.send)(program.local, keys, state.own, state.inbox, masks)
+    inbox = deliver(adjacency, messages)
+    own, info = jax.vmap(program.receive)(program.local, pending, inbox, state.inbox, masks)
+    return NetworkState(own, inbox), info
+
+
+
+# -- the network on a federation's workers ----------------------------------------------------
+
+
+def decentralized_network(federation, program: AgentProgram, adjacency, *, name: str = "agents",
+                          previous=None, settings=None):
+    """The network that runs ``program`` on ``federation``'s workers, one per agent: a
+    :class:`RayNetwork` for a :class:`~numpyro_fed.federation.RayFederation` (which it
+    starts: the federation's actors are then the agents). ``previous``, a network this
+    sampler started on the same federation, is kept if its agents hold the same data and
+    ``settings`` (e.g. the sampler's ``repr``) are the same, else closed.
+
+    :raises TypeError: for a federation that has no decentralized workers.
+    """
+    from numpyro_fed.federation.ray_agents import RayNetwork
+    from numpyro_fed.federation.ray_backend import RayFederation
+
+    if isinstance(federation, RayFederation):
+        if previous is not None and previous.federation is federation and federation.started:
+            if previous.same(program, adjacency, settings):
+                previous.program = program
+                return previous
+            federation.close()
+        network = RayNetwork(federation, program, adjacency, name=name)
+        network.settings = settings
+        return network
+    raise TypeError(f"{type(federation).__name__} cannot run decentralized agents "
+                    "(use InProcess() or RayFederation())")
+
+
+class NetworkError(ClientError):
+    """A :class:`~numpyro_fed.federation.ClientError` of a decentralized run: an agent died,
+    fell silent or failed. :attr:`clients` names it. What was computed before is kept:
+
+    :ivar int iteration: the last iteration every agent completed and the sampler received.
+    :ivar state: the sampler's state at :attr:`iteration` (with the chain axis of the run):
+        resume with ``mcmc.post_warmup_state = error.state; mcmc.run(error.state.rng_key,
+        ...)`` (a dead agent's actor is replaced).
+    :ivar draws: every agent's iterates since the network started, by site (constrained),
+        shaped ``(chains, iterations, agents, ...)``.
+    """
+
+    resume = None
+    history = ()
+    describe = None
+
+    @property
+    def state(self):
+        return None if self.describe is None else self.describe(self.resume, self.history)[0]
+
+    @property
+    def draws(self):
+        return None if self.describe is None else self.describe(self.resume, self.history)[1]

@@ -1,0 +1,430 @@
+"""Decentralized agents as Ray actors: :class:`RayNetwork` (see
+:mod:`numpyro_fed.federation.decentralized` for the agents' program).
+
+Each agent is an actor of a :class:`~numpyro_fed.federation.RayFederation` holding its own
+data, its compiled functions and the handles of its neighbours' actors; it runs its own loop
+of iterations and sends its message to its neighbours' actors directly. The driver starts
+the loops and collects each agent's state per iteration; it never relays a message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import defaultdict
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+from numpyro_fed.federation.base import ClientProgram, tree_nbytes
+from numpyro_fed.federation.decentralized import (
+    AgentProgram,
+    NetworkError,
+    NetworkState,
+    agent_keys,
+    deliver,
+    neighbors,
+    network_iteration,
+)
+from numpyro_fed.federation.ledger import MessageLedger
+
+__all__ = ["RayNetwork"]
+
+
+class _AgentWorker:
+    """Agent ``m``'s actor: its slice of ``local``, its compiled functions, its neighbours'
+    handles and its inbox. ``run`` is its loop of iterations; ``deliver`` (called by its
+    neighbours' actors) fills the inbox while the loop waits."""
+
+    def __init__(self, agent, program, neighbours, mask, x64):
+
+        jax.config.update("jax_enable_x64", bool(x64))
+        self.agent = int(agent)
+        self.program = program
+        self.mask = np.asarray(mask, dtype=bool)
+        self.senders = [int(k) for k in neighbours]  # in the order of the inbox's rows
+        self.receivers = {}
+        self.mailbox = defaultdict(dict)  # (run, round) -> {sender: message}
+        self.ready = threading.Condition()
+        self.aborted = set()
+        self.delivered = defaultdict(int)  # sender -> messages delivered to this agent
+        self.run_id = None
+        self.t = None
+        self.own = self.inbox = self.keys = None
+        self.fns = None
+
+    def setup(self):
+        """Checks the agent's data (finite values) and compiles nothing yet."""
+        from numpyro_fed.federation.base import check_block  # noqa: PLC0415
+
+        check_block(self.program.local, self.agent)
+        self.local = jax.tree_util.tree_map(jnp.asarray, self.program.local)
+        return self.agent
+
+    def ping(self):
+        return self.agent
+
+    def connect(self, receivers):
+        """Handles of the actors this agent sends to (its neighbours)."""
+        self.receivers = dict(receivers)
+        return self.agent
+
+    def deliveries(self):
+        """``{sender: number of messages}`` delivered to this agent so far (for audits)."""
+        return dict(self.delivered)
+
+    def deliver(self, run, round_, sender, message):
+        with self.ready:
+            self.delivered[int(sender)] += 1
+            if run in self.aborted:
+                return
+            self.mailbox[(run, round_)][sender] = message
+            self.ready.notify_all()
+
+    def abort(self, run):
+        with self.ready:
+            self.aborted.add(run)
+            self.ready.notify_all()
+
+    def _compile(self):
+        program, agent = self.program, self.agent
+        chains = lambda fn, axes: jax.jit(jax.vmap(fn, in_axes=axes))  # noqa: E731
+        self.fns = dict(
+            message=chains(program.message, (0,)),
+            send=chains(program.send, (None, 0, 0, 0, None)),
+            receive=chains(program.receive, (None, 0, 0, 0, None)),
+            keys=jax.jit(jax.vmap(lambda key, t: jax.random.fold_in(jax.random.fold_in(key, agent), t),
+                                  in_axes=(0, None))),
+        )
+
+    def _exchange(self, run, round_, message, timeout):
+        """Sends ``message`` to every neighbour and returns the inbox ``(C, N, ...)`` of their
+        messages of this round, or ``None`` if the run was aborted; raises ``TimeoutError``."""
+
+        for handle in self.receivers.values():
+            handle.deliver.options(concurrency_group="inbox").remote(run, round_, self.agent, message)
+        deadline = time.monotonic() + timeout
+        with self.ready:
+            while len(self.mailbox[(run, round_)]) < len(self.senders):
+                if run in self.aborted:
+                    return None
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(set(self.senders) - set(self.mailbox[(run, round_)]))
+                    self.mailbox.pop((run, round_), None)
+                    raise TimeoutError(missing, round_)
+                self.ready.wait(left)
+            received = self.mailbox.pop((run, round_))
+        inbox = np.zeros((message.shape[0], self.mask.shape[0]) + message.shape[1:], message.dtype)
+        for row, k in enumerate(self.senders):
+            inbox[:, row] = received[k]
+        return inbox
+
+    def run(self, run, t0, num_iterations, own, keys, timeout):
+        """Iterations ``t0 .. t0 + num_iterations - 1`` of every chain of this agent. With
+        ``own`` (and ``keys``, one per chain), the network (re)starts there: a first round
+        exchanges ``message(own)``. Returns ``("ok", own_trajectory, info_trajectory,
+        messages, bytes)`` (per iteration, stacked), ``("timeout", missing, t)`` or
+        ``("aborted",)``."""
+        if self.fns is None:
+            self._compile()
+        fns, mask = self.fns, self.mask
+        if own is not None:
+            self.run_id, self.t, self.keys = run, t0, np.asarray(keys)
+            self.own = jax.tree_util.tree_map(np.asarray, own)
+            try:
+                inbox = self._exchange(run, ("start", t0), np.asarray(fns["message"](self.own)), timeout)
+            except TimeoutError as exc:
+                return ("timeout",) + exc.args
+            if inbox is None:
+                return ("aborted",)
+            self.inbox = inbox
+        elif run != self.run_id or t0 != self.t:
+            raise RuntimeError(f"agent {self.agent}: asked to continue run {run} at iteration {t0}, "
+                               f"but it is at run {self.run_id}, iteration {self.t}")
+        owns, infos, sent_messages, sent_bytes = [], [], [], []
+        for t in range(t0, t0 + num_iterations):
+            pending, message = fns["send"](self.local, fns["keys"](self.keys, t), self.own, self.inbox, mask)
+            message = np.asarray(message)
+            try:
+                inbox = self._exchange(run, t, message, timeout)
+            except TimeoutError as exc:
+                return ("timeout",) + exc.args
+            if inbox is None:
+                return ("aborted",)
+            own, info = fns["receive"](self.local, pending, inbox, self.inbox, mask)
+            self.own = jax.tree_util.tree_map(np.asarray, own)
+            self.inbox, self.t = inbox, t + 1
+            owns.append(self.own)
+            infos.append(jax.tree_util.tree_map(np.asarray, info))
+            # one message per neighbour and chain; its bytes: one chain's share of the array
+            sent_messages.append(len(self.receivers))
+            sent_bytes.append(len(self.receivers) * message.nbytes // message.shape[0])
+        stack = lambda trees: jax.tree_util.tree_map(lambda *a: np.stack(a), *trees)  # noqa: E731
+        return ("ok", stack(owns), stack(infos), np.asarray(sent_messages), np.asarray(sent_bytes))
+
+
+class RayNetwork:
+    """``program``'s agents as the actors of a :class:`~numpyro_fed.federation.RayFederation`,
+    exchanging their messages actor to actor.
+
+    The driver starts the agents' loops in chunks of iterations (``chunk`` doubles from 4 up to
+    ``max_chunk``) and collects every agent's state and diagnostics per iteration; it hands them
+    out one iteration at a time to the compiled sampler (:meth:`traceable_step`). A request
+    for an iteration that does not follow the last one handed out (a new chain, a resumed
+    run) restarts the network from the given states: each agent gets its own state only and
+    the agents exchange their messages before the first iteration. A dead agent's actor is
+    replaced at a restart.
+
+    The federation's ledger counts, per agent: ``"<name>/iterate"`` to peers (each message and
+    its bytes, as sent), ``"<name>/start"`` to peers (the exchange that starts a network),
+    ``"<name>/state"`` to the agent (its own state at a start) and from it (its state and
+    diagnostics per iteration: what the driver collects).
+    """
+
+    def __init__(self, federation, program: AgentProgram, adjacency, *, name: str = "agents",
+                 max_chunk: int = 64):
+
+        self.federation = federation
+        self.program = program
+        self.adjacency = np.asarray(adjacency) != 0
+        self.num_agents = n = self.adjacency.shape[0]
+        self.name = name
+        self.settings = None
+        self.max_chunk = int(max_chunk)
+        self.locals = [jax.tree_util.tree_map(lambda a, m=m: np.asarray(a[m]), program.local) for m in range(n)]
+        if federation.started:
+            raise RuntimeError(f"{federation!r} is already started: give {name} a federation of its own")
+        ray = federation._ensure_ray()
+        # the loop runs on the actor's main thread; deliver() and abort() in their own group, so
+        # that the neighbours' messages arrive while the loop waits for them
+        self._remote = ray.remote(concurrency_groups={"inbox": 2})(_AgentWorker)
+        # the federation's actors are the agents: its close(), actors, ledger and guard() apply
+        federation._program = ClientProgram({}, blocks=self.locals)
+        federation._ledger = MessageLedger(n)
+        federation._specs = [None] * n
+        federation._actors = [self._new_actor(m) for m in range(n)]
+        try:
+            federation._gather("setup", {m: a.setup.remote() for m, a in enumerate(federation._actors)},
+                               refuse=True, timeout=federation.start_timeout)
+            self._connect()
+        except BaseException:
+            federation.close()
+            raise
+        self.run_id = 0
+        self.buffer = []          # collected iterations not yet handed out: (own, info, messages, bytes)
+        self.expected = None      # (i, own, keys) of the last iteration handed out
+        self.chunk = 4
+        self.handed = []          # every iteration handed out since the last (re)start: (i, own, info)
+        self.restarts = 0
+        self._sent = None
+        #: ``(resume, history) -> (state, draws)``: what a :class:`NetworkError` reports (set by
+        #: the sampler's face)
+        self.describe = None
+
+    def same(self, program, adjacency, settings) -> bool:
+        """Whether this network's agents hold ``program``'s data on ``adjacency``."""
+        if settings != self.settings or not np.array_equal(np.asarray(adjacency) != 0, self.adjacency):
+            return False
+        leaves = jax.tree_util.tree_leaves(program.local)
+        mine = jax.tree_util.tree_leaves(self.program.local)
+        return len(leaves) == len(mine) and all(
+            np.shape(a) == np.shape(b) and np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(leaves, mine))
+
+    # -- actors ----------------------------------------------------------------------------
+    def _new_actor(self, m):
+        options = self.federation._options(m)
+        agent_program = self.program._replace(local=self.locals[m])  # agent m's data only
+        index, valid = neighbors(self.adjacency)
+        return self._remote.options(**options).remote(m, agent_program, index[m][valid[m]], valid[m],
+                                                      bool(jax.config.jax_enable_x64))
+
+    def _connect(self):
+        actors = self.federation._actors
+        refs = {m: actors[m].connect.remote({int(k): actors[int(k)] for k in np.flatnonzero(self.adjacency[m])})
+                for m in range(self.num_agents)}
+        self.federation._gather("connect", refs)
+
+    def _revive(self):
+        """Replaces dead actors (a restart after a fault)."""
+        ray = self.federation._ensure_ray()
+        actors = self.federation._actors
+        refs = [a.ping.remote() for a in actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.federation.timeout)
+        dead = []
+        for m, ref in enumerate(refs):
+            try:
+                ray.get(ref, timeout=0) if ref in ready else (_ for _ in ()).throw(TimeoutError())
+            except Exception:
+                dead.append(m)
+        if not dead:
+            return
+        for m in dead:
+            with contextlib.suppress(Exception):
+                ray.kill(actors[m])
+            actors[m] = self._new_actor(m)
+        self.federation._gather("setup", {m: actors[m].setup.remote() for m in dead}, refuse=True,
+                                timeout=self.federation.start_timeout)
+        self._connect()
+
+    # -- running ---------------------------------------------------------------------------
+    def _run(self, t0, num_iterations, own=None, keys=None):
+        """One chunk on every actor; returns per agent ``(own, info, messages, bytes)`` stacked
+        over the chunk's iterations, or raises :class:`ClientError`."""
+
+        ray = self.federation._ensure_ray()
+        from ray.exceptions import RayActorError, RayTaskError
+
+        actors, timeout = self.federation._actors, self.federation.timeout
+        ledger = self.federation.ledger
+        refs = {}
+        for m, actor in enumerate(actors):
+            own_m = keys_m = None
+            if own is not None:
+                own_m = jax.tree_util.tree_map(lambda a, m=m: np.ascontiguousarray(a[:, m]), own)
+                keys_m = keys
+                ledger.add(f"{self.name}/state", "to_client", m, messages=keys.shape[0],
+                           nbytes=tree_nbytes(own_m) + tree_nbytes(keys_m))
+            refs[m] = actor.run.remote(self.run_id, t0, num_iterations, own_m, keys_m, timeout)
+        # a generous deadline for the whole chunk: each iteration waits at most `timeout` for a neighbour
+        deadline = timeout * (num_iterations + 2)
+        pending = list(refs.values())
+        results, dead, silent, failed = {}, [], set(), []
+
+        start = time.monotonic()
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - (time.monotonic() - start), 0))
+            if not ready:
+                break
+            (ref,) = ready
+            m = next(k for k, r in refs.items() if r == ref)
+            try:
+                results[m] = ray.get(ref)
+            except RayActorError:
+                dead.append(m)
+            except RayTaskError as exc:
+                failed.append((m, exc))
+            else:
+                if results[m][0] == "timeout":
+                    silent.update(int(k) for k in results[m][1])
+            if dead or failed or silent:
+                for k, actor in enumerate(actors):  # stop the others' loops: the network is broken
+                    if k not in results:
+                        actor.abort.options(concurrency_group="inbox").remote(self.run_id)
+        not_answered = [m for m, r in refs.items() if m not in results and m not in dead and
+                        m not in [f for f, _ in failed]]
+        if not (dead or failed or silent) and not_answered:
+            silent.update(not_answered)
+        if dead or failed or silent:
+            self.run_id += 1
+            parts = [f"agent {m} died" for m in dead]
+            parts += [f"agent {m} failed: {exc}" for m, exc in failed]
+            quiet = sorted(silent - set(dead))
+            if quiet:
+                parts.append(f"agent(s) {quiet} sent nothing within {timeout} s")
+            culprits = list(dict.fromkeys(dead + [m for m, _ in failed] + quiet))
+            raise NetworkError(f"{self.name}: " + "; ".join(parts) + f" (in the iterations after {t0}; "
+                               f"the run is resumable from iteration {t0}: see NetworkError)",
+                               clients=culprits, call=f"{self.name}/iterate")
+        for m in range(self.num_agents):
+            _, _, _, messages, nbytes = results[m]
+            chains = keys.shape[0] if keys is not None else self._chains
+            if own is not None:
+                degree = int(self.adjacency[m].sum())
+                ledger.add(f"{self.name}/start", "to_peer", m, messages=degree * chains,
+                           nbytes=int(nbytes[0]) * chains if len(nbytes) else 0, rounds=1)
+            ledger.add(f"{self.name}/iterate", "to_peer", m, messages=int(messages.sum()) * chains,
+                       nbytes=int(nbytes.sum()) * chains, rounds=num_iterations)
+            ledger.add(f"{self.name}/state", "from_client", m, messages=num_iterations * chains,
+                       nbytes=tree_nbytes(results[m][1]) + tree_nbytes(results[m][2]))
+        ledger.round_trips += 1
+        return [results[m][1:] for m in range(self.num_agents)]
+
+    def advance(self, i, own, keys, sent):
+        """Iteration ``i + 1`` of every chain (leading axis ``C``; ``own`` ``(C, N, ...)``): the
+        agents' own states and diagnostics, and ``sent`` plus what they sent."""
+        i = int(np.asarray(i).reshape(-1)[0])
+        keys = np.asarray(keys)
+        own = jax.tree_util.tree_map(np.asarray, own)
+        self._chains = keys.shape[0]
+        follows = (self.expected is not None and self.expected[0] == i and np.array_equal(self.expected[2], keys)
+                   and all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(self.expected[1]),
+                                                                 jax.tree_util.tree_leaves(own))))
+        self._sent = np.asarray(sent)
+        if not follows:  # a new chain, or a resumed run: restart the network from these states
+            self.buffer, self.handed, self.chunk = [], [], 4
+            self.run_id += 1
+            if self.restarts:
+                self._revive()
+            self.restarts += 1
+            self.expected = (i, own, keys)
+            self._fill(i, own, keys)
+        elif not self.buffer:
+            self._fill(i)
+        own_next, info, messages, nbytes = self.buffer.pop(0)
+        self.expected = (i + 1, own_next, keys)
+        self.handed.append((i + 1, own_next, info))
+        sent = np.asarray(sent).copy()
+        sent[:, 0] += messages[None]
+        sent[:, 1] += nbytes[None]
+        self._sent = sent
+        return own_next, info, sent
+
+    def _fill(self, i, own=None, keys=None):
+        try:
+            per_agent = self._run(i, self.chunk, own, keys)
+        except NetworkError as error:
+            # what was computed so far: the last iteration handed out (resumable from there) and
+            # every iteration handed out since the network started
+            last = self.expected
+            error.iteration = last[0]
+            error.resume = dict(i=last[0], own=last[1], keys=last[2], sent=self._sent)
+            error.history = list(self.handed)
+            error.describe = self.describe
+            self.expected = None
+            self.federation._error = error
+            raise
+        self.chunk = min(2 * self.chunk, self.max_chunk)
+        for k in range(len(per_agent[0][2])):
+            own_k = jax.tree_util.tree_map(lambda *a: np.stack(a, axis=1),
+                                           *[jax.tree_util.tree_map(lambda v: v[k], r[0]) for r in per_agent])
+            info_k = jax.tree_util.tree_map(lambda *a: np.stack(a, axis=1),
+                                            *[jax.tree_util.tree_map(lambda v: v[k], r[1]) for r in per_agent])
+            messages = np.asarray([r[2][k] for r in per_agent])
+            nbytes = np.asarray([r[3][k] for r in per_agent])
+            self.buffer.append((own_k, info_k, messages, nbytes))
+
+    def traceable_step(self, batched: bool, deliver_fn):
+        """``state -> (NetworkState, info, sent)``: the next iteration as a host callback inside
+        the compiled sampler (``state`` a :class:`~numpyro_fed.infer.admm.DecentralizedState`,
+        with a leading chain axis if ``batched``)."""
+        from jax.experimental import io_callback
+
+        n = self.num_agents
+
+        def step(state):
+            own, i, keys, sent = state.core.own, state.i, state.rng_key, state.sent
+            if not batched:
+                own, i, keys, sent = jax.tree_util.tree_map(lambda a: a[None], (own, i, keys, sent))
+            chains = jnp.shape(i)[0]
+            sent_array = jnp.stack([sent.messages, sent.bytes], axis=1)
+            one_key = jax.random.PRNGKey(0)
+            info_struct = jax.eval_shape(
+                lambda: network_iteration(self.program, self.adjacency, agent_keys(one_key, n, 0),
+                                          NetworkState(jax.tree_util.tree_map(lambda a: a[0], own),
+                                                       deliver(self.adjacency, own.x[0])))[1])
+            struct = lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))  # noqa: E731
+            out = (jax.tree_util.tree_map(struct, own),
+                   jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct((chains,) + s.shape, s.dtype), info_struct),
+                   struct(sent_array))
+            own, info, sent_array = io_callback(self.advance, out, i, own, keys, sent_array, ordered=True)
+            sent = type(sent)(sent_array[:, 0], sent_array[:, 1])
+            core = NetworkState(own, jax.vmap(deliver_fn)(own.x))
+            if not batched:
+                core, info, sent = jax.tree_util.tree_map(lambda a: a[0], (core, info, sent))
+            return core, info, sent
+
+        return step

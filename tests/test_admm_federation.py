@@ -1,0 +1,157 @@
+"""D-ADMMS on a federation: the agents as Ray actors exchanging their iterates with their
+neighbors directly agree with the in-process network, the ledger follows Algorithm 1, the
+driver relays nothing, and a killed agent stops the run with a resumable error."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import numpyro
+import numpyro.distributions as dist
+from numpyro.infer import MCMC
+
+import numpyro_fed as nf
+from numpyro_fed.federation import ClientError
+
+Y = 1.0 + jax.random.normal(jax.random.PRNGKey(0), (30, 2))
+X_LOGISTIC = jax.random.normal(jax.random.PRNGKey(1), (45, 2))
+Y_LOGISTIC = (X_LOGISTIC @ jnp.array([1.0, -1.0]) + 0.5 * jax.random.normal(jax.random.PRNGKey(2), (45,)) > 0) * 1.0
+PATH = np.array([[0, 1, 0], [1, 0, 1], [0, 1, 0]])  # agents 0 - 1 - 2
+
+
+def gaussian_model(y):
+    mu = numpyro.sample("mu", dist.Normal(0, 10).expand([2]).to_event(1))
+    with nf.federated_plate("data", y.shape[0], clients=3):
+        numpyro.sample("y", dist.Normal(mu, 1).to_event(1), obs=y)
+
+
+def logistic_model(X, y=None):
+    w = numpyro.sample("w", dist.Normal(0, 3).expand([2]).to_event(1))
+    with nf.federated_plate("data", X.shape[0], clients=3):
+        numpyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+
+
+def _run(federation, model, args, *, topology="ring", num_samples=12, num_chains=2, num_warmup=0):
+    mcmc = MCMC(nf.DADMMS(model, topology=topology, federation=federation), num_warmup=num_warmup,
+                num_samples=num_samples, num_chains=num_chains, chain_method="vectorized", progress_bar=False)
+    if federation is None:
+        mcmc.run(jax.random.PRNGKey(1), *args)
+    else:
+        with federation.guard():
+            mcmc.run(jax.random.PRNGKey(1), *args)
+    return mcmc
+
+
+@pytest.mark.parametrize("model, args, topology", [
+    (gaussian_model, (Y,), "ring"),             # closed-form proximal steps
+    (logistic_model, (X_LOGISTIC, Y_LOGISTIC), PATH),  # Newton's proximal steps, a path
+])
+def test_ray_agents_agree_with_the_in_process_network(ray_session, model, args, topology):
+    local = _run(None, model, args, topology=topology)
+    with nf.RayFederation(timeout=60.0) as federation:
+        remote = _run(federation, model, args, topology=topology)
+    # same per-agent keys and the same functions, compiled for (chains, agents) in process and
+    # for (chains,) on each actor: XLA may fuse differently (seen: 1 ulp at the 5th iteration),
+    # so the draws of every agent agree to round-off, far inside Monte Carlo error
+    for site, value in nf.DADMMS.agent_draws(local, group_by_chain=True).items():
+        np.testing.assert_allclose(np.asarray(nf.DADMMS.agent_draws(remote, group_by_chain=True)[site]),
+                                   np.asarray(value), rtol=1e-11, atol=1e-13)
+    extra_local, extra_remote = local.get_extra_fields(), remote.get_extra_fields()
+    for name in ("info.converged", "sent.messages", "sent.bytes"):
+        np.testing.assert_array_equal(np.asarray(extra_remote[name]), np.asarray(extra_local[name]))
+    for name in ("info.primal_residual", "info.dual_residual"):
+        np.testing.assert_allclose(np.asarray(extra_remote[name]), np.asarray(extra_local[name]), rtol=1e-9)
+
+
+def test_ledger_follows_algorithm_1_and_the_driver_relays_nothing(ray_session):
+    chains, samples, d = 2, 12, 2
+    local = _run(None, gaussian_model, (Y,), topology=PATH, num_samples=samples, num_chains=chains)
+    with nf.RayFederation(timeout=60.0) as federation:
+        remote = _run(federation, gaussian_model, (Y,), topology=PATH, num_samples=samples, num_chains=chains)
+        deliveries = [jax.device_get(ray_session.get(a.deliveries.remote())) for a in federation.actors]
+        summary = federation.ledger.summary()
+    degrees = PATH.sum(1)
+    # the sampler's own count (sample_stats): per chain, each agent sends its iterate (d floats)
+    # to each neighbor once to start and once per iteration, in both networks
+    stats = nf.DADMMS(gaussian_model).sample_stats(local.get_extra_fields(group_by_chain=True))
+    messages, nbytes = stats["messages_to_peer"][0], stats["bytes_to_peer"][0]  # (chain, draw, agent)
+    assert messages.shape == (chains, samples, 3)
+    np.testing.assert_array_equal(messages[:, -1], [(samples + 1) * degrees] * chains)
+    np.testing.assert_array_equal(nbytes[:, -1], [(samples + 1) * degrees * d * 8] * chains)
+    np.testing.assert_array_equal(np.diff(messages, axis=1), np.broadcast_to(degrees, (chains, samples - 1, 3)))
+    np.testing.assert_array_equal(np.asarray(remote.get_extra_fields()["sent.bytes"]),
+                                  np.asarray(local.get_extra_fields()["sent.bytes"]))
+    # Ray's ledger, counted from the payloads: every round an agent ran (the agents may run a
+    # few iterations ahead of the sampler) carried one message of d floats per neighbor and chain
+    rounds = summary["DADMMS/iterate/rounds"]
+    assert np.all(rounds >= samples) and np.all(rounds == rounds[0])
+    np.testing.assert_array_equal(summary["DADMMS/iterate/messages_to_peer"], rounds * degrees * chains)
+    np.testing.assert_array_equal(summary["DADMMS/iterate/bytes_to_peer"], rounds * degrees * chains * d * 8)
+    np.testing.assert_array_equal(summary["DADMMS/start/messages_to_peer"], degrees * chains)
+    # the sampler's ledger (the same on every backend) is Ray's, counted from the payloads
+    assert rounds[0] == samples  # here the agents ran no iteration ahead (chunks of 4 and 8)
+    for ledger in (nf.DADMMS.message_ledger(local), nf.DADMMS.message_ledger(remote)):
+        counted = ledger.summary()
+        for entry in ("DADMMS/start", "DADMMS/iterate"):
+            for what in ("messages_to_peer", "bytes_to_peer", "rounds"):
+                np.testing.assert_array_equal(counted[f"{entry}/{what}"], summary[f"{entry}/{what}"])
+    # what the agents received is exactly what their neighbors sent: nothing from anyone else
+    for m, got in enumerate(deliveries):
+        assert set(got) == set(np.flatnonzero(PATH[m]).tolist())
+        assert sum(got.values()) == (1 + rounds[m]) * degrees[m]  # one per neighbor and round (all chains)
+    # the driver sent each agent its own state once (x_i, p_i and a key per chain), nothing else
+    np.testing.assert_array_equal(summary["messages_to_client"], [chains] * 3)
+    np.testing.assert_array_equal(summary["bytes_to_client"], [chains * (2 * d * 8 + 8)] * 3)
+    assert set(k.split("/")[0] for k in summary if "/" in k) == {"DADMMS"}
+
+
+def test_a_killed_agent_stops_the_run_naming_it_and_the_run_resumes(ray_session):
+    timeout, samples = 10.0, 4000
+    federation = nf.RayFederation(timeout=timeout)
+    mcmc = MCMC(nf.DADMMS(gaussian_model, federation=federation), num_warmup=0, num_samples=samples,
+                num_chains=2, chain_method="vectorized", progress_bar=False)
+    killed = {}
+
+    def kill_agent_1():
+        while not (federation.started and federation.ledger.rounds().max() > 20):
+            time.sleep(0.05)
+        killed["at"] = time.monotonic()
+        ray_session.kill(federation.actors[1])
+
+    killer = threading.Thread(target=kill_agent_1, daemon=True)
+    killer.start()
+    try:
+        with pytest.raises(ClientError, match="agent 1 died") as caught:
+            with federation.guard():
+                mcmc.run(jax.random.PRNGKey(1), Y)
+        waited = time.monotonic() - killed["at"]
+        error = caught.value
+        assert error.clients == (1,)
+        assert waited < timeout, waited
+        # what was computed before the fault: the state at the last completed iteration, and every
+        # agent's draws up to it
+        state, draws = error.state, error.draws
+        done = error.iteration
+        assert 0 < done < samples and state.i.tolist() == [done, done]
+        assert draws["mu"].shape == (2, done, 3, 2)
+        # resume: the dead agent's actor is replaced and the run continues where it stopped, with
+        # the numbers an uninterrupted run draws (to round-off)
+        mcmc.post_warmup_state = state
+        mcmc.num_samples = 5
+        with federation.guard():
+            mcmc.run(state.rng_key, Y)
+        assert mcmc.last_state.i.tolist() == [done + 5, done + 5]
+    finally:
+        federation.close()
+    reference = MCMC(nf.DADMMS(gaussian_model), num_warmup=0, num_samples=done + 5, num_chains=2,
+                     chain_method="vectorized", progress_bar=False)
+    reference.run(jax.random.PRNGKey(1), Y)
+    expected = np.asarray(nf.DADMMS.agent_draws(reference, group_by_chain=True)["mu"])
+    np.testing.assert_allclose(np.asarray(draws["mu"]), expected[:, :done], rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(np.asarray(nf.DADMMS.agent_draws(mcmc, group_by_chain=True)["mu"]),
+                               expected[:, done:], rtol=1e-9, atol=1e-12)
