@@ -92,12 +92,13 @@ class _AgentWorker:
     def _compile(self):
         program, agent = self.program, self.agent
         chains = lambda fn, axes: jax.jit(jax.vmap(fn, in_axes=axes))  # noqa: E731
+        send = jax.vmap(program.send, in_axes=(None, 0, 0, 0, None))
+        key_of = jax.vmap(lambda key, t: jax.random.fold_in(jax.random.fold_in(key, agent), t), in_axes=(0, None))
         self.fns = dict(
             message=chains(program.message, (0,)),
-            send=chains(program.send, (None, 0, 0, 0, None)),
+            # agent m's keys of iteration t (one per chain), then its send: one compiled call
+            send=jax.jit(lambda local, keys, t, own, inbox, mask: send(local, key_of(keys, t), own, inbox, mask)),
             receive=chains(program.receive, (None, 0, 0, 0, None)),
-            keys=jax.jit(jax.vmap(lambda key, t: jax.random.fold_in(jax.random.fold_in(key, agent), t),
-                                  in_axes=(0, None))),
         )
 
     def _exchange(self, run, round_, message, timeout):
@@ -147,7 +148,7 @@ class _AgentWorker:
                                f"but it is at run {self.run_id}, iteration {self.t}")
         owns, infos, sent_messages, sent_bytes = [], [], [], []
         for t in range(t0, t0 + num_iterations):
-            pending, message = fns["send"](self.local, fns["keys"](self.keys, t), self.own, self.inbox, mask)
+            pending, message = fns["send"](self.local, self.keys, np.uint32(t), self.own, self.inbox, mask)
             message = np.asarray(message)
             try:
                 inbox = self._exchange(run, t, message, timeout)

@@ -274,10 +274,16 @@ class DecentralizedKernel(FederatedMCMCKernel):
             return jax.vmap(one) if batched else one
         network = self._network = decentralized_network(self.federation, program, adjacency,
                                                         name=type(self).__name__, previous=self._network,
-                                                        settings=repr(self))
+                                                        settings=self._settings())
         network.describe = lambda resume, history: self._describe_failure(program, adjacency, batched,
                                                                           resume, history)
         return network.traceable_step(batched, lambda x: deliver(adjacency, x))
+
+    def _settings(self) -> str:
+        """The arguments that shape the agents' functions (not the federation, whose ``repr``
+        changes once it runs)."""
+        values = {k: v for k, v in self.hyperparameters().items() if k != "federation"}
+        return f"{type(self).__name__}{sorted(values.items(), key=lambda kv: kv[0])!r}"
 
     def _describe_failure(self, program, adjacency, batched, resume, history):
         """``(state, draws)`` of a run that a fault stopped: the state at the last completed
