@@ -173,6 +173,8 @@ def run_toy_calls(fed):
             "one_chains": jax.jit(jax.vmap(lambda t, c: fed.one("sum", c, t)))(thetas, jnp.array([2, 0, 2])),
             "loop": jax.jit(lambda: lax.fori_loop(0, 2, lambda i, a: a + fed.map("sum", theta * i), jnp.zeros((M, D))))(),
             "exchange": jax.jit(lambda s: fed.exchange("ring", s, s, adjacency, 4, 0.1))(thetas[:, :1]),
+            "exchange_chains": jax.jit(jax.vmap(lambda s: fed.exchange("ring", s, s, adjacency, 4, 0.1)))(
+                jnp.stack([thetas[:, :1], thetas[:, 1:]])),
         }
     return out
 
@@ -186,7 +188,7 @@ def test_ray_gives_bit_identical_answers_to_inprocess(ray_pair):
             assert a.shape == b.shape and a.dtype == b.dtype, key
             np.testing.assert_array_equal(a, b, err_msg=key)
     # one round trip per call (all chains together), none per chain
-    assert ray_fed.ledger.round_trips == 7
+    assert ray_fed.ledger.round_trips == 8
 
 
 def test_ray_ledger_counts_the_payloads_and_agrees_with_the_inprocess_ledger(ray_pair):
@@ -200,7 +202,7 @@ def test_ray_ledger_counts_the_payloads_and_agrees_with_the_inprocess_ledger(ray
     local.record_calls("sum", [1, 0, 2])  # "one_chains": clients 2, 0, 2
     local.record_calls("scaled", 3)  # "map_chains": 3 chains
     local.record_calls("scaled", [0, 0, 1])  # "one": client 2
-    local.record_calls("ring", 4)  # "exchange": 4 iterations
+    local.record_calls("ring", 4 + 2 * 4)  # "exchange": 4 iterations; "exchange_chains": 2 chains
     ray_summary, local_summary = ray_fed.ledger.summary(), local.ledger.summary()
     assert ray_summary.keys() == local_summary.keys()
     for key in ray_summary:
@@ -208,7 +210,7 @@ def test_ray_ledger_counts_the_payloads_and_agrees_with_the_inprocess_ledger(ray
     # the payloads: per chain, theta (D floats) and the client's own factor, both ways
     itemsize = jnp.zeros(()).dtype.itemsize
     assert ray_summary["scaled/bytes_to_client"].tolist() == [3 * (D + 1) * itemsize] * 2 + [4 * (D + 1) * itemsize]
-    assert ray_summary["ring/messages_to_peer"].tolist() == [4, 8, 4]
+    assert ray_summary["ring/messages_to_peer"].tolist() == [12, 24, 12]
 
 
 def test_a_hung_client_raises_client_error_naming_it_within_the_timeout(ray_session):
