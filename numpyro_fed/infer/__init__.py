@@ -1,7 +1,7 @@
 """The federated inference algorithms."""
 
 from numpyro_fed.infer.admm import ADMM, DADMMS, DSGHMC, DSGLD, DULA
-from numpyro_fed.infer.base import RunResult, VariationalMethod
+from numpyro_fed.infer.base import RunCheckpoint, RunResult, VariationalMethod
 from numpyro_fed.infer.kernel import FederatedMCMCKernel
 from numpyro_fed.infer.pvi import BCM, DPPVI, GaussianPVI, GlobalVI
 from numpyro_fed.infer.stein import DSVGD, PDSVGD, SVGD, UDSVGD, DistributedSGLD, FedAvg
@@ -13,6 +13,7 @@ __all__ = [
     "BCM",
     "GlobalVI",
     "ADMM",
+    "RunCheckpoint",
     "RunResult",
     "VariationalMethod",
     "FederatedMCMCKernel",

@@ -33,11 +33,15 @@ from numpyro_fed.arviz import register_converter
 from numpyro_fed.potential import FederatedPotential, split_potential
 
 __all__ = [
+    "RunCheckpoint",
     "RunResult",
     "VariationalMethod",
     "build_potential",
+    "check_federation",
     "check_global_latents",
+    "jit_round",
     "run_rounds",
+    "start_federation",
 ]
 
 
@@ -76,10 +80,85 @@ def build_potential(
     return potential
 
 
+def check_federation(federation):
+    """``federation`` as a :class:`~numpyro_fed.federation.Federation`: ``None`` gives a new
+    :class:`~numpyro_fed.federation.InProcess`; anything else that is not a federation is a
+    ``TypeError``."""
+    from numpyro_fed.federation import Federation, InProcess
+
+    if federation is None:
+        return InProcess()
+    if not isinstance(federation, Federation):
+        raise TypeError(f"federation must be a numpyro_fed Federation (e.g. nf.InProcess() or "
+                        f"nf.RayFederation()), got {type(federation).__name__}")
+    return federation
+
+
+def start_federation(federation, functions: dict, blocks):
+    """Starts ``federation`` on a :class:`~numpyro_fed.federation.ClientProgram` of
+    ``functions`` (name -> ``fn(block, *args)``) and ``blocks`` (a pytree with a leading
+    client axis: client ``m``'s slice goes to client ``m`` only) and returns it."""
+    from numpyro_fed.federation import ClientProgram
+
+    return federation.start(ClientProgram.stacked(functions, blocks))
+
+
+class jit_round:
+    """``jax.jit`` of a round ``step(*args, federation)`` whose last argument is a started
+    :class:`~numpyro_fed.federation.Federation`: one that is a pytree (``InProcess``, whose
+    leaves are the clients' blocks) is passed as an argument, so its blocks are not baked into
+    the compiled code; any other (``RayFederation``, host callbacks) is closed over, one
+    compiled program per federation."""
+
+    def __init__(self, step: Callable):
+        self.step = step
+        self._dynamic = jax.jit(step)
+        self._static = {}
+
+    def __call__(self, *args):
+        *rest, federation = args
+        if jax.tree_util.tree_leaves(federation) != [federation]:
+            return self._dynamic(*rest, federation)
+        fn = self._static.get(id(federation))
+        if fn is None:
+            step = self.step
+            fn = self._static[id(federation)] = jax.jit(lambda *a: step(*a, federation))
+        return fn(*rest)
+
+
 def _all_finite(tree) -> bool:
     leaves = [x for x in jax.tree_util.tree_leaves(tree)
               if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)]
     return all(bool(jnp.all(jnp.isfinite(x))) for x in leaves)
+
+
+class RunCheckpoint(NamedTuple):
+    """Where an interrupted run stopped: attached as ``error.state`` to the
+    :class:`~numpyro_fed.federation.ClientError` that stopped it (with ``error.result``, a
+    :class:`RunResult` of the rounds done). ``method.run(rng_key, num_rounds, *args,
+    init_state=checkpoint)`` with the run's key and ``num_rounds`` runs the remaining rounds
+    and returns what the uninterrupted run would have (the same keys, the same state; the
+    metrics of both parts).
+
+    :ivar state: the state after the last completed round.
+    :ivar int rounds_done: the rounds completed.
+    :ivar int num_rounds: the rounds the run was asked for.
+    :ivar dict metrics: the completed rounds' metrics (as :func:`run_rounds` returns them).
+    :ivar dict context: what the method needs to finish the run as if uninterrupted (e.g.
+        the state it started from, the ledger so far).
+    """
+
+    state: Any
+    rounds_done: int
+    num_rounds: int
+    metrics: dict
+    context: dict
+
+
+def _stack(records: dict, wall_time: list) -> dict:
+    metrics = {name: np.stack([np.asarray(v) for v in values]) for name, values in records.items()}
+    metrics["wall_time"] = np.asarray(wall_time)
+    return metrics
 
 
 def run_rounds(
@@ -93,6 +172,9 @@ def run_rounds(
     progress_bar: bool = True,
     desc: str = "",
     divergence_advice: str = "",
+    resume: RunCheckpoint | None = None,
+    guard: Callable | None = None,
+    context: dict | None = None,
 ):
     """Runs ``num_rounds`` rounds of ``update(rng_key, state) -> (state, info)``, one key
     per round (``jax.random.split(rng_key, num_rounds)``).
@@ -102,6 +184,14 @@ def run_rounds(
     ``is_finite(state)`` (default: every floating leaf of ``state`` finite) the divergence
     check: a ``FloatingPointError`` naming the round and ``divergence_advice``. A scalar
     ``loss`` metric is shown on the progress bar.
+
+    **Faults.** A :class:`~numpyro_fed.federation.ClientError` raised by a round (a client
+    died or stopped answering; ``guard()``, e.g. the federation's
+    :meth:`~numpyro_fed.federation.Federation.guard`, is entered around each round so that
+    it surfaces as itself) stops the run: the error gets ``error.state``, a
+    :class:`RunCheckpoint` of the rounds completed before it (with ``context``), and is
+    re-raised. ``resume=checkpoint`` (with the same ``rng_key`` and ``num_rounds``) runs the
+    remaining rounds from it, with the same keys, and returns the metrics of every round.
 
     :return: ``(state, metrics)``: metrics by name, each a numpy array with a leading axis
         of ``num_rounds``, plus ``wall_time`` (seconds since the start, after each round).
@@ -114,7 +204,11 @@ def run_rounds(
     >>> float(state), metrics["loss"].tolist()
     (1.0, [8.0, 4.0, 2.0])
     """
+    import contextlib
+
     from tqdm.auto import tqdm
+
+    from numpyro_fed.federation import ClientError
 
     num_rounds = check_int(num_rounds, "num_rounds", minimum=0)
     if record is None:
@@ -124,16 +218,33 @@ def run_rounds(
             items = info._asdict() if hasattr(info, "_asdict") else dict(info)
             return {k: v for k, v in items.items() if v is not None}
     is_finite = _all_finite if is_finite is None else is_finite
+    guard = contextlib.nullcontext if guard is None else guard
     keys = jax.random.split(rng_key, num_rounds) if num_rounds else []
     records: dict[str, list] = {}
     wall_time = []
+    first, offset = 0, 0.0
+    if resume is not None:
+        if resume.num_rounds != num_rounds:
+            raise ValueError(f"the checkpoint is of a run of {resume.num_rounds} rounds: resume it with "
+                             f"num_rounds={resume.num_rounds} (and the run's rng_key), not {num_rounds}")
+        first = resume.rounds_done
+        records = {name: list(values) for name, values in resume.metrics.items() if name != "wall_time"}
+        wall_time = list(resume.metrics.get("wall_time", []))
+        offset = wall_time[-1] if wall_time else 0.0
     start = time.perf_counter()
-    bar = tqdm(range(num_rounds), desc=desc, unit="round", disable=not progress_bar)
+    bar = tqdm(range(first, num_rounds), desc=desc, unit="round", disable=not progress_bar,
+               initial=first, total=num_rounds)
     try:
         for r in bar:
-            state, info = update(keys[r], state)
-            finite = is_finite(state)  # also waits for the round
-            wall_time.append(time.perf_counter() - start)
+            try:
+                with guard():
+                    new_state, info = update(keys[r], state)
+                    finite = is_finite(new_state)  # also waits for the round
+            except ClientError as error:
+                error.state = RunCheckpoint(state, r, num_rounds, _stack(records, wall_time), dict(context or {}))
+                raise
+            state = new_state
+            wall_time.append(offset + time.perf_counter() - start)
             if not finite:
                 raise FloatingPointError(
                     f"{desc or 'the run'} diverged: non-finite state after round {r + 1} of "
@@ -146,9 +257,7 @@ def run_rounds(
                 bar.set_postfix(loss=f"{float(values['loss']):.4g}")
     finally:
         bar.close()
-    metrics = {name: np.stack([np.asarray(v) for v in values]) for name, values in records.items()}
-    metrics["wall_time"] = np.asarray(wall_time)
-    return state, metrics
+    return state, _stack(records, wall_time)
 
 
 class RunResult(NamedTuple):
@@ -162,12 +271,19 @@ class RunResult(NamedTuple):
     :ivar privacy: the run's :class:`~numpyro_fed.privacy.PrivacyGuarantee`, or ``None``.
     :ivar method: the :class:`VariationalMethod` that ran it: ``nf.to_inference_data(result)``
         and ``result.method.get_samples(rng_key, result)`` need nothing else.
+    :ivar dict ledger: what crossed between the server and the clients in the run
+        (:meth:`MessageLedger.summary() <numpyro_fed.federation.MessageLedger.summary>`: per
+        client, per call and direction, messages, bytes and rounds), plus, where a method
+        keeps a client's state in the server's state and sends it with the call,
+        ``<call>/state_bytes_<direction>``: the part of those bytes that is that state
+        rather than the paper's message. ``None`` for a method that does not report one.
     """
 
     state: Any
     metrics: dict
     privacy: Any
     method: Any
+    ledger: dict | None = None
 
 
 class VariationalMethod:
@@ -192,10 +308,12 @@ class VariationalMethod:
     #: what to change when a run diverges (in the ``FloatingPointError``).
     divergence_advice: str = ""
 
-    def __init__(self, model, *, partition=None, init_strategy=init_to_uniform, progress_bar: bool = True):
+    def __init__(self, model, *, partition=None, init_strategy=init_to_uniform, progress_bar: bool = True,
+                 federation=None):
         if not callable(model):
             raise TypeError(f"model must be a callable NumPyro model, got {type(model).__name__}")
         self.model = model
+        self.federation = check_federation(federation)
         self.partition = partition
         self.init_strategy = init_strategy
         self.progress_bar = bool(progress_bar)
@@ -240,10 +358,33 @@ class VariationalMethod:
         """Checks (and warnings) on a finished run; may add metrics (default: none)."""
         return result
 
+    # -- the federation --------------------------------------------------------------------
+    def state_bytes(self) -> dict:
+        """Per call name, ``(bytes to the client, bytes from the client)`` per call of client
+        state that the server keeps for the client and sends with the call (default: none).
+        They are counted in the ledger's bytes; :meth:`run_ledger` reports them apart."""
+        return {}
+
+    def run_ledger(self, federation, previous: dict | None = None, baseline: dict | None = None) -> dict:
+        """``federation``'s ledger summary (see :attr:`RunResult.ledger`) less ``baseline``
+        (the summary before the run), with the state bytes of :meth:`state_bytes`, plus
+        ``previous`` (the ledger of a run's rounds before an interruption)."""
+        out = {k: np.asarray(v) - np.asarray((baseline or {}).get(k, 0))
+               for k, v in federation.ledger.summary().items()}
+        for name, (down, up) in self.state_bytes().items():
+            rounds = out.get(f"{name}/rounds")
+            if rounds is not None and rounds.any():
+                out[f"{name}/state_bytes_to_client"] = rounds * int(down)
+                out[f"{name}/state_bytes_from_client"] = rounds * int(up)
+        for key, value in (previous or {}).items():
+            out[key] = out.get(key, 0) + np.asarray(value)
+        return out
+
     def arviz_dicts(self, result: RunResult, *, num_samples: int | None = None, rng_key=None) -> dict:
         """The keyword arguments of :func:`numpyro_fed.arviz.from_dicts` for this result
         (plain arrays): ``posterior`` (one chain of :meth:`get_samples`), ``sample_stats``
-        (every per-round metric, dim ``round`` first), ``coords`` and ``attrs``."""
+        (every per-round metric, dim ``round`` first, and the message ledger,
+        ``ledger.<call>.<count>``, dim ``client``), ``coords`` and ``attrs``."""
         from numpyro_fed.arviz import federation_attrs
 
         rng_key = jax.random.PRNGKey(0) if rng_key is None else rng_key
@@ -254,16 +395,63 @@ class VariationalMethod:
             value = np.asarray(value)
             sample_stats[name] = (value, ["round"] + [f"{name}_dim_{j}" for j in range(value.ndim - 1)])
         num_rounds = len(next(iter(result.metrics.values()), []))
+        coords = {"round": np.arange(1, num_rounds + 1)}
+        sample_stats.update(ledger_stats(result.ledger))
+        if result.ledger:
+            coords["client"] = np.arange(len(next(iter(result.ledger.values()))))
         attrs = {"algorithm": type(self).__name__}
         attrs.update({name: _attr(getattr(self, name)) for name in self.repr_fields})
         if self.federated_potential is not None:
             attrs.update(federation_attrs(self.federated_potential))
         if result.privacy is not None:
             attrs.update(result.privacy.as_attrs())
-        return {"posterior": posterior, "sample_stats": sample_stats,
-                "coords": {"round": np.arange(1, num_rounds + 1)}, "attrs": attrs}
+        if self.federation is not None:
+            attrs["federation"] = type(self.federation).__name__
+        return {"posterior": posterior, "sample_stats": sample_stats, "coords": coords, "attrs": attrs}
 
     # -- the driver --------------------------------------------------------------------------
+    def start_clients(self, functions: dict, blocks):
+        """Starts :attr:`federation` on ``functions`` and the stacked ``blocks`` (see
+        :func:`start_federation`) for this run and returns it. In a federation already
+        started (by a previous run, possibly stopped by a fault), the workers that do not
+        answer are first replaced (its ``restart()``, where it has one)."""
+        restart = getattr(self.federation, "restart", None)
+        if self.federation.started and restart is not None:
+            restart()
+        self._active_federation = start_federation(self.federation, functions, blocks)
+        return self._active_federation
+
+    def drive(self, update: Callable, rng_key, state, num_rounds: int, *, resume=None, privacy=None,
+              is_finite: Callable | None = None, desc: str | None = None,
+              context: dict | None = None) -> RunResult:
+        """:func:`run_rounds` with this method's settings, its federation's guard and ledger:
+        the :class:`RunResult` before :meth:`finish`. ``resume``: a :class:`RunCheckpoint` to
+        continue. A :class:`~numpyro_fed.federation.ClientError` gets ``error.state`` (the
+        checkpoint, whose context holds ``context`` and the ledger so far) and
+        ``error.result`` (the rounds completed, a :class:`RunResult`)."""
+        from numpyro_fed.federation import ClientError
+
+        federation = getattr(self, "_active_federation", None)
+        previous = None if resume is None else resume.context.get("ledger")
+        baseline = None if federation is None else federation.ledger.summary()
+        context = dict(resume.context if resume is not None else (context or {}))
+        try:
+            state, metrics = run_rounds(
+                update, rng_key, state, num_rounds, record=self.record, is_finite=is_finite,
+                progress_bar=self.progress_bar, desc=desc or type(self).__name__,
+                divergence_advice=self.divergence_advice, resume=resume, context=context,
+                guard=None if federation is None else federation.guard,
+            )
+        except ClientError as error:
+            checkpoint = getattr(error, "state", None)
+            if isinstance(checkpoint, RunCheckpoint) and federation is not None:
+                ledger = self.run_ledger(federation, previous, baseline)
+                error.state = checkpoint._replace(context=dict(checkpoint.context, ledger=ledger))
+                error.result = RunResult(checkpoint.state, checkpoint.metrics, privacy, self, ledger)
+            raise
+        ledger = None if federation is None else self.run_ledger(federation, previous, baseline)
+        return RunResult(state, metrics, privacy, self, ledger)
+
     def run(self, rng_key, num_rounds: int, *args, init_state=None, **kwargs) -> RunResult:
         """Runs ``num_rounds`` rounds from :meth:`init`'s state (or ``init_state``).
 
@@ -273,24 +461,31 @@ class VariationalMethod:
         :param args, kwargs: the model's arguments (the data).
         :param init_state: continue from this state (e.g. a previous ``result.state``);
             :meth:`init` still runs (it splits the model on these arguments) and its state
-            is replaced.
+            is replaced. A :class:`RunCheckpoint` (``error.state`` of a run stopped by a
+            :class:`~numpyro_fed.federation.ClientError`) resumes that run: give it the
+            same ``rng_key`` and ``num_rounds``.
         """
         num_rounds = check_int(num_rounds, "num_rounds", minimum=1)
         key_init, key_run = jax.random.split(rng_key)
         state = self.init(key_init, *args, **kwargs)
+        resume = init_state if isinstance(init_state, RunCheckpoint) else None
         if init_state is not None:
-            state = init_state
-        state, metrics = run_rounds(
-            lambda key, s: self.update(key, s, *args, **kwargs), key_run, state, num_rounds,
-            record=self.record, progress_bar=self.progress_bar, desc=type(self).__name__,
-            divergence_advice=self.divergence_advice,
-        )
-        return self.finish(RunResult(state, metrics, None, self))
+            state = init_state.state if resume is not None else init_state
+        result = self.drive(lambda key, s: self.update(key, s, *args, **kwargs), key_run, state, num_rounds,
+                            resume=resume)
+        return self.finish(result)
 
     def __repr__(self) -> str:
         model = getattr(self.model, "__name__", type(self.model).__name__)
         fields = [f"{name}={getattr(self, name)!r}" for name in self.repr_fields]
         return f"{type(self).__name__}({', '.join([model] + fields)})"
+
+
+def ledger_stats(ledger: dict | None) -> dict:
+    """``sample_stats`` entries of a :attr:`RunResult.ledger`: ``ledger.<call>.<count>`` (or
+    ``ledger.<count>`` over all calls), each ``(M,)`` with dim ``client``."""
+    return {"ledger." + key.replace("/", "."): (np.asarray(value), ["client"])
+            for key, value in (ledger or {}).items()}
 
 
 def _attr(value):
