@@ -17,11 +17,13 @@ With a trusted aggregator (synchronous schedule), each client's noise standard d
 divided by ``sqrt(M)``: the sum the aggregator releases carries the full noise (Theorems 11,
 14 of Heikkilä et al. 2023).
 
-Schedules: ``"sequential"`` (clients in turn, the server updating after each) and
-``"synchronous"`` (all clients from the same ``q``, vmapped). One *round* visits every
-client once. The core in BlackJAX's shape: :func:`init` and :func:`build_step`'s pure
-``step(rng_key, state, data, clip_norm=None) -> (state, info)``;
-:class:`~numpyro_fed.DPPVI` is the face.
+Schedules: ``"sequential"`` (clients in turn, the server updating after each:
+``federation.one``) and ``"synchronous"`` (all clients from the same ``q``:
+``federation.map``). One *round* visits every client once. The core in BlackJAX's shape:
+:func:`init`, the clients' functions (:func:`client_functions`, run on each client's own
+block by a :class:`~numpyro_fed.federation.Federation`) and :func:`build_step`'s pure
+``step(rng_key, state) -> (state, info)`` on the server; :class:`~numpyro_fed.DPPVI` is the
+face.
 """
 
 from __future__ import annotations
@@ -42,7 +44,10 @@ __all__ = [
     "ClientData",
     "PVIInfo",
     "PVIState",
+    "ClientReply",
     "build_step",
+    "client_functions",
+    "federated_negative_elbo",
     "init",
     "negative_elbo",
     "server_update",
@@ -91,18 +96,27 @@ class PVIInfo(NamedTuple):
 
 
 class ClientData(NamedTuple):
-    """Every client's rows, stacked and padded (a client's slice is its only data).
+    """Every client's rows and settings, stacked and padded: client ``m``'s slice (leading
+    axis) is its block, all it holds.
 
     :ivar rows: list of arrays ``(M, R, ...)``: the model arguments cut per client.
     :ivar valid: ``(M, R)`` mask of real (non-padding) rows.
     :ivar shard_index: ``(M, K, R_k)`` row positions of each client's shards.
     :ivar shard_valid: ``(M, K, R_k)`` mask of real rows in each shard.
+    :ivar noise_multiplier: ``(M,)`` each client's noise standard deviation over its clip
+        norm (the client adds its own noise); zeros without privacy.
+    :ivar clip_first: ``(M,)`` automatic DP-SGD clip norms of a state's first round, or
+        ``None``.
+    :ivar clip_later: ``(M,)`` those of later rounds, or ``None``.
     """
 
     rows: list
     valid: jax.Array
     shard_index: jax.Array
     shard_valid: jax.Array
+    noise_multiplier: jax.Array | None = None
+    clip_first: jax.Array | None = None
+    clip_later: jax.Array | None = None
 
 
 def init(prior: GaussianNatural, num_clients: int, num_virtual: int = 1) -> PVIState:
@@ -181,77 +195,148 @@ def negative_elbo(rng_key, row_log_lik: Callable, q: GaussianNatural, prior: Gau
 LOSS_STREAM = 1
 
 
-def build_step(
+class ClientReply(NamedTuple):
+    """What a client returns in a round (:func:`client_functions`' ``"update"``).
+
+    :ivar GaussianNatural delta: the change of its factor, ``(d,)`` each: the paper's message
+        (noised on the client when private).
+    :ivar virtual_delta: the changes of its virtual factors, ``(K, d)`` each, with
+        ``dp="virtual"`` only (``None`` otherwise): client state that the server stores for it.
+    :ivar clipped: the fraction of clipped terms (a diagnostic).
+    :ivar residual: the local optimization's residual (a diagnostic).
+    """
+
+    delta: GaussianNatural
+    virtual_delta: GaussianNatural | None
+    clipped: jax.Array
+    residual: jax.Array
+
+
+def client_functions(
     row_log_lik: Callable,
-    data: ClientData,
     config: LocalConfig,
     *,
     dp: str | None = None,
+    trusted_aggregator: bool = False,
+    num_clients: int = 1,
+    batch_cap: int | None = None,
+    auto_clip: bool = False,
+) -> dict:
+    """The functions a PVI client runs on its own :class:`ClientData` block (one client's
+    slice), as a :class:`~numpyro_fed.federation.ClientProgram` takes them:
+
+    * ``"update"``: ``(block, q, [first,] key, own) -> ClientReply`` where ``q`` is the
+      global approximation the server sends, ``first`` (with ``auto_clip`` only) whether
+      this is the state's first round, ``key`` the client's key of the round and ``own``
+      what the client keeps between rounds and the server stores for it: its factor
+      ``t_m`` (``(d,)`` each) or, with ``dp="virtual"``, its virtual factors (``(K, d)``
+      each). The DP noise and clipping happen here, on the client.
+    * ``"expected_log_lik"``: ``(block, thetas (S, d)) -> ()``, the sum over the client's
+      rows of the Monte Carlo estimate of ``E_q[log p(x | theta)]`` at the draws ``thetas``:
+      the diagnostic behind :func:`negative_elbo` (not one of the algorithm's messages).
+    """
+    noise_divisor = float(np.sqrt(num_clients)) if trusted_aggregator else 1.0
+
+    def local(block, key, q, factor, virtual, clip_norm):
+        delta, virtual_delta, clipped, residual = client_update(
+            key, row_log_lik, q, factor, virtual, block.rows, block.valid, block.shard_index,
+            block.shard_valid, config, dp=dp, noise_multiplier=block.noise_multiplier,
+            noise_divisor=noise_divisor, batch_cap=batch_cap, with_residual=True, clip_norm=clip_norm,
+        )
+        return ClientReply(delta, virtual_delta if dp == "virtual" else None, clipped, residual)
+
+    def update(block, q, *args):
+        if auto_clip:
+            first, key, own = args
+            clip_norm = jnp.where(first, block.clip_first, block.clip_later)
+        else:
+            (key, own), clip_norm = args, None
+        if dp == "virtual":
+            return local(block, key, q, None, own, clip_norm)
+        zeros = GaussianNatural(jnp.zeros((1,) + own.eta1.shape, own.eta1.dtype),
+                                jnp.zeros((1,) + own.eta2.shape, own.eta2.dtype))
+        return local(block, key, q, own, zeros, clip_norm)
+
+    def expected_log_lik(block, thetas):
+        per_draw = jax.vmap(row_log_lik, in_axes=(0, None))(thetas, block.rows)  # (S, R)
+        return jnp.sum(jnp.where(block.valid, jnp.mean(per_draw, axis=0), 0.0))
+
+    return {"update": update, "expected_log_lik": expected_log_lik}
+
+
+def federated_negative_elbo(rng_key, federation, q: GaussianNatural, prior: GaussianNatural,
+                            num_samples: int):
+    """:func:`negative_elbo` with every client's term computed by the client
+    (``federation.map("expected_log_lik", thetas)``): the server draws ``thetas`` from ``q``
+    and sends them; each client returns one number."""
+    loc, scale = loc_scale(q)
+    thetas = loc + scale * jax.random.normal(rng_key, (num_samples,) + loc.shape, loc.dtype)
+    expected = jnp.sum(federation.map("expected_log_lik", thetas))
+    return kl_divergence(q, prior) - expected
+
+
+def build_step(
+    config: LocalConfig,
+    *,
+    num_clients: int,
+    dp: str | None = None,
     schedule: str = "sequential",
     damping: float = 1.0,
-    noise_multiplier=0.0,
-    trusted_aggregator: bool = False,
-    batch_cap: int | None = None,
+    auto_clip: bool = False,
 ) -> Callable:
-    """A pure ``step(rng_key, state, data, clip_norm=None) -> (state, PVIInfo)``: one round,
-    visiting every client once. ``data`` is the :class:`ClientData` (passed, not captured,
-    so that ``jit`` does not embed it as constants); it must keep the shapes of the one
-    given here. ``clip_norm`` (``(M,)``, DP-SGD only) overrides ``config.clip_norm`` per
-    client for this round.
+    """A pure ``step(rng_key, state, federation) -> (state, info)``: one round, visiting
+    every client once through ``federation`` (a started
+    :class:`~numpyro_fed.federation.Federation` running :func:`client_functions`; pass it as
+    an argument of ``jit``, it is a pytree).
 
-    :param row_log_lik: ``(theta_flat, rows) -> (R,)`` log-likelihood of each row.
-    :param noise_multiplier: scalar or ``(M,)``: the noise standard deviation over the clip
-        norm (per client).
+    What crosses per client visit: down, ``q`` (``2 d`` numbers), the client's key, with
+    ``auto_clip`` whether it is the state's first round, and the client's own factor (or
+    virtual factors) that the server stores for it; up, :class:`ClientReply`. The server
+    (:func:`server_update`) adds ``damping`` times each reply to ``q`` and to the factors.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    num_clients = data.valid.shape[0]
-    sigmas = jnp.broadcast_to(jnp.asarray(noise_multiplier, dtype=jnp.zeros(()).dtype), (num_clients,))
-    noise_divisor = float(np.sqrt(num_clients)) if trusted_aggregator else 1.0
+    virtual = dp == "virtual"
 
-    def client(data, key, q, m, factor, virtual, clip_norm):
-        """Client ``m``: its block of ``data`` and what the server sends (``q``)."""
-        rows = [r[m] for r in data.rows]
-        return client_update(
-            key, row_log_lik, q, factor, virtual, rows, data.valid[m],
-            data.shard_index[m], data.shard_valid[m], config, dp=dp,
-            noise_multiplier=sigmas[m], noise_divisor=noise_divisor, batch_cap=batch_cap,
-            with_residual=True, clip_norm=None if clip_norm is None else clip_norm[m],
-        )
+    def send(state):
+        return (state.q, state.round == 0) if auto_clip else (state.q,)
 
-    def synchronous(keys, state, data, clip_norm):
-        deltas, virtual_deltas, clipped, residual = jax.vmap(
-            lambda k, m, f, v: client(data, k, state.q, m, f, v, clip_norm)
-        )(keys, jnp.arange(num_clients), state.factors, state.virtual)
+    def synchronous(keys, state, federation):
+        own = state.virtual if virtual else state.factors
+        reply = federation.map("update", *send(state), per_client=(keys, own))
+        deltas = reply.delta
+        virtual_deltas = reply.virtual_delta if virtual else jax.tree_util.tree_map(jnp.zeros_like, state.virtual)
         new_factors = tree_add(state.factors, deltas, damping)
         new_virtual = tree_add(state.virtual, virtual_deltas, damping)
         total = jax.tree_util.tree_map(lambda x: jnp.sum(x, axis=0), deltas)
         state, rejected = server_update(state, tree_add(state.q, total, damping), new_factors, new_virtual)
-        return state, (rejected, clipped, residual)
+        return state, (rejected, reply.clipped, reply.residual)
 
-    def sequential(keys, state, data, clip_norm):
-        def visit(state, inputs):
-            key, m = inputs
-            factor = jax.tree_util.tree_map(lambda x: x[m], state.factors)
-            virtual = jax.tree_util.tree_map(lambda x: x[m], state.virtual)
-            delta, virtual_delta, clipped, residual = client(data, key, state.q, m, factor, virtual, clip_norm)
+    def sequential(keys, state, federation):
+        def visit(state, m):
+            own_virtual = jax.tree_util.tree_map(lambda x: x[m], state.virtual)
+            # own: the client's slice of what the server stores for it (its key, its factor)
+            own = (keys, state.virtual if virtual else state.factors)
+            reply = federation.one("update", m, *send(state), own=own)
+            delta = reply.delta
+            virtual_delta = reply.virtual_delta if virtual else jax.tree_util.tree_map(jnp.zeros_like, own_virtual)
             new_factors = jax.tree_util.tree_map(lambda all_, d: all_.at[m].add(damping * d), state.factors, delta)
             new_virtual = jax.tree_util.tree_map(
                 lambda all_, d: all_.at[m].add(damping * d), state.virtual, virtual_delta
             )
             state, rejected = server_update(state, tree_add(state.q, delta, damping), new_factors, new_virtual)
-            return state, (rejected, clipped, residual)
+            return state, (rejected, reply.clipped, reply.residual)
 
-        return lax.scan(visit, state, (keys, jnp.arange(num_clients)))
+        return lax.scan(visit, state, jnp.arange(num_clients))
 
     visit_all = synchronous if schedule == "synchronous" else sequential
 
-    def step(rng_key, state: PVIState, data: ClientData, clip_norm=None):
+    def step(rng_key, state: PVIState, federation):
         keys = jax.random.split(rng_key, num_clients)
-        state, (rejected, clipped, residual) = visit_all(keys, state, data, clip_norm)
+        state, (rejected, clipped, residual) = visit_all(keys, state, federation)
         state = state._replace(round=state.round + 1)
-        loss = negative_elbo(jax.random.fold_in(rng_key, LOSS_STREAM), row_log_lik, state.q, state.prior,
-                             data, config.num_mc_samples)
+        loss = federated_negative_elbo(jax.random.fold_in(rng_key, LOSS_STREAM), federation, state.q,
+                                       state.prior, config.num_mc_samples)
         return state, PVIInfo(rejected=rejected, clipped=clipped, residual=residual, loss=loss)
 
     return step

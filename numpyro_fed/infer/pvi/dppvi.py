@@ -23,7 +23,7 @@ import optax
 from numpyro.infer.initialization import init_to_uniform
 
 from numpyro_fed._checks import check_int, check_positive, check_real
-from numpyro_fed.infer.base import RunResult, VariationalMethod, build_potential, run_rounds
+from numpyro_fed.infer.base import RunCheckpoint, RunResult, VariationalMethod, build_potential, jit_round
 from numpyro_fed.infer.pvi import core
 from numpyro_fed.infer.pvi.accounting import AVERAGE_FROM, MAX_DP_ERROR, PrivacyAccounting
 from numpyro_fed.infer.pvi.client import LocalConfig
@@ -66,9 +66,8 @@ class _RunPlan(NamedTuple):
     predicted_dp_error: float
     data: core.ClientData
     round_fn: Any
-    clip_first: Any  # (M,) automatic clip norms of a state's first round, or None
-    clip_later: Any  # (M,) those of later rounds
     row_log_lik: Any
+    federation: Any  # the started federation that runs the clients
 
 
 class DPPVI(PrivacyAccounting, VariationalMethod):
@@ -118,6 +117,17 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
     :param partition: as :func:`~numpyro_fed.split_potential` (federate a plain ``plate``).
     :param init_strategy: as :func:`~numpyro_fed.split_potential`.
     :param bool progress_bar: a progress bar over rounds.
+    :param federation: where the clients run: ``None`` (the default: every client in this
+        process, vectorised) or a :class:`~numpyro_fed.federation.Federation` such as
+        :class:`~numpyro_fed.RayFederation` (each client a worker holding only its own rows).
+        Same key, same answer on either. Each visit sends the client ``q`` (``2 d`` numbers),
+        its key and the factor ``t_m`` the server stores for it (``dp="virtual"``: its ``K``
+        virtual factors), and the client returns the change of its factor, clipped and noised
+        on the client when private, with two diagnostics; each round every client also
+        returns one number of the loss. ``result.ledger`` counts it all (see
+        :meth:`state_bytes`); a client that dies or stops answering stops the run with a
+        :class:`~numpyro_fed.federation.ClientError` whose ``state`` resumes it (see
+        :meth:`run`).
 
     **Running.** As :class:`numpyro.infer.SVI`: :meth:`run` returns a
     :class:`~numpyro_fed.infer.RunResult` whose ``metrics`` hold per round ``loss`` (the
@@ -125,7 +135,8 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
     ``(num_rounds, d)``), ``rejected``, ``clipped`` and ``residual`` (per client),
     ``communications`` (server-client exchanges since the initial state),
     ``noise_multiplier`` (per client), ``predicted_dp_error`` and, without privacy,
-    ``last_move``; ``result.privacy`` is the run's guarantee. :meth:`init` and
+    ``last_move``; ``result.privacy`` is the run's guarantee and ``result.ledger`` what
+    crossed between the server and the clients. :meth:`init` and
     :meth:`update` run rounds one at a time; :meth:`get_params` gives ``q``'s ``loc`` and
     ``scale`` by site, :meth:`get_samples` draws from it.
 
@@ -237,6 +248,7 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         partition=None,
         init_strategy=init_to_uniform,
         progress_bar: bool = True,
+        federation=None,
     ):
         if dp not in DP_VARIANTS:
             raise ValueError(f"dp must be one of {DP_VARIANTS}, got {dp!r}")
@@ -250,7 +262,8 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         self.auto_clip = dp == "dpsgd" and clip_norm is None
         if sampling is None:
             sampling = "poisson" if dp == "dpsgd" or sampling_rate is not None else "full"
-        super().__init__(model, partition=partition, init_strategy=init_strategy, progress_bar=progress_bar)
+        super().__init__(model, partition=partition, init_strategy=init_strategy, progress_bar=progress_bar,
+                         federation=federation)
         self.dp = dp
         self.schedule = schedule
         self.num_local_steps = check_int(num_local_steps, "num_local_steps", minimum=1)
@@ -374,33 +387,32 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
             self._noise_dominates(dp_error, num_rounds, sizes)
         shard_seed = int(jax.random.randint(rng_key, (), 0, 2**31 - 1))
         shard_index, shard_valid = core.shard_layout(sizes, self.num_shards, seed=shard_seed)
-        data = core.ClientData(rows=rows, valid=valid, shard_index=shard_index, shard_valid=shard_valid)
         config = LocalConfig(
             optim=self.optim, num_steps=self.num_local_steps, num_mc_samples=self.num_mc_samples,
             sampling=self.sampling, sampling_rate=self.sampling_rate, dpsgd=self.dp == "dpsgd",
             clip_norm=1.0 if self.auto_clip else self.clip_norm, standardize=self.default_optim,
             average_from=AVERAGE_FROM if self.default_optim else 1.0, clip_scaled=self.auto_clip,
         )
+        dtype = jnp.zeros(()).dtype
         clip_first = clip_later = None
         if self.auto_clip:
-            dtype = jnp.zeros(()).dtype
             clip_first = jnp.asarray(self.auto_clip_norms(1, sizes, d)[0], dtype=dtype)
             clip_later = jnp.asarray(self.auto_clip_norms(1, sizes, d, continuing=True)[0], dtype=dtype)
+        num_clients = int(sizes.size)
+        noise = jnp.broadcast_to(jnp.asarray(sigmas, dtype=dtype), (num_clients,))
+        data = core.ClientData(rows=rows, valid=valid, shard_index=shard_index, shard_valid=shard_valid,
+                               noise_multiplier=noise, clip_first=clip_first, clip_later=clip_later)
         row_log_lik = potential.flat().row_log_likelihood
-        step = core.build_step(
-            row_log_lik, data, config, dp=self.dp, schedule=self.schedule, damping=self.damping,
-            noise_multiplier=sigmas, trusted_aggregator=self.trusted_aggregator,
+        functions = core.client_functions(
+            row_log_lik, config, dp=self.dp, trusted_aggregator=self.trusted_aggregator,
+            num_clients=num_clients, auto_clip=self.auto_clip,
             batch_cap=self.batch_cap(privacy, num_rounds, sizes, int(valid.shape[1])),
         )
-
-        @jax.jit
-        def round_fn(rng_key, state, data, clip_first, clip_later):
-            # the automatic clip norms of a state's first round see fewer rows (class docstring)
-            clip = None if clip_first is None else jnp.where(state.round == 0, clip_first, clip_later)
-            return step(rng_key, state, data, clip)
-
-        self._plan = _RunPlan(num_rounds, sizes, sigmas, privacy, dp_error, data, round_fn,
-                              clip_first, clip_later, row_log_lik)
+        federation = self.start_clients(functions, data)
+        step = core.build_step(config, num_clients=num_clients, dp=self.dp, schedule=self.schedule,
+                               damping=self.damping, auto_clip=self.auto_clip)
+        self._plan = _RunPlan(num_rounds, sizes, sigmas, privacy, dp_error, data, jit_round(step),
+                              row_log_lik, federation)
         return self._initial_state(prior, sizes.size)
 
     def update(self, rng_key, state: PVIState, *args, **kwargs):
@@ -409,7 +421,12 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         model's arguments are those given to :meth:`init` (accepted here for SVI's
         signature)."""
         plan = self._require_plan()
-        return plan.round_fn(rng_key, state, plan.data, plan.clip_first, plan.clip_later)
+        with plan.federation.guard():
+            out = plan.round_fn(rng_key, state, plan.federation)
+        # one update per client and one term of the loss per client, every round
+        plan.federation.record_calls("update", 1)
+        plan.federation.record_calls("expected_log_lik", 1)
+        return out
 
     def run(self, rng_key, num_rounds: int | None, *args, init_state: PVIState | None = None,
             **kwargs) -> RunResult:
@@ -420,7 +437,10 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
             ``target_epsilon``) runs the most rounds that spend at most the target
             (:meth:`max_rounds`).
         :param args, kwargs: the model's arguments (the data).
-        :param init_state: continue from a previous run's state (its privacy is not added).
+        :param init_state: continue from a previous run's state (its privacy is not added),
+            or resume a run stopped by a :class:`~numpyro_fed.federation.ClientError` from its
+            ``error.state`` (a :class:`~numpyro_fed.infer.base.RunCheckpoint`; same
+            ``rng_key`` and ``num_rounds``): the result is that of the uninterrupted run.
         :return: a :class:`~numpyro_fed.infer.RunResult` (see *Running* above).
         :raises ValueError: if ``noise_multiplier`` and ``target_epsilon`` are both given and
             ``num_rounds`` rounds would spend more than the target.
@@ -435,18 +455,22 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
                 "least 2 rounds (the budget is calibrated for all of them)",
                 RuntimeWarning, stacklevel=2,
             )
-        if init_state is not None:
-            state = init_state
-        start_loc = np.asarray(loc_scale(self._final_state(state).q)[0])
-        state, metrics = run_rounds(
-            self.update, key_run, state, plan.num_rounds, record=self.record,
+        resume = init_state if isinstance(init_state, RunCheckpoint) else None
+        if resume is not None:
+            state = resume.state
+            start_loc = resume.context["start_loc"]
+        else:
+            if init_state is not None:
+                state = init_state
+            start_loc = np.asarray(loc_scale(self._final_state(state).q)[0])
+        result = self.drive(
+            self.update, key_run, state, plan.num_rounds, resume=resume, privacy=plan.privacy,
             is_finite=lambda s: bool(jnp.all(jnp.isfinite(s.q.eta1)) & jnp.all(jnp.isfinite(s.q.eta2))),
-            progress_bar=self.progress_bar, desc=f"{type(self).__name__} ({self.dp or 'non-private'})",
-            divergence_advice=self.divergence_advice,
+            desc=f"{type(self).__name__} ({self.dp or 'non-private'})", context={"start_loc": start_loc},
         )
         if self.dp is None:
-            metrics["last_move"] = _last_move(start_loc, metrics["loc"], metrics["scale"])
-        return self.finish(RunResult(state, metrics, plan.privacy, self))
+            result.metrics["last_move"] = _last_move(start_loc, result.metrics["loc"], result.metrics["scale"])
+        return self.finish(result)
 
     def record(self, state: PVIState, info) -> dict:
         """A round's metrics (see *Running* in the class docstring)."""
@@ -553,7 +577,9 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         out = super().arviz_dicts(result, num_samples=num_samples, rng_key=rng_key)
         metrics = result.metrics
         rejected = np.asarray(metrics["rejected"])
+        ledger = {k: v for k, v in out["sample_stats"].items() if k.startswith("ledger.")}
         out["sample_stats"] = {
+            **ledger,
             "loss": (metrics["loss"], ["round"]),
             "rejected": (rejected, ["round"] + (["client"] if rejected.ndim == 2 else [])),
             "clipped": (metrics["clipped"], ["round", "client"]),
@@ -564,6 +590,21 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         if result.privacy is not None:
             out["attrs"]["privacy_noise_multiplier"] = [float(s) for s in metrics["noise_multiplier"][-1]]
         return out
+
+    def state_bytes(self) -> dict:
+        """Client state the server stores for each client and sends with its ``"update"``:
+        its factor ``t_m`` (``2 d`` numbers; the server holds it anyway, as the sum of the
+        changes the client sent) or, with ``dp="virtual"``, its ``K`` virtual factors
+        (``2 K d`` down and their changes ``2 K d`` up: these are not privatized one by one,
+        only their sum is, so a deployment that must not reveal them keeps them on the
+        client)."""
+        plan = self._require_plan()
+        d = self.federated_potential.num_latent
+        itemsize = jnp.zeros(()).dtype.itemsize
+        if self.dp == "virtual":
+            k = int(plan.data.shard_index.shape[1])
+            return {"update": (2 * k * d * itemsize, 2 * k * d * itemsize)}
+        return {"update": (2 * d * itemsize, 0)}
 
     # -- hooks for the baselines ---------------------------------------------------------------
     def _require_plan(self) -> _RunPlan:

@@ -16,9 +16,9 @@ import optax
 from numpyro.infer.initialization import init_to_uniform
 
 from numpyro_fed._checks import check_int, check_positive
-from numpyro_fed.infer.base import RunResult, VariationalMethod
+from numpyro_fed.infer.base import RunResult, VariationalMethod, jit_round
 from numpyro_fed.infer.pvi import core
-from numpyro_fed.infer.pvi.client import LocalConfig, client_update
+from numpyro_fed.infer.pvi.client import LocalConfig
 from numpyro_fed.infer.pvi.gaussian import gaussian_prior, loc_scale, tree_add
 
 __all__ = ["GaussianPVI", "GaussianPVIInfo"]
@@ -69,6 +69,10 @@ class GaussianPVI(VariationalMethod):
     :param partition: as :func:`~numpyro_fed.split_potential`.
     :param init_strategy: as :func:`~numpyro_fed.split_potential`.
     :param bool progress_bar: a progress bar over rounds.
+    :param federation: where the clients run: ``None`` (in this process, the default) or a
+        :class:`~numpyro_fed.federation.Federation` such as :class:`~numpyro_fed.RayFederation`.
+        Per round the scheduled client receives ``q`` (and its own factor, which the server
+        stores for it) and returns the change of its factor; see ``result.ledger``.
 
     >>> import jax, jax.numpy as jnp, numpyro, numpyro.distributions as dist
     >>> import numpyro_fed as nf
@@ -89,8 +93,9 @@ class GaussianPVI(VariationalMethod):
 
     def __init__(self, model, *, num_local_steps: int = 200, optim=None, num_mc_samples: int = 10,
                  damping: float = 1.0, client_order="round_robin", partition=None,
-                 init_strategy=init_to_uniform, progress_bar: bool = True):
-        super().__init__(model, partition=partition, init_strategy=init_strategy, progress_bar=progress_bar)
+                 init_strategy=init_to_uniform, progress_bar: bool = True, federation=None):
+        super().__init__(model, partition=partition, init_strategy=init_strategy, progress_bar=progress_bar,
+                         federation=federation)
         self.num_local_steps = check_int(num_local_steps, "num_local_steps", minimum=1)
         self.optim = optax.adam(1e-2) if optim is None else optim
         self.num_mc_samples = check_int(num_mc_samples, "num_mc_samples", minimum=1)
@@ -123,34 +128,39 @@ class GaussianPVI(VariationalMethod):
         prior = gaussian_prior(flat.prior_potential, fp.num_latent)
         shard_index, shard_valid = core.shard_layout(np.asarray(fp.client_sizes), 1)
         self._data = core.ClientData(rows=fp.client_data["rows"], valid=fp.client_data["valid"][plates[0]],
-                                     shard_index=shard_index, shard_valid=shard_valid)
+                                     shard_index=shard_index, shard_valid=shard_valid,
+                                     noise_multiplier=jnp.zeros(fp.num_clients, prior.eta1.dtype))
         config = LocalConfig(optim=self.optim, num_steps=self.num_local_steps, num_mc_samples=self.num_mc_samples,
                              sampling="full", sampling_rate=1.0, dpsgd=False, clip_norm=1.0)
         row_log_lik, damping = flat.row_log_likelihood, self.damping
         self._row_log_lik = row_log_lik
+        self.start_clients(core.client_functions(row_log_lik, config), self._data)
 
-        @jax.jit
-        def round_fn(rng_key, state, data, m):
-            client = lambda tree: jax.tree.map(lambda x: x[m], tree)
-            rows = [r[m] for r in data.rows]
-            # the client: its rows and what the server sends (q)
-            delta, virtual_delta, _, residual = client_update(
-                rng_key, row_log_lik, state.q, client(state.factors), client(state.virtual), rows,
-                data.valid[m], data.shard_index[m], data.shard_valid[m], config, dp=None, with_residual=True,
-            )
+        @jit_round
+        def round_fn(rng_key, state, m, federation):
+            # the scheduled client: q down (its factor, which the server stores for it,
+            # beside), the change of its factor up
+            reply = federation.one("update", m, state.q, rng_key, own=(state.factors,))
+            delta = reply.delta
             # the server
             add = lambda all_, d: all_.at[m].add(damping * d)
             state, rejected = core.server_update(
                 state, tree_add(state.q, delta, damping), jax.tree.map(add, state.factors, delta),
-                jax.tree.map(add, state.virtual, virtual_delta),
+                jax.tree.map(add, state.virtual, jax.tree.map(lambda x: jnp.zeros_like(x[m]), state.virtual)),
             )
             state = state._replace(round=state.round + 1)
-            loss = core.negative_elbo(jax.random.fold_in(rng_key, core.LOSS_STREAM), row_log_lik, state.q,
-                                      state.prior, data, self.num_mc_samples)
-            return state, GaussianPVIInfo(m, rejected, residual, loss)
+            loss = core.federated_negative_elbo(jax.random.fold_in(rng_key, core.LOSS_STREAM), federation,
+                                                state.q, state.prior, self.num_mc_samples)
+            return state, GaussianPVIInfo(m, rejected, reply.residual, loss)
 
         self._round_fn = round_fn
         return core.init(prior, fp.num_clients)
+
+    def state_bytes(self) -> dict:
+        """The scheduled client's factor ``t_m`` goes down with ``q`` (the server stores it:
+        it holds the sum of the changes the client sent)."""
+        d = self.federated_potential.num_latent
+        return {"update": (2 * d * jnp.zeros(()).dtype.itemsize, 0)}
 
     def client_of_round(self, rng_key, round_index: int) -> int:
         """The client that ``client_order`` schedules in round ``round_index`` (0-based;
@@ -171,7 +181,12 @@ class GaussianPVI(VariationalMethod):
             raise ValueError("GaussianPVI: call init(rng_key, *args) (or run) first")
         key_client, key_round = jax.random.split(rng_key)
         client = self.client_of_round(key_client, int(state.round))
-        return self._round_fn(key_round, state, self._data, jnp.asarray(client))
+        federation = self._active_federation
+        with federation.guard():
+            out = self._round_fn(key_round, state, jnp.asarray(client), federation)
+        federation.record_calls("update", np.arange(federation.num_clients) == client)
+        federation.record_calls("expected_log_lik", 1)
+        return out
 
     def record(self, state, info) -> dict:
         loc, scale = loc_scale(state.q)
