@@ -30,6 +30,8 @@ __all__ = [
     "batched_client_grad",
     "build_client",
     "build_kernel",
+    "build_round",
+    "client_functions",
     "init",
     "server_update",
     "update_particles",
@@ -257,6 +259,41 @@ def server_update(state: DSVGDState, client, update: ClientUpdate) -> tuple[DSVG
         round=state.round + 1,
     )
     return state, DSVGDInfo(jnp.asarray(client), move)
+
+
+def client_functions(prior_grad: Callable, client_grad: Callable, **options) -> dict:
+    """What a DSVGD client runs on its own block, for a
+    :class:`~numpyro_fed.federation.ClientProgram`: ``"update"``, ``(block, global_particles,
+    first, [key,] local_particles, visited) -> ClientUpdate``: the server's
+    :class:`ClientMessage` (and, with ``stochastic_client_grad``, the round's key for the
+    minibatches), then what the client keeps between its rounds (its local particles and
+    whether it has been visited; the server stores them for it). Options as
+    :func:`build_client`."""
+    client_fn = build_client(prior_grad, client_grad, **options)
+    if options.get("stochastic_client_grad") is None:
+        def update(block, global_particles, first, local_particles, visited):
+            return client_fn(None, ClientMessage(global_particles, first), local_particles, visited, block)
+    else:
+        def update(block, global_particles, first, key, local_particles, visited):
+            return client_fn(key, ClientMessage(global_particles, first), local_particles, visited, block)
+    return {"update": update}
+
+
+def build_round(stochastic: bool = False) -> Callable:
+    """One round of DSVGD through a federation: ``step(rng_key, state, client, federation) ->
+    (state, info)``. The server sends the scheduled client its :class:`ClientMessage` (and
+    its stored local particles); the client (:func:`client_functions`' ``"update"``)
+    returns its new global and local particles; :func:`server_update` keeps them.
+    ``stochastic``: the round's key goes to the client (its minibatches)."""
+
+    def step(rng_key, state: DSVGDState, client, federation):
+        first = ~jnp.any(state.visited)
+        key = (rng_key,) if stochastic else ()
+        update = federation.one("update", client, state.global_particles, first, *key,
+                                own=(state.local_particles, state.visited))
+        return server_update(state, client, update)
+
+    return step
 
 
 def build_kernel(prior_grad: Callable, client_grad: Callable, **options) -> Callable:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from numpyro.infer.initialization import init_to_uniform
 
 from numpyro_fed._checks import check_int, check_positive
-from numpyro_fed.infer.base import RunResult, VariationalMethod, run_rounds
+from numpyro_fed.infer.base import RunCheckpoint, RunResult, VariationalMethod, jit_round
 from numpyro_fed.infer.stein.checks import stein_statistics
 from numpyro_fed.infer.stein.client_order import make_client_order
 from numpyro_fed.infer.stein.dsvgd import batched_client_grad
@@ -88,8 +88,9 @@ class ParticleMethod(VariationalMethod):
 
     def __init__(self, model, *, num_particles: int, metrics: Mapping[str, Callable] | None,
                  partition, init_strategy=init_to_uniform, progress_bar: bool = True,
-                 temperature: float = 1.0, batch_size: int | None = None):
-        super().__init__(model, partition=partition, init_strategy=init_strategy, progress_bar=progress_bar)
+                 temperature: float = 1.0, batch_size: int | None = None, federation=None):
+        super().__init__(model, partition=partition, init_strategy=init_strategy, progress_bar=progress_bar,
+                         federation=federation)
         self.num_particles = check_int(num_particles, "num_particles", minimum=1)
         self.batch_size = None if batch_size is None else check_int(batch_size, "batch_size", minimum=1)
         self.temperature = check_positive(temperature, "temperature")
@@ -115,6 +116,13 @@ class ParticleMethod(VariationalMethod):
         self._setup_key = key
         self._step = None
         self._configure(fp)
+        functions = self.client_functions()
+        self._federated = functions is not None
+        if functions is not None:
+            self.start_clients(functions, fp.client_data)
+        elif type(self.federation).__name__ != "InProcess":
+            raise ValueError(f"{type(self).__name__} runs its clients in this process only: "
+                             f"federation={self.federation!r} does not apply")
         return fp
 
     def _configure(self, fp):
@@ -164,6 +172,19 @@ class ParticleMethod(VariationalMethod):
         model is split (:attr:`gradients` and :attr:`stochastic_client_grad` are then set)."""
         raise NotImplementedError
 
+    def client_functions(self) -> dict | None:
+        """The functions the clients run on their own blocks (a
+        :class:`~numpyro_fed.federation.ClientProgram`'s), started on :attr:`federation`
+        when the model is split; ``None`` (the default): the method's rounds run in this
+        process through :meth:`build_step` (the baselines)."""
+        return None
+
+    def build_round(self) -> Callable:
+        """With :meth:`client_functions`: one round as ``step(rng_key, state, client,
+        federation) -> (state, info)`` (the server's side; the clients are reached through
+        ``federation``)."""
+        raise NotImplementedError
+
     # -- SVI's face ------------------------------------------------------------------------------
     def init(self, rng_key, *args, init_particles=None, num_rounds: int | None = None, **kwargs):
         """The initial state: particles drawn from the prior (or ``init_particles``, ``(N, d)``
@@ -178,10 +199,19 @@ class ParticleMethod(VariationalMethod):
         return self.initial_state(particles, num_rounds)
 
     def _round(self, rng_key, state, client):
-        if self._step is None:
-            self._step = jax.jit(self.build_step())
+        federation = getattr(self, "_active_federation", None)
         client = jnp.asarray(client)
-        return self._step(rng_key, state, client, client_block(self.federated_potential, client))
+        if not self._federated:
+            if self._step is None:
+                self._step = jax.jit(self.build_step())
+            return self._step(rng_key, state, client, client_block(self.federated_potential, client))
+        if self._step is None:
+            self._step = jit_round(self.build_round())
+        with federation.guard():
+            out = self._step(rng_key, state, client, federation)
+        calls = np.bincount(np.ravel(np.asarray(client)), minlength=federation.num_clients)
+        federation.record_calls("update", calls)
+        return out
 
     def _round_key(self, rng_key):
         """The key a round passes to the core: used for minibatches only (the cores are
@@ -296,7 +326,10 @@ class ParticleMethod(VariationalMethod):
         :param rng_key: key for the initial particles, a random client order and minibatches.
         :param int num_rounds: ``I``.
         :param args: the model's positional arguments (the clients' data).
-        :param init_state: a state to continue from (e.g. ``result.state``).
+        :param init_state: a state to continue from (e.g. ``result.state``), or the
+            :class:`~numpyro_fed.infer.base.RunCheckpoint` of a run stopped by a
+            :class:`~numpyro_fed.federation.ClientError` (``error.state``) to resume it: with
+            the run's ``rng_key`` and ``num_rounds``, the result is the uninterrupted run's.
         :param init_particles: ``(N, d)`` flat unconstrained initial particles instead of
             prior draws.
         :param kwargs: the model's keyword arguments.
@@ -306,20 +339,30 @@ class ParticleMethod(VariationalMethod):
         fp = self._setup(args, kwargs)
         if init_state is None:
             state = self.init(k_init, *args, init_particles=init_particles, num_rounds=num_rounds, **kwargs)
+        elif isinstance(init_state, RunCheckpoint):
+            state = self._check_state(init_state.state)
+            if self._federated:  # the run stopped on a client's fault: fresh clients
+                self.start_clients(self.client_functions(), fp.client_data)
+                self._step = None
         else:
             state = self._check_state(init_state)
-        self._from_prior = init_state is None and init_particles is None
-        self._initial_particles = self.particles(state)
+        resume = init_state if isinstance(init_state, RunCheckpoint) else None
+        if resume is not None:
+            context = resume.context
+            self._from_prior, self._initial_particles = context["from_prior"], context["initial_particles"]
+            start = context["start"]
+        else:
+            self._from_prior = init_state is None and init_particles is None
+            self._initial_particles = self.particles(state)
+            start = self._rounds_done(state)
         order = make_client_order(self._order(), num_rounds, fp.num_clients, k_order, self._per_round)
-        start = self._rounds_done(state)
 
         def update(key, s):
             return self._round(self._round_key(key), s, order[self._rounds_done(s) - start])
 
-        state, metrics = run_rounds(
-            update, k_rounds, state, num_rounds, record=self.record,
+        result = self.drive(
+            update, k_rounds, state, num_rounds, resume=resume,
             is_finite=lambda s: bool(jnp.all(jnp.isfinite(self.particles(s)))),
-            progress_bar=self.progress_bar, desc=type(self).__name__,
-            divergence_advice=self.divergence_advice,
+            context={"from_prior": self._from_prior, "initial_particles": self._initial_particles, "start": start},
         )
-        return self.finish(RunResult(state, metrics, None, self))
+        return self.finish(result)

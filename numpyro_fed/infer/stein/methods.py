@@ -9,6 +9,8 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
+import jax.numpy as jnp
+
 from numpyro.infer.initialization import init_to_uniform
 
 from numpyro_fed._checks import check_int, check_positive
@@ -73,6 +75,15 @@ class DSVGD(ParticleMethod):
         step, without replacement, the gradient scaled by ``n_k / batch_size``), as in the
         paper's experiments (Table 2: 100 for the regression BNNs); ``None`` (default): all
         of them. Needs a model with one federated data plate.
+    :param federation: where the clients run: ``None`` (the default: in this process) or a
+        :class:`~numpyro_fed.federation.Federation` such as :class:`~numpyro_fed.RayFederation`
+        (each client a worker holding only its own rows); same key, same answer. Each round
+        the server sends the scheduled client the ``N`` global particles (and whether ``q`` is
+        still the prior) with the client's local particles, which the server stores for it;
+        the client returns ``N`` new global particles and its new local particles.
+        ``result.ledger`` counts it (the local particles as ``state_bytes``). A client that
+        dies or stops answering stops the run with a
+        :class:`~numpyro_fed.federation.ClientError` whose ``state`` resumes it.
 
     **Results.** ``run`` returns a :class:`~numpyro_fed.infer.RunResult` whose ``state`` is a
     :class:`~numpyro_fed.infer.stein.dsvgd.DSVGDState` (:meth:`particles` gives its global
@@ -133,10 +144,11 @@ class DSVGD(ParticleMethod):
         init_strategy=init_to_uniform,
         progress_bar: bool = True,
         batch_size: int | None = None,
+        federation=None,
     ):
         super().__init__(model, num_particles=num_particles, metrics=metrics, partition=partition,
                          init_strategy=init_strategy, progress_bar=progress_bar,
-                         temperature=temperature, batch_size=batch_size)
+                         temperature=temperature, batch_size=batch_size, federation=federation)
         self.num_local_steps = check_int(num_local_steps, "num_local_steps", minimum=1)
         self.num_distill_steps = check_int(num_distill_steps, "num_distill_steps", minimum=0)
         self.learning_rate = check_positive(learning_rate, "learning_rate")
@@ -160,6 +172,19 @@ class DSVGD(ParticleMethod):
 
     def build_step(self):
         return dsvgd_core.build_kernel(*self.gradients, **self._core_options())
+
+    def client_functions(self):
+        return dsvgd_core.client_functions(*self.gradients, **self._core_options())
+
+    def build_round(self):
+        return dsvgd_core.build_round(self.stochastic_client_grad is not None)
+
+    def state_bytes(self):
+        """The scheduled client's local particles (and whether it was visited before) go
+        down with the global particles and its new local particles come back: the server
+        stores them for it (the paper keeps them on the client)."""
+        particles = self.num_particles * self.federated_potential.num_latent * jnp.zeros(()).dtype.itemsize
+        return {"update": (particles + 1, particles)}
 
     def _check_state(self, state):
         state = super()._check_state(state)
@@ -244,6 +269,22 @@ class PDSVGD(DSVGD):
         return pdsvgd_core.build_kernel(*self.gradients, num_server_steps=self.num_server_steps,
                                         server_optim=self.server_optim, **self._core_options())
 
+    def client_functions(self):
+        return pdsvgd_core.client_functions(*self.gradients, **self._core_options())
+
+    def build_round(self):
+        server = pdsvgd_core.build_server(self.gradients.prior_grad, num_server_steps=self.num_server_steps,
+                                          server_optim=self.server_optim, kde_bandwidth=self.kde_bandwidth,
+                                          svgd_bandwidth=self.svgd_bandwidth)
+        return pdsvgd_core.build_round(server, self.stochastic_client_grad is not None)
+
+    def state_bytes(self):
+        """The scheduled clients' local particles (and whether each was visited before) go
+        down with the server's particles: the server stores them (each client uploads them
+        anyway, Algorithm 5)."""
+        particles = self.num_particles * self.federated_potential.num_latent * jnp.zeros(()).dtype.itemsize
+        return {"update": (particles + 1, 0)}
+
 
 class UDSVGD(DSVGD):
     """U-DSVGD (Section 5.1, Algorithm 4): DSVGD without distillation.
@@ -268,15 +309,40 @@ class UDSVGD(DSVGD):
     repr_fields = ("num_particles", "num_local_steps", "kde_bandwidth", "temperature", "client_order",
                    "batch_size")
 
+    def _udsvgd_options(self):
+        options = self._core_options()
+        del options["num_distill_steps"], options["distill_optim"]
+        return options
+
+    def build_step(self):
+        return udsvgd_core.build_kernel(*self.gradients, **self._udsvgd_options())
+
+    def client_functions(self):
+        return udsvgd_core.client_functions(*self.gradients, **self._udsvgd_options())
+
+    def build_round(self):
+        return udsvgd_core.build_round(self.stochastic_client_grad is not None)
+
+    def state_bytes(self):
+        """The client's buffer goes down with the global particles: the server's history of
+        global iterates, ``(I + 1, N, d)``, the mask of the client's rounds ``(I,)`` and the
+        round (the paper keeps the buffer on the client; the server knows every iterate)."""
+        plan = getattr(self, "_num_rounds", None)
+        if plan is None:
+            return {}
+        itemsize = jnp.zeros(()).dtype.itemsize
+        history = (plan + 1) * self.num_particles * self.federated_potential.num_latent * itemsize
+        return {"update": (history + plan + 4, 0)}
+
+    def _check_state(self, state):
+        self._num_rounds = int(state.scheduled.shape[0])
+        return ParticleMethod._check_state(self, state)
+
     def initial_state(self, particles, num_rounds=None):
         if num_rounds is None:
             raise ValueError("UDSVGD.init needs num_rounds: its clients' buffers are sized by it")
-        return udsvgd_core.init(particles, check_int(num_rounds, "num_rounds", minimum=1))
-
-    def build_step(self):
-        options = self._core_options()
-        del options["num_distill_steps"], options["distill_optim"]
-        return udsvgd_core.build_kernel(*self.gradients, **options)
+        self._num_rounds = check_int(num_rounds, "num_rounds", minimum=1)
+        return udsvgd_core.init(particles, self._num_rounds)
 
     def run(self, rng_key, num_rounds: int, *args, init_particles=None, **kwargs):
         """As :meth:`DSVGD.run` (no ``init_state``: the buffers are sized by ``num_rounds``)."""

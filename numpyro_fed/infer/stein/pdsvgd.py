@@ -16,11 +16,12 @@ import jax.numpy as jnp
 
 from numpyro_fed.infer.stein.dsvgd import (ClientMessage, DSVGDInfo, DSVGDState, _config, build_client,
                                           check_key)
+from numpyro_fed.infer.stein.dsvgd import client_functions as dsvgd_client_functions
 from numpyro_fed.infer.stein.kde import kde_score_fn
 from numpyro_fed.infer.stein.svgd import staged_svgd
 from numpyro_fed.infer.stein.whitening import round_frame
 
-__all__ = ["build_kernel", "build_server"]
+__all__ = ["build_kernel", "build_round", "build_server", "client_functions"]
 
 
 def build_server(prior_grad: Callable, *, num_server_steps: int, server_optim,
@@ -56,6 +57,39 @@ def build_server(prior_grad: Callable, *, num_server_steps: int, server_optim,
                 DSVGDInfo(jnp.asarray(clients), move))
 
     return server
+
+
+def client_functions(prior_grad: Callable, client_grad: Callable, **options) -> dict:
+    """What a P-DSVGD client runs on its own block: ``"update"``, ``(block,
+    global_particles, first, [key,] local_particles, visited) -> (N, d)`` its new local
+    particles (its upload, Algorithm 5). Arguments as
+    :func:`numpyro_fed.infer.stein.dsvgd.client_functions`."""
+    update = dsvgd_client_functions(prior_grad, client_grad, **options)["update"]
+    return {"update": lambda *args: update(*args).local_particles}
+
+
+def build_round(server_fn: Callable, stochastic: bool = False) -> Callable:
+    """One round of P-DSVGD through a federation: ``step(rng_key, state, clients, federation)
+    -> (state, info)``. Each of the ``(C,)`` scheduled ``clients`` receives the server's
+    particles (and its stored local particles) and returns its new local particles; then
+    ``server_fn`` (:func:`build_server`) distills them. ``stochastic``: each client gets its
+    own key split from ``rng_key``."""
+
+    def step(rng_key, state: DSVGDState, clients, federation):
+        first = ~jnp.any(state.visited)
+        own = (state.local_particles, state.visited)
+
+        def one_client(client, key):
+            extra = (key,) if stochastic else ()
+            return federation.one("update", client, state.global_particles, first, *extra, own=own)
+
+        if stochastic:
+            uploads = jax.vmap(one_client)(clients, jax.random.split(rng_key, clients.shape[0]))
+        else:
+            uploads = jax.vmap(lambda c: one_client(c, None))(clients)
+        return server_fn(state, clients, uploads)
+
+    return step
 
 
 def build_kernel(prior_grad: Callable, client_grad: Callable, *, num_server_steps: int,

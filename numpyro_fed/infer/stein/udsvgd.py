@@ -18,7 +18,7 @@ from numpyro_fed.infer.stein.kde import kde_score_fn
 from numpyro_fed.infer.stein.svgd import staged_svgd
 from numpyro_fed.infer.stein.whitening import round_frame
 
-__all__ = ["UDSVGDState", "build_client", "build_kernel", "init"]
+__all__ = ["UDSVGDState", "build_client", "build_kernel", "build_round", "client_functions", "init"]
 
 
 class UDSVGDState(NamedTuple):
@@ -83,6 +83,48 @@ def build_client(prior_grad: Callable, client_grad: Callable, *, num_local_steps
                                         config.svgd_bandwidth, key, config.stages))
 
     return client
+
+
+def client_functions(prior_grad: Callable, client_grad: Callable, **options) -> dict:
+    """What a U-DSVGD client runs on its own block: ``"update"``, ``(block,
+    global_particles, [key,] history, mine, round) -> (N, d)`` the new global particles.
+    ``history`` and ``mine`` are the client's buffer (the global iterates before and after
+    its rounds), which the server stores for it (they are the server's own iterates) and
+    sends with the call. Options as :func:`build_client`."""
+    client_fn = build_client(prior_grad, client_grad, **options)
+    if options.get("stochastic_client_grad") is None:
+        def update(block, global_particles, history, mine, round_):
+            return client_fn(None, global_particles, history, mine, round_, block)
+    else:
+        def update(block, global_particles, key, history, mine, round_):
+            return client_fn(key, global_particles, history, mine, round_, block)
+    return {"update": update}
+
+
+def build_round(stochastic: bool = False) -> Callable:
+    """One round of U-DSVGD through a federation: ``step(rng_key, state, client, federation)
+    -> (state, info)``."""
+
+    def step(rng_key, state: UDSVGDState, client, federation):
+        num_rounds = state.scheduled.shape[0]
+        mine = (state.scheduled == client) & (jnp.arange(num_rounds) < state.round)
+        key = (rng_key,) if stochastic else ()
+        new_global = federation.one("update", client, state.global_particles, *key, state.history, mine,
+                                    state.round)
+        return _server_update(state, client, new_global)
+
+    return step
+
+
+def _server_update(state: UDSVGDState, client, new_global):
+    move = jnp.sqrt(jnp.mean(jnp.sum((new_global - state.global_particles) ** 2, axis=-1)))
+    state = UDSVGDState(
+        new_global,
+        state.history.at[state.round + 1].set(new_global),
+        state.scheduled.at[state.round].set(jnp.asarray(client, state.scheduled.dtype)),
+        state.round + 1,
+    )
+    return state, DSVGDInfo(jnp.asarray(client), move)
 
 
 def build_kernel(prior_grad: Callable, client_grad: Callable, **options) -> Callable:
