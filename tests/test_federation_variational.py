@@ -1,0 +1,240 @@
+"""DP-PVI and DSVGD through the federation seam: the message ledger matches what each
+algorithm sends, a run stopped by a client's fault resumes to the uninterrupted run's
+answer, and (on a local Ray) the clients as separate workers give the in-process answer."""
+
+import contextlib
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import numpyro
+import numpyro.distributions as dist
+
+import numpyro_fed as nf
+from numpyro_fed.federation import ClientError, InProcess
+from numpyro_fed.infer import RunCheckpoint
+
+# Short runs: they check what crosses and that answers agree, not the fits (whose
+# convergence warnings they would trigger).
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+M, D, ROWS = 3, 2, 90
+F64 = 8  # bytes of a float64 (the tests run in float64)
+KEY = 8  # a threefry key: two uint32
+
+
+def model(X, y=None):
+    w = numpyro.sample("w", dist.Normal(0, 1).expand([X.shape[1]]).to_event(1))
+    with nf.federated_plate("data", X.shape[0], clients=M):
+        numpyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(ROWS, D))
+    y = (X @ np.array([1.0, -1.0]) + rng.logistic(size=ROWS) > 0).astype(float)
+    return jnp.asarray(X), jnp.asarray(y)
+
+
+@pytest.mark.parametrize("schedule", ["synchronous", "sequential"])
+@pytest.mark.parametrize("dp", [None, "virtual"])
+def test_dppvi_ledger_counts_what_the_protocol_sends(data, schedule, dp):
+    rounds, shards, draws = 2, 3, 4
+    kwargs = dict(dp="virtual", noise_multiplier=1.0, num_shards=shards) if dp else {}
+    pvi = nf.DPPVI(model, schedule=schedule, num_local_steps=5, num_mc_samples=draws, progress_bar=False,
+                   **kwargs)
+    result = pvi.run(jax.random.PRNGKey(0), rounds, *data)
+    ledger = result.ledger
+    natural = 2 * D * F64  # (eta1, eta2) of a diagonal Gaussian
+    # per round and client: q down, Delta t_m up (the paper's messages); the client's own
+    # factor (or K virtual factors, and their changes up) is state the server stores for it;
+    # plus the client's key down and two diagnostics (clipped, residual) up
+    own = shards * natural if dp else natural
+    np.testing.assert_array_equal(ledger["update/messages_to_client"], [rounds] * M)
+    np.testing.assert_array_equal(ledger["update/rounds"], [rounds] * M)
+    np.testing.assert_array_equal(ledger["update/bytes_to_client"], [rounds * (natural + own + KEY)] * M)
+    np.testing.assert_array_equal(ledger["update/state_bytes_to_client"], [rounds * own] * M)
+    up_state = shards * natural if dp else 0
+    np.testing.assert_array_equal(ledger["update/bytes_from_client"],
+                                  [rounds * (natural + up_state + 2 * F64)] * M)
+    np.testing.assert_array_equal(ledger["update/state_bytes_from_client"], [rounds * up_state] * M)
+    # the loss, a diagnostic: the server's draws of q down, one number up
+    np.testing.assert_array_equal(ledger["expected_log_lik/bytes_to_client"], [rounds * draws * D * F64] * M)
+    np.testing.assert_array_equal(ledger["expected_log_lik/bytes_from_client"], [rounds * F64] * M)
+    stats = nf.to_inference_data(result).sample_stats
+    assert stats["ledger.update.bytes_to_client"].dims == ("client",)
+    np.testing.assert_array_equal(stats["ledger.update.bytes_to_client"].values, ledger["update/bytes_to_client"])
+
+
+def test_gaussian_pvi_ledger_counts_the_scheduled_client_only(data):
+    pvi = nf.GaussianPVI(model, num_local_steps=5, client_order=[0, 2, 2], progress_bar=False)
+    result = pvi.run(jax.random.PRNGKey(0), 3, *data)
+    natural = 2 * D * F64
+    np.testing.assert_array_equal(result.ledger["update/rounds"], [1, 0, 2])
+    np.testing.assert_array_equal(result.ledger["update/bytes_to_client"], np.array([1, 0, 2]) * (2 * natural + KEY))
+    np.testing.assert_array_equal(result.ledger["update/bytes_from_client"], np.array([1, 0, 2]) * (natural + 2 * F64))
+
+
+def test_dsvgd_ledger_counts_particles_between_server_and_scheduled_client(data):
+    n, rounds = 6, 4
+    dsvgd = nf.DSVGD(model, num_particles=n, num_local_steps=5, num_distill_steps=5, progress_bar=False)
+    result = dsvgd.run(jax.random.PRNGKey(0), rounds, *data)
+    particles = n * D * F64
+    visits = np.bincount(result.metrics["client"], minlength=M)  # round robin: 2, 1, 1
+    np.testing.assert_array_equal(visits, [2, 1, 1])
+    ledger = result.ledger
+    np.testing.assert_array_equal(ledger["update/rounds"], visits)
+    # down: the global particles and whether q is still the prior (the paper's message), and
+    # the client's local particles and visited flag (state the server stores for it);
+    # up: the new global particles (the message) and local particles (state)
+    np.testing.assert_array_equal(ledger["update/bytes_to_client"], visits * (2 * particles + 2))
+    np.testing.assert_array_equal(ledger["update/state_bytes_to_client"], visits * (particles + 1))
+    np.testing.assert_array_equal(ledger["update/bytes_from_client"], visits * 2 * particles)
+    np.testing.assert_array_equal(ledger["update/state_bytes_from_client"], visits * particles)
+
+
+def test_pdsvgd_ledger_counts_local_particles_up(data):
+    n = 5
+    pdsvgd = nf.PDSVGD(model, num_particles=n, clients_per_round=2, num_local_steps=5, num_distill_steps=5,
+                       progress_bar=False)
+    result = pdsvgd.run(jax.random.PRNGKey(0), 3, *data)
+    visits = np.bincount(np.ravel(result.metrics["client"]), minlength=M)
+    assert visits.sum() == 6
+    particles = n * D * F64
+    np.testing.assert_array_equal(result.ledger["update/rounds"], visits)
+    np.testing.assert_array_equal(result.ledger["update/bytes_from_client"], visits * particles)
+    np.testing.assert_array_equal(result.ledger["update/bytes_to_client"], visits * (2 * particles + 2))
+
+
+@jax.tree_util.register_pytree_node_class
+class FailingInProcess(InProcess):
+    """In-process clients whose ``fail_at``-th round fails as a dead worker's would."""
+
+    def __init__(self, fail_at):
+        super().__init__()
+        self.fail_at, self.entered = fail_at, 0
+
+    @contextlib.contextmanager
+    def guard(self):
+        self.entered += 1
+        if self.entered == self.fail_at:
+            raise ClientError("client 1 stopped answering", clients=[1], call="update")
+        yield
+
+
+@pytest.mark.parametrize("method", ["dppvi", "dsvgd"])
+def test_a_client_fault_stops_the_run_and_the_checkpoint_resumes_it(data, method):
+    def make(federation=None):
+        if method == "dppvi":
+            return nf.DPPVI(model, dp="dpsgd", noise_multiplier=1.0, sampling="poisson", sampling_rate=0.5,
+                            clip_norm=1.0, num_local_steps=5, progress_bar=False, federation=federation)
+        return nf.DSVGD(model, num_particles=5, num_local_steps=5, num_distill_steps=5, progress_bar=False,
+                        federation=federation)
+
+    key, rounds = jax.random.PRNGKey(1), 4
+    full = make().run(key, rounds, *data)
+    with pytest.raises(ClientError, match="client 1") as info:
+        make(FailingInProcess(fail_at=5)).run(key, rounds, *data)
+    checkpoint, partial = info.value.state, info.value.result
+    assert isinstance(checkpoint, RunCheckpoint)
+    assert 0 < checkpoint.rounds_done < rounds
+    assert partial.metrics["wall_time"].shape == (checkpoint.rounds_done,)
+    # the rounds done before the fault are those of the uninterrupted run
+    done = checkpoint.rounds_done
+    np.testing.assert_array_equal(partial.metrics["move" if method == "dsvgd" else "loss"],
+                                  full.metrics["move" if method == "dsvgd" else "loss"][:done])
+    resumed = make().run(key, rounds, *data, init_state=checkpoint)
+    for name, value in full.metrics.items():
+        if name != "wall_time":
+            np.testing.assert_array_equal(resumed.metrics[name], value, err_msg=name)
+    for leaf_full, leaf_resumed in zip(jax.tree.leaves(full.state), jax.tree.leaves(resumed.state)):
+        np.testing.assert_array_equal(leaf_resumed, leaf_full)
+    for name, value in full.ledger.items():
+        np.testing.assert_array_equal(resumed.ledger[name], value, err_msg=name)
+    with pytest.raises(ValueError, match="num_rounds"):
+        make().run(key, rounds + 1, *data, init_state=checkpoint)
+
+
+def test_federation_must_be_a_federation(data):
+    with pytest.raises(TypeError, match="federation"):
+        nf.DPPVI(model, federation="ray")
+
+
+# -- on a local Ray: the clients as separate workers ---------------------------------------------
+
+RAY_CASES = {
+    "dppvi": lambda **kw: nf.DPPVI(model, schedule="synchronous", num_local_steps=5, progress_bar=False, **kw),
+    "dppvi-dpsgd": lambda **kw: nf.DPPVI(model, dp="dpsgd", noise_multiplier=1.0, sampling="poisson",
+                                         sampling_rate=0.5, clip_norm=1.0, num_local_steps=5, progress_bar=False,
+                                         **kw),
+    "dsvgd": lambda **kw: nf.DSVGD(model, num_particles=5, num_local_steps=5, num_distill_steps=5,
+                                   progress_bar=False, **kw),
+}
+
+
+def assert_same_run(ray_result, local_result, *, interrupted=False):
+    # The server's state is bit-for-bit that of the in-process run: the same client
+    # functions on the same blocks with the same keys. The loss (a diagnostic summed from the
+    # clients' terms, each compiled alone on its worker rather than vmapped) agrees to
+    # round-off.
+    for a, b in zip(jax.tree.leaves(ray_result.state), jax.tree.leaves(local_result.state)):
+        np.testing.assert_array_equal(a, b)
+    for name, value in local_result.metrics.items():
+        if name == "loss":
+            np.testing.assert_allclose(ray_result.metrics[name], value, rtol=1e-12)
+        elif name != "wall_time":
+            np.testing.assert_array_equal(ray_result.metrics[name], value, err_msg=name)
+    # the ledger counted from the payloads Ray carried is the one counted from shapes; an
+    # interrupted run also counts the messages of the round that failed (they crossed: the
+    # clients visited before the dead one answered), at most one call per client
+    assert set(ray_result.ledger) == set(local_result.ledger)
+    for name, value in local_result.ledger.items():
+        if interrupted:
+            extra = ray_result.ledger[name] - value
+            assert (extra >= 0).all(), name
+            if name.endswith("rounds"):
+                assert (extra <= 1).all(), name
+        else:
+            np.testing.assert_array_equal(ray_result.ledger[name], value, err_msg=name)
+
+
+@pytest.mark.parametrize("case", sorted(RAY_CASES))
+def test_on_ray_the_run_is_the_in_process_run(ray_session, data, case):
+    key = jax.random.PRNGKey(2)
+    local = RAY_CASES[case]().run(key, 2, *data)
+    with nf.RayFederation(timeout=60.0) as federation:
+        on_ray = RAY_CASES[case](federation=federation).run(key, 2, *data)
+    assert_same_run(on_ray, local)
+
+
+@pytest.mark.parametrize("case", ["dppvi-dpsgd", pytest.param("dsvgd", marks=pytest.mark.slow)])
+def test_on_ray_a_killed_worker_stops_the_run_and_it_resumes(ray_session, data, case):
+    key, rounds = jax.random.PRNGKey(3), 3
+    local = RAY_CASES[case]().run(key, rounds, *data)
+    federation = nf.RayFederation(timeout=20.0)
+    method = RAY_CASES[case](federation=federation)
+    record = method.record
+
+    def record_then_kill(state, info):  # between rounds 1 and 2, client 1's worker dies
+        out = record(state, info)
+        if int(state.round) == 1:
+            ray_session.kill(federation.actors[1])
+        return out
+
+    method.record = record_then_kill
+    try:
+        with pytest.raises(ClientError, match="client 1") as info:
+            method.run(key, rounds, *data)
+        assert info.value.clients == (1,)
+        checkpoint = info.value.state
+        assert checkpoint.rounds_done == 1
+        assert info.value.result.metrics["wall_time"].shape == (1,)
+        method.record = record
+        resumed = method.run(key, rounds, *data, init_state=checkpoint)  # fresh workers
+    finally:
+        federation.close()
+    assert_same_run(resumed, local, interrupted=True)
