@@ -33,7 +33,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+import numpy as np
+
 from numpyro_fed._checks import check_positive, check_real
+from numpyro_fed.federation.decentralized import AgentProgram, neighbors
 from numpyro_fed.infer.admm.agents import AgentPotentials, disagreement, mixed, neighbor_sums
 
 __all__ = [
@@ -42,8 +45,11 @@ __all__ = [
     "SGLDState",
     "ULAState",
     "build_dsghmc_kernel",
+    "build_dsghmc_program",
     "build_dsgld_kernel",
+    "build_dsgld_program",
     "build_dula_kernel",
+    "build_dula_program",
     "init_dsghmc",
     "init_dsgld",
     "init_dula",
@@ -223,3 +229,97 @@ def build_dula_kernel(potentials: AgentPotentials, adjacency, *, alpha0: float, 
         return ULAState(x_new, k + 1), GradientInfo(disagreement(adjacency, x_new))
 
     return step
+
+
+# -- the baselines as agent programs (any network: in process or one Ray actor per agent) -----
+
+
+def _residual(x_new, inbox, mask):
+    weight = mask.astype(x_new.dtype)
+    return jnp.sqrt(jnp.sum(weight * jnp.sum((x_new[None] - inbox) ** 2, axis=1)))
+
+
+def _mixing_rows(mixing):
+    """Each agent's own weight ``S_ii`` (``(N,)``) and its neighbours' ``(N, D)``, in the
+    order of its inbox (see :func:`~numpyro_fed.federation.decentralized.neighbors`)."""
+    mixing = np.asarray(mixing)
+    index, valid = neighbors(_graph_of(jnp.asarray(mixing)))
+    rows = np.where(valid, mixing[np.arange(mixing.shape[0])[:, None], index], 0.0)
+    return np.diag(mixing).copy(), rows
+
+
+def build_dsgld_program(potentials: AgentPotentials, mixing, step_size: float) -> AgentProgram:
+    """D-SGLD, Eq. (22), as an :class:`~numpyro_fed.federation.decentralized.AgentProgram`:
+    agent ``i`` sends its iterate (``d`` floats) to its neighbours each iteration and mixes
+    what it holds with the weights of its row of ``S``; its noise comes from its own key.
+    Own state: :class:`SGLDState` (one row)."""
+    step_size = check_positive(step_size, "step_size")
+    own_weight, neighbor_weights = _mixing_rows(mixing)
+    dtype = potentials.prior_weights.dtype
+    grad = jax.grad(potentials.fn)
+    local = (potentials.data, potentials.prior_weights, jnp.asarray(own_weight, dtype),
+             jnp.asarray(neighbor_weights, dtype))
+
+    def send(local, key, own, inbox, mask):
+        block, prior_weight, self_weight, weights = local
+        w = jax.random.normal(key, own.x.shape, dtype=own.x.dtype)
+        received = self_weight * own.x + weights @ inbox
+        x_new = received - step_size * grad(own.x, block, prior_weight) + jnp.sqrt(2.0 * step_size) * w
+        return x_new, x_new
+
+    def receive(local, x_new, inbox, previous_inbox, mask):
+        return SGLDState(x_new), GradientInfo(_residual(x_new, inbox, mask))
+
+    return AgentProgram(lambda own: own.x, send, receive, local)
+
+
+def build_dsghmc_program(potentials: AgentPotentials, mixing, step_size: float, friction: float) -> AgentProgram:
+    """D-SGHMC, Eqs. (23)-(24), as an agent program (see :func:`build_dsgld_program`); own
+    state :class:`SGHMCState`."""
+    step_size = check_positive(step_size, "step_size")
+    friction = check_positive(friction, "friction")
+    own_weight, neighbor_weights = _mixing_rows(mixing)
+    dtype = potentials.prior_weights.dtype
+    grad = jax.grad(potentials.fn)
+    local = (potentials.data, potentials.prior_weights, jnp.asarray(own_weight, dtype),
+             jnp.asarray(neighbor_weights, dtype))
+
+    def send(local, key, own, inbox, mask):
+        block, prior_weight, self_weight, weights = local
+        w = jax.random.normal(key, own.x.shape, dtype=own.x.dtype)
+        v_new = (own.v - step_size * (friction * own.v + grad(own.x, block, prior_weight))
+                 + jnp.sqrt(2.0 * friction * step_size) * w)
+        x_new = self_weight * own.x + weights @ inbox + step_size * v_new
+        return SGHMCState(x_new, v_new), x_new
+
+    def receive(local, pending, inbox, previous_inbox, mask):
+        return pending, GradientInfo(_residual(pending.x, inbox, mask))
+
+    return AgentProgram(lambda own: own.x, send, receive, local)
+
+
+def build_dula_program(potentials: AgentPotentials, *, alpha0: float, zeta0: float, chi1: float, chi2: float,
+                       offset: float = 230.0) -> AgentProgram:
+    """D-ULA, Eq. (25), as an agent program (see :func:`build_dsgld_program`); own state
+    :class:`ULAState` with one iteration counter per agent."""
+    alpha0, zeta0 = check_positive(alpha0, "alpha0"), check_real(zeta0, "zeta0")
+    chi1, chi2, offset = check_real(chi1, "chi1"), check_real(chi2, "chi2"), check_positive(offset, "offset")
+    n = potentials.num_agents
+    grad = jax.grad(potentials.fn)
+    local = (potentials.data, potentials.prior_weights)
+
+    def send(local, key, own, inbox, mask):
+        block, prior_weight = local
+        x, k = own
+        degree = jnp.sum(mask, dtype=x.dtype)
+        alpha = alpha0 / (offset + k) ** chi2
+        zeta = zeta0 / (offset + k) ** chi1
+        w = jnp.sqrt(n) * jax.random.normal(key, x.shape, dtype=x.dtype)  # w ~ N(0, N I)
+        x_new = (x - zeta * (degree * x - jnp.sum(inbox, axis=0)) - alpha * n * grad(x, block, prior_weight)
+                 + jnp.sqrt(2.0 * alpha) * w)
+        return ULAState(x_new, k + 1), x_new
+
+    def receive(local, pending, inbox, previous_inbox, mask):
+        return pending, GradientInfo(_residual(pending.x, inbox, mask))
+
+    return AgentProgram(lambda own: own.x, send, receive, local)

@@ -23,12 +23,12 @@ from numpyro_fed.infer.admm.dadmms import ADMMInfo, build_program, init, quadrat
 from numpyro_fed.infer.admm.face import DecentralizedKernel
 from numpyro_fed.infer.admm.gradient import (
     GradientInfo,
-    build_dsghmc_kernel,
-    build_dsgld_kernel,
-    build_dula_kernel,
+    ULAState,
+    build_dsghmc_program,
+    build_dsgld_program,
+    build_dula_program,
     init_dsghmc,
     init_dsgld,
-    init_dula,
     largest_curvatures,
 )
 from numpyro_fed.infer.admm.topology import metropolis_weights
@@ -270,7 +270,9 @@ class DSGLD(DecentralizedKernel):
         logistic regression).
 
     Other arguments (``topology``, ``prior_weights``, ``init_scale``, ``partition``,
-    ``agent``) and the output are those of :class:`~numpyro_fed.DADMMS`.
+    ``agent``, ``federation``) and the output are those of :class:`~numpyro_fed.DADMMS`: on a
+    :class:`~numpyro_fed.RayFederation` each agent is an actor that sends its iterate to its
+    neighbors' actors directly.
 
     >>> import jax, numpyro, numpyro.distributions as dist
     >>> from numpyro.infer import MCMC
@@ -288,9 +290,9 @@ class DSGLD(DecentralizedKernel):
     info_names = GradientInfo._fields
 
     def __init__(self, model, *, topology="ring", step_size: float = 0.009, prior_weights=None,
-                 init_scale: float = 1.0, partition=None, agent: int = 0):
+                 init_scale: float = 1.0, partition=None, agent: int = 0, federation=None):
         super().__init__(model, topology=topology, prior_weights=prior_weights, init_scale=init_scale,
-                         partition=partition, agent=agent)
+                         partition=partition, agent=agent, federation=federation)
         self.step_size = check_positive(step_size, "step_size")
 
     @property
@@ -301,8 +303,8 @@ class DSGLD(DecentralizedKernel):
         # x' = x - eta f''(x) x on the consensus direction: stable for eta * curvature < 2
         _warn_unstable("DSGLD", potentials, x0, lambda c: self.step_size * c / 2.0,
                        lambda c: f"use step_size below {2.0 / c:.2g} (now {self.step_size:g}), e.g. {0.2 / c:.2g}")
-        kernel = build_dsgld_kernel(potentials, metropolis_weights(topology.adjacency), self.step_size)
-        return init_dsgld, kernel
+        program = build_dsgld_program(potentials, metropolis_weights(topology.adjacency), self.step_size)
+        return init_dsgld, program
 
 
 class DSGHMC(DecentralizedKernel):
@@ -317,9 +319,9 @@ class DSGHMC(DecentralizedKernel):
     info_names = GradientInfo._fields
 
     def __init__(self, model, *, topology="ring", step_size: float = 0.1, friction: float = 7.0,
-                 prior_weights=None, init_scale: float = 1.0, partition=None, agent: int = 0):
+                 prior_weights=None, init_scale: float = 1.0, partition=None, agent: int = 0, federation=None):
         super().__init__(model, topology=topology, prior_weights=prior_weights, init_scale=init_scale,
-                         partition=partition, agent=agent)
+                         partition=partition, agent=agent, federation=federation)
         self.step_size = check_positive(step_size, "step_size")
         self.friction = check_positive(friction, "friction")
 
@@ -335,9 +337,9 @@ class DSGHMC(DecentralizedKernel):
                        lambda c: max(eta * gamma / 2.0, eta**2 * c / max(2.0 * (2.0 - eta * gamma), 1e-300)),
                        lambda c: f"lower step_size (now {eta:g}) so that step_size * friction < 2 and "
                                  f"step_size^2 * {c:.3g} < 2 (2 - step_size * friction)")
-        kernel = build_dsghmc_kernel(potentials, metropolis_weights(topology.adjacency), self.step_size,
-                                     self.friction)
-        return init_dsghmc, kernel
+        program = build_dsghmc_program(potentials, metropolis_weights(topology.adjacency), self.step_size,
+                                       self.friction)
+        return init_dsghmc, program
 
 
 class DULA(DecentralizedKernel):
@@ -359,9 +361,9 @@ class DULA(DecentralizedKernel):
 
     def __init__(self, model, *, topology="ring", alpha0: float = 0.00082, zeta0: float = 0.48,
                  chi1: float | None = None, chi2: float = 0.05, prior_weights=None, init_scale: float = 1.0,
-                 partition=None, agent: int = 0):
+                 partition=None, agent: int = 0, federation=None):
         super().__init__(model, topology=topology, prior_weights=prior_weights, init_scale=init_scale,
-                         partition=partition, agent=agent)
+                         partition=partition, agent=agent, federation=federation)
         self.alpha0 = check_positive(alpha0, "alpha0")
         self.zeta0 = check_real(zeta0, "zeta0")
         if self.zeta0 < 0:
@@ -388,6 +390,5 @@ class DULA(DecentralizedKernel):
         _warn_unstable("DULA", potentials, x0, lambda c: first * c / 2.0,
                        lambda c: f"lower alpha0 (now {self.alpha0:g}) below "
                                  f"{2.0 / (c * topology.num_agents) * 230.0**self.chi2:.2g}")
-        kernel = build_dula_kernel(potentials, topology.adjacency, alpha0=self.alpha0, zeta0=self.zeta0,
-                                   chi1=chi1, chi2=self.chi2)
-        return init_dula, kernel
+        program = build_dula_program(potentials, alpha0=self.alpha0, zeta0=self.zeta0, chi1=chi1, chi2=self.chi2)
+        return lambda x: ULAState(x, jnp.zeros(x.shape[0], x.dtype)), program
