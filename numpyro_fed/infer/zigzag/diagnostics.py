@@ -32,6 +32,7 @@ DIAGNOSTICS = (
     "events_by_proposer",
     "grad_evals_by_proposer",
     "hit_event_cap",
+    "rounds",
 )
 #: the fields the exact trajectory moments need
 TRAJECTORY = ("elapsed", "path_integral", "path_square_integral")

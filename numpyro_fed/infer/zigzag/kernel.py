@@ -208,16 +208,20 @@ def _moved(state: ZigZagState, tau, full_covariance: bool, num: int):
 
 
 def step(config: KernelConfig, rng_key, state: ZigZagState, max_time,
-         reference: ControlVariates | None = None) -> tuple[ZigZagState, StepInfo]:
+         reference: ControlVariates | None = None, *, shift: Shift | None = None) -> tuple[ZigZagState, StepInfo]:
     """One step of the process, at most ``max_time`` long: to the earliest proposal (checked
     by its proposer, decided by the server), the end of the current line's bound, a
     redistribution of the prior, or ``max_time``, whichever comes first.
 
+    :param shift: the proposers' :class:`~numpyro_fed.infer.zigzag.control_variates.Shift`
+        as given (a client's own row, in a federation), instead of the one ``reference``
+        gives.
     :return: ``(state, info)``, a :class:`~numpyro_fed.infer.zigzag.StepInfo`.
     """
     k_clock, k_coordinate, k_coordinate_clocks, k_accept, k_redistribute = jax.random.split(rng_key, 5)
     num, d, dtype = config.proposers.num, state.x.shape[0], state.x.dtype
-    shift = shift_for(reference, state.prior_weights, num, d, dtype)
+    if shift is None:
+        shift = shift_for(reference, state.prior_weights, num, d, dtype)
     line, evaluations = current_line(config, state, shift)
     evaluations = jnp.full(num, evaluations, jnp.int32)
     if config.kind == "grid":

@@ -37,6 +37,9 @@ from numpyro_fed.infer.zigzag.preconditioning import (
 from numpyro_fed.infer.zigzag.proposers import PRIOR_MODES, proposers_from_potential
 from numpyro_fed.infer.zigzag.state import SampleInfo, ZigZagState
 from numpyro_fed.infer.zigzag.warmup import WarmupState, init_warmup, warmup_adaptation
+from numpyro_fed.federation import ClientProgram, Federation
+from numpyro_fed.infer.zigzag.federated import build_federated_kernel, federated_init
+from numpyro_fed.infer.zigzag.proposers import client_functions
 from numpyro_fed.privacy import switching_time_guarantee
 
 __all__ = ["FedZigZag", "FedZigZagState"]
@@ -183,8 +186,14 @@ class FedZigZag(FederatedMCMCKernel):
         skeleton_size: int = 0,
         full_covariance: bool = False,
         preconditioner=None,
+        federation=None,
     ):
         super().__init__(model, partition=partition, init_strategy=init_strategy)
+        if federation is not None and not isinstance(federation, Federation):
+            raise TypeError(f"federation must be a Federation (e.g. nf.RayFederation()) or None, "
+                            f"got {type(federation).__name__}")
+        self.federation = federation
+        self.message_sizes = {}
         if isinstance(preconditioner, str) and preconditioner not in ("laplace", "diagonal"):
             raise ValueError(f"preconditioner must be None, 'laplace', 'diagonal' or an array, got {preconditioner!r}")
         self.preconditioner = preconditioner
@@ -380,12 +389,30 @@ class FedZigZag(FederatedMCMCKernel):
             if self.preconditioning is not None and self.reference_point is not None:
                 point = self.preconditioning.to_u(point)
             reference = control_variate_reference(proposers, point, order=order)
-        kernel = jax.jit(build_kernel(
-            proposers, reference=reference, excess_rates=jnp.full(proposers.num, self.excess_rate),
-            redistribution_rate=self.redistribution_rate if self.prior == "redistribute" else 0.0, bounds=bounds,
-            grid_size=self.grid_size, safety_factor=self.safety_factor, max_proposals=self.max_proposals,
-            batched=vectorized, full_covariance=self.full_covariance, skeleton_size=self.skeleton_size,
-        ))
+        redistribution_rate = self.redistribution_rate if self.prior == "redistribute" else 0.0
+        federated = self.federation is not None
+        if federated:
+            self.message_sizes = {}
+            kernel, client_fn = build_federated_kernel(
+                self.federation, client_functions(potential), num_clients=potential.num_clients,
+                prior_on_server=self.prior == "server", reference=reference, excess_rate=self.excess_rate,
+                redistribution_rate=redistribution_rate, bounds=bounds, grid_size=self.grid_size,
+                safety_factor=self.safety_factor, max_proposals=self.max_proposals,
+                full_covariance=self.full_covariance, skeleton_size=self.skeleton_size,
+                preconditioner=self.preconditioning, counts=self.privacy is None, second_order=order == 2,
+                sizes=self.message_sizes,
+            )
+            if self.federation.started:
+                self.federation.close()
+            self.federation.start(ClientProgram.stacked({"propose": client_fn}, potential.client_data))
+            kernel = jax.jit(kernel)
+        else:
+            kernel = jax.jit(build_kernel(
+                proposers, reference=reference, excess_rates=jnp.full(proposers.num, self.excess_rate),
+                redistribution_rate=redistribution_rate, bounds=bounds,
+                grid_size=self.grid_size, safety_factor=self.safety_factor, max_proposals=self.max_proposals,
+                batched=vectorized, full_covariance=self.full_covariance, skeleton_size=self.skeleton_size,
+            ))
         to_x = self.preconditioning.to_x if self.preconditioning is not None else (lambda u: u)
         unravel = potential.unravel
         adapt_update = warmup_adaptation(
@@ -406,8 +433,11 @@ class FedZigZag(FederatedMCMCKernel):
 
         def init_fn(key, u):
             k_velocity, key = jax.random.split(key)
-            core = init(u, k_velocity, prior_weights, horizon=self.initial_horizon, bounds=bounds,
-                        grid_size=self.grid_size)
+            if federated:
+                core = federated_init(u, k_velocity, prior_weights, scale=self.initial_horizon)
+            else:
+                core = init(u, k_velocity, prior_weights, horizon=self.initial_horizon, bounds=bounds,
+                            grid_size=self.grid_size)
             info = SampleInfo.zeros(proposers.num, d, u.dtype, skeleton_size=self.skeleton_size,
                                     full_covariance=self.full_covariance)
             adapt = init_warmup(reference, use_cv and not recenter, u)

@@ -91,6 +91,9 @@ class SampleInfo(NamedTuple):
     :ivar num_violations: proposals whose exact rate exceeded its bound.
     :ivar events_by_proposer: ``(P,)`` accepted switches per proposer.
     :ivar grad_evals_by_proposer: ``(P,)`` gradient evaluations per proposer.
+    :ivar rounds: rounds of messages with the clients (in a federation: ``federation.map``
+        calls; each is one message to every client and one :class:`~numpyro_fed.infer.zigzag.federated.Proposal`
+        back). Zero when the server thins the proposals in this process.
     :ivar hit_event_cap: the sample stopped at ``max_proposals`` before its duration.
     :ivar elapsed: process time the sample covered.
     :ivar path_integral: ``(d,)`` integral of the piecewise-linear path ``x(t)`` (exact).
@@ -110,6 +113,7 @@ class SampleInfo(NamedTuple):
     elapsed: jax.Array
     path_integral: jax.Array
     path_square_integral: jax.Array
+    rounds: jax.Array
     skeleton_times: jax.Array
     skeleton_x: jax.Array
     skeleton_v: jax.Array
@@ -127,6 +131,7 @@ class SampleInfo(NamedTuple):
             hit_event_cap=jnp.zeros((), bool), elapsed=jnp.zeros((), dtype),
             path_integral=jnp.zeros(d, dtype),
             path_square_integral=jnp.zeros((d,) * (2 if full_covariance else 1), dtype),
+            rounds=count,
             skeleton_times=jnp.zeros(skeleton_size, dtype),
             skeleton_x=jnp.zeros((skeleton_size, d), dtype),
             skeleton_v=jnp.zeros((skeleton_size, d), dtype),

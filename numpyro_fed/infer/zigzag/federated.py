@@ -1,0 +1,426 @@
+"""Algorithm 2 as messages: each client proposes its own next switch, the server takes the
+earliest.
+
+In a round the server sends every client the current point ``(x, v)`` (and what stays fixed
+during a run: its share of the prior, its control-variate shift, its grid horizon, a search
+window); each client simulates, **on its own rows and with its own bound**, the first
+switching time of its own rate ``lambda_m`` along the line ``x + t v`` (Poisson thinning
+against its exact rate, all local) and sends back that time and the coordinate to flip
+(Algorithm 2, step 3; exactly the message Theorem 5.1 is about). The server takes the
+earliest (step 4), moves to it and flips that coordinate. One round per switch:
+
+* a proposal that is not the earliest stays valid while the line does not change (the
+  clients' processes are Poisson: given no switch before ``s``, the first one after ``s`` is
+  the first one), so the end of a sample costs no round;
+* a client that found no switch within the search window says how far it searched; when
+  that is the earliest horizon, the server moves there and asks again (exact by the strong
+  Markov property).
+
+:func:`client_proposal` is the client's function (it runs where the client's rows are:
+``vmap``-ed in this process, or in a worker); :func:`build_federated_kernel` the server's
+core, ``kernel(rng_key, state, duration, reference) -> (state, info)``, which reaches the
+clients only through ``federation.map`` and so runs unchanged on every backend.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from numpyro_fed.federation.base import tree_nbytes
+from numpyro_fed.infer.zigzag.bounds import empty_line
+from numpyro_fed.infer.zigzag.control_variates import ControlVariates, Shift, shift_for
+from numpyro_fed.infer.zigzag.kernel import accumulate, exponential, kernel_config, segment_integrals, step
+from numpyro_fed.infer.zigzag.preconditioning import precondition
+from numpyro_fed.infer.zigzag.proposers import Proposers
+from numpyro_fed.infer.zigzag.state import SampleInfo, StepInfo, ZigZagState
+
+__all__ = [
+    "ClientCounts",
+    "FederatedZigZagState",
+    "Pending",
+    "Proposal",
+    "build_federated_kernel",
+    "client_proposal",
+    "federated_init",
+]
+
+#: proposals a client makes in one round at most before it answers "none yet" (guards
+#: against a rate that explodes along the line)
+MAX_LOCAL_STEPS = 10_000
+#: the search window is this many times the recent mean time between switches, and each
+#: client's grid horizon this many: a window without a switch anywhere has probability
+#: about ``exp(-WINDOW_FACTOR)``
+WINDOW_FACTOR = 8.0
+HORIZON_FACTOR = 4.0
+
+
+class Proposal(NamedTuple):
+    """What a client sends in a round (Algorithm 2, step 3).
+
+    :ivar time: the client's first switching time from the round's start, or (when
+        ``coordinate == -1``) how far along the line it searched without one.
+    :ivar coordinate: the coordinate whose velocity flips (``int32``), ``-1``: none yet.
+    """
+
+    time: jax.Array
+    coordinate: jax.Array
+
+
+class ClientCounts(NamedTuple):
+    """Diagnostics a client adds to its reply unless a privacy guarantee is asked for (they
+    depend on its data and Theorem 5.1 does not cover them): its local proposals, gradient
+    evaluations and proposals whose exact rate exceeded the bound, in the round (``int32``)."""
+
+    proposals: jax.Array
+    grad_evals: jax.Array
+    violations: jax.Array
+
+
+class Pending(NamedTuple):
+    """The proposals of the current line, relative to the current point, ``(P,)`` each
+    (a :class:`Proposal` per proposer), and whether they are still valid."""
+
+    time: jax.Array
+    coordinate: jax.Array
+    valid: jax.Array
+
+
+class FederatedZigZagState(NamedTuple):
+    """The server's state in a federation.
+
+    :ivar x: position ``(d,)``; :ivar v: velocity ``(d,)``.
+    :ivar prior_weights: ``(P,)`` shares of the prior.
+    :ivar scale: running mean of the time between switches: it sets the search window and
+        the clients' grid horizons (only times the server received enter it).
+    :ivar pending: the :class:`Pending` proposals.
+    """
+
+    x: jax.Array
+    v: jax.Array
+    prior_weights: jax.Array
+    scale: jax.Array
+    pending: Pending
+
+
+def _single(own_grad_and_slope, prior_grad_and_slope) -> Proposers:
+    """One proposer's :class:`Proposers` (``P = 1``) from its own functions of ``(x, v)``."""
+    return Proposers(
+        term_grads_and_slopes=lambda x, v: jax.tree.map(lambda a: a[None], own_grad_and_slope(x, v)),
+        term_grads=lambda x: own_grad_and_slope(x, jnp.zeros_like(x))[0][None],
+        term_grad_of=lambda x, j: own_grad_and_slope(x, jnp.zeros_like(x))[0],
+        prior_grad_and_slope=prior_grad_and_slope,
+        num=1,
+    )
+
+
+def _own_shift(point, mean_grad, constant, linear) -> Shift | None:
+    """A client's own :class:`~numpyro_fed.infer.zigzag.control_variates.Shift`, as a
+    one-proposer reference whose arithmetic gives ``constant + linear (x - point)``."""
+    if point is None:
+        return None
+    zeros = jnp.zeros_like(point)
+    if linear is None:
+        reference = ControlVariates(point, mean_grad[None], zeros)
+        return Shift(constant[None], reference, None)
+    # one proposer: term_hessians [A], prior_hessian -A and weight 0 give A y
+    reference = ControlVariates(point, mean_grad[None], zeros, linear[None], -linear)
+    return Shift(constant[None], reference, jnp.zeros(1, point.dtype))
+
+
+def client_proposal(own_grad_and_slope, prior_grad_and_slope, x, v, window, key, horizon, weight, *,
+                    kind: str, bounds=None, excess=0.0, grid_size: int = 2, safety_factor: float = 1.0,
+                    shift: Shift | None = None, preconditioner=None, counts: bool = True):
+    """A client's (or the server's prior proposer's) round: the first switching time of its
+    own rate along ``x + t v`` within ``window``, by thinning against its exact rate.
+
+    :param own_grad_and_slope: ``(x, v) -> ((d,), (d,))`` of its own term (from its rows).
+    :param prior_grad_and_slope: the same for the prior's potential ``U_0``.
+    :param weight: its share of the prior. :param horizon: its grid horizon.
+    :return: ``(Proposal, ClientCounts)`` with ``counts``, else the :class:`Proposal`.
+    """
+    proposers = _single(own_grad_and_slope, prior_grad_and_slope)
+    if preconditioner is not None:
+        proposers = precondition(proposers, preconditioner)
+    config = kernel_config(proposers, excess_rates=jnp.reshape(excess, (1,)), bounds=kind if bounds is None else bounds,
+                           grid_size=grid_size, safety_factor=safety_factor, batched=True)
+    d, dtype = x.shape[0], x.dtype
+    if shift is None:
+        shift = shift_for(None, None, 1, d, dtype)
+    state = ZigZagState(x=x, v=v, horizon=jnp.asarray(horizon, dtype), prior_weights=jnp.reshape(weight, (1,)).astype(dtype),
+                        line=empty_line(config.kind, grid_size, 1, d, dtype))
+    zero = jnp.zeros((), jnp.int32)
+
+    def searching(carry):
+        _, _, elapsed, found, steps, _ = carry
+        return ~found & (elapsed < window) & (steps < MAX_LOCAL_STEPS)
+
+    def one_step(carry):
+        key, state, elapsed, _, steps, tally = carry
+        key, k_step = jax.random.split(key)
+        state, info = step(config, k_step, state, window - elapsed, shift=shift)
+        tally = ClientCounts(tally.proposals + info.proposed, tally.grad_evals + info.grad_evals_by_proposer[0],
+                             tally.violations + info.violated)
+        return key, state, elapsed + info.elapsed, info.accepted, steps + 1, tally
+
+    _, final, elapsed, found, _, tally = lax.while_loop(
+        searching, one_step, (key, state, jnp.zeros((), dtype), jnp.zeros((), bool), zero, ClientCounts(zero, zero, zero)))
+    coordinate = jnp.where(found, jnp.argmax(final.v != v), -1).astype(jnp.int32)
+    proposal = Proposal(elapsed, coordinate)
+    return (proposal, tally) if counts else proposal
+
+
+class _Settings(NamedTuple):
+    kind: str
+    grid_size: int
+    safety_factor: float
+    excess: float
+    counts: bool
+    second_order: bool
+    use_cv: bool
+
+
+def client_function(clients, settings: _Settings, preconditioner=None):
+    """The function every client runs in a round, ``f(block, *broadcast, *own)``, for the
+    :class:`~numpyro_fed.federation.ClientProgram` (name ``"propose"``).
+
+    Broadcast: ``x, v, window`` and, with control variates, the reference point and the mean
+    gradient there. Own: ``key, horizon, weight``, with control variates the shift's constant
+    (and linear part), with a user's bound the client's row of it (and the prior's)."""
+
+    def propose(block, x, v, window, *rest):
+        rest = list(rest)
+        point = mean_grad = None
+        if settings.use_cv:
+            point, mean_grad = rest.pop(0), rest.pop(0)
+        key, horizon, weight = rest.pop(0), rest.pop(0), rest.pop(0)
+        constant = linear = None
+        if settings.use_cv:
+            constant = rest.pop(0)
+            linear = rest.pop(0) if settings.second_order else None
+        bounds = None
+        if settings.kind in ("gradient", "hessian"):
+            row, prior = rest.pop(0), rest.pop(0)
+            bounds = (row, prior)
+        own = lambda y, u: jax.jvp(lambda z: clients.grad(z, block), (y,), (u,))  # noqa: E731
+        return _propose(own, clients.prior_grad_and_slope, settings, x, v, window, key, horizon, weight,
+                        point, mean_grad, constant, linear, bounds, preconditioner)
+
+    return propose
+
+
+def _propose(own, prior, settings, x, v, window, key, horizon, weight, point, mean_grad, constant, linear,
+             bounds, preconditioner):
+    from numpyro_fed.infer.zigzag.bounds import GradientBound, HessianBound
+
+    if bounds is not None:
+        cls = GradientBound if settings.kind == "gradient" else HessianBound
+        bounds = cls(bounds[0][None], bounds[1])
+    return client_proposal(own, prior, x, v, window, key, horizon, weight, kind=settings.kind, bounds=bounds,
+                           excess=settings.excess, grid_size=settings.grid_size,
+                           safety_factor=settings.safety_factor,
+                           shift=_own_shift(point, mean_grad, constant, linear), preconditioner=preconditioner,
+                           counts=settings.counts)
+
+
+def federated_init(x, rng_key, prior_weights, *, scale: float = 0.1, v=None) -> FederatedZigZagState:
+    """The server's state at ``x`` with a uniformly random velocity (unless ``v`` is given)
+    and no proposal yet."""
+    x = jnp.asarray(x)
+    if v is None:
+        v = jnp.where(jax.random.bernoulli(rng_key, 0.5, x.shape), 1.0, -1.0)
+    num = prior_weights.shape[0]
+    pending = Pending(jnp.zeros(num, x.dtype), jnp.full(num, -1, jnp.int32), jnp.zeros((), bool))
+    return FederatedZigZagState(x, jnp.asarray(v, x.dtype), jnp.asarray(prior_weights, x.dtype),
+                                jnp.asarray(scale, x.dtype), pending)
+
+
+class FederatedConfig(NamedTuple):
+    """The settings of :func:`build_federated_kernel` (see there)."""
+
+    federation: Any
+    clients: Any
+    settings: _Settings
+    num_clients: int
+    num: int
+    bounds: Any
+    redistribution_rate: float
+    max_proposals: int
+    full_covariance: bool
+    skeleton_size: int
+    preconditioner: Any
+    sizes: dict | None
+
+
+def _round(config: FederatedConfig, key, state: FederatedZigZagState, reference):
+    """One round: every proposer's :class:`Proposal` (and counts) from the current point."""
+    settings, m, num = config.settings, config.num_clients, config.num
+    x, v, weights = state.x, state.v, state.prior_weights
+    d, dtype = x.shape[0], x.dtype
+    keys = jax.random.split(key, num)
+    window = WINDOW_FACTOR * state.scale
+    horizons = jnp.full(num, HORIZON_FACTOR * state.scale, dtype)
+    broadcast = [x, v, window]
+    own = [keys, horizons, weights]
+    point = mean_grad = constant = linear = None
+    if settings.use_cv:
+        shift = shift_for(reference, weights, num, d, dtype)
+        point = reference.point
+        mean_grad = (reference.term_grads.sum(0) + reference.prior_grad) / num
+        broadcast += [point, mean_grad]
+        constant = shift.constant
+        own.append(constant)
+        if settings.second_order:
+            mean_h = (reference.term_hessians.sum(0) + reference.prior_hessian) / num
+            linear = reference.term_hessians + weights[:, None, None] * reference.prior_hessian - mean_h
+            own.append(linear)
+    if settings.kind in ("gradient", "hessian"):
+        own += [config.bounds.clients, jnp.broadcast_to(config.bounds.prior, (num,) + config.bounds.prior.shape)]
+    client_own = [a[:m] for a in own]
+    replies = config.federation.map("propose", *broadcast, per_client=client_own)
+    if config.sizes is not None:  # per client and round, known from the shapes at trace time
+        config.sizes.update(to_client=tree_nbytes(broadcast) + tree_nbytes([a[0] for a in client_own]),
+                            from_client=tree_nbytes(jax.tree.map(lambda a: a[0], replies)))
+    if num > m:  # the prior's own proposer, on the server: no rows, zero own term
+        zero_term = lambda y, u: (jnp.zeros_like(y), jnp.zeros_like(y))  # noqa: E731
+        own_s = [a[m] for a in own]
+        key_s, horizon_s, weight_s = own_s[:3]
+        rest = own_s[3:]
+        constant_s = rest.pop(0) if settings.use_cv else None
+        linear_s = rest.pop(0) if settings.use_cv and settings.second_order else None
+        bounds_s = (rest.pop(0), rest.pop(0)) if settings.kind in ("gradient", "hessian") else None
+        server = _propose(zero_term, config.clients.prior_grad_and_slope, settings, x, v, window, key_s, horizon_s,
+                          weight_s, point, mean_grad, constant_s, linear_s, bounds_s, config.preconditioner)
+        replies = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), replies, server)
+    return replies
+
+
+def federated_step(config: FederatedConfig, rng_key, state: FederatedZigZagState, max_time, reference=None):
+    """One step of the server: a round if the proposals are stale, then to the earliest
+    switch, the end of the searched part of the line, a redistribution of the prior, or
+    ``max_time``, whichever comes first.
+
+    :return: ``(state, info, rounds, counts)``: a
+        :class:`~numpyro_fed.infer.zigzag.StepInfo`, the rounds made (0 or 1) and the
+        clients' :class:`ClientCounts` ``(P,)`` each (zeros without counts).
+    """
+    k_round, k_redistribute = jax.random.split(rng_key)
+    num, dtype = config.num, state.x.dtype
+    zeros = jnp.zeros(num, jnp.int32)
+
+    def ask(state):
+        replies = _round(config, k_round, state, reference)
+        proposal, tally = replies if config.settings.counts else (replies, ClientCounts(zeros, zeros, zeros))
+        pending = Pending(proposal.time.astype(dtype), proposal.coordinate, jnp.ones((), bool))
+        return state._replace(pending=pending), jnp.ones((), jnp.int32), tally
+
+    def keep(state):
+        return state, jnp.zeros((), jnp.int32), ClientCounts(zeros, zeros, zeros)
+
+    state, rounds, tally = lax.cond(state.pending.valid, keep, ask, state)
+    pending = state.pending
+    found = pending.coordinate >= 0
+    limit = jnp.min(jnp.where(found, jnp.inf, pending.time))  # everyone searched this far
+    event_times = jnp.where(found, pending.time, jnp.inf)
+    winner = jnp.argmin(event_times)
+    event = event_times[winner]
+    stop = jnp.minimum(max_time, limit)
+    if config.redistribution_rate > 0:
+        k_clock, k_weights = jax.random.split(k_redistribute)
+        tau_redistribute = exponential(k_clock, (), dtype) / config.redistribution_rate
+    else:
+        tau_redistribute = jnp.asarray(jnp.inf, dtype)
+    switch = (event <= stop) & (event <= tau_redistribute)
+    redistribute = ~switch & (tau_redistribute < stop)
+    tau = jnp.where(switch, event, jnp.where(redistribute, tau_redistribute, stop))
+    path, square = segment_integrals(state.x, state.v, tau, config.full_covariance)
+    x = state.x + tau * state.v
+    coordinate = jnp.maximum(pending.coordinate[winner], 0)
+    v = jnp.where(switch, state.v.at[coordinate].multiply(-1.0), state.v)
+    weights = state.prior_weights
+    if config.redistribution_rate > 0:
+        weights = jnp.where(redistribute, jax.random.dirichlet(k_weights, jnp.ones(num, dtype)), weights)
+    exhausted = ~switch & ~redistribute & (stop >= limit)
+    valid = ~switch & ~redistribute & ~exhausted
+    moved = Pending(pending.time - tau, pending.coordinate, valid)
+    # the running time between switches: only times the server received
+    scale = jnp.where(switch, 0.95 * state.scale + 0.05 * event,
+                      jnp.where(exhausted & (limit >= WINDOW_FACTOR * state.scale * 0.999), 2.0 * state.scale,
+                                state.scale))
+    one_hot = zeros.at[winner].set(1)
+    info = StepInfo(
+        elapsed=tau, proposed=switch, accepted=switch, violated=jnp.zeros((), bool),
+        events_by_proposer=one_hot * switch, grad_evals_by_proposer=tally.grad_evals,
+        path_integral=path, path_square_integral=square,
+    )
+    return FederatedZigZagState(x, v, weights, scale, moved), info, rounds, tally
+
+
+def federated_advance(config: FederatedConfig, rng_key, state: FederatedZigZagState, duration, reference=None, *,
+                      default_reference=None):
+    """Runs the server for ``duration`` of process time (at most ``config.max_proposals``
+    rounds): ``(state, info)``, a :class:`~numpyro_fed.infer.zigzag.SampleInfo` whose
+    ``num_proposals`` counts the clients' local proposals and ``rounds`` the rounds."""
+    reference = default_reference if reference is None else reference
+    num, d, dtype = config.num, state.x.shape[0], state.x.dtype
+    empty = SampleInfo.zeros(num, d, dtype, skeleton_size=config.skeleton_size,
+                             full_covariance=config.full_covariance)
+
+    def not_done(carry):
+        _, _, total, remaining, rounds = carry
+        return (remaining > 0) & (rounds < config.max_proposals)
+
+    def one_step(carry):
+        key, state, total, remaining, rounds = carry
+        key, k_step = jax.random.split(key)
+        state, info, made, tally = federated_step(config, k_step, state, remaining, reference)
+        view = ZigZagState(state.x, state.v, state.scale, state.prior_weights, None)
+        total = accumulate(total, view, info)
+        total = total._replace(
+            num_proposals=(total.num_proposals - info.proposed + tally.proposals.sum()).astype(jnp.int32),
+            num_violations=(total.num_violations + tally.violations.sum()).astype(jnp.int32),
+                               rounds=total.rounds + made)
+        return key, state, total, remaining - info.elapsed, rounds + made
+
+    _, state, total, remaining, _ = lax.while_loop(
+        not_done, one_step, (rng_key, state, empty, jnp.asarray(duration, dtype), jnp.zeros((), jnp.int32)))
+    return state, total._replace(hit_event_cap=remaining > 0)
+
+
+def build_federated_kernel(federation, clients, *, num_clients: int, prior_on_server: bool,
+                           reference: ControlVariates | None = None, excess_rate: float = 0.0,
+                           redistribution_rate: float = 0.0, bounds="grid", grid_size: int = 2,
+                           safety_factor: float = 1.0, max_proposals: int = 1_000_000,
+                           full_covariance: bool = False, skeleton_size: int = 0, preconditioner=None,
+                           counts: bool = True, second_order: bool = False, sizes: dict | None = None):
+    """``(kernel, client_fn)``: the server's ``kernel(rng_key, state, duration, reference=None)
+    -> (state, info)`` (a :class:`FederatedZigZagState` and a
+    :class:`~numpyro_fed.infer.zigzag.SampleInfo`), reaching the clients only through
+    ``federation.map("propose", ...)``, and the clients' function for that call.
+
+    :param clients: the :class:`~numpyro_fed.infer.zigzag.ClientFunctions`.
+    :param dict sizes: filled when the kernel is traced with the bytes of one round's message
+        to a client (``"to_client"``) and of its reply (``"from_client"``).
+    :param bool counts: clients add their :class:`ClientCounts` to each reply (diagnostics;
+        off under a privacy guarantee). Other settings as in
+        :func:`~numpyro_fed.infer.zigzag.build_kernel`; ``max_proposals`` bounds the rounds
+        per call.
+    """
+    from numpyro_fed.infer.zigzag.bounds import bound_kind
+
+    kind = bound_kind(bounds)
+    settings = _Settings(kind, int(grid_size), float(safety_factor), float(excess_rate), bool(counts),
+                         bool(second_order), reference is not None)
+    config = FederatedConfig(
+        federation=federation, clients=clients, settings=settings, num_clients=int(num_clients),
+        num=int(num_clients) + bool(prior_on_server), bounds=None if isinstance(bounds, str) else bounds,
+        redistribution_rate=float(redistribution_rate), max_proposals=int(max_proposals),
+        full_covariance=bool(full_covariance), skeleton_size=int(skeleton_size), preconditioner=preconditioner,
+        sizes=sizes,
+    )
+    return (partial(federated_advance, config, default_reference=reference),
+            client_function(clients, settings, preconditioner))
