@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import NamedTuple
 
 import numpy as np
@@ -37,12 +38,22 @@ from numpyro_fed.infer.zigzag.preconditioning import (
 from numpyro_fed.infer.zigzag.proposers import PRIOR_MODES, proposers_from_potential
 from numpyro_fed.infer.zigzag.state import SampleInfo, ZigZagState
 from numpyro_fed.infer.zigzag.warmup import WarmupState, init_warmup, warmup_adaptation
-from numpyro_fed.federation import ClientProgram, Federation
+from numpyro_fed.federation import ClientProgram, Federation, InProcess
 from numpyro_fed.infer.zigzag.federated import build_federated_kernel, federated_init
 from numpyro_fed.infer.zigzag.proposers import client_functions
 from numpyro_fed.privacy import switching_time_guarantee
 
 __all__ = ["FedZigZag", "FedZigZagState"]
+
+
+def _program_key(*parts):
+    """A digest of what the clients' program depends on (their rows and its settings)."""
+    digest = hashlib.sha256()
+    for leaf in jax.tree.leaves(parts):
+        array = np.asarray(leaf)
+        digest.update(repr((array.shape, array.dtype.str)).encode())
+        digest.update(array.tobytes() if array.dtype != object else repr(leaf).encode())
+    return digest.hexdigest()
 
 
 class FedZigZagState(NamedTuple):
@@ -194,6 +205,11 @@ class FedZigZag(FederatedMCMCKernel):
                             f"got {type(federation).__name__}")
         self.federation = federation
         self.message_sizes = {}
+        #: with an engine backend: the state after the last completed draw and every completed
+        #: draw's ``z``, kept on the host (a worker can fail mid-run; see the user guide)
+        self.last_completed_state = None
+        self.completed_draws = []
+        self._program_key = None
         if isinstance(preconditioner, str) and preconditioner not in ("laplace", "diagonal"):
             raise ValueError(f"preconditioner must be None, 'laplace', 'diagonal' or an array, got {preconditioner!r}")
         self.preconditioner = preconditioner
@@ -299,8 +315,52 @@ class FedZigZag(FederatedMCMCKernel):
     def sample_stats(self, extra_fields):
         """Diagnostics by name from ``MCMC.get_extra_fields(group_by_chain=True)``:
         ``{name: (array, dims)}``; per-client counts get a ``client`` dim, the prior's
-        proposer (when it is the server's) its own entries."""
-        return per_client_stats(extra_fields, self.federated_potential.num_clients, self.prior == "server")
+        proposer (when it is the server's) its own entries. With a ``federation``, the message
+        ledger of every draw: ``messages_to_client``, ``bytes_to_client``,
+        ``messages_from_client``, ``bytes_from_client`` (``client`` dim; see
+        :meth:`message_ledger`)."""
+        stats = per_client_stats(extra_fields, self.federated_potential.num_clients, self.prior == "server")
+        if self.federation is not None and "info.rounds" in extra_fields:
+            stats.update({name: (value, ["client"]) for name, value in
+                          self._ledger_of(np.asarray(jax.device_get(extra_fields["info.rounds"]))).items()})
+        return stats
+
+    def _ledger_of(self, rounds):
+        num_clients = self.federated_potential.num_clients
+        messages = np.repeat(rounds[..., None].astype(np.int64), num_clients, axis=-1)
+        return {
+            "messages_to_client": messages,
+            "bytes_to_client": messages * self.message_sizes["to_client"],
+            "messages_from_client": messages,
+            "bytes_from_client": messages * self.message_sizes["from_client"],
+        }
+
+    def message_ledger(self, mcmc) -> dict:
+        """What crossed the wire in ``mcmc``'s recorded draws, per client: ``{name: (M,)
+        int array}`` with the names of :meth:`MessageLedger.summary
+        <numpyro_fed.federation.MessageLedger.summary>` (``messages_to_client``,
+        ``bytes_to_client``, ``messages_from_client``, ``bytes_from_client``, ``rounds``).
+
+        In a round the server sends every client the current point and its settings, and
+        every client answers with one :class:`~numpyro_fed.infer.zigzag.federated.Proposal`
+        (its first switching time and coordinate; plus its
+        :class:`~numpyro_fed.infer.zigzag.federated.ClientCounts` when no privacy guarantee is
+        asked for). The draws of the warmup are included when ``mcmc`` recorded them
+        (``collect_warmup=True``)."""
+        if self.federation is None:
+            raise ValueError("message_ledger: this FedZigZag has no federation (federation=None: "
+                             "the clients are vectorized in this process and send no messages)")
+        rounds = np.asarray(jax.device_get(mcmc.get_extra_fields()["info.rounds"]))
+        ledger = {name: value.reshape(-1, value.shape[-1]).sum(0) for name, value in self._ledger_of(rounds).items()}
+        ledger["rounds"] = ledger["messages_from_client"].copy()
+        return ledger
+
+    def _keep_completed(self, state):
+        """Host side: keeps the state after a completed draw (and its draw)."""
+        state = jax.tree.map(np.asarray, state)  # a leading chain axis under vectorized chains
+        self.last_completed_state = state
+        self.completed_draws.append(state.z)
+        return np.zeros(np.shape(state.i), np.int32)
 
     def get_diagnostics_str(self, state):
         return "{} events, {} proposals".format(int(state.info.num_events), int(state.info.num_proposals))
@@ -402,9 +462,15 @@ class FedZigZag(FederatedMCMCKernel):
                 preconditioner=self.preconditioning, counts=self.privacy is None, second_order=order == 2,
                 sizes=self.message_sizes,
             )
-            if self.federation.started:
-                self.federation.close()
-            self.federation.start(ClientProgram.stacked({"propose": client_fn}, potential.client_data))
+            # the workers keep their program (and what they compiled) while it does not change
+            program_key = _program_key(potential.client_data, self.privacy is None, reference is not None, order,
+                                       bounds, self.preconditioning, self.excess_rate, self.grid_size,
+                                       self.safety_factor)
+            if not (self.federation.started and program_key == self._program_key):
+                if self.federation.started:
+                    self.federation.close()
+                self.federation.start(ClientProgram.stacked({"propose": client_fn}, potential.client_data))
+            self._program_key = program_key
             kernel = jax.jit(kernel)
         else:
             kernel = jax.jit(build_kernel(
@@ -413,6 +479,10 @@ class FedZigZag(FederatedMCMCKernel):
                 grid_size=self.grid_size, safety_factor=self.safety_factor, max_proposals=self.max_proposals,
                 batched=vectorized, full_covariance=self.full_covariance, skeleton_size=self.skeleton_size,
             ))
+        # on an engine a worker can fail mid-run: keep every completed draw on the host
+        keep_on_host = federated and not isinstance(self.federation, InProcess)
+        self.last_completed_state = None
+        self.completed_draws = []
         to_x = self.preconditioning.to_x if self.preconditioning is not None else (lambda u: u)
         unravel = potential.unravel
         adapt_update = warmup_adaptation(
@@ -429,7 +499,12 @@ class FedZigZag(FederatedMCMCKernel):
             core, info = kernel(k_sample, state.core, duration, control)
             info = info._replace(hit_event_cap=info.hit_event_cap | adapt.stalled)
             adapt = adapt_update(adapt, core, info, state.i)
-            return FedZigZagState(state.i + 1, unravel(to_x(core.x)), core, info, key, adapt)
+            new = FedZigZagState(state.i + 1, unravel(to_x(core.x)), core, info, key, adapt)
+            if keep_on_host:  # the draw is complete: the host keeps it (a worker may fail next)
+                done = jax.pure_callback(self._keep_completed, jax.ShapeDtypeStruct((), jnp.int32), new,
+                                         vmap_method="expand_dims")
+                new = new._replace(i=new.i + done)
+            return new
 
         def init_fn(key, u):
             k_velocity, key = jax.random.split(key)
