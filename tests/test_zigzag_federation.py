@@ -131,8 +131,9 @@ def test_killed_worker_names_the_client_and_the_run_resumes(ray_federation, ray_
     state = kernel.last_completed_state
     assert state is not None and int(state.i) > 10 and len(kernel.completed_draws) == int(state.i)
     # resume: new workers for the same program, then from the last completed draw
+    program = ray_federation.program
     ray_federation.close()
-    ray_federation.start(ray_federation.program)
+    ray_federation.start(program)
     ray_federation.timeout = 120.0
     resumed = MCMC(kernel, num_warmup=0, num_samples=30, progress_bar=False)
     resumed.post_warmup_state = state

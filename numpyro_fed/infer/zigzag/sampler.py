@@ -38,7 +38,7 @@ from numpyro_fed.infer.zigzag.preconditioning import (
 from numpyro_fed.infer.zigzag.proposers import PRIOR_MODES, proposers_from_potential
 from numpyro_fed.infer.zigzag.state import SampleInfo, ZigZagState
 from numpyro_fed.infer.zigzag.warmup import WarmupState, init_warmup, warmup_adaptation
-from numpyro_fed.federation import ClientProgram, Federation, InProcess
+from numpyro_fed.federation import Federation, InProcess
 from numpyro_fed.infer.zigzag.federated import build_federated_kernel, federated_init
 from numpyro_fed.infer.zigzag.proposers import client_functions
 from numpyro_fed.privacy import switching_time_guarantee
@@ -467,9 +467,7 @@ class FedZigZag(FederatedMCMCKernel):
                                        bounds, self.preconditioning, self.excess_rate, self.grid_size,
                                        self.safety_factor)
             if not (self.federation.started and program_key == self._program_key):
-                if self.federation.started:
-                    self.federation.close()
-                self.federation.start(ClientProgram.stacked({"propose": client_fn}, potential.client_data))
+                self.federation.start(potential.client_program({"propose": client_fn}))
             self._program_key = program_key
             kernel = jax.jit(kernel)
         else:
