@@ -11,6 +11,10 @@ The package in the order data flows through it:
 * :mod:`~numpyro_fed.infer.zigzag.kernel`: the core, :func:`init`, :func:`step` (one
   proposal, thinned by the server) and :func:`advance` / :func:`build_kernel` (a duration of
   process time), pure ``(rng_key, state, ...) -> (state, info)`` functions;
+* :mod:`~numpyro_fed.infer.zigzag.federated`: the same process through a
+  :class:`~numpyro_fed.federation.Federation`: Algorithm 2 as messages, each client finding
+  its own next switching time on its own rows (:func:`client_proposal`), the server taking
+  the earliest (:func:`build_federated_kernel`);
 * :mod:`~numpyro_fed.infer.zigzag.mode`, :mod:`~numpyro_fed.infer.zigzag.preconditioning`,
   :mod:`~numpyro_fed.infer.zigzag.warmup`: what the face sets up and adapts;
 * :mod:`~numpyro_fed.infer.zigzag.sampler`: :class:`FedZigZag`, the NumPyro ``MCMCKernel``;
@@ -25,6 +29,15 @@ from numpyro_fed.infer.zigzag.bounds import (
     segment_bounds,
 )
 from numpyro_fed.infer.zigzag.control_variates import ControlVariates, control_variate_reference
+from numpyro_fed.infer.zigzag.federated import (
+    ClientCounts,
+    FederatedZigZagState,
+    Pending,
+    Proposal,
+    build_federated_kernel,
+    client_proposal,
+    federated_init,
+)
 from numpyro_fed.infer.zigzag.kernel import advance, build_kernel, init, kernel_config, step
 from numpyro_fed.infer.zigzag.mode import ModeSearch, find_mode
 from numpyro_fed.infer.zigzag.preconditioning import Preconditioner, precondition
@@ -41,16 +54,20 @@ from numpyro_fed.infer.zigzag.state import KernelConfig, LineBound, SampleInfo, 
 from numpyro_fed.infer.zigzag.warmup import WarmupState
 
 __all__ = [
+    "ClientCounts",
     "ClientFunctions",
     "ControlVariates",
     "FedZigZag",
     "FedZigZagState",
+    "FederatedZigZagState",
     "GradientBound",
     "HessianBound",
     "KernelConfig",
     "LineBound",
     "ModeSearch",
+    "Pending",
     "Preconditioner",
+    "Proposal",
     "Proposers",
     "SampleInfo",
     "StepInfo",
@@ -59,9 +76,12 @@ __all__ = [
     "advance",
     "affine_first_arrival",
     "bound_kind",
+    "build_federated_kernel",
     "build_kernel",
     "client_functions",
+    "client_proposal",
     "control_variate_reference",
+    "federated_init",
     "find_mode",
     "in_process_proposers",
     "init",

@@ -145,6 +145,21 @@ class FedZigZag(FederatedMCMCKernel):
         precedence; with ``num_chains > 1`` and ``chain_method="vectorized"`` the chains
         run under one ``vmap`` and share the mode, the preconditioner and the split.
 
+    :param federation: ``None`` (default): every client in this process, vectorized, and the
+        server thins the proposals with the clients' bounds: the fastest choice in one
+        process. Or a :class:`~numpyro_fed.federation.Federation`
+        (:class:`~numpyro_fed.federation.InProcess`, :class:`~numpyro_fed.RayFederation`):
+        Algorithm 2 as messages (:mod:`~numpyro_fed.infer.zigzag.federated`): in each round
+        every client finds its own next switching time on its own rows (thinning against its
+        exact rate, locally) and sends that time and the coordinate; the server takes the
+        earliest. One round per switch; the same posterior as ``None``, and the same draws
+        bit for bit on every backend for the same key. Each draw's message ledger is in
+        ``sample_stats`` and :meth:`message_ledger`; on an engine backend the draws are kept
+        on the host as they complete (:attr:`last_completed_state`, :attr:`completed_draws`)
+        so that a run stopped by a :class:`~numpyro_fed.federation.ClientError` can resume.
+        Run ``MCMC.run`` under ``with federation.guard():`` to get that error as itself. See
+        the user guide, "Run across machines".
+
     A sample that makes ``max_proposals`` proposals (at least 50) without one switch stops
     its chain: the remaining draws repeat its last position, are marked ``hit_event_cap``,
     and a warning names the remedies. After ``init``, :attr:`mode_search` (a
@@ -170,6 +185,19 @@ class FedZigZag(FederatedMCMCKernel):
     >>> mcmc.run(jax.random.PRNGKey(1), y)
     >>> abs(float(mcmc.get_samples()["mu"].mean() - y.sum() / (100 + 0.01))) < 0.05
     True
+
+    The same through a federation (here in process; ``nf.RayFederation()`` for workers):
+    one round of messages per switch.
+
+    >>> from numpyro_fed.federation import InProcess
+    >>> sampler = nf.FedZigZag(model, sample_interval=0.2, federation=InProcess())
+    >>> mcmc = MCMC(sampler, num_warmup=50, num_samples=200, progress_bar=False)
+    >>> mcmc.run(jax.random.PRNGKey(1), y)
+    >>> fields = mcmc.get_extra_fields()
+    >>> bool(fields["info.rounds"].sum() >= fields["info.num_events"].sum())
+    True
+    >>> sampler.message_ledger(mcmc)["bytes_from_client"].shape  # one entry per client
+    (4,)
     """
 
     #: the counts of :class:`~numpyro_fed.infer.zigzag.SampleInfo` reported in ``sample_stats``
