@@ -158,3 +158,28 @@ def test_a_killed_agent_stops_the_run_naming_it_and_the_run_resumes(ray_session)
     np.testing.assert_allclose(np.asarray(draws["mu"]), expected[:, :done], rtol=1e-9, atol=1e-12)
     np.testing.assert_allclose(np.asarray(nf.DADMMS.agent_draws(mcmc, group_by_chain=True)["mu"]),
                                expected[:, done:], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("build", ["dadmms_newton", "dadmms_quadratic", "dsgld"])
+def test_what_an_agent_receives_holds_its_own_rows_only(build):
+    # what RayNetwork sends actor m: the program's functions and agent m's slice of its data
+    import cloudpickle
+
+    from numpyro_fed.infer import admm
+
+    potentials = admm.agent_potentials(nf.split_potential(gaussian_model, (Y,)))
+    topology = admm.make_topology("ring", 3)
+    if build == "dsgld":
+        program = admm.build_dsgld_program(potentials, admm.metropolis_weights(topology), 0.01)
+    else:
+        quadratic = admm.quadratic_potentials(potentials, jnp.zeros(2)) if build == "dadmms_quadratic" else None
+        program = admm.build_program(potentials, topology.degrees, 5.0, quadratic=quadratic)
+    rows = np.asarray(Y).reshape(3, 10, 2)
+    for m in range(3):
+        sent = cloudpickle.dumps(program._replace(local=jax.tree.map(lambda a: np.asarray(a[m]), program.local)))
+        for k in range(3):
+            held = [rows[k, r].tobytes() in sent for r in range(10)]
+            if k == m and build != "dadmms_quadratic":  # the closed form holds factors, not rows
+                assert all(held)
+            elif k != m:
+                assert not any(held), (m, k)

@@ -90,9 +90,11 @@ def agent_potentials(potential, prior_weights=None) -> AgentPotentials:
             raise ValueError(f"prior_weights must be non-negative and sum to one, got {weights.tolist()}")
 
     flat = potential.flat()
+    # the functions only: a closure over `flat` would hold every client's block
+    client_potential, prior_potential = flat.client_potential, flat.prior_potential
 
     def fn(x, block, prior_weight):
-        return flat.client_potential(x, block) + prior_weight * flat.prior_potential(x)
+        return client_potential(x, block) + prior_weight * prior_potential(x)
 
     return AgentPotentials(fn, flat.client_data, jnp.asarray(weights), n, flat.num_latent)
 

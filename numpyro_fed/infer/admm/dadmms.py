@@ -272,12 +272,13 @@ def build_agent(
             return inverse @ (c * v - p - gradient_at_zero), jnp.zeros((), jnp.int32), jnp.ones((), bool)
     else:
         local = (potentials.data, potentials.prior_weights)
+        fn = potentials.fn  # the function only: a closure over `potentials` would hold every block
 
         def prox(x_start, v, p, c, local):
             tol = tolerance
             if tol is None:
                 tol = 1e-10 if x_start.dtype == jnp.float64 else 1e-5
-            solve = newton_prox(potentials.fn, tolerance=tol, max_iterations=max_iterations)
+            solve = newton_prox(fn, tolerance=tol, max_iterations=max_iterations)
             return solve(x_start, v, p, c, *local)
 
     def primal(noise, x, p, neighbor_sum, degree, local):
@@ -313,6 +314,8 @@ def build_program(
     """
     agent = build_agent(potentials, degrees, rho, noise_scale=noise_scale, quadratic=quadratic,
                         tolerance=tolerance, max_iterations=max_iterations)
+    # the functions only: `agent.local` holds every agent's data, and each agent gets its own
+    primal, dual = agent.primal, agent.dual
     rho = float(rho)
 
     def message(own):
@@ -321,14 +324,14 @@ def build_program(
     def send(local, key, own, inbox, mask):
         degree = jnp.sum(mask, dtype=own.x.dtype)
         noise = jax.random.normal(key, own.x.shape, dtype=own.x.dtype)
-        x_new, iterations, converged = agent.primal(noise, own.x, own.p, jnp.sum(inbox, axis=0), degree, local)
+        x_new, iterations, converged = primal(noise, own.x, own.p, jnp.sum(inbox, axis=0), degree, local)
         return (x_new, own, iterations, converged), x_new
 
     def receive(local, pending, inbox, previous_inbox, mask):
         x_new, own, iterations, converged = pending
         weight = mask.astype(x_new.dtype)
         degree = jnp.sum(weight)
-        p_new = agent.dual(own.p, x_new, jnp.sum(inbox, axis=0), degree)
+        p_new = dual(own.p, x_new, jnp.sum(inbox, axis=0), degree)
         # the edge averages z_ij = (x_i + x_j) / 2 move by (m_i + m_j) / 2, m the iterates' moves
         moves = (x_new - own.x)[None] + (inbox - previous_inbox)
         info = ADMMInfo(
