@@ -1,15 +1,17 @@
 """Rows of ``benchmarks/federation.py`` for the variational family: DP-PVI and DSVGD,
 in-process against Ray.
 
-For each algorithm, one run of ``ROUNDS`` rounds of a logistic regression (``ROWS`` rows
-per client, ``DIM`` features, float64) on :class:`~numpyro_fed.InProcess` and on a
-:class:`~numpyro_fed.RayFederation` with ``ctx.num_clients`` actors. A row reports the median
-milliseconds per round (rounds 2 on: the first compiles), rounds per second, bytes per round
-from the run's message ledger (both directions, all clients; the part that is client state the
-server stores for the clients in ``state_bytes_per_round``), the run's wall time including the
-start of the clients (``wall_s``), and on Ray the ratio of a round to Ray's bare round trip
-(``x_bare``) and to the in-process round (``x_in_process``). On Ray, the first round also
-includes the workers' compilation. The ledgers of both runs are checked equal.
+For each algorithm, one run of a logistic regression (``ROWS`` rows per client, ``DIM``
+features, float64) on :class:`~numpyro_fed.InProcess` and on a
+:class:`~numpyro_fed.RayFederation` with ``ctx.num_clients`` actors: warm-up rounds until
+every client has been called once (compilation, on each worker at its first call), then
+``TIMED`` rounds. A row reports the median milliseconds per timed round, rounds per second,
+bytes per round from the run's message ledger (both directions, all clients), split into the
+paper's messages (``message_bytes_per_round``), client state the server stores for the
+clients and sends with the call (``state_bytes_per_round``) and the loss diagnostic
+(``diagnostic_bytes_per_round``), the run's wall time including the start of the clients
+(``wall_s``), and on Ray the ratio of a round to Ray's bare round trip (``x_bare``) and to the
+in-process round (``x_in_process``). The ledgers of both runs are checked equal.
 
 Run through ``python benchmarks/federation.py --families variational``.
 """
@@ -30,7 +32,7 @@ import numpyro.distributions as dist
 import numpyro_fed as nf
 
 FAMILY = "variational"
-ROWS, DIM, ROUNDS = 500, 5, 6
+ROWS, DIM, TIMED = 500, 5, 6  # rows per client, features, rounds timed
 
 
 def _data(num_clients):
@@ -50,31 +52,36 @@ def _model(num_clients):
     return model
 
 
-def _methods(model):
+def _methods(model, num_clients):
+    """name -> (make(federation), warm-up rounds): the rounds until every client has been
+    called once (on Ray each worker compiles its function at its first call)."""
     return {
-        "DPPVI synchronous, non-private (M updates of q per round)":
+        "DPPVI synchronous, non-private (M updates of q per round)": (
             lambda fed: nf.DPPVI(model, schedule="synchronous", num_local_steps=50, federation=fed,
-                                 progress_bar=False),
-        "DPPVI sequential, non-private (M updates of q per round)":
-            lambda fed: nf.DPPVI(model, num_local_steps=50, federation=fed, progress_bar=False),
-        "DPPVI sequential, DP-SGD (M updates of q per round)":
+                                 progress_bar=False), 1),
+        "DPPVI sequential, non-private (M updates of q per round)": (
+            lambda fed: nf.DPPVI(model, num_local_steps=50, federation=fed, progress_bar=False), 1),
+        "DPPVI sequential, DP-SGD (M updates of q per round)": (
             lambda fed: nf.DPPVI(model, dp="dpsgd", noise_multiplier=1.0, sampling="poisson", sampling_rate=0.1,
-                                 clip_norm=2.0, num_local_steps=50, federation=fed, progress_bar=False),
-        "DSVGD (one scheduled client per round)":
+                                 clip_norm=2.0, num_local_steps=50, federation=fed, progress_bar=False), 1),
+        "DSVGD (one scheduled client per round)": (
             lambda fed: nf.DSVGD(model, num_particles=20, num_local_steps=50, num_distill_steps=50,
-                                 federation=fed, progress_bar=False),
+                                 federation=fed, progress_bar=False), num_clients),
     }
 
 
-def _row(what, backend, result, wall_s):
-    per_round = np.diff(result.metrics["wall_time"])[1:] * 1e3  # rounds 2.. (round 1 compiles)
+def _row(what, backend, result, wall_s, warm):
+    per_round = np.diff(result.metrics["wall_time"])[warm - 1:] * 1e3  # after the warm-up rounds
     ledger = result.ledger
+    rounds = len(result.metrics["wall_time"])
     total = sum(int(np.sum(ledger[k])) for k in ("bytes_to_client", "bytes_from_client"))
+    update = sum(int(np.sum(ledger[f"update/bytes_{d}"])) for d in ("to_client", "from_client"))
     state = sum(int(np.sum(v)) for k, v in ledger.items() if "/state_bytes_" in k)
     return dict(what=what, backend=backend, ms_per_round=float(np.median(per_round)),
                 ms_p10=float(np.percentile(per_round, 10)), ms_p90=float(np.percentile(per_round, 90)),
-                rounds_per_s=float(1e3 / np.median(per_round)), bytes_per_round=total // ROUNDS,
-                state_bytes_per_round=state // ROUNDS, wall_s=round(wall_s, 2))
+                rounds_per_s=float(1e3 / np.median(per_round)), bytes_per_round=total // rounds,
+                message_bytes_per_round=(update - state) // rounds, state_bytes_per_round=state // rounds,
+                diagnostic_bytes_per_round=(total - update) // rounds, wall_s=round(wall_s, 2))
 
 
 def rows(ctx):
@@ -84,19 +91,20 @@ def rows(ctx):
     key = jax.random.PRNGKey(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # short runs: convergence warnings
-        for what, make in _methods(model).items():
+        for what, (make, warm) in _methods(model, ctx.num_clients).items():
+            rounds = warm + TIMED
             start = time.perf_counter()
-            local = make(None).run(key, ROUNDS, X, y)
-            local_row = _row(what, "in-process", local, time.perf_counter() - start)
+            local = make(None).run(key, rounds, X, y)
+            local_row = _row(what, "in-process", local, time.perf_counter() - start, warm)
             out.append(local_row)
             federation = ctx.ray()
             try:
                 start = time.perf_counter()
-                on_ray = make(federation).run(key, ROUNDS, X, y)
+                on_ray = make(federation).run(key, rounds, X, y)
                 wall = time.perf_counter() - start
             finally:
                 federation.close()
-            row = _row(what, "ray", on_ray, wall)
+            row = _row(what, "ray", on_ray, wall, warm)
             row["x_bare"] = round(row["ms_per_round"] / ctx.bare_ms, 2) if ctx.bare_ms == ctx.bare_ms else None
             row["x_in_process"] = round(row["ms_per_round"] / local_row["ms_per_round"], 2)
             row["ledgers_equal"] = all(np.array_equal(on_ray.ledger[k], v) for k, v in local.ledger.items())
