@@ -376,6 +376,33 @@ def test_deployment_refuses_what_it_cannot_split(tmp_path):
         nf.split_potential(logistic, pooled_rows(), loader=loader, num_clients=3)
 
 
+def test_a_federation_given_a_loader_gives_the_algorithms_their_rows(tmp_path):
+    from numpyro_fed.infer.base import build_potential
+
+    loader = save_per_client(tmp_path)
+    with pytest.raises(ValueError, match="together"):
+        InProcess(loader=loader)
+    with pytest.raises(TypeError, match="loader must be a function"):
+        InProcess(loader=[1, 2], num_clients=2)
+    fed = InProcess(loader=loader, num_clients=3)
+    assert fed.deployed and not InProcess().deployed
+    assert "num_clients=3" in repr(fed) and "loader=" in repr(fed)
+    with pytest.raises(ValueError, match="without data arguments"):
+        build_potential(logistic, pooled_rows(), federation=fed)
+    deployed = build_potential(logistic, federation=fed)
+    assert deployed.deployed and deployed.client_sizes.tolist() == COUNTS
+    # an algorithm's own layout of a block, built where the client lives
+    program = deployed.client_program({"n": lambda block: block["valid"].sum()},
+                                      transform=lambda block: {"valid": block["valid"]["data"]})
+    assert program.blocks is None
+    fed.start(program)
+    assert jax.jit(lambda f: f.map("n"))(fed).tolist() == COUNTS
+    X, y = pooled_rows()
+    simulated = nf.split_potential(logistic, (X, y), {"clients": OWNER})
+    blocks = simulated.client_program({}, transform=lambda block: block["valid"]["data"]).blocks
+    assert [int(b.sum()) for b in blocks] == COUNTS
+
+
 def test_deployment_on_ray_the_driver_never_holds_rows(ray_federation, tmp_path):
     X, y = pooled_rows()
     simulated = nf.split_potential(logistic, (X, y), {"clients": OWNER})

@@ -175,11 +175,40 @@ class Federation(abc.ABC):
 
     Backends: :class:`~numpyro_fed.federation.InProcess` (the default: clients vectorised in
     this process) and :class:`~numpyro_fed.federation.RayFederation` (one actor per client).
+
+    **Where the rows come from.** By default (simulation) an algorithm cuts the data it is
+    run on and sends each client its own block. Given ``loader`` and ``num_clients``
+    (deployment), the federation's clients load their own rows: ``loader(m)`` runs where
+    client ``m`` lives (on its worker with ``RayFederation``) and returns client ``m``'s model
+    arguments (a tuple of positional arguments or a dict of keyword arguments, rows first);
+    the algorithms are then run without data arguments and the driver never holds a row (see
+    :func:`~numpyro_fed.split_potential`).
+
+    :param loader: deployment: ``m -> client m's model arguments``, run on client ``m``
+        (picklable for engine backends: a module-level function, or one defined in the
+        driver's script on a local Ray).
+    :param int num_clients: ``M``, with ``loader``.
     """
 
-    def __init__(self):
+    def __init__(self, *, loader: Callable[[int], Any] | None = None, num_clients: int | None = None):
         self._program: ClientProgram | None = None
         self._ledger: MessageLedger | None = None
+        if loader is not None and not callable(loader):
+            raise TypeError(f"loader must be a function m -> client m's model arguments, got {type(loader).__name__}")
+        if (loader is None) != (num_clients is None):
+            raise ValueError("give loader= and num_clients= together (deployment), or neither (simulation)")
+        if num_clients is not None and int(num_clients) < 1:
+            raise ValueError(f"num_clients must be >= 1, not {num_clients}")
+        #: deployment: ``m -> client m's model arguments``, run on client ``m`` (else ``None``)
+        self.loader = loader
+        #: deployment: the number of clients that load their rows (else ``None``)
+        self.loader_num_clients = None if num_clients is None else int(num_clients)
+
+    @property
+    def deployed(self) -> bool:
+        """Whether the clients load their own rows (``loader`` given): algorithms then run
+        without data arguments."""
+        return self.loader is not None
 
     # -- host side -------------------------------------------------------------------------
     @abc.abstractmethod
@@ -281,4 +310,10 @@ class Federation(abc.ABC):
 
     def __repr__(self) -> str:
         state = f"num_clients={self.num_clients}" if self.started else "not started"
-        return f"{type(self).__name__}({state})"
+        return f"{type(self).__name__}({state}{self._loader_repr()})"
+
+    def _loader_repr(self) -> str:
+        if not self.deployed:
+            return ""
+        name = getattr(self.loader, "__name__", type(self.loader).__name__)
+        return f", loader={name}, num_clients={self.loader_num_clients}"

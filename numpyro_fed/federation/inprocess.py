@@ -51,19 +51,20 @@ class InProcess(Federation):
     [8, 8, 8]
     """
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, *, loader=None, num_clients=None):
+        super().__init__(loader=loader, num_clients=num_clients)
         self._shared: _Shared | None = None
         self._blocks = None
 
     # -- pytree ----------------------------------------------------------------------------
     def tree_flatten(self):
-        return (self._blocks,), self._shared
+        return (self._blocks,), (self._shared, self.loader, self.loader_num_clients)
 
     @classmethod
-    def tree_unflatten(cls, shared, children):
+    def tree_unflatten(cls, aux, children):
+        shared, loader, num_clients = aux
         new = cls.__new__(cls)
-        Federation.__init__(new)
+        Federation.__init__(new, loader=loader, num_clients=num_clients)
         new._shared = shared
         new._blocks = children[0]
         if shared is not None:
@@ -162,9 +163,8 @@ class InProcess(Federation):
         return out
 
     def __repr__(self) -> str:
-        if self._shared is None:
-            return "InProcess(not started)"
-        return f"InProcess(num_clients={self.num_clients})"
+        state = "not started" if self._shared is None else f"num_clients={self.num_clients}"
+        return f"InProcess({state}{self._loader_repr()})"
 
 
 def _concrete_adjacency(adjacency, num_clients):

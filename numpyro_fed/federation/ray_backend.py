@@ -220,6 +220,9 @@ class RayFederation(Federation):
         (a new process imports JAX: several seconds on a loaded machine).
     :param dict env_vars: more environment variables for the actors.
     :param dict init_kwargs: passed to ``ray.init`` when this federation starts Ray.
+    :param loader: deployment: ``m -> client m's model arguments``, run on client ``m``'s
+        actor; the driver never holds a row (see :class:`~numpyro_fed.federation.Federation`).
+    :param int num_clients: ``M``, with ``loader``.
 
     On a local Ray (``address=None``), the actors get the driver's ``sys.path`` as
     ``PYTHONPATH`` so that functions defined in the driver's modules unpickle on the workers;
@@ -236,8 +239,8 @@ class RayFederation(Federation):
 
     def __init__(self, address: str | None = None, timeout: float = 60.0, *, threads: int | None = 1,
                  actor_options=None, env_vars: dict | None = None, init_kwargs: dict | None = None,
-                 start_timeout: float = 180.0):
-        super().__init__()
+                 start_timeout: float = 180.0, loader=None, num_clients: int | None = None):
+        super().__init__(loader=loader, num_clients=num_clients)
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0, not {timeout}")
         self.address = address
@@ -649,4 +652,4 @@ class RayFederation(Federation):
     def __repr__(self) -> str:
         where = "local" if self.address is None else repr(self.address)
         state = f"num_clients={self.num_clients}" if self._program is not None else "not started"
-        return f"RayFederation({where}, {state}, timeout={self.timeout})"
+        return f"RayFederation({where}, {state}, timeout={self.timeout}{self._loader_repr()})"

@@ -67,14 +67,30 @@ def build_potential(
     rng_key=None,
     global_latents_only: str | None = None,
     advice: str = "",
+    federation=None,
 ) -> FederatedPotential:
     """:func:`~numpyro_fed.split_potential` as every algorithm's face calls it.
 
     :param global_latents_only: the method's name if it infers global latents only: then
         :func:`check_global_latents` runs (with ``advice``).
+    :param federation: the algorithm's :class:`~numpyro_fed.federation.Federation`. One with
+        a ``loader`` (deployment) gives the rows: then ``args`` and ``kwargs`` must be empty,
+        the loaders run where the clients live and the potential holds no row
+        (:attr:`FederatedPotential.deployed <numpyro_fed.FederatedPotential.deployed>`).
     """
-    potential = split_potential(model, tuple(args), dict(kwargs or {}), partition=partition,
-                                init_strategy=init_strategy, rng_key=rng_key)
+    if federation is not None and getattr(federation, "deployed", False):
+        if tuple(args) or dict(kwargs or {}):
+            raise ValueError(
+                f"{type(federation).__name__} was given loader= (deployment: each client loads its "
+                "own rows), so run the algorithm without data arguments (the model's arguments "
+                "come from the loaders)"
+            )
+        potential = split_potential(model, partition=partition, init_strategy=init_strategy,
+                                    rng_key=rng_key, loader=federation.loader,
+                                    num_clients=federation.loader_num_clients, federation=federation)
+    else:
+        potential = split_potential(model, tuple(args), dict(kwargs or {}), partition=partition,
+                                    init_strategy=init_strategy, rng_key=rng_key)
     if global_latents_only is not None:
         check_global_latents(potential, global_latents_only, advice)
     return potential
@@ -326,6 +342,7 @@ class VariationalMethod:
         self.federated_potential = build_potential(
             self.model, args, kwargs, partition=self.partition, init_strategy=self.init_strategy,
             global_latents_only=type(self).__name__ if global_latents_only else None, advice=advice,
+            federation=self.federation,
         )
         return self.federated_potential
 
@@ -410,15 +427,22 @@ class VariationalMethod:
         return {"posterior": posterior, "sample_stats": sample_stats, "coords": coords, "attrs": attrs}
 
     # -- the driver --------------------------------------------------------------------------
-    def start_clients(self, functions: dict, blocks):
-        """Starts :attr:`federation` on ``functions`` and the stacked ``blocks`` (see
-        :func:`start_federation`) for this run and returns it. In a federation already
-        started (by a previous run, possibly stopped by a fault), the workers that do not
-        answer are first replaced (its ``restart()``, where it has one)."""
+    def start_clients(self, functions: dict, blocks=None, *, transform: Callable | None = None):
+        """Starts :attr:`federation` for this run on ``functions`` and returns it. The clients'
+        blocks are :attr:`federated_potential`'s (``potential.client_program``: built on each
+        worker from its own rows in deployment), each passed through ``transform`` (a
+        picklable ``block -> block``, run where the client lives) if given; or, in simulation
+        only, the stacked ``blocks`` given here (see :func:`start_federation`). In a
+        federation already started (by a previous run, possibly stopped by a fault), the
+        workers that do not answer are first replaced (its ``restart()``, where it has one)."""
         restart = getattr(self.federation, "restart", None)
         if self.federation.started and restart is not None:
             restart()
-        self._active_federation = start_federation(self.federation, functions, blocks)
+        if blocks is not None:
+            self._active_federation = start_federation(self.federation, functions, blocks)
+        else:
+            program = self.federated_potential.client_program(functions, transform=transform)
+            self._active_federation = self.federation.start(program)
         return self._active_federation
 
     def drive(self, update: Callable, rng_key, state, num_rounds: int, *, resume=None, privacy=None,

@@ -159,7 +159,8 @@ class FederatedMCMCKernel(MCMCKernel):
             rng_key = rng_key[0]
         potential = build_potential(self._model, model_args, model_kwargs, partition=self.partition,
                                     init_strategy=self.init_strategy, rng_key=rng_key,
-                                    global_latents_only=global_latents_only, advice=advice)
+                                    global_latents_only=global_latents_only, advice=advice,
+                                    federation=getattr(self, "federation", None))
         self.federated_potential = potential
         return potential
 

@@ -228,19 +228,26 @@ class FederatedPotential:
             raise ValueError(f"client must be in [0, {self.num_clients}), not {m}")
         return jax.tree_util.tree_map(lambda a: jnp.array(a[m], copy=True), data)
 
-    def client_program(self, functions, agents=None):
+    def client_program(self, functions, agents=None, *, transform=None):
         """A :class:`~numpyro_fed.federation.ClientProgram` running ``functions`` (name ->
         ``f(block, *args)``) on every client: with each client's block (simulation) or with
         a loader that builds the block from the client's own rows on its worker
-        (deployment)."""
+        (deployment).
+
+        :param transform: an optional ``block -> block`` applied to each client's block where
+            the client lives (an algorithm's own layout of the rows, e.g. minibatch-ready
+            arrays); picklable for engine backends. The functions then receive its output.
+        """
         from numpyro_fed.federation import ClientProgram
 
         agents = dict(agents or {})
         if self.block_loader is not None:
-            return ClientProgram(functions, loader=self.block_loader, num_clients=self.num_clients,
-                                 agents=agents)
-        return ClientProgram(functions, blocks=[self.client_block(m) for m in range(self.num_clients)],
-                             agents=agents)
+            loader = self.block_loader if transform is None else _TransformedLoader(self.block_loader, transform)
+            return ClientProgram(functions, loader=loader, num_clients=self.num_clients, agents=agents)
+        blocks = [self.client_block(m) for m in range(self.num_clients)]
+        if transform is not None:
+            blocks = [transform(b) for b in blocks]
+        return ClientProgram(functions, blocks=blocks, agents=agents)
 
     # -- values ---------------------------------------------------------------------------
     def prior_potential(self, z) -> jax.Array:
@@ -745,6 +752,17 @@ class _Deployment:
             index_dtype=np.dtype(stand_in_data["index"][plate].dtype).str,
             client_dtype=np.dtype(stand_in_data["client"].dtype).str,
         )
+
+
+class _TransformedLoader:
+    """``m -> transform(loader(m))``: an algorithm's layout of a block, built on the worker."""
+
+    def __init__(self, loader, transform):
+        self.loader = loader
+        self.transform = transform
+
+    def __call__(self, m):
+        return self.transform(self.loader(m))
 
 
 class DeployedBlockLoader:
