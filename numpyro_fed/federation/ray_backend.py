@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import pickle
 import sys
 import threading
 import time
@@ -65,6 +66,7 @@ class _ClientWorker:
         self.compiled = {}
         self.inbox = defaultdict(dict)  # (tag, t) -> {sender: message}
         self.inbox_ready = threading.Condition()
+        self.busy = defaultdict(lambda: [0, 0.0])  # name -> [calls, seconds computing]
 
     def describe(self, loader):
         """Runs the user's loader here; reports shapes, dtypes and scalar settings only."""
@@ -104,8 +106,26 @@ class _ClientWorker:
 
     def call(self, name, args, in_axes):
         """``functions[name](block, *args)``, ``vmap``-ed over ``in_axes`` if not ``None``."""
-        reply = self._compiled("functions", name, in_axes)(self.block, *args)
-        return jax.tree_util.tree_map(np.asarray, reply)
+        fn = self._compiled("functions", name, in_axes)
+        start = time.perf_counter()
+        reply = jax.tree_util.tree_map(np.asarray, fn(self.block, *args))
+        busy = self.busy[name]
+        busy[0] += 1
+        busy[1] += time.perf_counter() - start
+        return reply
+
+    def call_packed(self, payload):
+        """:meth:`call` with its arguments and reply pickled into one ``bytes`` each: Ray
+        serializes every argument and return value on its own (msgpack and pickle framing
+        each time), which costs more than a small call's arrays; one buffer each way costs
+        one."""
+        name, args, in_axes = pickle.loads(payload)
+        return pickle.dumps(self.call(name, args, in_axes), protocol=pickle.HIGHEST_PROTOCOL)
+
+    def compute_time(self):
+        """``{name: (calls, seconds)}``: the calls this client answered and the time it spent
+        in their functions (not in Ray)."""
+        return {name: (calls, seconds) for name, (calls, seconds) in self.busy.items()}
 
     def sleep(self, seconds):
         """For tests and benchmarks: keep the worker busy."""
@@ -200,6 +220,12 @@ def _unbatch(leaves, ndims):
 # -- the federation -----------------------------------------------------------------------------
 
 
+#: calls whose arguments are smaller than this many bytes are pickled into one buffer (see
+#: :meth:`_ClientWorker.call_packed`); larger ones go through Ray's own serialization,
+#: which puts large arrays in its object store without a copy
+PACK_LIMIT = 1 << 16
+
+
 @jax.tree_util.register_pytree_node_class
 class RayFederation(Federation):
     """Each client a long-lived Ray actor holding only its own block.
@@ -256,6 +282,7 @@ class RayFederation(Federation):
         self._error = None
         self._tags = itertools.count()
         self._reply_cache = {}
+        self.pack_limit = PACK_LIMIT
 
     # -- pytree: no leaves (the blocks live in the actors), so it can be passed to jit like
     # InProcess --------------------------------------------------------------------------
@@ -476,6 +503,24 @@ class RayFederation(Federation):
             raise error
         return results
 
+    def _submit(self, m, name, args, in_axes, nbytes):
+        """Client ``m``'s call, sent as one pickled buffer when it is small."""
+        actor = self._actors[m]
+        if nbytes < self.pack_limit:
+            return actor.call_packed.remote(pickle.dumps((name, args, in_axes), protocol=pickle.HIGHEST_PROTOCOL))
+        return actor.call.remote(name, args, in_axes)
+
+    def _replies(self, call, refs):
+        """:meth:`_gather`, with packed replies unpickled."""
+        return {m: pickle.loads(r) if isinstance(r, bytes) else r for m, r in self._gather(call, refs).items()}
+
+    def compute_time(self) -> list:
+        """Per client, ``{name: (calls, seconds)}``: the calls it answered since it started and
+        the time it spent computing them (its function, not Ray): with the ledger's round
+        trips, what a round costs on the clients and what it costs in transport."""
+        ray = _import_ray()
+        return ray.get([a.compute_time.remote() for a in self._actors], timeout=self.timeout)
+
     # -- traceable side --------------------------------------------------------------------
     def _reply_struct(self, name, arg_structs):
         key = (name, tuple(jax.tree_util.tree_leaves(arg_structs)),
@@ -520,9 +565,9 @@ class RayFederation(Federation):
                 b, p = jax.tree_util.tree_unflatten(treedef, args)
                 bx, px = jax.tree_util.tree_unflatten(treedef, args_axes)
                 in_axes = None if all(a is None for a in args_axes) else tuple(bx) + tuple(px)
-                refs[m] = self._actors[m].call.remote(name, tuple(b) + tuple(p), in_axes)
                 sent[m] = sum(a.nbytes for a in args)
-            replies = self._gather(name, refs)
+                refs[m] = self._submit(m, name, tuple(b) + tuple(p), in_axes, sent[m])
+            replies = self._replies(name, refs)
             size = int(np.prod(batch)) if batch else 1
             out = []
             for j, want in enumerate(reply_leaves):
@@ -581,9 +626,9 @@ class RayFederation(Federation):
                 _, b, o = jax.tree_util.tree_unflatten(treedef, [None] + args)
                 _, bx, ox = jax.tree_util.tree_unflatten(treedef, [None] + args_axes)
                 in_axes = None if all(a is None for a in args_axes) else tuple(bx) + tuple(ox)
-                refs[c] = self._actors[c].call.remote(name, tuple(b) + tuple(o), in_axes)
                 sent[c] = sum(a.nbytes for a in args)
-            replies = self._gather(name, refs)
+                refs[c] = self._submit(c, name, tuple(b) + tuple(o), in_axes, sent[c])
+            replies = self._replies(name, refs)
             out = []
             for j, want in enumerate(reply_leaves):
                 if not batch:
