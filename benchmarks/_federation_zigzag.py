@@ -15,6 +15,11 @@ then ``SHORT`` and ``LONG`` draws); the rows report the difference of the last t
 draws), which leaves out tracing, compilation and the workers' start. ESS is NumPyro's over the
 long run's draws (minimum over coefficients). Round trips are the Ray ledger's; a switch is an
 accepted event.
+
+On Ray the row also gives, for the same draws, the clients' compute per round (the slowest
+client's time in its function, from ``RayFederation.compute_time``), Ray's bare round trip
+measured again just before and after (``bare_ms``, their mean) and the ratio of the round to
+their sum (``x_bare_plus_compute``; the issue's target: at most 2).
 """
 
 from __future__ import annotations
@@ -56,7 +61,9 @@ def make_data(num_clients, seed=0):
 def measure(federation, X, y, num_clients, *, seed=0):
     kernel = nf.FedZigZag(logistic, sample_interval=SAMPLE_INTERVAL, federation=federation)
     out = {}
+    on_ray = federation is not None and not isinstance(federation, InProcess)
     for draws in (SHORT, SHORT, LONG):  # the first run compiles what the others reuse
+        busy_before = _busy(federation) if on_ray and federation.started else 0.0
         mcmc = MCMC(kernel, num_warmup=50, num_samples=draws, progress_bar=False)
         trips_before = federation.ledger.round_trips if federation is not None and federation.started else 0
         start = time.perf_counter()
@@ -73,6 +80,8 @@ def measure(federation, X, y, num_clients, *, seed=0):
             round_trips=(federation.ledger.round_trips - trips_before) if federation is not None else 0,
             samples=np.asarray(mcmc.get_samples(group_by_chain=True)["w"]),
         )
+        if on_ray:  # seconds each client spent in its function during this run
+            out[draws]["busy"] = _busy(federation) - busy_before
     long, short = out[LONG], out[SHORT]
     wall = long["wall"] - short["wall"]
     switches = long["switches"] - short["switches"]
@@ -86,7 +95,15 @@ def measure(federation, X, y, num_clients, *, seed=0):
                    round_trips_per_switch=trips / max(switches, 1),
                    ms_per_round=1e3 * wall / max(rounds, 1), rounds_per_s=rounds / wall,
                    bytes_per_round=num_clients * (kernel.message_sizes["to_client"] + kernel.message_sizes["from_client"]))
+    if on_ray:
+        busy = long["busy"] - short["busy"]
+        row["client_compute_ms_per_round"] = float(1e3 * busy.max() / max(trips, 1))
     return row
+
+
+def _busy(federation):
+    """Per client, seconds spent in its ``propose`` function so far."""
+    return np.array([t.get("propose", (0, 0.0))[1] for t in federation.compute_time()])
 
 
 def rows(ctx):
@@ -100,8 +117,11 @@ def rows(ctx):
                     **measure(InProcess(), X, y, M)))
     federation = ctx.ray()
     try:
+        before = ctx.bare()
         row = measure(federation, X, y, M)
-        row["ms_per_round_over_bare"] = row["ms_per_round"] / ctx.bare_ms
+        bare = (before + ctx.bare()) / 2
+        row.update(bare_ms=bare, ms_per_round_over_bare=row["ms_per_round"] / bare,
+                   x_bare_plus_compute=row["ms_per_round"] / (bare + row["client_compute_ms_per_round"]))
         out.append(dict(what=what + " (Algorithm 2 messages)", backend="ray", **row))
     finally:
         federation.close()

@@ -88,6 +88,14 @@ class Context:
         kwargs.setdefault("timeout", self.timeout)
         return nf.RayFederation(**kwargs)
 
+    def bare(self, repeats=None) -> float:
+        """Ray's bare round trip (median ms), measured again now: a family measures it next
+        to its own Ray rows, since the load of a shared machine drifts within a run."""
+        import ray
+
+        actors, v = self.extra["echo"], self.extra["echo_arg"]
+        return float(np.median(timed(lambda: ray.get([a.dot.remote(v) for a in actors]), repeats or self.repeats)))
+
     def time_calls(self, fn, repeats=None, warmup=3):
         """Median (and 10th-90th percentile) milliseconds per call of a blocking ``fn()``."""
         return summary(timed(fn, repeats or self.repeats, warmup))
@@ -117,8 +125,7 @@ def seam_rows(ctx, dim, rows_per_client):
     ctx.bare_ms = bare["ms_per_round"]
     out.append(dict(what="bare Ray round trip (ray.get of one .remote per actor)", backend="ray",
                     bytes_per_round=ctx.num_clients * (dim * 8 + 8), **bare))
-    for a in actors:
-        ray.kill(a)
+    ctx.extra.update(echo=actors, echo_arg=v)  # for ctx.bare(); ended with Ray
 
     rng = np.random.default_rng(0)
     blocks = [rng.normal(size=(rows_per_client, dim)) for _ in range(ctx.num_clients)]
