@@ -191,6 +191,30 @@ def test_ray_gives_bit_identical_answers_to_inprocess(ray_pair):
     assert ray_fed.ledger.round_trips == 8
 
 
+def test_small_and_large_ray_calls_give_the_same_answers_and_the_clients_time_their_work(ray_pair):
+    """Small calls travel as one pickled buffer each way, larger ones (``pack_limit``) through
+    Ray's own serialization: the same answers; each client counts its calls and their time."""
+    ray_fed, local = ray_pair
+    before = ray_fed.compute_time()
+    limit = ray_fed.pack_limit
+    packed = run_toy_calls(ray_fed)
+    ray_fed.pack_limit = 0  # every call through Ray's serialization
+    try:
+        plain = run_toy_calls(ray_fed)
+    finally:
+        ray_fed.pack_limit = limit
+    in_process = run_toy_calls(local)
+    for key in in_process:
+        for a, b, c in zip(jax.tree.leaves(packed[key]), jax.tree.leaves(plain[key]), jax.tree.leaves(in_process[key])):
+            np.testing.assert_array_equal(a, c, err_msg=key)
+            np.testing.assert_array_equal(b, c, err_msg=key)
+    after = ray_fed.compute_time()
+    # "sum" per run: "map" and "loop" (2 maps) on every client, "one_chains" on clients 2 and 0
+    calls = [after[m]["sum"][0] - before[m].get("sum", (0, 0.0))[0] for m in range(M)]
+    assert calls == [2 * 4, 2 * 3, 2 * 4]
+    assert all(after[m]["sum"][1] > before[m].get("sum", (0, 0.0))[1] for m in range(M))
+
+
 def test_ray_ledger_counts_the_payloads_and_agrees_with_the_inprocess_ledger(ray_pair):
     ray_fed, local = ray_pair
     ray_fed.ledger.reset()

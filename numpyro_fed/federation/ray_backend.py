@@ -250,6 +250,11 @@ class RayFederation(Federation):
         actor; the driver never holds a row (see :class:`~numpyro_fed.federation.Federation`).
     :param int num_clients: ``M``, with ``loader``.
 
+    :ivar int pack_limit: a call whose arguments are smaller than this many bytes (64 KiB)
+        travels as one pickled buffer each way (Ray serializes every argument on its own,
+        which costs more than a small call's arrays); larger calls go through Ray's own
+        serialization (large arrays without a copy). ``0``: every call through Ray's.
+
     On a local Ray (``address=None``), the actors get the driver's ``sys.path`` as
     ``PYTHONPATH`` so that functions defined in the driver's modules unpickle on the workers;
     on a cluster, install the package and the modules of your functions on every node (or use
