@@ -2,7 +2,7 @@
 
 from numpyro_fed.arviz import to_inference_data
 from numpyro_fed.federation import ClientError, ClientProgram, Federation, InProcess, MessageLedger
-from numpyro_fed.federation import RayFederation
+from numpyro_fed.federation import NetworkError, RayFederation
 from numpyro_fed.infer import ADMM, DADMMS, DSGHMC, DSGLD, DULA, make_topology
 from numpyro_fed.infer import FedZigZag, GradientBound, HessianBound
 from numpyro_fed.infer import BCM, DPPVI, GaussianPVI, GlobalVI
@@ -19,6 +19,7 @@ __all__ = [
     "Federation",
     "InProcess",
     "MessageLedger",
+    "NetworkError",
     "DPPVI",
     "GlobalVI",
     "ADMM",

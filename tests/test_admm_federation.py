@@ -183,3 +183,144 @@ def test_what_an_agent_receives_holds_its_own_rows_only(build):
                 assert all(held)
             elif k != m:
                 assert not any(held), (m, k)
+
+
+# -- deployment: each agent loads its own rows where it lives ----------------------------------
+
+SENTINEL = 1.2345678901234567  # planted in client 1's rows only (distinctive bytes, a tame value)
+ROWS = 10  # per client
+
+
+def deployment_rows():
+    rng = np.random.default_rng(3)
+    X = rng.normal(size=(3 * ROWS, 2))
+    X[ROWS, 0] = SENTINEL  # client 1's first row
+    y = (X @ np.array([1.0, -1.0]) + rng.normal(size=3 * ROWS) > 0) * 1.0
+    return X, y
+
+
+def linear_model(X, y=None):
+    w = numpyro.sample("w", dist.Normal(0, 3).expand([2]).to_event(1))
+    with nf.federated_plate("data", X.shape[0], clients=3):
+        numpyro.sample("y", dist.Normal(X @ w, 1.0), obs=y)
+
+
+def save_per_agent(tmp_path):
+    """Each client's rows in its own files, and a loader that reads them and records the pid
+    of the process it runs in."""
+    X, y = deployment_rows()
+    for m in range(3):
+        np.save(tmp_path / f"X{m}.npy", X[m * ROWS:(m + 1) * ROWS])
+        np.save(tmp_path / f"y{m}.npy", y[m * ROWS:(m + 1) * ROWS])
+    folder = str(tmp_path)
+
+    def load(m):
+        import os
+
+        with open(f"{folder}/pids", "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return np.load(f"{folder}/X{m}.npy"), np.load(f"{folder}/y{m}.npy")
+
+    return load
+
+
+def holds_sentinel(*objects):
+    import cloudpickle
+
+    return np.float64(SENTINEL).tobytes() in cloudpickle.dumps(objects)
+
+
+def _deployed_run(federation, sampler, model, *, num_samples=10, **kwargs):
+    mcmc = MCMC(sampler(model, federation=federation, **kwargs), num_warmup=3, num_samples=num_samples,
+                num_chains=2, chain_method="vectorized", progress_bar=False)
+    with federation.guard() if hasattr(federation, "guard") else contextlib_null():
+        mcmc.run(jax.random.PRNGKey(4))  # no data arguments: the loaders give the rows
+    return mcmc
+
+
+def contextlib_null():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def _simulated_run(sampler, model, *, num_samples=10, **kwargs):
+    mcmc = MCMC(sampler(model, **kwargs), num_warmup=3, num_samples=num_samples, num_chains=2,
+                chain_method="vectorized", progress_bar=False)
+    mcmc.run(jax.random.PRNGKey(4), *deployment_rows())
+    return mcmc
+
+
+@pytest.mark.parametrize("sampler, model", [
+    (nf.DADMMS, logistic_model),  # Newton's proximal steps
+    (nf.DADMMS, linear_model),    # closed form
+    pytest.param(nf.ADMM, linear_model, marks=pytest.mark.slow),
+    (nf.DSGLD, logistic_model),
+    pytest.param(nf.DSGHMC, linear_model, marks=pytest.mark.slow),
+    pytest.param(nf.DULA, logistic_model, marks=pytest.mark.slow),
+])
+def test_deployment_in_process_draws_the_simulation_s_numbers(tmp_path, sampler, model):
+    simulated = _simulated_run(sampler, model)
+    deployed = _deployed_run(nf.InProcess(loader=save_per_agent(tmp_path), num_clients=3), sampler, model)
+    for site, value in sampler.agent_draws(simulated, group_by_chain=True).items():
+        np.testing.assert_array_equal(np.asarray(sampler.agent_draws(deployed, group_by_chain=True)[site]),
+                                      np.asarray(value))
+    assert deployed.sampler.federated_potential.deployed
+    assert deployed.sampler.solver_used == simulated.sampler.solver_used if sampler is nf.DADMMS else True
+
+
+def _check_ray_deployment(ray_session, tmp_path, sampler, model, **kwargs):
+    import os
+
+    simulated = _simulated_run(sampler, model, **kwargs)
+    load = save_per_agent(tmp_path)
+    federation = nf.RayFederation(loader=load, num_clients=3, timeout=60.0)
+    try:
+        deployed = _deployed_run(federation, sampler, model, **kwargs)
+        kernel = deployed.sampler
+        ledger = federation.ledger.summary()
+        names = federation.ledger.names
+        # the driver holds no row: not the sampler, its potential, the agents' programs, the
+        # federation's program, the draws nor the ArviZ object
+        assert holds_sentinel(deployment_rows())  # the check sees rows when they are there
+        assert not holds_sentinel(kernel, kernel.federated_potential, kernel.agent_potentials,
+                                  federation.program, deployed.get_samples(), deployed.get_extra_fields(),
+                                  nf.to_inference_data(deployed))
+        # the check of the draws (Stein's identity) asks the agents for their gradients
+        if kernel.samples_posterior:
+            kernel.check_spread(deployed)
+            assert f"{type(kernel).__name__}/diagnostics" in federation.ledger.names
+    finally:
+        federation.close()
+    # the loaders ran on the workers only
+    pids = {int(p) for p in open(tmp_path / "pids").read().split()}
+    assert pids and os.getpid() not in pids
+    for site, value in sampler.agent_draws(simulated, group_by_chain=True).items():
+        np.testing.assert_allclose(np.asarray(sampler.agent_draws(deployed, group_by_chain=True)[site]),
+                                   np.asarray(value), rtol=1e-9, atol=1e-11)
+    return kernel, ledger, names
+
+
+def test_deployment_on_ray_agents_load_their_own_rows_and_the_driver_holds_none(ray_session, tmp_path):
+    kernel, ledger, names = _check_ray_deployment(ray_session, tmp_path, nf.DADMMS, logistic_model)
+    # set-up: each agent told whether its potential is quadratic (one boolean), nothing else
+    assert kernel.solver_used == "newton"
+    np.testing.assert_array_equal(ledger["DADMMS/quadratic/messages_from_client"], [1, 1, 1])
+    np.testing.assert_array_equal(ledger["DADMMS/quadratic/bytes_from_client"], [1, 1, 1])
+    assert {"DADMMS/quadratic", "DADMMS/start", "DADMMS/iterate", "DADMMS/state"} <= set(names)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampler, model", [
+    (nf.DADMMS, linear_model),  # each agent factors its own quadratic where it lives
+    (nf.ADMM, linear_model),
+    (nf.DSGLD, logistic_model),
+    (nf.DSGHMC, linear_model),
+    (nf.DULA, logistic_model),
+])
+def test_deployment_on_ray_every_decentralized_sampler(ray_session, tmp_path, sampler, model):
+    kernel, ledger, names = _check_ray_deployment(ray_session, tmp_path, sampler, model)
+    if sampler in (nf.DSGLD, nf.DSGHMC, nf.DULA):  # the step-size check: one curvature per agent
+        np.testing.assert_array_equal(ledger[f"{sampler.__name__}/curvature/messages_from_client"], [1, 1, 1])
+    else:
+        assert kernel.solver_used == "quadratic"

@@ -35,6 +35,9 @@ The pieces:
 * :class:`ClientError`: a client died, stopped answering within the timeout, or failed.
   Compiled code that calls a backend's host callbacks should run under
   ``with federation.guard():`` so the error surfaces as itself.
+  :class:`NetworkError`, a ``ClientError`` of a decentralized run (an agent of
+  :class:`~numpyro_fed.DADMMS` and its baselines), also carries the state to resume from and
+  the draws computed before the fault.
 
 >>> import jax, jax.numpy as jnp
 >>> from numpyro_fed.federation import ClientProgram, InProcess
@@ -47,8 +50,10 @@ The pieces:
 """
 
 from numpyro_fed.federation.base import ClientError, ClientProgram, Federation
+from numpyro_fed.federation.decentralized import NetworkError
 from numpyro_fed.federation.inprocess import InProcess
 from numpyro_fed.federation.ledger import MessageLedger
 from numpyro_fed.federation.ray_backend import RayFederation
 
-__all__ = ["ClientError", "ClientProgram", "Federation", "InProcess", "MessageLedger", "RayFederation"]
+__all__ = ["ClientError", "ClientProgram", "Federation", "InProcess", "MessageLedger", "NetworkError",
+           "RayFederation"]

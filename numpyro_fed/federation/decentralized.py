@@ -49,9 +49,12 @@ __all__ = [
     "AgentProgram",
     "NetworkError",
     "NetworkState",
+    "agent_hosts",
     "agent_keys",
+    "attached_struct",
     "decentralized_network",
     "deliver",
+    "info_struct",
     "neighbors",
     "network_iteration",
     "start_network",
@@ -65,12 +68,18 @@ class AgentProgram(NamedTuple):
     :ivar send: ``(local, key, own, inbox, mask) -> (pending, message)``.
     :ivar receive: ``(local, pending, inbox, previous_inbox, mask) -> (own, info)``.
     :ivar local: per-agent data, a pytree with a leading agent axis ``N``.
+    :ivar attach: deployment (the agents load their own rows): ``(block, local_m) ->
+        local_m``, run where agent ``m`` lives on the block it loaded and its slice of
+        ``local`` (which then holds what the driver knows: prior shares, mixing weights...),
+        giving what ``send`` and ``receive`` take. ``None`` in simulation (``local`` holds the
+        blocks).
     """
 
     message: Callable
     send: Callable
     receive: Callable
     local: Any
+    attach: Callable | None = None
 
 
 class NetworkState(NamedTuple):
@@ -139,6 +148,29 @@ def start_network(program: AgentProgram, adjacency, own) -> NetworkState:
     return NetworkState(own, deliver(adjacency, messages))
 
 
+def info_struct(program: AgentProgram, adjacency, local, state):
+    """The ``ShapeDtypeStruct`` tree of one iteration's ``info`` (leading agent axis ``N``),
+    from ``local`` (the agents' stacked locals, arrays or ``ShapeDtypeStruct``s: in
+    deployment only their shapes are known on the driver) and a network state (arrays,
+    tracers or ``ShapeDtypeStruct``s)."""
+    n = np.asarray(adjacency).shape[0]
+
+    def info(local, state):
+        keys = agent_keys(jax.random.PRNGKey(0), n, 0)
+        return network_iteration(program._replace(local=local, attach=None), adjacency, keys, state)[1]
+
+    return jax.eval_shape(info, local, state)
+
+
+def attached_struct(program: AgentProgram, block_struct):
+    """The ``ShapeDtypeStruct`` tree of the agents' stacked locals in deployment, from the
+    stacked shapes of their blocks (what the agents report) and ``program.local``."""
+    if program.attach is None:
+        return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)),
+                                      program.local)
+    return jax.eval_shape(jax.vmap(program.attach), block_struct, program.local)
+
+
 def network_iteration(program: AgentProgram, adjacency, keys, state: NetworkState):
     """One iteration of every agent in this process: ``(state, info)``, ``info`` stacked on
     a leading agent axis. ``keys``: ``(N,)`` (see :func:`agent_keys`)."""
@@ -177,6 +209,30 @@ def decentralized_network(federation, program: AgentProgram, adjacency, *, name:
         return network
     raise TypeError(f"{type(federation).__name__} cannot run decentralized agents "
                     "(use InProcess() or RayFederation())")
+
+
+def agent_hosts(federation, loader, adjacency, *, name: str = "agents", previous=None):
+    """Deployment: the agents of a network on ``federation``'s workers, each loading its own
+    block with ``loader`` where it lives, before the program is known (set-up calls reach
+    them through ``ask``; ``install`` gives them the program). ``previous``, a network this
+    sampler started on the same federation with the same graph, is kept (its agents keep
+    their blocks).
+
+    :raises TypeError: for a federation that has no decentralized workers.
+    """
+    from numpyro_fed.federation.ray_agents import RayNetwork
+    from numpyro_fed.federation.ray_backend import RayFederation
+
+    if not isinstance(federation, RayFederation):
+        raise TypeError(f"{type(federation).__name__} cannot run decentralized agents "
+                        "(use InProcess() or RayFederation())")
+    if (previous is not None and previous.federation is federation and federation.started
+            and previous.deployed and np.array_equal(np.asarray(adjacency) != 0, previous.adjacency)):
+        return previous
+    if federation.started:  # another program's actors: end them, keep Ray
+        federation._kill_actors()
+        federation._program = None
+    return RayNetwork(federation, None, adjacency, name=name, loader=loader)
 
 
 class NetworkError(ClientError):

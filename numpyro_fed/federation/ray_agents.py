@@ -25,7 +25,9 @@ from numpyro_fed.federation.decentralized import (
     NetworkError,
     NetworkState,
     agent_keys,
+    attached_struct,
     deliver,
+    info_struct as info_struct_of,
     neighbors,
     network_iteration,
 )
@@ -39,11 +41,13 @@ class _AgentWorker:
     handles and its inbox. ``run`` is its loop of iterations; ``deliver`` (called by its
     neighbours' actors) fills the inbox while the loop waits."""
 
-    def __init__(self, agent, program, neighbours, mask, x64):
+    def __init__(self, agent, program, neighbours, mask, x64, loader=None):
 
         jax.config.update("jax_enable_x64", bool(x64))
         self.agent = int(agent)
         self.program = program
+        self.loader = loader  # deployment: this agent loads its own block here
+        self.block = None
         self.mask = np.asarray(mask, dtype=bool)
         self.senders = [int(k) for k in neighbours]  # in the order of the inbox's rows
         self.receivers = {}
@@ -57,12 +61,42 @@ class _AgentWorker:
         self.fns = None
 
     def setup(self):
-        """Checks the agent's data (finite values) and compiles nothing yet."""
-        from numpyro_fed.federation.base import check_block  # noqa: PLC0415
+        """Checks the agent's data (finite values) and compiles nothing yet. In deployment,
+        first loads the agent's block with the loader (here, never on the driver) and
+        reports its shapes and dtypes only."""
+        from numpyro_fed.federation.base import block_spec, check_block  # noqa: PLC0415
 
+        if self.loader is not None:
+            block = self.loader(self.agent)
+            check_block(block, self.agent)
+            self.block = jax.tree_util.tree_map(jnp.asarray, block)
+            if self.program is not None:
+                self.install(self.program)
+            return jax.tree_util.tree_map(lambda s: (tuple(s.shape), np.dtype(s.dtype).str), block_spec(block))
         check_block(self.program.local, self.agent)
         self.local = jax.tree_util.tree_map(jnp.asarray, self.program.local)
         return self.agent
+
+    def install(self, program):
+        """Deployment: the agent's program; its local is ``program.attach(block, local)``
+        (``program.local``: this agent's share of what the driver knows)."""
+        self.program, self.fns = program, None
+        local = program.local
+        if program.attach is not None:
+            local = program.attach(self.block, local)
+        self.local = jax.tree_util.tree_map(jnp.asarray, local)
+        return self.agent
+
+    def ask(self, fn, args):
+        """A set-up or diagnostic call: ``fn(block, *args)`` on this agent's block."""
+        return jax.tree_util.tree_map(np.asarray, jax.jit(fn)(self.block, *args))
+
+    def describe(self, loader):
+        """Runs the user's loader here; reports shapes, dtypes and scalar settings only (as
+        a federation's client worker does, for a later run on the same actors)."""
+        from numpyro_fed.federation.base import describe_arguments  # noqa: PLC0415
+
+        return describe_arguments(loader(self.agent))
 
     def ping(self):
         return self.agent
@@ -186,8 +220,8 @@ class RayNetwork:
     diagnostics per iteration: what the driver collects).
     """
 
-    def __init__(self, federation, program: AgentProgram, adjacency, *, name: str = "agents",
-                 max_chunk: int = 64):
+    def __init__(self, federation, program: AgentProgram | None, adjacency, *, name: str = "agents",
+                 max_chunk: int = 64, loader=None):
 
         self.federation = federation
         self.program = program
@@ -196,25 +230,47 @@ class RayNetwork:
         self.name = name
         self.settings = None
         self.max_chunk = int(max_chunk)
-        self.locals = [jax.tree_util.tree_map(lambda a, m=m: np.asarray(a[m]), program.local) for m in range(n)]
+        #: deployment: ``m -> agent m's block``, run on agent ``m``'s actor (else ``None``)
+        self.loader = loader
+        if (program is None) != (loader is not None):
+            raise ValueError("RayNetwork takes a program (simulation) or a loader (deployment; install() "
+                             "gives the program later)")
+        self.locals = None
+        if program is not None:
+            self.locals = [jax.tree_util.tree_map(lambda a, m=m: np.asarray(a[m]), program.local)
+                           for m in range(n)]
         if federation.started:
             raise RuntimeError(f"{federation!r} is already started: give {name} a federation of its own")
         ray = federation._ensure_ray()
+        federation._kill_actors()  # e.g. the workers that described the clients' data
         # the loop runs on the actor's main thread; deliver() and abort() in their own group, so
         # that the neighbours' messages arrive while the loop waits for them
         self._remote = ray.remote(concurrency_groups={"inbox": 2})(_AgentWorker)
         # the federation's actors are the agents: its close(), actors, ledger and guard() apply
-        federation._program = ClientProgram({}, blocks=self.locals)
+        if loader is None:
+            federation._program = ClientProgram({}, blocks=self.locals)
+        else:
+            federation._program = ClientProgram({}, loader=loader, num_clients=n)
         federation._ledger = MessageLedger(n)
         federation._specs = [None] * n
         federation._actors = [self._new_actor(m) for m in range(n)]
         try:
-            federation._gather("setup", {m: a.setup.remote() for m, a in enumerate(federation._actors)},
-                               refuse=True, timeout=federation.start_timeout)
+            specs = federation._gather("setup", {m: a.setup.remote() for m, a in enumerate(federation._actors)},
+                                       refuse=True, timeout=federation.start_timeout)
             self._connect()
         except BaseException:
             federation.close()
             raise
+        #: deployment: the ``ShapeDtypeStruct`` tree of agent ``m``'s block (what it reported)
+        self.block_specs = None
+        if loader is not None:
+            self.block_specs = [
+                jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s[0], np.dtype(s[1])), specs[m],
+                                       is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2
+                                       and isinstance(x[1], str))
+                for m in range(n)
+            ]
+            federation._specs = list(self.block_specs)
         self.run_id = 0
         self.buffer = []          # collected iterations not yet handed out: (own, info, messages, bytes)
         self.expected = None      # (i, own, keys) of the last iteration handed out
@@ -235,13 +291,78 @@ class RayNetwork:
         return len(leaves) == len(mine) and all(
             np.shape(a) == np.shape(b) and np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(leaves, mine))
 
+    # -- deployment ------------------------------------------------------------------------
+    @property
+    def deployed(self) -> bool:
+        """Whether the agents loaded their own blocks (the driver holds none)."""
+        return self.loader is not None
+
+    def block_struct(self):
+        """Deployment: the agents' blocks' ``ShapeDtypeStruct`` tree, stacked on a leading
+        agent axis (the blocks are padded to a common shape)."""
+        specs = self.block_specs
+        for m, spec in enumerate(specs[1:], 1):
+            if spec != specs[0]:
+                raise ValueError(f"agent {m}'s block has shapes {spec}, agent 0's {specs[0]}: the "
+                                 "agents' blocks must have a common shape (rows padded and masked)")
+        return jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct((self.num_agents,) + tuple(s.shape), s.dtype),
+                                      specs[0])
+
+    def ask(self, name, fn, *broadcast, per_agent=()):
+        """``(N, ...)``: every agent's ``fn(block, *broadcast, *own)`` (``own``: its row of each
+        ``per_agent`` array), computed on its actor: a set-up or diagnostic call, counted in
+        the ledger as ``"<name>/<call>"``. ``fn`` must be picklable and hold no rows."""
+        actors = self.federation._actors
+        ledger = self.federation.ledger
+        broadcast = jax.tree_util.tree_map(np.asarray, tuple(broadcast))
+        per_agent = jax.tree_util.tree_map(np.asarray, tuple(per_agent))
+        refs = {}
+        for m, actor in enumerate(actors):
+            own = jax.tree_util.tree_map(lambda a, m=m: a[m], per_agent)
+            refs[m] = actor.ask.remote(fn, broadcast + own)
+            ledger.add(f"{self.name}/{name}", "to_client", m, messages=1,
+                       nbytes=tree_nbytes(broadcast) + tree_nbytes(own), rounds=1)
+        replies = self.federation._gather(f"{self.name}/{name}", refs)
+        for m in range(self.num_agents):
+            ledger.add(f"{self.name}/{name}", "from_client", m, messages=1, nbytes=tree_nbytes(replies[m]))
+        ledger.round_trips += 1
+        return jax.tree_util.tree_map(lambda *a: jnp.asarray(np.stack(a)), *[replies[m] for m in range(self.num_agents)])
+
+    def agent_ask(self, prior_weights):
+        """:attr:`~numpyro_fed.infer.admm.AgentPotentials.ask`: ``(name, fn, *broadcast) ->``
+        every agent's ``fn(block, prior_weight, *broadcast)``, agent ``m`` with its
+        ``prior_weights[m]``."""
+        weights = np.asarray(prior_weights)
+
+        def ask(name, fn, *broadcast):
+            return self.ask(name, _WithPriorWeight(fn), *broadcast, per_agent=(weights,))
+
+        return ask
+
+    def install(self, program: AgentProgram, settings=None):
+        """Deployment: gives every agent its program (``program.local`` sliced: agent ``m``
+        gets its row of what the driver knows; ``program.attach`` joins it to the block the
+        agent loaded). A program equal to the installed one is not sent again."""
+        n = self.num_agents
+        locals_ = [jax.tree_util.tree_map(lambda a, m=m: np.asarray(a[m]), program.local) for m in range(n)]
+        if (self.program is not None and settings is not None and settings == self.settings
+                and _same_leaves(locals_, self.locals)):
+            self.program = program
+            return
+        self.program, self.locals, self.settings = program, locals_, settings
+        refs = {m: a.install.remote(program._replace(local=locals_[m])) for m, a in enumerate(self.federation._actors)}
+        self.federation._gather("install", refs, refuse=True, timeout=self.federation.start_timeout)
+        self.expected, self.buffer, self.handed = None, [], []  # the next iteration restarts the network
+
     # -- actors ----------------------------------------------------------------------------
     def _new_actor(self, m):
         options = self.federation._options(m)
-        agent_program = self.program._replace(local=self.locals[m])  # agent m's data only
+        agent_program = None
+        if self.program is not None:
+            agent_program = self.program._replace(local=self.locals[m])  # agent m's data only
         index, valid = neighbors(self.adjacency)
         return self._remote.options(**options).remote(m, agent_program, index[m][valid[m]], valid[m],
-                                                      bool(jax.config.jax_enable_x64))
+                                                      bool(jax.config.jax_enable_x64), self.loader)
 
     def _connect(self):
         actors = self.federation._actors
@@ -398,6 +519,13 @@ class RayNetwork:
             nbytes = np.asarray([r[3][k] for r in per_agent])
             self.buffer.append((own_k, info_k, messages, nbytes))
 
+    def local_struct(self):
+        """The ``ShapeDtypeStruct`` tree of the agents' stacked locals (in deployment, from the
+        shapes the agents reported)."""
+        if self.deployed:
+            return attached_struct(self.program, self.block_struct())
+        return attached_struct(self.program, None)
+
     def traceable_step(self, batched: bool, deliver_fn):
         """``state -> (NetworkState, info, sent)``: the next iteration as a host callback inside
         the compiled sampler (``state`` a :class:`~numpyro_fed.infer.admm.DecentralizedState`,
@@ -412,11 +540,9 @@ class RayNetwork:
                 own, i, keys, sent = jax.tree_util.tree_map(lambda a: a[None], (own, i, keys, sent))
             chains = jnp.shape(i)[0]
             sent_array = jnp.stack([sent.messages, sent.bytes], axis=1)
-            one_key = jax.random.PRNGKey(0)
-            info_struct = jax.eval_shape(
-                lambda: network_iteration(self.program, self.adjacency, agent_keys(one_key, n, 0),
-                                          NetworkState(jax.tree_util.tree_map(lambda a: a[0], own),
-                                                       deliver(self.adjacency, own.x[0])))[1])
+            one = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)), own)
+            first = jax.eval_shape(lambda o: NetworkState(o, deliver(self.adjacency, o.x)), one)
+            info_struct = info_struct_of(self.program, self.adjacency, self.local_struct(), first)
             struct = lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))  # noqa: E731
             out = (jax.tree_util.tree_map(struct, own),
                    jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct((chains,) + s.shape, s.dtype), info_struct),
@@ -429,3 +555,20 @@ class RayNetwork:
             return core, info, sent
 
         return step
+
+
+class _WithPriorWeight:
+    """``(block, *broadcast, prior_weight) -> fn(block, prior_weight, *broadcast)`` (picklable)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, block, *args):
+        return self.fn(block, args[-1], *args[:-1])
+
+
+def _same_leaves(a, b) -> bool:
+    if b is None:
+        return False
+    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    return len(la) == len(lb) and all(np.shape(x) == np.shape(y) and np.array_equal(x, y) for x, y in zip(la, lb))

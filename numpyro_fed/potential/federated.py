@@ -171,6 +171,9 @@ class FederatedPotential:
         :meth:`client_program`).
     :ivar bool enumerated: whether discrete latents are marginalised by enumeration.
     :ivar dict row_arguments: the model arguments cut per client (path -> plate name).
+    :ivar stand_in_arguments: deployment only (else ``None``): ``(args, kwargs)`` shaped like
+        the pooled model arguments with zeros for every row (what the driver traces the model
+        with, e.g. for the plate dims of an ArviZ object); never a client's value.
     :ivar prior_potential_fn: the pure, un-jitted ``z -> prior term`` (server side).
     :ivar client_potential_fn: the pure, un-jitted ``(z, block) -> client term``, where
         ``block`` is one client's slice of :attr:`client_data`; algorithms ``vmap`` it (or
@@ -636,6 +639,7 @@ def split_potential(
         row_log_likelihood_fn=row_log_likelihood_fn,
         postprocess_fn=postprocess_fn,
         row_arguments=_describe_leaves(treedef, len(leaves), row_leaves),
+        stand_in_arguments=None if deployment is None else (tuple(model_args), dict(model_kwargs or {})),
     )
     if validate:
         _validate_split(

@@ -25,7 +25,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-__all__ = ["AgentPotentials", "agent_potentials", "disagreement", "mixed", "neighbor_sums"]
+__all__ = ["AgentPotentials", "agent_potentials", "attach_block", "disagreement", "mixed", "neighbor_sums"]
 
 
 class AgentPotentials(NamedTuple):
@@ -37,6 +37,10 @@ class AgentPotentials(NamedTuple):
     :ivar prior_weights: ``(N,)`` shares of the prior, summing to one.
     :ivar int num_agents: ``N``.
     :ivar int dim: ``d``.
+    :ivar ask: deployment on workers (``data`` is ``None``: the agents loaded their own rows
+        where they live): ``ask(name, fn, *broadcast) -> (N, ...)``, each agent's
+        ``fn(block, prior_weight, *broadcast)`` computed where it lives and sent back (a named
+        set-up call, counted in the federation's ledger). ``None`` otherwise.
 
     >>> pots = AgentPotentials(lambda x, b, w: 0.5 * jnp.sum((x - b) ** 2),
     ...                        jnp.array([0.0, 1.0]), jnp.array([0.5, 0.5]), 2, 1)
@@ -49,6 +53,30 @@ class AgentPotentials(NamedTuple):
     prior_weights: jax.Array
     num_agents: int
     dim: int
+    ask: Callable | None = None
+
+    @property
+    def deployed(self) -> bool:
+        """Whether the agents' blocks are out of this process (only :meth:`per_agent` reaches
+        them)."""
+        return self.data is None
+
+    def per_agent(self, name: str, fn: Callable, *broadcast):
+        """``(N, ...)``: every agent's ``fn(block, prior_weight, *broadcast)``, computed where
+        the agent's block is (``vmap``-ped here, or on the agents' workers in deployment,
+        where ``name`` labels the set-up call in the ledger).
+
+        >>> pots = AgentPotentials(lambda x, b, w: 0.5 * jnp.sum((x - b) ** 2),
+        ...                        jnp.array([0.0, 1.0]), jnp.array([0.5, 0.5]), 2, 1)
+        >>> pots.per_agent("size", lambda block, w, s: s * block + w, 2.0).tolist()
+        [0.5, 2.5]
+        """
+        if self.ask is not None:
+            return self.ask(name, fn, *broadcast)
+        if self.data is None:
+            raise ValueError("these agents' blocks are on their workers and no federation reaches them")
+        in_axes = (0, 0) + (None,) * len(broadcast)
+        return jax.jit(jax.vmap(fn, in_axes=in_axes))(self.data, self.prior_weights, *broadcast)
 
     def values(self, x):
         """``(N,)`` local potentials at the agents' iterates ``x`` of shape ``(N, d)``."""
@@ -63,11 +91,15 @@ class AgentPotentials(NamedTuple):
         return jnp.sum(jax.vmap(self.fn, in_axes=(None, 0, 0))(x, self.data, self.prior_weights))
 
 
-def agent_potentials(potential, prior_weights=None) -> AgentPotentials:
+def agent_potentials(potential, prior_weights=None, *, data=None, ask=None) -> AgentPotentials:
     """The agents' local potentials of a :class:`~numpyro_fed.FederatedPotential`.
 
     :param prior_weights: ``None`` (the prior split evenly, ``w_i = 1/N``) or ``(N,)``
         non-negative shares summing to one (e.g. all of it on one agent).
+    :param data: deployment in this process: the clients' stacked blocks as their loaders
+        built them (e.g. ``InProcess(loader=...)``'s ``blocks``).
+    :param ask: deployment on workers: see :attr:`AgentPotentials.ask` (the agents' blocks
+        stay where they are).
 
     >>> import numpyro, numpyro.distributions as dist
     >>> import numpyro_fed as nf
@@ -96,7 +128,20 @@ def agent_potentials(potential, prior_weights=None) -> AgentPotentials:
     def fn(x, block, prior_weight):
         return client_potential(x, block) + prior_weight * prior_potential(x)
 
-    return AgentPotentials(fn, flat.client_data, jnp.asarray(weights), n, flat.num_latent)
+    if data is None:
+        data = flat.client_data  # None in deployment
+    return AgentPotentials(fn, data, jnp.asarray(weights), n, flat.num_latent, ask)
+
+
+def attach_block(block, local):
+    """``(block,) + local[1:]``: an agent's local in deployment, whose first element (``None``
+    on the driver) is the block the agent loaded where it lives (see
+    :attr:`~numpyro_fed.federation.decentralized.AgentProgram.attach`).
+
+    >>> attach_block("rows", (None, 0.5))
+    ('rows', 0.5)
+    """
+    return (block,) + tuple(local[1:])
 
 
 def neighbor_sums(adjacency, x):

@@ -33,6 +33,7 @@ and the solvers; :class:`~numpyro_fed.DADMMS` is the NumPyro face.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any, NamedTuple
 import math
 
@@ -42,12 +43,13 @@ from jax import lax
 
 from numpyro_fed._checks import check_int, check_positive, check_real
 from numpyro_fed.federation.decentralized import AgentProgram, NetworkState, deliver, network_iteration
-from numpyro_fed.infer.admm.agents import AgentPotentials
+from numpyro_fed.infer.admm.agents import AgentPotentials, attach_block
 
 __all__ = [
     "ADMMAgent",
     "ADMMInfo",
     "ADMMState",
+    "AgentQuadratics",
     "QuadraticPotentials",
     "build_agent",
     "build_kernel",
@@ -97,6 +99,17 @@ class QuadraticPotentials(NamedTuple):
     gradients_at_zero: jax.Array
 
 
+class AgentQuadratics(NamedTuple):
+    """Deployment: every agent's potential is quadratic (each agent checked its own, see
+    :func:`quadratic_potentials`) and each agent factors its own quadratic at ``x`` where it
+    lives; its Hessian and gradient never leave it.
+
+    :ivar x: ``(d,)`` the point where the agents take their Hessians and gradients.
+    """
+
+    x: jax.Array
+
+
 def init(x) -> ADMMState:
     """The state at iterates ``x`` (``(N, d)``) with zero dual variables (Algorithm 1).
 
@@ -118,6 +131,12 @@ def quadratic_potentials(potentials: AgentPotentials, x, *, rng_key=None, rtol: 
     if rng_key is None:
         rng_key = jax.random.PRNGKey(0)
     x = jnp.asarray(x)
+    if potentials.deployed:
+        # each agent checks its own potential where it lives and answers yes or no (a set-up
+        # call): its Hessian and gradient stay there (see AgentQuadratics)
+        directions = jax.random.normal(rng_key, (3, x.shape[0]), dtype=x.dtype)
+        answers = potentials.per_agent("quadratic", partial(_is_quadratic, potentials.fn, rtol=rtol), x, directions)
+        return AgentQuadratics(x) if bool(jnp.all(answers)) else None
     grad = jax.grad(potentials.fn)
     hess = jax.hessian(potentials.fn)
     at = jax.jit(jax.vmap(lambda y, block, w: (grad(y, block, w), hess(y, block, w)), in_axes=(None, 0, 0)))
@@ -135,6 +154,32 @@ def quadratic_potentials(potentials: AgentPotentials, x, *, rng_key=None, rtol: 
             return None
     h_x = (h_x + jnp.swapaxes(h_x, 1, 2)) / 2
     return QuadraticPotentials(h_x, g_x - jnp.einsum("nij,j->ni", h_x, x))
+
+
+def _is_quadratic(fn, block, prior_weight, x, directions, *, rtol):
+    """One agent's answer to :func:`quadratic_potentials` (with its own gradients' scale in
+    the tolerance)."""
+    grad, hess = jax.grad(fn), jax.hessian(fn)
+    g_x, h_x = grad(x, block, prior_weight), hess(x, block, prior_weight)
+    ok = jnp.all(jnp.isfinite(g_x)) & jnp.all(jnp.isfinite(h_x))
+    for scale, u in zip((0.1, 1.0, 10.0), directions):
+        y = x + scale * (1.0 + jnp.abs(x)) * u
+        g_y = grad(y, block, prior_weight)
+        predicted = g_x + h_x @ (y - x)
+        tol = rtol * (1.0 + jnp.max(jnp.abs(g_y)) + jnp.max(jnp.abs(g_x)))
+        ok = ok & jnp.all(jnp.abs(g_y - predicted) <= tol)
+    return ok
+
+
+def _attach_quadratic(fn, block, local):
+    """Deployment: an agent's closed-form factors ``((H + c I)^-1, g)`` from the block it
+    loaded, where it lives (``local``: its prior share, curvature ``c`` and the point ``x``)."""
+    _, prior_weight, curvature, x = local
+    h_x = jax.hessian(fn)(x, block, prior_weight)
+    g_x = jax.grad(fn)(x, block, prior_weight)
+    h_x = (h_x + h_x.T) / 2
+    system = h_x + curvature * jnp.eye(h_x.shape[0], dtype=h_x.dtype)
+    return jnp.linalg.inv(system), g_x - h_x @ x
 
 
 def newton_prox(fn: Callable, *, tolerance: float, max_iterations: int):
@@ -213,11 +258,14 @@ class ADMMAgent(NamedTuple):
         neighbors' new iterates (step 2 is the network's).
     :ivar local: what each agent alone holds, stacked with a leading agent axis: its data
         block and prior share (Newton) or its quadratic's factors (closed form).
+    :ivar attach: deployment (see
+        :attr:`~numpyro_fed.federation.decentralized.AgentProgram.attach`), else ``None``.
     """
 
     primal: Callable
     dual: Callable
     local: Any
+    attach: Callable | None = None
 
 
 def build_agent(
@@ -259,7 +307,19 @@ def build_agent(
     degrees = jnp.asarray(degrees, dtype=dtype)
     noise_sd = noise_scale * math.sqrt(2.0) / (2.0 * rho)
 
-    if quadratic is not None:
+    attach = None
+    if isinstance(quadratic, AgentQuadratics):
+        # deployment: each agent factors its own quadratic where it lives
+        curvature = 2.0 * rho * degrees
+        x = jnp.asarray(quadratic.x, dtype)
+        n = degrees.shape[0]
+        local = (None, potentials.prior_weights, curvature, jnp.broadcast_to(x, (n,) + x.shape))
+        attach = partial(_attach_quadratic, potentials.fn)
+
+        def prox(x_start, v, p, c, local):
+            inverse, gradient_at_zero = local
+            return inverse @ (c * v - p - gradient_at_zero), jnp.zeros((), jnp.int32), jnp.ones((), bool)
+    elif quadratic is not None:
         dim = quadratic.hessians.shape[-1]
         # the proximal term is (c_i / 2) ||x - v_i||^2 with c_i = 2 rho deg_i: (H_i + c_i I)^-1
         # depends on the agent alone and is factored once
@@ -272,6 +332,7 @@ def build_agent(
             return inverse @ (c * v - p - gradient_at_zero), jnp.zeros((), jnp.int32), jnp.ones((), bool)
     else:
         local = (potentials.data, potentials.prior_weights)
+        attach = attach_block if potentials.deployed else None
         fn = potentials.fn  # the function only: a closure over `potentials` would hold every block
 
         def prox(x_start, v, p, c, local):
@@ -289,7 +350,7 @@ def build_agent(
     def dual(p, x_new, neighbor_sum_new, degree):
         return p + rho * (degree * x_new - neighbor_sum_new)
 
-    return ADMMAgent(primal, dual, local)
+    return ADMMAgent(primal, dual, local, attach)
 
 
 def build_program(
@@ -342,7 +403,7 @@ def build_program(
         )
         return ADMMState(x_new, p_new), info
 
-    return AgentProgram(message, send, receive, agent.local)
+    return AgentProgram(message, send, receive, agent.local, agent.attach)
 
 
 def build_kernel(

@@ -9,6 +9,7 @@ subclass returns from :meth:`DecentralizedKernel.build_core`.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -24,7 +25,9 @@ from numpyro_fed.federation.decentralized import (
     AgentProgram,
     agent_keys,
     NetworkState,
+    agent_hosts,
     decentralized_network,
+    info_struct,
     deliver,
     network_iteration,
     start_network,
@@ -199,20 +202,27 @@ class DecentralizedKernel(FederatedMCMCKernel):
                 f"0 .. {potential.num_clients - 1}); choose one of them as the reporting agent"
             )
         self.graph = make_topology(self.topology, potential.num_clients)
-        potentials = self.agent_potentials = agent_potentials(potential, self.prior_weights)
+        adjacency = np.asarray(self.graph.adjacency)
+        potentials = self.agent_potentials = self._agent_potentials(potential, adjacency)
         n, d = potentials.num_agents, potentials.dim
         base = potential.ravel(potential.init_params)
         init_fn, core = self.build_core(potentials, self.graph, base)
-        adjacency = np.asarray(self.graph.adjacency)
         degrees = np.asarray(self.graph.degrees, dtype=np.int64)
         if isinstance(core, AgentProgram):
             step = self._network_step(core, adjacency, batched)
             start_core = lambda x0: start_network(core, adjacency, init_fn(x0))  # noqa: E731
+            local = (self._network.local_struct() if potentials.deployed else core.local)
+            state_struct = jax.eval_shape(start_core, jax.ShapeDtypeStruct((n, d), base.dtype))
+            info_shape = info_struct(core, adjacency, local, state_struct)
         else:  # a core written for this process only: step(rng_key, state)
             if self.federation is not None and not isinstance(self.federation, InProcess):
                 raise ValueError(f"{type(self).__name__} runs in this process only (federation=None or InProcess())")
+            if potentials.deployed:
+                raise ValueError(f"{type(self).__name__}'s core is written for this process only: it cannot "
+                                 "run on agents that load their own rows (use InProcess(loader=...))")
             step = self._legacy_step(core, batched)
             start_core = init_fn
+            info_shape = None
         message_bytes = d * base.dtype.itemsize
 
         def start(key, params):
@@ -224,7 +234,10 @@ class DecentralizedKernel(FederatedMCMCKernel):
             k_start, k_chain = jax.random.split(key)
             x0 = start(k_start, params)
             core_state = start_core(x0)
-            info = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: self._info_shape(core, adjacency, core_state)))
+            if info_shape is not None:
+                info = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), info_shape)
+            else:
+                info = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: self._info_shape(core, adjacency, core_state)))
             sent = SentCounts(jnp.asarray(degrees), jnp.asarray(degrees * message_bytes))
             return DecentralizedState(jnp.zeros((), jnp.int32), *self._views(x0), core_state, info, k_chain, sent)
 
@@ -245,6 +258,21 @@ class DecentralizedKernel(FederatedMCMCKernel):
                                       sent if sent is not None else counted(state.sent))
         self._sample_fn = sample
         return one_chain(rng_key, init_params)
+
+    def _agent_potentials(self, potential, adjacency) -> AgentPotentials:
+        """The agents' potentials: from the pooled blocks (simulation), from the blocks the
+        clients loaded in this process (``InProcess(loader=...)``), or reaching agents that
+        loaded their own blocks on their workers (deployment on a ``RayFederation``: the
+        agents are started here, before the algorithm asks them its set-up questions)."""
+        if not potential.deployed:
+            return agent_potentials(potential, self.prior_weights)
+        if self.federation is None or isinstance(self.federation, InProcess):
+            federation = self.federation.start(potential.client_program({}))
+            return agent_potentials(potential, self.prior_weights, data=federation.blocks)
+        network = self._network = agent_hosts(self.federation, potential.block_loader, adjacency,
+                                              name=type(self).__name__, previous=self._network)
+        pots = agent_potentials(potential, self.prior_weights)
+        return pots._replace(ask=network.agent_ask(pots.prior_weights))
 
     def _info_shape(self, core, adjacency, core_state):
         """The info of one iteration (for its shape)."""
@@ -267,14 +295,21 @@ class DecentralizedKernel(FederatedMCMCKernel):
         this process or on the federation's workers."""
         n = adjacency.shape[0]
         if self.federation is None or isinstance(self.federation, InProcess):
+            if program.attach is not None:  # deployment in this process: the loaded blocks are here
+                raise ValueError("an agent program with attach= runs on agents that loaded their own rows")
+
             def one(state):
                 keys = agent_keys(state.rng_key, n, state.i)
                 core, info = network_iteration(program, adjacency, keys, state.core)
                 return core, info, None
             return jax.vmap(one) if batched else one
-        network = self._network = decentralized_network(self.federation, program, adjacency,
-                                                        name=type(self).__name__, previous=self._network,
-                                                        settings=self._settings())
+        if self.agent_potentials is not None and self.agent_potentials.deployed:
+            network = self._network
+            network.install(program, self._settings())
+        else:
+            network = self._network = decentralized_network(self.federation, program, adjacency,
+                                                            name=type(self).__name__, previous=self._network,
+                                                            settings=self._settings())
         network.describe = lambda resume, history: self._describe_failure(program, adjacency, batched,
                                                                           resume, history)
         return network.traceable_step(batched, lambda x: deliver(adjacency, x))
@@ -293,10 +328,8 @@ class DecentralizedKernel(FederatedMCMCKernel):
         chains = keys.shape[0]
         x = own.x
         core = NetworkState(own, jax.vmap(lambda v: deliver(adjacency, v))(x))
-        n = adjacency.shape[0]
-        info_struct = jax.eval_shape(lambda: network_iteration(
-            program, adjacency, agent_keys(keys[0], n, 0), jax.tree.map(lambda a: a[0], core))[1])
-        info = jax.tree.map(lambda s: jnp.zeros((chains,) + s.shape, s.dtype), info_struct)
+        shapes = info_struct(program, adjacency, self._network.local_struct(), jax.tree.map(lambda a: a[0], core))
+        info = jax.tree.map(lambda s: jnp.zeros((chains,) + s.shape, s.dtype), shapes)
         sent = SentCounts(jnp.asarray(resume["sent"][:, 0]), jnp.asarray(resume["sent"][:, 1]))
         i = jnp.full((chains,), resume["i"], jnp.int32)
         state = DecentralizedState(i, *jax.vmap(self._views)(x), core, info, keys, sent)
@@ -397,8 +430,14 @@ class DecentralizedKernel(FederatedMCMCKernel):
         draws = jax.vmap(ravel)(jax.tree.map(lambda v: v[:, self.agent], values))
         if draws.shape[0] < 20 or not bool(jnp.all(jnp.isfinite(draws))):
             return None, None
-        grads = np.asarray(jax.device_get(jax.lax.map(jax.grad(self.agent_potentials.total), draws,
-                                                       batch_size=256)), dtype=np.float64)
+        potentials = self.agent_potentials
+        if potentials.deployed:
+            # each agent's gradients at the draws, computed where it lives (a diagnostic call)
+            per_agent = potentials.per_agent("diagnostics", partial(_grads_at, potentials.fn), draws)
+            grads = np.asarray(jax.device_get(per_agent), dtype=np.float64).sum(0)
+        else:
+            grads = np.asarray(jax.device_get(jax.lax.map(jax.grad(potentials.total), draws,
+                                                           batch_size=256)), dtype=np.float64)
         x = np.asarray(jax.device_get(draws), dtype=np.float64)
         deviation = x - x.mean(0)
         stein_scale = np.mean(deviation * grads, axis=0)
@@ -515,3 +554,9 @@ class DecentralizedKernel(FederatedMCMCKernel):
         if kernel.federated_potential is None:
             raise RuntimeError("run the MCMC first")
         return kernel
+
+
+def _grads_at(fn, block, prior_weight, draws):
+    """One agent's gradients of its potential at ``draws`` (``(T, d)``)."""
+    grad = jax.grad(fn)
+    return jax.lax.map(lambda x: grad(x, block, prior_weight), draws, batch_size=256)

@@ -37,7 +37,7 @@ import numpy as np
 
 from numpyro_fed._checks import check_positive, check_real
 from numpyro_fed.federation.decentralized import AgentProgram, neighbors
-from numpyro_fed.infer.admm.agents import AgentPotentials, disagreement, mixed, neighbor_sums
+from numpyro_fed.infer.admm.agents import AgentPotentials, attach_block, disagreement, mixed, neighbor_sums
 
 __all__ = [
     "GradientInfo",
@@ -116,7 +116,7 @@ def largest_curvatures(potentials: AgentPotentials, x, *, iterations: int = 30, 
     start = jax.random.normal(rng_key, x.shape, dtype=x.dtype)
     tiny = jnp.finfo(x.dtype).tiny
 
-    def one(block, weight):
+    def one(block, weight):  # runs where the agent lives: returns one number
         def hvp(u):
             return jax.jvp(lambda y: grad(y, block, weight), (x,), (u,))[1]
 
@@ -127,7 +127,7 @@ def largest_curvatures(potentials: AgentPotentials, x, *, iterations: int = 30, 
         u = lax.fori_loop(0, iterations, body, start / jnp.linalg.norm(start))
         return jnp.linalg.norm(hvp(u))
 
-    return jax.jit(jax.vmap(one))(potentials.data, potentials.prior_weights)
+    return potentials.per_agent("curvature", one)
 
 
 def _graph_of(mixing):
@@ -270,7 +270,7 @@ def build_dsgld_program(potentials: AgentPotentials, mixing, step_size: float) -
     def receive(local, x_new, inbox, previous_inbox, mask):
         return SGLDState(x_new), GradientInfo(_residual(x_new, inbox, mask))
 
-    return AgentProgram(lambda own: own.x, send, receive, local)
+    return AgentProgram(lambda own: own.x, send, receive, local, attach_block if potentials.deployed else None)
 
 
 def build_dsghmc_program(potentials: AgentPotentials, mixing, step_size: float, friction: float) -> AgentProgram:
@@ -295,7 +295,7 @@ def build_dsghmc_program(potentials: AgentPotentials, mixing, step_size: float, 
     def receive(local, pending, inbox, previous_inbox, mask):
         return pending, GradientInfo(_residual(pending.x, inbox, mask))
 
-    return AgentProgram(lambda own: own.x, send, receive, local)
+    return AgentProgram(lambda own: own.x, send, receive, local, attach_block if potentials.deployed else None)
 
 
 def build_dula_program(potentials: AgentPotentials, *, alpha0: float, zeta0: float, chi1: float, chi2: float,
@@ -322,4 +322,4 @@ def build_dula_program(potentials: AgentPotentials, *, alpha0: float, zeta0: flo
     def receive(local, pending, inbox, previous_inbox, mask):
         return pending, GradientInfo(_residual(pending.x, inbox, mask))
 
-    return AgentProgram(lambda own: own.x, send, receive, local)
+    return AgentProgram(lambda own: own.x, send, receive, local, attach_block if potentials.deployed else None)
