@@ -90,6 +90,11 @@ class DADMMS(DecentralizedKernel):
         so that a dead or silent agent raises a
         :class:`~numpyro_fed.federation.decentralized.NetworkError` (a ``ClientError``)
         naming it, with the state to resume from (see the guide, "Run across machines").
+        **Deployment**: given a federation with ``loader=`` and ``num_clients=``
+        (``nf.RayFederation(loader=load, num_clients=N)``), each agent loads its own rows
+        with ``load(i)`` where it lives and ``MCMC.run(rng_key)`` takes no data arguments; the
+        set-up questions (is each potential quadratic) are answered by the agents, each agent
+        factors its own closed-form step, and the driver never holds a row.
 
     Diagnostics per agent and iteration (``extra_fields``, and ``sample_stats`` of
     :func:`~numpyro_fed.to_inference_data`): ``primal_residual``, ``dual_residual``,
@@ -213,7 +218,9 @@ class ADMM(DADMMS):
     """Consensus ADMM (C-ADMM; D-ADMMS without noise, ``w_i = 0`` in Algorithm 1): the
     optimization baseline of the paper. On a connected graph every agent's iterate
     converges to the MAP (the minimizer of the potential on the unconstrained space).
-    Same arguments as :class:`DADMMS` except ``noise_scale``.
+    Same arguments as :class:`DADMMS` except ``noise_scale``; on a federation, and in
+    deployment (the agents load their own rows: ``federation=nf.RayFederation(loader=load,
+    num_clients=N)`` and ``MCMC.run(rng_key)`` without data), as :class:`DADMMS`.
 
     >>> import jax, numpyro, numpyro.distributions as dist
     >>> from numpyro.infer import MCMC
@@ -272,7 +279,10 @@ class DSGLD(DecentralizedKernel):
     Other arguments (``topology``, ``prior_weights``, ``init_scale``, ``partition``,
     ``agent``, ``federation``) and the output are those of :class:`~numpyro_fed.DADMMS`: on a
     :class:`~numpyro_fed.RayFederation` each agent is an actor that sends its iterate to its
-    neighbors' actors directly.
+    neighbors' actors directly. In deployment (``federation=nf.RayFederation(loader=load,
+    num_clients=N)``, ``MCMC.run(rng_key)`` without data) each agent loads its own rows where
+    it lives and answers the step-size check (its potential's largest curvature at the start,
+    one number) from them; the driver never holds a row.
 
     >>> import jax, numpyro, numpyro.distributions as dist
     >>> from numpyro.infer import MCMC
@@ -313,7 +323,8 @@ class DSGHMC(DecentralizedKernel):
     :param float step_size: ``eta`` (the paper: 0.1 for linear, 0.02 for logistic regression).
     :param float friction: ``gamma`` (the paper: 7 for linear, 30 for logistic regression).
 
-    Momenta start at zero. Other arguments as :class:`DSGLD`.
+    Momenta start at zero. Other arguments, federations and deployment (agents that load
+    their own rows) as :class:`DSGLD`.
     """
 
     info_names = GradientInfo._fields
@@ -353,7 +364,8 @@ class DULA(DecentralizedKernel):
     :param float chi1: ``None``: the paper's choice, 0.55 on a complete graph, else 0.05.
     :param float chi2: 0.05 in the paper.
 
-    Other arguments as :class:`DSGLD`.
+    Other arguments, federations and deployment (agents that load their own rows) as
+    :class:`DSGLD`.
     """
 
     info_names = GradientInfo._fields
