@@ -274,8 +274,8 @@ def _register_numpyro_mcmc():
         sampler = mcmc.sampler
         if hasattr(sampler, "check_run"):
             sampler.check_run(mcmc)
-        potential = getattr(sampler, "federated_potential", None)
-        if potential is not None and potential.deployed and not (mcmc._args or mcmc._kwargs):
+        split = getattr(sampler, "federated_potential", None)
+        if split is not None and split.deployed and not (mcmc._args or mcmc._kwargs):
             # deployment: the rows are on the clients; the model is traced with stand-ins (zeros
             # shaped like the pooled arguments), so observations and likelihoods cannot be had
             if observed_data or log_likelihood:
@@ -283,7 +283,7 @@ def _register_numpyro_mcmc():
                                  "observed data and no per-row log-likelihood; convert with "
                                  "observed_data=False and log_likelihood=False")
             mcmc = copy.copy(mcmc)
-            mcmc._args, mcmc._kwargs = potential.stand_in_arguments
+            mcmc._args, mcmc._kwargs = split.stand_in_arguments
         if kwargs.get("dims") is None:
             # NumPyro keeps the model's arguments of the last run only in MCMC._args and
             # MCMC._kwargs (no public accessor; ArviZ's from_numpyro reads the same fields).
