@@ -34,14 +34,15 @@ __all__ = ["RayFederation", "thread_limits"]
 
 
 def thread_limits(threads: int = 1) -> dict:
-    """Environment variables that limit a JAX process to ``threads`` compute threads (XLA's
-    CPU thread pool, OpenMP, MKL, OpenBLAS): what each client actor gets, so that several
-    clients on one machine do not oversubscribe its cores."""
-    flags = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1" if threads == 1 \
-        else f"intra_op_parallelism_threads={threads}"
+    """Environment variables that limit a JAX process to ``threads`` compute threads (OpenMP,
+    MKL, OpenBLAS; with ``threads=1`` also XLA's multi-threaded Eigen kernels, which XLA can
+    only switch off, not size): what each client actor gets, so that several clients on one
+    machine do not oversubscribe its cores."""
     n = str(threads)
-    return {"XLA_FLAGS": flags, "OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n,
-            "OPENBLAS_NUM_THREADS": n, "TF_NUM_INTRAOP_THREADS": n}
+    limits = {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "OPENBLAS_NUM_THREADS": n, "TF_NUM_INTRAOP_THREADS": n}
+    if threads == 1:
+        limits["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false"
+    return limits
 
 
 def _import_ray():
