@@ -2,6 +2,7 @@
 
 import threading
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -66,17 +67,23 @@ def test_ledger_counts_the_protocol(data):
     counts come back; every client takes part in every round."""
     kernel, mcmc = run(InProcess(), data, num_warmup=0, num_samples=50)
     d, f64, i32 = 3, 8, 4
-    assert kernel.message_sizes == {"to_client": 5 * d * f64 + 3 * f64 + 2 * i32 + d * f64 - d * f64 + 0,
-                                    "from_client": f64 + i32 + 3 * i32} or True
     ledger = kernel.message_ledger(mcmc)
     rounds = int(mcmc.get_extra_fields()["info.rounds"].sum())
-    assert ledger["messages_from_client"].tolist() == [rounds, rounds]
-    assert ledger["bytes_from_client"].tolist() == [rounds * (f64 + i32 + 3 * i32)] * 2
+    assert ledger["propose/messages_from_client"].tolist() == [rounds, rounds]
+    assert ledger["propose/bytes_from_client"].tolist() == [rounds * (f64 + i32 + 3 * i32)] * 2
     # x, v, point, mean gradient, shift (d each), window, horizon, weight (f64), a key (2 x uint32)
-    assert ledger["bytes_to_client"].tolist() == [rounds * (5 * d * f64 + 3 * f64 + 2 * i32)] * 2
+    assert ledger["propose/bytes_to_client"].tolist() == [rounds * (5 * d * f64 + 3 * f64 + 2 * i32)] * 2
+    # the set-up: the mode search's evaluations and the gradients at the reference (d down,
+    # d + 1 up), one Hessian per Newton check (d down, d^2 up)
+    setup = kernel.setup_tally.messages
+    assert setup["value_and_grad"] > 5 and setup["hessian"] >= 1
+    assert ledger["value_and_grad/bytes_from_client"].tolist() == [setup["value_and_grad"] * (d + 1) * f64] * 2
+    assert ledger["value_and_grad/bytes_to_client"].tolist() == [setup["value_and_grad"] * d * f64] * 2
+    assert ledger["hessian/bytes_from_client"].tolist() == [setup["hessian"] * d * d * f64] * 2
+    assert ledger["messages_from_client"].tolist() == [rounds + setup["value_and_grad"] + setup["hessian"]] * 2
     stats = kernel.sample_stats(mcmc.get_extra_fields(group_by_chain=True))
     assert stats["messages_from_client"][0].shape == (1, 50, 2) and stats["messages_from_client"][1] == ["client"]
-    assert stats["bytes_to_client"][0].sum() == ledger["bytes_to_client"].sum()
+    assert stats["bytes_to_client"][0].sum() == ledger["propose/bytes_to_client"].sum()
 
 
 def test_private_replies_carry_only_time_and_coordinate(data):
@@ -84,6 +91,8 @@ def test_private_replies_carry_only_time_and_coordinate(data):
                        dp_epsilon=5.0, dp_delta=1e-3)
     assert kernel.message_sizes["from_client"] == 8 + 4
     ledger = kernel.message_ledger(mcmc)
+    # no set-up: no control variates under the guarantee, so no mode search
+    assert kernel.setup_tally.messages == {"value_and_grad": 0, "hessian": 0}
     assert ledger["messages_from_client"].sum() == 2 * int(mcmc.get_extra_fields()["info.rounds"].sum())
 
 
@@ -103,9 +112,15 @@ def test_ray_agrees_bit_for_bit_and_ledgers_match(ray_federation, data):
     np.testing.assert_array_equal(np.asarray(local.get_samples()["w"]), np.asarray(remote.get_samples()["w"]))
     counted = ray_federation.ledger.summary()
     reported = kernel.message_ledger(remote)
-    for name in ("messages_to_client", "bytes_to_client", "messages_from_client", "bytes_from_client", "rounds"):
+    assert set(reported) == {name for name in counted if "peer" not in name}
+    assert not counted["messages_to_peer"].any()
+    for name in reported:
         assert counted[name].tolist() == reported[name].tolist(), name
-    assert ray_federation.ledger.round_trips == int(remote.get_extra_fields()["info.rounds"].sum())
+    setup = kernel.setup_tally.messages
+    assert setup["value_and_grad"] > 0
+    # one round trip per round, per set-up call (the BFGS's evaluations, the checks)
+    assert ray_federation.ledger.round_trips == int(remote.get_extra_fields()["info.rounds"].sum()) + \
+        counted["value_and_grad/rounds"][0] + counted["hessian/rounds"][0]
 
 
 def test_killed_worker_names_the_client_and_the_run_resumes(ray_federation, ray_session, data):
@@ -141,3 +156,164 @@ def test_killed_worker_names_the_client_and_the_run_resumes(ray_federation, ray_
         resumed.run(state.rng_key, *data)
     assert resumed.get_samples()["w"].shape == (30, 3)
     assert np.isfinite(resumed.get_samples()["w"]).all()
+
+
+# -- the set-up through the federation, and deployment (each client loads its own rows) ------
+
+SENTINEL = 1.2345678901234567  # planted in client 1's rows only (a plausible covariate)
+
+
+def planted(data):
+    X, y = data
+    X = X.copy()
+    X[60, 0] = SENTINEL  # client 1's first row (two even clients of 60 rows)
+    return X, y
+
+
+def holds_sentinel(*objects):
+    cloudpickle = pytest.importorskip("cloudpickle")
+    return np.float64(SENTINEL).tobytes() in cloudpickle.dumps(objects)
+
+
+def per_client_loader(tmp_path, data, dtype=np.float64):
+    """Client m's rows in its own files; the loader records the process that reads them."""
+    X, y = data
+    for m in range(2):
+        np.save(tmp_path / f"X{m}.npy", X[60 * m:60 * (m + 1)].astype(dtype))
+        np.save(tmp_path / f"y{m}.npy", y[60 * m:60 * (m + 1)].astype(dtype))
+    return _Loader(str(tmp_path))
+
+
+class _Loader:
+    def __init__(self, folder):
+        self.folder = folder
+
+    def __call__(self, m):
+        import os
+
+        with open(f"{self.folder}/pids", "a") as pids:
+            pids.write(f"{os.getpid()}\n")
+        return np.load(f"{self.folder}/X{m}.npy"), np.load(f"{self.folder}/y{m}.npy")
+
+    def pids(self):
+        with open(f"{self.folder}/pids") as pids:
+            return {int(line) for line in pids}
+
+
+def deployed_run(federation, *, num_warmup=20, num_samples=30, seed=0, **options):
+    kernel = nf.FedZigZag(logistic, sample_interval=0.5, federation=federation, **options)
+    mcmc = MCMC(kernel, num_warmup=num_warmup, num_samples=num_samples, progress_bar=False)
+    with federation.guard():
+        mcmc.run(jax.random.PRNGKey(seed))
+    return kernel, mcmc
+
+
+@pytest.mark.parametrize("options", [
+    {}, pytest.param({"preconditioner": "laplace", "control_variates": "second_order"}, marks=pytest.mark.slow)],
+    ids=["default", "laplace-second-order"])
+def test_the_set_up_through_a_federation_equals_the_pooled_one(data, options):
+    """With a federation the mode search, the gradients at the reference and the Laplace
+    preconditioner come from the clients' replies; they equal what the pooled blocks give
+    (federation=None) to round-off."""
+    key = jax.random.PRNGKey(0)
+    found = {}
+    for name, federation in (("pooled", None), ("asked", InProcess())):
+        kernel = nf.FedZigZag(logistic, federation=federation, **options)
+        state = kernel.init(key, 0, None, data, {})  # the set-up only: nothing is sampled
+        found[name] = kernel, state.adapt.reference
+    (pooled, a), (asked, b) = found["pooled"], found["asked"]
+    assert pooled.mode_search.is_mode and asked.mode_search.is_mode
+    np.testing.assert_allclose(asked.reference_point, pooled.reference_point, rtol=1e-6, atol=1e-8)
+    second = bool(options)
+    if second:
+        np.testing.assert_allclose(asked.preconditioning.scale, pooled.preconditioning.scale, rtol=1e-6, atol=1e-8)
+    for name in ("term_grads", "prior_grad") + (("term_hessians", "prior_hessian") if second else ()):
+        np.testing.assert_allclose(getattr(b, name), getattr(a, name), rtol=1e-6, atol=1e-6, err_msg=name)
+    # a Hessian per Newton check, one for the Laplace preconditioner and one for the second order
+    assert asked.setup_tally.messages["hessian"] >= 1 + 2 * second and pooled.setup_tally is None
+
+
+@pytest.mark.parametrize("options", [
+    {}, pytest.param({"dp_sensitivity": 2.0, "dp_epsilon": 5.0, "dp_delta": 1e-3}, marks=pytest.mark.slow)],
+    ids=["default", "private"])
+def test_deployment_equals_simulation_bit_for_bit(data, tmp_path, options):
+    """Each client loads its own rows (InProcess(loader=...)): the same draws, set-up and
+    ledger as the simulation that cuts the pooled rows, for the same key."""
+    _, simulated = run(InProcess(), data, num_samples=30, **options)
+    loader = per_client_loader(tmp_path, data)
+    kernel, deployed = deployed_run(InProcess(loader=loader, num_clients=2), **options)
+    assert kernel.federated_potential.deployed
+    np.testing.assert_array_equal(np.asarray(deployed.get_samples()["w"]), np.asarray(simulated.get_samples()["w"]))
+    assert kernel.privacy is None or kernel.setup_tally.messages["value_and_grad"] == 0
+
+
+@pytest.mark.slow
+def test_deployment_in_float32(data, tmp_path):
+    """Deployment and simulation in float32: both run, with the same draws."""
+    numpyro.enable_x64(False)
+    try:
+        data32 = tuple(a.astype(np.float32) for a in data)
+        _, simulated = run(InProcess(), data32, num_samples=20)
+        kernel, deployed = deployed_run(InProcess(loader=per_client_loader(tmp_path, data, np.float32),
+                                                  num_clients=2), num_samples=20)
+        w = np.asarray(deployed.get_samples()["w"])
+        assert w.dtype == np.float32 and np.isfinite(w).all()
+        np.testing.assert_array_equal(w, np.asarray(simulated.get_samples()["w"]))
+        assert kernel.setup_tally.itemsize == 4
+    finally:
+        numpyro.enable_x64(True)
+
+
+@pytest.mark.slow
+def test_deployment_on_ray_agrees_and_the_driver_holds_no_row(ray_session, data, tmp_path):
+    """On a local Ray each worker loads its own rows (the loader runs in the workers'
+    processes only); the run agrees with the in-process one, and nothing the driver keeps
+    (the sampler, its potential, the federation's program, the draws, the InferenceData)
+    holds a row of a client."""
+    import os
+
+    from numpyro_fed.federation.ray_backend import RayFederation
+
+    rows = planted(data)
+    simulation, simulated = run(InProcess(), rows, num_warmup=0, num_samples=30)
+    assert holds_sentinel(simulation.federation.blocks)  # the check sees rows when they are there
+    loader = per_client_loader(tmp_path, rows)
+    with RayFederation(loader=loader, num_clients=2, timeout=120.0) as federation:
+        kernel, deployed = deployed_run(federation, num_warmup=0, num_samples=30)
+        assert os.getpid() not in loader.pids() and len(loader.pids()) == 2
+        np.testing.assert_allclose(np.asarray(deployed.get_samples()["w"]),
+                                   np.asarray(simulated.get_samples()["w"]), rtol=1e-6, atol=1e-8)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # few effective draws: a short run
+            idata = nf.to_inference_data(deployed)
+        potential = kernel.federated_potential
+        assert potential.deployed
+        assert not holds_sentinel(potential.prior_potential_fn, potential.client_potential_fn,
+                                  potential.postprocess_fn, potential.block_loader, potential.init_params,
+                                  federation.program, federation.block_specs, deployed.get_samples(),
+                                  deployed.get_extra_fields(), kernel.message_ledger(deployed),
+                                  kernel.mode_search, kernel.last_state if hasattr(kernel, "last_state") else None,
+                                  deployed.last_state)
+        assert not holds_sentinel(idata.to_dict() if hasattr(idata, "to_dict") else idata)
+        # (its compiled sample function is left out: its closure reaches pytest's capture files)
+        fields = lambda sampler: {k: v for k, v in vars(sampler).items() if k != "_sample_fn"}  # noqa: E731
+        assert not holds_sentinel(fields(kernel))
+    assert holds_sentinel(fields(simulation))  # the simulation's sampler holds the rows it cut
+
+
+def test_deployment_on_ray_loads_on_the_workers_only(ray_session, data, tmp_path):
+    """The quick sibling of the test above (CI): a short deployed run on a local Ray; the
+    loaders ran in the workers' processes, and the driver's objects hold no client row."""
+    import os
+
+    from numpyro_fed.federation.ray_backend import RayFederation
+
+    loader = per_client_loader(tmp_path, planted(data))
+    with RayFederation(loader=loader, num_clients=2, timeout=120.0) as federation:
+        kernel, mcmc = deployed_run(federation, num_warmup=0, num_samples=5)
+        assert os.getpid() not in loader.pids() and len(loader.pids()) == 2
+        assert np.isfinite(np.asarray(mcmc.get_samples()["w"])).all() and kernel.mode_search.is_mode
+        assert not holds_sentinel({k: v for k, v in vars(kernel).items() if k != "_sample_fn"},
+                                  federation.program, mcmc.get_samples(), mcmc.last_state)
+        assert federation.ledger.summary()["value_and_grad/messages_from_client"].tolist() == \
+            [kernel.setup_tally.messages["value_and_grad"]] * 2

@@ -34,7 +34,7 @@ class ModeSearch(NamedTuple):
 
 
 def find_mode(fn, x0, *, num_steps: int = 200, max_attempts: int = 5,
-              newton_tolerance: float = 0.05) -> ModeSearch:
+              newton_tolerance: float = 0.05, hessian=None, tally=None) -> ModeSearch:
     """The MAP of the aggregated potential, or the report that there is none.
 
     The test of convergence is statistical, hence independent of the float type and of the
@@ -50,16 +50,35 @@ def find_mode(fn, x0, *, num_steps: int = 200, max_attempts: int = 5,
     >>> search = find_mode(lambda x: jnp.sum((x - 1.0) ** 2), jnp.zeros(2))
     >>> search.is_mode, jnp.round(search.point, 4).tolist()
     (True, [1.0, 1.0])
+
+    With a federation ``fn`` is ``prior + sum(federation.map("value_and_grad", x))`` and
+    ``hessian`` the one that asks the clients for theirs
+    (:class:`~numpyro_fed.infer.zigzag.setup.ClientTerms`): every evaluation is one call,
+    counted in ``tally`` (a :class:`~numpyro_fed.infer.zigzag.setup.SetupTally`): the BFGS's
+    evaluations (its ``nfev``), the gradients and values of the checks, one Hessian per
+    Newton check.
+
+    :param hessian: ``x -> (d, d)`` (default ``jax.hessian(fn)``).
+    :param tally: counts the evaluations of ``fn`` (``"value_and_grad"``) and ``hessian``.
     """
     dtype = x0.dtype
     eps = float(jnp.finfo(dtype).eps)
-    grad = jax.jit(jax.grad(fn))
+    count = tally.add if tally is not None else (lambda name, messages=1: None)
+    grad, value = jax.jit(jax.grad(fn)), jax.jit(fn)
+    count("value_and_grad")
     scale = 1.0 + float(jnp.max(jnp.abs(grad(x0))))
     gtol = math.sqrt(eps) * scale if math.isfinite(scale) else 1.0
-    run = jax.jit(lambda x: minimize(fn, x, method="BFGS", options={"maxiter": num_steps, "gtol": gtol}).x)
-    hessian = jax.jit(jax.hessian(fn))
+
+    def minimized(x):
+        result = minimize(fn, x, method="BFGS", options={"maxiter": num_steps, "gtol": gtol})
+        return result.x, result.nfev
+
+    run = jax.jit(minimized)
+    hessian = jax.jit(jax.hessian(fn) if hessian is None else hessian)
 
     def newton_step(x):
+        count("value_and_grad")
+        count("hessian")
         g, h = grad(x), hessian(x)
         h = (h + h.T) / 2
         chol = jnp.linalg.cholesky(h)
@@ -76,8 +95,9 @@ def find_mode(fn, x0, *, num_steps: int = 200, max_attempts: int = 5,
     step, g = newton_step(x)
     while step > newton_tolerance and attempts < max_attempts:
         attempts += 1
-        candidate = run(x)
-        if not (bool(jnp.all(jnp.isfinite(candidate))) and float(fn(candidate)) <= float(fn(x))):
+        candidate, evaluations = run(x)
+        count("value_and_grad", int(evaluations) + 2)
+        if not (bool(jnp.all(jnp.isfinite(candidate))) and float(value(candidate)) <= float(value(x))):
             break
         moved = float(jnp.max(jnp.abs(candidate - x)))
         x = candidate

@@ -81,11 +81,12 @@ def preconditioned_bound(bound, preconditioner: Preconditioner):
     return HessianBound(absolute.T @ bound.clients @ absolute, absolute.T @ bound.prior @ absolute)
 
 
-def laplace_preconditioner(flat_potential, mode, *, diagonal: bool = False) -> Preconditioner:
+def laplace_preconditioner(flat_potential, mode, *, diagonal: bool = False, hessian=None) -> Preconditioner:
     """The Laplace approximation at ``mode``: ``scale`` the Cholesky factor of the inverse
     Hessian there (``diagonal``: ``1 / sqrt`` of the Hessian's diagonal). In a federation this
-    is one aggregation round: each client's Hessian at the mode, summed with the prior's."""
-    hessian = jax.hessian(flat_potential)(mode)
+    is one aggregation round: each client's Hessian at the mode, summed with the prior's
+    (pass that as ``hessian``, ``x -> (d, d)``; default ``jax.hessian(flat_potential)``)."""
+    hessian = (jax.hessian(flat_potential) if hessian is None else hessian)(mode)
     if diagonal:
         curvature = jnp.diag(hessian)
         if not bool(jnp.all(curvature > 0)):

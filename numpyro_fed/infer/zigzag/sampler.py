@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from functools import partial
 from typing import NamedTuple
 
 import numpy as np
@@ -41,6 +42,9 @@ from numpyro_fed.infer.zigzag.warmup import WarmupState, init_warmup, warmup_ada
 from numpyro_fed.federation import Federation, InProcess
 from numpyro_fed.infer.zigzag.federated import build_federated_kernel, federated_init
 from numpyro_fed.infer.zigzag.proposers import client_functions
+from numpyro_fed.infer.zigzag.control_variates import ControlVariates
+from numpyro_fed.infer.zigzag.setup import ClientTerms, SetupTally, federated_reference, setup_functions
+from numpyro_fed.federation.ledger import DIRECTIONS
 from numpyro_fed.privacy import switching_time_guarantee
 
 __all__ = ["FedZigZag", "FedZigZagState"]
@@ -54,6 +58,20 @@ def _program_key(*parts):
         digest.update(repr((array.shape, array.dtype.str)).encode())
         digest.update(array.tobytes() if array.dtype != object else repr(leaf).encode())
     return digest.hexdigest()
+
+
+def _carry_ledger(previous, ledger):
+    """Adds the counts of ``previous`` (a :class:`~numpyro_fed.federation.MessageLedger`) to
+    ``ledger``: a restarted federation keeps what its set-up calls sent."""
+    for name in previous.names:
+        for direction in DIRECTIONS:
+            messages, nbytes = previous.count(name, direction, "messages"), previous.count(name, direction, "bytes")
+            if messages.any() or nbytes.any():
+                ledger.add(name, direction, None, messages=messages, nbytes=nbytes)
+        rounds = previous.rounds(name)
+        if rounds.any():
+            ledger.add(name, "to_client", None, messages=0, nbytes=0, rounds=rounds)
+    ledger.round_trips += previous.round_trips
 
 
 class FedZigZagState(NamedTuple):
@@ -88,7 +106,8 @@ class FedZigZag(FederatedMCMCKernel):
     :param model: a NumPyro model with a :class:`~numpyro_fed.federated_plate`.
     :param float sample_interval: process time between two samples (> 0).
     :param control_variates: ``True`` re-splits the clients' terms around a reference
-        point (the MAP, found at initialization from the aggregated gradient) so that the
+        point (the MAP, found at initialization from the aggregated gradient; with a
+        federation, from the clients' replies) so that the
         sum is unchanged but spurious switches vanish; ``None`` (default): on when M > 1.
         When the posterior has no mode (a funnel) the reference is re-centered during warmup
         on the warmup trajectory; at the end of warmup the control variates are kept only if
@@ -157,8 +176,14 @@ class FedZigZag(FederatedMCMCKernel):
         ``sample_stats`` and :meth:`message_ledger`; on an engine backend the draws are kept
         on the host as they complete (:attr:`last_completed_state`, :attr:`completed_draws`)
         so that a run stopped by a :class:`~numpyro_fed.federation.ClientError` can resume.
-        Run ``MCMC.run`` under ``with federation.guard():`` to get that error as itself. See
-        the user guide, "Run across machines".
+        Run ``MCMC.run`` under ``with federation.guard():`` to get that error as itself.
+        The set-up goes through the federation too (:mod:`~numpyro_fed.infer.zigzag.setup`):
+        the mode search, the gradients at the reference point and any Hessians are the
+        clients' replies to ``"value_and_grad"`` and ``"hessian"`` calls, counted in
+        :meth:`message_ledger`. **Deployment**: given a federation with ``loader=`` (e.g.
+        ``nf.RayFederation(loader=load, num_clients=M)``) run ``MCMC.run(rng_key)`` without
+        data arguments: each client loads its own rows where it lives and the driver never
+        holds one. See the user guide, "Run across machines".
 
     A sample that makes ``max_proposals`` proposals (at least 50) without one switch stops
     its chain: the remaining draws repeat its last position, are marked ``hit_event_cap``,
@@ -166,9 +191,10 @@ class FedZigZag(FederatedMCMCKernel):
     :class:`ModeSearch`) says whether a mode was found.
 
     The privacy guarantee covers **each switching time a client sends, one message at a
-    time**; it is not composed over the many messages of a run. Control variates need one
-    aggregation round of gradients that the theorem does not cover, so they are off when a
-    guarantee is asked for (and asking for both is an error).
+    time**; it is not composed over the many messages of a run. Control variates need set-up
+    rounds of gradients (the mode search; through the federation when there is one) that the
+    theorem does not cover, so they are off when a guarantee is asked for (and asking for
+    both is an error).
 
     **Example**
 
@@ -198,6 +224,17 @@ class FedZigZag(FederatedMCMCKernel):
     True
     >>> sampler.message_ledger(mcmc)["bytes_from_client"].shape  # one entry per client
     (4,)
+
+    Deployment: each client loads its own rows (here in this process; with
+    ``nf.RayFederation(loader=load, num_clients=4)`` on its worker), and ``run`` takes no data.
+
+    >>> def load(m):
+    ...     return (y[25 * m:25 * (m + 1)],)
+    >>> sampler = nf.FedZigZag(model, sample_interval=0.2, federation=InProcess(loader=load, num_clients=4))
+    >>> mcmc = MCMC(sampler, num_warmup=50, num_samples=200, progress_bar=False)
+    >>> mcmc.run(jax.random.PRNGKey(1))
+    >>> sampler.federated_potential.deployed, mcmc.get_samples()["mu"].shape
+    (True, (200,))
     """
 
     #: the counts of :class:`~numpyro_fed.infer.zigzag.SampleInfo` reported in ``sample_stats``
@@ -238,6 +275,11 @@ class FedZigZag(FederatedMCMCKernel):
         self.last_completed_state = None
         self.completed_draws = []
         self._program_key = None
+        self._program = None
+        self._program_data = None
+        #: with a federation: the set-up calls of the last ``init``
+        #: (a :class:`~numpyro_fed.infer.zigzag.setup.SetupTally`)
+        self.setup_tally = None
         if isinstance(preconditioner, str) and preconditioner not in ("laplace", "diagonal"):
             raise ValueError(f"preconditioner must be None, 'laplace', 'diagonal' or an array, got {preconditioner!r}")
         self.preconditioner = preconditioner
@@ -364,24 +406,41 @@ class FedZigZag(FederatedMCMCKernel):
         }
 
     def message_ledger(self, mcmc) -> dict:
-        """What crossed the wire in ``mcmc``'s recorded draws, per client: ``{name: (M,)
-        int array}`` with the names of :meth:`MessageLedger.summary
-        <numpyro_fed.federation.MessageLedger.summary>` (``messages_to_client``,
-        ``bytes_to_client``, ``messages_from_client``, ``bytes_from_client``, ``rounds``).
+        """What crossed the wire in ``mcmc``'s run, per client: ``{name: (M,) int array}``
+        with the names of :meth:`MessageLedger.summary
+        <numpyro_fed.federation.MessageLedger.summary>`: totals (``messages_to_client``,
+        ``bytes_to_client``, ``messages_from_client``, ``bytes_from_client``, ``rounds``) and
+        the same per call, prefixed ``"propose/"``, ``"value_and_grad/"``, ``"hessian/"``.
 
-        In a round the server sends every client the current point and its settings, and
-        every client answers with one :class:`~numpyro_fed.infer.zigzag.federated.Proposal`
-        (its first switching time and coordinate; plus its
-        :class:`~numpyro_fed.infer.zigzag.federated.ClientCounts` when no privacy guarantee is
-        asked for). The draws of the warmup are included when ``mcmc`` recorded them
-        (``collect_warmup=True``)."""
+        ``propose``: in a round the server sends every client the current point and its
+        settings, and every client answers with one
+        :class:`~numpyro_fed.infer.zigzag.federated.Proposal` (its first switching time and
+        coordinate; plus its :class:`~numpyro_fed.infer.zigzag.federated.ClientCounts` when no
+        privacy guarantee is asked for); the rounds of the warmup's draws are included when
+        ``mcmc`` recorded them (``collect_warmup=True``). The set-up calls
+        (:mod:`~numpyro_fed.infer.zigzag.setup`: the mode search, the control variates'
+        reference, a Laplace preconditioner, the warmup's re-centering and comparison) are
+        always included: ``d`` numbers down per message, ``d + 1`` up for
+        ``"value_and_grad"``, ``d^2`` for ``"hessian"``."""
         if self.federation is None:
             raise ValueError("message_ledger: this FedZigZag has no federation (federation=None: "
                              "the clients are vectorized in this process and send no messages)")
         rounds = np.asarray(jax.device_get(mcmc.get_extra_fields()["info.rounds"]))
-        ledger = {name: value.reshape(-1, value.shape[-1]).sum(0) for name, value in self._ledger_of(rounds).items()}
-        ledger["rounds"] = ledger["messages_from_client"].copy()
-        return ledger
+        ledger = {"propose/" + name: value.reshape(-1, value.shape[-1]).sum(0)
+                  for name, value in self._ledger_of(rounds).items()}
+        ledger["propose/rounds"] = ledger["propose/messages_from_client"].copy()
+        if self.setup_tally is not None:
+            warmup = {}
+            state = getattr(mcmc, "last_state", None)
+            if state is not None and hasattr(state, "adapt"):
+                calls = np.asarray(jax.device_get(state.adapt.client_calls)).reshape(-1, 2).sum(0)
+                warmup = {"value_and_grad": int(calls[0]), "hessian": int(calls[1])}
+            ledger.update(self.setup_tally.summary(self.federated_potential.num_clients, warmup))
+        totals = {}
+        for key, value in ledger.items():
+            name = key.split("/", 1)[1]
+            totals[name] = totals.get(name, 0) + value
+        return {**totals, **ledger}
 
     def _keep_completed(self, state):
         """Host side: keeps the state after a completed draw (and its draw)."""
@@ -395,14 +454,14 @@ class FedZigZag(FederatedMCMCKernel):
 
     # -- set-up: the mode, the preconditioner, the kernel ------------------------------------
 
-    def _search_mode(self, flat_potential, start, init_params, ravel, vectorized, num_warmup):
+    def _search_mode(self, flat_potential, start, init_params, ravel, vectorized, num_warmup, *, hessian=None):
         """``(start, use_cv, recenter)`` after looking for the mode when the control variates
         or a Laplace preconditioner need it (one mode for all chains: it is the target's)."""
         kind = bound_kind(self.bounds)
         search_from = start
         if init_params is not None:
             search_from = ravel(init_params)[0] if vectorized else ravel(init_params)
-        search = self.mode_search = find_mode(flat_potential, search_from)
+        search = self.mode_search = find_mode(flat_potential, search_from, hessian=hessian, tally=self.setup_tally)
         if search.is_mode:
             self.reference_point = search.point
             return search.point, True, False
@@ -429,74 +488,130 @@ class FedZigZag(FederatedMCMCKernel):
         )
         return start, False, False
 
-    def _preconditioning(self, flat_potential, d, dtype):
+    def _preconditioning(self, flat_potential, d, dtype, *, hessian=None):
         """The :class:`~numpyro_fed.infer.zigzag.Preconditioner` asked for, or ``None``."""
         if self.preconditioner is None:
             return None
         if isinstance(self.preconditioner, str):
+            if self.setup_tally is not None:
+                self.setup_tally.add("hessian")
             return laplace_preconditioner(flat_potential, self.reference_point,
-                                          diagonal=self.preconditioner == "diagonal")
+                                          diagonal=self.preconditioner == "diagonal", hessian=hessian)
         return user_preconditioner(self.preconditioner, self.reference_point, d, dtype)
+
+    # -- the clients' program (with a federation) ------------------------------------------
+
+    def _data_key(self, potential):
+        if potential.deployed:  # the rows are the loaders' (on the clients): their counts are known
+            return _program_key(potential.client_sizes, "deployed")
+        return _program_key(potential.client_data)
+
+    def _start_program(self, potential, functions, key, data_key):
+        """Starts the federation on ``functions`` (the set-up calls and, when known, the
+        proposals) unless it runs this kernel's program for ``key`` already. What the set-up
+        calls counted in the federation's ledger is kept across a restart."""
+        fed = self.federation
+        if fed.started and fed.program is self._program and key == self._program_key:
+            return
+        previous = fed.ledger if fed.started and fed.program is self._program else None
+        program = potential.client_program(functions)
+        fed.start(program)
+        if previous is not None:
+            _carry_ledger(previous, fed.ledger)
+        self._program, self._program_key, self._program_data = program, key, data_key
 
     def init(self, rng_key, num_warmup, init_params, model_args, model_kwargs):
         # MCMC(..., chain_method="vectorized") passes one key per chain.
         vectorized = not is_prng_key(rng_key)
         first_key = rng_key[0] if vectorized else rng_key
         potential = self.init_potential(jax.random.fold_in(first_key, 0), model_args, model_kwargs)
+        federated = self.federation is not None
+        # in deployment this builds closures only: with a federation the clients are asked
         proposers, prior_weights = proposers_from_potential(potential, prior=self.prior)
         use_cv = potential.num_clients > 1 if self.control_variates is None else bool(self.control_variates)
         ravel = jax.vmap(potential.ravel) if vectorized else potential.ravel
-        flat_potential = jax.jit(potential.flat().potential)
         start = potential.ravel(potential.init_params)
         d = start.shape[-1]
         num_warmup = int(num_warmup)
+        order = 2 if self.control_variates == "second_order" else 1
+        redistribution_rate = self.redistribution_rate if self.prior == "redistribute" else 0.0
+        bounds = self.bounds
+        if not isinstance(bounds, str):
+            bounds = per_proposer_bound(bounds, potential.num_clients, proposers.num, d, start.dtype)
+        hessian = terms = None
+        self.setup_tally = None
+        if federated:
+            # the set-up through the federation: the clients answer named calls on their rows
+            clients = client_functions(potential)
+            self.setup_tally = SetupTally(d, start.dtype.itemsize)
+
+            def program(reference, preconditioning):
+                self.message_sizes = {}
+                kernel, client_fn = build_federated_kernel(
+                    self.federation, clients, num_clients=potential.num_clients,
+                    prior_on_server=self.prior == "server", reference=reference, excess_rate=self.excess_rate,
+                    redistribution_rate=redistribution_rate, bounds=bounds, grid_size=self.grid_size,
+                    safety_factor=self.safety_factor, max_proposals=self.max_proposals,
+                    full_covariance=self.full_covariance, skeleton_size=self.skeleton_size,
+                    preconditioner=preconditioning, counts=self.privacy is None, second_order=order == 2,
+                    sizes=self.message_sizes,
+                )
+                # the workers keep their program (and what they compiled) while it does not change
+                key = _program_key(data_key, self.privacy is None, reference is not None, order, bounds,
+                                   preconditioning, self.excess_rate, self.grid_size, self.safety_factor)
+                return kernel, {**setup_functions(potential.flat().client_potential), "propose": client_fn}, key
+
+            data_key = self._data_key(potential)
+            fed = self.federation
+            if not (fed.started and fed.program is self._program and self._program_data == data_key):
+                if self.preconditioner is None:  # the proposals' program is known before the set-up
+                    placeholder = ControlVariates(start, jnp.zeros((proposers.num, d), start.dtype), start) \
+                        if use_cv else None
+                    _, functions, key = program(placeholder, None)
+                else:
+                    functions, key = setup_functions(potential.flat().client_potential), None
+                self._start_program(potential, functions, key, data_key)
+            terms = ClientTerms(fed, potential.flat().prior_potential, potential.num_clients, self.prior == "server")
+            proposers = terms.proposers(clients.prior_grad_and_slope)
+            flat_potential, hessian = terms.potential, terms.hessian
+        else:
+            flat_potential = jax.jit(potential.flat().potential)
         self.reference_point = None
         self.mode_search = None
         recenter = False  # re-center the control variates on the warmup trajectory
         if use_cv or isinstance(self.preconditioner, str):
             start, found_cv, recenter = self._search_mode(flat_potential, start, init_params, ravel,
-                                                          vectorized, num_warmup)
+                                                          vectorized, num_warmup, hessian=hessian)
             use_cv = use_cv and found_cv
         if init_params is not None:
             start = ravel(init_params)
 
-        self.preconditioning = self._preconditioning(flat_potential, d, start.dtype)
-        bounds = self.bounds
-        if not isinstance(bounds, str):
-            bounds = per_proposer_bound(bounds, potential.num_clients, proposers.num, d, start.dtype)
+        self.preconditioning = self._preconditioning(flat_potential, d, start.dtype, hessian=hessian)
         if self.preconditioning is not None:
             proposers = precondition(proposers, self.preconditioning)
             if not isinstance(bounds, str):
                 bounds = preconditioned_bound(bounds, self.preconditioning)
             start = self.preconditioning.to_u(start)
-        order = 2 if self.control_variates == "second_order" else 1
         reference = None
+        reference_fn = None
+        if federated:
+            reference_fn = partial(federated_reference, terms, proposers.prior_grad_and_slope, order=order,
+                                   preconditioner=self.preconditioning)
         if use_cv:
             # without a mode: a placeholder at the start, inactive until the first re-centering
             point = self.reference_point if self.reference_point is not None else (start[0] if start.ndim == 2 else start)
             if self.preconditioning is not None and self.reference_point is not None:
                 point = self.preconditioning.to_u(point)
-            reference = control_variate_reference(proposers, point, order=order)
-        redistribution_rate = self.redistribution_rate if self.prior == "redistribute" else 0.0
-        federated = self.federation is not None
+            if federated:
+                reference = reference_fn(point)
+                self.setup_tally.add("value_and_grad")
+                if order == 2:
+                    self.setup_tally.add("hessian")
+            else:
+                reference = control_variate_reference(proposers, point, order=order)
         if federated:
-            self.message_sizes = {}
-            kernel, client_fn = build_federated_kernel(
-                self.federation, client_functions(potential), num_clients=potential.num_clients,
-                prior_on_server=self.prior == "server", reference=reference, excess_rate=self.excess_rate,
-                redistribution_rate=redistribution_rate, bounds=bounds, grid_size=self.grid_size,
-                safety_factor=self.safety_factor, max_proposals=self.max_proposals,
-                full_covariance=self.full_covariance, skeleton_size=self.skeleton_size,
-                preconditioner=self.preconditioning, counts=self.privacy is None, second_order=order == 2,
-                sizes=self.message_sizes,
-            )
-            # the workers keep their program (and what they compiled) while it does not change
-            program_key = _program_key(potential.client_data, self.privacy is None, reference is not None, order,
-                                       bounds, self.preconditioning, self.excess_rate, self.grid_size,
-                                       self.safety_factor)
-            if not (self.federation.started and program_key == self._program_key):
-                self.federation.start(potential.client_program({"propose": client_fn}))
-            self._program_key = program_key
+            kernel, functions, key = program(reference, self.preconditioning)
+            self._start_program(potential, functions, key, data_key)
             kernel = jax.jit(kernel)
         else:
             kernel = jax.jit(build_kernel(
@@ -514,7 +629,7 @@ class FedZigZag(FederatedMCMCKernel):
         adapt_update = warmup_adaptation(
             proposers, num_warmup=num_warmup if use_cv else 0, recenter=recenter, order=order,
             can_switch_off=bound_kind(self.bounds) != "hessian", max_proposals=self.max_proposals,
-            sample_interval=self.sample_interval,
+            sample_interval=self.sample_interval, reference_fn=reference_fn,
         )
 
         def sample_fn(state):

@@ -33,7 +33,9 @@ class WarmupState(NamedTuple):
     """The warmup's state, per chain (``FedZigZagState.adapt``): the control variates'
     reference (:class:`~numpyro_fed.infer.zigzag.ControlVariates`, or ``None``), whether they
     are on, the current warmup window's path integral and duration, the last
-    ``BUFFER_SIZE`` warmup positions, and whether the chain has stalled."""
+    ``BUFFER_SIZE`` warmup positions, whether the chain has stalled, and the set-up calls
+    its decisions made through a federation (``(2,)`` int32: ``"value_and_grad"`` and
+    ``"hessian"`` messages per client; counted with or without one)."""
 
     reference: ControlVariates | None
     active: jax.Array
@@ -41,6 +43,7 @@ class WarmupState(NamedTuple):
     window_time: jax.Array
     buffer: jax.Array
     stalled: jax.Array
+    client_calls: jax.Array
 
 
 def init_warmup(reference: ControlVariates | None, active: bool, u) -> WarmupState:
@@ -49,11 +52,12 @@ def init_warmup(reference: ControlVariates | None, active: bool, u) -> WarmupSta
         reference=reference, active=jnp.asarray(active),
         window_sum=jnp.zeros_like(u), window_time=jnp.zeros((), u.dtype),
         buffer=jnp.zeros((BUFFER_SIZE,) + u.shape, u.dtype), stalled=jnp.zeros((), bool),
+        client_calls=jnp.zeros(2, jnp.int32),
     )
 
 
 def warmup_adaptation(proposers: Proposers, *, num_warmup, recenter, order, can_switch_off,
-                      max_proposals, sample_interval):
+                      max_proposals, sample_interval, reference_fn=None):
     """``update(adapt, state, info, i) -> adapt`` after draw ``i`` (the process's state and
     its :class:`~numpyro_fed.infer.zigzag.SampleInfo`).
 
@@ -67,7 +71,16 @@ def warmup_adaptation(proposers: Proposers, *, num_warmup, recenter, order, can_
       warmup with control variates on they are turned off; otherwise the chain stops (its
       remaining draws repeat the last position, each marked ``hit_event_cap``) and a warning
       names the remedy.
+
+    ``reference_fn(point) -> ControlVariates`` re-centers (default
+    :func:`~numpyro_fed.infer.zigzag.control_variate_reference` on ``proposers``; with a
+    federation the one that asks the clients).
     """
+    if reference_fn is None:
+        reference_fn = partial(control_variate_reference, proposers, order=order)
+    # messages per client of a re-centering and of the end-of-warmup comparison
+    recenter_calls = jnp.asarray([1, int(order == 2)], jnp.int32)
+    compare_calls = jnp.asarray([BUFFER_SIZE, 0], jnp.int32)
     ends = sorted({max(1, math.ceil(f * num_warmup)) for f in (1 / 8, 1 / 4, 1 / 2, 1)}) if num_warmup else []
     window_ends = jnp.asarray(ends if recenter else [0], jnp.int32)
     origin = user_origin()  # the user's line that started the run, for the callback's warnings
@@ -93,8 +106,9 @@ def warmup_adaptation(proposers: Proposers, *, num_warmup, recenter, order, can_
                 def move(adapt):
                     point = adapt.window_sum / adapt.window_time
                     return adapt._replace(
-                        reference=control_variate_reference(proposers, point, order=order),
+                        reference=reference_fn(point),
                         active=adapt.active | ~adapt.stalled,
+                        client_calls=adapt.client_calls + recenter_calls,
                         window_sum=jnp.zeros_like(adapt.window_sum),
                         window_time=jnp.zeros_like(adapt.window_time),
                     )
@@ -111,7 +125,8 @@ def warmup_adaptation(proposers: Proposers, *, num_warmup, recenter, order, can_
 
                 last = (i + 1 == num_warmup) & adapt.active
                 cheaper = lax.cond(last, compare, lambda a: jnp.ones((), bool), adapt)
-                adapt = adapt._replace(active=adapt.active & cheaper)
+                adapt = adapt._replace(active=adapt.active & cheaper,
+                                       client_calls=adapt.client_calls + jnp.where(last, compare_calls, 0))
         report = partial(_report_adaptation, max_proposals=max_proposals,
                          sample_interval=sample_interval, origin=origin)
         lax.cond(stalled_now | switch_off | ~cheaper,
