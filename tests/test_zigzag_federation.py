@@ -317,3 +317,22 @@ def test_deployment_on_ray_loads_on_the_workers_only(ray_session, data, tmp_path
                                   federation.program, mcmc.get_samples(), mcmc.last_state)
         assert federation.ledger.summary()["value_and_grad/messages_from_client"].tolist() == \
             [kernel.setup_tally.messages["value_and_grad"]] * 2
+
+
+def test_private_randomness_the_server_cannot_reproduce(data, tmp_path):
+    """private_randomness=True: each client folds the server's key with a seed it drew where
+    it loaded its rows, so the same rng_key gives other draws (the price: no reproducibility),
+    while nothing else changes (the messages, the set-up)."""
+    with pytest.raises(ValueError, match="needs a federation"):
+        nf.FedZigZag(logistic, private_randomness=True)
+    loader = per_client_loader(tmp_path, data)
+    draws, ledgers = [], []
+    for _ in range(2):
+        kernel, mcmc = deployed_run(InProcess(loader=loader, num_clients=2), num_warmup=0, num_samples=20,
+                                    private_randomness=True)
+        draws.append(np.asarray(mcmc.get_samples()["w"]))
+        ledgers.append(kernel.message_ledger(mcmc))
+    assert np.isfinite(draws[0]).all() and not np.array_equal(draws[0], draws[1])
+    assert kernel.message_sizes["from_client"] == 8 + 4 + 3 * 4  # the seed never crosses the wire
+    assert ledgers[0]["value_and_grad/messages_from_client"].tolist() == \
+        ledgers[1]["value_and_grad/messages_from_client"].tolist()

@@ -60,6 +60,28 @@ def _program_key(*parts):
     return digest.hexdigest()
 
 
+class _PrivateSeed:
+    """Runs where a client lives (``client_program(transform=...)``): its block and a seed
+    drawn there from the operating system's entropy, which the server never sees."""
+
+    def __call__(self, block):
+        import secrets
+
+        return {"rows": block, "seed": np.uint32(secrets.randbits(32))}
+
+
+def _on_rows(fn, block, *args):
+    return fn(block["rows"], *args)
+
+
+def _with_private_key(propose, key_index, block, *args):
+    """The client's round with its key folded with its private seed: the server sent a key
+    (``args[key_index]``), and cannot know the one the client draws its proposals from."""
+    args = list(args)
+    args[key_index] = jax.random.fold_in(args[key_index], block["seed"])
+    return propose(block["rows"], *args)
+
+
 def _carry_ledger(previous, ledger):
     """Adds the counts of ``previous`` (a :class:`~numpyro_fed.federation.MessageLedger`) to
     ``ledger``: a restarted federation keeps what its set-up calls sent."""
@@ -185,6 +207,16 @@ class FedZigZag(FederatedMCMCKernel):
         data arguments: each client loads its own rows where it lives and the driver never
         holds one. See the user guide, "Run across machines".
 
+    :param bool private_randomness: with a federation, each client draws its proposals from a
+        key the server does not know: the key the server sends in a round is folded with a
+        seed the client drew from its operating system's entropy when it loaded its rows (the
+        guarantee of Theorem 5.1 assumes the server does not know a client's randomness).
+        The cost is reproducibility: the same ``rng_key`` no longer gives the same draws, and
+        backends no longer agree bit for bit (only in distribution). Meaningful in deployment
+        (``loader=``), where the seed is drawn on the client's worker; in simulation the
+        driver builds the blocks and draws the seeds. Default ``False``: the server derives
+        every client's key from ``rng_key``.
+
     A sample that makes ``max_proposals`` proposals (at least 50) without one switch stops
     its chain: the remaining draws repeat its last position, are marked ``hit_event_cap``,
     and a warning names the remedies. After ``init``, :attr:`mode_search` (a
@@ -263,12 +295,17 @@ class FedZigZag(FederatedMCMCKernel):
         full_covariance: bool = False,
         preconditioner=None,
         federation=None,
+        private_randomness: bool = False,
     ):
         super().__init__(model, partition=partition, init_strategy=init_strategy)
         if federation is not None and not isinstance(federation, Federation):
             raise TypeError(f"federation must be a Federation (e.g. nf.RayFederation()) or None, "
                             f"got {type(federation).__name__}")
         self.federation = federation
+        if private_randomness and federation is None:
+            raise ValueError("private_randomness=True needs a federation (the clients draw their own "
+                             "randomness when they answer rounds; federation=None has no rounds)")
+        self.private_randomness = bool(private_randomness)
         self.message_sizes = {}
         #: with an engine backend: the state after the last completed draw and every completed
         #: draw's ``z``, kept on the host (a worker can fail mid-run; see the user guide)
@@ -503,8 +540,8 @@ class FedZigZag(FederatedMCMCKernel):
 
     def _data_key(self, potential):
         if potential.deployed:  # the rows are the loaders' (on the clients): their counts are known
-            return _program_key(potential.client_sizes, "deployed")
-        return _program_key(potential.client_data)
+            return _program_key(potential.client_sizes, "deployed", self.private_randomness)
+        return _program_key(potential.client_data, self.private_randomness)
 
     def _start_program(self, potential, functions, key, data_key):
         """Starts the federation on ``functions`` (the set-up calls and, when known, the
@@ -514,7 +551,7 @@ class FedZigZag(FederatedMCMCKernel):
         if fed.started and fed.program is self._program and key == self._program_key:
             return
         previous = fed.ledger if fed.started and fed.program is self._program else None
-        program = potential.client_program(functions)
+        program = potential.client_program(functions, transform=_PrivateSeed() if self.private_randomness else None)
         fed.start(program)
         if previous is not None:
             _carry_ledger(previous, fed.ledger)
@@ -559,7 +596,19 @@ class FedZigZag(FederatedMCMCKernel):
                 # the workers keep their program (and what they compiled) while it does not change
                 key = _program_key(data_key, self.privacy is None, reference is not None, order, bounds,
                                    preconditioning, self.excess_rate, self.grid_size, self.safety_factor)
-                return kernel, {**setup_functions(potential.flat().client_potential), "propose": client_fn}, key
+                return kernel, functions_of(client_fn, reference is not None), key
+
+            def functions_of(client_fn, use_reference):
+                functions = setup_functions(potential.flat().client_potential)
+                if client_fn is not None:
+                    functions["propose"] = client_fn
+                if not self.private_randomness:
+                    return functions
+                # the round's arguments: x, v, window (and the reference point and mean
+                # gradient), then the client's own: its key first
+                key_index = 3 + 2 * bool(use_reference)
+                return {name: partial(_with_private_key, fn, key_index) if name == "propose" else partial(_on_rows, fn)
+                        for name, fn in functions.items()}
 
             data_key = self._data_key(potential)
             fed = self.federation
@@ -569,7 +618,7 @@ class FedZigZag(FederatedMCMCKernel):
                         if use_cv else None
                     _, functions, key = program(placeholder, None)
                 else:
-                    functions, key = setup_functions(potential.flat().client_potential), None
+                    functions, key = functions_of(None, False), None
                 self._start_program(potential, functions, key, data_key)
             terms = ClientTerms(fed, potential.flat().prior_potential, potential.num_clients, self.prior == "server")
             proposers = terms.proposers(clients.prior_grad_and_slope)
