@@ -238,3 +238,124 @@ def test_on_ray_a_killed_worker_stops_the_run_and_it_resumes(ray_session, data, 
     finally:
         federation.close()
     assert_same_run(resumed, local, interrupted=True)
+
+
+# -- deployment: each client loads its own rows --------------------------------------------------
+
+SENTINEL = 777.125  # planted in client 1's rows only
+
+
+@pytest.fixture(scope="module")
+def planted(data):
+    X, y = (np.array(a) for a in data)
+    X[ROWS // M, 0] = SENTINEL  # client 1's first row
+    return X, y
+
+
+def holds_sentinel(*objects):
+    cloudpickle = pytest.importorskip("cloudpickle")
+    return np.float64(SENTINEL).tobytes() in cloudpickle.dumps(objects)
+
+
+def save_per_client(folder, X, y):
+    """Each client's rows in its own files, and a loader that reads client m's (in the
+    order of the simulation's partition) and records the process that read them."""
+    size = ROWS // M
+    for m in range(M):
+        np.save(folder / f"X{m}.npy", X[m * size:(m + 1) * size])
+        np.save(folder / f"y{m}.npy", y[m * size:(m + 1) * size])
+    folder = str(folder)
+
+    def load(m):
+        import os
+
+        with open(f"{folder}/pid{m}", "a") as log:
+            log.write(f"{os.getpid()}\n")
+        return np.load(f"{folder}/X{m}.npy"), np.load(f"{folder}/y{m}.npy")
+
+    return load
+
+
+DEPLOY_CASES = {
+    "dppvi": lambda **kw: nf.DPPVI(model, num_local_steps=5, progress_bar=False, **kw),
+    "dppvi-dpsgd": RAY_CASES["dppvi-dpsgd"],
+    "dppvi-virtual": lambda **kw: nf.DPPVI(model, dp="virtual", schedule="synchronous", noise_multiplier=1.0,
+                                           num_shards=2, trusted_aggregator=True, num_local_steps=5,
+                                           progress_bar=False, **kw),
+    "bcm": lambda **kw: nf.BCM(model, noise_multiplier=1.0, sampling="poisson", sampling_rate=0.5, clip_norm=1.0,
+                               num_local_steps=5, progress_bar=False, **kw),
+    "gaussian_pvi": lambda **kw: nf.GaussianPVI(model, num_local_steps=5, progress_bar=False, **kw),
+    "dsvgd": RAY_CASES["dsvgd"],
+    "pdsvgd": lambda **kw: nf.PDSVGD(model, num_particles=5, clients_per_round=2, num_local_steps=5,
+                                     num_distill_steps=5, progress_bar=False, **kw),
+    "udsvgd": lambda **kw: nf.UDSVGD(model, num_particles=5, num_local_steps=5, batch_size=7,
+                                     progress_bar=False, **kw),
+}
+
+
+def assert_same_result(a, b):
+    for x, y in zip(jax.tree.leaves(a.state), jax.tree.leaves(b.state)):
+        np.testing.assert_array_equal(x, y)
+    assert set(a.metrics) == set(b.metrics)
+    for name, value in b.metrics.items():
+        if name != "wall_time":
+            np.testing.assert_array_equal(a.metrics[name], value, err_msg=name)
+    assert set(a.ledger) == set(b.ledger)
+    for name, value in b.ledger.items():
+        np.testing.assert_array_equal(a.ledger[name], value, err_msg=name)
+
+
+@pytest.mark.parametrize("case", sorted(DEPLOY_CASES))
+def test_deployment_in_process_is_the_simulation(planted, tmp_path, case):
+    # the clients load their own rows (InProcess(loader=...)): the same run as the driver
+    # cutting the pooled rows, bit for bit, with the same ledger; the driver's potential holds
+    # no row
+    key, rounds = jax.random.PRNGKey(4), 1 if case == "bcm" else 2
+    simulated = DEPLOY_CASES[case]().run(key, rounds, *planted)
+    federation = InProcess(loader=save_per_client(tmp_path, *planted), num_clients=M)
+    method = DEPLOY_CASES[case](federation=federation)
+    deployed = method.run(key, rounds)
+    assert method.federated_potential.deployed
+    assert_same_result(deployed, simulated)
+    assert not holds_sentinel(method.federated_potential, deployed.state, deployed.metrics)
+    idata = nf.to_inference_data(deployed)
+    np.testing.assert_array_equal(idata.sample_stats["ledger.update.rounds"].values, deployed.ledger["update/rounds"])
+    assert (deployed.privacy is not None) == ("privacy_epsilon" in idata.attrs)
+    with pytest.raises(ValueError, match="without data arguments"):
+        DEPLOY_CASES[case](federation=InProcess(loader=save_per_client(tmp_path, *planted), num_clients=M)).run(
+            key, rounds, *planted)
+
+
+@pytest.mark.parametrize("baseline", ["SVGD", "FedAvg", "DistributedSGLD", "GlobalVI"])
+def test_baselines_that_pool_the_rows_refuse_deployment(planted, tmp_path, baseline):
+    federation = InProcess(loader=save_per_client(tmp_path, *planted), num_clients=M)
+    method = getattr(nf, baseline)(model, progress_bar=False, federation=federation,
+                                   **({"noise_multiplier": 1.0} if baseline == "GlobalVI" else {}))
+    with pytest.raises(ValueError, match=f"{baseline} .*cannot run in deployment.*simulation"):
+        method.run(jax.random.PRNGKey(0), 1)
+
+
+@pytest.mark.parametrize("case", ["dppvi-virtual", "dsvgd", pytest.param("dppvi", marks=pytest.mark.slow)])
+def test_deployment_on_ray_the_driver_holds_no_row(ray_session, planted, tmp_path, case):
+    import os
+
+    key, rounds = jax.random.PRNGKey(5), 2
+    load = save_per_client(tmp_path, *planted)
+    local = DEPLOY_CASES[case](federation=InProcess(loader=load, num_clients=M)).run(key, rounds)
+    for m in range(M):
+        (tmp_path / f"pid{m}").unlink()
+    with nf.RayFederation(timeout=120.0, loader=load, num_clients=M) as federation:
+        method = DEPLOY_CASES[case](federation=federation)
+        result = method.run(key, rounds)
+        # the server's state bit for bit; the loss (each client's term compiled alone on its
+        # worker rather than vmapped) and Stein's diagnostics to round-off; the same ledger
+        assert_same_run(result, local._replace(metrics={k: v for k, v in local.metrics.items()
+                                                        if not k.startswith("stein")}))
+        for name in ("stein_mean", "stein_scale"):
+            if name in local.metrics:
+                np.testing.assert_allclose(result.metrics[name], local.metrics[name], rtol=1e-9, atol=1e-12)
+        idata = nf.to_inference_data(result)
+        assert not holds_sentinel(method.federated_potential, federation.program, result.state,
+                                  result.metrics, result.ledger, idata.to_dict())
+    pids = {int(p) for m in range(M) for p in (tmp_path / f"pid{m}").read_text().split()}
+    assert pids and os.getpid() not in pids  # only the workers read the clients' files

@@ -26,7 +26,7 @@ class BCM(DPPVI):
     It is DPPVI with one synchronous round, no damping: ``run(rng_key, 1, *args)`` (one
     round is all there is). The privacy is that of ``num_local_steps`` DP-SGD steps per
     client. Other arguments as :class:`~numpyro_fed.DPPVI` (``dp`` is ``"dpsgd"`` or
-    ``None``).
+    ``None``), ``federation`` and deployment (``loader=``) too.
 
     >>> import jax, jax.numpy as jnp, numpyro, numpyro.distributions as dist
     >>> import numpyro_fed as nf
@@ -86,7 +86,9 @@ class GlobalVI(DPPVI):
     aggregator that adds the noise once: the same as DP-SGD on the pooled rows, which is
     how it is computed here. A round is ``num_local_steps`` steps (the paper's run is one
     round); the communications count ``M`` per step. Other arguments as
-    :class:`~numpyro_fed.DPPVI`.
+    :class:`~numpyro_fed.DPPVI`. It pools the clients' rows (the trusted aggregator is
+    emulated by one party): it refuses deployment (a federation with ``loader=``) with a
+    ``ValueError``.
     """
 
     repr_fields = ("dp", "num_local_steps", "num_mc_samples")
@@ -100,9 +102,27 @@ class GlobalVI(DPPVI):
         super().__init__(model, dp=dp, schedule="synchronous", damping=1.0, **kwargs)
 
     def _layout(self, potential, plate):
+        if potential.deployed:
+            raise ValueError(
+                f"GlobalVI pools every client's rows through a trusted aggregator, emulated in one "
+                f"party here: it cannot run in deployment (federation={self.federation!r}: the rows "
+                "stay on the clients). Run it in simulation on the pooled data, GlobalVI(model, "
+                "...).run(rng_key, num_rounds, *data), or use DPPVI, which runs in deployment"
+            )
+        valid = potential.client_data["valid"][plate]
+        return np.array([int(np.sum(valid))]), int(valid.size)
+
+    def _start(self, functions, potential, layout):
+        # one party holding the pooled rows (simulation only, see _layout)
+        plate = layout.plate
         valid = potential.client_data["valid"][plate]
         rows = [r.reshape((1, -1) + r.shape[2:]) for r in potential.client_data["rows"]]
-        return np.array([int(np.sum(valid))]), rows, valid.reshape(1, -1)
+        as_jax = lambda a: None if a is None else jnp.asarray(a)  # noqa: E731
+        data = core.ClientData(rows=rows, valid=valid.reshape(1, -1), shard_index=as_jax(layout.shard_index),
+                               shard_valid=as_jax(layout.shard_valid),
+                               noise_multiplier=as_jax(layout.noise_multiplier),
+                               clip_first=as_jax(layout.clip_first), clip_later=as_jax(layout.clip_later))
+        return self.start_clients(functions, data)
 
     def _communications_per_round(self):
         return self.federated_potential.num_clients * self.num_local_steps

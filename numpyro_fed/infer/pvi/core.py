@@ -41,6 +41,7 @@ from numpyro_fed.infer.pvi.client import LocalConfig, client_update
 from numpyro_fed.infer.pvi.gaussian import GaussianNatural, kl_divergence, loc_scale, tree_add
 
 __all__ = [
+    "BlockLayout",
     "ClientData",
     "PVIInfo",
     "PVIState",
@@ -117,6 +118,42 @@ class ClientData(NamedTuple):
     noise_multiplier: jax.Array | None = None
     clip_first: jax.Array | None = None
     clip_later: jax.Array | None = None
+
+
+class BlockLayout:
+    """``block -> ClientData``: a client's block as
+    :meth:`FederatedPotential.client_program <numpyro_fed.FederatedPotential.client_program>`
+    gives it (its rows, validity mask and index ``block["client"]``) in PVI's layout, with
+    that client's shards, noise multiplier and clip norms. The ``transform`` of the clients'
+    program: it runs where the client lives (on its worker in deployment, so the driver
+    never builds a block). Picklable; it holds per-client settings (shard positions, noise
+    multipliers, clip norms: numbers derived from row counts), never rows.
+
+    :param str plate: the federated data plate.
+    :param shard_index: ``(M, K, R_k)`` (see :func:`shard_layout`).
+    :param shard_valid: ``(M, K, R_k)``.
+    :param noise_multiplier: ``(M,)``.
+    :param clip_first: ``(M,)`` or ``None`` (see :class:`ClientData`).
+    :param clip_later: ``(M,)`` or ``None``.
+    """
+
+    def __init__(self, plate, shard_index, shard_valid, noise_multiplier, clip_first=None, clip_later=None):
+        self.plate = plate
+        as_numpy = lambda a: None if a is None else np.asarray(a)  # noqa: E731
+        self.shard_index, self.shard_valid = as_numpy(shard_index), as_numpy(shard_valid)
+        self.noise_multiplier = as_numpy(noise_multiplier)
+        self.clip_first, self.clip_later = as_numpy(clip_first), as_numpy(clip_later)
+
+    def __call__(self, block) -> "ClientData":
+        m = int(block["client"])
+        pick = lambda a: None if a is None else a[m]  # noqa: E731
+        return ClientData(rows=list(block["rows"]), valid=block["valid"][self.plate],
+                          shard_index=pick(self.shard_index), shard_valid=pick(self.shard_valid),
+                          noise_multiplier=pick(self.noise_multiplier), clip_first=pick(self.clip_first),
+                          clip_later=pick(self.clip_later))
+
+    def __repr__(self):
+        return f"BlockLayout(plate={self.plate!r}, num_clients={len(self.noise_multiplier)})"
 
 
 def init(prior: GaussianNatural, num_clients: int, num_virtual: int = 1) -> PVIState:

@@ -56,17 +56,17 @@ def default_optimizer(num_local_steps: int):
 
 
 class _RunPlan(NamedTuple):
-    """What :meth:`DPPVI.init` fixed for a run: the clients' data, the compiled round, the
-    noise and the guarantee it was accounted for."""
+    """What :meth:`DPPVI.init` fixed for a run: the clients' layout, the compiled round and
+    loss, the noise and the guarantee it was accounted for."""
 
     num_rounds: int
     client_sizes: np.ndarray
     noise_multiplier: np.ndarray
     privacy: Any
     predicted_dp_error: float
-    data: core.ClientData
+    layout: core.BlockLayout  # each client's block in PVI's layout, built where it lives
     round_fn: Any
-    row_log_lik: Any
+    loss_fn: Any  # (key, q, prior, federation) -> negative ELBO, the clients' terms through it
     federation: Any  # the started federation that runs the clients
 
 
@@ -127,7 +127,13 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         returns one number of the loss. ``result.ledger`` counts it all (see
         :meth:`state_bytes`); a client that dies or stops answering stops the run with a
         :class:`~numpyro_fed.federation.ClientError` whose ``state`` resumes it (see
-        :meth:`run`).
+        :meth:`run`). **Deployment**: given a federation with ``loader=`` (e.g.
+        ``nf.RayFederation(loader=load, num_clients=M)``), each client loads its own rows
+        where it lives and the run takes no data arguments, ``DPPVI(model,
+        federation=fed).run(rng_key, num_rounds)``; the driver never holds a row. Set-up needs
+        only the clients' row counts (the DP settings, calibration and accounting), and each
+        client builds its block with its own shards, noise multiplier and clip norms
+        (:class:`~numpyro_fed.infer.pvi.core.BlockLayout`) from what it loaded.
 
     **Running.** As :class:`numpyro.infer.SVI`: :meth:`run` returns a
     :class:`~numpyro_fed.infer.RunResult` whose ``metrics`` hold per round ``loss`` (the
@@ -366,7 +372,7 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
             fit the budget (:meth:`max_rounds`).
         """
         potential, plate, prior = self._setup(args, kwargs)
-        sizes, rows, valid = self._layout(potential, plate)
+        sizes, num_rows = self._layout(potential, plate)
         fixed_noise_budget = self.noise_multiplier is not None and self.target_epsilon is not None
         if num_rounds is None:
             if not fixed_noise_budget:
@@ -400,19 +406,22 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
             clip_later = jnp.asarray(self.auto_clip_norms(1, sizes, d, continuing=True)[0], dtype=dtype)
         num_clients = int(sizes.size)
         noise = jnp.broadcast_to(jnp.asarray(sigmas, dtype=dtype), (num_clients,))
-        data = core.ClientData(rows=rows, valid=valid, shard_index=shard_index, shard_valid=shard_valid,
-                               noise_multiplier=noise, clip_first=clip_first, clip_later=clip_later)
-        row_log_lik = potential.flat().row_log_likelihood
+        layout = core.BlockLayout(plate, shard_index, shard_valid, noise, clip_first, clip_later)
         functions = core.client_functions(
-            row_log_lik, config, dp=self.dp, trusted_aggregator=self.trusted_aggregator,
+            potential.flat().row_log_likelihood, config, dp=self.dp, trusted_aggregator=self.trusted_aggregator,
             num_clients=num_clients, auto_clip=self.auto_clip,
-            batch_cap=self.batch_cap(privacy, num_rounds, sizes, int(valid.shape[1])),
+            batch_cap=self.batch_cap(privacy, num_rounds, sizes, num_rows),
         )
-        federation = self.start_clients(functions, data)
+        federation = self._start(functions, potential, layout)
         step = core.build_step(config, num_clients=num_clients, dp=self.dp, schedule=self.schedule,
                                damping=self.damping, auto_clip=self.auto_clip)
-        self._plan = _RunPlan(num_rounds, sizes, sigmas, privacy, dp_error, data, jit_round(step),
-                              row_log_lik, federation)
+        num_mc_samples = self.num_mc_samples
+
+        def loss(rng_key, q, prior, federation):
+            return core.federated_negative_elbo(rng_key, federation, q, prior, num_mc_samples)
+
+        self._plan = _RunPlan(num_rounds, sizes, sigmas, privacy, dp_error, layout, jit_round(step),
+                              jit_round(loss), federation)
         return self._initial_state(prior, sizes.size)
 
     def update(self, rng_key, state: PVIState, *args, **kwargs):
@@ -554,21 +563,25 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
     def evaluate(self, state: PVIState, *args, rng_key=None, **kwargs):
         """The negative ELBO of ``state``'s ``q``: ``KL(q || prior)`` minus every row's
         expected log-likelihood, estimated with ``num_mc_samples`` draws (``rng_key``,
-        default ``PRNGKey(0)``), on the model's arguments ``args``, ``kwargs`` if given,
-        else on those of the last :meth:`init`. The loss of ``metrics["loss"]``: a
-        diagnostic computed on every client's rows in this process, not a message of the
-        algorithm, and no privacy guarantee covers it."""
+        default ``PRNGKey(0)``). Without arguments, on the clients of the last :meth:`init`,
+        through the federation: the server sends the draws of ``q`` and each client returns
+        its rows' sum (``"expected_log_lik"``, counted in the ledger; in deployment too).
+        Given the model's arguments ``args``, ``kwargs``, on those rows in this process. The
+        loss of ``metrics["loss"]``: a diagnostic, not a message of the algorithm, and no
+        privacy guarantee covers it."""
         rng_key = jax.random.PRNGKey(0) if rng_key is None else rng_key
         if args or kwargs:
             potential = build_potential(self.model, args, kwargs, partition=self.partition,
                                         init_strategy=self.init_strategy)
             plate, _ = self._check_plates(potential)
-            _, rows, valid = self._layout(potential, plate)
-            data, row_log_lik = core.ClientData(rows, valid, None, None), potential.flat().row_log_likelihood
-        else:
-            plan = self._require_plan()
-            data, row_log_lik = plan.data, plan.row_log_lik
-        return core.negative_elbo(rng_key, row_log_lik, state.q, state.prior, data, self.num_mc_samples)
+            data = core.ClientData(potential.client_data["rows"], potential.client_data["valid"][plate], None, None)
+            return core.negative_elbo(rng_key, potential.flat().row_log_likelihood, state.q, state.prior, data,
+                                      self.num_mc_samples)
+        plan = self._require_plan()
+        with plan.federation.guard():
+            loss = plan.loss_fn(rng_key, state.q, state.prior, plan.federation)
+        plan.federation.record_calls("expected_log_lik", 1)
+        return loss
 
     def arviz_dicts(self, result: RunResult, *, num_samples: int | None = None, rng_key=None) -> dict:
         """Draws of ``q`` as the posterior (one chain), per-round diagnostics as
@@ -602,7 +615,7 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         d = self.federated_potential.num_latent
         itemsize = jnp.zeros(()).dtype.itemsize
         if self.dp == "virtual":
-            k = int(plan.data.shard_index.shape[1])
+            k = int(plan.layout.shard_index.shape[1])
             return {"update": (2 * k * d * itemsize, 2 * k * d * itemsize)}
         return {"update": (2 * d * itemsize, 0)}
 
@@ -613,9 +626,14 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         return self._plan
 
     def _layout(self, potential, plate):
-        """``(client sizes, stacked rows, valid mask)`` of the parties that optimize."""
-        return (np.asarray(potential.client_sizes), potential.client_data["rows"],
-                potential.client_data["valid"][plate])
+        """``(row counts, padded rows per party)`` of the parties that optimize (the clients;
+        counts only, which the server knows in deployment too)."""
+        return np.asarray(potential.client_sizes), int(potential.plates[plate].max_rows)
+
+    def _start(self, functions, potential, layout: core.BlockLayout):
+        """Starts the clients: each builds its block in PVI's layout (``layout``) from its own
+        rows, where it lives."""
+        return self.start_clients(functions, transform=layout)
 
     def _initial_state(self, prior, num_clients):
         return core.init(prior, num_clients, self.num_shards if self.dp == "virtual" else 1)

@@ -72,7 +72,10 @@ class GaussianPVI(VariationalMethod):
     :param federation: where the clients run: ``None`` (in this process, the default) or a
         :class:`~numpyro_fed.federation.Federation` such as :class:`~numpyro_fed.RayFederation`.
         Per round the scheduled client receives ``q`` (and its own factor, which the server
-        stores for it) and returns the change of its factor; see ``result.ledger``.
+        stores for it) and returns the change of its factor; see ``result.ledger``. With a
+        federation given ``loader=`` (deployment) each client loads its own rows and the
+        method is run without data arguments: ``GaussianPVI(model,
+        federation=nf.InProcess(loader=load, num_clients=M)).run(rng_key, num_rounds)``.
 
     >>> import jax, jax.numpy as jnp, numpyro, numpyro.distributions as dist
     >>> import numpyro_fed as nf
@@ -127,14 +130,19 @@ class GaussianPVI(VariationalMethod):
         flat = fp.flat()
         prior = gaussian_prior(flat.prior_potential, fp.num_latent)
         shard_index, shard_valid = core.shard_layout(np.asarray(fp.client_sizes), 1)
-        self._data = core.ClientData(rows=fp.client_data["rows"], valid=fp.client_data["valid"][plates[0]],
-                                     shard_index=shard_index, shard_valid=shard_valid,
-                                     noise_multiplier=jnp.zeros(fp.num_clients, prior.eta1.dtype))
+        # each client builds its block in PVI's layout from its own rows, where it lives
+        layout = core.BlockLayout(plates[0], shard_index, shard_valid, jnp.zeros(fp.num_clients, prior.eta1.dtype))
         config = LocalConfig(optim=self.optim, num_steps=self.num_local_steps, num_mc_samples=self.num_mc_samples,
                              sampling="full", sampling_rate=1.0, dpsgd=False, clip_norm=1.0)
-        row_log_lik, damping = flat.row_log_likelihood, self.damping
-        self._row_log_lik = row_log_lik
-        self.start_clients(core.client_functions(row_log_lik, config), self._data)
+        row_log_lik, damping, num_mc_samples = flat.row_log_likelihood, self.damping, self.num_mc_samples
+        self.start_clients(core.client_functions(row_log_lik, config), transform=layout)
+        self._data = layout
+
+        @jit_round
+        def loss_fn(rng_key, q, prior, federation):
+            return core.federated_negative_elbo(rng_key, federation, q, prior, num_mc_samples)
+
+        self._loss_fn = loss_fn
 
         @jit_round
         def round_fn(rng_key, state, m, federation):
@@ -193,12 +201,17 @@ class GaussianPVI(VariationalMethod):
         return dict(info._asdict(), loc=loc, scale=scale)
 
     def evaluate(self, state: core.PVIState, *args, rng_key=None, **kwargs):
-        """The negative ELBO of ``q`` on the data of :meth:`init` (``rng_key`` for its
-        ``num_mc_samples`` draws, default ``PRNGKey(0)``)."""
+        """The negative ELBO of ``q`` on the clients of :meth:`init` (``rng_key`` for its
+        ``num_mc_samples`` draws, default ``PRNGKey(0)``), through the federation: each client
+        returns its rows' term (``"expected_log_lik"``, counted in the ledger)."""
         if self._data is None:
             raise ValueError("GaussianPVI: call init(rng_key, *args) (or run) first")
         rng_key = jax.random.PRNGKey(0) if rng_key is None else rng_key
-        return core.negative_elbo(rng_key, self._row_log_lik, state.q, state.prior, self._data, self.num_mc_samples)
+        federation = self._active_federation
+        with federation.guard():
+            loss = self._loss_fn(rng_key, state.q, state.prior, federation)
+        federation.record_calls("expected_log_lik", 1)
+        return loss
 
     def log_density(self, result: RunResult, particles) -> jax.Array:
         """``log q`` of the final Gaussian at ``(n, d)`` flat unconstrained points."""

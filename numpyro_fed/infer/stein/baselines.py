@@ -64,6 +64,9 @@ class SVGD(ParticleMethod):
     :param optim: an optax ``GradientTransformation`` overriding ``learning_rate``.
     :param int batch_size: rows of the pooled data per step, ``ceil(batch_size / K)`` from each
         client (``None``: all).
+    :param federation: ``None`` or an :class:`~numpyro_fed.InProcess` without a loader only:
+        a baseline runs its clients on their rows in this process (it refuses another
+        federation, and deployment, with a ``ValueError``).
 
     Other parameters as :class:`~numpyro_fed.DSVGD`; ``metrics["client"]`` is -1 (every
     client's data in every step). No loss: :meth:`evaluate` gives the kernel Stein discrepancy.
@@ -86,10 +89,10 @@ class SVGD(ParticleMethod):
                  learning_rate: float = 0.05, optim=None, svgd_bandwidth=None,
                  temperature: float = 1.0, metrics=None, partition=None,
                  init_strategy=init_to_uniform, progress_bar: bool = True,
-                 batch_size: int | None = None):
+                 batch_size: int | None = None, federation=None):
         super().__init__(model, num_particles=num_particles, metrics=metrics, partition=partition,
                          init_strategy=init_strategy, progress_bar=progress_bar,
-                         temperature=temperature, batch_size=batch_size)
+                         temperature=temperature, batch_size=batch_size, federation=federation)
         self.steps_per_round = check_int(steps_per_round, "steps_per_round", minimum=1)
         self.learning_rate = check_positive(learning_rate, "learning_rate")
         self.optim = adagrad_momentum(self.learning_rate) if optim is None else check_optim(optim, "optim")
@@ -157,6 +160,9 @@ class FedAvg(ParticleMethod):
     :param optim: an optax ``GradientTransformation`` overriding ``learning_rate``.
     :param client_order: as :class:`~numpyro_fed.DSVGD`.
     :param int batch_size: as :class:`~numpyro_fed.DSVGD`.
+    :param federation: ``None`` or an :class:`~numpyro_fed.InProcess` without a loader only:
+        a baseline runs its clients on their rows in this process (it refuses another
+        federation, and deployment, with a ``ValueError``).
 
     >>> import jax, jax.numpy as jnp, numpyro, numpyro.distributions as dist
     >>> import numpyro_fed as nf
@@ -174,10 +180,10 @@ class FedAvg(ParticleMethod):
     def __init__(self, model, *, num_local_steps: int = 200, learning_rate: float = 0.05,
                  optim=None, client_order="round_robin", metrics=None, partition=None,
                  init_strategy=init_to_uniform, progress_bar: bool = True,
-                 batch_size: int | None = None):
+                 batch_size: int | None = None, federation=None):
         super().__init__(model, num_particles=1, metrics=metrics, partition=partition,
                          init_strategy=init_strategy, progress_bar=progress_bar, temperature=1.0,
-                         batch_size=batch_size)
+                         batch_size=batch_size, federation=federation)
         self.num_local_steps = check_int(num_local_steps, "num_local_steps", minimum=1)
         self.learning_rate = check_positive(learning_rate, "learning_rate")
         self.optim = adagrad_momentum(self.learning_rate) if optim is None else check_optim(optim, "optim")
@@ -240,6 +246,9 @@ class DistributedSGLD(ParticleMethod):
         ``2 / (largest curvature of U)``.
     :param client_order: as :class:`~numpyro_fed.DSVGD`.
     :param int batch_size: as :class:`~numpyro_fed.DSVGD`.
+    :param federation: ``None`` or an :class:`~numpyro_fed.InProcess` without a loader only:
+        a baseline runs its clients on their rows in this process (it refuses another
+        federation, and deployment, with a ``ValueError``).
 
     Non-finite chains stop the run with a :class:`FloatingPointError` naming ``a0``.
 
@@ -260,10 +269,10 @@ class DistributedSGLD(ParticleMethod):
     def __init__(self, model, *, num_particles: int = 20, num_local_steps: int = 200, a0: float = 0.01,
                  temperature: float = 1.0, client_order="round_robin", metrics=None, partition=None,
                  init_strategy=init_to_uniform, progress_bar: bool = True,
-                 batch_size: int | None = None):
+                 batch_size: int | None = None, federation=None):
         super().__init__(model, num_particles=num_particles, metrics=metrics, partition=partition,
                          init_strategy=init_strategy, progress_bar=progress_bar,
-                         temperature=temperature, batch_size=batch_size)
+                         temperature=temperature, batch_size=batch_size, federation=federation)
         self.num_local_steps = check_int(num_local_steps, "num_local_steps", minimum=1)
         self.a0 = check_positive(a0, "a0")
         self.client_order = check_client_order(client_order)

@@ -108,6 +108,14 @@ class ParticleMethod(VariationalMethod):
         key = (tuple(map(id, args)), tuple((k, id(v)) for k, v in sorted(kwargs.items())))
         if self.federated_potential is not None and key == self._setup_key:
             return self.federated_potential
+        if self.federation.deployed and type(self).client_functions is ParticleMethod.client_functions:
+            name = type(self).__name__
+            raise ValueError(
+                f"{name} is a baseline that runs every client on its rows in this process; it cannot "
+                f"run in deployment (federation={self.federation!r}: the rows stay on the clients). "
+                f"Run it in simulation on the pooled data, {name}(model, ...).run(rng_key, num_rounds, "
+                "*data), or use DSVGD, PDSVGD or UDSVGD, which run in deployment"
+            )
         fp = self.build_potential(args, kwargs)
         self.gradients = flat_gradients(fp)
         self.stochastic_client_grad = (None if self.batch_size is None
@@ -116,10 +124,9 @@ class ParticleMethod(VariationalMethod):
         self._setup_key = key
         self._step = None
         self._configure(fp)
-        functions = self.client_functions()
-        self._federated = functions is not None
-        if functions is not None:
-            self.start_clients(functions, fp.client_data)
+        self._federated = self.client_functions() is not None
+        if self._federated:
+            self._start()
         elif type(self.federation).__name__ != "InProcess":
             raise ValueError(f"{type(self).__name__} runs its clients in this process only: "
                              f"federation={self.federation!r} does not apply")
@@ -140,19 +147,55 @@ class ParticleMethod(VariationalMethod):
         """``(x (N, d), block, key) -> (N, d)``: minibatch or full-batch ``grad L_k``."""
         return batched_client_grad(self.gradients.client_grad, self.stochastic_client_grad)
 
+    def _start(self):
+        """Starts the clients on :meth:`client_functions` and ``"potential_grad"``, ``(block,
+        x (K, d)) -> (K, d)``: the gradient of the client's term at each point (the
+        diagnostics' full-batch score, :meth:`_target_score`; not one of the algorithm's
+        messages). Each client's block is its own rows (built on its worker in deployment)."""
+        client_grad = jax.vmap(self.gradients.client_grad, in_axes=(0, None))
+        functions = dict(self.client_functions(), potential_grad=lambda block, x: client_grad(x, block))
+        self._step = None
+        return self.start_clients(functions)
+
     def _target_score(self) -> Callable:
-        """``(N, d) -> (N, d)``: the full-batch score of the tempered posterior (every client's
-        data; for diagnostics of this in-process emulation only)."""
+        """``(N, d) -> (N, d)``: the full-batch score of the tempered posterior, for
+        diagnostics. With the clients on a federation each client computes its term's
+        gradient at the points (``"potential_grad"``: the points down, ``(N, d)`` up; run it
+        inside :meth:`_through_clients`); the baselines, in this process only, read every
+        client's block."""
         fp = self.federated_potential
         prior_score = jax.vmap(lambda x: -self.gradients.prior_grad(x))
         client_grad = jax.vmap(self.gradients.client_grad, in_axes=(0, None))
         temperature = self.temperature
+        if self._federated:
+            federation = self._active_federation
+
+            def score(x):
+                return prior_score(x) - jnp.sum(federation.map("potential_grad", x), axis=0) / temperature
+
+            return score
 
         def score(x):
             grads = jax.vmap(client_grad, in_axes=(None, 0))(x, fp.client_data)
             return prior_score(x) - jnp.sum(grads, axis=0) / temperature
 
         return score
+
+    def _through_clients(self, fn: Callable, calls: int = 1, ledger: dict | None = None):
+        """``fn()`` (a diagnostic computed with :meth:`_target_score`) with the federation's
+        guard, its ``calls`` calls of ``"potential_grad"`` recorded in the federation's ledger
+        and, given a run's ``ledger`` (:attr:`RunResult.ledger`), added to it."""
+        federation = getattr(self, "_active_federation", None) if self._federated else None
+        if federation is None:
+            return jax.tree.map(np.asarray, fn())
+        before = federation.ledger.summary()
+        with federation.guard():
+            out = jax.tree.map(np.asarray, fn())
+        federation.record_calls("potential_grad", calls)
+        if ledger is not None:
+            for name, value in federation.ledger.summary().items():
+                ledger[name] = ledger.get(name, 0) + np.asarray(value) - np.asarray(before.get(name, 0))
+        return out
 
     # -- what a subclass provides -----------------------------------------------------------
     def particles(self, state) -> jax.Array:
@@ -247,7 +290,8 @@ class ParticleMethod(VariationalMethod):
         decreases (these methods define no loss)."""
         self._setup(args, kwargs)
         x = self.particles(state)
-        return kernel_stein_discrepancy(x, self._target_score()(x))
+        score = self._target_score()
+        return jnp.asarray(self._through_clients(lambda: kernel_stein_discrepancy(x, score(x))))
 
     def get_samples(self, rng_key, result: RunResult, num_samples: int | None = None, *,
                     smooth: bool = False) -> dict:
@@ -304,11 +348,14 @@ class ParticleMethod(VariationalMethod):
         dicts["sample_stats"].pop("particles", None)
         return dicts
 
-    def _stein_metrics(self, particles):
+    def _stein_metrics(self, particles, ledger: dict | None = None):
         """``stein_mean``, ``stein_scale`` per round (see
-        :func:`~numpyro_fed.infer.stein.checks.stein_statistics`) of ``(R, N, d)`` particles."""
-        stein_mean, stein_scale = stein_statistics(self._target_score())(jnp.asarray(particles))
-        return np.asarray(stein_mean), np.asarray(stein_scale)
+        :func:`~numpyro_fed.infer.stein.checks.stein_statistics`) of ``(R, N, d)`` particles
+        (on a federation: one ``"potential_grad"`` call per round's particles, added to
+        ``ledger``)."""
+        particles = jnp.asarray(particles)
+        statistics = stein_statistics(self._target_score())
+        return self._through_clients(lambda: statistics(particles), particles.shape[0], ledger)
 
     def _run_keys(self, rng_key):
         """``(k_init, k_order, k_rounds)`` of a run: the initial particles, a random client
@@ -342,8 +389,7 @@ class ParticleMethod(VariationalMethod):
         elif isinstance(init_state, RunCheckpoint):
             state = self._check_state(init_state.state)
             if self._federated:  # the run stopped on a client's fault: fresh clients
-                self.start_clients(self.client_functions(), fp.client_data)
-                self._step = None
+                self._start()
         else:
             state = self._check_state(init_state)
         resume = init_state if isinstance(init_state, RunCheckpoint) else None

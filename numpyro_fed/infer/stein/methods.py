@@ -81,9 +81,15 @@ class DSVGD(ParticleMethod):
         the server sends the scheduled client the ``N`` global particles (and whether ``q`` is
         still the prior) with the client's local particles, which the server stores for it;
         the client returns ``N`` new global particles and its new local particles.
-        ``result.ledger`` counts it (the local particles as ``state_bytes``). A client that
-        dies or stops answering stops the run with a
+        ``result.ledger`` counts it (the local particles as ``state_bytes``), and the
+        diagnostics' ``"potential_grad"`` calls (Stein's checks, :meth:`evaluate`). A client
+        that dies or stops answering stops the run with a
         :class:`~numpyro_fed.federation.ClientError` whose ``state`` resumes it.
+        **Deployment**: given a federation with ``loader=`` (e.g.
+        ``nf.RayFederation(loader=load, num_clients=M)``), each client loads its own rows
+        where it lives and the run takes no data arguments, ``DSVGD(model,
+        federation=fed).run(rng_key, num_rounds)``: the driver never holds a row (the prior
+        draws run the model on zero stand-ins of the rows).
 
     **Results.** ``run`` returns a :class:`~numpyro_fed.infer.RunResult` whose ``state`` is a
     :class:`~numpyro_fed.infer.stein.dsvgd.DSVGDState` (:meth:`particles` gives its global
@@ -199,7 +205,7 @@ class DSVGD(ParticleMethod):
         particles = result.metrics["particles"]
         if particles.shape[1] < 2:
             return result
-        stein_mean, stein_scale = self._stein_metrics(particles)
+        stein_mean, stein_scale = self._stein_metrics(particles, result.ledger)
         result.metrics["stein_mean"], result.metrics["stein_scale"] = stein_mean, stein_scale
         all_visited = len(np.unique(result.metrics["client"])) == self.federated_potential.num_clients
         problems = runaway_problems(self._initial_particles, particles[-1], stein_mean[-1], stein_scale[-1],
@@ -223,7 +229,7 @@ class PDSVGD(DSVGD):
     :param client_order: ``"random"`` (default: a fresh random subset of distinct clients per
         round), ``"round_robin"`` or an ``(I, C)`` array of client indices.
 
-    Other parameters as :class:`DSVGD`.
+    Other parameters as :class:`DSVGD`, ``federation`` and deployment (``loader=``) too.
 
     >>> import jax, jax.numpy as jnp, numpyro, numpyro.distributions as dist
     >>> import numpyro_fed as nf
@@ -291,7 +297,8 @@ class UDSVGD(DSVGD):
 
     Each client remembers the global iterates before and after each round it was scheduled
     in, and computes ``grad log t_k`` by the recursion (15) over them, so its memory grows
-    with the rounds. Parameters as :class:`DSVGD` (``num_distill_steps`` is ignored). The
+    with the rounds. Parameters as :class:`DSVGD` (``num_distill_steps`` is ignored;
+    ``federation`` and deployment, ``loader=``, as there). The
     buffers are sized by the number of rounds: :meth:`init` needs ``num_rounds`` and
     :meth:`run` takes no ``init_state``.
 

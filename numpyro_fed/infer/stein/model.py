@@ -91,17 +91,27 @@ def minibatch_client_grad(fp, batch_size: int) -> Callable:
 
 
 def prior_draws(model, fp, rng_key, args, kwargs, num: int) -> jax.Array:
-    """``(num, d)`` draws of the global latents from the model's prior, flat and unconstrained."""
+    """``(num, d)`` draws of the global latents from the model's prior, flat and unconstrained.
+
+    In deployment (``fp.deployed``: the rows are on the clients; ``args`` and ``kwargs`` are
+    empty) the model runs on zero stand-ins of the rows built from
+    :attr:`FederatedPotential.argument_shapes <numpyro_fed.FederatedPotential.argument_shapes>`
+    inside the compiled program: the prior of global latents does not depend on the rows
+    (:func:`~numpyro_fed.split_potential` checks it), and no row crosses."""
     names = list(fp.init_params)
+    shapes = getattr(fp, "argument_shapes", None)
+    if fp.deployed and not (args or kwargs) and shapes is not None:
+        args, kwargs = shapes
 
     # One compiled program, the data arrays as its arguments (not constants; other arguments,
     # e.g. sizes, stay static): run op by op, the model's likelihood would be evaluated, and
     # each operation compiled, for nothing.
-    leaves, treedef = jax.tree_util.tree_flatten((tuple(args), dict(kwargs)))
+    is_shape = lambda x: isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
+    leaves, treedef = jax.tree_util.tree_flatten((tuple(args), dict(kwargs)), is_leaf=is_shape)
     dynamic = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, np.ndarray))]
 
     def one(key, arrays):
-        full = list(leaves)
+        full = [jnp.zeros(leaf.shape, leaf.dtype) if is_shape(leaf) else leaf for leaf in leaves]
         for i, array in zip(dynamic, arrays):
             full[i] = array
         model_args, model_kwargs = jax.tree_util.tree_unflatten(treedef, full)
