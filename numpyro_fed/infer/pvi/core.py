@@ -135,6 +135,14 @@ class BlockLayout:
     :param noise_multiplier: ``(M,)``.
     :param clip_first: ``(M,)`` or ``None`` (see :class:`ClientData`).
     :param clip_later: ``(M,)`` or ``None``.
+
+    >>> import numpy as np
+    >>> layout = BlockLayout("data", np.zeros((2, 1, 3), np.int32), np.ones((2, 1, 3), bool),
+    ...                      np.array([0.5, 1.0]))
+    >>> block = {"client": 1, "rows": [np.arange(3.0)], "valid": {"data": np.array([True, True, False])}}
+    >>> data = layout(block)  # client 1's block, with client 1's settings
+    >>> float(data.noise_multiplier), data.valid.tolist(), data.clip_first
+    (1.0, [True, True, False], None)
     """
 
     def __init__(self, plate, shard_index, shard_valid, noise_multiplier, clip_first=None, clip_later=None):
