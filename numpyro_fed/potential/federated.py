@@ -169,10 +169,6 @@ class FederatedPotential:
     :ivar block_loader: deployment only (else ``None``): the picklable ``m -> block`` that
         builds client ``m``'s block from its own rows on its worker (see
         :meth:`client_program`).
-    :ivar argument_shapes: deployment only (else ``None``): ``(args, kwargs)`` of the model as
-        the server knows them, a ``jax.ShapeDtypeStruct`` (pooled rows, no values) for every
-        array argument and the value of every scalar setting; e.g. to run the model's prior
-        on zero stand-ins of the rows.
     :ivar bool enumerated: whether discrete latents are marginalised by enumeration.
     :ivar dict row_arguments: the model arguments cut per client (path -> plate name).
     :ivar stand_in_arguments: deployment only (else ``None``): ``(args, kwargs)`` shaped like
@@ -623,17 +619,13 @@ def split_potential(
     )
     first_data_plate = data_plates[0] if data_plates else next(iter(plates.values()))
 
-    block_loader = argument_shapes = None
+    block_loader = None
     if deployment is not None:
-        from numpyro_fed.federation.base import describe_arguments
-
         block_loader = deployment.block_loader(treedef, row_leaves, client_data)
         client_data = None  # the stand-in's zeros: the rows are on the workers
-        argument_shapes = describe_arguments((tuple(model_args), model_kwargs))
 
     potential = FederatedPotential(
         block_loader=block_loader,
-        argument_shapes=argument_shapes,
         num_clients=num_clients,
         client_sizes=np.bincount(first_data_plate.owner, minlength=num_clients),
         plates=plates,

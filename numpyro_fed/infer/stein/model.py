@@ -94,24 +94,23 @@ def prior_draws(model, fp, rng_key, args, kwargs, num: int) -> jax.Array:
     """``(num, d)`` draws of the global latents from the model's prior, flat and unconstrained.
 
     In deployment (``fp.deployed``: the rows are on the clients; ``args`` and ``kwargs`` are
-    empty) the model runs on zero stand-ins of the rows built from
-    :attr:`FederatedPotential.argument_shapes <numpyro_fed.FederatedPotential.argument_shapes>`
-    inside the compiled program: the prior of global latents does not depend on the rows
-    (:func:`~numpyro_fed.split_potential` checks it), and no row crosses."""
+    empty) the model runs on :attr:`FederatedPotential.stand_in_arguments
+    <numpyro_fed.FederatedPotential.stand_in_arguments>`, zeros in place of the rows: the prior
+    of global latents does not depend on the rows (:func:`~numpyro_fed.split_potential` checks
+    it), and no row crosses."""
     names = list(fp.init_params)
-    shapes = getattr(fp, "argument_shapes", None)
-    if fp.deployed and not (args or kwargs) and shapes is not None:
-        args, kwargs = shapes
+    stand_in = getattr(fp, "stand_in_arguments", None)
+    if fp.deployed and not (args or kwargs) and stand_in is not None:
+        args, kwargs = stand_in
 
     # One compiled program, the data arrays as its arguments (not constants; other arguments,
     # e.g. sizes, stay static): run op by op, the model's likelihood would be evaluated, and
     # each operation compiled, for nothing.
-    is_shape = lambda x: isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
-    leaves, treedef = jax.tree_util.tree_flatten((tuple(args), dict(kwargs)), is_leaf=is_shape)
+    leaves, treedef = jax.tree_util.tree_flatten((tuple(args), dict(kwargs)))
     dynamic = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, np.ndarray))]
 
     def one(key, arrays):
-        full = [jnp.zeros(leaf.shape, leaf.dtype) if is_shape(leaf) else leaf for leaf in leaves]
+        full = list(leaves)
         for i, array in zip(dynamic, arrays):
             full[i] = array
         model_args, model_kwargs = jax.tree_util.tree_unflatten(treedef, full)
