@@ -463,3 +463,34 @@ def test_the_run_across_machines_page_runs(ray_session):
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.splitlines()[0] == "(3, 2)"
     assert "grad: rounds [1, 1, 1]" in run.stdout
+
+
+def test_one_ray_federation_runs_a_server_algorithm_then_a_decentralized_one_then_again(ray_federation):
+    """The same RayFederation serves DPPVI (client actors), DADMMS (agent actors, which replace
+    them) and DPPVI again (client actors again), each with the answer of its in-process run."""
+    from numpyro.infer import MCMC
+
+    def gaussian_prior_logistic(X, y=None):
+        w = numpyro.sample("w", dist.Normal(0, 1).expand([X.shape[1]]).to_event(1))
+        with nf.federated_plate("data", X.shape[0], clients=3):
+            numpyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+
+    X, y = pooled_rows()
+    X[COUNTS[0], 0] = 0.5
+    key = jax.random.PRNGKey(0)
+
+    def pvi(federation):
+        return nf.DPPVI(gaussian_prior_logistic, federation=federation, progress_bar=False).run(key, 1, X, y).state.q
+
+    def admm(federation):
+        mcmc = MCMC(nf.DADMMS(gaussian_prior_logistic, federation=federation), num_warmup=0, num_samples=3,
+                    num_chains=2, chain_method="vectorized", progress_bar=False)
+        with federation.guard():
+            mcmc.run(key, X, y)
+        return mcmc.get_samples()["w"]
+
+    expected_q, expected_w = pvi(InProcess()), admm(InProcess())
+    for answer, expected in [(pvi(ray_federation), expected_q), (admm(ray_federation), expected_w),
+                             (pvi(ray_federation), expected_q)]:
+        for a, b in zip(jax.tree.leaves(answer), jax.tree.leaves(expected)):
+            np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)

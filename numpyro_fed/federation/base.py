@@ -316,4 +316,4 @@ class Federation(abc.ABC):
         if not self.deployed:
             return ""
         name = getattr(self.loader, "__name__", type(self.loader).__name__)
-        return f", loader={name}, num_clients={self.loader_num_clients}"
+        return f", loader={name}" + ("" if self.started else f", num_clients={self.loader_num_clients}")

@@ -199,7 +199,8 @@ def decentralized_network(federation, program: AgentProgram, adjacency, *, name:
     from numpyro_fed.federation.ray_backend import RayFederation
 
     if isinstance(federation, RayFederation):
-        if previous is not None and previous.federation is federation and federation.started:
+        if previous is not None and previous.federation is federation and federation.started \
+                and federation._network is previous:
             if previous.same(program, adjacency, settings):
                 previous.program = program
                 return previous
@@ -227,11 +228,9 @@ def agent_hosts(federation, loader, adjacency, *, name: str = "agents", previous
         raise TypeError(f"{type(federation).__name__} cannot run decentralized agents "
                         "(use InProcess() or RayFederation())")
     if (previous is not None and previous.federation is federation and federation.started
-            and previous.deployed and np.array_equal(np.asarray(adjacency) != 0, previous.adjacency)):
+            and federation._network is previous and previous.deployed
+            and np.array_equal(np.asarray(adjacency) != 0, previous.adjacency)):
         return previous
-    if federation.started:  # another program's actors: end them, keep Ray
-        federation._kill_actors()
-        federation._program = None
     return RayNetwork(federation, None, adjacency, name=name, loader=loader)
 
 

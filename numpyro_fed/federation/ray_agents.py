@@ -239,10 +239,11 @@ class RayNetwork:
         if program is not None:
             self.locals = [jax.tree_util.tree_map(lambda a, m=m: np.asarray(a[m]), program.local)
                            for m in range(n)]
-        if federation.started:
-            raise RuntimeError(f"{federation!r} is already started: give {name} a federation of its own")
         ray = federation._ensure_ray()
-        federation._kill_actors()  # e.g. the workers that described the clients' data
+        # the workers of another algorithm's run, or those that described the clients' data,
+        # make way for the agents (a later run of a server-based algorithm replaces them in turn)
+        federation._kill_actors()
+        federation._program = None
         # the loop runs on the actor's main thread; deliver() and abort() in their own group, so
         # that the neighbours' messages arrive while the loop waits for them
         self._remote = ray.remote(concurrency_groups={"inbox": 2})(_AgentWorker)
@@ -254,6 +255,7 @@ class RayNetwork:
         federation._ledger = MessageLedger(n)
         federation._specs = [None] * n
         federation._actors = [self._new_actor(m) for m in range(n)]
+        federation._network = self
         try:
             specs = federation._gather("setup", {m: a.setup.remote() for m, a in enumerate(federation._actors)},
                                        refuse=True, timeout=federation.start_timeout)

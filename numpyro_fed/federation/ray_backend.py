@@ -285,6 +285,9 @@ class RayFederation(Federation):
         self._actors = []
         self._specs = None
         self._started_ray = False
+        #: the :class:`~numpyro_fed.federation.ray_agents.RayNetwork` whose agents are this
+        #: federation's actors (a decentralized sampler's), else ``None``
+        self._network = None
         self._error = None
         self._tags = itertools.count()
         self._reply_cache = {}
@@ -340,7 +343,7 @@ class RayFederation(Federation):
         Calls run one at a time on an actor's main thread (a threaded actor costs a few
         milliseconds per call); ``deliver`` has its own concurrency group so that neighbours'
         messages arrive while ``run_agent`` waits for them."""
-        if len(self._actors) == num_clients:
+        if len(self._actors) == num_clients and self._network is None:
             return self._actors
         self._kill_actors()
         ray = self._ensure_ray()
@@ -422,6 +425,7 @@ class RayFederation(Federation):
         return [out[m] for m in range(int(num_clients))]
 
     def _kill_actors(self):
+        self._network = None  # a decentralized network's agents are among the actors killed
         if not self._actors:
             return
         ray = _import_ray()
