@@ -78,7 +78,13 @@ def _with_private_key(propose, key_index, block, *args):
     """The client's round with its key folded with its private seed: the server sent a key
     (``args[key_index]``), and cannot know the one the client draws its proposals from."""
     args = list(args)
-    args[key_index] = jax.random.fold_in(args[key_index], block["seed"])
+    key = args[key_index]
+    if not (jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+            or (key.dtype == jnp.uint32 and key.shape[-1:] == (2,))):
+        raise RuntimeError(f"FedZigZag(private_randomness=True): argument {key_index} of the clients' "
+                           f"round is not its key (dtype {key.dtype}, shape {key.shape}): the round's "
+                           "arguments changed order")
+    args[key_index] = jax.random.fold_in(key, block["seed"])
     return propose(block["rows"], *args)
 
 
