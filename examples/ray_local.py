@@ -19,9 +19,9 @@ Then the same DPPVI in **deployment**: each client's rows are in its own file, e
 its own file (``nf.RayFederation(loader=..., num_clients=3)``), and the driver never holds a
 row: it runs ``DPPVI.run`` without data arguments.
 
-Run with ``python examples/ray_local.py``, or ``--quick`` (half the draws and rounds: about
-four minutes on a busy 2-core machine, most of it FedZigZag's rounds, each a round trip to
-every client's actor). The default settings double the draws and rounds.
+Run with ``python examples/ray_local.py``, or ``--quick`` (half the draws and rounds: 86 s on a
+quiet 2-core machine, Ray's start included, most of it FedZigZag's rounds, each a round trip
+to every client's actor).
 ``--federation inprocess`` runs the same with every client in this process.
 """
 
