@@ -248,17 +248,23 @@ def _mixing_rows(mixing):
     return np.diag(mixing).copy(), rows
 
 
+def _mixing_local(potentials: AgentPotentials, mixing):
+    """The gradient of an agent's potential and its local inputs for a mixing sampler: its
+    block, its share of the prior, its own weight and its row of ``S``'s neighbor weights."""
+    own_weight, neighbor_weights = _mixing_rows(mixing)
+    dtype = potentials.prior_weights.dtype
+    local = (potentials.data, potentials.prior_weights, jnp.asarray(own_weight, dtype),
+             jnp.asarray(neighbor_weights, dtype))
+    return jax.grad(potentials.fn), local
+
+
 def build_dsgld_program(potentials: AgentPotentials, mixing, step_size: float) -> AgentProgram:
     """D-SGLD, Eq. (22), as an :class:`~numpyro_fed.federation.decentralized.AgentProgram`:
     agent ``i`` sends its iterate (``d`` floats) to its neighbours each iteration and mixes
     what it holds with the weights of its row of ``S``; its noise comes from its own key.
     Own state: :class:`SGLDState` (one row)."""
     step_size = check_positive(step_size, "step_size")
-    own_weight, neighbor_weights = _mixing_rows(mixing)
-    dtype = potentials.prior_weights.dtype
-    grad = jax.grad(potentials.fn)
-    local = (potentials.data, potentials.prior_weights, jnp.asarray(own_weight, dtype),
-             jnp.asarray(neighbor_weights, dtype))
+    grad, local = _mixing_local(potentials, mixing)
 
     def send(local, key, own, inbox, mask):
         block, prior_weight, self_weight, weights = local
@@ -278,11 +284,7 @@ def build_dsghmc_program(potentials: AgentPotentials, mixing, step_size: float, 
     state :class:`SGHMCState`."""
     step_size = check_positive(step_size, "step_size")
     friction = check_positive(friction, "friction")
-    own_weight, neighbor_weights = _mixing_rows(mixing)
-    dtype = potentials.prior_weights.dtype
-    grad = jax.grad(potentials.fn)
-    local = (potentials.data, potentials.prior_weights, jnp.asarray(own_weight, dtype),
-             jnp.asarray(neighbor_weights, dtype))
+    grad, local = _mixing_local(potentials, mixing)
 
     def send(local, key, own, inbox, mask):
         block, prior_weight, self_weight, weights = local

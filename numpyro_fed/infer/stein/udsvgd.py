@@ -106,14 +106,18 @@ def build_round(stochastic: bool = False) -> Callable:
     -> (state, info)``."""
 
     def step(rng_key, state: UDSVGDState, client, federation):
-        num_rounds = state.scheduled.shape[0]
-        mine = (state.scheduled == client) & (jnp.arange(num_rounds) < state.round)
+        mine = _rounds_of(state, client)
         key = (rng_key,) if stochastic else ()
         new_global = federation.one("update", client, state.global_particles, *key, state.history, mine,
                                     state.round)
         return _server_update(state, client, new_global)
 
     return step
+
+
+def _rounds_of(state: UDSVGDState, client):
+    """The mask of the rounds so far in which ``client`` was scheduled (its buffer)."""
+    return (state.scheduled == client) & (jnp.arange(state.scheduled.shape[0]) < state.round)
 
 
 def _server_update(state: UDSVGDState, client, new_global):
@@ -136,16 +140,8 @@ def build_kernel(prior_grad: Callable, client_grad: Callable, **options) -> Call
     client_fn = build_client(prior_grad, client_grad, **options)
 
     def step(rng_key, state: UDSVGDState, client, block):
-        num_rounds = state.scheduled.shape[0]
-        mine = (state.scheduled == client) & (jnp.arange(num_rounds) < state.round)
-        new_global = client_fn(rng_key, state.global_particles, state.history, mine, state.round, block)
-        move = jnp.sqrt(jnp.mean(jnp.sum((new_global - state.global_particles) ** 2, axis=-1)))
-        state = UDSVGDState(
-            new_global,
-            state.history.at[state.round + 1].set(new_global),
-            state.scheduled.at[state.round].set(jnp.asarray(client, state.scheduled.dtype)),
-            state.round + 1,
-        )
-        return state, DSVGDInfo(jnp.asarray(client), move)
+        new_global = client_fn(rng_key, state.global_particles, state.history, _rounds_of(state, client),
+                               state.round, block)
+        return _server_update(state, client, new_global)
 
     return step
