@@ -484,12 +484,16 @@ class DecentralizedKernel(FederatedMCMCKernel):
         return {"agents": (agents, ["agent"]), "network_average": (average, [])}
 
     @staticmethod
-    def message_ledger(mcmc):
-        """The protocol's part of the :class:`~numpyro_fed.federation.MessageLedger` of
-        ``mcmc``'s network since it started (warm-up included), from what the sampler counted
-        (:class:`SentCounts` of the last state, summed over chains), on any backend:
-        ``"<Sampler>/start"`` (each agent's starting iterate to each neighbor) and
-        ``"<Sampler>/iterate"`` (one message per neighbor and iteration), direction ``to_peer``.
+    def message_ledger(mcmc) -> dict:
+        """What crossed the network in ``mcmc``'s run since it started (warm-up included),
+        per agent: ``{name: (M,) int array}`` with the names of :meth:`MessageLedger.summary
+        <numpyro_fed.federation.MessageLedger.summary>` (the shape of
+        :meth:`FedZigZag.message_ledger <numpyro_fed.FedZigZag.message_ledger>` and of a
+        variational run's :attr:`RunResult.ledger <numpyro_fed.infer.RunResult.ledger>`), from what
+        the sampler counted (:class:`SentCounts` of the last state, summed over chains), on
+        any backend: totals (``messages_to_peer``, ``bytes_to_peer``, ``rounds``) and the same
+        per entry, prefixed ``"<Sampler>/start/"`` (each agent's starting iterate to each
+        neighbor) and ``"<Sampler>/iterate/"`` (one message per neighbor and iteration).
         On Ray, ``federation.ledger`` counts the same messages from the payloads (and the
         iterations the agents ran ahead of the draws kept)."""
         from numpyro_fed.federation import MessageLedger
@@ -509,7 +513,7 @@ class DecentralizedKernel(FederatedMCMCKernel):
                    nbytes=(degrees * per_message).sum(0), rounds=1)
         ledger.add(f"{name}/iterate", "to_peer", None, messages=messages.sum(0) - degrees * chains,
                    nbytes=nbytes.sum(0) - (degrees * per_message).sum(0), rounds=int(iterations.max()))
-        return ledger
+        return ledger.summary()
 
     @staticmethod
     def agent_draws(mcmc, agent: int | None = None, *, group_by_chain: bool = False) -> dict:
