@@ -42,6 +42,7 @@ _FINAL_RATE_SHARE = 0.01
 _WARN_DP_ERROR = 0.2
 _MAX_LAST_MOVE = 0.1  # non-private: largest move of q's means per round, in q's scales,
 _LAST_MOVE_SPAN = 3  # averaged over the last 3 rounds (or fewer in a shorter run)
+_MOSTLY_CLIPPED = 0.99  # update perturbation: share of clipped changes that bounds q's moves
 MIN_NOISE_MULTIPLIER = 0.3  # below: epsilon in the hundreds; accounting blows up
 _MAX_RESIDUAL = 0.25  # local-optimization residual (in q's scales) above which it has not converged
 _DEFAULT_NUM_SAMPLES = 1000  # get_samples' draws when num_samples is None
@@ -191,7 +192,10 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
     2 sds off and 3-6 times too wide); 2 clients of 40,000 rows of a linear regression at
     ``epsilon = 4`` end within 0.3 posterior sds with sds within 15 %. The first round
     clips heavily while ``q`` is as wide as the prior: the automatic settings want at least
-    2 rounds (one warns).
+    2 rounds (one warns). Update perturbation (``"local_avg"``, ``"virtual"``) is judged
+    after each round from ``q``'s scale (:meth:`update_noise_error`, in
+    ``metrics["predicted_dp_error"]``): the run warns when its noise or its clipping
+    dominates.
 
     **Example**
 
@@ -486,6 +490,10 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         plan = self._require_plan()
         final = self._final_state(state)
         loc, scale = loc_scale(final.q)
+        dp_error = plan.predicted_dp_error
+        if self.dp in ("local_avg", "virtual") and plan.privacy is not None:
+            dp_error = self.update_noise_error(plan.noise_multiplier, plan.num_rounds,
+                                               plan.client_sizes.size, np.asarray(scale))
         return {
             "loss": info.loss if final is state else self.evaluate(final),
             "loc": loc,
@@ -495,7 +503,7 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
             "residual": info.residual,
             "communications": int(state.round) * self._communications_per_round(),
             "noise_multiplier": plan.noise_multiplier,
-            "predicted_dp_error": plan.predicted_dp_error,
+            "predicted_dp_error": dp_error,
         }
 
     def finish(self, result: RunResult) -> RunResult:
@@ -532,7 +540,9 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
                     RuntimeWarning, stacklevel=3,
                 )
         dp_error = float(metrics["predicted_dp_error"][-1])
-        if _WARN_DP_ERROR < dp_error <= MAX_DP_ERROR:
+        if self.dp in ("local_avg", "virtual") and result.privacy is not None:
+            self._update_perturbation_warnings(dp_error, float(np.mean(metrics["clipped"][-1])))
+        elif _WARN_DP_ERROR < dp_error <= MAX_DP_ERROR:
             warnings.warn(
                 f"DPPVI(dp='dpsgd'): the privacy noise is expected to have moved q's means by "
                 f"about {dp_error:.2g} posterior standard deviations (predicted_dp_error; measured "
@@ -542,6 +552,33 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
                 RuntimeWarning, stacklevel=3,
             )
         return result._replace(state=self._final_state(result.state))
+
+    def _update_perturbation_warnings(self, dp_error, clipped):
+        """Update perturbation: ``q``'s scale is known only after the run, so the noise's
+        error (:meth:`update_noise_error`) and the clipping are judged then, with a warning."""
+        shards = ("num_shards (the noise is divided by it)" if self.dp == "local_avg"
+                  else "num_shards (more virtual clients, each with fewer rows, are clipped less)")
+        if dp_error > _WARN_DP_ERROR:
+            verdict = ("the answer is mostly noise" if dp_error > MAX_DP_ERROR
+                       else "read the answer as approximate")
+            warnings.warn(
+                f"DPPVI(dp='{self.dp}'): the privacy noise is expected to have moved q's means by "
+                f"about {dp_error:.2g} of q's standard deviations (metrics['predicted_dp_error']; "
+                f"measured errors have been up to 5 times that), and q's scales do not include "
+                f"that noise: {verdict}. Raise target_epsilon, run fewer rounds, use damping "
+                f"below 1 over several rounds, raise {shards}, or use dp='dpsgd' (its noise "
+                "shrinks with the clients' rows)",
+                RuntimeWarning, stacklevel=4,
+            )
+        if clipped >= _MOSTLY_CLIPPED:
+            warnings.warn(
+                f"DPPVI(dp='{self.dp}'): {clipped:.0%} of the clients' changes were clipped to "
+                f"clip_norm={self.clip_norm} in the last round (metrics['clipped']): the clip "
+                "norm bounds each round's move of q's natural parameters, so q may not have "
+                f"reached its fixed point (too wide, pulled toward the prior). Raise {shards}, "
+                "run more rounds, or raise clip_norm (the noise grows with it)",
+                RuntimeWarning, stacklevel=4,
+            )
 
     def get_params(self, state: PVIState) -> dict:
         """``{"loc": ..., "scale": ...}`` of ``q`` on the unconstrained space, each a dict by
