@@ -4,7 +4,7 @@ from numpyro_fed.arviz import to_inference_data
 from numpyro_fed.federation import ClientError, ClientProgram, Federation, InProcess, MessageLedger
 from numpyro_fed.federation import NetworkError, RayFederation
 from numpyro_fed.infer import ADMM, DADMMS, DSGHMC, DSGLD, DULA, make_topology
-from numpyro_fed.infer import FedZigZag, GradientBound, HessianBound
+from numpyro_fed.infer import FedZigZag, GradientBound, HessianBound, RowHessianBound
 from numpyro_fed.infer import BCM, DPPVI, GaussianPVI, GlobalVI
 from numpyro_fed.infer import DSVGD, PDSVGD, SVGD, UDSVGD, DistributedSGLD, FedAvg
 from numpyro_fed.plate import federated_plate, normalize_clients
@@ -40,6 +40,7 @@ __all__ = [
     "FlatPotential",
     "GradientBound",
     "HessianBound",
+    "RowHessianBound",
     "PlateInfo",
     "RayFederation",
     "federated_plate",

@@ -6,7 +6,7 @@ from numpyro_fed.infer.kernel import FederatedMCMCKernel
 from numpyro_fed.infer.pvi import BCM, DPPVI, GaussianPVI, GlobalVI
 from numpyro_fed.infer.stein import DSVGD, PDSVGD, SVGD, UDSVGD, DistributedSGLD, FedAvg
 from numpyro_fed.infer.admm import DisconnectedTopologyWarning, Topology, make_topology, metropolis_weights
-from numpyro_fed.infer.zigzag import FedZigZag, GradientBound, HessianBound
+from numpyro_fed.infer.zigzag import FedZigZag, GradientBound, HessianBound, RowHessianBound
 
 __all__ = [
     "DPPVI",
@@ -35,4 +35,5 @@ __all__ = [
     "FedZigZag",
     "GradientBound",
     "HessianBound",
+    "RowHessianBound",
 ]

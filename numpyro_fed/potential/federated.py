@@ -170,6 +170,8 @@ class FederatedPotential:
         builds client ``m``'s block from its own rows on its worker (see
         :meth:`client_program`).
     :ivar bool enumerated: whether discrete latents are marginalised by enumeration.
+    :ivar tuple row_local_sites: names of the latent sites that live in a federated data
+        plate (one value per data row, held by the row's client).
     :ivar dict row_arguments: the model arguments cut per client (path -> plate name).
     :ivar stand_in_arguments: deployment only (else ``None``): ``(args, kwargs)`` shaped like
         the pooled model arguments with zeros for every row (what the driver traces the model
@@ -634,6 +636,7 @@ def split_potential(
         coordinate_owner_tree=owner_tree,
         client_data=client_data,
         enumerated=enumerated,
+        row_local_sites=tuple(sorted(row_local)),
         prior_potential_fn=prior_potential_fn,
         client_potential_fn=client_potential_fn,
         row_log_likelihood_fn=row_log_likelihood_fn,

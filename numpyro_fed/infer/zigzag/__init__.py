@@ -50,6 +50,7 @@ from numpyro_fed.infer.zigzag.proposers import (
     proposers_from_potential,
 )
 from numpyro_fed.infer.zigzag.sampler import FedZigZag, FedZigZagState
+from numpyro_fed.infer.zigzag.subsample import RowHessianBound, SubsampleLayout
 from numpyro_fed.infer.zigzag.state import KernelConfig, LineBound, SampleInfo, StepInfo, ZigZagState
 from numpyro_fed.infer.zigzag.warmup import WarmupState
 
@@ -69,8 +70,10 @@ __all__ = [
     "Preconditioner",
     "Proposal",
     "Proposers",
+    "RowHessianBound",
     "SampleInfo",
     "StepInfo",
+    "SubsampleLayout",
     "WarmupState",
     "ZigZagState",
     "advance",

@@ -47,6 +47,10 @@ _VIOLATION_REMEDY = {
                 "check each client's bound on |d_i U_m|",
     "hessian": "HessianBound: it is not a bound for this model (the chain is biased); "
                "check each client's bound on |d_i d_k U_m|",
+    "subsample": "bound on the rows' curvature (the chain is then slightly biased): the curvature is "
+                 "not bounded where the process went (see the warning at set-up); pass a longer "
+                 "num_warmup (violations in warmup grow the bound), bounds=RowHessianBound(...) valid "
+                 "everywhere, or subsample_size=None",
 }
 
 

@@ -34,10 +34,18 @@ from jax import lax
 from numpyro_fed.federation.base import tree_nbytes
 from numpyro_fed.infer.zigzag.bounds import empty_line
 from numpyro_fed.infer.zigzag.control_variates import ControlVariates, Shift, shift_for
-from numpyro_fed.infer.zigzag.kernel import accumulate, exponential, kernel_config, segment_integrals, step
+from numpyro_fed.infer.zigzag.kernel import (
+    accumulate,
+    exponential,
+    kernel_config,
+    scaled_bounds,
+    segment_integrals,
+    step,
+)
 from numpyro_fed.infer.zigzag.preconditioning import precondition
 from numpyro_fed.infer.zigzag.proposers import Proposers
 from numpyro_fed.infer.zigzag.state import SampleInfo, StepInfo, ZigZagState
+from numpyro_fed.infer.zigzag.subsample import gradient_estimate
 
 __all__ = [
     "ClientCounts",
@@ -107,14 +115,16 @@ class FederatedZigZagState(NamedTuple):
     pending: Pending
 
 
-def _single(own_grad_and_slope, prior_grad_and_slope) -> Proposers:
-    """One proposer's :class:`Proposers` (``P = 1``) from its own functions of ``(x, v)``."""
+def _single(own_grad_and_slope, prior_grad_and_slope, own_estimate=None) -> Proposers:
+    """One proposer's :class:`Proposers` (``P = 1``) from its own functions of ``(x, v)``
+    (and, with subsampling, ``own_estimate(x, key)``)."""
     return Proposers(
         term_grads_and_slopes=lambda x, v: jax.tree.map(lambda a: a[None], own_grad_and_slope(x, v)),
         term_grads=lambda x: own_grad_and_slope(x, jnp.zeros_like(x))[0][None],
         term_grad_of=lambda x, j: own_grad_and_slope(x, jnp.zeros_like(x))[0],
         prior_grad_and_slope=prior_grad_and_slope,
         num=1,
+        term_grad_estimate=None if own_estimate is None else (lambda x, j, key, reference: own_estimate(x, key)),
     )
 
 
@@ -134,16 +144,18 @@ def _own_shift(point, mean_grad, constant, linear) -> Shift | None:
 
 def client_proposal(own_grad_and_slope, prior_grad_and_slope, x, v, window, key, horizon, weight, *,
                     kind: str, bounds=None, excess=0.0, grid_size: int = 2, safety_factor: float = 1.0,
-                    shift: Shift | None = None, preconditioner=None, counts: bool = True):
+                    shift: Shift | None = None, preconditioner=None, counts: bool = True, own_estimate=None):
     """A client's (or the server's prior proposer's) round: the first switching time of its
     own rate along ``x + t v`` within ``window``, by thinning against its exact rate.
 
     :param own_grad_and_slope: ``(x, v) -> ((d,), (d,))`` of its own term (from its rows).
     :param prior_grad_and_slope: the same for the prior's potential ``U_0``.
     :param weight: its share of the prior. :param horizon: its grid horizon.
+    :param own_estimate: with subsampling, ``(x, key) -> (d,)``: the estimate of its own
+        term's gradient from a batch of its rows (the check then thins against it).
     :return: ``(Proposal, ClientCounts)`` with ``counts``, else the :class:`Proposal`.
     """
-    proposers = _single(own_grad_and_slope, prior_grad_and_slope)
+    proposers = _single(own_grad_and_slope, prior_grad_and_slope, own_estimate)
     if preconditioner is not None:
         proposers = precondition(proposers, preconditioner)
     config = kernel_config(proposers, excess_rates=jnp.reshape(excess, (1,)), bounds=kind if bounds is None else bounds,
@@ -182,6 +194,7 @@ class _Settings(NamedTuple):
     counts: bool
     second_order: bool
     use_cv: bool
+    subsample: Any = None  # the SubsampleLayout, with subsampling
 
 
 def client_function(clients, settings: _Settings, preconditioner=None):
@@ -190,7 +203,8 @@ def client_function(clients, settings: _Settings, preconditioner=None):
 
     Broadcast: ``x, v, window`` and, with control variates, the reference point and the mean
     gradient there. Own: ``key, horizon, weight``, with control variates the shift's constant
-    (and linear part), with a user's bound the client's row of it (and the prior's)."""
+    (and linear part), with subsampling the client's own gradient at the reference point,
+    with a user's (or the subsampling's) bound the client's row of it (and the prior's)."""
 
     def propose(block, x, v, window, *rest):
         rest = list(rest)
@@ -202,19 +216,24 @@ def client_function(clients, settings: _Settings, preconditioner=None):
         if settings.use_cv:
             constant = rest.pop(0)
             linear = rest.pop(0) if settings.second_order else None
+        estimate = None
+        if settings.subsample is not None:
+            reference_grad = rest.pop(0)
+            estimate = partial(gradient_estimate, clients.grad, settings.subsample, block=block, point=point,
+                               reference_grad=reference_grad)
         bounds = None
         if settings.kind in ("gradient", "hessian"):
             row, prior = rest.pop(0), rest.pop(0)
             bounds = (row, prior)
         own = lambda y, u: jax.jvp(lambda z: clients.grad(z, block), (y,), (u,))  # noqa: E731
         return _propose(own, clients.prior_grad_and_slope, settings, x, v, window, key, horizon, weight,
-                        point, mean_grad, constant, linear, bounds, preconditioner)
+                        point, mean_grad, constant, linear, bounds, preconditioner, estimate)
 
     return propose
 
 
 def _propose(own, prior, settings, x, v, window, key, horizon, weight, point, mean_grad, constant, linear,
-             bounds, preconditioner):
+             bounds, preconditioner, own_estimate=None):
     from numpyro_fed.infer.zigzag.bounds import GradientBound, HessianBound
 
     if bounds is not None:
@@ -224,7 +243,7 @@ def _propose(own, prior, settings, x, v, window, key, horizon, weight, point, me
                            excess=settings.excess, grid_size=settings.grid_size,
                            safety_factor=settings.safety_factor,
                            shift=_own_shift(point, mean_grad, constant, linear), preconditioner=preconditioner,
-                           counts=settings.counts)
+                           counts=settings.counts, own_estimate=own_estimate)
 
 
 def federated_init(x, rng_key, prior_weights, *, scale: float = 0.1, v=None) -> FederatedZigZagState:
@@ -278,6 +297,8 @@ def _round(config: FederatedConfig, key, state: FederatedZigZagState, reference)
             mean_h = (reference.term_hessians.sum(0) + reference.prior_hessian) / num
             linear = reference.term_hessians + weights[:, None, None] * reference.prior_hessian - mean_h
             own.append(linear)
+    if settings.subsample is not None:  # each client's own full gradient at the reference
+        own.append(reference.term_grads)
     if settings.kind in ("gradient", "hessian"):
         own += [config.bounds.clients, jnp.broadcast_to(config.bounds.prior, (num,) + config.bounds.prior.shape)]
     client_own = [a[:m] for a in own]
@@ -292,9 +313,14 @@ def _round(config: FederatedConfig, key, state: FederatedZigZagState, reference)
         rest = own_s[3:]
         constant_s = rest.pop(0) if settings.use_cv else None
         linear_s = rest.pop(0) if settings.use_cv and settings.second_order else None
+        estimate_s = None
+        if settings.subsample is not None:  # no rows: a zero own term, estimated exactly
+            rest.pop(0)
+            estimate_s = lambda y, key: jnp.zeros_like(y)  # noqa: E731
         bounds_s = (rest.pop(0), rest.pop(0)) if settings.kind in ("gradient", "hessian") else None
         server = _propose(zero_term, config.clients.prior_grad_and_slope, settings, x, v, window, key_s, horizon_s,
-                          weight_s, point, mean_grad, constant_s, linear_s, bounds_s, config.preconditioner)
+                          weight_s, point, mean_grad, constant_s, linear_s, bounds_s, config.preconditioner,
+                          estimate_s)
         replies = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), replies, server)
     return replies
 
@@ -361,11 +387,13 @@ def federated_step(config: FederatedConfig, rng_key, state: FederatedZigZagState
 
 
 def federated_advance(config: FederatedConfig, rng_key, state: FederatedZigZagState, duration, reference=None, *,
-                      default_reference=None):
+                      default_reference=None, bound_scale=None):
     """Runs the server for ``duration`` of process time (at most ``config.max_proposals``
     rounds): ``(state, info)``, a :class:`~numpyro_fed.infer.zigzag.SampleInfo` whose
-    ``num_proposals`` counts the clients' local proposals and ``rounds`` the rounds."""
+    ``num_proposals`` counts the clients' local proposals and ``rounds`` the rounds.
+    ``bound_scale`` multiplies the clients' bound rows sent in each round (``None``: 1)."""
     reference = default_reference if reference is None else reference
+    config = scaled_bounds(config, bound_scale)
     num, d, dtype = config.num, state.x.shape[0], state.x.dtype
     empty = SampleInfo.zeros(num, d, dtype, skeleton_size=config.skeleton_size,
                              full_covariance=config.full_covariance)
@@ -396,7 +424,8 @@ def build_federated_kernel(federation, clients, *, num_clients: int, prior_on_se
                            redistribution_rate: float = 0.0, bounds="grid", grid_size: int = 2,
                            safety_factor: float = 1.0, max_proposals: int = 1_000_000,
                            full_covariance: bool = False, skeleton_size: int = 0, preconditioner=None,
-                           counts: bool = True, second_order: bool = False, sizes: dict | None = None):
+                           counts: bool = True, second_order: bool = False, sizes: dict | None = None,
+                           subsample=None):
     """``(kernel, client_fn)``: the server's ``kernel(rng_key, state, duration, reference=None)
     -> (state, info)`` (a :class:`FederatedZigZagState` and a
     :class:`~numpyro_fed.infer.zigzag.SampleInfo`), reaching the clients only through
@@ -406,7 +435,11 @@ def build_federated_kernel(federation, clients, *, num_clients: int, prior_on_se
     :param dict sizes: filled when the kernel is traced with the bytes of one round's message
         to a client (``"to_client"``) and of its reply (``"from_client"``).
     :param bool counts: clients add their :class:`ClientCounts` to each reply (diagnostics;
-        off under a privacy guarantee). Other settings as in
+        off under a privacy guarantee).
+    :param subsample: a :class:`~numpyro_fed.infer.zigzag.subsample.SubsampleLayout`: each
+        client checks its proposals against an estimate from a batch of its rows (needs the
+        ``reference`` and a :class:`~numpyro_fed.HessianBound` laid out per proposer as
+        ``bounds``: the clients' ``n_m`` times their rows' curvature bound). Other settings as in
         :func:`~numpyro_fed.infer.zigzag.build_kernel`; ``max_proposals`` bounds the rounds
         per call.
     """
@@ -414,7 +447,7 @@ def build_federated_kernel(federation, clients, *, num_clients: int, prior_on_se
 
     kind = bound_kind(bounds)
     settings = _Settings(kind, int(grid_size), float(safety_factor), float(excess_rate), bool(counts),
-                         bool(second_order), reference is not None)
+                         bool(second_order), reference is not None, subsample)
     config = FederatedConfig(
         federation=federation, clients=clients, settings=settings, num_clients=int(num_clients),
         num=int(num_clients) + bool(prior_on_server), bounds=None if isinstance(bounds, str) else bounds,

@@ -166,12 +166,18 @@ def segment_integrals(a, v, tau, full_covariance: bool):
     return tau * (a + b) / 2, square
 
 
-def exact_rate(config: KernelConfig, state: ZigZagState, x, proposer, coordinate, shift: Shift):
+def exact_rate(config: KernelConfig, state: ZigZagState, x, proposer, coordinate, shift: Shift, key=None):
     """Client side of the check: proposer ``proposer``'s exact rate of ``coordinate`` at ``x``
-    (only the winner evaluates its gradient; the server adds its prior share)."""
+    (only the winner evaluates its gradient; the server adds its prior share). With
+    subsampling (``proposers.term_grad_estimate``) the rate of an unbiased estimate of its
+    gradient from a batch of its rows drawn with ``key``."""
     proposers = config.proposers
     prior_grad = proposers.prior_grad_and_slope(x, state.v)[0]
-    grad = proposers.term_grad_of(x, proposer) + state.prior_weights[proposer] * prior_grad
+    if proposers.term_grad_estimate is not None:
+        own = proposers.term_grad_estimate(x, proposer, key, shift.reference)
+    else:
+        own = proposers.term_grad_of(x, proposer)
+    grad = own + state.prior_weights[proposer] * prior_grad
     rate = jnp.maximum(state.v[coordinate] * (grad[coordinate] - shift_of(shift, proposer, coordinate, x)), 0.0)
     if config.kind == "grid":  # line bounds give the excess its own clock
         rate = rate + config.excess.astype(x.dtype)[proposer] / x.shape[0]
@@ -246,7 +252,9 @@ def step(config: KernelConfig, rng_key, state: ZigZagState, max_time,
     def proposal():
         coordinate = proposals.coordinate[winner]
         x, info = _moved(state, tau_win, config.full_covariance, num)
-        rate = exact_rate(config, state, x, winner, coordinate, shift)
+        # subsampling draws its batch from a key of its own (the other draws stay as they were)
+        k_batch = jax.random.fold_in(k_accept, 1) if config.proposers.term_grad_estimate is not None else None
+        rate = exact_rate(config, state, x, winner, coordinate, shift, k_batch)
         accept, violated = thinning_decision(rate, proposals.bound[winner], proposals.certain[winner],
                                              jax.random.uniform(k_accept, (), dtype))
         v = jnp.where(accept, state.v.at[coordinate].multiply(-1.0), state.v)
@@ -304,15 +312,26 @@ def accumulate(total: SampleInfo, state: ZigZagState, info: StepInfo) -> SampleI
     )
 
 
+def scaled_bounds(config, bound_scale):
+    """``config`` with its user/row bound multiplied by ``bound_scale`` (``None``: as it is):
+    the subsampling warmup grows the bound after a violation."""
+    if bound_scale is None or config.bounds is None:
+        return config
+    bounds = config.bounds
+    return config._replace(bounds=type(bounds)(bounds.clients * bound_scale, bounds.prior * bound_scale))
+
+
 def advance(config: KernelConfig, rng_key, state: ZigZagState, duration,
             reference: ControlVariates | None = None, *,
-            default_reference: ControlVariates | None = None) -> tuple[ZigZagState, SampleInfo]:
+            default_reference: ControlVariates | None = None, bound_scale=None) -> tuple[ZigZagState, SampleInfo]:
     """Runs the process for ``duration`` (at most ``config.max_proposals`` proposals): one
     :func:`step` after another, each with its own key, their infos accumulated.
 
+    :param bound_scale: multiplies a user's or the subsampling's bound (``None``: 1).
     :return: ``(state, info)``, a :class:`~numpyro_fed.infer.zigzag.SampleInfo`.
     """
     reference = default_reference if reference is None else reference
+    config = scaled_bounds(config, bound_scale)
     num, d, dtype = config.proposers.num, state.x.shape[0], state.x.dtype
     empty = SampleInfo.zeros(num, d, dtype, skeleton_size=config.skeleton_size,
                              full_covariance=config.full_covariance)

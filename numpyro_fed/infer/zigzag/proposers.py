@@ -60,6 +60,11 @@ class Proposers(NamedTuple):
         (the winner's check: only that proposer evaluates).
     :ivar prior_grad_and_slope: ``(x, v) -> ((d,), (d,))`` for ``U_0``.
     :ivar int num: ``P``.
+    :ivar term_grad_estimate: ``(x, j, key, reference) -> (d,)``: an unbiased estimate of
+        proposer ``j``'s own-term gradient from a random batch of its rows around the
+        control variates' reference (``FedZigZag(subsample_size=...)``, see
+        :mod:`~numpyro_fed.infer.zigzag.subsample`); ``None``: the winner's check evaluates
+        :attr:`term_grad_of` on all its rows.
     """
 
     term_grads_and_slopes: Callable
@@ -67,6 +72,7 @@ class Proposers(NamedTuple):
     term_grad_of: Callable
     prior_grad_and_slope: Callable
     num: int
+    term_grad_estimate: Callable | None = None
 
 
 def client_functions(potential) -> ClientFunctions:

@@ -14,9 +14,17 @@ import jax.numpy as jnp
 from numpyro.infer.initialization import init_to_uniform
 from numpyro.util import is_prng_key
 
-from numpyro_fed._checks import check_int, check_positive, check_real, warn_user
+from numpyro_fed._checks import check_int, check_positive, check_real, user_origin, warn_user
 from numpyro_fed.infer.kernel import FederatedMCMCKernel, RunCheck
-from numpyro_fed.infer.zigzag.bounds import bound_kind, per_proposer_bound
+from numpyro_fed.infer.zigzag.bounds import HessianBound, bound_kind, per_proposer_bound
+from numpyro_fed.infer.zigzag.subsample import (
+    AUTOMATIC_MARGIN,
+    RowHessianBound,
+    row_curvature,
+    rows_per_estimate,
+    subsample_layout,
+    subsampled_proposers,
+)
 from numpyro_fed.infer.zigzag.control_variates import control_variate_reference, switched
 from numpyro_fed.infer.zigzag.diagnostics import (
     DIAGNOSTICS,
@@ -102,6 +110,29 @@ def _carry_ledger(previous, ledger):
     ledger.round_trips += previous.round_trips
 
 
+def _row_curvature_call(grad, layout, row_bound, block, bound_points, probe_points):
+    """The clients' ``"row_curvature"`` call (see
+    :func:`~numpyro_fed.infer.zigzag.subsample.row_curvature`)."""
+    return row_curvature(grad, layout, block, bound_points, probe_points, row_bound)
+
+
+def _grow_bound(bound_scale, info, i, *, num_warmup, subsample_size, origin):
+    """A warmup draw with a bound violation doubles the subsampling's bound (with a warning)."""
+    grow = (i < num_warmup) & (info.num_violations > 0)
+    jax.lax.cond(grow, lambda: jax.debug.callback(partial(_report_growth, subsample_size=subsample_size,
+                                                          origin=origin), i, bound_scale * 2),
+                 lambda: None)
+    return jnp.where(grow, bound_scale * 2, bound_scale)
+
+
+def _report_growth(i, scale, *, subsample_size, origin):
+    i, scale = np.asarray(i), np.asarray(scale)
+    warn_user(
+        f"FedZigZag(subsample_size={subsample_size}): warmup draw {int(np.max(i))} had estimated rates "
+        f"above their bound; the bound is now {float(np.max(scale)):g} times the clients' (counted in "
+        "num_violations; after warmup it stays fixed)", RuntimeWarning, origin)
+
+
 class FedZigZagState(NamedTuple):
     """NumPyro-facing state of :class:`FedZigZag`.
 
@@ -113,6 +144,8 @@ class FedZigZagState(NamedTuple):
     :ivar rng_key: the key the next sample starts from (NumPyro replaces it to continue a
         chain with a new key, as in ``mcmc.post_warmup_state``).
     :ivar adapt: the warmup's state (:class:`~numpyro_fed.infer.zigzag.WarmupState`).
+    :ivar bound_scale: with ``subsample_size``, the factor the rows' curvature bound is
+        multiplied by (grown during warmup after a violation); else ``None``.
     """
 
     i: jax.Array
@@ -121,6 +154,7 @@ class FedZigZagState(NamedTuple):
     info: SampleInfo
     rng_key: jax.Array
     adapt: WarmupState
+    bound_scale: jax.Array | None = None
 
 
 class FedZigZag(FederatedMCMCKernel):
@@ -302,6 +336,7 @@ class FedZigZag(FederatedMCMCKernel):
         preconditioner=None,
         federation=None,
         private_randomness: bool = False,
+        subsample_size: int | None = None,
     ):
         super().__init__(model, partition=partition, init_strategy=init_strategy)
         if federation is not None and not isinstance(federation, Federation):
@@ -333,7 +368,36 @@ class FedZigZag(FederatedMCMCKernel):
         if excess_rate is None or check_real(excess_rate, "excess_rate") < 0:
             raise ValueError(f"excess_rate must be >= 0, got {excess_rate}")
         self.excess_rate = float(excess_rate)
-        bound_kind(bounds)
+        self.subsample_size = None if subsample_size is None else check_int(subsample_size, "subsample_size", minimum=1)
+        if self.subsample_size is None:
+            if isinstance(bounds, RowHessianBound):
+                raise ValueError("bounds=RowHessianBound(...) bounds each row's curvature for subsampling: "
+                                 "pass subsample_size (e.g. subsample_size=1) with it")
+            bound_kind(bounds)
+        else:
+            if not (isinstance(bounds, RowHessianBound) or bounds == "grid"):
+                raise ValueError(
+                    f"subsample_size={self.subsample_size} thins against bounds on every row's curvature: "
+                    "leave bounds at its default (automatic, computed by each client from its rows) or "
+                    f"pass a RowHessianBound, not {bounds!r}")
+            if isinstance(bounds, RowHessianBound) and not callable(bounds.rows):
+                raise TypeError(f"RowHessianBound.rows must be a function of one row's model arguments, "
+                                f"got {type(bounds.rows).__name__}")
+            if control_variates is False or control_variates == "second_order":
+                raise ValueError(
+                    f"subsample_size={self.subsample_size} estimates each rate around the first-order "
+                    f"control variates' reference point: control_variates={control_variates!r} is not "
+                    "supported with it (leave it at None or True)")
+            if preconditioner is not None:
+                raise ValueError(f"subsample_size={self.subsample_size} with preconditioner={preconditioner!r} "
+                                 "is not supported: pass preconditioner=None")
+            if dp_sensitivity is not None or dp_epsilon is not None or dp_delta is not None:
+                raise ValueError(
+                    f"subsample_size={self.subsample_size} with a privacy guarantee (dp_sensitivity/"
+                    "dp_epsilon/dp_delta): Theorem 5.1 covers switching times thinned against a "
+                    "client's exact rate with refreshment; a rate estimated from random rows around "
+                    "a reference point (and the set-up rounds it needs) is not covered. Pass "
+                    "subsample_size=None for the guarantee")
         self.bounds = bounds
         self.grid_size = check_int(grid_size, "grid_size", minimum=2)
         self.safety_factor = check_real(safety_factor, "safety_factor")
@@ -360,6 +424,14 @@ class FedZigZag(FederatedMCMCKernel):
         self.privacy = self._privacy_guarantee(dp_sensitivity, dp_epsilon, dp_delta)
         self.reference_point = None
         self.mode_search = None
+        #: row gradients one gradient evaluation of each client costs (``(M,)``, after
+        #: ``init``): its rows, or with ``subsample_size`` the rows one estimate evaluates
+        self.rows_per_gradient = None
+        #: with ``subsample_size``, after ``init``: the clients' curvature bounds
+        #: (a :class:`HessianBound` laid out per proposer) and whether the automatic bound
+        #: found a curvature that grows away from the posterior (violations possible)
+        self.subsample_bounds = None
+        self.unbounded_curvature = False
 
     def _privacy_guarantee(self, sensitivity, epsilon, delta):
         if sensitivity is None:
@@ -402,9 +474,12 @@ class FedZigZag(FederatedMCMCKernel):
         """
         problems = few_effective_draws(mcmc.get_samples(group_by_chain=True), min_ess)
         violations, proposals, capped, rates = rate_problems(
-            mcmc.get_extra_fields(), kind=bound_kind(self.bounds), max_proposals=self.max_proposals,
+            mcmc.get_extra_fields(), kind=self._bound_kind(), max_proposals=self.max_proposals,
             sample_interval=self.sample_interval)
         return RunCheck(problems + rates, (violations, proposals, capped))
+
+    def _bound_kind(self):
+        return "subsample" if self.subsample_size is not None else bound_kind(self.bounds)
 
     def trajectory_moments(self, mcmc):
         """Mean and covariance (or variance) of the whole sampled path, computed exactly
@@ -431,8 +506,17 @@ class FedZigZag(FederatedMCMCKernel):
         proposer (when it is the server's) its own entries. With a ``federation``, the message
         ledger of every draw: ``messages_to_client``, ``bytes_to_client``,
         ``messages_from_client``, ``bytes_from_client`` (``client`` dim; see
-        :meth:`message_ledger`)."""
-        stats = per_client_stats(extra_fields, self.federated_potential.num_clients, self.prior == "server")
+        :meth:`message_ledger`). ``grad_row_evals`` (and ``grad_row_evals_by_client``): the
+        row gradients the clients evaluated in each draw, their gradient evaluations times
+        :attr:`rows_per_gradient` (all their rows, or with ``subsample_size`` the batch at
+        the point and at the reference)."""
+        num_clients = self.federated_potential.num_clients
+        stats = per_client_stats(extra_fields, num_clients, self.prior == "server")
+        evals = extra_fields.get("info.grad_evals_by_proposer")
+        if evals is not None and self.rows_per_gradient is not None:
+            rows = np.asarray(jax.device_get(evals))[..., :num_clients].astype(np.int64) * self.rows_per_gradient
+            stats["grad_row_evals_by_client"] = (rows, ["client"])
+            stats["grad_row_evals"] = (rows.sum(-1), [])
         if self.federation is not None and "info.rounds" in extra_fields:
             stats.update({name: (value, ["client"]) for name, value in
                           self._ledger_of(np.asarray(jax.device_get(extra_fields["info.rounds"]))).items()})
@@ -496,6 +580,72 @@ class FedZigZag(FederatedMCMCKernel):
         return "{} events, {} proposals".format(int(state.info.num_events), int(state.info.num_proposals))
 
     # -- set-up: the mode, the preconditioner, the kernel ------------------------------------
+
+    def _subsample_bounds(self, potential, layout, point, flat_potential, hessian, clients, num_proposers):
+        """The clients' bounds on their rate estimates (a :class:`HessianBound` laid out per
+        proposer), each client's row from its own rows (in a federation: one
+        ``"row_curvature"`` call), the prior's on the server; warns when the curvature grows
+        away from the posterior (the automatic bound is then local)."""
+        d, dtype = point.shape[0], point.dtype
+        if hessian is not None:  # through the federation: one "hessian" call
+            total = hessian(point)
+            self.setup_tally.add("hessian")
+        else:
+            total = jax.hessian(flat_potential)(point)
+        total = np.asarray(total, np.float64)
+        try:
+            variances = np.diag(np.linalg.inv(total))
+        except np.linalg.LinAlgError:
+            variances = np.full(d, np.nan)
+        variances = np.where(np.isfinite(variances) & (variances > 0), variances,
+                             1.0 / np.maximum(np.abs(np.diag(total)), 1e-12))
+        sd = np.sqrt(variances)
+        signs = np.where(np.random.default_rng(0).uniform(size=(4, d)) < 0.5, -1.0, 1.0)
+        center = np.asarray(point, np.float64)
+        bound_points = jnp.asarray(np.concatenate([center[None], np.zeros((1, d)), center + 2.5 * sd * signs]), dtype)
+        # one unit away from the reference: where a curvature that grows shows itself
+        probe_points = jnp.asarray(center + signs, dtype)
+        row_bound = self.bounds.rows if isinstance(self.bounds, RowHessianBound) else None
+        if self.federation is not None:
+            curvature = self.federation.map("row_curvature", bound_points, probe_points)
+            self.setup_tally.add("row_curvature")
+        else:
+            curvature = jax.jit(jax.vmap(partial(row_curvature, clients.grad, layout, bound_points=bound_points,
+                                                 probe_points=probe_points, row_bound=row_bound)))(
+                potential.client_data)
+        curvature = np.asarray(curvature, np.float64)  # (M, 2, d, d)
+        prior_hessians = np.abs(np.asarray(jax.jit(jax.vmap(jax.hessian(potential.flat().prior_potential)))(
+            jnp.concatenate([bound_points, probe_points])), np.float64))
+        num_bound = bound_points.shape[0]
+        prior = np.stack([prior_hessians[:num_bound].max(0), prior_hessians[num_bound:].max(0)])
+        user_prior = isinstance(self.bounds, RowHessianBound) and self.bounds.prior is not None
+        if not (np.isfinite(curvature).all() and np.isfinite(prior).all()):
+            raise ValueError(f"FedZigZag(subsample_size={self.subsample_size}): the curvature bound is not "
+                             "finite (a row's Hessian is inf or nan near the posterior); pass subsample_size=None")
+        grows = []
+        slack = lambda b: b * (1 + 1e-6) + 1e-12  # noqa: E731
+        for m in np.flatnonzero((curvature[:, 1] > slack(curvature[:, 0])).any(axis=(-1, -2))):
+            grows.append(f"client {m}")
+        if not user_prior and (prior[1] > slack(prior[0])).any():
+            grows.append("the prior")
+        self.unbounded_curvature = bool(grows)
+        if grows:
+            ratio = max(float(np.max(curvature[:, 1] / np.maximum(curvature[:, 0], 1e-300))),
+                        0.0 if user_prior else float(np.max(prior[1] / np.maximum(prior[0], 1e-300))))
+            warn_user(
+                f"FedZigZag(subsample_size={self.subsample_size}): the curvature of {', '.join(grows)} grows "
+                f"away from the posterior (one unit from the reference point it is up to {ratio:.3g} times "
+                "the largest found around the posterior: not bounded globally, e.g. a log link or a "
+                "scale parameter). The automatic bound holds near the posterior only: proposals whose "
+                "estimated rate exceeds it are counted (sample_stats num_violations, check_run), and "
+                "each warmup draw with one doubles the bound. For an exact run pass "
+                "bounds=RowHessianBound(...) valid everywhere, or subsample_size=None",
+                RuntimeWarning)
+        margin = 1.0 if row_bound is not None and not layout.client_terms else AUTOMATIC_MARGIN
+        clients_bound = margin * curvature[:, 0]
+        prior_bound = np.asarray(self.bounds.prior, np.float64) if user_prior else AUTOMATIC_MARGIN * prior[0]
+        bound = HessianBound(np.maximum(clients_bound, 0.0), np.maximum(prior_bound, 0.0))
+        return per_proposer_bound(bound, potential.num_clients, num_proposers, d, dtype)
 
     def _search_mode(self, flat_potential, start, init_params, ravel, vectorized, num_warmup, *, hessian=None):
         """``(start, use_cv, recenter)`` after looking for the mode when the control variates
@@ -572,6 +722,15 @@ class FedZigZag(FederatedMCMCKernel):
         # in deployment this builds closures only: with a federation the clients are asked
         proposers, prior_weights = proposers_from_potential(potential, prior=self.prior)
         use_cv = potential.num_clients > 1 if self.control_variates is None else bool(self.control_variates)
+        layout = None
+        self.rows_per_gradient = np.asarray(potential.client_sizes, np.int64)
+        if self.subsample_size is not None:
+            layout = subsample_layout(potential, self.subsample_size)
+            use_cv = True
+            self.rows_per_gradient = np.full(potential.num_clients, rows_per_estimate(layout), np.int64)
+            if not federated:
+                proposers = subsampled_proposers(proposers, client_functions(potential).grad, potential.client_data,
+                                                 potential.num_clients, layout)
         ravel = jax.vmap(potential.ravel) if vectorized else potential.ravel
         start = potential.ravel(potential.init_params)
         d = start.shape[-1]
@@ -579,7 +738,9 @@ class FedZigZag(FederatedMCMCKernel):
         order = 2 if self.control_variates == "second_order" else 1
         redistribution_rate = self.redistribution_rate if self.prior == "redistribute" else 0.0
         bounds = self.bounds
-        if not isinstance(bounds, str):
+        if layout is not None:  # a placeholder of the right kind until the clients' bounds are in
+            bounds = HessianBound(jnp.zeros((proposers.num, d, d), start.dtype), jnp.zeros((d, d), start.dtype))
+        elif not isinstance(bounds, str):
             bounds = per_proposer_bound(bounds, potential.num_clients, proposers.num, d, start.dtype)
         hessian = terms = None
         self.setup_tally = None
@@ -597,15 +758,20 @@ class FedZigZag(FederatedMCMCKernel):
                     safety_factor=self.safety_factor, max_proposals=self.max_proposals,
                     full_covariance=self.full_covariance, skeleton_size=self.skeleton_size,
                     preconditioner=preconditioning, counts=self.privacy is None, second_order=order == 2,
-                    sizes=self.message_sizes,
+                    sizes=self.message_sizes, subsample=layout,
                 )
-                # the workers keep their program (and what they compiled) while it does not change
-                key = _program_key(data_key, self.privacy is None, reference is not None, order, bounds,
+                # the workers keep their program (and what they compiled) while it does not change;
+                # the subsampling's bounds are round arguments, not part of the program
+                key = _program_key(data_key, self.privacy is None, reference is not None, order,
+                                   repr(layout) if layout is not None else bounds,
                                    preconditioning, self.excess_rate, self.grid_size, self.safety_factor)
                 return kernel, functions_of(client_fn, reference is not None), key
 
             def functions_of(client_fn, use_reference):
                 functions = setup_functions(potential.flat().client_potential)
+                if layout is not None:
+                    row_bound = self.bounds.rows if isinstance(self.bounds, RowHessianBound) else None
+                    functions["row_curvature"] = partial(_row_curvature_call, clients.grad, layout, row_bound)
                 if client_fn is not None:
                     functions["propose"] = client_fn
                 if not self.private_randomness:
@@ -638,6 +804,11 @@ class FedZigZag(FederatedMCMCKernel):
             start, found_cv, recenter = self._search_mode(flat_potential, start, init_params, ravel,
                                                           vectorized, num_warmup, hessian=hessian)
             use_cv = use_cv and found_cv
+            if layout is not None and not self.mode_search.is_mode:
+                raise ValueError(
+                    f"FedZigZag(subsample_size={self.subsample_size}) estimates the rates around the "
+                    f"posterior's mode, and the posterior has none here ({describe_no_mode(self.mode_search)}): "
+                    "reparametrize the model (e.g. non-centered) or pass subsample_size=None")
         if init_params is not None:
             start = ravel(init_params)
 
@@ -664,6 +835,10 @@ class FedZigZag(FederatedMCMCKernel):
                     self.setup_tally.add("hessian")
             else:
                 reference = control_variate_reference(proposers, point, order=order)
+        if layout is not None:
+            bounds = self._subsample_bounds(potential, layout, reference.point, flat_potential, hessian, clients
+                                            if federated else client_functions(potential), proposers.num)
+            self.subsample_bounds = bounds
         if federated:
             kernel, functions, key = program(reference, self.preconditioning)
             self._start_program(potential, functions, key, data_key)
@@ -683,19 +858,27 @@ class FedZigZag(FederatedMCMCKernel):
         unravel = potential.unravel
         adapt_update = warmup_adaptation(
             proposers, num_warmup=num_warmup if use_cv else 0, recenter=recenter, order=order,
-            can_switch_off=bound_kind(self.bounds) != "hessian", max_proposals=self.max_proposals,
+            can_switch_off=self._bound_kind() not in ("hessian", "subsample"), max_proposals=self.max_proposals,
             sample_interval=self.sample_interval, reference_fn=reference_fn,
         )
+
+        grow_bound = partial(_grow_bound, num_warmup=num_warmup, subsample_size=self.subsample_size,
+                             origin=user_origin())
 
         def sample_fn(state):
             adapt = state.adapt
             key, k_sample = jax.random.split(state.rng_key)
             duration = jnp.where(adapt.stalled, 0.0, self.sample_interval)  # a stalled chain stops
             control = switched(adapt.reference, adapt.active) if use_cv else None
-            core, info = kernel(k_sample, state.core, duration, control)
+            bound_scale = state.bound_scale
+            if layout is None:
+                core, info = kernel(k_sample, state.core, duration, control)
+            else:
+                core, info = kernel(k_sample, state.core, duration, control, bound_scale=bound_scale)
+                bound_scale = grow_bound(bound_scale, info, state.i)
             info = info._replace(hit_event_cap=info.hit_event_cap | adapt.stalled)
             adapt = adapt_update(adapt, core, info, state.i)
-            new = FedZigZagState(state.i + 1, unravel(to_x(core.x)), core, info, key, adapt)
+            new = FedZigZagState(state.i + 1, unravel(to_x(core.x)), core, info, key, adapt, bound_scale)
             if keep_on_host:  # the draw is complete: the host keeps it (a worker may fail next)
                 done = jax.pure_callback(self._keep_completed, jax.ShapeDtypeStruct((), jnp.int32), new,
                                          vmap_method="expand_dims")
@@ -712,7 +895,8 @@ class FedZigZag(FederatedMCMCKernel):
             info = SampleInfo.zeros(proposers.num, d, u.dtype, skeleton_size=self.skeleton_size,
                                     full_covariance=self.full_covariance)
             adapt = init_warmup(reference, use_cv and not recenter, u)
-            return FedZigZagState(jnp.zeros((), jnp.int32), unravel(to_x(core.x)), core, info, key, adapt)
+            bound_scale = None if layout is None else jnp.ones((), u.dtype)
+            return FedZigZagState(jnp.zeros((), jnp.int32), unravel(to_x(core.x)), core, info, key, adapt, bound_scale)
 
         if vectorized:
             num_chains = rng_key.shape[0]

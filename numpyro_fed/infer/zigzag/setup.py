@@ -33,8 +33,11 @@ from numpyro_fed.infer.zigzag.proposers import Proposers
 
 __all__ = ["SETUP_CALLS", "ClientTerms", "SetupTally", "federated_reference", "setup_functions"]
 
-#: the names of the set-up calls in the clients' program (and in the message ledger)
-SETUP_CALLS = ("value_and_grad", "hessian")
+#: the names of the set-up calls in the clients' program (and in the message ledger);
+#: ``"row_curvature"`` only with ``FedZigZag(subsample_size=...)``
+SETUP_CALLS = ("value_and_grad", "hessian", "row_curvature")
+#: points the ``"row_curvature"`` call sends (see :mod:`~numpyro_fed.infer.zigzag.subsample`)
+ROW_CURVATURE_POINTS = 10
 
 
 def _value_and_grad(client_potential, block, x):
@@ -76,6 +79,8 @@ class SetupTally:
 
     def sizes(self, name: str) -> tuple[int, int]:
         """``(bytes down, bytes up)`` of one message of call ``name``."""
+        if name == "row_curvature":  # the points down, the bound (and its probe) up
+            return ROW_CURVATURE_POINTS * self.d * self.itemsize, 2 * self.d * self.d * self.itemsize
         up = self.d + 1 if name == "value_and_grad" else self.d * self.d
         return self.d * self.itemsize, up * self.itemsize
 

@@ -1,0 +1,231 @@
+"""Subsampling with control variates (Bierkens, Fearnhead & Roberts 2019, "The Zig-Zag process
+and super-efficient sampling for Bayesian analysis of big data").
+
+With ``FedZigZag(model, subsample_size=b)`` a client ``m`` holding ``n_m`` rows checks a
+proposal against an unbiased estimate of its rate built from ``b`` of its rows drawn at random
+(with replacement) around the control variates' reference point ``x*``:
+
+    d_i U_m(x) ~ d_i U_m(x*) + n_m / b * sum_{J in batch} (d_i U_J(x) - d_i U_J(x*))
+
+(``d_i U_m(x*)`` is the client's full gradient at ``x*``, computed once at set-up; a client's
+terms outside its data rows, e.g. the prior of a client-local latent variable, enter exactly).
+It thins against a bound that needs no pass over the rows: if every row's Hessian satisfies
+``|d_i d_k U_J(x)| <= H_ik`` for all ``x``, the estimate's rate along ``x + t v`` is at most
+
+    max(0, v_i g_i + n_m sum_k H_ik |x_k - x*_k| + t n_m sum_k H_ik)
+
+with ``g`` the client's share of the full gradient at ``x*`` (the first-order control
+variates' shift): the :class:`~numpyro_fed.HessianBound` line bound with ``n_m H`` as the
+client's row. A proposal then costs ``2 b`` row gradients (``b`` rows at ``x`` and at
+``x*``) whatever the client's size.
+
+The bounds ``H`` come from the clients, each from its own rows (:func:`row_curvature`):
+
+* automatically, the largest ``|d_i d_k U_J|`` over the client's rows at a few points the
+  server picks around the posterior (``x*``, ``x* +- 2.5 sd``, and the origin, where a
+  GLM's curvature such as the logistic's ``|a_i a_k| / 4`` peaks), times a margin; the
+  same rows' curvature at points one unit away from ``x*`` tells whether the curvature keeps
+  growing (a log link): then the bound holds only near the posterior, and the run is warned
+  and its violations counted;
+* from the user (:class:`RowHessianBound`): a function of one row's model arguments giving a
+  bound valid everywhere, for exactness.
+
+Everything a client computes here receives its own block only; what it sends the server is
+its ``(d, d)`` bound (once, at set-up) and, in every round, the proposal Algorithm 2 sends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = [
+    "AUTOMATIC_MARGIN",
+    "RowHessianBound",
+    "SubsampleLayout",
+    "gradient_estimate",
+    "row_curvature",
+    "rows_per_estimate",
+    "subsample_layout",
+    "subsampled_proposers",
+]
+
+#: the automatic per-row curvature bounds are multiplied by this (the curvature at the
+#: points looked at is not a supremum in general)
+AUTOMATIC_MARGIN = 1.25
+#: rows whose Hessians one vectorized call of the set-up computes
+CHUNK = 256
+
+
+class RowHessianBound(NamedTuple):
+    """User-supplied bounds on every data row's curvature, for ``FedZigZag(subsample_size=...)``.
+
+    ``rows(*row_arguments)`` receives **one row** of the model's row arguments (the
+    arguments cut per client, in the order of :attr:`FederatedPotential.row_arguments
+    <numpyro_fed.FederatedPotential>`, e.g. ``(x_J, y_J)`` for ``model(X, y)``) and returns a
+    ``(d, d)`` array ``B`` with ``|d_i d_k U_J(x)| <= B[i, k]`` for every ``x`` (``U_J`` the
+    row's term of the potential on the flat unconstrained space,
+    :meth:`~numpyro_fed.FederatedPotential.ravel` gives the order). Each client evaluates
+    it on its own rows (vectorized) and keeps ``n_m max_J B_J``. ``prior``: a ``(d, d)``
+    bound on the prior's Hessian, or ``None``: the automatic one (the server's, from the
+    prior alone). A client's terms outside its rows (client-local latent variables) get the
+    automatic bound.
+
+    **Example**: logistic regression, ``|d_i d_k U_J| = s(1 - s) |a_i a_k| <= |a_i a_k| / 4``
+    with ``a = x_J`` the row's covariates, and a ``Normal(0, 1)`` prior on the weights.
+
+    >>> import jax.numpy as jnp, numpyro_fed as nf
+    >>> bound = nf.RowHessianBound(lambda x, y: jnp.abs(jnp.outer(x, x)) / 4, prior=jnp.eye(2))
+    >>> bound.rows(jnp.array([1.0, -2.0]), 1.0).tolist()
+    [[0.25, 0.5], [0.5, 1.0]]
+    """
+
+    rows: Callable
+    prior: Any = None
+
+
+class SubsampleLayout(NamedTuple):
+    """How a client's block is subsampled: the data plate whose rows are drawn, whether the
+    client's term has parts outside the rows (client-local latent variables), and the batch
+    size ``b``."""
+
+    plate: str
+    client_terms: bool
+    size: int
+
+
+def subsample_layout(potential, size: int) -> SubsampleLayout:
+    """The :class:`SubsampleLayout` of a :class:`~numpyro_fed.FederatedPotential`, or a
+    ``ValueError`` naming what stands in the way (row-local or enumerated latents, several
+    data plates, a batch larger than a client)."""
+    data_plates = [p for p in potential.plates.values() if p.holds_data]
+    if len(data_plates) != 1:
+        raise ValueError(
+            f"FedZigZag(subsample_size=...) needs exactly one federated data plate, found "
+            f"{[p.name for p in data_plates]}: the batch is drawn from one plate's rows")
+    if potential.row_local_sites:
+        raise ValueError(
+            f"FedZigZag(subsample_size=...): the latent site(s) {list(potential.row_local_sites)} "
+            "have one value per data row; a rate estimated from a few rows says nothing about the "
+            "other rows' latents: pass subsample_size=None")
+    if potential.enumerated:
+        raise ValueError("FedZigZag(subsample_size=...) does not support enumerated discrete latents: "
+                         "pass subsample_size=None")
+    sizes = np.asarray(potential.client_sizes)
+    if size > sizes.min():
+        m = int(np.argmin(sizes))
+        raise ValueError(
+            f"subsample_size={size} is larger than client {m}'s {int(sizes[m])} rows: pass "
+            f"subsample_size <= {int(sizes.min())} (the smallest client), or None for full-data rates")
+    client_terms = any(not p.holds_data for p in potential.plates.values())
+    return SubsampleLayout(data_plates[0].name, bool(client_terms), int(size))
+
+
+def rows_per_estimate(layout: SubsampleLayout) -> int:
+    """Row gradients one estimate evaluates: the batch at ``x`` and at ``x*`` (and one masked
+    row at each for the client-level terms)."""
+    return 2 * layout.size + 2 * layout.client_terms
+
+
+def _sub_block(block, plate: str, index, valid: bool):
+    """The block made of rows ``index`` of ``block`` (all valid, or all masked)."""
+    return {
+        "client": block["client"],
+        "rows": [jnp.take(a, index, axis=0) for a in block["rows"]],
+        "index": {k: jnp.take(v, index, axis=0) for k, v in block["index"].items()},
+        "valid": {k: jnp.full(index.shape, valid) for k in block["valid"]},
+    }
+
+
+def gradient_estimate(grad, layout: SubsampleLayout, x, key, block, point, reference_grad):
+    """Client side: an unbiased estimate of the gradient of the client's term at ``x`` from
+    ``layout.size`` of its rows drawn uniformly with replacement (the control-variate
+    estimator above).
+
+    :param grad: ``(x, block) -> (d,)``, the gradient of the client's term given a block
+        (:attr:`~numpyro_fed.infer.zigzag.ClientFunctions.grad`).
+    :param point: the reference ``x*``; :param reference_grad: the client's full gradient there.
+    """
+    n = jnp.sum(block["valid"][layout.plate])
+    index = jax.random.randint(key, (layout.size,), 0, n)
+    batch = _sub_block(block, layout.plate, index, True)
+    both = jnp.stack([x, point])
+    grads = jax.vmap(grad, in_axes=(0, None))(both, batch)
+    scale = (n / layout.size).astype(x.dtype)
+    estimate = reference_grad + scale * (grads[0] - grads[1])
+    if layout.client_terms:  # the batch's block also holds the client-level terms once
+        empty = _sub_block(block, layout.plate, index[:1], False)
+        level = jax.vmap(grad, in_axes=(0, None))(both, empty)
+        estimate = estimate - (scale - 1) * (level[0] - level[1])
+    return estimate
+
+
+def row_curvature(grad, layout: SubsampleLayout, block, bound_points, probe_points, row_bound=None):
+    """Client side (the set-up call ``"row_curvature"``): ``(2, d, d)``, the client's bound
+    ``n_m max_J |d_i d_k U_J|`` (plus its client-level terms' ``|d_i d_k C_m|``) maximized
+    over ``bound_points`` (``K, d``), and the same over ``probe_points``.
+
+    With ``row_bound`` (a :class:`RowHessianBound`'s ``rows``) the rows' part is
+    ``n_m max_J row_bound(rows_J)``, the same in both.
+    """
+    plate = layout.plate
+    valid = block["valid"][plate]
+    max_rows = valid.shape[0]
+    n = jnp.sum(valid)
+    hessian = jax.jacfwd(grad)
+    points = jnp.concatenate([bound_points, probe_points])
+    num_bound = bound_points.shape[0]
+    d = points.shape[-1]
+    dtype = points.dtype
+
+    if layout.client_terms:
+        empty = _sub_block(block, plate, jnp.zeros(1, jnp.int32), False)
+        level = jnp.abs(jax.vmap(hessian, in_axes=(0, None))(points, empty))  # (K, d, d)
+    else:
+        level = None
+
+    num_chunks = -(-max_rows // CHUNK)
+    chunks = (jnp.arange(num_chunks * CHUNK) % max_rows).reshape(num_chunks, CHUNK)
+
+    if row_bound is None:
+        def one_row(j):
+            h = jax.vmap(hessian, in_axes=(0, None))(points, _sub_block(block, plate, j[None], True))
+            if level is not None:  # the row's block holds the client-level terms once
+                h = h - jax.vmap(hessian, in_axes=(0, None))(points, _sub_block(block, plate, j[None], False))
+            h = jnp.abs(h)
+            return jnp.stack([h[:num_bound].max(0), h[num_bound:].max(0)]) * valid[j]
+    else:
+        def one_row(j):
+            rows = [a[j] for a in block["rows"]]
+            bound = jnp.broadcast_to(jnp.abs(jnp.asarray(row_bound(*rows), dtype)), (d, d))
+            return jnp.stack([bound, bound]) * valid[j]
+
+    rows = lax.map(lambda js: jax.vmap(one_row)(js).max(0), chunks).max(0)  # (2, d, d)
+    out = n.astype(dtype) * rows
+    if level is not None:
+        out = out + jnp.stack([level[:num_bound].max(0), level[num_bound:].max(0)])
+    return out
+
+
+def subsampled_proposers(proposers, grad, data, num_clients: int, layout: SubsampleLayout):
+    """``proposers`` (in process) with ``term_grad_estimate(x, j, key, reference)``: proposer
+    ``j``'s estimate from ``layout.size`` rows of its block (zero for the server's prior
+    proposer, which holds no rows)."""
+    on_server = proposers.num > num_clients
+
+    def term_grad_estimate(x, j, key, reference):
+        index = jnp.minimum(j, num_clients - 1)
+        block = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, index, keepdims=False), data)
+        estimate = lambda: gradient_estimate(grad, layout, x, key, block, reference.point,  # noqa: E731
+                                             reference.term_grads[j])
+        if not on_server:
+            return estimate()
+        return lax.cond(j == num_clients, lambda: jnp.zeros_like(x), estimate)
+
+    return proposers._replace(term_grad_estimate=term_grad_estimate)
