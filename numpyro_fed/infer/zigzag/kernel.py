@@ -260,8 +260,12 @@ def step(config: KernelConfig, rng_key, state: ZigZagState, max_time,
         v = jnp.where(accept, state.v.at[coordinate].multiply(-1.0), state.v)
         horizon = jnp.where(violated, state.horizon / 2,
                             jnp.where(accept, state.horizon, state.horizon / 1.04))
-        # a rejection leaves the line, hence its bound, as it was
-        kept = line._replace(valid=~(accept | violated), reuse=jnp.zeros((), bool),
+        # a rejection leaves the line, hence its bound, as it was; with subsampling the bound
+        # costs no gradient and is tighter from the new point: it is rebuilt there
+        keep = ~(accept | violated)
+        if config.proposers.term_grad_estimate is not None:
+            keep = jnp.zeros((), bool)
+        kept = line._replace(valid=keep, reuse=jnp.zeros((), bool),
                              position=line.position + tau_win)
         one_hot = jnp.zeros(num, jnp.int32).at[winner].set(1)
         info = info._replace(proposed=jnp.ones((), bool), accepted=accept, violated=violated,

@@ -650,7 +650,7 @@ class FedZigZag(FederatedMCMCKernel):
     def _search_mode(self, flat_potential, start, init_params, ravel, vectorized, num_warmup, *, hessian=None):
         """``(start, use_cv, recenter)`` after looking for the mode when the control variates
         or a Laplace preconditioner need it (one mode for all chains: it is the target's)."""
-        kind = bound_kind(self.bounds)
+        kind = self._bound_kind()
         search_from = start
         if init_params is not None:
             search_from = ravel(init_params)[0] if vectorized else ravel(init_params)

@@ -72,10 +72,11 @@ class SetupTally:
 
     def __init__(self, d: int, itemsize: int):
         self.d, self.itemsize = int(d), int(itemsize)
-        self.messages = {name: 0 for name in SETUP_CALLS}
+        # "row_curvature" appears once made (only subsampling makes it)
+        self.messages = {name: 0 for name in SETUP_CALLS if name != "row_curvature"}
 
     def add(self, name: str, messages: int = 1) -> None:
-        self.messages[name] += int(messages)
+        self.messages[name] = self.messages.get(name, 0) + int(messages)
 
     def sizes(self, name: str) -> tuple[int, int]:
         """``(bytes down, bytes up)`` of one message of call ``name``."""
@@ -89,7 +90,7 @@ class SetupTally:
         a ``{name: messages}`` dict of further calls, e.g. the warmup's)."""
         out = {}
         for name in SETUP_CALLS:
-            messages = self.messages[name] + int((extra or {}).get(name, 0))
+            messages = self.messages.get(name, 0) + int((extra or {}).get(name, 0))
             if not messages:
                 continue
             down, up = self.sizes(name)
