@@ -34,7 +34,7 @@ $(STAMP): pyproject.toml
 	  "$$($(PYTHON) -c 'import sys; print(sys.version_info[:2])')" ]; then \
 	  echo "make: $(VENV) has $$($(PY) -V), not $$($(PYTHON) -V): making it anew"; rm -rf $(VENV); fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -e ".[test,docs,notebooks,ray]"
+	$(PY) -m pip install -q -e ".[test,docs,notebooks,ray,flower]"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -1,0 +1,175 @@
+"""The node's side of Flower: what the ``ClientApp`` of :func:`numpyro_fed.flower.client_app`
+does with each message.
+
+* ``describe``: runs the app's loader on the node config; replies shapes, dtypes, row counts
+  and scalar settings, and the node's ``partition-id``.
+* ``start``: rebuilds the client program from the recipe (:mod:`._replay`), loads the
+  node's block and replies its shapes; keeps the recipe in ``context.state`` so that later
+  messages (a new process per message in a deployed SuperNode) rebuild the same program.
+* ``call``: runs one function of the program on the block; replies its arrays.
+
+A process keeps the programs, blocks and compiled functions it built (Flower's simulation
+reuses its worker processes); a deployed SuperNode starts a process per message, where JAX's
+persistent compilation cache (``jax-cache-dir`` in the node config) saves the compiling.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import OrderedDict
+
+import numpy as np
+
+import jax
+
+__all__ = ["NodeHandler"]
+
+_STATE_KEY = "numpyro_fed_recipe"
+_CACHE_SIZE = 4  # recipes whose programs a process keeps (a run, its resumption, a few methods)
+
+
+class _Cache:
+    """Per process: recipe digest -> program, block per client, compiled functions."""
+
+    def __init__(self):
+        self.entries = OrderedDict()
+
+    def get(self, digest):
+        entry = self.entries.get(digest)
+        if entry is not None:
+            self.entries.move_to_end(digest)
+        return entry
+
+    def put(self, digest, entry):
+        self.entries[digest] = entry
+        self.entries.move_to_end(digest)
+        while len(self.entries) > _CACHE_SIZE:
+            self.entries.popitem(last=False)
+
+
+_CACHE = _Cache()
+
+
+def _partition_id(node_config) -> int:
+    value = node_config.get("partition-id") if hasattr(node_config, "get") else None
+    return -1 if value is None else int(value)
+
+
+def _configure_compilation_cache(node_config):
+    path = node_config.get("jax-cache-dir") if hasattr(node_config, "get") else None
+    if path is None:
+        path = os.path.join(os.path.expanduser("~"), ".cache", "numpyro_fed", "jax")
+    if not path:
+        return
+    if jax.config.jax_compilation_cache_dir != path:
+        jax.config.update("jax_compilation_cache_dir", str(path))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+
+
+class NodeHandler:
+    """Handles the messages of :class:`~numpyro_fed.flower.FlowerFederation` on a node with
+    the app's ``methods`` (name -> method) and ``load`` (``node_config -> model
+    arguments``)."""
+
+    def __init__(self, methods: dict, load):
+        self.methods = dict(methods)
+        self.load = load
+
+    # -- messages --------------------------------------------------------------------------
+    def describe(self, msg, context):
+        from numpyro_fed.federation.base import describe_arguments
+        from numpyro_fed.flower._wire import encode_description
+
+        args = self.load(context.node_config)
+        return {"partition_id": _partition_id(context.node_config),
+                "description": encode_description(describe_arguments(args))}, None
+
+    def start(self, msg, context):
+        from numpyro_fed.flower import _import_flwr
+        from numpyro_fed.flower._replay import Recipe
+        from numpyro_fed.flower._wire import encode_description
+
+        flwr = _import_flwr()
+        config = msg.content["numpyro_fed"]
+        recipe = Recipe.from_config(config)
+        client = int(config["client"])
+        entry = self._entry(recipe, client, context.node_config)
+        functions = json.loads(config["functions"])
+        if sorted(entry["program"].functions) != functions:
+            raise RuntimeError(f"the node's program has functions {sorted(entry['program'].functions)}, the "
+                               f"server's {functions}: the server and the nodes must run the same app")
+        stored = {k: config[k] for k in recipe.to_config()}
+        stored["client"] = client
+        context.state[_STATE_KEY] = flwr.app.ConfigRecord(stored)
+        from numpyro_fed.federation.base import block_spec
+
+        return {"block": encode_description(block_spec(entry["blocks"][client]))}, None
+
+    def call(self, msg, context):
+        from numpyro_fed.flower._replay import Recipe
+        from numpyro_fed.flower._wire import decode_tree
+
+        if _STATE_KEY not in context.state:
+            raise RuntimeError("this node has not been started for the run (no recipe in its state): the "
+                               "server must send 'start' first")
+        stored = context.state[_STATE_KEY]
+        recipe = Recipe.from_config(stored)
+        client = int(stored["client"])
+        entry = self._entry(recipe, client, context.node_config)
+        config = msg.content["numpyro_fed"]
+        name = str(config["call"])
+        args = decode_tree(str(config["structure"]), msg.content["args"].to_numpy_ndarrays())
+        in_axes = None
+        if bool(config["batched"]):
+            flat_axes = [None if a < 0 else int(a) for a in config["in_axes"]]
+            in_axes = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(args), flat_axes)
+        fn = self._compiled(entry, name, in_axes)
+        reply = fn(entry["blocks"][client], *args)
+        return None, [np.asarray(x) for x in jax.tree_util.tree_leaves(reply)]
+
+    # -- the program -----------------------------------------------------------------------
+    def _entry(self, recipe, client, node_config):
+        from numpyro_fed.federation.base import check_block
+        from numpyro_fed.flower._replay import rebuild_program
+
+        if bool(jax.config.jax_enable_x64) != recipe.x64:
+            jax.config.update("jax_enable_x64", recipe.x64)
+        digest = recipe.digest
+        entry = _CACHE.get(digest)
+        if entry is None:
+            method = self.methods.get(recipe.name)
+            if method is None:
+                raise KeyError(f"the server runs method '{recipe.name}', which this node's app does not have "
+                               f"(it has {sorted(self.methods)}): the server and the nodes must run the same app")
+            _configure_compilation_cache(node_config)
+            load, node_configs = self.load, {}
+
+            def loader(m):  # client m's rows, with the config of the node that is client m here
+                return load(node_configs[int(m)])
+
+            entry = {"program": rebuild_program(method, recipe, loader), "blocks": {}, "compiled": {},
+                     "node_configs": node_configs}
+            _CACHE.put(digest, entry)
+        if client not in entry["blocks"]:
+            # a process may serve several nodes (Flower's simulation): the program is theirs in
+            # common, the block is built from the rows of the node that asks
+            entry["node_configs"][client] = node_config
+            program = entry["program"]
+            block = program.loader(client)
+            check_block(block, client, program.spec)
+            entry["blocks"][client] = jax.tree_util.tree_map(jax.numpy.asarray, block)
+        return entry
+
+    @staticmethod
+    def _compiled(entry, name, in_axes):
+        key = (name, repr(in_axes))
+        fn = entry["compiled"].get(key)
+        if fn is None:
+            try:
+                raw = entry["program"].functions[name]
+            except KeyError:
+                raise KeyError(f"the client program has no function '{name}'") from None
+            fn = jax.jit(raw) if in_axes is None else jax.jit(jax.vmap(raw, in_axes=(None,) + tuple(in_axes)))
+            entry["compiled"][key] = fn
+        return fn
