@@ -75,7 +75,22 @@ def _import_flwr():
 
 def check_method(method):
     """``method`` if it can run on Flower (a variational method: DPPVI and its relatives,
-    DSVGD, PDSVGD, UDSVGD); else an error saying why and what to use instead."""
+    DSVGD, PDSVGD, UDSVGD); else an error saying why and what to use instead.
+
+    >>> import numpyro, numpyro.distributions as dist
+    >>> import numpyro_fed as nf
+    >>> from numpyro_fed import flower
+    >>> def model(y):
+    ...     mu = numpyro.sample("mu", dist.Normal(0, 3))
+    ...     with nf.federated_plate("data", y.shape[0], clients=3):
+    ...         numpyro.sample("y", dist.Normal(mu, 1), obs=y)
+    >>> flower.check_method(nf.DSVGD(model))  # doctest: +ELLIPSIS
+    DSVGD(model, num_particles=20, ...)
+    >>> flower.check_method(nf.FedZigZag(model))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: FedZigZag cannot run on Flower: every proposal of its Zig-Zag process is one round trip ...
+    """
     from numpyro.infer import MCMC
     from numpyro.infer.mcmc import MCMCKernel
 
@@ -138,7 +153,8 @@ def server_app(methods, num_rounds: int | Mapping[str, int], *, seed: int = 0,
     in turn) for ``num_rounds`` (an int, or a dict by name) with the key ``PRNGKey(seed)``.
 
     The run config may override ``num-rounds`` and ``seed`` (``flwr run . --run-config
-    "num-rounds=20"``) and set ``num-clients``. After each run, ``on_result(name, result,
+    "num-rounds=20"``), choose ``methods`` (comma-separated names) and set ``num-clients``
+    (the nodes to wait for). After each run, ``on_result(name, result,
     context)`` (default: log the result). A :class:`~numpyro_fed.federation.ClientError`
     (a node failed or was silent) is resumed from its checkpoint up to ``resume_attempts``
     times (once the node is back), then re-raised.
@@ -152,8 +168,15 @@ def server_app(methods, num_rounds: int | Mapping[str, int], *, seed: int = 0,
     def main(grid, context):
         config = dict(context.run_config or {})
         key = jax.random.PRNGKey(int(config.get("seed", seed)))
-        wanted = config.get("num-clients", num_clients)
-        for name, method in methods.items():
+        wanted = config.get("num-clients", num_clients) or num_clients  # 0: those connected
+        chosen = list(methods)
+        if config.get("methods"):
+            chosen = [n.strip() for n in str(config["methods"]).split(",") if n.strip()]
+            unknown = sorted(set(chosen) - set(methods))
+            if unknown:
+                raise ValueError(f"the run config names method(s) {unknown}; the app has {sorted(methods)}")
+        for name in chosen:
+            method = methods[name]
             rounds = num_rounds[name] if isinstance(num_rounds, Mapping) else num_rounds
             rounds = int(config.get("num-rounds", rounds))
             result = _run_with_resumption(method, grid, key, rounds, name=name, attempts=resume_attempts,
@@ -227,7 +250,25 @@ def client_app(methods, load: Callable, *, mods=None):
 def apps(methods, load: Callable, *, num_rounds, mods=None, **server_options):
     """``(server_app, client_app)``: :func:`server_app` of ``methods`` for ``num_rounds``
     and :func:`client_app` of the same methods with ``load``; ``server_options`` go to
-    :func:`server_app` (``seed``, ``on_result``, ``resume_attempts``, ``timeout``, ...)."""
+    :func:`server_app` (``seed``, ``on_result``, ``resume_attempts``, ``timeout``, ...).
+
+    >>> import numpy as np, numpyro, numpyro.distributions as dist
+    >>> import numpyro_fed as nf
+    >>> from numpyro_fed import flower
+    >>> def model(y):
+    ...     mu = numpyro.sample("mu", dist.Normal(0, 3))
+    ...     with nf.federated_plate("data", y.shape[0], clients=3):
+    ...         numpyro.sample("y", dist.Normal(mu, 1), obs=y)
+    >>> def load(node_config):  # node m's rows (here: made up from its partition-id)
+    ...     return (np.arange(4.0) + node_config["partition-id"],)
+    >>> server, client = flower.apps(nf.DPPVI(model, progress_bar=False), load, num_rounds=3)
+    >>> type(server).__name__, type(client).__name__
+    ('ServerApp', 'ClientApp')
+
+    ``flower.simulate(server, client, 3)`` then runs them in Flower's simulation and returns
+    ``{"method": RunResult}``; in a Flower app's modules, ``app = server`` and ``app =
+    client`` are the components ``[tool.flwr.app.components]`` names.
+    """
     return (server_app(methods, num_rounds, **server_options), client_app(methods, load, mods=mods))
 
 

@@ -1,0 +1,8 @@
+"""The ClientApp: each node rebuilds the methods' client programs from this app's code and
+answers with its own rows (fedapp.task.load)."""
+
+from numpyro_fed import flower
+
+from fedapp.task import METHODS, load
+
+app = flower.client_app(METHODS, load)
