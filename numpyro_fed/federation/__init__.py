@@ -9,7 +9,8 @@ An algorithm's core is written once against :class:`Federation` and runs on ever
 
 The pieces:
 
-* :class:`ClientProgram`: named pure functions ``f(block, *args)`` every client runs, and the
+* :class:`ClientProgram`: named pure functions ``f(block, *args)`` every client runs (and
+  ``stateful`` ones of its own state, ``f(block, state, *args) -> (new_state, reply)``), and the
   clients' rows, either ``blocks`` (simulation: worker ``m`` receives ``blocks[m]`` only) or a
   ``loader`` (deployment: ``loader(m)`` runs on worker ``m``; the driver never holds rows).
 * :meth:`Federation.start` / :meth:`Federation.close` (or ``with``) on the host.
@@ -20,6 +21,11 @@ The pieces:
     row ``m``);
   - ``federation.one(name, client, *broadcast, own=())``: one client's reply; ``client`` may be
     traced;
+  - with ``state=cs`` (a :class:`ClientState` from ``federation.init_state(initial)``), both
+    call the program's ``stateful`` functions ``f(block, state, *args) -> (new_state, reply)``
+    and return ``(cs', replies)``: what a client keeps between its calls stays with it (on
+    Ray, on its worker, saved to the worker's disk after each call) and only the reply
+    crosses;
   - ``federation.exchange(name, states, messages, adjacency, num_iterations, *broadcast)``:
     decentralized iterations, no server. Each iteration every agent ``m`` sends its message to
     the agents ``k`` with ``adjacency[m, k]`` (on Ray: actor to actor, never through the
@@ -49,11 +55,11 @@ The pieces:
 (3, 2, 2)
 """
 
-from numpyro_fed.federation.base import ClientError, ClientProgram, Federation
+from numpyro_fed.federation.base import ClientError, ClientProgram, ClientState, Federation
 from numpyro_fed.federation.decentralized import NetworkError
 from numpyro_fed.federation.inprocess import InProcess
 from numpyro_fed.federation.ledger import MessageLedger
 from numpyro_fed.federation.ray_backend import RayFederation
 
-__all__ = ["ClientError", "ClientProgram", "Federation", "InProcess", "MessageLedger", "NetworkError",
+__all__ = ["ClientError", "ClientProgram", "ClientState", "Federation", "InProcess", "MessageLedger", "NetworkError",
            "RayFederation"]

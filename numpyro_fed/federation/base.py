@@ -7,7 +7,7 @@ import abc
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from numpyro_fed.federation.ledger import MessageLedger
 
-__all__ = ["ClientError", "ClientProgram", "Federation", "block_spec", "check_block",
+__all__ = ["ClientError", "ClientProgram", "ClientState", "Federation", "block_spec", "check_block",
            "describe_arguments", "tree_nbytes"]
 
 
@@ -31,6 +31,46 @@ class ClientError(RuntimeError):
         super().__init__(message)
         self.clients = tuple(int(c) for c in clients)
         self.call = call
+
+
+class ClientState(NamedTuple):
+    """What the clients keep between their calls (their *client state*), as the server sees it.
+
+    Created by :meth:`Federation.init_state`; passed to and returned by the stateful calls
+    (``federation.map(name, ..., state=cs)``, ``federation.one(name, client, ...,
+    state=cs)``), which run ``program.stateful[name](block, state, *args) -> (new_state,
+    reply)`` where the client lives. Only the reply crosses the wire: the state never does
+    (and the ledger never counts it).
+
+    A pytree, so it travels in an algorithm's state through ``jit`` and ``lax`` loops.
+
+    :ivar values: :class:`~numpyro_fed.federation.InProcess`: every client's state stacked on
+        a leading axis ``M`` (the clients live in this process); a remote backend
+        (:class:`~numpyro_fed.federation.RayFederation`): ``()``, the values live on the
+        workers and the server never reads them.
+    :ivar version: ``(M,)`` int32, the stateful calls each client has applied. A remote
+        worker keeps its last two versions and a call names the version it starts from, so
+        a call is a pure function of ``(version, arguments)``: a retried call gives the same
+        reply, and a run resumed from its last completed round finds its version on the
+        workers (a :class:`ClientError` naming the client says so when a worker does not hold
+        it, e.g. one restarted without its saved state).
+
+    >>> import jax.numpy as jnp
+    >>> from numpyro_fed.federation import ClientProgram, InProcess
+    >>> def count(block, total, w):  # the client adds what it is sent to its running total
+    ...     total = total + (block * w).sum()
+    ...     return total, total > 10.0  # (new state, the reply: only this crosses)
+    >>> program = ClientProgram.stacked({}, jnp.arange(4.0).reshape(2, 2), stateful={"count": count})
+    >>> fed = InProcess().start(program)
+    >>> cs = fed.init_state(jnp.zeros(2))
+    >>> cs, replies = fed.map("count", 2.0, state=cs)
+    >>> cs, replies = fed.map("count", 2.0, state=cs)
+    >>> replies.tolist(), cs.values.tolist(), cs.version.tolist()
+    ([False, True], [4.0, 20.0], [2, 2])
+    """
+
+    values: Any
+    version: Any
 
 
 def tree_nbytes(tree) -> int:
@@ -120,6 +160,12 @@ class ClientProgram:
         non-finite floats.
     :ivar dict agents: decentralized programs (see :meth:`Federation.exchange`): name ->
         ``step(block, state, inbox, mask, t, *broadcast) -> (state, message)``.
+    :ivar dict stateful: functions of the client's own state (see :class:`ClientState`):
+        name -> ``f(block, state, *args) -> (new_state, reply)``, ``state`` the client's
+        slice of what :meth:`Federation.init_state` was given. Called by
+        ``federation.map(name, ..., state=cs)`` and ``federation.one(name, client, ...,
+        state=cs)``; the new state stays with the client, only ``reply`` comes back. Its
+        names must differ from those of ``functions``.
 
     >>> import jax.numpy as jnp
     >>> from numpyro_fed.federation import ClientProgram
@@ -135,6 +181,7 @@ class ClientProgram:
     num_clients: int | None = None
     spec: Any = None
     agents: Mapping[str, Callable] = field(default_factory=dict)
+    stateful: Mapping[str, Callable] = field(default_factory=dict)
 
     def __post_init__(self):
         if (self.blocks is None) == (self.loader is None):
@@ -149,9 +196,12 @@ class ClientProgram:
             raise ValueError("ClientProgram(loader=...) needs num_clients")
         if int(self.num_clients) < 1:
             raise ValueError(f"num_clients must be >= 1, not {self.num_clients}")
-        for name, fn in {**self.functions, **self.agents}.items():
+        for name, fn in {**self.functions, **self.agents, **self.stateful}.items():
             if not callable(fn):
                 raise TypeError(f"ClientProgram function '{name}' is not callable")
+        both = sorted(set(self.functions) & set(self.stateful))
+        if both:
+            raise ValueError(f"ClientProgram: {both} named in both functions and stateful; give them different names")
 
     @classmethod
     def stacked(cls, functions, stacked_blocks, **kwargs) -> "ClientProgram":
@@ -168,10 +218,12 @@ class ClientProgram:
 class Federation(abc.ABC):
     """What a server may ask of its clients; the seam between an algorithm and an engine.
 
-    Host side: :meth:`start` (give the clients their program and rows), :meth:`close`, a
-    context manager, :attr:`ledger`, :attr:`num_clients`. Traceable side, usable inside
-    ``jax.jit``, ``lax.while_loop`` and ``vmap`` over chains, so an algorithm's core is
-    written once for every backend: :meth:`map`, :meth:`one` and :meth:`exchange`.
+    Host side: :meth:`start` (give the clients their program and rows), :meth:`init_state`
+    (their initial client state), :meth:`close`, a context manager, :attr:`ledger`,
+    :attr:`num_clients`. Traceable side, usable inside ``jax.jit``, ``lax.while_loop`` and
+    ``vmap`` over chains, so an algorithm's core is written once for every backend:
+    :meth:`map`, :meth:`one` (both with ``state=``: a call of the program's ``stateful``
+    functions, see :class:`ClientState`) and :meth:`exchange`.
 
     Backends: :class:`~numpyro_fed.federation.InProcess` (the default: clients vectorised in
     this process) and :class:`~numpyro_fed.federation.RayFederation` (one actor per client).
@@ -259,6 +311,31 @@ class Federation(abc.ABC):
         never rows. (Deployment: the server builds its layout from these.)"""
         return [describe_arguments(loader(m)) for m in range(int(num_clients))]
 
+    def init_state(self, initial) -> ClientState:
+        """Gives each client its initial client state: client ``m`` receives its slice
+        (leading axis ``M``) of ``initial``, a pytree of public values (e.g. zeros, or draws
+        the server made), once; counted in the ledger as call ``"init_state"`` (the slice
+        down, nothing up). Returns the :class:`ClientState` (version 0) to pass to the
+        stateful calls. One client state per started federation: a second ``init_state``
+        replaces its version 0 (the versions a run reached stay until its clients move on,
+        so a run resumed from a checkpoint still finds them). Host side."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no client state")
+
+    def _check_initial_state(self, initial):
+        leaves = jax.tree_util.tree_leaves(initial)
+        if not leaves:
+            raise ValueError("init_state needs a pytree of arrays with a leading axis of one row per client")
+        for leaf in leaves:
+            if np.shape(leaf)[:1] != (self.num_clients,):
+                raise ValueError(f"init_state: every array needs a leading axis of {self.num_clients} clients, "
+                                 f"got shape {np.shape(leaf)}")
+        return jax.tree_util.tree_map(jnp.asarray, initial)
+
+    def _record_init_state(self, initial) -> None:
+        nbytes = tree_nbytes(initial) // self.num_clients
+        self.ledger.add("init_state", "to_client", None, messages=1, nbytes=nbytes, rounds=1)
+        self.ledger.add("init_state", "from_client", None, messages=1, nbytes=0)
+
     def record_calls(self, name: str, calls) -> None:
         """Adds ``calls`` calls of ``name`` to the ledger (a count for every client, or an
         ``(M,)`` array of counts per client), with message sizes from the shapes seen when the
@@ -274,16 +351,27 @@ class Federation(abc.ABC):
 
     # -- traceable side --------------------------------------------------------------------
     @abc.abstractmethod
-    def map(self, name: str, *broadcast, per_client=()):
+    def map(self, name: str, *broadcast, per_client=(), state: ClientState | None = None):
         """Every client ``m`` runs ``functions[name](block_m, *broadcast, *own_m)``, ``own_m``
         being client ``m``'s slice (leading axis ``M``) of each array of ``per_client``;
-        returns the replies stacked on a leading axis ``M``. Traceable."""
+        returns the replies stacked on a leading axis ``M``. Traceable.
+
+        With ``state`` (a :class:`ClientState`), every client runs
+        ``stateful[name](block_m, state_m, *broadcast, *own_m) -> (new_state_m, reply_m)``
+        on its own state, keeps the new one, and the call returns ``(state', replies)``
+        (every client's version one more)."""
 
     @abc.abstractmethod
-    def one(self, name: str, client, *broadcast, own=()):
+    def one(self, name: str, client, *broadcast, own=(), state: ClientState | None = None):
         """Client ``client`` (an int, possibly traced) runs ``functions[name](block, *broadcast,
         *own_c)``, ``own_c`` its slice of each array of ``own`` (leading axis ``M``); returns
-        its reply. Traceable."""
+        its reply. Traceable.
+
+        With ``state`` (a :class:`ClientState`), the client runs ``stateful[name](block,
+        state_c, *broadcast, *own_c) -> (new_state_c, reply)`` on its own state and keeps the
+        new one; the call returns ``(state', reply)`` (that client's version one more).
+        ``client`` may then also be a ``(C,)`` array of distinct clients, each running its
+        call (in parallel on an engine): the replies have a leading axis ``C``."""
 
     def exchange(self, name: str, states, messages, adjacency, num_iterations: int, *broadcast):
         """Decentralized iterations with no server: ``num_iterations`` times, every agent
@@ -302,6 +390,13 @@ class Federation(abc.ABC):
         except KeyError:
             raise KeyError(f"the client program has no function '{name}' "
                            f"(functions: {sorted(self.program.functions)})") from None
+
+    def _stateful_function(self, name: str) -> Callable:
+        try:
+            return self.program.stateful[name]
+        except KeyError:
+            raise KeyError(f"the client program has no stateful function '{name}' "
+                           f"(stateful: {sorted(self.program.stateful)})") from None
 
     def reply_shape(self, name: str, *args, client: int = 0):
         """``jax.eval_shape`` of ``functions[name]`` on client ``client``'s block spec: the

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from numpyro_fed.federation.base import ClientProgram, Federation, block_spec, check_block, tree_nbytes
+from numpyro_fed.federation.base import ClientProgram, ClientState, Federation, block_spec, check_block, tree_nbytes
 from numpyro_fed.federation.ledger import MessageLedger
 
 __all__ = ["InProcess"]
@@ -119,8 +119,18 @@ class InProcess(Federation):
         self.ledger.add(name, "to_client", None, messages=calls, nbytes=calls * down, rounds=calls)
         self.ledger.add(name, "from_client", None, messages=calls, nbytes=calls * up)
 
+    def init_state(self, initial) -> ClientState:
+        """Every client's initial state, stacked (leading axis ``M``), kept in the returned
+        :class:`~numpyro_fed.federation.ClientState`'s ``values`` (the clients live in this
+        process); counted as call ``"init_state"`` as a remote backend sends it."""
+        initial = self._check_initial_state(initial)
+        self._record_init_state(initial)
+        return ClientState(initial, jnp.zeros(self.num_clients, jnp.int32))
+
     # -- traceable side --------------------------------------------------------------------
-    def map(self, name, *broadcast, per_client=()):
+    def map(self, name, *broadcast, per_client=(), state=None):
+        if state is not None:
+            return self._map_stateful(name, broadcast, tuple(per_client), state)
         fn = self._function(name)
         per_client = tuple(per_client)
         replies = jax.vmap(lambda block, own: fn(block, *broadcast, *own))(self._blocks, per_client)
@@ -129,7 +139,39 @@ class InProcess(Federation):
                                     _slice_bytes(replies, m))
         return replies
 
-    def one(self, name, client, *broadcast, own=()):
+    def _map_stateful(self, name, broadcast, per_client, state):
+        fn = self._stateful_function(name)
+        values, replies = jax.vmap(lambda block, st, own: fn(block, st, *broadcast, *own))(
+            self._blocks, state.values, per_client)
+        m = self.num_clients
+        self._shared.sizes[name] = ("map", tree_nbytes(broadcast) + _slice_bytes(per_client, m),
+                                    _slice_bytes(replies, m))
+        return ClientState(values, state.version + 1), replies
+
+    def _one_stateful(self, name, client, broadcast, own, state):
+        fn = self._stateful_function(name)
+        client = jnp.asarray(client)
+        if client.ndim == 0:
+            take = lambda a: lax.dynamic_index_in_dim(a, client, 0, keepdims=False)  # noqa: E731
+            block, mine, own_c = jax.tree_util.tree_map(take, (self._blocks, state.values, own))
+            new, reply = fn(block, mine, *broadcast, *own_c)
+            reply_bytes = tree_nbytes(reply)
+        elif client.ndim == 1:
+            take = lambda a: a[client]  # noqa: E731
+            block, mine, own_c = jax.tree_util.tree_map(take, (self._blocks, state.values, own))
+            new, reply = jax.vmap(lambda b, s, o: fn(b, s, *broadcast, *o))(block, mine, own_c)
+            own_c = jax.tree_util.tree_map(lambda a: a[0], own_c)
+            reply_bytes = _slice_bytes(reply, client.shape[0])
+        else:
+            raise ValueError(f"call '{name}': client must be an index or a 1-d array of them, "
+                             f"got shape {client.shape}")
+        values = jax.tree_util.tree_map(lambda a, n: a.at[client].set(n), state.values, new)
+        self._shared.sizes[name] = ("one", tree_nbytes(broadcast) + tree_nbytes(own_c), reply_bytes)
+        return ClientState(values, state.version.at[client].add(1)), reply
+
+    def one(self, name, client, *broadcast, own=(), state=None):
+        if state is not None:
+            return self._one_stateful(name, client, broadcast, tuple(own), state)
         fn = self._function(name)
         take = lambda a: lax.dynamic_index_in_dim(a, client, 0, keepdims=False)  # noqa: E731
         block = jax.tree_util.tree_map(take, self._blocks)

@@ -15,8 +15,11 @@ import contextlib
 import itertools
 import os
 import pickle
+import shutil
 import sys
+import tempfile
 import threading
+import uuid
 import time
 import warnings
 from collections import defaultdict
@@ -26,7 +29,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from numpyro_fed.federation.base import ClientError, ClientProgram, Federation, tree_nbytes
+from numpyro_fed.federation.base import ClientError, ClientProgram, ClientState, Federation, tree_nbytes
 from numpyro_fed.federation.inprocess import _concrete_adjacency
 from numpyro_fed.federation.ledger import MessageLedger
 
@@ -56,15 +59,26 @@ def _import_ray():
 # -- the actor --------------------------------------------------------------------------------
 
 
-class _ClientWorker:
-    """Client ``m``'s worker: its block, its functions compiled on first use, its inbox."""
+def _state_folder(state_dir, federation_id):
+    """Where a federation's workers save their client state: ``state_dir`` (default: the
+    worker's temporary folder) / ``numpyro_fed_state`` / the federation's id."""
+    base = tempfile.gettempdir() if state_dir is None else state_dir
+    return os.path.join(base, "numpyro_fed_state", federation_id)
 
-    def __init__(self, client, x64):
+
+class _ClientWorker:
+    """Client ``m``'s worker: its block, its functions compiled on first use, its inbox, and
+    its client state (the last two versions, saved to its disk after each stateful call)."""
+
+    def __init__(self, client, x64, state_dir=None, federation_id=None):
         jax.config.update("jax_enable_x64", bool(x64))
         self.client = int(client)
         self.program = None
         self.block = None
         self.compiled = {}
+        self.states = {}  # version -> this client's state (numpy leaves)
+        self.state_file = (None if federation_id is None else
+                           os.path.join(_state_folder(state_dir, federation_id), f"client{self.client}.pkl"))
         self.inbox = defaultdict(dict)  # (tag, t) -> {sender: message}
         self.inbox_ready = threading.Condition()
         self.busy = defaultdict(lambda: [0, 0.0])  # name -> [calls, seconds computing]
@@ -81,6 +95,8 @@ class _ClientWorker:
         from numpyro_fed.federation.base import block_spec, check_block
 
         self.program, self.block, self.compiled = program, None, {}
+        if not self.states:
+            self._restore_state()
         if program.blocks is not None:
             block = program.blocks[0]  # the driver sent this client's block only
         else:
@@ -105,8 +121,14 @@ class _ClientWorker:
             self.compiled[key] = fn
         return fn
 
-    def call(self, name, args, in_axes):
-        """``functions[name](block, *args)``, ``vmap``-ed over ``in_axes`` if not ``None``."""
+    def call(self, name, args, in_axes, version=None):
+        """``functions[name](block, *args)``, ``vmap``-ed over ``in_axes`` if not ``None``.
+        With ``version``: ``stateful[name](block, state, *args)`` from the state of that
+        version; keeps the new state as version ``version + 1`` (and the one it started
+        from, so that the same call again gives the same reply) and returns ``(reply,
+        version + 1)``."""
+        if version is not None:
+            return self._call_stateful(name, args, int(version))
         fn = self._compiled("functions", name, in_axes)
         start = time.perf_counter()
         reply = jax.tree_util.tree_map(np.asarray, fn(self.block, *args))
@@ -115,13 +137,64 @@ class _ClientWorker:
         busy[1] += time.perf_counter() - start
         return reply
 
+    def _call_stateful(self, name, args, version):
+        if version not in self.states:
+            held = sorted(self.states)
+            raise LookupError(
+                f"client {self.client} holds no client state of version {version} (it holds "
+                f"{'versions ' + str(held) if held else 'none'}): its worker restarted without its saved "
+                f"state ({self.state_file or 'not saved'}), or the state is from another run or federation"
+            )
+        fn = self._compiled("stateful", name, None)
+        start = time.perf_counter()
+        new_state, reply = fn(self.block, self.states[version], *args)
+        new_state = jax.tree_util.tree_map(np.asarray, new_state)
+        reply = jax.tree_util.tree_map(np.asarray, reply)
+        self.states = {version: self.states[version], version + 1: new_state}
+        self._save_state()
+        busy = self.busy[name]
+        busy[0] += 1
+        busy[1] += time.perf_counter() - start
+        return reply, version + 1
+
+    def set_state(self, initial):
+        """Version 0 of this client's state (the versions a run reached stay until the next
+        stateful call moves past them)."""
+        self.states[0] = jax.tree_util.tree_map(np.asarray, initial)
+        self._save_state()
+        return self.client
+
+    def _save_state(self):
+        if self.state_file is None:
+            return
+        os.makedirs(os.path.dirname(self.state_file), exist_ok=True)
+        partial = f"{self.state_file}.{os.getpid()}.tmp"
+        with open(partial, "wb") as f:
+            pickle.dump(self.states, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(partial, self.state_file)  # a crash mid-write leaves the previous file
+
+    def _restore_state(self):
+        if self.state_file is not None and os.path.exists(self.state_file):
+            with open(self.state_file, "rb") as f:
+                self.states = pickle.load(f)
+
+    def clear_state(self):
+        """Forgets this client's state and removes its saved copy."""
+        self.states = {}
+        if self.state_file is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.state_file)
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.dirname(self.state_file))
+        return self.client
+
     def call_packed(self, payload):
         """:meth:`call` with its arguments and reply pickled into one ``bytes`` each: Ray
         serializes every argument and return value on its own (msgpack and pickle framing
         each time), which costs more than a small call's arrays; one buffer each way costs
         one."""
-        name, args, in_axes = pickle.loads(payload)
-        return pickle.dumps(self.call(name, args, in_axes), protocol=pickle.HIGHEST_PROTOCOL)
+        name, args, in_axes, version = pickle.loads(payload)
+        return pickle.dumps(self.call(name, args, in_axes, version), protocol=pickle.HIGHEST_PROTOCOL)
 
     def compute_time(self):
         """``{name: (calls, seconds)}``: the calls this client answered and the time it spent
@@ -250,6 +323,17 @@ class RayFederation(Federation):
     :param loader: deployment: ``m -> client m's model arguments``, run on client ``m``'s
         actor; the driver never holds a row (see :class:`~numpyro_fed.federation.Federation`).
     :param int num_clients: ``M``, with ``loader``.
+    :param str state_dir: where each worker saves its client state (see
+        :class:`~numpyro_fed.federation.ClientState`) after every stateful call, on its own
+        machine: ``<state_dir>/numpyro_fed_state/<federation id>/client<m>.pkl``; default
+        (``None``): the worker's temporary folder. A worker replaced by :meth:`restart`
+        reloads it, so a run stopped by a dead worker resumes; :meth:`close` removes it.
+
+    **Client state.** :meth:`init_state` sends each actor its slice of the initial state once;
+    the stateful calls (``map``/``one`` with ``state=``) send the actor the version its state
+    is at (transport bookkeeping, not counted in the ledger) with the call's arguments; the
+    actor runs the function on its own state, keeps the new one and its previous one, and
+    replies with the reply only. The driver never receives a client's state.
 
     :ivar int pack_limit: a call whose arguments are smaller than this many bytes (64 KiB)
         travels as one pickled buffer each way (Ray serializes every argument on its own,
@@ -271,7 +355,8 @@ class RayFederation(Federation):
 
     def __init__(self, address: str | None = None, timeout: float = 60.0, *, threads: int | None = 1,
                  actor_options=None, env_vars: dict | None = None, init_kwargs: dict | None = None,
-                 start_timeout: float = 180.0, loader=None, num_clients: int | None = None):
+                 start_timeout: float = 180.0, loader=None, num_clients: int | None = None,
+                 state_dir: str | None = None):
         super().__init__(loader=loader, num_clients=num_clients)
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0, not {timeout}")
@@ -292,6 +377,10 @@ class RayFederation(Federation):
         self._tags = itertools.count()
         self._reply_cache = {}
         self.pack_limit = PACK_LIMIT
+        self.state_dir = None if state_dir is None else os.fspath(state_dir)
+        #: names the folder of this federation's saved client states
+        self.federation_id = uuid.uuid4().hex
+        self._state_struct = None  # one client's state: ShapeDtypeStructs (set by init_state)
 
     # -- pytree: no leaves (the blocks live in the actors), so it can be passed to jit like
     # InProcess --------------------------------------------------------------------------
@@ -349,7 +438,8 @@ class RayFederation(Federation):
         ray = self._ensure_ray()
         remote = ray.remote(concurrency_groups={"inbox": 2})(_ClientWorker)
         x64 = bool(jax.config.jax_enable_x64)
-        self._actors = [remote.options(**self._options(m)).remote(m, x64) for m in range(num_clients)]
+        self._actors = [remote.options(**self._options(m)).remote(m, x64, self.state_dir, self.federation_id)
+                        for m in range(num_clients)]
         return self._actors
 
     def start(self, program: ClientProgram) -> "RayFederation":
@@ -384,13 +474,14 @@ class RayFederation(Federation):
             return program
         # only client m's block goes to worker m
         return ClientProgram(program.functions, blocks=[program.blocks[m]], spec=program.spec,
-                             agents=program.agents)
+                             agents=program.agents, stateful=program.stateful)
 
     def restart(self, clients=None) -> "RayFederation":
         """Replaces the actors of ``clients`` (default: those that do not answer a ping within
         the timeout, e.g. after a :class:`~numpyro_fed.federation.ClientError`) by new ones
-        with the same program and block (re-loaded by the loader in deployment), so that a
-        run can be resumed from its last state. The ledger is kept."""
+        with the same program and block (re-loaded by the loader in deployment) and the
+        client state their predecessors saved (see ``state_dir``), so that a run can be
+        resumed from its last state. The ledger is kept."""
         ray = self._ensure_ray()
         program = self.program
         if clients is None:
@@ -410,7 +501,7 @@ class RayFederation(Federation):
         for m in clients:
             with contextlib.suppress(Exception):
                 ray.kill(self._actors[m])
-            self._actors[m] = remote.options(**self._options(m)).remote(m, x64)
+            self._actors[m] = remote.options(**self._options(m)).remote(m, x64, self.state_dir, self.federation_id)
         refs = {m: self._actors[m].load.remote(self._program_for(program, m)) for m in clients}
         if refs:
             self._gather("restart", refs, refuse=True, timeout=self.start_timeout)
@@ -429,10 +520,16 @@ class RayFederation(Federation):
         if not self._actors:
             return
         ray = _import_ray()
+        with contextlib.suppress(Exception):  # the live workers remove their saved states
+            ray.wait([a.clear_state.remote() for a in self._actors], num_returns=len(self._actors),
+                     timeout=min(self.timeout, 10.0))
         for actor in self._actors:
             with contextlib.suppress(Exception):
                 ray.kill(actor)
         self._actors = []
+        self._state_struct = None
+        if self.address is None:  # a local Ray: the workers' folder is on this machine
+            shutil.rmtree(_state_folder(self.state_dir, self.federation_id), ignore_errors=True)
 
     def close(self) -> None:
         """Ends the client actors (and the local Ray this federation started)."""
@@ -513,12 +610,13 @@ class RayFederation(Federation):
             raise error
         return results
 
-    def _submit(self, m, name, args, in_axes, nbytes):
+    def _submit(self, m, name, args, in_axes, nbytes, version=None):
         """Client ``m``'s call, sent as one pickled buffer when it is small."""
         actor = self._actors[m]
         if nbytes < self.pack_limit:
-            return actor.call_packed.remote(pickle.dumps((name, args, in_axes), protocol=pickle.HIGHEST_PROTOCOL))
-        return actor.call.remote(name, args, in_axes)
+            return actor.call_packed.remote(pickle.dumps((name, args, in_axes, version),
+                                                         protocol=pickle.HIGHEST_PROTOCOL))
+        return actor.call.remote(name, args, in_axes, version)
 
     def _replies(self, call, refs):
         """:meth:`_gather`, with packed replies unpickled."""
@@ -531,7 +629,149 @@ class RayFederation(Federation):
         ray = _import_ray()
         return ray.get([a.compute_time.remote() for a in self._actors], timeout=self.timeout)
 
+    def init_state(self, initial) -> ClientState:
+        """Sends client ``m``'s actor its slice of ``initial`` (leading axis ``M``) as version 0
+        of its client state, once; the returned :class:`~numpyro_fed.federation.ClientState`
+        holds the versions only (its ``values`` are ``()``: the states live on the workers)."""
+        initial = jax.tree_util.tree_map(np.asarray, self._check_initial_state(initial))
+        refs = {m: actor.set_state.remote(jax.tree_util.tree_map(lambda a, m=m: a[m], initial))
+                for m, actor in enumerate(self._actors)}
+        self._gather("init_state", refs)
+        self._record_init_state(initial)
+        self.ledger.round_trips += 1
+        self._state_struct = jax.tree_util.tree_map(
+            lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), initial)
+        return ClientState((), jnp.zeros(self.num_clients, jnp.int32))
+
     # -- traceable side --------------------------------------------------------------------
+    def _stateful_reply_struct(self, name, arg_structs):
+        if self._state_struct is None:
+            raise RuntimeError(f"call '{name}' with a client state: call init_state(initial) on this "
+                               "federation first")
+        key = ("stateful", name, tuple(jax.tree_util.tree_leaves(arg_structs)),
+               jax.tree_util.tree_structure(arg_structs))
+        if key not in self._reply_cache:
+            fn = self._stateful_function(name)
+            new_state, reply = jax.eval_shape(fn, self.block_specs[0], self._state_struct, *arg_structs)
+            if new_state != self._state_struct:
+                raise ValueError(f"stateful function '{name}' returns a state of structure {new_state}, "
+                                 f"the clients' state has {self._state_struct}")
+            for m, spec in enumerate(self.block_specs[1:], 1):
+                other = jax.eval_shape(fn, spec, self._state_struct, *arg_structs)[1]
+                if other != reply:
+                    raise ValueError(f"call '{name}': client {m}'s reply has shape {other}, client 0's "
+                                     f"{reply}; replies must not depend on the number of rows")
+            self._reply_cache[key] = reply
+        return self._reply_cache[key]
+
+    def _check_remote_state(self, name, state):
+        if not isinstance(state, ClientState):
+            raise TypeError(f"call '{name}': state must be a ClientState (from init_state), "
+                            f"got {type(state).__name__}")
+        if jax.tree_util.tree_leaves(state.values):
+            raise ValueError(f"call '{name}': this ClientState holds its values in this process (an "
+                             "InProcess federation's); on a RayFederation the clients hold them: create it "
+                             "with this federation's init_state")
+
+    def _unbatched(self, name, host_leaves, ndims):
+        batch, flat, axes = _unbatch([np.asarray(x) for x in host_leaves], ndims)
+        if batch:
+            error = ValueError(f"call '{name}' with a client state cannot be batched (vmap) over chains on "
+                               f"{type(self).__name__}: each client holds one state")
+            self._error = error
+            raise error
+        return flat
+
+    def _map_stateful(self, name, broadcast, per_client, state):
+        self._check_remote_state(name, state)
+        m_clients = self.num_clients
+        struct = lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))  # noqa: E731
+        own_structs = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)),
+                                             per_client)
+        for leaf in jax.tree_util.tree_leaves(per_client):
+            if jnp.shape(leaf)[:1] != (m_clients,):
+                raise ValueError(f"call '{name}': per_client arrays need a leading axis of {m_clients} "
+                                 f"clients, got shape {jnp.shape(leaf)}")
+        reply = self._stateful_reply_struct(name, tuple(jax.tree_util.tree_map(struct, broadcast)) + tuple(own_structs))
+        versions = jnp.asarray(state.version, jnp.int32)
+        out_struct = (jax.ShapeDtypeStruct((m_clients,), jnp.int32),
+                      jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct((m_clients,) + tuple(s.shape), s.dtype),
+                                             reply))
+        leaves, treedef = jax.tree_util.tree_flatten((broadcast, per_client))
+        ndims = [1] + [jnp.ndim(x) for x in leaves]
+        num_broadcast = len(jax.tree_util.tree_leaves(broadcast))
+        reply_leaves, reply_def = jax.tree_util.tree_flatten(reply)
+
+        def host(version, *host_leaves):
+            flat = self._unbatched(name, (version,) + host_leaves, ndims)
+            version, flat = flat[0], flat[1:]
+            refs, sent = {}, {}
+            for m in range(m_clients):
+                args = [leaf[m] if i >= num_broadcast else leaf for i, leaf in enumerate(flat)]
+                b, p = jax.tree_util.tree_unflatten(treedef, args)
+                sent[m] = sum(a.nbytes for a in args)
+                refs[m] = self._submit(m, name, tuple(b) + tuple(p), None, sent[m], version=int(version[m]))
+            answers = self._replies(name, refs)
+            replies = {m: answers[m][0] for m in range(m_clients)}
+            out = [np.stack([np.asarray(jax.tree_util.tree_leaves(replies[m])[j], dtype=want.dtype)
+                             for m in range(m_clients)]).reshape((m_clients,) + tuple(want.shape))
+                   for j, want in enumerate(reply_leaves)]
+            self._count(name, sent, replies, 1)
+            new_version = np.asarray([answers[m][1] for m in range(m_clients)], np.int32)
+            return new_version, jax.tree_util.tree_unflatten(reply_def, out)
+
+        new_version, replies = jax.pure_callback(host, out_struct, versions, *leaves, vmap_method="expand_dims")
+        return ClientState((), new_version), replies
+
+    def _one_stateful(self, name, client, broadcast, own, state):
+        self._check_remote_state(name, state)
+        m_clients = self.num_clients
+        struct = lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))  # noqa: E731
+        own_structs = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)), own)
+        reply = self._stateful_reply_struct(name, tuple(jax.tree_util.tree_map(struct, broadcast)) + tuple(own_structs))
+        client = jnp.asarray(client, dtype=jnp.int32)
+        if client.ndim > 1:
+            raise ValueError(f"call '{name}': client must be an index or a 1-d array of them, got shape {client.shape}")
+        lead = tuple(client.shape)
+        versions = jnp.asarray(state.version, jnp.int32)
+        out_struct = (jax.ShapeDtypeStruct((m_clients,), jnp.int32),
+                      jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(lead + tuple(s.shape), s.dtype), reply))
+        leaves, treedef = jax.tree_util.tree_flatten((broadcast, own))
+        ndims = [client.ndim, 1] + [jnp.ndim(x) for x in leaves]
+        num_broadcast = len(jax.tree_util.tree_leaves(broadcast))
+        reply_leaves, reply_def = jax.tree_util.tree_flatten(reply)
+
+        def host(chosen, version, *host_leaves):
+            flat = self._unbatched(name, (chosen, version) + host_leaves, ndims)
+            chosen, version, flat = np.asarray(flat[0]).reshape(-1), np.array(flat[1], np.int32), flat[2:]
+            bad = [int(c) for c in chosen if not 0 <= c < m_clients]
+            if bad or len(set(chosen.tolist())) != chosen.size:
+                error = ClientError(f"call '{name}': clients {chosen.tolist()} must be distinct clients among "
+                                    f"0..{m_clients - 1}", clients=bad, call=name)
+                self._error = error
+                raise error
+            refs, sent = {}, {}
+            for c in chosen.tolist():
+                args = [leaf[c] if i >= num_broadcast else leaf for i, leaf in enumerate(flat)]
+                b, o = jax.tree_util.tree_unflatten(treedef, args)
+                sent[c] = sum(a.nbytes for a in args)
+                refs[c] = self._submit(c, name, tuple(b) + tuple(o), None, sent[c], version=int(version[c]))
+            answers = self._replies(name, refs)
+            replies = {c: answers[c][0] for c in refs}
+            out = []
+            for j, want in enumerate(reply_leaves):
+                values = [np.asarray(jax.tree_util.tree_leaves(replies[c])[j], dtype=want.dtype)
+                          for c in chosen.tolist()]
+                out.append(np.stack(values).reshape(lead + tuple(want.shape)))
+            for c in refs:
+                version[c] = answers[c][1]
+            self._count(name, sent, replies, 1)
+            return version, jax.tree_util.tree_unflatten(reply_def, out)
+
+        new_version, reply_out = jax.pure_callback(host, out_struct, client, versions, *leaves,
+                                                   vmap_method="expand_dims")
+        return ClientState((), new_version), reply_out
+
     def _reply_struct(self, name, arg_structs):
         key = (name, tuple(jax.tree_util.tree_leaves(arg_structs)),
                jax.tree_util.tree_structure(arg_structs))
@@ -544,8 +784,10 @@ class RayFederation(Federation):
             self._reply_cache[key] = shapes[0]
         return self._reply_cache[key]
 
-    def map(self, name, *broadcast, per_client=()):
+    def map(self, name, *broadcast, per_client=(), state=None):
         per_client = tuple(per_client)
+        if state is not None:
+            return self._map_stateful(name, broadcast, per_client, state)
         m_clients = self.num_clients
         struct = lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))  # noqa: E731
         own_structs = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)),
@@ -601,8 +843,10 @@ class RayFederation(Federation):
             self.ledger.add(name, "from_client", m, messages=n, nbytes=tree_nbytes(replies[m]))
         self.ledger.round_trips += 1
 
-    def one(self, name, client, *broadcast, own=()):
+    def one(self, name, client, *broadcast, own=(), state=None):
         own = tuple(own)
+        if state is not None:
+            return self._one_stateful(name, client, broadcast, own, state)
         m_clients = self.num_clients
         struct = lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))  # noqa: E731
         own_structs = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)), own)

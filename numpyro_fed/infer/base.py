@@ -110,13 +110,14 @@ def check_federation(federation):
     return federation
 
 
-def start_federation(federation, functions: dict, blocks):
+def start_federation(federation, functions: dict, blocks, stateful: dict | None = None):
     """Starts ``federation`` on a :class:`~numpyro_fed.federation.ClientProgram` of
-    ``functions`` (name -> ``fn(block, *args)``) and ``blocks`` (a pytree with a leading
+    ``functions`` (name -> ``fn(block, *args)``), ``stateful`` functions (name ->
+    ``fn(block, state, *args) -> (state, reply)``) and ``blocks`` (a pytree with a leading
     client axis: client ``m``'s slice goes to client ``m`` only) and returns it."""
     from numpyro_fed.federation import ClientProgram
 
-    return federation.start(ClientProgram.stacked(functions, blocks))
+    return federation.start(ClientProgram.stacked(functions, blocks, stateful=dict(stateful or {})))
 
 
 class jit_round:
@@ -427,8 +428,11 @@ class VariationalMethod:
         return {"posterior": posterior, "sample_stats": sample_stats, "coords": coords, "attrs": attrs}
 
     # -- the driver --------------------------------------------------------------------------
-    def start_clients(self, functions: dict, blocks=None, *, transform: Callable | None = None):
-        """Starts :attr:`federation` for this run on ``functions`` and returns it. The clients'
+    def start_clients(self, functions: dict, blocks=None, *, transform: Callable | None = None,
+                      stateful: dict | None = None):
+        """Starts :attr:`federation` for this run on ``functions`` (and ``stateful``
+        functions of the clients' own state, see
+        :class:`~numpyro_fed.federation.ClientState`) and returns it. The clients'
         blocks are :attr:`federated_potential`'s (``potential.client_program``: built on each
         worker from its own rows in deployment), each passed through ``transform`` (a
         picklable ``block -> block``, run where the client lives) if given; or, in simulation
@@ -439,9 +443,9 @@ class VariationalMethod:
         if self.federation.started and restart is not None:
             restart()
         if blocks is not None:
-            self._active_federation = start_federation(self.federation, functions, blocks)
+            self._active_federation = start_federation(self.federation, functions, blocks, stateful)
         else:
-            program = self.federated_potential.client_program(functions, transform=transform)
+            program = self.federated_potential.client_program(functions, transform=transform, stateful=stateful)
             self._active_federation = self.federation.start(program)
         return self._active_federation
 
