@@ -121,6 +121,7 @@ def gaussian_posterior(Z_design, y, noise_sd, prior_sd=1.0):
 # -- agreement -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_logistic_unequal_clients_agrees_with_nuts_without_violations():
     """Logistic regression over unequal clients, the automatic bounds: NUTS's posterior and
     not one proposal whose estimated rate exceeded its bound (the logistic curvature is
@@ -132,6 +133,23 @@ def test_logistic_unequal_clients_agrees_with_nuts_without_violations():
     assert int(fields["info.num_events"].sum()) > 300  # the check had proposals to fail on
     assert not kernel.unbounded_curvature
     assert_agree_with_draws(np.asarray(mcmc.get_samples()["w"]), np.asarray(run_nuts(logistic, (X, y, owner))["w"]))
+
+
+def test_automatic_logistic_bound_is_the_supremum_and_never_violated():
+    """The logistic curvature s(1 - s) a a^T peaks at the origin, one of the points the
+    clients look at: the automatic bound is the margin times n_m max_J |a_J a_J^T| / 4 (a
+    true bound), and a run has no violation."""
+    X, y, owner = logistic_data(200)
+    kernel, mcmc = run_zigzag(logistic, (X, y, owner), subsample_size=2, num_samples=300)
+    fields = mcmc.get_extra_fields()
+    assert int(fields["info.num_violations"].sum()) == 0 and int(fields["info.num_events"].sum()) > 100
+    assert not kernel.unbounded_curvature
+    clients = np.asarray(kernel.subsample_bounds.clients)
+    for m in range(4):
+        rows = X[owner == m]
+        supremum = len(rows) * np.max(np.abs(rows[:, :, None] * rows[:, None, :]), axis=0) / 4
+        np.testing.assert_allclose(clients[m], 1.25 * supremum, rtol=1e-10)
+    np.testing.assert_allclose(np.asarray(kernel.subsample_bounds.prior), 1.25 * np.eye(3), atol=1e-12)
 
 
 def test_a_proposal_costs_the_batch_whatever_the_client_size():
@@ -147,7 +165,7 @@ def test_a_proposal_costs_the_batch_whatever_the_client_size():
     # only checks evaluate gradients: one per proposal a client won
     assert stats["grad_row_evals"][0].sum() <= 6 * int(mcmc.get_extra_fields()["info.num_proposals"].sum())
     # without subsampling a gradient costs the client's rows
-    full, _ = run_zigzag(logistic, (X, y, owner), num_samples=5, num_warmup=0)
+    full, _ = run_zigzag(logistic, (X, y, owner), num_samples=1, num_warmup=0)
     np.testing.assert_array_equal(full.rows_per_gradient, np.bincount(owner))
 
 
@@ -179,6 +197,7 @@ def test_client_local_latents_agree_with_the_closed_form():
     assert_agree_with_exact(flat(mcmc.get_samples(), ["u", "w"]), mean, sd)
 
 
+@pytest.mark.slow
 def test_poisson_regression_is_warned_counted_and_agrees_with_nuts():
     """A log link: the per-row curvature exp(a x) a a^T is not bounded; the automatic bound
     holds near the posterior, the run is warned at set-up, its violations counted (and
@@ -214,6 +233,7 @@ def test_a_violation_in_warmup_grows_the_bound():
     assert float(mcmc.last_state.bound_scale) >= 4.0
 
 
+@pytest.mark.slow
 def test_user_row_bound_is_exact_for_logistic_regression():
     """RowHessianBound with logistic's |a_i a_k| / 4 per row: no violation, NUTS's posterior."""
     X, y, owner = logistic_data(200, seed=1)
@@ -234,6 +254,7 @@ def test_user_row_bound_is_exact_for_logistic_regression():
 # -- through a federation ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_through_a_federation_and_in_deployment():
     """Algorithm 2 as messages (InProcess): the posterior of NUTS, the clients' curvature in
     one set-up call each; deployment (each client loads its rows) gives the same draws."""
@@ -283,16 +304,19 @@ def test_on_ray_agrees_with_in_process(ray_session):
 
 
 def test_float32():
+    """NumPyro's default dtype: the run stays in float32 and agrees with the closed form."""
     numpyro.enable_x64(False)
     try:
-        X, y, owner = logistic_data(200)
-        X32, y32 = X.astype(np.float32), y.astype(np.float32)
-        kernel, mcmc = run_zigzag(logistic, (X32, y32, owner), subsample_size=2, num_samples=600, sample_interval=0.2)
+        rng = np.random.default_rng(7)
+        X = rng.normal(size=(200, 3)).astype(np.float32)
+        y = (X @ np.array([0.5, -0.2, 0.3]) + 0.5 * rng.normal(size=200)).astype(np.float32)
+        owner = unequal_owner(200, 7)
+        kernel, mcmc = run_zigzag(linear, (X, y, owner), subsample_size=2, sample_interval=0.05, num_samples=800)
         w = np.asarray(mcmc.get_samples()["w"])
         assert w.dtype == np.float32 and np.isfinite(w).all()
         assert int(mcmc.get_extra_fields()["info.num_violations"].sum()) == 0
-        reference = np.asarray(run_nuts(logistic, (X32, y32, owner), num_samples=600)["w"], np.float64)
-        assert_agree_with_draws(w.astype(np.float64), reference)
+        mean, sd = gaussian_posterior(X.astype(np.float64), y.astype(np.float64), 0.5)
+        assert_agree_with_exact(w.astype(np.float64), mean, sd)
     finally:
         numpyro.enable_x64(True)
 

@@ -119,14 +119,18 @@ def _row_curvature_call(grad, layout, row_bound, block, bound_points, probe_poin
 def _grow_bound(bound_scale, info, i, *, num_warmup, subsample_size, origin):
     """A warmup draw with a bound violation doubles the subsampling's bound (with a warning)."""
     grow = (i < num_warmup) & (info.num_violations > 0)
+    # under vmap (vectorized chains) both branches run: the host checks ``grow`` again
     jax.lax.cond(grow, lambda: jax.debug.callback(partial(_report_growth, subsample_size=subsample_size,
-                                                          origin=origin), i, bound_scale * 2),
+                                                          origin=origin), grow, i, bound_scale * 2),
                  lambda: None)
     return jnp.where(grow, bound_scale * 2, bound_scale)
 
 
-def _report_growth(i, scale, *, subsample_size, origin):
-    i, scale = np.asarray(i), np.asarray(scale)
+def _report_growth(grow, i, scale, *, subsample_size, origin):
+    grow, i, scale = np.asarray(grow), np.asarray(i), np.asarray(scale)
+    if not np.any(grow):
+        return
+    i, scale = i[grow], scale[grow]
     warn_user(
         f"FedZigZag(subsample_size={subsample_size}): warmup draw {int(np.max(i))} had estimated rates "
         f"above their bound; the bound is now {float(np.max(scale)):g} times the clients' (counted in "
