@@ -97,6 +97,15 @@ def simulation(num_clients: int, rounds: int, repeats: int) -> list[dict]:
             assert len(replies) == len(nodes)
             trips.append((time.perf_counter() - start) * 1e3)
         seen["bare"] = trips[3:]
+        one = []
+        for _ in range(repeats + 3):
+            start = time.perf_counter()
+            replies = list(grid.send_and_receive([Message(RecordDict({"x": ArrayRecord([np.zeros(10)])}),
+                                                          dst_node_id=nodes[0], message_type="query.echo")],
+                                                 timeout=60.0))
+            assert len(replies) == 1
+            one.append((time.perf_counter() - start) * 1e3)
+        seen["bare_one"] = one[3:]
         for what, (make, warm) in methods.items():
             start = time.perf_counter()
             seen[what] = (flower.run(make(None), grid, key, warm + rounds, name=what), time.perf_counter() - start)
@@ -105,8 +114,10 @@ def simulation(num_clients: int, rounds: int, repeats: int) -> list[dict]:
         warnings.simplefilter("ignore")
         flower.simulate(server, client, num_clients)
     bare = _stats(seen["bare"])
-    rows.append({"what": "bare Flower round trip (a Message to every node and back)", "backend": "Flower simulation",
-                 **bare})
+    rows.append({"what": "bare Flower round trip (a Message to one node and back)", "backend": "Flower simulation",
+                 **_stats(seen["bare_one"])})
+    rows.append({"what": f"bare Flower round trip (a Message to each of the {num_clients} nodes and back)",
+                 "backend": "Flower simulation", **bare})
     for what, (make, warm) in methods.items():
         result, wall = seen[what]
         ref = local[what]
