@@ -25,6 +25,7 @@ flower = pytest.importorskip("numpyro_fed.flower")
 pytest.importorskip("flwr", reason="Flower is not installed (pip install 'numpyro_fed[flower]')")
 
 from numpyro_fed.federation import ClientError, InProcess  # noqa: E402
+from numpyro_fed.infer import VariationalMethod  # noqa: E402
 
 # Short runs: they check what crosses and that answers agree, not the fits (whose
 # convergence warnings they would trigger).
@@ -129,6 +130,7 @@ def simulation(ray_session):
     with tempfile.TemporaryDirectory() as folder:
         flag = os.path.join(folder, "fail-once")
         methods = {name: make() for name, make in CASES.items()}
+        methods["moments"] = RunningMoments(model, progress_bar=False)
         client = flower.client_app(methods, load, mods=[fault_mod(flag)])
 
         from flwr.serverapp import ServerApp
@@ -140,6 +142,7 @@ def simulation(ray_session):
             grid = seen["grid"] = RecordingGrid(grid)
             for name in CASES:
                 seen["results"][name] = flower.run(methods[name], grid, KEY, ROUNDS, name=name, timeout=120.0)
+            seen["results"]["moments"] = flower.run(methods["moments"], grid, KEY, ROUNDS + 1, name="moments")
             open(flag, "w").close()
             try:
                 flower.run(methods[FAULTY], grid, KEY, ROUNDS, name=FAULTY, timeout=120.0)
@@ -227,3 +230,55 @@ def test_samplers_are_refused_with_the_reason():
         flower.check_method(nf.DADMMS(model))
     with pytest.raises(TypeError, match="variational"):
         flower.check_method(object())
+
+
+# -- client state kept by the nodes ---------------------------------------------------------------
+
+
+class RunningMoments(VariationalMethod):
+    """A toy method whose clients keep state: each round the server sends a shift ``c`` and
+    every client adds ``sum_rows (y - c)`` and the count of its rows above ``c`` to running
+    totals it keeps (its client state), replying the first total. On Flower the totals stay
+    in the nodes' ``context.state``: the replies equal the in-process ones only if each node
+    found its totals of the previous round."""
+
+    def init(self, rng_key, *args, num_rounds=None, **kwargs):
+        self.build_potential(args, kwargs)
+        federation = self.start_clients({}, stateful={"add": _add_to_totals})
+        clients = federation.init_state(jnp.zeros((federation.num_clients, 2)))
+        return (jnp.zeros(()), clients)
+
+    def update(self, rng_key, state, *args, **kwargs):
+        federation = self._active_federation
+        shift, clients = state
+        with federation.guard():
+            clients, total = _step(shift, clients, federation)
+        federation.record_calls("add", 1)  # InProcess counts what the method reports
+        return (shift + 0.25, clients), {"total": total, "version": clients.version}
+
+
+def _add_to_totals(block, totals, shift):
+    y = block["rows"][1]
+    valid = block["valid"]["data"]
+    new = totals + jnp.stack([jnp.sum(jnp.where(valid, y - shift, 0.0)), jnp.sum(valid & (y > shift))])
+    return new, new[0]
+
+
+@jax.jit
+def _step(shift, clients, federation):
+    return federation.map("add", shift, state=clients)
+
+
+def test_the_nodes_keep_their_client_state_between_messages(simulation):
+    result = simulation["results"]["moments"]
+    federation = InProcess(loader=lambda m: load({"partition-id": m}), num_clients=M)
+    local = RunningMoments(model, federation=federation, progress_bar=False).run(jax.random.PRNGKey(KEY), ROUNDS + 1)
+    # the totals each node returns accumulate over the rounds as in process: each node found
+    # the state it left, in its context.state; the server holds none of it
+    np.testing.assert_array_equal(result.metrics["total"], local.metrics["total"])
+    np.testing.assert_array_equal(result.metrics["version"], local.metrics["version"])
+    assert (np.diff(local.metrics["total"], axis=0) != 0).any()
+    assert jax.tree.leaves(result.state[1].values) == []
+    assert jax.tree.leaves(local.state[1].values) != []
+    np.testing.assert_array_equal(result.ledger["add/bytes_to_client"], local.ledger["add/bytes_to_client"])
+    np.testing.assert_array_equal(result.ledger["add/bytes_from_client"], local.ledger["add/bytes_from_client"])

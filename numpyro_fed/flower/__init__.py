@@ -244,6 +244,10 @@ def client_app(methods, load: Callable, *, mods=None):
     def call(msg, context):
         return reply(msg, context, handler.call)
 
+    @app.query("numpyro_fed_state")
+    def state(msg, context):
+        return reply(msg, context, handler.state)
+
     return app
 
 

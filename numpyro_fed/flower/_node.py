@@ -26,6 +26,8 @@ import jax
 __all__ = ["NodeHandler"]
 
 _STATE_KEY = "numpyro_fed_recipe"
+_CLIENT_STATE = "numpyro_fed_client_state"  # which versions this node keeps, of which run
+_VERSION = "numpyro_fed_client_state_v{}"  # the arrays of one version
 _CACHE_SIZE = 4  # recipes whose programs a process keeps (a run, its resumption, a few methods)
 
 
@@ -96,9 +98,11 @@ class NodeHandler:
         client = int(config["client"])
         entry = self._entry(recipe, client, context.node_config)
         functions = json.loads(config["functions"])
-        if sorted(entry["program"].functions) != functions:
-            raise RuntimeError(f"the node's program has functions {sorted(entry['program'].functions)}, the "
-                               f"server's {functions}: the server and the nodes must run the same app")
+        program = entry["program"]
+        mine = sorted(program.functions) + sorted(f"stateful:{n}" for n in program.stateful)
+        if mine != functions:
+            raise RuntimeError(f"the node's program has functions {mine}, the server's {functions}: the server "
+                               "and the nodes must run the same app")
         stored = {k: config[k] for k in recipe.to_config()}
         stored["client"] = client
         context.state[_STATE_KEY] = flwr.app.ConfigRecord(stored)
@@ -127,6 +131,53 @@ class NodeHandler:
         fn = self._compiled(entry, name, in_axes)
         reply = fn(entry["blocks"][client], *args)
         return None, [np.asarray(x) for x in jax.tree_util.tree_leaves(reply)]
+
+    def state(self, msg, context):
+        """``init_state`` (version 0 of this node's client state) or a call of a stateful
+        function on the state of the version the server names. The state lives in Flower's
+        ``context.state`` (the last two versions, so that a call is a pure function of the
+        version and its arguments: a retried call, or a run resumed from its last completed
+        round, finds the version it starts from); only the reply goes back."""
+        from numpyro_fed.flower import _import_flwr
+        from numpyro_fed.flower._replay import Recipe
+        from numpyro_fed.flower._wire import decode_tree, encode_tree
+
+        flwr = _import_flwr()
+        if _STATE_KEY not in context.state:
+            raise RuntimeError("this node has not been started for the run (no recipe in its state): the "
+                               "server must send 'start' first")
+        stored = context.state[_STATE_KEY]
+        recipe = Recipe.from_config(stored)
+        client = int(stored["client"])
+        config = msg.content["numpyro_fed"]
+        name = str(config["call"])
+        args = decode_tree(str(config["structure"]), msg.content["args"].to_numpy_ndarrays())
+        kept = context.state[_CLIENT_STATE] if _CLIENT_STATE in context.state else None
+        versions = [] if kept is None or kept["run"] != recipe.digest else [int(v) for v in kept["versions"]]
+        if name == "init_state":
+            keep, version, value = sorted(set(versions) | {0}), 0, args
+        else:
+            version = int(config["version"])
+            if version not in versions:
+                raise LookupError(f"client {client} holds no client state of version {version} (it holds "
+                                  f"{'versions ' + str(versions) if versions else 'none'}): its SuperNode lost it "
+                                  "(restarted), or the state is of another run")
+            state = decode_tree(str(kept["structure"]), context.state[_VERSION.format(version)].to_numpy_ndarrays())
+            entry = self._entry(recipe, client, context.node_config)
+            fn = self._compiled(entry, name, None, table="stateful")
+            value, reply = fn(entry["blocks"][client], state, *args)
+            keep, version = [version, version + 1], version + 1
+        structure, leaves = encode_tree(jax.tree_util.tree_map(np.asarray, value))
+        context.state[_VERSION.format(version)] = flwr.app.ArrayRecord(leaves)
+        previous = [] if kept is None else [int(v) for v in kept["versions"]]  # of this run or an earlier one
+        for old in previous:
+            if old not in keep and _VERSION.format(old) in context.state:
+                del context.state[_VERSION.format(old)]
+        context.state[_CLIENT_STATE] = flwr.app.ConfigRecord(
+            {"run": recipe.digest, "structure": structure, "versions": [int(v) for v in keep]})
+        if name == "init_state":
+            return {"version": 0}, []
+        return {"version": version}, [np.asarray(x) for x in jax.tree_util.tree_leaves(reply)]
 
     # -- the program -----------------------------------------------------------------------
     def _entry(self, recipe, client, node_config):
@@ -162,14 +213,14 @@ class NodeHandler:
         return entry
 
     @staticmethod
-    def _compiled(entry, name, in_axes):
-        key = (name, repr(in_axes))
+    def _compiled(entry, name, in_axes, table="functions"):
+        key = (table, name, repr(in_axes))
         fn = entry["compiled"].get(key)
         if fn is None:
             try:
-                raw = entry["program"].functions[name]
+                raw = getattr(entry["program"], table)[name]
             except KeyError:
-                raise KeyError(f"the client program has no function '{name}'") from None
+                raise KeyError(f"the client program has no {table} function '{name}'") from None
             fn = jax.jit(raw) if in_axes is None else jax.jit(jax.vmap(raw, in_axes=(None,) + tuple(in_axes)))
             entry["compiled"][key] = fn
         return fn

@@ -18,7 +18,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from numpyro_fed.federation.base import ClientError, ClientProgram, Federation
+from numpyro_fed.federation.base import ClientError, ClientProgram, ClientState, Federation
 from numpyro_fed.federation.ledger import MessageLedger
 from numpyro_fed.federation.ray_backend import _unbatch
 from numpyro_fed.flower._wire import decode_description, decode_tree, encode_tree
@@ -27,6 +27,7 @@ __all__ = ["FlowerFederation", "NODE_LOADER"]
 
 #: message types (Flower's ``query`` category; the action names the request)
 DESCRIBE, START, CALL = "query.numpyro_fed_describe", "query.numpyro_fed_start", "query.numpyro_fed_call"
+STATE = "query.numpyro_fed_state"  # init_state and the calls of the clients' stateful functions
 
 
 class _NodeLoader:
@@ -85,6 +86,7 @@ class FlowerFederation(Federation):
         self._specs = None
         self._reply_cache = {}
         self._error = None
+        self._state_struct = None  # one client's state: ShapeDtypeStructs (set by init_state)
 
     # -- pytree: no leaves, like RayFederation -------------------------------------------------
     def tree_flatten(self):
@@ -200,10 +202,10 @@ class FlowerFederation(Federation):
         recipe = Recipe(self.recipe["name"], self.recipe["rng_key"], self.recipe["num_rounds"],
                         bool(jax.config.jax_enable_x64), self._descriptions, len(self._nodes))
         config = recipe.to_config()
-        functions = sorted(program.functions)
+        functions = sorted(program.functions) + sorted(f"stateful:{n}" for n in program.stateful)
         contents = {m: flwr.app.RecordDict({"numpyro_fed": flwr.app.ConfigRecord(
             {**config, "client": m, "functions": json_list(functions)})}) for m in range(len(self._nodes))}
-        self._program, self._specs, self._reply_cache = None, None, {}
+        self._program, self._specs, self._reply_cache, self._state_struct = None, None, {}, None
         self._ledger = MessageLedger(program.num_clients)
         replies = self._send(START, contents, timeout=self.start_timeout, call="start")
         specs = []
@@ -254,6 +256,152 @@ class FlowerFederation(Federation):
         if error is not None:
             raise error
 
+    # -- client state ----------------------------------------------------------------------------
+    def init_state(self, initial) -> ClientState:
+        """Sends each node its slice of ``initial`` (leading axis ``M``) as version 0 of its
+        client state, which the node keeps in Flower's ``context.state``; the returned
+        :class:`~numpyro_fed.federation.ClientState` holds the versions only (its ``values``
+        are ``()``: the states live on the nodes)."""
+        flwr = _import_flwr()
+        initial = jax.tree_util.tree_map(np.asarray, self._check_initial_state(initial))
+        contents = {}
+        for m in range(self.num_clients):
+            structure, leaves = encode_tree(jax.tree_util.tree_map(lambda a, m=m: a[m], initial))
+            contents[m] = flwr.app.RecordDict({
+                "numpyro_fed": flwr.app.ConfigRecord({"call": "init_state", "structure": structure}),
+                "args": flwr.app.ArrayRecord(leaves)})
+        self._send(STATE, contents, timeout=self.timeout, call="init_state")
+        self._record_init_state(initial)
+        self.ledger.round_trips += 1
+        self._state_struct = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), initial)
+        return ClientState((), jnp.zeros(self.num_clients, jnp.int32))
+
+    def _stateful_reply_struct(self, name, arg_structs):
+        if self._state_struct is None:
+            raise RuntimeError(f"call '{name}' with a client state: call init_state(initial) on this federation first")
+        key = ("stateful", name, tuple(jax.tree_util.tree_leaves(arg_structs)), jax.tree_util.tree_structure(arg_structs))
+        if key not in self._reply_cache:
+            new_state, reply = jax.eval_shape(self._stateful_function(name), self.block_specs[0], self._state_struct,
+                                              *arg_structs)
+            if new_state != self._state_struct:
+                raise ValueError(f"stateful function '{name}' returns a state of structure {new_state}, the clients' "
+                                 f"state has {self._state_struct}")
+            self._reply_cache[key] = reply
+        return self._reply_cache[key]
+
+    def _check_remote_state(self, name, state):
+        if not isinstance(state, ClientState):
+            raise TypeError(f"call '{name}': state must be a ClientState (from init_state), got {type(state).__name__}")
+        if jax.tree_util.tree_leaves(state.values):
+            raise ValueError(f"call '{name}': this ClientState holds its values in this process (an InProcess "
+                             "federation's); on Flower the nodes hold them: create it with this federation's init_state")
+
+    def _unbatched(self, name, host_leaves, ndims):
+        batch, flat, _ = _unbatch([np.asarray(x) for x in host_leaves], ndims)
+        if batch:
+            error = ValueError(f"call '{name}' with a client state cannot be batched (vmap) over chains on Flower: "
+                               "each node holds one state")
+            self._error = error
+            raise error
+        return flat
+
+    def _call_stateful(self, name, requests: dict):
+        """``{client: (args, version)}`` -> ``({client: reply leaves}, {client: new version}, sent)``."""
+        flwr = _import_flwr()
+        contents, sent = {}, {}
+        for m, (args, version) in requests.items():
+            structure, leaves = encode_tree(tuple(args))
+            contents[m] = flwr.app.RecordDict({
+                "numpyro_fed": flwr.app.ConfigRecord({"call": name, "structure": structure, "version": int(version)}),
+                "args": flwr.app.ArrayRecord(leaves)})
+            sent[m] = sum(a.nbytes for a in leaves)
+        replies = self._send(STATE, contents, timeout=self.timeout, call=name)
+        self.ledger.round_trips += 1
+        out = {m: replies[m]["reply"].to_numpy_ndarrays() for m in requests}
+        versions = {m: int(replies[m]["numpyro_fed"]["version"]) for m in requests}
+        return out, versions, sent
+
+    def _map_stateful(self, name, broadcast, per_client, state):
+        self._check_remote_state(name, state)
+        m_clients = self.num_clients
+        struct = lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))  # noqa: E731
+        own_structs = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)),
+                                             per_client)
+        for leaf in jax.tree_util.tree_leaves(per_client):
+            if jnp.shape(leaf)[:1] != (m_clients,):
+                raise ValueError(f"call '{name}': per_client arrays need a leading axis of {m_clients} clients, got "
+                                 f"shape {jnp.shape(leaf)}")
+        reply = self._stateful_reply_struct(name, tuple(jax.tree_util.tree_map(struct, broadcast)) + tuple(own_structs))
+        out_struct = (jax.ShapeDtypeStruct((m_clients,), jnp.int32),
+                      jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct((m_clients,) + tuple(s.shape), s.dtype),
+                                             reply))
+        leaves, treedef = jax.tree_util.tree_flatten((broadcast, per_client))
+        ndims = [1] + [jnp.ndim(x) for x in leaves]
+        num_broadcast = len(jax.tree_util.tree_leaves(broadcast))
+        reply_leaves, reply_def = jax.tree_util.tree_flatten(reply)
+
+        def host(version, *host_leaves):
+            flat = self._unbatched(name, (version,) + host_leaves, ndims)
+            version, flat = flat[0], flat[1:]
+            requests = {}
+            for m in range(m_clients):
+                args = [leaf[m] if i >= num_broadcast else leaf for i, leaf in enumerate(flat)]
+                b, p = jax.tree_util.tree_unflatten(treedef, args)
+                requests[m] = (tuple(b) + tuple(p), int(version[m]))
+            replies, versions, sent = self._call_stateful(name, requests)
+            out = [np.stack([np.asarray(replies[m][j], dtype=want.dtype) for m in range(m_clients)])
+                   .reshape((m_clients,) + tuple(want.shape)) for j, want in enumerate(reply_leaves)]
+            self._count(name, sent, replies, 1)
+            return (np.asarray([versions[m] for m in range(m_clients)], np.int32),
+                    jax.tree_util.tree_unflatten(reply_def, out))
+
+        new_version, replies = jax.pure_callback(host, out_struct, jnp.asarray(state.version, jnp.int32), *leaves,
+                                                 vmap_method="expand_dims")
+        return ClientState((), new_version), replies
+
+    def _one_stateful(self, name, client, broadcast, own, state):
+        self._check_remote_state(name, state)
+        m_clients = self.num_clients
+        struct = lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))  # noqa: E731
+        own_structs = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)), own)
+        reply = self._stateful_reply_struct(name, tuple(jax.tree_util.tree_map(struct, broadcast)) + tuple(own_structs))
+        client = jnp.asarray(client, dtype=jnp.int32)
+        if client.ndim > 1:
+            raise ValueError(f"call '{name}': client must be an index or a 1-d array of them, got shape {client.shape}")
+        lead = tuple(client.shape)
+        out_struct = (jax.ShapeDtypeStruct((m_clients,), jnp.int32),
+                      jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(lead + tuple(s.shape), s.dtype), reply))
+        leaves, treedef = jax.tree_util.tree_flatten((broadcast, own))
+        ndims = [client.ndim, 1] + [jnp.ndim(x) for x in leaves]
+        num_broadcast = len(jax.tree_util.tree_leaves(broadcast))
+        reply_leaves, reply_def = jax.tree_util.tree_flatten(reply)
+
+        def host(chosen, version, *host_leaves):
+            flat = self._unbatched(name, (chosen, version) + host_leaves, ndims)
+            chosen, version, flat = np.asarray(flat[0]).reshape(-1), np.array(flat[1], np.int32), flat[2:]
+            bad = [int(c) for c in chosen if not 0 <= c < m_clients]
+            if bad or len(set(chosen.tolist())) != chosen.size:
+                error = ClientError(f"call '{name}': clients {chosen.tolist()} must be distinct clients among "
+                                    f"0..{m_clients - 1}", clients=bad, call=name)
+                self._error = error
+                raise error
+            requests = {}
+            for c in chosen.tolist():
+                args = [leaf[c] if i >= num_broadcast else leaf for i, leaf in enumerate(flat)]
+                b, o = jax.tree_util.tree_unflatten(treedef, args)
+                requests[c] = (tuple(b) + tuple(o), int(version[c]))
+            replies, versions, sent = self._call_stateful(name, requests)
+            out = [np.stack([np.asarray(replies[c][j], dtype=want.dtype) for c in chosen.tolist()])
+                   .reshape(lead + tuple(want.shape)) for j, want in enumerate(reply_leaves)]
+            for c, v in versions.items():
+                version[c] = v
+            self._count(name, sent, replies, 1)
+            return version, jax.tree_util.tree_unflatten(reply_def, out)
+
+        new_version, reply_out = jax.pure_callback(host, out_struct, client, jnp.asarray(state.version, jnp.int32),
+                                                   *leaves, vmap_method="expand_dims")
+        return ClientState((), new_version), reply_out
+
     # -- traceable side ------------------------------------------------------------------------
     def _reply_struct(self, name, arg_structs):
         key = (name, tuple(jax.tree_util.tree_leaves(arg_structs)), jax.tree_util.tree_structure(arg_structs))
@@ -285,8 +433,10 @@ class FlowerFederation(Federation):
             self.ledger.add(name, "to_client", m, messages=n, nbytes=nbytes, rounds=n)
             self.ledger.add(name, "from_client", m, messages=n, nbytes=sum(a.nbytes for a in replies[m]))
 
-    def map(self, name, *broadcast, per_client=()):
+    def map(self, name, *broadcast, per_client=(), state=None):
         per_client = tuple(per_client)
+        if state is not None:
+            return self._map_stateful(name, broadcast, per_client, state)
         m_clients = self.num_clients
         struct = lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))  # noqa: E731
         own_structs = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)),
@@ -333,8 +483,10 @@ class FlowerFederation(Federation):
 
         return jax.pure_callback(host, out_struct, *leaves, vmap_method="expand_dims")
 
-    def one(self, name, client, *broadcast, own=()):
+    def one(self, name, client, *broadcast, own=(), state=None):
         own = tuple(own)
+        if state is not None:
+            return self._one_stateful(name, client, broadcast, own, state)
         m_clients = self.num_clients
         struct = lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))  # noqa: E731
         own_structs = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)), own)
@@ -401,5 +553,7 @@ def _reason(text: str) -> str:
     marker = "numpyro_fed node error: "
     if marker in text:
         return text.split(marker, 1)[1].split("\n", 1)[0].strip().rstrip("'>")
+    if "Message: " in text:  # Flower's ClientAppException around what the app raised
+        return text.rsplit("Message: ", 1)[1].split("\n", 1)[0].strip().rstrip("'>").strip()
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     return lines[-1] if lines else "error"
