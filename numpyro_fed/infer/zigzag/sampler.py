@@ -261,6 +261,19 @@ class FedZigZag(FederatedMCMCKernel):
         driver builds the blocks and draws the seeds. Default ``False``: the server derives
         every client's key from ``rng_key``.
 
+    :param int subsample_size: ``b >= 1``: each client checks a proposal against an unbiased
+        estimate of its rate from ``b`` of its rows drawn at random around the control
+        variates' reference point (Bierkens, Fearnhead & Roberts 2019;
+        :mod:`~numpyro_fed.infer.zigzag.subsample`), thinned against a bound on its rows'
+        curvature, so a proposal costs ``2 b`` row gradients whatever the client's size.
+        The bound is automatic (each client's, from its own rows, once at set-up; a model
+        whose curvature grows away from the posterior is warned, its violations counted,
+        and a violation during warmup doubles the bound) or a :class:`RowHessianBound`
+        given as ``bounds``. Needs a mode and first-order control variates (on whatever
+        ``M``); refused with ``preconditioner``, with row-local latents and with a privacy
+        guarantee. ``None`` (default): every rate from all the rows. ``sample_stats`` then
+        counts the row gradients (``grad_row_evals``; :attr:`rows_per_gradient`).
+
     A sample that makes ``max_proposals`` proposals (at least 50) without one switch stops
     its chain: the remaining draws repeat its last position, are marked ``hit_event_cap``,
     and a warning names the remedies. After ``init``, :attr:`mode_search` (a
@@ -300,6 +313,16 @@ class FedZigZag(FederatedMCMCKernel):
     True
     >>> sampler.message_ledger(mcmc)["bytes_from_client"].shape  # one entry per client
     (4,)
+
+    Subsampling: each check reads one row of the winning client (here 25 rows each).
+
+    >>> sampler = nf.FedZigZag(model, sample_interval=0.2, subsample_size=1)
+    >>> mcmc = MCMC(sampler, num_warmup=50, num_samples=500, progress_bar=False)
+    >>> mcmc.run(jax.random.PRNGKey(1), y)
+    >>> abs(float(mcmc.get_samples()["mu"].mean() - y.sum() / (100 + 0.01))) < 0.1
+    True
+    >>> sampler.rows_per_gradient.tolist(), int(mcmc.get_extra_fields()["info.num_violations"].sum())
+    ([2, 2, 2, 2], 0)
 
     Deployment: each client loads its own rows (here in this process; with
     ``nf.RayFederation(loader=load, num_clients=4)`` on its worker), and ``run`` takes no data.
