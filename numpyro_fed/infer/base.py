@@ -34,6 +34,7 @@ from numpyro_fed.potential import FederatedPotential, split_potential
 
 __all__ = [
     "RunCheckpoint",
+    "adopt_client_state",
     "RunResult",
     "VariationalMethod",
     "build_potential",
@@ -108,6 +109,25 @@ def check_federation(federation):
         raise TypeError(f"federation must be a numpyro_fed Federation (e.g. nf.InProcess() or "
                         f"nf.RayFederation()), got {type(federation).__name__}")
     return federation
+
+
+def adopt_client_state(federation, clients):
+    """The :class:`~numpyro_fed.federation.ClientState` ``clients`` of a state a run is
+    continued from (``init_state=``), on the started ``federation``: as it is when its values
+    are where the federation expects them (in this process for
+    :class:`~numpyro_fed.federation.InProcess`, on the workers otherwise); values held in
+    this process (e.g. a state built by hand, or an in-process run's) are handed to the
+    clients of an engine backend with its ``init_state``. A state whose values are on the
+    workers of another federation cannot be continued in process: a ``ValueError`` says so."""
+    from numpyro_fed.federation import InProcess
+
+    has_values = bool(jax.tree_util.tree_leaves(clients.values))
+    if isinstance(federation, InProcess):
+        if not has_values:
+            raise ValueError("init_state's client state is held by the workers of the federation that ran it "
+                             "(an engine backend): continue the run on that federation")
+        return clients
+    return federation.init_state(clients.values) if has_values else clients
 
 
 def start_federation(federation, functions: dict, blocks, stateful: dict | None = None):
@@ -290,10 +310,10 @@ class RunResult(NamedTuple):
         and ``result.method.get_samples(rng_key, result)`` need nothing else.
     :ivar dict ledger: what crossed between the server and the clients in the run
         (:meth:`MessageLedger.summary() <numpyro_fed.federation.MessageLedger.summary>`: per
-        client, per call and direction, messages, bytes and rounds), plus, where a method
-        keeps a client's state in the server's state and sends it with the call,
-        ``<call>/state_bytes_<direction>``: the part of those bytes that is that state
-        rather than the paper's message. ``None`` for a method that does not report one.
+        client, per call and direction, messages, bytes and rounds): the algorithm's
+        messages only, since what a client keeps between its rounds stays with it (see
+        :class:`~numpyro_fed.federation.ClientState`). ``None`` for a method that does not
+        report one.
     """
 
     state: Any
@@ -377,23 +397,12 @@ class VariationalMethod:
         return result
 
     # -- the federation --------------------------------------------------------------------
-    def state_bytes(self) -> dict:
-        """Per call name, ``(bytes to the client, bytes from the client)`` per call of client
-        state that the server keeps for the client and sends with the call (default: none).
-        They are counted in the ledger's bytes; :meth:`run_ledger` reports them apart."""
-        return {}
-
     def run_ledger(self, federation, previous: dict | None = None, baseline: dict | None = None) -> dict:
         """``federation``'s ledger summary (see :attr:`RunResult.ledger`) less ``baseline``
-        (the summary before the run), with the state bytes of :meth:`state_bytes`, plus
-        ``previous`` (the ledger of a run's rounds before an interruption)."""
+        (the summary before the run), plus ``previous`` (the ledger of a run's rounds before
+        an interruption)."""
         out = {k: np.asarray(v) - np.asarray((baseline or {}).get(k, 0))
                for k, v in federation.ledger.summary().items()}
-        for name, (down, up) in self.state_bytes().items():
-            rounds = out.get(f"{name}/rounds")
-            if rounds is not None and rounds.any():
-                out[f"{name}/state_bytes_to_client"] = rounds * int(down)
-                out[f"{name}/state_bytes_from_client"] = rounds * int(up)
         for key, value in (previous or {}).items():
             out[key] = out.get(key, 0) + np.asarray(value)
         return out

@@ -4,8 +4,9 @@ their composition ``step(rng_key, state, client, block) -> (state, info)``.
 What crosses between server and client is what the paper says: the server sends its ``N``
 global particles (and whether any client has been visited yet, i.e. whether ``q^(i-1)`` is
 still the prior); the scheduled client sends back ``N`` new global particles. Its local
-particles never leave it: :class:`DSVGDState` stacks every client's only because the clients
-are emulated in one process.
+particles never leave it: they are its client state
+(:class:`~numpyro_fed.federation.ClientState`), kept where the client lives (stacked in
+:attr:`DSVGDState.clients` in process; on its worker with an engine backend).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from numpyro_fed.federation import ClientState
 from numpyro_fed.infer.stein.kde import check_kde_bandwidth, kde_score_fn
 from numpyro_fed.infer.stein.kernels import wide_median_bandwidth
 from numpyro_fed.infer.stein.svgd import staged_svgd
@@ -27,13 +29,18 @@ __all__ = [
     "ClientUpdate",
     "DSVGDInfo",
     "DSVGDState",
+    "LocalState",
     "batched_client_grad",
     "build_client",
     "build_kernel",
     "build_round",
     "client_functions",
+    "in_process",
     "init",
+    "initial_local_states",
+    "put_client",
     "server_update",
+    "take_client",
     "update_particles",
 ]
 
@@ -42,24 +49,37 @@ __all__ = [
 AUTO_STAGES = 4
 
 
-class DSVGDState(NamedTuple):
-    """State of DSVGD (Algorithm 1) and P-DSVGD (Algorithm 5).
+class LocalState(NamedTuple):
+    """What a DSVGD client keeps between its rounds (its client state).
 
-    :ivar global_particles: ``(N, d)``, the server's particles (``phi`` in P-DSVGD).
-    :ivar local_particles: ``(K, N, d)``, each client's local particles (in a deployment each
-        client holds only its own row).
-    :ivar visited: ``(K,)`` bool, whether each client has been scheduled.
+    :ivar local_particles: ``(N, d)``, its local particles: their KDE over the prior encodes
+        ``p_0 t_k``, a proper density.
+    :ivar visited: whether it has been scheduled before (before its first round, ``t_k^(0) =
+        1`` exactly, Algorithm 1, line 1).
+    """
+
+    local_particles: jax.Array
+    visited: jax.Array
+
+
+class DSVGDState(NamedTuple):
+    """State of DSVGD (Algorithm 1).
+
+    :ivar global_particles: ``(N, d)``, the server's particles.
+    :ivar clients: a :class:`~numpyro_fed.federation.ClientState` of every client's
+        :class:`LocalState`: in process, its ``values`` stack them (leading axis ``K``); with an
+        engine backend each client's stays on its worker and ``values`` is empty.
+    :ivar visited: ``(K,)`` bool, the clients the server has scheduled.
     :ivar round: rounds done.
 
-    The local particles of client ``k`` encode ``p_0 t_k`` (their KDE over the prior), a
-    proper density. Before its first round they are the initial prior draws, but the rounds
-    use ``t_k^(0) = 1`` (Algorithm 1, line 1) exactly for a client not yet visited, and
-    ``q^(0) = p_0`` exactly while no client has been visited: a KDE of a few prior draws is a
-    poor stand-in for the prior in many dimensions.
+    Before its first round a client's local particles are the initial prior draws, but the
+    rounds use ``t_k^(0) = 1`` (Algorithm 1, line 1) exactly for a client not yet visited,
+    and ``q^(0) = p_0`` exactly while no client has been visited: a KDE of a few prior draws
+    is a poor stand-in for the prior in many dimensions.
     """
 
     global_particles: jax.Array
-    local_particles: jax.Array
+    clients: ClientState
     visited: jax.Array
     round: jax.Array
 
@@ -97,17 +117,34 @@ class ClientUpdate(NamedTuple):
     local_particles: jax.Array
 
 
-def init(particles, num_clients: int) -> DSVGDState:
-    """The state of Algorithm 1, line 1: local particles are copies of the prior draws.
+def initial_local_states(particles, num_clients: int) -> LocalState:
+    """Every client's :class:`LocalState` of Algorithm 1, line 1 (stacked): its local
+    particles are copies of the initial (prior) draws, public values the server drew."""
+    particles = jnp.asarray(particles)
+    return LocalState(jnp.broadcast_to(particles, (num_clients,) + particles.shape), jnp.zeros(num_clients, bool))
+
+
+def in_process(values) -> ClientState:
+    """A :class:`~numpyro_fed.federation.ClientState` of stacked ``values`` kept in this
+    process (version 0), for the cores' in-process kernels."""
+    num_clients = jax.tree_util.tree_leaves(values)[0].shape[0]
+    return ClientState(values, jnp.zeros(num_clients, jnp.int32))
+
+
+def init(particles, num_clients: int, federation=None) -> DSVGDState:
+    """The state of Algorithm 1, line 1: local particles are copies of the prior draws. With a
+    started ``federation``, the clients receive their initial :class:`LocalState` through
+    its ``init_state`` and keep it; otherwise it is kept in this process.
 
     >>> import jax.numpy as jnp
-    >>> init(jnp.zeros((5, 2)), 3).local_particles.shape
+    >>> init(jnp.zeros((5, 2)), 3).clients.values.local_particles.shape
     (3, 5, 2)
     """
     particles = jnp.asarray(particles)
+    local = initial_local_states(particles, num_clients)
     return DSVGDState(
         global_particles=particles,
-        local_particles=jnp.broadcast_to(particles, (num_clients,) + particles.shape),
+        clients=in_process(local) if federation is None else federation.init_state(local),
         visited=jnp.zeros(num_clients, bool),
         round=jnp.zeros((), jnp.int32),
     )
@@ -248,13 +285,14 @@ def build_client(
     return client
 
 
-def server_update(state: DSVGDState, client, update: ClientUpdate) -> tuple[DSVGDState, DSVGDInfo]:
-    """The server's side of a round: the uploaded particles become the global ones (the
-    client's new local particles are stored beside them only in this emulation)."""
-    move = jnp.sqrt(jnp.mean(jnp.sum((update.global_particles - state.global_particles) ** 2, axis=-1)))
+def server_update(state: DSVGDState, client, new_global, clients: ClientState) -> tuple[DSVGDState, DSVGDInfo]:
+    """The server's side of a round: the uploaded particles become the global ones;
+    ``clients`` is the clients' state after the round (the scheduled client's moved on where
+    it lives)."""
+    move = jnp.sqrt(jnp.mean(jnp.sum((new_global - state.global_particles) ** 2, axis=-1)))
     state = DSVGDState(
-        global_particles=update.global_particles,
-        local_particles=state.local_particles.at[client].set(update.local_particles),
+        global_particles=new_global,
+        clients=clients,
         visited=state.visited.at[client].set(True),
         round=state.round + 1,
     )
@@ -262,45 +300,58 @@ def server_update(state: DSVGDState, client, update: ClientUpdate) -> tuple[DSVG
 
 
 def client_functions(prior_grad: Callable, client_grad: Callable, **options) -> dict:
-    """What a DSVGD client runs on its own block, for a
-    :class:`~numpyro_fed.federation.ClientProgram`: ``"update"``, ``(block, global_particles,
-    first, [key,] local_particles, visited) -> ClientUpdate``: the server's
-    :class:`ClientMessage` (and, with ``stochastic_client_grad``, the round's key for the
-    minibatches), then what the client keeps between its rounds (its local particles and
-    whether it has been visited; the server stores them for it). Options as
+    """What a DSVGD client runs on its own block and its own :class:`LocalState`: the
+    ``stateful`` functions of a :class:`~numpyro_fed.federation.ClientProgram`,
+    ``"update"``: ``(block, local, global_particles, first, [key]) -> (local', new global
+    particles)``, from the server's :class:`ClientMessage` (and, with
+    ``stochastic_client_grad``, the round's key for the minibatches). The new local particles
+    stay with the client; only the new global particles go back. Options as
     :func:`build_client`."""
     client_fn = build_client(prior_grad, client_grad, **options)
+
+    def update(block, local: LocalState, global_particles, first, key=None):
+        new = client_fn(key, ClientMessage(global_particles, first), local.local_particles, local.visited, block)
+        return LocalState(new.local_particles, jnp.ones_like(local.visited)), new.global_particles
+
     if options.get("stochastic_client_grad") is None:
-        def update(block, global_particles, first, local_particles, visited):
-            return client_fn(None, ClientMessage(global_particles, first), local_particles, visited, block)
-    else:
-        def update(block, global_particles, first, key, local_particles, visited):
-            return client_fn(key, ClientMessage(global_particles, first), local_particles, visited, block)
+        return {"update": lambda block, local, global_particles, first: update(block, local, global_particles, first)}
     return {"update": update}
 
 
 def build_round(stochastic: bool = False) -> Callable:
     """One round of DSVGD through a federation: ``step(rng_key, state, client, federation) ->
-    (state, info)``. The server sends the scheduled client its :class:`ClientMessage` (and
-    its stored local particles); the client (:func:`client_functions`' ``"update"``)
-    returns its new global and local particles; :func:`server_update` keeps them.
+    (state, info)``. The server sends the scheduled client its :class:`ClientMessage`; the
+    client (:func:`client_functions`' ``"update"``, on its own :class:`LocalState`) moves its
+    local particles and returns the new global particles; :func:`server_update` keeps them.
     ``stochastic``: the round's key goes to the client (its minibatches)."""
 
     def step(rng_key, state: DSVGDState, client, federation):
         first = ~jnp.any(state.visited)
         key = (rng_key,) if stochastic else ()
-        update = federation.one("update", client, state.global_particles, first, *key,
-                                own=(state.local_particles, state.visited))
-        return server_update(state, client, update)
+        clients, new_global = federation.one("update", client, state.global_particles, first, *key,
+                                             state=state.clients)
+        return server_update(state, client, new_global, clients)
 
     return step
+
+
+def take_client(clients: ClientState, client):
+    """Client ``client``'s slice of an in-process :class:`~numpyro_fed.federation.ClientState`."""
+    return jax.tree_util.tree_map(lambda a: a[client], clients.values)
+
+
+def put_client(clients: ClientState, client, value) -> ClientState:
+    """An in-process :class:`~numpyro_fed.federation.ClientState` with client ``client``'s
+    (or a ``(C,)`` array of clients') state replaced by ``value``, its version moved on."""
+    values = jax.tree_util.tree_map(lambda a, v: a.at[client].set(v), clients.values, value)
+    return ClientState(values, clients.version.at[client].add(1))
 
 
 def build_kernel(prior_grad: Callable, client_grad: Callable, **options) -> Callable:
     """One round of DSVGD (Algorithm 1) as ``step(rng_key, state, client, block) -> (state, info)``.
 
-    ``client`` is the scheduled client's index (may be traced), ``block`` its data;
-    ``rng_key`` serves the minibatches of ``stochastic_client_grad`` (unused without one; may
+    ``client`` is the scheduled client's index (may be traced), ``block`` its data; the
+    clients' states are kept in this process (``state.clients.values``); ``rng_key`` serves the minibatches of ``stochastic_client_grad`` (unused without one; may
     then be ``None``). ``options`` as :func:`build_client`.
 
     >>> import jax, jax.numpy as jnp
@@ -317,7 +368,9 @@ def build_kernel(prior_grad: Callable, client_grad: Callable, **options) -> Call
 
     def step(rng_key, state: DSVGDState, client, block):
         message = ClientMessage(state.global_particles, ~jnp.any(state.visited))
-        update = client_fn(rng_key, message, state.local_particles[client], state.visited[client], block)
-        return server_update(state, client, update)
+        local = take_client(state.clients, client)
+        update = client_fn(rng_key, message, local.local_particles, local.visited, block)
+        clients = put_client(state.clients, client, LocalState(update.local_particles, jnp.ones_like(local.visited)))
+        return server_update(state, client, update.global_particles, clients)
 
     return step

@@ -148,14 +148,15 @@ class ParticleMethod(VariationalMethod):
         return batched_client_grad(self.gradients.client_grad, self.stochastic_client_grad)
 
     def _start(self):
-        """Starts the clients on :meth:`client_functions` and ``"potential_grad"``, ``(block,
-        x (K, d)) -> (K, d)``: the gradient of the client's term at each point (the
-        diagnostics' full-batch score, :meth:`_target_score`; not one of the algorithm's
-        messages). Each client's block is its own rows (built on its worker in deployment)."""
+        """Starts the clients on :meth:`client_functions` (functions of the client's own
+        state) and ``"potential_grad"``, ``(block, x (K, d)) -> (K, d)``: the gradient of the
+        client's term at each point (the diagnostics' full-batch score,
+        :meth:`_target_score`; not one of the algorithm's messages). Each client's block is
+        its own rows (built on its worker in deployment)."""
         client_grad = jax.vmap(self.gradients.client_grad, in_axes=(0, None))
-        functions = dict(self.client_functions(), potential_grad=lambda block, x: client_grad(x, block))
+        functions = {"potential_grad": lambda block, x: client_grad(x, block)}
         self._step = None
-        return self.start_clients(functions)
+        return self.start_clients(functions, stateful=self.client_functions())
 
     def _target_score(self) -> Callable:
         """``(N, d) -> (N, d)``: the full-batch score of the tempered posterior, for
@@ -216,10 +217,11 @@ class ParticleMethod(VariationalMethod):
         raise NotImplementedError
 
     def client_functions(self) -> dict | None:
-        """The functions the clients run on their own blocks (a
-        :class:`~numpyro_fed.federation.ClientProgram`'s), started on :attr:`federation`
-        when the model is split; ``None`` (the default): the method's rounds run in this
-        process through :meth:`build_step` (the baselines)."""
+        """The functions the clients run on their own blocks and their own state (a
+        :class:`~numpyro_fed.federation.ClientProgram`'s ``stateful`` functions, ``f(block,
+        state, *args) -> (state, reply)``), started on :attr:`federation` when the model is
+        split; ``None`` (the default): the method's rounds run in this process through
+        :meth:`build_step` (the baselines)."""
         return None
 
     def build_round(self) -> Callable:

@@ -9,11 +9,10 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-import jax.numpy as jnp
-
 from numpyro.infer.initialization import init_to_uniform
 
 from numpyro_fed._checks import check_int, check_positive
+from numpyro_fed.infer.base import adopt_client_state
 from numpyro_fed.infer.stein import dsvgd as dsvgd_core
 from numpyro_fed.infer.stein import pdsvgd as pdsvgd_core
 from numpyro_fed.infer.stein import udsvgd as udsvgd_core
@@ -79,10 +78,12 @@ class DSVGD(ParticleMethod):
         :class:`~numpyro_fed.federation.Federation` such as :class:`~numpyro_fed.RayFederation`
         (each client a worker holding only its own rows); same key, same answer. Each round
         the server sends the scheduled client the ``N`` global particles (and whether ``q`` is
-        still the prior) with the client's local particles, which the server stores for it;
-        the client returns ``N`` new global particles and its new local particles.
-        ``result.ledger`` counts it (the local particles as ``state_bytes``), and the
-        diagnostics' ``"potential_grad"`` calls (Stein's checks, :meth:`evaluate`). A client
+        still the prior; with ``batch_size``, the round's key for its minibatches) and the
+        client returns ``N`` new global particles, as in the paper: its local particles are
+        its client state (:class:`~numpyro_fed.federation.ClientState`), kept where it lives
+        and never sent (on Ray, on its worker; in process, in ``result.state.clients``).
+        ``result.ledger`` counts it, and the diagnostics' ``"potential_grad"`` calls
+        (Stein's checks, :meth:`evaluate`). A client
         that dies or stops answering stops the run with a
         :class:`~numpyro_fed.federation.ClientError` whose ``state`` resumes it.
         **Deployment**: given a federation with ``loader=`` (e.g.
@@ -168,7 +169,7 @@ class DSVGD(ParticleMethod):
         return state.global_particles
 
     def initial_state(self, particles, num_rounds=None):
-        return dsvgd_core.init(particles, self.federated_potential.num_clients)
+        return dsvgd_core.init(particles, self.federated_potential.num_clients, self._active_federation)
 
     def _core_options(self) -> dict:
         return dict(num_local_steps=self.num_local_steps, num_distill_steps=self.num_distill_steps,
@@ -185,19 +186,12 @@ class DSVGD(ParticleMethod):
     def build_round(self):
         return dsvgd_core.build_round(self.stochastic_client_grad is not None)
 
-    def state_bytes(self):
-        """The scheduled client's local particles (and whether it was visited before) go
-        down with the global particles and its new local particles come back: the server
-        stores them for it (the paper keeps them on the client)."""
-        particles = self.num_particles * self.federated_potential.num_latent * jnp.zeros(()).dtype.itemsize
-        return {"update": (particles + 1, particles)}
-
     def _check_state(self, state):
         state = super()._check_state(state)
         num_clients = self.federated_potential.num_clients
-        if state.local_particles.shape[0] != num_clients:
-            raise ValueError(f"init_state has {state.local_particles.shape[0]} clients, the model {num_clients}")
-        return state
+        if np.shape(state.clients.version) != (num_clients,):
+            raise ValueError(f"init_state has {np.shape(state.clients.version)[0]} clients, the model {num_clients}")
+        return state._replace(clients=adopt_client_state(self._active_federation, state.clients))
 
     def finish(self, result):
         """Records the Stein statistics per round; warns if the last round's particles are
@@ -218,8 +212,9 @@ class DSVGD(ParticleMethod):
 class PDSVGD(DSVGD):
     """Parallel DSVGD (Appendix A.5, Algorithm 5): several clients per round.
 
-    The scheduled clients run DSVGD's two loops from the server's particles in parallel and
-    upload their *local* particles; the server distills ``q^(i) = p_0 prod_k t_k^(i)`` into its
+    The scheduled clients run DSVGD's two loops from the server's particles in parallel, keep
+    and upload their *local* particles (the state is a
+    :class:`~numpyro_fed.infer.stein.pdsvgd.PDSVGDState`); the server distills ``q^(i) = p_0 prod_k t_k^(i)`` into its
     ``N`` particles with ``num_server_steps`` SVGD steps.
 
     :param clients_per_round: number of clients per round (an int ``>= 1``) or a fraction of
@@ -284,20 +279,18 @@ class PDSVGD(DSVGD):
                                           svgd_bandwidth=self.svgd_bandwidth)
         return pdsvgd_core.build_round(server, self.stochastic_client_grad is not None)
 
-    def state_bytes(self):
-        """The scheduled clients' local particles (and whether each was visited before) go
-        down with the server's particles: the server stores them (each client uploads them
-        anyway, Algorithm 5)."""
-        particles = self.num_particles * self.federated_potential.num_latent * jnp.zeros(()).dtype.itemsize
-        return {"update": (particles + 1, 0)}
+    def initial_state(self, particles, num_rounds=None):
+        return pdsvgd_core.init(particles, self.federated_potential.num_clients, self._active_federation)
 
 
 class UDSVGD(DSVGD):
     """U-DSVGD (Section 5.1, Algorithm 4): DSVGD without distillation.
 
     Each client remembers the global iterates before and after each round it was scheduled
-    in, and computes ``grad log t_k`` by the recursion (15) over them, so its memory grows
-    with the rounds. Parameters as :class:`DSVGD` (``num_distill_steps`` is ignored;
+    in (its client state, kept where it lives), and computes ``grad log t_k`` by the
+    recursion (15) over them, so its memory grows with the rounds. Each round the server
+    sends the scheduled client the global particles and the round's index; the client
+    returns the new global particles. Parameters as :class:`DSVGD` (``num_distill_steps`` is ignored;
     ``federation`` and deployment, ``loader=``, as there). The
     buffers are sized by the number of rounds: :meth:`init` needs ``num_rounds`` and
     :meth:`run` takes no ``init_state``.
@@ -309,8 +302,8 @@ class UDSVGD(DSVGD):
     ...     with nf.federated_plate("data", y.shape[0], clients=2):
     ...         numpyro.sample("y", dist.Normal(mu, 3), obs=y)
     >>> udsvgd = nf.UDSVGD(model, num_local_steps=50, progress_bar=False)
-    >>> udsvgd.run(jax.random.PRNGKey(0), 3, jnp.arange(4.0)).state.history.shape
-    (4, 20, 1)
+    >>> udsvgd.run(jax.random.PRNGKey(0), 3, jnp.arange(4.0)).state.clients.values.history.shape
+    (2, 4, 20, 1)
     """
 
     repr_fields = ("num_particles", "num_local_steps", "kde_bandwidth", "temperature", "client_order",
@@ -330,17 +323,6 @@ class UDSVGD(DSVGD):
     def build_round(self):
         return udsvgd_core.build_round(self.stochastic_client_grad is not None)
 
-    def state_bytes(self):
-        """The client's buffer goes down with the global particles: the server's history of
-        global iterates, ``(I + 1, N, d)``, the mask of the client's rounds ``(I,)`` and the
-        round (the paper keeps the buffer on the client; the server knows every iterate)."""
-        plan = getattr(self, "_num_rounds", None)
-        if plan is None:
-            return {}
-        itemsize = jnp.zeros(()).dtype.itemsize
-        history = (plan + 1) * self.num_particles * self.federated_potential.num_latent * itemsize
-        return {"update": (history + plan + 4, 0)}
-
     def _check_state(self, state):
         self._num_rounds = int(state.scheduled.shape[0])
         return ParticleMethod._check_state(self, state)
@@ -349,7 +331,8 @@ class UDSVGD(DSVGD):
         if num_rounds is None:
             raise ValueError("UDSVGD.init needs num_rounds: its clients' buffers are sized by it")
         self._num_rounds = check_int(num_rounds, "num_rounds", minimum=1)
-        return udsvgd_core.init(particles, self._num_rounds)
+        return udsvgd_core.init(particles, self._num_rounds, self.federated_potential.num_clients,
+                                self._active_federation)
 
     def run(self, rng_key, num_rounds: int, *args, init_particles=None, **kwargs):
         """As :meth:`DSVGD.run` (no ``init_state``: the buffers are sized by ``num_rounds``)."""

@@ -1,8 +1,10 @@
 """The U-DSVGD core (Kassab & Simeone, Algorithm 4): DSVGD without distillation.
 
-Each client keeps the global iterates before and after each of its rounds (its buffer) and
-computes ``grad log t_k^(i-1)`` by the recursion (15) over them,
-``sum_{j in I_k} grad log q^(j) - grad log q^(j-1)`` with ``q^(0) = p_0``.
+Each client keeps the global iterates before and after each of its rounds (its buffer, its
+client state: :class:`Buffer`) and computes ``grad log t_k^(i-1)`` by the recursion (15)
+over them, ``sum_{j in I_k} grad log q^(j) - grad log q^(j-1)`` with ``q^(0) = p_0``. The
+server sends the global particles and the round's index; the client returns the new global
+particles.
 """
 
 from __future__ import annotations
@@ -13,41 +15,59 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from numpyro_fed.infer.stein.dsvgd import DSVGDInfo, _config, check_key
+from numpyro_fed.federation import ClientState
+from numpyro_fed.infer.stein.dsvgd import DSVGDInfo, _config, check_key, in_process, put_client, take_client
 from numpyro_fed.infer.stein.kde import kde_score_fn
 from numpyro_fed.infer.stein.svgd import staged_svgd
 from numpyro_fed.infer.stein.whitening import round_frame
 
-__all__ = ["UDSVGDState", "build_client", "build_kernel", "build_round", "client_functions", "init"]
+__all__ = ["Buffer", "UDSVGDState", "build_client", "build_kernel", "build_round", "client_functions", "init"]
+
+
+class Buffer(NamedTuple):
+    """What a U-DSVGD client keeps (its client state): the global iterates before and after
+    each round it was scheduled in.
+
+    :ivar history: ``(I + 1, N, d)``: row ``j`` holds ``theta^(j)`` where the client saw it
+        (rows ``j - 1`` and ``j`` of each of its rounds ``j``), zeros elsewhere.
+    :ivar mine: ``(I,)`` bool, the rounds (``j - 1``, 0-based) it was scheduled in.
+    """
+
+    history: jax.Array
+    mine: jax.Array
 
 
 class UDSVGDState(NamedTuple):
     """State of U-DSVGD (Algorithm 4).
 
     :ivar global_particles: ``(N, d)``.
-    :ivar history: ``(I + 1, N, d)``, the global iterates ``theta^(0..I)`` (row ``j`` filled
-        once round ``j`` is done). Client ``k``'s buffer is the rows ``j - 1, j`` of the rounds
-        ``j`` it was scheduled in; :attr:`scheduled` says which.
+    :ivar clients: a :class:`~numpyro_fed.federation.ClientState` of every client's
+        :class:`Buffer` (stacked in ``values`` in process; on its worker with an engine
+        backend).
     :ivar scheduled: ``(I,)`` int, the client of each round (``-1``: not yet run).
     :ivar round: rounds done.
     """
 
     global_particles: jax.Array
-    history: jax.Array
+    clients: ClientState
     scheduled: jax.Array
     round: jax.Array
 
 
-def init(particles, num_rounds: int) -> UDSVGDState:
-    """Buffers sized for ``num_rounds`` rounds from the initial particles ``(N, d)``.
+def init(particles, num_rounds: int, num_clients: int = 1, federation=None) -> UDSVGDState:
+    """Buffers sized for ``num_rounds`` rounds, empty, and the initial particles ``(N, d)``
+    (the clients' buffers sent through ``federation.init_state`` when a started federation
+    is given).
 
     >>> import jax.numpy as jnp
-    >>> init(jnp.zeros((5, 2)), 3).history.shape
-    (4, 5, 2)
+    >>> init(jnp.zeros((5, 2)), 3, num_clients=2).clients.values.history.shape
+    (2, 4, 5, 2)
     """
     particles = jnp.asarray(particles)
-    history = jnp.zeros((num_rounds + 1,) + particles.shape, particles.dtype).at[0].set(particles)
-    return UDSVGDState(particles, history, jnp.full(num_rounds, -1, jnp.int32), jnp.zeros((), jnp.int32))
+    buffers = Buffer(jnp.zeros((num_clients, num_rounds + 1) + particles.shape, particles.dtype),
+                     jnp.zeros((num_clients, num_rounds), bool))
+    clients = in_process(buffers) if federation is None else federation.init_state(buffers)
+    return UDSVGDState(particles, clients, jnp.full(num_rounds, -1, jnp.int32), jnp.zeros((), jnp.int32))
 
 
 def build_client(prior_grad: Callable, client_grad: Callable, *, num_local_steps: int, optim,
@@ -85,46 +105,49 @@ def build_client(prior_grad: Callable, client_grad: Callable, *, num_local_steps
     return client
 
 
+def _client_round(client_fn, key, buffer: Buffer, global_particles, round_, block):
+    """A client's round on its own buffer: records the particles it received, computes the
+    new global particles, records them and the round."""
+    history = buffer.history.at[round_].set(global_particles)
+    new_global = client_fn(key, global_particles, history, buffer.mine, round_, block)
+    return Buffer(history.at[round_ + 1].set(new_global), buffer.mine.at[round_].set(True)), new_global
+
+
 def client_functions(prior_grad: Callable, client_grad: Callable, **options) -> dict:
-    """What a U-DSVGD client runs on its own block: ``"update"``, ``(block,
-    global_particles, [key,] history, mine, round) -> (N, d)`` the new global particles.
-    ``history`` and ``mine`` are the client's buffer (the global iterates before and after
-    its rounds), which the server stores for it (they are the server's own iterates) and
-    sends with the call. Options as :func:`build_client`."""
+    """What a U-DSVGD client runs on its own block and its own :class:`Buffer` (``stateful``
+    functions): ``"update"``, ``(block, buffer, global_particles, round, [key]) -> (buffer',
+    (N, d))``, the new global particles; ``round`` is the index of the round (where the
+    client files the iterates in its buffer). Options as :func:`build_client`."""
     client_fn = build_client(prior_grad, client_grad, **options)
+
+    def update(block, buffer, global_particles, round_, key=None):
+        return _client_round(client_fn, key, buffer, global_particles, round_, block)
+
     if options.get("stochastic_client_grad") is None:
-        def update(block, global_particles, history, mine, round_):
-            return client_fn(None, global_particles, history, mine, round_, block)
-    else:
-        def update(block, global_particles, key, history, mine, round_):
-            return client_fn(key, global_particles, history, mine, round_, block)
+        return {"update": lambda block, buffer, global_particles, round_: update(block, buffer, global_particles,
+                                                                                 round_)}
     return {"update": update}
 
 
 def build_round(stochastic: bool = False) -> Callable:
     """One round of U-DSVGD through a federation: ``step(rng_key, state, client, federation)
-    -> (state, info)``."""
+    -> (state, info)``: the scheduled client receives the global particles and the round's
+    index, and returns the new global particles."""
 
     def step(rng_key, state: UDSVGDState, client, federation):
-        mine = _rounds_of(state, client)
         key = (rng_key,) if stochastic else ()
-        new_global = federation.one("update", client, state.global_particles, *key, state.history, mine,
-                                    state.round)
-        return _server_update(state, client, new_global)
+        clients, new_global = federation.one("update", client, state.global_particles, state.round, *key,
+                                             state=state.clients)
+        return _server_update(state, client, new_global, clients)
 
     return step
 
 
-def _rounds_of(state: UDSVGDState, client):
-    """The mask of the rounds so far in which ``client`` was scheduled (its buffer)."""
-    return (state.scheduled == client) & (jnp.arange(state.scheduled.shape[0]) < state.round)
-
-
-def _server_update(state: UDSVGDState, client, new_global):
+def _server_update(state: UDSVGDState, client, new_global, clients):
     move = jnp.sqrt(jnp.mean(jnp.sum((new_global - state.global_particles) ** 2, axis=-1)))
     state = UDSVGDState(
         new_global,
-        state.history.at[state.round + 1].set(new_global),
+        clients,
         state.scheduled.at[state.round].set(jnp.asarray(client, state.scheduled.dtype)),
         state.round + 1,
     )
@@ -135,13 +158,14 @@ def build_kernel(prior_grad: Callable, client_grad: Callable, **options) -> Call
     """One round of U-DSVGD as ``step(rng_key, state, client, block) -> (state, info)``.
 
     Options as :func:`build_client`; ``rng_key`` as in
-    :func:`numpyro_fed.infer.stein.dsvgd.build_kernel`.
+    :func:`numpyro_fed.infer.stein.dsvgd.build_kernel`; the buffers kept in this process
+    (:func:`init` without a federation).
     """
     client_fn = build_client(prior_grad, client_grad, **options)
 
     def step(rng_key, state: UDSVGDState, client, block):
-        new_global = client_fn(rng_key, state.global_particles, state.history, _rounds_of(state, client),
-                               state.round, block)
-        return _server_update(state, client, new_global)
+        buffer, new_global = _client_round(client_fn, rng_key, take_client(state.clients, client),
+                                           state.global_particles, state.round, block)
+        return _server_update(state, client, new_global, put_client(state.clients, client, buffer))
 
     return step
