@@ -508,6 +508,10 @@ class VariationalMethod:
         resume = init_state if isinstance(init_state, RunCheckpoint) else None
         if init_state is not None:
             state = init_state.state if resume is not None else init_state
+            federation = getattr(self, "_active_federation", None)
+            clients = getattr(state, "clients", None)
+            if resume is None and federation is not None and clients is not None:
+                state = state._replace(clients=adopt_client_state(federation, clients))
         result = self.drive(lambda key, s: self.update(key, s, *args, **kwargs), key_run, state, num_rounds,
                             resume=resume)
         return self.finish(result)

@@ -56,16 +56,17 @@ class BCM(DPPVI):
         super().__init__(model, dp=dp, schedule="synchronous", damping=1.0, **kwargs)
 
     def _initial_state(self, prior, num_clients):
-        state = core.init(prior, num_clients)
+        share = None
         if self.prior == "split":
             # factors (1 - 1/M) eta_prior make every cavity p^(1/M)
             share = jax.tree_util.tree_map(
                 lambda x: jnp.broadcast_to((1.0 - 1.0 / num_clients) * x, (num_clients,) + x.shape), prior
             )
-            state = state._replace(factors=share)
-        return state
+        return core.init(prior, num_clients, factors=share, federation=self._plan.federation)
 
     def _final_state(self, state):
+        # the server's record of the factors: the public initial ones plus the local
+        # posteriors' changes the clients sent (BCM's messages)
         q = jax.tree_util.tree_map(lambda p, f: p + f.sum(0), state.prior, state.factors)
         return state._replace(q=q)
 
@@ -112,7 +113,7 @@ class GlobalVI(DPPVI):
         valid = potential.client_data["valid"][plate]
         return np.array([int(np.sum(valid))]), int(valid.size)
 
-    def _start(self, functions, potential, layout):
+    def _start(self, programs, potential, layout):
         # one party holding the pooled rows (simulation only, see _layout)
         plate = layout.plate
         valid = potential.client_data["valid"][plate]
@@ -122,7 +123,8 @@ class GlobalVI(DPPVI):
                                shard_valid=as_jax(layout.shard_valid),
                                noise_multiplier=as_jax(layout.noise_multiplier),
                                clip_first=as_jax(layout.clip_first), clip_later=as_jax(layout.clip_later))
-        return self.start_clients(functions, data)
+        functions, stateful = programs
+        return self.start_clients(functions, data, stateful=stateful)
 
     def _communications_per_round(self):
         return self.federated_potential.num_clients * self.num_local_steps

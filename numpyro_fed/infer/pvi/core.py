@@ -8,10 +8,13 @@ held as natural parameters ``eta = (precision * mean, -precision / 2)``: those o
 (a Gaussian on the unconstrained space) and of one factor ``t_m`` per client, so that
 ``eta_q = eta_prior + sum_m eta_m``. Each client runs :func:`~numpyro_fed.infer.pvi.client.client_update`
 on its own rows and what the server sends (``q``) and returns the change ``Delta`` of its
-factor; the server (:func:`server_update`) adds ``damping * Delta`` to the client's factor and
-to ``q``. Where that would leave a coordinate of ``q`` with a non-positive precision, the
-coordinate keeps its previous value in ``q`` and in the factors (counted in
-``PVIInfo.rejected``); this only post-processes released values.
+factor; the server (:func:`server_update`) adds ``damping * Delta`` to ``q``, and the client
+to its factor, which it keeps (its client state, :class:`ClientFactor`; with
+``dp="virtual"`` its virtual factors, which the server never sees). Where that would leave a
+coordinate of ``q`` with a non-positive precision, the coordinate keeps its previous value
+in ``q`` and in the factor (counted in ``PVIInfo.rejected``): the server tells the client
+which coordinates of its update it applied with its next request (``applied``), and the
+client adds its update there first. This only post-processes released values.
 
 With a trusted aggregator (synchronous schedule), each client's noise standard deviation is
 divided by ``sqrt(M)``: the sum the aggregator releases carries the full noise (Theorems 11,
@@ -37,19 +40,23 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from numpyro_fed.federation import ClientState
 from numpyro_fed.infer.pvi.client import LocalConfig, client_update
 from numpyro_fed.infer.pvi.gaussian import GaussianNatural, kl_divergence, loc_scale, tree_add
 
 __all__ = [
     "BlockLayout",
     "ClientData",
+    "ClientFactor",
     "PVIInfo",
     "PVIState",
     "ClientReply",
     "build_step",
+    "client_factors",
     "client_functions",
     "federated_negative_elbo",
     "init",
+    "initial_client_state",
     "negative_elbo",
     "server_update",
     "shard_layout",
@@ -60,21 +67,42 @@ SCHEDULES = ("sequential", "synchronous")
 SAMPLING = ("poisson", "without_replacement", "full")
 
 
+class ClientFactor(NamedTuple):
+    """What a PVI client keeps between its visits (its client state).
+
+    :ivar GaussianNatural factor: its factor ``t_m`` (``(d,)`` each) or, with
+        ``dp="virtual"``, its virtual factors ``t_{m,k}`` (``(K, d)`` each), as of before its
+        last update.
+    :ivar GaussianNatural pending: ``damping`` times the change its last update made to
+        them (zeros before its first), added where the server applied that update (it says
+        where in the client's next request).
+    """
+
+    factor: GaussianNatural
+    pending: GaussianNatural
+
+
 class PVIState(NamedTuple):
-    """The server's and clients' natural parameters.
+    """The server's natural parameters and the clients' state.
 
     :ivar GaussianNatural q: the global approximation, ``(d,)`` each.
     :ivar GaussianNatural prior: the prior, ``(d,)``.
-    :ivar GaussianNatural factors: the client factors ``t_m``, ``(M, d)``.
-    :ivar GaussianNatural virtual: the virtual factors ``t_{m,k}``, ``(M, K, d)`` (zeros,
-        ``K = 1``, unless ``dp="virtual"``); each client's sum to its factor.
+    :ivar GaussianNatural factors: the server's record of each client's factor ``t_m``,
+        ``(M, d)``: its initial (public) value plus the changes the client sent, where
+        applied (what crossed the wire; never sent back).
+    :ivar clients: a :class:`~numpyro_fed.federation.ClientState` of every client's
+        :class:`ClientFactor` (stacked in ``values`` in process; on its worker with an engine
+        backend); :func:`client_factors` reads it in process.
+    :ivar applied: ``(M, d)`` bool, the coordinates of each client's last update that the
+        server applied (sent with the client's next request).
     :ivar round: rounds run so far (an int array).
     """
 
     q: GaussianNatural
     prior: GaussianNatural
     factors: GaussianNatural
-    virtual: GaussianNatural
+    clients: ClientState
+    applied: jax.Array
     round: jax.Array = 0
 
 
@@ -164,18 +192,63 @@ class BlockLayout:
         return f"BlockLayout(plate={self.plate!r}, num_clients={len(self.noise_multiplier)})"
 
 
-def init(prior: GaussianNatural, num_clients: int, num_virtual: int = 1) -> PVIState:
-    """All factors at zero: ``q`` is the prior."""
+def initial_client_state(prior: GaussianNatural, num_clients: int, num_virtual: int | None = None,
+                         factors: GaussianNatural | None = None) -> ClientFactor:
+    """Every client's initial :class:`ClientFactor`, stacked: its factor ``factors[m]``
+    (default zero; public values) or, with ``num_virtual`` (``dp="virtual"``), that many
+    virtual factors at zero; nothing pending."""
+    d = prior.eta1.shape[-1]
+    shape = (num_clients, d) if num_virtual is None else (num_clients, num_virtual, d)
+    zeros = GaussianNatural(jnp.zeros(shape, prior.eta1.dtype), jnp.zeros(shape, prior.eta1.dtype))
+    if factors is not None and num_virtual is None:
+        return ClientFactor(factors, zeros)
+    return ClientFactor(zeros, zeros)
+
+
+def init(prior: GaussianNatural, num_clients: int, num_virtual: int | None = None, *,
+         factors: GaussianNatural | None = None, federation=None) -> PVIState:
+    """``q`` is the prior; the factors are ``factors`` (default zero) and, with
+    ``num_virtual`` (``dp="virtual"``), each client's virtual factors are zero. With a started
+    ``federation`` the clients receive their initial :class:`ClientFactor` through its
+    ``init_state`` and keep it; otherwise it is kept in this process.
+
+    >>> import jax.numpy as jnp
+    >>> from numpyro_fed.infer.pvi.gaussian import GaussianNatural
+    >>> state = init(GaussianNatural(jnp.zeros(2), -0.5 * jnp.ones(2)), 3, num_virtual=4)
+    >>> state.factors.eta1.shape, state.clients.values.factor.eta1.shape
+    ((3, 2), (3, 4, 2))
+    """
     d = prior.eta1.shape[-1]
     zeros = jnp.zeros((num_clients, d), prior.eta1.dtype)
-    zeros_virtual = jnp.zeros((num_clients, num_virtual, d), prior.eta1.dtype)
+    factors = GaussianNatural(zeros, zeros) if factors is None else factors
+    own = initial_client_state(prior, num_clients, num_virtual, factors)
+    clients = (ClientState(own, jnp.zeros(num_clients, jnp.int32)) if federation is None
+               else federation.init_state(own))
     return PVIState(
         q=prior,
         prior=prior,
-        factors=GaussianNatural(zeros, zeros),
-        virtual=GaussianNatural(zeros_virtual, zeros_virtual),
+        factors=factors,
+        clients=clients,
+        applied=jnp.zeros((num_clients, d), bool),
         round=jnp.zeros((), jnp.int32),
     )
+
+
+def _resolve(own: ClientFactor, applied) -> GaussianNatural:
+    """A client's factor (or virtual factors) with its last update added where the server
+    applied it."""
+    return jax.tree_util.tree_map(lambda t, p: jnp.where(applied, t + p, t), own.factor, own.pending)
+
+
+def client_factors(state: PVIState) -> GaussianNatural:
+    """Every client's current factor (``(M, d)`` each) or, with ``dp="virtual"``, virtual
+    factors (``(M, K, d)``), from a state whose client state is kept in this process
+    (:class:`~numpyro_fed.federation.InProcess`; with an engine backend they are on the
+    workers and a ``ValueError`` says so). A diagnostic: the server never reads them."""
+    if not jax.tree_util.tree_leaves(state.clients.values):
+        raise ValueError("the clients' factors are held by the clients (an engine backend's workers): "
+                         "this state has no copy of them")
+    return jax.vmap(_resolve)(state.clients.values, state.applied)
 
 
 def shard_layout(client_sizes, num_shards: int, seed=0):
@@ -200,20 +273,17 @@ def shard_layout(client_sizes, num_shards: int, seed=0):
     return jnp.asarray(index), jnp.asarray(valid)
 
 
-def server_update(state: PVIState, new_q, new_factors, new_virtual):
-    """Applies a proposed ``q`` and factors, coordinate by coordinate: where the new ``q``
-    would not be a proper Gaussian (or not finite), the coordinate keeps its old values (one
-    coordinate's noise must not discard a whole update).
+def server_update(state: PVIState, new_q, new_factors):
+    """Applies a proposed ``q`` and the server's record of the factors, coordinate by
+    coordinate: where the new ``q`` would not be a proper Gaussian (or not finite), the
+    coordinate keeps its old values (one coordinate's noise must not discard a whole update).
 
-    :return: ``(state, number of rejected coordinates)``.
+    :return: ``(state, ok)``: ``ok`` (``(d,)`` bool) the coordinates applied (the clients
+        whose update it was learn it with their next request).
     """
     ok = (new_q.eta2 < 0) & jnp.isfinite(new_q.eta1) & jnp.isfinite(new_q.eta2)
     pick = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new, old)
-    return (
-        state._replace(q=pick(new_q, state.q), factors=pick(new_factors, state.factors),
-                       virtual=pick(new_virtual, state.virtual)),
-        jnp.sum(~ok),
-    )
+    return state._replace(q=pick(new_q, state.q), factors=pick(new_factors, state.factors)), ok
 
 
 def negative_elbo(rng_key, row_log_lik: Callable, q: GaussianNatural, prior: GaussianNatural,
@@ -245,14 +315,11 @@ class ClientReply(NamedTuple):
 
     :ivar GaussianNatural delta: the change of its factor, ``(d,)`` each: the paper's message
         (noised on the client when private).
-    :ivar virtual_delta: the changes of its virtual factors, ``(K, d)`` each, with
-        ``dp="virtual"`` only (``None`` otherwise): client state that the server stores for it.
     :ivar clipped: the fraction of clipped terms (a diagnostic).
     :ivar residual: the local optimization's residual (a diagnostic).
     """
 
     delta: GaussianNatural
-    virtual_delta: GaussianNatural | None
     clipped: jax.Array
     residual: jax.Array
 
@@ -266,47 +333,54 @@ def client_functions(
     num_clients: int = 1,
     batch_cap: int | None = None,
     auto_clip: bool = False,
-) -> dict:
+    damping: float = 1.0,
+) -> tuple[dict, dict]:
     """The functions a PVI client runs on its own :class:`ClientData` block (one client's
-    slice), as a :class:`~numpyro_fed.federation.ClientProgram` takes them:
+    slice), as a :class:`~numpyro_fed.federation.ClientProgram` takes them: ``(functions,
+    stateful)``.
 
-    * ``"update"``: ``(block, q, [first,] key, own) -> ClientReply`` where ``q`` is the
-      global approximation the server sends, ``first`` (with ``auto_clip`` only) whether
-      this is the state's first round, ``key`` the client's key of the round and ``own``
-      what the client keeps between rounds and the server stores for it: its factor
-      ``t_m`` (``(d,)`` each) or, with ``dp="virtual"``, its virtual factors (``(K, d)``
-      each). The DP noise and clipping happen here, on the client.
-    * ``"expected_log_lik"``: ``(block, thetas (S, d)) -> ()``, the sum over the client's
-      rows of the Monte Carlo estimate of ``E_q[log p(x | theta)]`` at the draws ``thetas``:
-      the diagnostic behind :func:`negative_elbo` (not one of the algorithm's messages).
+    * ``stateful["update"]``: ``(block, own, q, [first,] key, applied) -> (own',
+      ClientReply)`` where ``own`` is the client's :class:`ClientFactor` (its client state),
+      ``q`` the global approximation the server sends, ``first`` (with ``auto_clip`` only)
+      whether this is the state's first round, ``key`` the client's key of the round and
+      ``applied`` (``(d,)`` bool) the coordinates of its last update that the server
+      applied. The client adds that update to its factor there, computes its new change from
+      the cavity ``q / t_m`` (the DP noise and clipping happen here, on the client), keeps
+      ``damping`` times it as pending and replies with the change.
+    * ``functions["expected_log_lik"]``: ``(block, thetas (S, d)) -> ()``, the sum over the
+      client's rows of the Monte Carlo estimate of ``E_q[log p(x | theta)]`` at the draws
+      ``thetas``: the diagnostic behind :func:`negative_elbo` (not one of the algorithm's
+      messages).
     """
     noise_divisor = float(np.sqrt(num_clients)) if trusted_aggregator else 1.0
 
-    def local(block, key, q, factor, virtual, clip_norm):
+    def update(block, own: ClientFactor, q, *args):
+        if auto_clip:
+            first, key, applied = args
+            clip_norm = jnp.where(first, block.clip_first, block.clip_later)
+        else:
+            (key, applied), clip_norm = args, None
+        factor = _resolve(own, applied)
+        if dp == "virtual":
+            factor_arg, virtual_arg = None, factor
+        else:
+            factor_arg = factor
+            virtual_arg = GaussianNatural(jnp.zeros((1,) + factor.eta1.shape, factor.eta1.dtype),
+                                          jnp.zeros((1,) + factor.eta2.shape, factor.eta2.dtype))
         delta, virtual_delta, clipped, residual = client_update(
-            key, row_log_lik, q, factor, virtual, block.rows, block.valid, block.shard_index,
+            key, row_log_lik, q, factor_arg, virtual_arg, block.rows, block.valid, block.shard_index,
             block.shard_valid, config, dp=dp, noise_multiplier=block.noise_multiplier,
             noise_divisor=noise_divisor, batch_cap=batch_cap, with_residual=True, clip_norm=clip_norm,
         )
-        return ClientReply(delta, virtual_delta if dp == "virtual" else None, clipped, residual)
-
-    def update(block, q, *args):
-        if auto_clip:
-            first, key, own = args
-            clip_norm = jnp.where(first, block.clip_first, block.clip_later)
-        else:
-            (key, own), clip_norm = args, None
-        if dp == "virtual":
-            return local(block, key, q, None, own, clip_norm)
-        zeros = GaussianNatural(jnp.zeros((1,) + own.eta1.shape, own.eta1.dtype),
-                                jnp.zeros((1,) + own.eta2.shape, own.eta2.dtype))
-        return local(block, key, q, own, zeros, clip_norm)
+        change = virtual_delta if dp == "virtual" else delta
+        pending = jax.tree_util.tree_map(lambda d: damping * d, change)
+        return ClientFactor(factor, pending), ClientReply(delta, clipped, residual)
 
     def expected_log_lik(block, thetas):
         per_draw = jax.vmap(row_log_lik, in_axes=(0, None))(thetas, block.rows)  # (S, R)
         return jnp.sum(jnp.where(block.valid, jnp.mean(per_draw, axis=0), 0.0))
 
-    return {"update": update, "expected_log_lik": expected_log_lik}
+    return {"expected_log_lik": expected_log_lik}, {"update": update}
 
 
 def federated_negative_elbo(rng_key, federation, q: GaussianNatural, prior: GaussianNatural,
@@ -335,42 +409,35 @@ def build_step(
     an argument of ``jit``, it is a pytree).
 
     What crosses per client visit: down, ``q`` (``2 d`` numbers), the client's key, with
-    ``auto_clip`` whether it is the state's first round, and the client's own factor (or
-    virtual factors) that the server stores for it; up, :class:`ClientReply`. The server
-    (:func:`server_update`) adds ``damping`` times each reply to ``q`` and to the factors.
+    ``auto_clip`` whether it is the state's first round, and which coordinates of the
+    client's last update were applied (``d`` booleans); up, :class:`ClientReply`. The
+    client's factor (or virtual factors) stays with it. The server (:func:`server_update`)
+    adds ``damping`` times each reply to ``q`` and to its record of the factors.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    virtual = dp == "virtual"
-
     def send(state):
         return (state.q, state.round == 0) if auto_clip else (state.q,)
 
     def synchronous(keys, state, federation):
-        own = state.virtual if virtual else state.factors
-        reply = federation.map("update", *send(state), per_client=(keys, own))
+        clients, reply = federation.map("update", *send(state), per_client=(keys, state.applied), state=state.clients)
         deltas = reply.delta
-        virtual_deltas = reply.virtual_delta if virtual else jax.tree_util.tree_map(jnp.zeros_like, state.virtual)
         new_factors = tree_add(state.factors, deltas, damping)
-        new_virtual = tree_add(state.virtual, virtual_deltas, damping)
         total = jax.tree_util.tree_map(lambda x: jnp.sum(x, axis=0), deltas)
-        state, rejected = server_update(state, tree_add(state.q, total, damping), new_factors, new_virtual)
-        return state, (rejected, reply.clipped, reply.residual)
+        state, ok = server_update(state, tree_add(state.q, total, damping), new_factors)
+        state = state._replace(clients=clients, applied=jnp.broadcast_to(ok, state.applied.shape))
+        return state, (jnp.sum(~ok), reply.clipped, reply.residual)
 
     def sequential(keys, state, federation):
         def visit(state, m):
-            own_virtual = jax.tree_util.tree_map(lambda x: x[m], state.virtual)
-            # own: the client's slice of what the server stores for it (its key, its factor)
-            own = (keys, state.virtual if virtual else state.factors)
-            reply = federation.one("update", m, *send(state), own=own)
+            # own: the client's slices of the per-client arrays (its key, what was applied)
+            clients, reply = federation.one("update", m, *send(state), own=(keys, state.applied),
+                                            state=state.clients)
             delta = reply.delta
-            virtual_delta = reply.virtual_delta if virtual else jax.tree_util.tree_map(jnp.zeros_like, own_virtual)
             new_factors = jax.tree_util.tree_map(lambda all_, d: all_.at[m].add(damping * d), state.factors, delta)
-            new_virtual = jax.tree_util.tree_map(
-                lambda all_, d: all_.at[m].add(damping * d), state.virtual, virtual_delta
-            )
-            state, rejected = server_update(state, tree_add(state.q, delta, damping), new_factors, new_virtual)
-            return state, (rejected, reply.clipped, reply.residual)
+            state, ok = server_update(state, tree_add(state.q, delta, damping), new_factors)
+            state = state._replace(clients=clients, applied=state.applied.at[m].set(ok))
+            return state, (jnp.sum(~ok), reply.clipped, reply.residual)
 
         return lax.scan(visit, state, jnp.arange(num_clients))
 

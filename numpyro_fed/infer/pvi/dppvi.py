@@ -23,7 +23,8 @@ import optax
 from numpyro.infer.initialization import init_to_uniform
 
 from numpyro_fed._checks import check_int, check_positive, check_real
-from numpyro_fed.infer.base import RunCheckpoint, RunResult, VariationalMethod, build_potential, jit_round
+from numpyro_fed.infer.base import (RunCheckpoint, RunResult, VariationalMethod, adopt_client_state, build_potential,
+                                   jit_round)
 from numpyro_fed.infer.pvi import core
 from numpyro_fed.infer.pvi.accounting import AVERAGE_FROM, MAX_DP_ERROR, PrivacyAccounting
 from numpyro_fed.infer.pvi.client import LocalConfig
@@ -122,11 +123,13 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         process, vectorised) or a :class:`~numpyro_fed.federation.Federation` such as
         :class:`~numpyro_fed.RayFederation` (each client a worker holding only its own rows).
         Same key, same answer on either. Each visit sends the client ``q`` (``2 d`` numbers),
-        its key and the factor ``t_m`` the server stores for it (``dp="virtual"``: its ``K``
-        virtual factors), and the client returns the change of its factor, clipped and noised
-        on the client when private, with two diagnostics; each round every client also
-        returns one number of the loss. ``result.ledger`` counts it all (see
-        :meth:`state_bytes`); a client that dies or stops answering stops the run with a
+        its key and which coordinates of its last update were applied (``d`` booleans), and
+        the client returns the change of its factor, clipped and noised on the client when
+        private, with two diagnostics; each round every client also returns one number of the
+        loss. The client's factor ``t_m`` (``dp="virtual"``: its ``K`` virtual factors, which
+        only their noised sum may reveal) is its client state
+        (:class:`~numpyro_fed.federation.ClientState`): it stays where the client lives and
+        never crosses. ``result.ledger`` counts it all; a client that dies or stops answering stops the run with a
         :class:`~numpyro_fed.federation.ClientError` whose ``state`` resumes it (see
         :meth:`run`). **Deployment**: given a federation with ``loader=`` (e.g.
         ``nf.RayFederation(loader=load, num_clients=M)``), each client loads its own rows
@@ -411,12 +414,12 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         num_clients = int(sizes.size)
         noise = jnp.broadcast_to(jnp.asarray(sigmas, dtype=dtype), (num_clients,))
         layout = core.BlockLayout(plate, shard_index, shard_valid, noise, clip_first, clip_later)
-        functions = core.client_functions(
+        programs = core.client_functions(
             potential.flat().row_log_likelihood, config, dp=self.dp, trusted_aggregator=self.trusted_aggregator,
             num_clients=num_clients, auto_clip=self.auto_clip,
-            batch_cap=self.batch_cap(privacy, num_rounds, sizes, num_rows),
+            batch_cap=self.batch_cap(privacy, num_rounds, sizes, num_rows), damping=self.damping,
         )
-        federation = self._start(functions, potential, layout)
+        federation = self._start(programs, potential, layout)
         step = core.build_step(config, num_clients=num_clients, dp=self.dp, schedule=self.schedule,
                                damping=self.damping, auto_clip=self.auto_clip)
         num_mc_samples = self.num_mc_samples
@@ -474,7 +477,7 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
             start_loc = resume.context["start_loc"]
         else:
             if init_state is not None:
-                state = init_state
+                state = init_state._replace(clients=adopt_client_state(plan.federation, init_state.clients))
             start_loc = np.asarray(loc_scale(self._final_state(state).q)[0])
         result = self.drive(
             self.update, key_run, state, plan.num_rounds, resume=resume, privacy=plan.privacy,
@@ -641,21 +644,6 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
             out["attrs"]["privacy_noise_multiplier"] = [float(s) for s in metrics["noise_multiplier"][-1]]
         return out
 
-    def state_bytes(self) -> dict:
-        """Client state the server stores for each client and sends with its ``"update"``:
-        its factor ``t_m`` (``2 d`` numbers; the server holds it anyway, as the sum of the
-        changes the client sent) or, with ``dp="virtual"``, its ``K`` virtual factors
-        (``2 K d`` down and their changes ``2 K d`` up: these are not privatized one by one,
-        only their sum is, so a deployment that must not reveal them keeps them on the
-        client)."""
-        plan = self._require_plan()
-        d = self.federated_potential.num_latent
-        itemsize = jnp.zeros(()).dtype.itemsize
-        if self.dp == "virtual":
-            k = int(plan.layout.shard_index.shape[1])
-            return {"update": (2 * k * d * itemsize, 2 * k * d * itemsize)}
-        return {"update": (2 * d * itemsize, 0)}
-
     # -- hooks for the baselines ---------------------------------------------------------------
     def _require_plan(self) -> _RunPlan:
         if self._plan is None:
@@ -667,13 +655,16 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         counts only, which the server knows in deployment too)."""
         return np.asarray(potential.client_sizes), int(potential.plates[plate].max_rows)
 
-    def _start(self, functions, potential, layout: core.BlockLayout):
-        """Starts the clients: each builds its block in PVI's layout (``layout``) from its own
-        rows, where it lives."""
-        return self.start_clients(functions, transform=layout)
+    def _start(self, programs, potential, layout: core.BlockLayout):
+        """Starts the clients on ``programs``, ``(functions, stateful)`` of
+        :func:`~numpyro_fed.infer.pvi.core.client_functions`: each builds its block in PVI's
+        layout (``layout``) from its own rows, where it lives."""
+        functions, stateful = programs
+        return self.start_clients(functions, transform=layout, stateful=stateful)
 
     def _initial_state(self, prior, num_clients):
-        return core.init(prior, num_clients, self.num_shards if self.dp == "virtual" else 1)
+        return core.init(prior, num_clients, self.num_shards if self.dp == "virtual" else None,
+                         federation=self._plan.federation)
 
     def _final_state(self, state):
         return state

@@ -71,8 +71,9 @@ class GaussianPVI(VariationalMethod):
     :param bool progress_bar: a progress bar over rounds.
     :param federation: where the clients run: ``None`` (in this process, the default) or a
         :class:`~numpyro_fed.federation.Federation` such as :class:`~numpyro_fed.RayFederation`.
-        Per round the scheduled client receives ``q`` (and its own factor, which the server
-        stores for it) and returns the change of its factor; see ``result.ledger``. With a
+        Per round the scheduled client receives ``q`` (and which coordinates of its last
+        update were applied) and returns the change of its factor, which it keeps (its client
+        state, :class:`~numpyro_fed.federation.ClientState`); see ``result.ledger``. With a
         federation given ``loader=`` (deployment) each client loads its own rows and the
         method is run without data arguments: ``GaussianPVI(model,
         federation=nf.InProcess(loader=load, num_clients=M)).run(rng_key, num_rounds)``.
@@ -135,7 +136,8 @@ class GaussianPVI(VariationalMethod):
         config = LocalConfig(optim=self.optim, num_steps=self.num_local_steps, num_mc_samples=self.num_mc_samples,
                              sampling="full", sampling_rate=1.0, dpsgd=False, clip_norm=1.0)
         row_log_lik, damping, num_mc_samples = flat.row_log_likelihood, self.damping, self.num_mc_samples
-        self.start_clients(core.client_functions(row_log_lik, config), transform=layout)
+        functions, stateful = core.client_functions(row_log_lik, config, damping=damping)
+        self.start_clients(functions, transform=layout, stateful=stateful)
         self._data = layout
 
         @jit_round
@@ -146,29 +148,22 @@ class GaussianPVI(VariationalMethod):
 
         @jit_round
         def round_fn(rng_key, state, m, federation):
-            # the scheduled client: q down (its factor, which the server stores for it,
-            # beside), the change of its factor up
-            reply = federation.one("update", m, state.q, rng_key, own=(state.factors,))
+            # the scheduled client: q and which coordinates of its last update were applied
+            # down, the change of its factor up (its factor stays with it)
+            clients, reply = federation.one("update", m, state.q, rng_key, own=(state.applied,),
+                                            state=state.clients)
             delta = reply.delta
             # the server
             add = lambda all_, d: all_.at[m].add(damping * d)
-            state, rejected = core.server_update(
-                state, tree_add(state.q, delta, damping), jax.tree.map(add, state.factors, delta),
-                jax.tree.map(add, state.virtual, jax.tree.map(lambda x: jnp.zeros_like(x[m]), state.virtual)),
-            )
-            state = state._replace(round=state.round + 1)
+            state, ok = core.server_update(state, tree_add(state.q, delta, damping),
+                                           jax.tree.map(add, state.factors, delta))
+            state = state._replace(clients=clients, applied=state.applied.at[m].set(ok), round=state.round + 1)
             loss = core.federated_negative_elbo(jax.random.fold_in(rng_key, core.LOSS_STREAM), federation,
                                                 state.q, state.prior, self.num_mc_samples)
-            return state, GaussianPVIInfo(m, rejected, reply.residual, loss)
+            return state, GaussianPVIInfo(m, jnp.sum(~ok), reply.residual, loss)
 
         self._round_fn = round_fn
-        return core.init(prior, fp.num_clients)
-
-    def state_bytes(self) -> dict:
-        """The scheduled client's factor ``t_m`` goes down with ``q`` (the server stores it:
-        it holds the sum of the changes the client sent)."""
-        d = self.federated_potential.num_latent
-        return {"update": (2 * d * jnp.zeros(()).dtype.itemsize, 0)}
+        return core.init(prior, fp.num_clients, federation=self._active_federation)
 
     def client_of_round(self, rng_key, round_index: int) -> int:
         """The client that ``client_order`` schedules in round ``round_index`` (0-based;
