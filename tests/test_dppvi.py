@@ -276,9 +276,13 @@ def test_virtual_with_one_shard_is_parameter_perturbation(data):
     # ... and it is perturbed: non-private PVI with the same settings lands elsewhere.
     plain = DPPVI(model, damping=0.5, **FAST).run(jax.random.PRNGKey(8), 2, *data)
     assert not np.allclose(plain.state.q.eta1, runs["virtual"].state.q.eta1, rtol=1e-3)
-    # The virtual factors still sum to the client factors.
+    # The virtual factors, which each client keeps, still sum to its factor as the server
+    # knows it from the changes it sent.
     state = runs["virtual"].state
-    np.testing.assert_allclose(state.virtual.eta1.sum(1), state.factors.eta1, rtol=1e-10, atol=1e-12)
+    virtual = pvi.client_factors(state)
+    assert virtual.eta1.shape == (state.factors.eta1.shape[0], 1, state.factors.eta1.shape[1])
+    np.testing.assert_allclose(virtual.eta1.sum(1), state.factors.eta1, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(virtual.eta2.sum(1), state.factors.eta2, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("noise_multiplier", [0.0, 0.7])

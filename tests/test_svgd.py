@@ -16,6 +16,7 @@ import numpyro.distributions as dist
 
 import numpyro_fed as nf
 from numpyro_fed import datasets, metrics
+from numpyro_fed.federation import ClientState
 from numpyro_fed.infer import stein
 from numpyro_fed.infer.stein import dsvgd as dsvgd_core
 from numpyro_fed.infer.stein.model import client_block, flat_gradients, minibatch_client_grad
@@ -155,7 +156,9 @@ def test_dsvgd_global_posterior_is_a_fixed_point(kde_bandwidth):
     factor_precision = 1 / PRIOR_SD**2 + 2 / NOISE_SD**2  # p_0 times one client's likelihood
     factor_mean = y_bar * 2 / NOISE_SD**2 / factor_precision
     local = factor_mean[:, None, None] + normal_quantiles[None] / math.sqrt(factor_precision)
-    state = stein.DSVGDState(global_particles, local, jnp.ones(3, bool), jnp.zeros((), jnp.int32))
+    # the clients' local particles, kept in this process (InProcess, the default federation)
+    clients = ClientState(stein.LocalState(local, jnp.ones(3, bool)), jnp.zeros(3, jnp.int32))
+    state = stein.DSVGDState(global_particles, clients, jnp.ones(3, bool), jnp.zeros((), jnp.int32))
     dsvgd = nf.DSVGD(gaussian_mean, num_particles=n, num_local_steps=100, num_distill_steps=100,
                      kde_bandwidth=kde_bandwidth, progress_bar=False)
     result = dsvgd.run(jax.random.PRNGKey(1), 3, Y, init_state=state)
@@ -204,7 +207,8 @@ def test_dsvgd_away_from_the_fixed_point_moves():
     n = 100
     global_particles = POST_MEAN + math.sqrt(POST_VAR) * jax.random.normal(jax.random.PRNGKey(5), (n, 1))
     wrong_local = jnp.broadcast_to(global_particles, (3, n, 1))  # claims p_0 t_k = q
-    state = stein.DSVGDState(global_particles, wrong_local, jnp.ones(3, bool), jnp.zeros((), jnp.int32))
+    clients = ClientState(stein.LocalState(wrong_local, jnp.ones(3, bool)), jnp.zeros(3, jnp.int32))
+    state = stein.DSVGDState(global_particles, clients, jnp.ones(3, bool), jnp.zeros((), jnp.int32))
     dsvgd = nf.DSVGD(gaussian_mean, num_particles=n, num_local_steps=100, num_distill_steps=100,
                      progress_bar=False)
     result = dsvgd.run(jax.random.PRNGKey(1), 1, Y, init_state=state)

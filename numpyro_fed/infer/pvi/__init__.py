@@ -14,7 +14,8 @@ and their baselines.
 
 from numpyro_fed.infer.pvi.baselines import BCM, GlobalVI
 from numpyro_fed.infer.pvi.client import LocalConfig, LocalParams, client_update, clip_by_norm, optimize_local, per_example_grads
-from numpyro_fed.infer.pvi.core import ClientData, PVIInfo, PVIState, build_step, init, negative_elbo, server_update, shard_layout
+from numpyro_fed.infer.pvi.core import (ClientData, ClientFactor, PVIInfo, PVIState, build_step, client_factors, init,
+                                       negative_elbo, server_update, shard_layout)
 from numpyro_fed.infer.pvi.dppvi import DPPVI, default_optimizer
 from numpyro_fed.infer.pvi.gaussian import GaussianNatural, gaussian_prior, kl_divergence, loc_scale, natural
 from numpyro_fed.infer.pvi.gaussian_pvi import GaussianPVI, GaussianPVIInfo
@@ -22,6 +23,7 @@ from numpyro_fed.infer.pvi.gaussian_pvi import GaussianPVI, GaussianPVIInfo
 __all__ = [
     "BCM",
     "ClientData",
+    "ClientFactor",
     "DPPVI",
     "GaussianNatural",
     "GaussianPVI",
@@ -32,6 +34,7 @@ __all__ = [
     "PVIInfo",
     "PVIState",
     "build_step",
+    "client_factors",
     "client_update",
     "clip_by_norm",
     "default_optimizer",

@@ -23,23 +23,27 @@ Layout (data flows down):
 """
 
 from numpyro_fed.infer.stein.baselines import SVGD, DistributedSGLD, FedAvg
-from numpyro_fed.infer.stein.dsvgd import DSVGDInfo, DSVGDState
+from numpyro_fed.infer.stein.dsvgd import DSVGDInfo, DSVGDState, LocalState
 from numpyro_fed.infer.stein.face import ParticleMethod, kernel_stein_discrepancy
 from numpyro_fed.infer.stein.kde import kde_grad_log_density, kde_log_density, shrunk_kde
 from numpyro_fed.infer.stein.kernels import median_bandwidth, rbf_kernel, svgd_direction, wide_median_bandwidth
 from numpyro_fed.infer.stein.methods import DSVGD, PDSVGD, UDSVGD
 from numpyro_fed.infer.stein.optim import adagrad_momentum, scale_by_adagrad_momentum
 from numpyro_fed.infer.stein.svgd import staged_svgd, svgd_run
-from numpyro_fed.infer.stein.udsvgd import UDSVGDState
+from numpyro_fed.infer.stein.pdsvgd import PDSVGDState
+from numpyro_fed.infer.stein.udsvgd import Buffer, UDSVGDState
 from numpyro_fed.infer.stein.whitening import Whitening, whitening
 
 __all__ = [
+    "Buffer",
     "DSVGD",
     "DSVGDInfo",
     "DSVGDState",
     "DistributedSGLD",
     "FedAvg",
+    "LocalState",
     "PDSVGD",
+    "PDSVGDState",
     "ParticleMethod",
     "SVGD",
     "UDSVGD",

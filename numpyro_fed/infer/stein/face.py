@@ -195,7 +195,8 @@ class ParticleMethod(VariationalMethod):
         federation.record_calls("potential_grad", calls)
         if ledger is not None:
             for name, value in federation.ledger.summary().items():
-                ledger[name] = ledger.get(name, 0) + np.asarray(value) - np.asarray(before.get(name, 0))
+                if not name.startswith("init_state/"):  # as the run's ledger (see run_ledger)
+                    ledger[name] = ledger.get(name, 0) + np.asarray(value) - np.asarray(before.get(name, 0))
         return out
 
     # -- what a subclass provides -----------------------------------------------------------
