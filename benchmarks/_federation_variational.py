@@ -7,9 +7,9 @@ features, float64) on :class:`~numpyro_fed.InProcess` and on a
 every client has been called once (compilation, on each worker at its first call), then
 ``TIMED`` rounds. A row reports the median milliseconds per timed round, rounds per second,
 bytes per round from the run's message ledger (both directions, all clients), split into the
-paper's messages (``message_bytes_per_round``), client state the server stores for the
-clients and sends with the call (``state_bytes_per_round``) and the loss diagnostic
-(``diagnostic_bytes_per_round``), the run's wall time including the start of the clients
+algorithm's messages (``message_bytes_per_round``; what a client keeps between its rounds
+stays with it and never crosses) and the diagnostics (``diagnostic_bytes_per_round``: the
+loss, Stein's checks), the run's wall time including the start of the clients
 (``wall_s``), and on Ray the ratio of a round to Ray's bare round trip (``x_bare``) and to the
 in-process round (``x_in_process``). The ledgers of both runs are checked equal.
 
@@ -76,12 +76,10 @@ def _row(what, backend, result, wall_s, warm):
     rounds = len(result.metrics["wall_time"])
     total = sum(int(np.sum(ledger[k])) for k in ("bytes_to_client", "bytes_from_client"))
     update = sum(int(np.sum(ledger[f"update/bytes_{d}"])) for d in ("to_client", "from_client"))
-    state = sum(int(np.sum(v)) for k, v in ledger.items() if "/state_bytes_" in k)
     return dict(what=what, backend=backend, ms_per_round=float(np.median(per_round)),
                 ms_p10=float(np.percentile(per_round, 10)), ms_p90=float(np.percentile(per_round, 90)),
                 rounds_per_s=float(1e3 / np.median(per_round)), bytes_per_round=total // rounds,
-                message_bytes_per_round=(update - state) // rounds, state_bytes_per_round=state // rounds,
-                diagnostic_bytes_per_round=(total - update) // rounds, wall_s=round(wall_s, 2))
+                message_bytes_per_round=update // rounds, diagnostic_bytes_per_round=(total - update) // rounds, wall_s=round(wall_s, 2))
 
 
 def rows(ctx):

@@ -261,7 +261,8 @@ def _gap_trace(X, y, kde_bandwidth, rounds=8):
     for i in range(rounds):
         client = i % 2
         before = np.asarray(state.global_particles).mean(0)
-        gap = before - np.asarray(state.local_particles[client]).mean(0)
+        # the client's local particles: its client state, kept in this process (InProcess)
+        gap = before - np.asarray(state.clients.values.local_particles[client]).mean(0)
         state, _ = method.update(jax.random.PRNGKey(i), state, X, y, client=client)
         move = np.asarray(state.global_particles).mean(0) - before
         norms = np.linalg.norm(gap) * np.linalg.norm(move)
