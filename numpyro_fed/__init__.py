@@ -1,7 +1,7 @@
 """numpyro_fed: federated Bayesian inference for NumPyro models."""
 
 from numpyro_fed.arviz import to_inference_data
-from numpyro_fed.federation import ClientError, ClientProgram, Federation, InProcess, MessageLedger
+from numpyro_fed.federation import ClientError, ClientProgram, ClientState, Federation, InProcess, MessageLedger
 from numpyro_fed.federation import NetworkError, RayFederation
 from numpyro_fed.infer import ADMM, DADMMS, DSGHMC, DSGLD, DULA, make_topology
 from numpyro_fed.infer import FedZigZag, GradientBound, HessianBound, RowHessianBound
@@ -16,6 +16,7 @@ __all__ = [
     "BCM",
     "ClientError",
     "ClientProgram",
+    "ClientState",
     "Federation",
     "InProcess",
     "MessageLedger",
