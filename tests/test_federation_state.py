@@ -165,29 +165,3 @@ def test_on_ray_a_restarted_worker_reloads_its_state(ray_session):
         with pytest.raises(ClientError, match="client 0 .*no client state of version 0"), fed.guard():
             step(cs0)
 
-
-@jax.tree_util.register_pytree_node_class
-class KeepsNoState(InProcess):
-    """A backend whose calls take no ``state=`` (as an engine that keeps nothing on its
-    clients between calls): the seam sends each client its state with the call."""
-
-    def map(self, name, *broadcast, per_client=()):
-        return InProcess.map(self, name, *broadcast, per_client=per_client)
-
-    def one(self, name, client, *broadcast, own=()):
-        return InProcess.one(self, name, client, *broadcast, own=own)
-
-
-def test_a_backend_that_keeps_no_state_is_sent_it_with_each_call():
-    local = InProcess().start(program())
-    local_cs, local_replies = run_calls(local, local.init_state(initial()))
-    fed = KeepsNoState().start(program())
-    cs, replies = run_calls(fed, fed.init_state(initial()))
-    for a, b in zip(jax.tree.leaves((cs, replies)), jax.tree.leaves((local_cs, local_replies))):
-        np.testing.assert_array_equal(a, b)
-    # the state went down and came back with each call: counted in the ledger
-    fed.record_calls("accumulate", [2, 1, 3])
-    local.record_calls("accumulate", [2, 1, 3])
-    state_bytes = 2 * 8 + 4  # the total (2 float64) and the count (int32)
-    np.testing.assert_array_equal(fed.ledger.summary()["accumulate/bytes_to_client"],
-                                  local.ledger.summary()["accumulate/bytes_to_client"] + np.array([2, 1, 3]) * state_bytes)

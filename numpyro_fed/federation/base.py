@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import functools
-import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -141,22 +139,6 @@ def check_block(block, client: int, spec=None, *, rows_axis_free: bool = True) -
             raise ValueError(f"client {client}: {where} holds non-finite values (first at index {first})")
 
 
-#: suffix of the plain function a :class:`ClientProgram` derives from each stateful one (see
-#: :class:`Federation`: backends whose calls take no ``state=``)
-WITH_STATE = ":with_state"
-
-
-class _WithState:
-    """A stateful function as a plain one that receives and returns the client's state:
-    ``(block, broadcast, state, own) -> (state, reply)``."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def __call__(self, block, broadcast, state, own):
-        return self.fn(block, state, *broadcast, *own)
-
-
 @dataclass(frozen=True)
 class ClientProgram:
     """What every client runs: named pure functions of its block, and how it gets its block.
@@ -220,9 +202,6 @@ class ClientProgram:
         both = sorted(set(self.functions) & set(self.stateful))
         if both:
             raise ValueError(f"ClientProgram: {both} named in both functions and stateful; give them different names")
-        # each stateful function also as a plain one, for backends that keep no client state
-        derived = {name + WITH_STATE: _WithState(fn) for name, fn in self.stateful.items()}
-        object.__setattr__(self, "functions", {**self.functions, **derived})
 
     @classmethod
     def stacked(cls, functions, stacked_blocks, **kwargs) -> "ClientProgram":
@@ -234,34 +213,6 @@ class ClientProgram:
         m = int(np.shape(leaves[0])[0])
         blocks = [jax.tree_util.tree_map(lambda a, i=i: a[i], stacked_blocks) for i in range(m)]
         return cls(functions, blocks=blocks, **kwargs)
-
-
-def _state_sent_with_the_call(kind, method):
-    """``map``/``one`` of a backend that keeps no client state: with ``state=``, the call of
-    the stateful function goes out as its plain derivative (:data:`WITH_STATE`) with the
-    client's state among its arguments, and the new state comes back with the reply."""
-
-    @functools.wraps(method)
-    def call(self, name, *args, state=None, **kwargs):
-        if state is None:
-            return method(self, name, *args, **kwargs)
-        self._stateful_function(name)  # a clear error for an unknown name
-        if kind == "map":
-            per_client = tuple(kwargs.pop("per_client", ()))
-            values, replies = method(self, name + WITH_STATE, tuple(args), per_client=(state.values, per_client))
-            return ClientState(values, state.version + 1), replies
-        client, *broadcast = args
-        own = tuple(kwargs.pop("own", ()))
-        client = jnp.asarray(client)
-
-        def one(c):
-            return method(self, name + WITH_STATE, c, tuple(broadcast), own=(state.values, own))
-
-        new, reply = one(client) if client.ndim == 0 else jax.vmap(one)(client)
-        values = jax.tree_util.tree_map(lambda a, n: a.at[client].set(n), state.values, new)
-        return ClientState(values, state.version.at[client].add(1)), reply
-
-    return call
 
 
 class Federation(abc.ABC):
@@ -290,15 +241,6 @@ class Federation(abc.ABC):
         driver's script on a local Ray).
     :param int num_clients: ``M``, with ``loader``.
     """
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        # A backend whose map/one take no state= keeps no client state on its clients: the
-        # stateful calls then send each client its state and get it back (see init_state).
-        for kind in ("map", "one"):
-            method = cls.__dict__.get(kind)
-            if method is not None and "state" not in inspect.signature(method).parameters:
-                setattr(cls, kind, _state_sent_with_the_call(kind, method))
 
     def __init__(self, *, loader: Callable[[int], Any] | None = None, num_clients: int | None = None):
         self._program: ClientProgram | None = None
@@ -376,16 +318,8 @@ class Federation(abc.ABC):
         down, nothing up). Returns the :class:`ClientState` (version 0) to pass to the
         stateful calls. One client state per started federation: a second ``init_state``
         replaces its version 0 (the versions a run reached stay until its clients move on,
-        so a run resumed from a checkpoint still finds them). Host side.
-
-        A backend that keeps no state on its clients (one whose ``map``/``one`` take no
-        ``state=``) keeps the values here, in the returned state, and each stateful call
-        sends the client its state and gets the new one back with the reply (counted in the
-        ledger as the call's bytes): what
-        :class:`~numpyro_fed.federation.InProcess` and
-        :class:`~numpyro_fed.federation.RayFederation` never do."""
-        initial = self._check_initial_state(initial)
-        return ClientState(initial, jnp.zeros(self.num_clients, jnp.int32))
+        so a run resumed from a checkpoint still finds them). Host side."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no client state")
 
     def _check_initial_state(self, initial):
         leaves = jax.tree_util.tree_leaves(initial)

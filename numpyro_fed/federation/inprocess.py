@@ -8,8 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from numpyro_fed.federation.base import (WITH_STATE, ClientProgram, ClientState, Federation, block_spec, check_block,
-                                         tree_nbytes)
+from numpyro_fed.federation.base import ClientProgram, ClientState, Federation, block_spec, check_block, tree_nbytes
 from numpyro_fed.federation.ledger import MessageLedger
 
 __all__ = ["InProcess"]
@@ -106,7 +105,7 @@ class InProcess(Federation):
         return list(self._shared.specs)
 
     def record_calls(self, name: str, calls) -> None:
-        sizes = self._shared.sizes.get(name, self._shared.sizes.get(name + WITH_STATE))
+        sizes = self._shared.sizes.get(name)
         if sizes is None:
             raise KeyError(f"call '{name}' has not been traced on this federation: its message "
                            f"sizes are unknown (traced: {sorted(self._shared.sizes)})")
