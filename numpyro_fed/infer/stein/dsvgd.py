@@ -83,6 +83,12 @@ class DSVGDState(NamedTuple):
     visited: jax.Array
     round: jax.Array
 
+    @property
+    def local_particles(self) -> jax.Array:
+        """``(K, N, d)``: every client's local particles, where they are kept in this process
+        (``clients.values``; a ``ValueError`` when the clients keep them on their workers)."""
+        return local_particles_of(self.clients)
+
 
 class DSVGDInfo(NamedTuple):
     """Diagnostics of one round.
@@ -115,6 +121,14 @@ class ClientUpdate(NamedTuple):
 
     global_particles: jax.Array
     local_particles: jax.Array
+
+
+def local_particles_of(clients: ClientState) -> jax.Array:
+    """The clients' local particles from an in-process :class:`~numpyro_fed.federation.ClientState`."""
+    if not jax.tree_util.tree_leaves(clients.values):
+        raise ValueError("the clients keep their local particles on their workers (an engine backend): "
+                         "the server's state holds none")
+    return clients.values.local_particles
 
 
 def initial_local_states(particles, num_clients: int) -> LocalState:
