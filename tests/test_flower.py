@@ -100,11 +100,11 @@ class RecordingGrid:
 
 def fault_mod(flag):
     """A Flower mod: while the file ``flag`` exists, client 1 raises at its FAULT_AT-th
-    "update" call, once (the flag is then removed)."""
+    "update" call (a plain or a stateful call), once (the flag is then removed)."""
 
     def mod(msg, context, call_next):
         if (os.path.exists(flag) and int(context.node_config["partition-id"]) == 1
-                and msg.metadata.message_type.endswith("call") and msg.content["numpyro_fed"]["call"] == "update"):
+                and msg.metadata.message_type.endswith(("call", "state")) and msg.content["numpyro_fed"]["call"] == "update"):
             with open(flag, "a+") as f:
                 f.seek(0)
                 seen = len(f.read()) + 1
