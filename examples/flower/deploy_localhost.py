@@ -90,6 +90,9 @@ def main(argv=None) -> dict:
     # the package and the app's modules from this checkout (a silo would pip install them)
     root = os.path.dirname(os.path.dirname(HERE))
     env["PYTHONPATH"] = os.pathsep.join([root, HERE] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    # the SuperLink and SuperNodes start Flower's other commands (flower-superexec) by name:
+    # those next to this Python, even when its environment is not activated
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
     os.makedirs(env["FLWR_HOME"])
     link_port = free_port()
     with open(os.path.join(env["FLWR_HOME"], "config.toml"), "w") as f:
