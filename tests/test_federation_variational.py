@@ -262,7 +262,10 @@ def assert_same_run(ray_result, local_result, *, interrupted=False):
             np.testing.assert_array_equal(ray_result.ledger[name], value, err_msg=name)
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in ("pdsvgd", "udsvgd", "gaussian_pvi")
+# in CI: DPPVI and DSVGD (one of each family); the other cases (DP-SGD is also run on Ray by
+# the killed-worker test, the virtual factors by the deployment test) in make test-slow
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow)
+                                  if c in ("pdsvgd", "udsvgd", "gaussian_pvi", "dppvi-virtual", "dppvi-dpsgd")
                                   else c for c in sorted(RAY_CASES)])
 def test_on_ray_the_run_is_the_in_process_run(ray_session, data, case):
     key = jax.random.PRNGKey(2)
