@@ -29,9 +29,9 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from numpyro_fed.federation.base import ClientError, ClientProgram, ClientState, Federation, tree_nbytes
+from numpyro_fed.federation.base import ClientError, ClientProgram, tree_nbytes
 from numpyro_fed.federation.inprocess import _concrete_adjacency
-from numpyro_fed.federation.ledger import MessageLedger
+from numpyro_fed.federation.remote import RemoteFederation, _unbatch
 
 __all__ = ["RayFederation", "thread_limits"]
 
@@ -264,33 +264,6 @@ def _assemble_inbox(template, received, num_clients, batched):
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-# -- batching over chains ----------------------------------------------------------------------
-
-
-def _unbatch(leaves, ndims):
-    """Host side of a ``vmap_method="expand_dims"`` callback: the batch shape, and every leaf
-    as ``(B, ...)`` (in_axis 0) or without batch axes (in_axis ``None``)."""
-    extra = {leaf.ndim - nd for leaf, nd in zip(leaves, ndims)}
-    if len(extra) != 1:
-        raise RuntimeError(f"inconsistent batch dimensions in a federation callback: {extra}")
-    nb = extra.pop()
-    if nb == 0:
-        return (), list(leaves), [None] * len(leaves)
-    batch_shape = np.broadcast_shapes(*[leaf.shape[:nb] for leaf in leaves])
-    size = int(np.prod(batch_shape))
-    out, axes = [], []
-    for leaf in leaves:
-        lead = leaf.shape[:nb]
-        rest = leaf.shape[nb:]
-        if all(d == 1 for d in lead):
-            out.append(leaf.reshape(rest))
-            axes.append(None)
-        else:
-            out.append(np.broadcast_to(leaf, tuple(batch_shape) + rest).reshape((size,) + rest))
-            axes.append(0)
-    return tuple(batch_shape), out, axes
-
-
 # -- the federation -----------------------------------------------------------------------------
 
 
@@ -301,7 +274,7 @@ PACK_LIMIT = 1 << 16
 
 
 @jax.tree_util.register_pytree_node_class
-class RayFederation(Federation):
+class RayFederation(RemoteFederation):
     """Each client a long-lived Ray actor holding only its own block.
 
     :param str address: the Ray cluster to join (``"auto"``, ``"ray://host:10001"``, ...);
@@ -368,28 +341,15 @@ class RayFederation(Federation):
         self.env_vars = dict(env_vars or {})
         self.init_kwargs = dict(init_kwargs or {})
         self._actors = []
-        self._specs = None
         self._started_ray = False
         #: the :class:`~numpyro_fed.federation.ray_agents.RayNetwork` whose agents are this
         #: federation's actors (a decentralized sampler's), else ``None``
         self._network = None
-        self._error = None
         self._tags = itertools.count()
-        self._reply_cache = {}
         self.pack_limit = PACK_LIMIT
         self.state_dir = None if state_dir is None else os.fspath(state_dir)
         #: names the folder of this federation's saved client states
         self.federation_id = uuid.uuid4().hex
-        self._state_struct = None  # one client's state: ShapeDtypeStructs (set by init_state)
-
-    # -- pytree: no leaves (the blocks live in the actors), so it can be passed to jit like
-    # InProcess --------------------------------------------------------------------------
-    def tree_flatten(self):
-        return (), self
-
-    @classmethod
-    def tree_unflatten(cls, federation, children):
-        return federation
 
     # -- host side -------------------------------------------------------------------------
     def _ensure_ray(self):
@@ -447,12 +407,11 @@ class RayFederation(Federation):
         actors of an earlier :meth:`start` or :meth:`describe` with as many clients are
         reused. A ``ValueError`` naming the clients whose data was refused leaves the actors
         up: fix the data and start again, or :meth:`close`."""
-        if not isinstance(program, ClientProgram):
-            raise TypeError(f"start takes a ClientProgram, not {type(program).__name__}")
+        return super().start(program)
+
+    def start_clients(self, program: ClientProgram) -> list:
         actors = self._spawn(program.num_clients)
-        self._program, self._specs, self._reply_cache = None, None, {}
         refs = {m: actor.load.remote(self._program_for(program, m)) for m, actor in enumerate(actors)}
-        self._ledger = MessageLedger(program.num_clients)
         try:
             specs = self._gather("start", refs, refuse=True, timeout=self.start_timeout)
         except ValueError:
@@ -460,14 +419,12 @@ class RayFederation(Federation):
         except BaseException:
             self.close()
             raise
-        self._specs = [
+        return [
             jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s[0], np.dtype(s[1])), specs[m],
                                    is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2
                                    and isinstance(x[1], str))
             for m in range(program.num_clients)
         ]
-        self._program = program
-        return self
 
     def _program_for(self, program, m):
         if program.blocks is None:
@@ -544,26 +501,6 @@ class RayFederation(Federation):
         """The client actors, one per client (for monitoring and fault tests)."""
         return list(self._actors)
 
-    @property
-    def block_specs(self) -> list:
-        if self._specs is None:
-            raise RuntimeError("RayFederation has not been started: call start(program)")
-        return list(self._specs)
-
-    @contextlib.contextmanager
-    def guard(self):
-        self._error = None
-        try:
-            yield
-        except Exception as exc:  # JAX re-raises callback errors as JaxRuntimeError or ValueError
-            error, self._error = self._error, None
-            if error is not None:
-                raise error from exc
-            raise
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
-
     def _gather(self, call, refs, *, refuse=False, timeout=None):
         """Waits for ``{client: ref}``; a :class:`ClientError` naming the silent, dead or
         failing clients (a ``ValueError`` for data refused at ``setup``)."""
@@ -629,275 +566,16 @@ class RayFederation(Federation):
         ray = _import_ray()
         return ray.get([a.compute_time.remote() for a in self._actors], timeout=self.timeout)
 
-    def init_state(self, initial) -> ClientState:
-        """Sends client ``m``'s actor its slice of ``initial`` (leading axis ``M``) as version 0
-        of its client state, once; the returned :class:`~numpyro_fed.federation.ClientState`
-        holds the versions only (its ``values`` are ``()``: the states live on the workers)."""
-        initial = jax.tree_util.tree_map(np.asarray, self._check_initial_state(initial))
-        refs = {m: actor.set_state.remote(jax.tree_util.tree_map(lambda a, m=m: a[m], initial))
-                for m, actor in enumerate(self._actors)}
-        self._gather("init_state", refs)
-        self._record_init_state(initial)
-        self.ledger.round_trips += 1
-        self._state_struct = jax.tree_util.tree_map(
-            lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), initial)
-        return ClientState((), jnp.zeros(self.num_clients, jnp.int32))
+    # -- transport hooks (see RemoteFederation) ------------------------------------------------
+    def send_calls(self, name, calls):
+        refs = {m: self._submit(m, name, call.args, call.in_axes, call.nbytes, version=call.version)
+                for m, call in calls.items()}
+        return self._replies(name, refs)  # a stateful call's worker answers (reply, its new version)
 
-    # -- traceable side --------------------------------------------------------------------
-    def _stateful_reply_struct(self, name, arg_structs):
-        if self._state_struct is None:
-            raise RuntimeError(f"call '{name}' with a client state: call init_state(initial) on this "
-                               "federation first")
-        key = ("stateful", name, tuple(jax.tree_util.tree_leaves(arg_structs)),
-               jax.tree_util.tree_structure(arg_structs))
-        if key not in self._reply_cache:
-            fn = self._stateful_function(name)
-            new_state, reply = jax.eval_shape(fn, self.block_specs[0], self._state_struct, *arg_structs)
-            if new_state != self._state_struct:
-                raise ValueError(f"stateful function '{name}' returns a state of structure {new_state}, "
-                                 f"the clients' state has {self._state_struct}")
-            for m, spec in enumerate(self.block_specs[1:], 1):
-                other = jax.eval_shape(fn, spec, self._state_struct, *arg_structs)[1]
-                if other != reply:
-                    raise ValueError(f"call '{name}': client {m}'s reply has shape {other}, client 0's "
-                                     f"{reply}; replies must not depend on the number of rows")
-            self._reply_cache[key] = reply
-        return self._reply_cache[key]
+    send_stateful_calls = send_calls
 
-    def _check_remote_state(self, name, state):
-        if not isinstance(state, ClientState):
-            raise TypeError(f"call '{name}': state must be a ClientState (from init_state), "
-                            f"got {type(state).__name__}")
-        if jax.tree_util.tree_leaves(state.values):
-            raise ValueError(f"call '{name}': this ClientState holds its values in this process (an "
-                             "InProcess federation's); on a RayFederation the clients hold them: create it "
-                             "with this federation's init_state")
-
-    def _unbatched(self, name, host_leaves, ndims):
-        batch, flat, axes = _unbatch([np.asarray(x) for x in host_leaves], ndims)
-        if batch:
-            error = ValueError(f"call '{name}' with a client state cannot be batched (vmap) over chains on "
-                               f"{type(self).__name__}: each client holds one state")
-            self._error = error
-            raise error
-        return flat
-
-    def _map_stateful(self, name, broadcast, per_client, state):
-        self._check_remote_state(name, state)
-        m_clients = self.num_clients
-        struct = lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))  # noqa: E731
-        own_structs = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)),
-                                             per_client)
-        for leaf in jax.tree_util.tree_leaves(per_client):
-            if jnp.shape(leaf)[:1] != (m_clients,):
-                raise ValueError(f"call '{name}': per_client arrays need a leading axis of {m_clients} "
-                                 f"clients, got shape {jnp.shape(leaf)}")
-        reply = self._stateful_reply_struct(name, tuple(jax.tree_util.tree_map(struct, broadcast)) + tuple(own_structs))
-        versions = jnp.asarray(state.version, jnp.int32)
-        out_struct = (jax.ShapeDtypeStruct((m_clients,), jnp.int32),
-                      jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct((m_clients,) + tuple(s.shape), s.dtype),
-                                             reply))
-        leaves, treedef = jax.tree_util.tree_flatten((broadcast, per_client))
-        ndims = [1] + [jnp.ndim(x) for x in leaves]
-        num_broadcast = len(jax.tree_util.tree_leaves(broadcast))
-        reply_leaves, reply_def = jax.tree_util.tree_flatten(reply)
-
-        def host(version, *host_leaves):
-            flat = self._unbatched(name, (version,) + host_leaves, ndims)
-            version, flat = flat[0], flat[1:]
-            refs, sent = {}, {}
-            for m in range(m_clients):
-                args = [leaf[m] if i >= num_broadcast else leaf for i, leaf in enumerate(flat)]
-                b, p = jax.tree_util.tree_unflatten(treedef, args)
-                sent[m] = sum(a.nbytes for a in args)
-                refs[m] = self._submit(m, name, tuple(b) + tuple(p), None, sent[m], version=int(version[m]))
-            answers = self._replies(name, refs)
-            replies = {m: answers[m][0] for m in range(m_clients)}
-            out = [np.stack([np.asarray(jax.tree_util.tree_leaves(replies[m])[j], dtype=want.dtype)
-                             for m in range(m_clients)]).reshape((m_clients,) + tuple(want.shape))
-                   for j, want in enumerate(reply_leaves)]
-            self._count(name, sent, replies, 1)
-            new_version = np.asarray([answers[m][1] for m in range(m_clients)], np.int32)
-            return new_version, jax.tree_util.tree_unflatten(reply_def, out)
-
-        new_version, replies = jax.pure_callback(host, out_struct, versions, *leaves, vmap_method="expand_dims")
-        return ClientState((), new_version), replies
-
-    def _one_stateful(self, name, client, broadcast, own, state):
-        self._check_remote_state(name, state)
-        m_clients = self.num_clients
-        struct = lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))  # noqa: E731
-        own_structs = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)), own)
-        reply = self._stateful_reply_struct(name, tuple(jax.tree_util.tree_map(struct, broadcast)) + tuple(own_structs))
-        client = jnp.asarray(client, dtype=jnp.int32)
-        if client.ndim > 1:
-            raise ValueError(f"call '{name}': client must be an index or a 1-d array of them, got shape {client.shape}")
-        lead = tuple(client.shape)
-        versions = jnp.asarray(state.version, jnp.int32)
-        out_struct = (jax.ShapeDtypeStruct((m_clients,), jnp.int32),
-                      jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(lead + tuple(s.shape), s.dtype), reply))
-        leaves, treedef = jax.tree_util.tree_flatten((broadcast, own))
-        ndims = [client.ndim, 1] + [jnp.ndim(x) for x in leaves]
-        num_broadcast = len(jax.tree_util.tree_leaves(broadcast))
-        reply_leaves, reply_def = jax.tree_util.tree_flatten(reply)
-
-        def host(chosen, version, *host_leaves):
-            flat = self._unbatched(name, (chosen, version) + host_leaves, ndims)
-            chosen, version, flat = np.asarray(flat[0]).reshape(-1), np.array(flat[1], np.int32), flat[2:]
-            bad = [int(c) for c in chosen if not 0 <= c < m_clients]
-            if bad or len(set(chosen.tolist())) != chosen.size:
-                error = ClientError(f"call '{name}': clients {chosen.tolist()} must be distinct clients among "
-                                    f"0..{m_clients - 1}", clients=bad, call=name)
-                self._error = error
-                raise error
-            refs, sent = {}, {}
-            for c in chosen.tolist():
-                args = [leaf[c] if i >= num_broadcast else leaf for i, leaf in enumerate(flat)]
-                b, o = jax.tree_util.tree_unflatten(treedef, args)
-                sent[c] = sum(a.nbytes for a in args)
-                refs[c] = self._submit(c, name, tuple(b) + tuple(o), None, sent[c], version=int(version[c]))
-            answers = self._replies(name, refs)
-            replies = {c: answers[c][0] for c in refs}
-            out = []
-            for j, want in enumerate(reply_leaves):
-                values = [np.asarray(jax.tree_util.tree_leaves(replies[c])[j], dtype=want.dtype)
-                          for c in chosen.tolist()]
-                out.append(np.stack(values).reshape(lead + tuple(want.shape)))
-            for c in refs:
-                version[c] = answers[c][1]
-            self._count(name, sent, replies, 1)
-            return version, jax.tree_util.tree_unflatten(reply_def, out)
-
-        new_version, reply_out = jax.pure_callback(host, out_struct, client, versions, *leaves,
-                                                   vmap_method="expand_dims")
-        return ClientState((), new_version), reply_out
-
-    def _reply_struct(self, name, arg_structs):
-        key = (name, tuple(jax.tree_util.tree_leaves(arg_structs)),
-               jax.tree_util.tree_structure(arg_structs))
-        if key not in self._reply_cache:
-            shapes = [jax.eval_shape(self._function(name), spec, *arg_structs) for spec in self.block_specs]
-            for m, s in enumerate(shapes[1:], 1):
-                if s != shapes[0]:
-                    raise ValueError(f"call '{name}': client {m}'s reply has shape {s}, client 0's "
-                                     f"{shapes[0]}; replies must not depend on the number of rows")
-            self._reply_cache[key] = shapes[0]
-        return self._reply_cache[key]
-
-    def map(self, name, *broadcast, per_client=(), state=None):
-        per_client = tuple(per_client)
-        if state is not None:
-            return self._map_stateful(name, broadcast, per_client, state)
-        m_clients = self.num_clients
-        struct = lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))  # noqa: E731
-        own_structs = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)),
-                                             per_client)
-        for leaf in jax.tree_util.tree_leaves(per_client):
-            if jnp.shape(leaf)[:1] != (m_clients,):
-                raise ValueError(f"call '{name}': per_client arrays need a leading axis of {m_clients} "
-                                 f"clients, got shape {jnp.shape(leaf)}")
-        reply = self._reply_struct(name, tuple(jax.tree_util.tree_map(struct, broadcast)) + tuple(own_structs))
-        out_struct = jax.tree_util.tree_map(
-            lambda s: jax.ShapeDtypeStruct((m_clients,) + tuple(s.shape), s.dtype), reply)
-        leaves, treedef = jax.tree_util.tree_flatten((broadcast, per_client))
-        ndims = [jnp.ndim(x) for x in leaves]
-        num_broadcast = len(jax.tree_util.tree_leaves(broadcast))
-        reply_leaves, reply_def = jax.tree_util.tree_flatten(reply)
-
-        def host(*host_leaves):
-            batch, flat, axes = _unbatch([np.asarray(x) for x in host_leaves], ndims)
-            refs, sent = {}, {}
-            for m in range(m_clients):
-                args, args_axes = [], []
-                for i, (leaf, axis) in enumerate(zip(flat, axes)):
-                    if i >= num_broadcast:
-                        leaf = leaf[:, m] if axis == 0 else leaf[m]
-                    args.append(leaf)
-                    args_axes.append(axis)
-                b, p = jax.tree_util.tree_unflatten(treedef, args)
-                bx, px = jax.tree_util.tree_unflatten(treedef, args_axes)
-                in_axes = None if all(a is None for a in args_axes) else tuple(bx) + tuple(px)
-                sent[m] = sum(a.nbytes for a in args)
-                refs[m] = self._submit(m, name, tuple(b) + tuple(p), in_axes, sent[m])
-            replies = self._replies(name, refs)
-            size = int(np.prod(batch)) if batch else 1
-            out = []
-            for j, want in enumerate(reply_leaves):
-                per = []
-                for m in range(m_clients):
-                    value = np.asarray(jax.tree_util.tree_leaves(replies[m])[j], dtype=want.dtype)
-                    if batch and value.ndim == want.ndim:  # no batched argument: one reply for all
-                        value = np.broadcast_to(value, (size,) + value.shape)
-                    per.append(value)
-                stacked = np.stack(per, axis=1 if batch else 0)
-                out.append(stacked.reshape(tuple(batch) + (m_clients,) + tuple(want.shape)))
-            self._count(name, sent, replies, size)
-            return jax.tree_util.tree_unflatten(reply_def, out)
-
-        return jax.pure_callback(host, out_struct, *leaves, vmap_method="expand_dims")
-
-    def _count(self, name, sent, replies, messages):
-        for m, nbytes in sent.items():
-            n = messages[m] if isinstance(messages, dict) else messages
-            self.ledger.add(name, "to_client", m, messages=n, nbytes=nbytes, rounds=n)
-            self.ledger.add(name, "from_client", m, messages=n, nbytes=tree_nbytes(replies[m]))
-        self.ledger.round_trips += 1
-
-    def one(self, name, client, *broadcast, own=(), state=None):
-        own = tuple(own)
-        if state is not None:
-            return self._one_stateful(name, client, broadcast, own, state)
-        m_clients = self.num_clients
-        struct = lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))  # noqa: E731
-        own_structs = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)), own)
-        reply = self._reply_struct(name, tuple(jax.tree_util.tree_map(struct, broadcast)) + tuple(own_structs))
-        client = jnp.asarray(client, dtype=jnp.int32)
-        leaves, treedef = jax.tree_util.tree_flatten((client, broadcast, own))
-        ndims = [jnp.ndim(x) for x in leaves]
-        num_broadcast = len(jax.tree_util.tree_leaves(broadcast))
-        reply_leaves, reply_def = jax.tree_util.tree_flatten(reply)
-
-        def host(*host_leaves):
-            batch, flat, axes = _unbatch([np.asarray(x) for x in host_leaves], ndims)
-            size = int(np.prod(batch)) if batch else 1
-            chosen = np.broadcast_to(flat[0], (size,)) if batch else np.asarray(flat[0]).reshape(1)
-            refs, sent, members = {}, {}, {}
-            for c in np.unique(chosen):
-                c = int(c)
-                if not 0 <= c < m_clients:
-                    raise ClientError(f"call '{name}': no client {c} (there are {m_clients})",
-                                      clients=[c], call=name)
-                idx = np.flatnonzero(chosen == c)
-                members[c] = idx
-                args, args_axes = [], []
-                for i, (leaf, axis) in enumerate(zip(flat[1:], axes[1:])):
-                    if axis == 0:
-                        leaf = leaf[idx]
-                    if i >= num_broadcast:
-                        leaf = leaf[:, c] if axis == 0 else leaf[c]
-                    args.append(leaf)
-                    args_axes.append(axis)
-                _, b, o = jax.tree_util.tree_unflatten(treedef, [None] + args)
-                _, bx, ox = jax.tree_util.tree_unflatten(treedef, [None] + args_axes)
-                in_axes = None if all(a is None for a in args_axes) else tuple(bx) + tuple(ox)
-                sent[c] = sum(a.nbytes for a in args)
-                refs[c] = self._submit(c, name, tuple(b) + tuple(o), in_axes, sent[c])
-            replies = self._replies(name, refs)
-            out = []
-            for j, want in enumerate(reply_leaves):
-                if not batch:
-                    value = np.asarray(jax.tree_util.tree_leaves(replies[int(chosen[0])])[j], dtype=want.dtype)
-                    out.append(value.reshape(want.shape))
-                    continue
-                full = np.empty((size,) + tuple(want.shape), want.dtype)
-                for c, idx in members.items():
-                    value = np.asarray(jax.tree_util.tree_leaves(replies[c])[j], dtype=want.dtype)
-                    full[idx] = value if value.ndim > want.ndim else value[None]
-                out.append(full.reshape(tuple(batch) + tuple(want.shape)))
-            self._count(name, sent, replies, {c: len(idx) for c, idx in members.items()})
-            return jax.tree_util.tree_unflatten(reply_def, out)
-
-        return jax.pure_callback(host, reply, *leaves, vmap_method="expand_dims")
+    def send_initial_state(self, slices):
+        self._gather("init_state", {m: self._actors[m].set_state.remote(value) for m, value in slices.items()})
 
     def exchange(self, name, states, messages, adjacency, num_iterations, *broadcast):
         if name not in self.program.agents:

@@ -1,27 +1,23 @@
 """The server's side of Flower: :class:`FlowerFederation`, a
-:class:`~numpyro_fed.federation.Federation` whose clients are Flower SuperNodes, used inside
-a ``ServerApp``.
+:class:`~numpyro_fed.federation.remote.RemoteFederation` whose clients are Flower
+SuperNodes, used inside a ``ServerApp``.
 
-:meth:`~FlowerFederation.map` and :meth:`~FlowerFederation.one` are ``jax.pure_callback``\\ s
-(as on Ray): each sends the clients' requests as Flower Messages through the ``Grid``
-(``grid.send_and_receive`` with a timeout) and waits for their replies, so an algorithm's
-core runs unchanged. The ledger counts the arrays of the messages really sent and received.
+Its transport hooks send the clients' requests as Flower Messages through the ``Grid``
+(``grid.send_and_receive`` with a timeout) and wait for their replies; the traceable
+:meth:`~FlowerFederation.map` and :meth:`~FlowerFederation.one` are the base's, as on Ray, so
+an algorithm's core runs unchanged. The ledger counts the arrays of the messages really sent
+and received.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 
-import numpy as np
-
 import jax
-import jax.numpy as jnp
 
-from numpyro_fed.federation.base import ClientError, ClientProgram, ClientState, Federation
-from numpyro_fed.federation.ledger import MessageLedger
-from numpyro_fed.federation.ray_backend import _unbatch
-from numpyro_fed.flower._wire import decode_description, decode_tree, encode_tree
+from numpyro_fed.federation.base import ClientError, ClientProgram
+from numpyro_fed.federation.remote import RemoteFederation
+from numpyro_fed.flower._wire import decode_description, encode_tree
 
 __all__ = ["FlowerFederation", "NODE_LOADER"]
 
@@ -53,7 +49,7 @@ def _import_flwr():
 
 
 @jax.tree_util.register_pytree_node_class
-class FlowerFederation(Federation):
+class FlowerFederation(RemoteFederation):
     """Clients as Flower SuperNodes, each loading its own rows: the backend of
     :func:`numpyro_fed.flower.server_app` (use it inside a ``ServerApp``'s main function;
     :func:`numpyro_fed.flower.run` makes one).
@@ -83,18 +79,6 @@ class FlowerFederation(Federation):
         super().__init__(loader=NODE_LOADER, num_clients=len(self._nodes))
         self.recipe = None  # set by numpyro_fed.flower.run before the method starts its clients
         self._descriptions = None
-        self._specs = None
-        self._reply_cache = {}
-        self._error = None
-        self._state_struct = None  # one client's state: ShapeDtypeStructs (set by init_state)
-
-    # -- pytree: no leaves, like RayFederation -------------------------------------------------
-    def tree_flatten(self):
-        return (), self
-
-    @classmethod
-    def tree_unflatten(cls, federation, children):
-        return federation
 
     # -- nodes ---------------------------------------------------------------------------------
     def _wait_for_nodes(self, num_clients):
@@ -186,11 +170,12 @@ class FlowerFederation(Federation):
         """Sends each node the recipe of the run (see :mod:`numpyro_fed.flower`); each
         rebuilds the program from the app's own code, loads its rows and reports its block's
         shapes. No code and no row crosses the wire."""
+        return super().start(program)
+
+    def start_clients(self, program: ClientProgram) -> list:
         from numpyro_fed.flower._replay import Recipe
 
         flwr = _import_flwr()
-        if not isinstance(program, ClientProgram):
-            raise TypeError(f"start takes a ClientProgram, not {type(program).__name__}")
         if program.blocks is not None:
             raise ValueError("FlowerFederation ships no rows: each node loads its own (run the method without "
                              "data arguments; the federation's nodes give the rows)")
@@ -205,18 +190,10 @@ class FlowerFederation(Federation):
         functions = sorted(program.functions) + sorted(f"stateful:{n}" for n in program.stateful)
         contents = {m: flwr.app.RecordDict({"numpyro_fed": flwr.app.ConfigRecord(
             {**config, "client": m, "functions": json_list(functions)})}) for m in range(len(self._nodes))}
-        self._program, self._specs, self._reply_cache, self._state_struct = None, None, {}, None
-        self._ledger = MessageLedger(program.num_clients)
+        self._state_struct = None
         replies = self._send(START, contents, timeout=self.start_timeout, call="start")
-        specs = []
-        for m in range(len(self._nodes)):
-            record = replies[m]["numpyro_fed"]
-            spec = decode_description(str(record["block"]))
-            specs.append(spec)
-        self._specs = specs
-        self._program = program
         self._recipe_digest = recipe.digest
-        return self
+        return [decode_description(str(replies[m]["numpyro_fed"]["block"])) for m in range(len(self._nodes))]
 
     def restart(self, clients=None) -> "FlowerFederation":
         """After a :class:`~numpyro_fed.federation.ClientError`: waits for the nodes (a node
@@ -236,305 +213,37 @@ class FlowerFederation(Federation):
             self.describe(self.loader, len(self._nodes))
         return self
 
-    @property
-    def block_specs(self) -> list:
-        if self._specs is None:
-            raise RuntimeError("FlowerFederation has not been started")
-        return list(self._specs)
-
-    @contextlib.contextmanager
-    def guard(self):
-        self._error = None
-        try:
-            yield
-        except Exception as exc:  # JAX re-raises callback errors wrapped
-            error, self._error = self._error, None
-            if error is not None:
-                raise error from exc
-            raise
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
-
-    # -- client state ----------------------------------------------------------------------------
-    def init_state(self, initial) -> ClientState:
-        """Sends each node its slice of ``initial`` (leading axis ``M``) as version 0 of its
-        client state, which the node keeps in Flower's ``context.state``; the returned
-        :class:`~numpyro_fed.federation.ClientState` holds the versions only (its ``values``
-        are ``()``: the states live on the nodes)."""
+    # -- transport hooks (see RemoteFederation) ------------------------------------------------
+    @staticmethod
+    def _message(name, tree, **config):
+        """A request's content: the call's name and the structure of ``tree`` (JSON) with
+        ``config``, and ``tree``'s arrays."""
         flwr = _import_flwr()
-        initial = jax.tree_util.tree_map(np.asarray, self._check_initial_state(initial))
+        structure, leaves = encode_tree(tree)
+        return flwr.app.RecordDict({
+            "numpyro_fed": flwr.app.ConfigRecord({"call": name, "structure": structure, **config}),
+            "args": flwr.app.ArrayRecord(leaves)})
+
+    def send_initial_state(self, slices):
+        """Each node keeps its slice in Flower's ``context.state``."""
+        self._send(STATE, {m: self._message("init_state", value) for m, value in slices.items()},
+                   timeout=self.timeout, call="init_state")
+
+    def send_calls(self, name, calls):
         contents = {}
-        for m in range(self.num_clients):
-            structure, leaves = encode_tree(jax.tree_util.tree_map(lambda a, m=m: a[m], initial))
-            contents[m] = flwr.app.RecordDict({
-                "numpyro_fed": flwr.app.ConfigRecord({"call": "init_state", "structure": structure}),
-                "args": flwr.app.ArrayRecord(leaves)})
-        self._send(STATE, contents, timeout=self.timeout, call="init_state")
-        self._record_init_state(initial)
-        self.ledger.round_trips += 1
-        self._state_struct = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), initial)
-        return ClientState((), jnp.zeros(self.num_clients, jnp.int32))
-
-    def _stateful_reply_struct(self, name, arg_structs):
-        if self._state_struct is None:
-            raise RuntimeError(f"call '{name}' with a client state: call init_state(initial) on this federation first")
-        key = ("stateful", name, tuple(jax.tree_util.tree_leaves(arg_structs)), jax.tree_util.tree_structure(arg_structs))
-        if key not in self._reply_cache:
-            new_state, reply = jax.eval_shape(self._stateful_function(name), self.block_specs[0], self._state_struct,
-                                              *arg_structs)
-            if new_state != self._state_struct:
-                raise ValueError(f"stateful function '{name}' returns a state of structure {new_state}, the clients' "
-                                 f"state has {self._state_struct}")
-            self._reply_cache[key] = reply
-        return self._reply_cache[key]
-
-    def _check_remote_state(self, name, state):
-        if not isinstance(state, ClientState):
-            raise TypeError(f"call '{name}': state must be a ClientState (from init_state), got {type(state).__name__}")
-        if jax.tree_util.tree_leaves(state.values):
-            raise ValueError(f"call '{name}': this ClientState holds its values in this process (an InProcess "
-                             "federation's); on Flower the nodes hold them: create it with this federation's init_state")
-
-    def _unbatched(self, name, host_leaves, ndims):
-        batch, flat, _ = _unbatch([np.asarray(x) for x in host_leaves], ndims)
-        if batch:
-            error = ValueError(f"call '{name}' with a client state cannot be batched (vmap) over chains on Flower: "
-                               "each node holds one state")
-            self._error = error
-            raise error
-        return flat
-
-    def _call_stateful(self, name, requests: dict):
-        """``{client: (args, version)}`` -> ``({client: reply leaves}, {client: new version}, sent)``."""
-        flwr = _import_flwr()
-        contents, sent = {}, {}
-        for m, (args, version) in requests.items():
-            structure, leaves = encode_tree(tuple(args))
-            contents[m] = flwr.app.RecordDict({
-                "numpyro_fed": flwr.app.ConfigRecord({"call": name, "structure": structure, "version": int(version)}),
-                "args": flwr.app.ArrayRecord(leaves)})
-            sent[m] = sum(a.nbytes for a in leaves)
-        replies = self._send(STATE, contents, timeout=self.timeout, call=name)
-        self.ledger.round_trips += 1
-        out = {m: replies[m]["reply"].to_numpy_ndarrays() for m in requests}
-        versions = {m: int(replies[m]["numpyro_fed"]["version"]) for m in requests}
-        return out, versions, sent
-
-    def _map_stateful(self, name, broadcast, per_client, state):
-        self._check_remote_state(name, state)
-        m_clients = self.num_clients
-        struct = lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))  # noqa: E731
-        own_structs = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)),
-                                             per_client)
-        for leaf in jax.tree_util.tree_leaves(per_client):
-            if jnp.shape(leaf)[:1] != (m_clients,):
-                raise ValueError(f"call '{name}': per_client arrays need a leading axis of {m_clients} clients, got "
-                                 f"shape {jnp.shape(leaf)}")
-        reply = self._stateful_reply_struct(name, tuple(jax.tree_util.tree_map(struct, broadcast)) + tuple(own_structs))
-        out_struct = (jax.ShapeDtypeStruct((m_clients,), jnp.int32),
-                      jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct((m_clients,) + tuple(s.shape), s.dtype),
-                                             reply))
-        leaves, treedef = jax.tree_util.tree_flatten((broadcast, per_client))
-        ndims = [1] + [jnp.ndim(x) for x in leaves]
-        num_broadcast = len(jax.tree_util.tree_leaves(broadcast))
-        reply_leaves, reply_def = jax.tree_util.tree_flatten(reply)
-
-        def host(version, *host_leaves):
-            flat = self._unbatched(name, (version,) + host_leaves, ndims)
-            version, flat = flat[0], flat[1:]
-            requests = {}
-            for m in range(m_clients):
-                args = [leaf[m] if i >= num_broadcast else leaf for i, leaf in enumerate(flat)]
-                b, p = jax.tree_util.tree_unflatten(treedef, args)
-                requests[m] = (tuple(b) + tuple(p), int(version[m]))
-            replies, versions, sent = self._call_stateful(name, requests)
-            out = [np.stack([np.asarray(replies[m][j], dtype=want.dtype) for m in range(m_clients)])
-                   .reshape((m_clients,) + tuple(want.shape)) for j, want in enumerate(reply_leaves)]
-            self._count(name, sent, replies, 1)
-            return (np.asarray([versions[m] for m in range(m_clients)], np.int32),
-                    jax.tree_util.tree_unflatten(reply_def, out))
-
-        new_version, replies = jax.pure_callback(host, out_struct, jnp.asarray(state.version, jnp.int32), *leaves,
-                                                 vmap_method="expand_dims")
-        return ClientState((), new_version), replies
-
-    def _one_stateful(self, name, client, broadcast, own, state):
-        self._check_remote_state(name, state)
-        m_clients = self.num_clients
-        struct = lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))  # noqa: E731
-        own_structs = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)), own)
-        reply = self._stateful_reply_struct(name, tuple(jax.tree_util.tree_map(struct, broadcast)) + tuple(own_structs))
-        client = jnp.asarray(client, dtype=jnp.int32)
-        if client.ndim > 1:
-            raise ValueError(f"call '{name}': client must be an index or a 1-d array of them, got shape {client.shape}")
-        lead = tuple(client.shape)
-        out_struct = (jax.ShapeDtypeStruct((m_clients,), jnp.int32),
-                      jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(lead + tuple(s.shape), s.dtype), reply))
-        leaves, treedef = jax.tree_util.tree_flatten((broadcast, own))
-        ndims = [client.ndim, 1] + [jnp.ndim(x) for x in leaves]
-        num_broadcast = len(jax.tree_util.tree_leaves(broadcast))
-        reply_leaves, reply_def = jax.tree_util.tree_flatten(reply)
-
-        def host(chosen, version, *host_leaves):
-            flat = self._unbatched(name, (chosen, version) + host_leaves, ndims)
-            chosen, version, flat = np.asarray(flat[0]).reshape(-1), np.array(flat[1], np.int32), flat[2:]
-            bad = [int(c) for c in chosen if not 0 <= c < m_clients]
-            if bad or len(set(chosen.tolist())) != chosen.size:
-                error = ClientError(f"call '{name}': clients {chosen.tolist()} must be distinct clients among "
-                                    f"0..{m_clients - 1}", clients=bad, call=name)
-                self._error = error
-                raise error
-            requests = {}
-            for c in chosen.tolist():
-                args = [leaf[c] if i >= num_broadcast else leaf for i, leaf in enumerate(flat)]
-                b, o = jax.tree_util.tree_unflatten(treedef, args)
-                requests[c] = (tuple(b) + tuple(o), int(version[c]))
-            replies, versions, sent = self._call_stateful(name, requests)
-            out = [np.stack([np.asarray(replies[c][j], dtype=want.dtype) for c in chosen.tolist()])
-                   .reshape(lead + tuple(want.shape)) for j, want in enumerate(reply_leaves)]
-            for c, v in versions.items():
-                version[c] = v
-            self._count(name, sent, replies, 1)
-            return version, jax.tree_util.tree_unflatten(reply_def, out)
-
-        new_version, reply_out = jax.pure_callback(host, out_struct, client, jnp.asarray(state.version, jnp.int32),
-                                                   *leaves, vmap_method="expand_dims")
-        return ClientState((), new_version), reply_out
-
-    # -- traceable side ------------------------------------------------------------------------
-    def _reply_struct(self, name, arg_structs):
-        key = (name, tuple(jax.tree_util.tree_leaves(arg_structs)), jax.tree_util.tree_structure(arg_structs))
-        if key not in self._reply_cache:
-            self._reply_cache[key] = jax.eval_shape(self._function(name), self.block_specs[0], *arg_structs)
-        return self._reply_cache[key]
-
-    def _call(self, name, requests: dict) -> dict:
-        """``{client: (args, in_axes)}`` -> ``{client: reply leaves}``; counts the ledger."""
-        flwr = _import_flwr()
-        contents, sent = {}, {}
-        for m, (args, in_axes) in requests.items():
-            structure, leaves = encode_tree(tuple(args))
-            axes = [] if in_axes is None else [-1 if a is None else int(a) for a in in_axes]
-            contents[m] = flwr.app.RecordDict({
-                "numpyro_fed": flwr.app.ConfigRecord({"call": name, "structure": structure,
-                                                      "batched": in_axes is not None, "in_axes": axes}),
-                "args": flwr.app.ArrayRecord(leaves),
-            })
-            sent[m] = sum(a.nbytes for a in leaves)
+        for m, call in calls.items():
+            args = tuple(call.args)
+            axes = [] if call.in_axes is None else [
+                -1 if a is None else int(a) for a in jax.tree_util.tree_structure(args).flatten_up_to(call.in_axes)]
+            contents[m] = self._message(name, args, batched=call.in_axes is not None, in_axes=axes)
         replies = self._send(CALL, contents, timeout=self.timeout, call=name)
-        out = {m: replies[m]["reply"].to_numpy_ndarrays() for m in requests}
-        self.ledger.round_trips += 1
-        return out, sent
+        return {m: replies[m]["reply"].to_numpy_ndarrays() for m in calls}
 
-    def _count(self, name, sent, replies, messages):
-        for m, nbytes in sent.items():
-            n = messages[m] if isinstance(messages, dict) else messages
-            self.ledger.add(name, "to_client", m, messages=n, nbytes=nbytes, rounds=n)
-            self.ledger.add(name, "from_client", m, messages=n, nbytes=sum(a.nbytes for a in replies[m]))
-
-    def map(self, name, *broadcast, per_client=(), state=None):
-        per_client = tuple(per_client)
-        if state is not None:
-            return self._map_stateful(name, broadcast, per_client, state)
-        m_clients = self.num_clients
-        struct = lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))  # noqa: E731
-        own_structs = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)),
-                                             per_client)
-        for leaf in jax.tree_util.tree_leaves(per_client):
-            if jnp.shape(leaf)[:1] != (m_clients,):
-                raise ValueError(f"call '{name}': per_client arrays need a leading axis of {m_clients} "
-                                 f"clients, got shape {jnp.shape(leaf)}")
-        reply = self._reply_struct(name, tuple(jax.tree_util.tree_map(struct, broadcast)) + tuple(own_structs))
-        out_struct = jax.tree_util.tree_map(
-            lambda s: jax.ShapeDtypeStruct((m_clients,) + tuple(s.shape), s.dtype), reply)
-        leaves, treedef = jax.tree_util.tree_flatten((broadcast, per_client))
-        ndims = [jnp.ndim(x) for x in leaves]
-        num_broadcast = len(jax.tree_util.tree_leaves(broadcast))
-        reply_leaves, reply_def = jax.tree_util.tree_flatten(reply)
-
-        def host(*host_leaves):
-            batch, flat, axes = _unbatch([np.asarray(x) for x in host_leaves], ndims)
-            requests = {}
-            for m in range(m_clients):
-                args, args_axes = [], []
-                for i, (leaf, axis) in enumerate(zip(flat, axes)):
-                    if i >= num_broadcast:
-                        leaf = leaf[:, m] if axis == 0 else leaf[m]
-                    args.append(leaf)
-                    args_axes.append(axis)
-                b, p = jax.tree_util.tree_unflatten(treedef, args)
-                in_axes = None if all(a is None for a in args_axes) else args_axes
-                requests[m] = (tuple(b) + tuple(p), in_axes)
-            replies, sent = self._call(name, requests)
-            size = int(np.prod(batch)) if batch else 1
-            out = []
-            for j, want in enumerate(reply_leaves):
-                per = []
-                for m in range(m_clients):
-                    value = np.asarray(replies[m][j], dtype=want.dtype)
-                    if batch and value.ndim == want.ndim:
-                        value = np.broadcast_to(value, (size,) + value.shape)
-                    per.append(value)
-                stacked = np.stack(per, axis=1 if batch else 0)
-                out.append(stacked.reshape(tuple(batch) + (m_clients,) + tuple(want.shape)))
-            self._count(name, sent, replies, size)
-            return jax.tree_util.tree_unflatten(reply_def, out)
-
-        return jax.pure_callback(host, out_struct, *leaves, vmap_method="expand_dims")
-
-    def one(self, name, client, *broadcast, own=(), state=None):
-        own = tuple(own)
-        if state is not None:
-            return self._one_stateful(name, client, broadcast, own, state)
-        m_clients = self.num_clients
-        struct = lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))  # noqa: E731
-        own_structs = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)), own)
-        reply = self._reply_struct(name, tuple(jax.tree_util.tree_map(struct, broadcast)) + tuple(own_structs))
-        client = jnp.asarray(client, dtype=jnp.int32)
-        leaves, treedef = jax.tree_util.tree_flatten((client, broadcast, own))
-        ndims = [jnp.ndim(x) for x in leaves]
-        num_broadcast = len(jax.tree_util.tree_leaves(broadcast))
-        reply_leaves, reply_def = jax.tree_util.tree_flatten(reply)
-
-        def host(*host_leaves):
-            batch, flat, axes = _unbatch([np.asarray(x) for x in host_leaves], ndims)
-            size = int(np.prod(batch)) if batch else 1
-            chosen = np.broadcast_to(flat[0], (size,)) if batch else np.asarray(flat[0]).reshape(1)
-            requests, members = {}, {}
-            for c in np.unique(chosen):
-                c = int(c)
-                if not 0 <= c < m_clients:
-                    raise ClientError(f"call '{name}': no client {c} (there are {m_clients})", clients=[c], call=name)
-                idx = np.flatnonzero(chosen == c)
-                members[c] = idx
-                args, args_axes = [], []
-                for i, (leaf, axis) in enumerate(zip(flat[1:], axes[1:])):
-                    if axis == 0:
-                        leaf = leaf[idx]
-                    if i >= num_broadcast:
-                        leaf = leaf[:, c] if axis == 0 else leaf[c]
-                    args.append(leaf)
-                    args_axes.append(axis)
-                _, b, o = jax.tree_util.tree_unflatten(treedef, [None] + args)
-                in_axes = None if all(a is None for a in args_axes) else args_axes
-                requests[c] = (tuple(b) + tuple(o), in_axes)
-            replies, sent = self._call(name, requests)
-            out = []
-            for j, want in enumerate(reply_leaves):
-                if not batch:
-                    value = np.asarray(replies[int(chosen[0])][j], dtype=want.dtype)
-                    out.append(value.reshape(want.shape))
-                    continue
-                full = np.empty((size,) + tuple(want.shape), want.dtype)
-                for c, idx in members.items():
-                    value = np.asarray(replies[c][j], dtype=want.dtype)
-                    full[idx] = value if value.ndim > want.ndim else value[None]
-                out.append(full.reshape(tuple(batch) + tuple(want.shape)))
-            self._count(name, sent, replies, {c: len(idx) for c, idx in members.items()})
-            return jax.tree_util.tree_unflatten(reply_def, out)
-
-        return jax.pure_callback(host, reply, *leaves, vmap_method="expand_dims")
+    def send_stateful_calls(self, name, calls):
+        contents = {m: self._message(name, tuple(call.args), version=int(call.version)) for m, call in calls.items()}
+        replies = self._send(STATE, contents, timeout=self.timeout, call=name)
+        return {m: (replies[m]["reply"].to_numpy_ndarrays(), int(replies[m]["numpyro_fed"]["version"]))
+                for m in calls}
 
     def __repr__(self) -> str:
         state = f"num_clients={self.num_clients}" if self._program is not None else f"{len(self._nodes)} nodes"
