@@ -232,22 +232,11 @@ def client_app(methods, load: Callable, *, mods=None):
             content["reply"] = flwr.app.ArrayRecord(arrays)
         return flwr.app.Message(content, reply_to=msg)
 
-    @app.query("numpyro_fed_describe")
-    def describe(msg, context):
-        return reply(msg, context, handler.describe)
+    for action in ("describe", "start", "call", "state"):  # the message types of FlowerFederation
+        def answer(msg, context, fn=getattr(handler, action)):
+            return reply(msg, context, fn)
 
-    @app.query("numpyro_fed_start")
-    def start(msg, context):
-        return reply(msg, context, handler.start)
-
-    @app.query("numpyro_fed_call")
-    def call(msg, context):
-        return reply(msg, context, handler.call)
-
-    @app.query("numpyro_fed_state")
-    def state(msg, context):
-        return reply(msg, context, handler.state)
-
+        app.query(f"numpyro_fed_{action}")(answer)
     return app
 
 

@@ -111,19 +111,8 @@ class NodeHandler:
         return {"block": encode_description(block_spec(entry["blocks"][client]))}, None
 
     def call(self, msg, context):
-        from numpyro_fed.flower._replay import Recipe
-        from numpyro_fed.flower._wire import decode_tree
-
-        if _STATE_KEY not in context.state:
-            raise RuntimeError("this node has not been started for the run (no recipe in its state): the "
-                               "server must send 'start' first")
-        stored = context.state[_STATE_KEY]
-        recipe = Recipe.from_config(stored)
-        client = int(stored["client"])
+        recipe, client, name, config, args = self._request(msg, context)
         entry = self._entry(recipe, client, context.node_config)
-        config = msg.content["numpyro_fed"]
-        name = str(config["call"])
-        args = decode_tree(str(config["structure"]), msg.content["args"].to_numpy_ndarrays())
         in_axes = None
         if bool(config["batched"]):
             flat_axes = [None if a < 0 else int(a) for a in config["in_axes"]]
@@ -139,19 +128,10 @@ class NodeHandler:
         version and its arguments: a retried call, or a run resumed from its last completed
         round, finds the version it starts from); only the reply goes back."""
         from numpyro_fed.flower import _import_flwr
-        from numpyro_fed.flower._replay import Recipe
         from numpyro_fed.flower._wire import decode_tree, encode_tree
 
         flwr = _import_flwr()
-        if _STATE_KEY not in context.state:
-            raise RuntimeError("this node has not been started for the run (no recipe in its state): the "
-                               "server must send 'start' first")
-        stored = context.state[_STATE_KEY]
-        recipe = Recipe.from_config(stored)
-        client = int(stored["client"])
-        config = msg.content["numpyro_fed"]
-        name = str(config["call"])
-        args = decode_tree(str(config["structure"]), msg.content["args"].to_numpy_ndarrays())
+        recipe, client, name, config, args = self._request(msg, context)
         kept = context.state[_CLIENT_STATE] if _CLIENT_STATE in context.state else None
         versions = [] if kept is None or kept["run"] != recipe.digest else [int(v) for v in kept["versions"]]
         if name == "init_state":
@@ -178,6 +158,20 @@ class NodeHandler:
         if name == "init_state":
             return {"version": 0}, []
         return {"version": version}, [np.asarray(x) for x in jax.tree_util.tree_leaves(reply)]
+
+    @staticmethod
+    def _request(msg, context):
+        """``(recipe, client, name, config, args)`` of a call to a started node."""
+        from numpyro_fed.flower._replay import Recipe
+        from numpyro_fed.flower._wire import decode_tree
+
+        if _STATE_KEY not in context.state:
+            raise RuntimeError("this node has not been started for the run (no recipe in its state): the "
+                               "server must send 'start' first")
+        stored = context.state[_STATE_KEY]
+        config = msg.content["numpyro_fed"]
+        args = decode_tree(str(config["structure"]), msg.content["args"].to_numpy_ndarrays())
+        return Recipe.from_config(stored), int(stored["client"]), str(config["call"]), config, args
 
     # -- the program -----------------------------------------------------------------------
     def _entry(self, recipe, client, node_config):
