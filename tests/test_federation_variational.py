@@ -17,6 +17,8 @@ import numpyro_fed as nf
 from numpyro_fed.federation import ClientError, InProcess
 from numpyro_fed.infer import RunCheckpoint
 
+from runs import assert_same_run
+
 # Short runs: they check what crosses and that answers agree, not the fits (whose
 # convergence warnings they would trigger).
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -225,41 +227,6 @@ def kept_by_the_clients(state):
     else:  # P-DSVGD's local particles are uploaded; PVI's factor is the sum of the changes sent
         leaves = []
     return [np.asarray(leaf).tobytes() for leaf in leaves]
-
-
-def server_view(state):
-    """The server's part of a state: without the clients' values (in process they are kept
-    beside it; on Ray they stay on the workers)."""
-    return state._replace(clients=state.clients._replace(values=()))
-
-
-def assert_same_run(ray_result, local_result, *, interrupted=False):
-    # The server's state is bit-for-bit that of the in-process run: the same client
-    # functions on the same blocks with the same keys. The loss (a diagnostic summed from the
-    # clients' terms, each compiled alone on its worker rather than vmapped) agrees to
-    # round-off.
-    assert jax.tree.leaves(ray_result.state.clients.values) == []  # the clients kept theirs
-    ray_state, local_state = server_view(ray_result.state), server_view(local_result.state)
-    assert jax.tree.structure(ray_state) == jax.tree.structure(local_state)
-    for a, b in zip(jax.tree.leaves(ray_state), jax.tree.leaves(local_state)):
-        np.testing.assert_array_equal(a, b)
-    for name, value in local_result.metrics.items():
-        if name == "loss":
-            np.testing.assert_allclose(ray_result.metrics[name], value, rtol=1e-12)
-        elif name != "wall_time":
-            np.testing.assert_array_equal(ray_result.metrics[name], value, err_msg=name)
-    # the ledger counted from the payloads Ray carried is the one counted from shapes; an
-    # interrupted run also counts the messages of the round that failed (they crossed: the
-    # clients visited before the dead one answered), at most one call per client
-    assert set(ray_result.ledger) == set(local_result.ledger)
-    for name, value in local_result.ledger.items():
-        if interrupted:
-            extra = ray_result.ledger[name] - value
-            assert (extra >= 0).all(), name
-            if name.endswith("rounds"):
-                assert (extra <= 1).all(), name
-        else:
-            np.testing.assert_array_equal(ray_result.ledger[name], value, err_msg=name)
 
 
 # in CI: DPPVI and DSVGD (one of each family); the other cases (DP-SGD is also run on Ray by

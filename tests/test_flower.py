@@ -26,6 +26,7 @@ pytest.importorskip("flwr", reason="Flower is not installed (pip install 'numpyr
 
 from numpyro_fed.federation import ClientError, InProcess  # noqa: E402
 from numpyro_fed.infer import VariationalMethod  # noqa: E402
+from runs import assert_same_run  # noqa: E402
 
 # Short runs: they check what crosses and that answers agree, not the fits (whose
 # convergence warnings they would trigger).
@@ -153,45 +154,6 @@ def simulation(ray_session):
 
         flower.simulate(server, client, M)
     return seen
-
-
-def server_view(state):
-    """A state without the values of its client states (in process they are kept beside the
-    server's state; on Flower they stay on the nodes)."""
-    from numpyro_fed.federation import ClientState
-
-    return jax.tree.map(lambda x: ClientState((), x.version) if isinstance(x, ClientState) else x, state,
-                        is_leaf=lambda x: isinstance(x, ClientState))
-
-
-def assert_same_run(flower_result, local_result, *, interrupted=False):
-    # The server's state is bit-for-bit the in-process run's: the same client functions on
-    # the same blocks with the same keys. The loss (summed from the clients' terms, each
-    # compiled alone on its node rather than vmapped) agrees to round-off.
-    flower_state, local_state = server_view(flower_result.state), server_view(local_result.state)
-    assert jax.tree.structure(flower_state) == jax.tree.structure(local_state)
-    for a, b in zip(jax.tree.leaves(flower_state), jax.tree.leaves(local_state)):
-        np.testing.assert_array_equal(a, b)
-    for name, value in local_result.metrics.items():
-        if name == "loss":
-            np.testing.assert_allclose(flower_result.metrics[name], value, rtol=1e-12)
-        elif name != "wall_time":
-            np.testing.assert_array_equal(flower_result.metrics[name], value, err_msg=name)
-    assert (flower_result.privacy is None) == (local_result.privacy is None)
-    if local_result.privacy is not None:
-        assert flower_result.privacy.epsilon == local_result.privacy.epsilon
-        assert flower_result.privacy.delta == local_result.privacy.delta
-    # the ledger counted from the messages Flower carried is the one counted from shapes; an
-    # interrupted run also counts the calls of the round that failed (at most one per client)
-    assert set(flower_result.ledger) == set(local_result.ledger)
-    for name, value in local_result.ledger.items():
-        if interrupted:
-            extra = flower_result.ledger[name] - value
-            assert (extra >= 0).all(), name
-            if name.endswith("rounds"):
-                assert (extra <= 1).all(), name
-        else:
-            np.testing.assert_array_equal(flower_result.ledger[name], value, err_msg=name)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
