@@ -7,6 +7,10 @@ An algorithm's core is written once against :class:`Federation` and runs on ever
 * :class:`RayFederation`: one long-lived Ray actor per client, holding only that client's
   block and its compiled functions (``pip install numpyro_fed[ray]``).
 
+Engine backends (Ray, and :class:`~numpyro_fed.flower.FlowerFederation`) derive from
+:class:`~numpyro_fed.federation.remote.RemoteFederation`, which owns the traceable calls and
+leaves them only the transport (four hooks: see :mod:`numpyro_fed.federation.remote`).
+
 The pieces:
 
 * :class:`ClientProgram`: named pure functions ``f(block, *args)`` every client runs (and

@@ -117,13 +117,18 @@ class RemoteFederation(Federation):
     ...         return [block_spec(block) for block in program.blocks]
     ...     def send_calls(self, name, calls):
     ...         fn = self.program.functions[name]
-    ...         return {m: fn(self.program.blocks[m], *call.args) for m, call in calls.items()}
+    ...         batched = lambda c: fn if c.in_axes is None else jax.vmap(fn, (None,) + tuple(c.in_axes))
+    ...         return {m: batched(c)(self.program.blocks[m], *c.args) for m, c in calls.items()}
     >>> fed = Local().start(ClientProgram.stacked({"dot": lambda block, w: block @ w},
     ...                                           jnp.arange(6.0, dtype=jnp.float32).reshape(3, 2)))
     >>> jax.jit(lambda w: fed.map("dot", w))(jnp.ones(2, jnp.float32)).tolist()
     [1.0, 5.0, 9.0]
     >>> fed.ledger.summary()["dot/bytes_to_client"].tolist()  # w (two float32), to each client
     [8, 8, 8]
+    >>> jax.vmap(lambda w: fed.map("dot", w))(jnp.ones((4, 2), jnp.float32)).shape  # 4 chains, 1 round trip
+    (4, 3)
+    >>> fed.ledger.round_trips
+    2
     """
 
     def __init__(self, *, loader=None, num_clients: int | None = None):
