@@ -29,6 +29,7 @@ from numpyro_fed.infer.zigzag.state import KernelConfig, LineBound, ZigZagState
 __all__ = [
     "GradientBound",
     "HessianBound",
+    "SampledRowBound",
     "bound_kind",
     "build_grid",
     "build_line",
@@ -104,6 +105,21 @@ class HessianBound(NamedTuple):
     prior: jax.Array = 0.0
 
 
+class SampledRowBound(NamedTuple):
+    """The bound of subsampling with rows drawn in proportion to their curvature (in
+    process; see :mod:`~numpyro_fed.infer.zigzag.subsample`): a :class:`HessianBound` for
+    the exactly computed terms (``clients``: a client's terms outside its rows; ``prior``)
+    plus, per proposer and coordinate, ``sup``: the importance-sampled rows' estimate moves
+    from its value at the reference point ``x*`` by at most ``sup_i max_k |x_k - x*_k|``.
+
+    :ivar clients: ``(P, d, d)``. :ivar prior: ``(d, d)``. :ivar sup: ``(P, d)``.
+    """
+
+    clients: jax.Array
+    prior: jax.Array
+    sup: jax.Array
+
+
 def bound_kind(bounds) -> str:
     """``"grid"``, ``"affine"``, ``"gradient"`` or ``"hessian"``; a ``ValueError`` otherwise.
 
@@ -112,7 +128,7 @@ def bound_kind(bounds) -> str:
     """
     if isinstance(bounds, GradientBound):
         return "gradient"
-    if isinstance(bounds, HessianBound):
+    if isinstance(bounds, (HessianBound, SampledRowBound)):
         return "hessian"
     if isinstance(bounds, str) and bounds in ("grid", "affine"):
         return bounds
@@ -204,6 +220,9 @@ def line_coefficients(config: KernelConfig, state: ZigZagState, shift: Shift):
         return gradient_bound + jnp.abs(shift.constant), jnp.zeros_like(gradient_bound)
     hessian = bounds.clients + weights[:, None, None] * bounds.prior  # (P, d, d)
     growth = hessian.sum(-1)
+    sup = getattr(bounds, "sup", None)
+    if sup is not None:  # |y_k - x*_k| <= max_k |x_k - x*_k| + t along the line
+        growth = growth + sup
     reference = shift.reference
     if reference is None:
         prior_grad = proposers.prior_grad_and_slope(x, jnp.zeros_like(x))[0]
@@ -211,7 +230,11 @@ def line_coefficients(config: KernelConfig, state: ZigZagState, shift: Shift):
         return v * grads, growth
     # |d_i T_j(y) - d_i T_j(x*)| <= sum_k H_jik |y_k - x*_k| <= (H_j |x - x*|)_i + t (H_j 1)_i
     mean_gradient = (reference.term_grads.sum(0) + reference.prior_grad) / config.proposers.num
-    return v * mean_gradient + hessian @ jnp.abs(x - reference.point), growth
+    distance = jnp.abs(x - reference.point)
+    a = v * mean_gradient + hessian @ distance
+    if sup is not None:
+        a = a + sup * jnp.max(distance)
+    return a, growth
 
 
 def build_line(config: KernelConfig, state: ZigZagState, shift: Shift) -> LineBound:

@@ -124,7 +124,7 @@ def _single(own_grad_and_slope, prior_grad_and_slope, own_estimate=None) -> Prop
         term_grad_of=lambda x, j: own_grad_and_slope(x, jnp.zeros_like(x))[0],
         prior_grad_and_slope=prior_grad_and_slope,
         num=1,
-        term_grad_estimate=None if own_estimate is None else (lambda x, j, key, reference: own_estimate(x, key)),
+        term_grad_estimate=None if own_estimate is None else (lambda x, j, key, reference, coordinate: own_estimate(x, key)),
     )
 
 

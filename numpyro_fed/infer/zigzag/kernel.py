@@ -174,7 +174,7 @@ def exact_rate(config: KernelConfig, state: ZigZagState, x, proposer, coordinate
     proposers = config.proposers
     prior_grad = proposers.prior_grad_and_slope(x, state.v)[0]
     if proposers.term_grad_estimate is not None:
-        own = proposers.term_grad_estimate(x, proposer, key, shift.reference)
+        own = proposers.term_grad_estimate(x, proposer, key, shift.reference, coordinate)
     else:
         own = proposers.term_grad_of(x, proposer)
     grad = own + state.prior_weights[proposer] * prior_grad
@@ -322,7 +322,8 @@ def scaled_bounds(config, bound_scale):
     if bound_scale is None or config.bounds is None:
         return config
     bounds = config.bounds
-    return config._replace(bounds=type(bounds)(bounds.clients * bound_scale, bounds.prior * bound_scale))
+    return config._replace(bounds=bounds._replace(**{name: getattr(bounds, name) * bound_scale
+                                                      for name in bounds._fields}))
 
 
 def advance(config: KernelConfig, rng_key, state: ZigZagState, duration,

@@ -33,7 +33,7 @@ class ModeSearch(NamedTuple):
     attempts: int
 
 
-def find_mode(fn, x0, *, num_steps: int = 200, max_attempts: int = 5,
+def find_mode(fn, x0, *, num_steps: int = 200, max_attempts: int = 5, max_newton_steps: int = 20,
               newton_tolerance: float = 0.05, hessian=None, tally=None) -> ModeSearch:
     """The MAP of the aggregated potential, or the report that there is none.
 
@@ -41,6 +41,9 @@ def find_mode(fn, x0, *, num_steps: int = 200, max_attempts: int = 5,
     units: ``x`` is a mode when the Hessian is positive definite and the Newton step to the
     stationary point is at most ``newton_tolerance`` Laplace posterior sds in every
     coordinate (a reference point that close gives the control variates all their benefit).
+    Where BFGS stops short of that with a positive definite Hessian, up to
+    ``max_newton_steps`` damped Newton steps follow (with a million rows in float32 the
+    potential's value no longer resolves the last sds, its gradient does).
     BFGS's own gradient tolerance follows the dtype: ``sqrt(eps)`` times the gradient's scale
     at the start, a precision every float type reaches. A funnel (a hierarchical scale with
     client-local effects) has no mode: BFGS walks down its neck, where the Hessian is
@@ -83,16 +86,16 @@ def find_mode(fn, x0, *, num_steps: int = 200, max_attempts: int = 5,
         h = (h + h.T) / 2
         chol = jnp.linalg.cholesky(h)
         if not bool(jnp.all(jnp.isfinite(chol))):
-            return math.inf, g
+            return math.inf, g, None
         step = jax.scipy.linalg.cho_solve((chol, True), g)
         sd = jnp.sqrt(jnp.diag(jax.scipy.linalg.cho_solve((chol, True), jnp.eye(x.shape[0], dtype=dtype))))
         # below the float resolution of x a step cannot be taken: it does not count
         floor = 8 * eps * (1.0 + jnp.abs(x))
         size = float(jnp.max(jnp.maximum(jnp.abs(step) - floor, 0.0) / sd))
-        return (size if math.isfinite(size) else math.inf), g
+        return (size if math.isfinite(size) else math.inf), g, step
 
     x, attempts = x0, 0
-    step, g = newton_step(x)
+    step, g, direction = newton_step(x)
     while step > newton_tolerance and attempts < max_attempts:
         attempts += 1
         candidate, evaluations = run(x)
@@ -101,9 +104,24 @@ def find_mode(fn, x0, *, num_steps: int = 200, max_attempts: int = 5,
             break
         moved = float(jnp.max(jnp.abs(candidate - x)))
         x = candidate
-        step, g = newton_step(x)
+        step, g, direction = newton_step(x)
         if moved == 0.0:
             break
+    # Newton's steps where BFGS stopped short: with many rows in float32 the potential's
+    # value is too coarse for BFGS's line search near the mode, while the gradient and the
+    # Hessian still point to it; a step is kept when the next Newton step is shorter (in
+    # posterior sds), halved up to 4 times otherwise
+    newton_steps = 0
+    while step > newton_tolerance and direction is not None and newton_steps < max_newton_steps:
+        newton_steps += 1
+        for fraction in (1.0, 0.5, 0.25, 0.125, 0.0625):
+            candidate = x - fraction * direction
+            new_step, new_g, new_direction = newton_step(candidate)
+            if new_step < step:
+                break
+        else:
+            break
+        x, step, g, direction = candidate, new_step, new_g, new_direction
     return ModeSearch(x, step <= newton_tolerance, step, float(jnp.max(jnp.abs(g))), attempts)
 
 

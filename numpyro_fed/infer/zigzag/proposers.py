@@ -60,9 +60,10 @@ class Proposers(NamedTuple):
         (the winner's check: only that proposer evaluates).
     :ivar prior_grad_and_slope: ``(x, v) -> ((d,), (d,))`` for ``U_0``.
     :ivar int num: ``P``.
-    :ivar term_grad_estimate: ``(x, j, key, reference) -> (d,)``: an unbiased estimate of
-        proposer ``j``'s own-term gradient from a random batch of its rows around the
-        control variates' reference (``FedZigZag(subsample_size=...)``, see
+    :ivar term_grad_estimate: ``(x, j, key, reference, coordinate) -> (d,)``: an estimate
+        of proposer ``j``'s own-term gradient from a random batch of its rows around the
+        control variates' reference, unbiased in entry ``coordinate`` (the rows may be drawn
+        for that coordinate) (``FedZigZag(subsample_size=...)``, see
         :mod:`~numpyro_fed.infer.zigzag.subsample`); ``None``: the winner's check evaluates
         :attr:`term_grad_of` on all its rows.
     """

@@ -16,11 +16,13 @@ from numpyro.util import is_prng_key
 
 from numpyro_fed._checks import check_int, check_positive, check_real, user_origin, warn_user
 from numpyro_fed.infer.kernel import FederatedMCMCKernel, RunCheck
-from numpyro_fed.infer.zigzag.bounds import HessianBound, bound_kind, per_proposer_bound
+from numpyro_fed.infer.zigzag.bounds import HessianBound, SampledRowBound, bound_kind, per_proposer_bound
 from numpyro_fed.infer.zigzag.subsample import (
     AUTOMATIC_MARGIN,
     RowHessianBound,
+    importance_weights,
     row_curvature,
+    row_weights,
     rows_per_estimate,
     subsample_layout,
     subsampled_proposers,
@@ -278,6 +280,10 @@ class FedZigZag(FederatedMCMCKernel):
         variates' reference point (Bierkens, Fearnhead & Roberts 2019;
         :mod:`~numpyro_fed.infer.zigzag.subsample`), thinned against a bound on its rows'
         curvature, so a proposal costs ``2 b`` row gradients whatever the client's size.
+        Without a ``federation`` (clients vectorized in this process) the rows are drawn in
+        proportion to their curvature along the proposal's coordinate (importance sampling:
+        the bound is the rows' summed curvature, not ``n_m`` times the largest, several
+        times fewer proposals); through a federation they are drawn uniformly.
         The bound is automatic (each client's, from its own rows, once at set-up; a model
         whose curvature grows away from the posterior is warned, its violations counted,
         and a violation during warmup doubles the bound) or a :class:`RowHessianBound`
@@ -466,8 +472,10 @@ class FedZigZag(FederatedMCMCKernel):
         #: row gradients one gradient evaluation of each client costs (``(M,)``, after
         #: ``init``): its rows, or with ``subsample_size`` the rows one estimate evaluates
         self.rows_per_gradient = None
-        #: with ``subsample_size``, after ``init``: the clients' curvature bounds
-        #: (a :class:`HessianBound` laid out per proposer) and whether the automatic bound
+        #: with ``subsample_size``, after ``init``: the clients' curvature bounds, laid out per
+        #: proposer (through a federation a :class:`HessianBound`; in process a
+        #: :class:`~numpyro_fed.infer.zigzag.bounds.SampledRowBound`, whose ``sup`` are the
+        #: importance-sampled rows' summed curvatures), and whether the automatic bound
         #: found a curvature that grows away from the posterior (violations possible)
         self.subsample_bounds = None
         self.unbounded_curvature = False
@@ -649,13 +657,16 @@ class FedZigZag(FederatedMCMCKernel):
         # one unit away from the reference: where a curvature that grows shows itself
         probe_points = jnp.asarray(center + signs, dtype)
         row_bound = self.bounds.rows if isinstance(self.bounds, RowHessianBound) else None
+        weights = None
         if self.federation is not None:
             curvature = self.federation.map("row_curvature", bound_points, probe_points)
             self.setup_tally.add("row_curvature")
-        else:
-            curvature = jax.jit(jax.vmap(partial(row_curvature, clients.grad, layout, bound_points=bound_points,
-                                                 probe_points=probe_points, row_bound=row_bound)))(
-                potential.client_data)
+        else:  # in process: every row's weight too, for the importance sampling
+            curvature, level, weights = jax.jit(jax.vmap(partial(
+                row_weights, clients.grad, layout, bound_points=bound_points, probe_points=probe_points,
+                row_bound=row_bound)))(potential.client_data)
+            weights = jnp.swapaxes(weights, 1, 2)  # (M, d, n_max)
+            level = np.asarray(level, np.float64)[:, 0]
         curvature = np.asarray(curvature, np.float64)  # (M, 2, d, d)
         prior_hessians = np.abs(np.asarray(jax.jit(jax.vmap(jax.hessian(potential.flat().prior_potential)))(
             jnp.concatenate([bound_points, probe_points])), np.float64))
@@ -685,10 +696,24 @@ class FedZigZag(FederatedMCMCKernel):
                 "bounds=RowHessianBound(...) valid everywhere, or subsample_size=None",
                 RuntimeWarning)
         margin = 1.0 if row_bound is not None and not layout.client_terms else AUTOMATIC_MARGIN
-        clients_bound = margin * curvature[:, 0]
         prior_bound = np.asarray(self.bounds.prior, np.float64) if user_prior else AUTOMATIC_MARGIN * prior[0]
-        bound = HessianBound(np.maximum(clients_bound, 0.0), np.maximum(prior_bound, 0.0))
-        return per_proposer_bound(bound, potential.num_clients, num_proposers, d, dtype)
+        if weights is None:  # uniform batches: the largest row's curvature n_m times
+            bound = HessianBound(np.maximum(margin * curvature[:, 0], 0.0), np.maximum(prior_bound, 0.0))
+            return per_proposer_bound(bound, potential.num_clients, num_proposers, d, dtype), None
+        # rows drawn in proportion to their curvature: the level terms' Hessian bound, and the
+        # rows' sum of curvatures against the largest distance to the reference
+        weights = jax.jit(importance_weights)(weights)
+        level_bound = per_proposer_bound(HessianBound(np.maximum(AUTOMATIC_MARGIN * level, 0.0),
+                                                      np.maximum(prior_bound, 0.0)),
+                                         potential.num_clients, num_proposers, d, dtype)
+        sup = margin * np.asarray(weights.sup, np.float64)
+        if num_proposers > potential.num_clients:
+            sup = np.concatenate([sup, np.zeros((1, d))])
+        if not np.isfinite(sup).all():
+            raise ValueError(f"FedZigZag(subsample_size={self.subsample_size}): the curvature bound is not "
+                             "finite (a row's Hessian is inf or nan near the posterior); pass subsample_size=None")
+        bound = SampledRowBound(level_bound.clients, level_bound.prior, jnp.asarray(sup, dtype))
+        return bound, weights
 
     def _search_mode(self, flat_potential, start, init_params, ravel, vectorized, num_warmup, *, hessian=None):
         """``(start, use_cv, recenter)`` after looking for the mode when the control variates
@@ -771,9 +796,6 @@ class FedZigZag(FederatedMCMCKernel):
             layout = subsample_layout(potential, self.subsample_size)
             use_cv = True
             self.rows_per_gradient = np.full(potential.num_clients, rows_per_estimate(layout), np.int64)
-            if not federated:
-                proposers = subsampled_proposers(proposers, client_functions(potential).grad, potential.client_data,
-                                                 potential.num_clients, layout)
         ravel = jax.vmap(potential.ravel) if vectorized else potential.ravel
         start = potential.ravel(potential.init_params)
         d = start.shape[-1]
@@ -879,9 +901,13 @@ class FedZigZag(FederatedMCMCKernel):
             else:
                 reference = control_variate_reference(proposers, point, order=order)
         if layout is not None:
-            bounds = self._subsample_bounds(potential, layout, reference.point, flat_potential, hessian, clients
-                                            if federated else client_functions(potential), proposers.num)
+            bounds, weights = self._subsample_bounds(potential, layout, reference.point, flat_potential, hessian,
+                                                     clients if federated else client_functions(potential),
+                                                     proposers.num)
             self.subsample_bounds = bounds
+            if not federated:
+                proposers = subsampled_proposers(proposers, client_functions(potential).grad, potential.client_data,
+                                                 potential.num_clients, layout, weights)
         if federated:
             kernel, functions, key = program(reference, self.preconditioning)
             self._start_program(potential, functions, key, data_key)
