@@ -198,3 +198,36 @@ def test_too_few_effective_draws_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         nf.to_inference_data(long)
+
+
+def test_mode_search_finishes_with_newton_where_the_value_is_too_coarse_for_bfgs():
+    """With a million rows in float32 the potential's value no longer resolves the last
+    posterior sds near the mode (BFGS's line search stalls at the start), while its gradient
+    and Hessian do: Newton's steps take the search to the mode. Here the value is rounded to
+    1e6 (posterior sds 1e-3 to 2e-3: the whole basin within a few sds looks flat) and the
+    gradient is exact."""
+    from numpyro_fed.infer.zigzag.mode import find_mode
+
+    hessian = np.diag([1e6, 4e5, 2e5]).astype(np.float32)
+    mode = np.array([0.3, -0.2, 0.1], np.float32)
+
+    @jax.custom_jvp
+    def coarse(x):
+        d = x - mode
+        return jnp.round(0.5 * d @ hessian @ d / 1e6) * 1e6
+
+    @coarse.defjvp
+    def coarse_jvp(primals, tangents):
+        (x,), (u,) = primals, tangents
+        return coarse(x), (hessian @ (x - mode)) @ u
+
+    # float32 as users run it (the tests enable float64 globally)
+    jax.config.update("jax_enable_x64", False)
+    try:
+        search = find_mode(coarse, jnp.zeros(3, jnp.float32))
+    finally:
+        jax.config.update("jax_enable_x64", True)
+    assert search.is_mode and search.newton_step <= 0.05
+    # within 0.05 posterior sds of the mode in every coordinate
+    np.testing.assert_array_less(np.abs(np.asarray(search.point) - np.asarray(mode)),
+                                 0.05 / np.sqrt(np.diag(np.asarray(hessian))))
