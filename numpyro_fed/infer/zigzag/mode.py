@@ -79,19 +79,25 @@ def find_mode(fn, x0, *, num_steps: int = 200, max_attempts: int = 5, max_newton
     run = jax.jit(minimized)
     hessian = jax.jit(jax.hessian(fn) if hessian is None else hessian)
 
-    def newton_step(x):
-        count("value_and_grad")
-        count("hessian")
+    @jax.jit
+    def newton(x):  # one compiled call: eager, each operation would compile on its own
         g, h = grad(x), hessian(x)
         h = (h + h.T) / 2
         chol = jnp.linalg.cholesky(h)
-        if not bool(jnp.all(jnp.isfinite(chol))):
-            return math.inf, g, None
+        positive = jnp.all(jnp.isfinite(chol))
         step = jax.scipy.linalg.cho_solve((chol, True), g)
         sd = jnp.sqrt(jnp.diag(jax.scipy.linalg.cho_solve((chol, True), jnp.eye(x.shape[0], dtype=dtype))))
         # below the float resolution of x a step cannot be taken: it does not count
         floor = 8 * eps * (1.0 + jnp.abs(x))
-        size = float(jnp.max(jnp.maximum(jnp.abs(step) - floor, 0.0) / sd))
+        return positive, g, step, jnp.max(jnp.maximum(jnp.abs(step) - floor, 0.0) / sd)
+
+    def newton_step(x):
+        count("value_and_grad")
+        count("hessian")
+        positive, g, step, size = newton(x)
+        if not bool(positive):
+            return math.inf, g, None
+        size = float(size)
         return (size if math.isfinite(size) else math.inf), g, step
 
     x, attempts = x0, 0
