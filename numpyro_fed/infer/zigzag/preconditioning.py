@@ -13,7 +13,7 @@ from numpyro_fed.infer.zigzag.bounds import GradientBound, HessianBound
 from numpyro_fed.infer.zigzag.proposers import Proposers
 
 __all__ = ["Preconditioner", "laplace_preconditioner", "precondition", "preconditioned_bound",
-           "user_preconditioner"]
+           "preconditioned_row_grad", "user_preconditioner"]
 
 
 class Preconditioner(NamedTuple):
@@ -70,6 +70,24 @@ def precondition(proposers: Proposers, preconditioner: Preconditioner) -> Propos
         prior_grad_and_slope=prior_grad_and_slope,
         num=proposers.num,
     )
+
+
+def preconditioned_row_grad(grad, preconditioner: Preconditioner):
+    """``grad(x, block)`` (a client's or a row's gradient in ``x``) as a function of ``u``:
+    ``scale^T grad(center + scale u, block)``, whose Jacobian is the curvature in ``u``
+    (``scale^T H scale``): what subsampling draws its rows by and bounds its estimates with.
+
+    >>> import jax.numpy as jnp
+    >>> p = Preconditioner(jnp.zeros(2), jnp.array([2.0, 0.5]))
+    >>> preconditioned_row_grad(lambda x, block: block * x, p)(jnp.ones(2), jnp.array([1.0, 4.0])).tolist()
+    [4.0, 1.0]
+    """
+    to_x, pull = preconditioner.to_x, preconditioner.pull_back
+
+    def row_grad(u, block):
+        return pull(grad(to_x(u), block))
+
+    return row_grad
 
 
 def preconditioned_bound(bound, preconditioner: Preconditioner):

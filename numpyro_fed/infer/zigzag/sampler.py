@@ -44,6 +44,7 @@ from numpyro_fed.infer.zigzag.preconditioning import (
     laplace_preconditioner,
     precondition,
     preconditioned_bound,
+    preconditioned_row_grad,
     user_preconditioner,
 )
 from numpyro_fed.infer.zigzag.proposers import PRIOR_MODES, proposers_from_potential
@@ -116,6 +117,17 @@ def _carry_ledger(previous, ledger):
         if rounds.any():
             ledger.add(name, "to_client", None, messages=0, nbytes=0, rounds=rounds)
     ledger.round_trips += previous.round_trips
+
+
+def _preconditioned_row_bound(row_bound, absolute, *rows):
+    """A user's per-row curvature bound in ``x`` as one in ``u``: ``|S|^T |B| |S|``."""
+    d = absolute.shape[0]
+    return absolute.T @ jnp.broadcast_to(jnp.abs(jnp.asarray(row_bound(*rows))), (d, d)) @ absolute
+
+
+def _at_x(fn, preconditioner, u):
+    """``fn`` of ``x`` as a function of ``u`` (``x = center + scale u``)."""
+    return fn(preconditioner.to_x(u))
 
 
 def _row_curvature_call(grad, layout, row_bound, block, bound_points, probe_points):
@@ -288,8 +300,9 @@ class FedZigZag(FederatedMCMCKernel):
         whose curvature grows away from the posterior is warned, its violations counted,
         and a violation during warmup doubles the bound) or a :class:`RowHessianBound`
         given as ``bounds``. Needs a mode and first-order control variates (on whatever
-        ``M``); refused with ``preconditioner``, with row-local latents and with a privacy
-        guarantee. ``None`` (default): every rate from all the rows. ``sample_stats`` then
+        ``M``); with a ``preconditioner`` (in process) the rows' curvatures and weights are
+        those of the potential of ``u``; refused with row-local latents, with a privacy
+        guarantee and with a preconditioner through a federation. ``None`` (default): every rate from all the rows. ``sample_stats`` then
         counts the row gradients (``grad_row_evals``; :attr:`rows_per_gradient`).
 
     A sample that makes ``max_proposals`` proposals (at least 50) without one switch stops
@@ -433,9 +446,10 @@ class FedZigZag(FederatedMCMCKernel):
                     f"subsample_size={self.subsample_size} estimates each rate around the first-order "
                     f"control variates' reference point: control_variates={control_variates!r} is not "
                     "supported with it (leave it at None or True)")
-            if preconditioner is not None:
+            if preconditioner is not None and federation is not None:
                 raise ValueError(f"subsample_size={self.subsample_size} with preconditioner={preconditioner!r} "
-                                 "is not supported: pass preconditioner=None")
+                                 "is supported in process (federation=None), not through a federation: "
+                                 "pass preconditioner=None or federation=None")
             if dp_sensitivity is not None or dp_epsilon is not None or dp_delta is not None:
                 raise ValueError(
                     f"subsample_size={self.subsample_size} with a privacy guarantee (dp_sensitivity/"
@@ -632,18 +646,27 @@ class FedZigZag(FederatedMCMCKernel):
 
     # -- set-up: the mode, the preconditioner, the kernel ------------------------------------
 
-    def _subsample_bounds(self, potential, layout, point, flat_potential, hessian, clients, num_proposers):
+    def _subsample_bounds(self, potential, layout, point, flat_potential, hessian, row_grad, num_proposers):
         """The clients' bounds on their rate estimates (a :class:`HessianBound` laid out per
         proposer), each client's row from its own rows (in a federation: one
         ``"row_curvature"`` call), the prior's on the server; warns when the curvature grows
-        away from the posterior (the automatic bound is then local)."""
+        away from the posterior (the automatic bound is then local).
+
+        With a preconditioner (in process) everything is in ``u``: ``point`` is the reference
+        there, ``row_grad`` a row's gradient in ``u`` (:func:`preconditioned_row_grad`), and the
+        curvatures are those of the potential of ``u``."""
         d, dtype = point.shape[0], point.dtype
+        pre = self.preconditioning
+        x_point = pre.to_x(point) if pre is not None else point
         if hessian is not None:  # through the federation: one "hessian" call
-            total = hessian(point)
+            total = hessian(x_point)
             self.setup_tally.add("hessian")
         else:
-            total = jax.hessian(flat_potential)(point)
+            total = jax.hessian(flat_potential)(x_point)
         total = np.asarray(total, np.float64)
+        if pre is not None:
+            scale = np.asarray(jnp.diag(pre.scale) if pre.scale.ndim == 1 else pre.scale, np.float64)
+            total = scale.T @ total @ scale
         try:
             variances = np.diag(np.linalg.inv(total))
         except np.linalg.LinAlgError:
@@ -653,22 +676,31 @@ class FedZigZag(FederatedMCMCKernel):
         sd = np.sqrt(variances)
         signs = np.where(np.random.default_rng(0).uniform(size=(4, d)) < 0.5, -1.0, 1.0)
         center = np.asarray(point, np.float64)
-        bound_points = jnp.asarray(np.concatenate([center[None], np.zeros((1, d)), center + 2.5 * sd * signs]), dtype)
-        # one unit away from the reference: where a curvature that grows shows itself
-        probe_points = jnp.asarray(center + signs, dtype)
+        # the origin of x (where a GLM's curvature peaks) and, one unit of x away from the
+        # reference, the points where a curvature that grows shows itself
+        origin = np.zeros((1, d)) if pre is None else np.asarray(pre.to_u(jnp.zeros((1, d), dtype)), np.float64)
+        bound_points = jnp.asarray(np.concatenate([center[None], origin, center + 2.5 * sd * signs]), dtype)
+        probe_points = jnp.asarray(center + signs if pre is None else pre.to_u(x_point + jnp.asarray(signs, dtype)),
+                                   dtype)
         row_bound = self.bounds.rows if isinstance(self.bounds, RowHessianBound) else None
+        if row_bound is not None and pre is not None:  # |S^T H S| <= |S|^T |H| |S| entrywise
+            absolute = pre.abs_matrix()
+            row_bound = partial(_preconditioned_row_bound, row_bound, absolute)
         weights = None
         if self.federation is not None:
             curvature = self.federation.map("row_curvature", bound_points, probe_points)
             self.setup_tally.add("row_curvature")
         else:  # in process: every row's weight too, for the importance sampling
             curvature, level, weights = jax.jit(jax.vmap(partial(
-                row_weights, clients.grad, layout, bound_points=bound_points, probe_points=probe_points,
+                row_weights, row_grad, layout, bound_points=bound_points, probe_points=probe_points,
                 row_bound=row_bound)))(potential.client_data)
             weights = jnp.swapaxes(weights, 1, 2)  # (M, d, n_max)
             level = np.asarray(level, np.float64)[:, 0]
         curvature = np.asarray(curvature, np.float64)  # (M, 2, d, d)
-        prior_hessians = np.abs(np.asarray(jax.jit(jax.vmap(jax.hessian(potential.flat().prior_potential)))(
+        prior_potential = potential.flat().prior_potential
+        if pre is not None:
+            prior_potential = partial(_at_x, prior_potential, pre)
+        prior_hessians = np.abs(np.asarray(jax.jit(jax.vmap(jax.hessian(prior_potential)))(
             jnp.concatenate([bound_points, probe_points])), np.float64))
         num_bound = bound_points.shape[0]
         prior = np.stack([prior_hessians[:num_bound].max(0), prior_hessians[num_bound:].max(0)])
@@ -697,6 +729,9 @@ class FedZigZag(FederatedMCMCKernel):
                 RuntimeWarning)
         margin = 1.0 if row_bound is not None and not layout.client_terms else AUTOMATIC_MARGIN
         prior_bound = np.asarray(self.bounds.prior, np.float64) if user_prior else AUTOMATIC_MARGIN * prior[0]
+        if user_prior and pre is not None:
+            absolute = np.asarray(pre.abs_matrix(), np.float64)
+            prior_bound = absolute.T @ np.abs(prior_bound) @ absolute
         if weights is None:  # uniform batches: the largest row's curvature n_m times
             bound = HessianBound(np.maximum(margin * curvature[:, 0], 0.0), np.maximum(prior_bound, 0.0))
             return per_proposer_bound(bound, potential.num_clients, num_proposers, d, dtype), None
@@ -901,12 +936,14 @@ class FedZigZag(FederatedMCMCKernel):
             else:
                 reference = control_variate_reference(proposers, point, order=order)
         if layout is not None:
+            row_grad = (clients if federated else client_functions(potential)).grad
+            if self.preconditioning is not None:  # in process only: the process's space is u
+                row_grad = preconditioned_row_grad(row_grad, self.preconditioning)
             bounds, weights = self._subsample_bounds(potential, layout, reference.point, flat_potential, hessian,
-                                                     clients if federated else client_functions(potential),
-                                                     proposers.num)
+                                                     row_grad, proposers.num)
             self.subsample_bounds = bounds
             if not federated:
-                proposers = subsampled_proposers(proposers, client_functions(potential).grad, potential.client_data,
+                proposers = subsampled_proposers(proposers, row_grad, potential.client_data,
                                                  potential.num_clients, layout, weights)
         if federated:
             kernel, functions, key = program(reference, self.preconditioning)

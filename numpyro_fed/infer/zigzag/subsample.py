@@ -42,6 +42,11 @@ switch). The weights are integers whose cumulative sums each client's rows keep
 federation the batches stay uniform (the weights would have to live on the client's worker
 between rounds).
 
+With a preconditioner (in process), the process moves in ``u`` (``x = center + scale u``) and
+everything above is done there: ``grad`` is a row's gradient in ``u``
+(:func:`~numpyro_fed.infer.zigzag.preconditioning.preconditioned_row_grad`), so the curvatures,
+weights and bounds are those of the potential of ``u``.
+
 Everything a client computes here receives its own block only; what it sends the server is
 its ``(d, d)`` bound (once, at set-up) and, in every round, the proposal Algorithm 2 sends.
 """
