@@ -10,7 +10,11 @@ N(0, I / d), prior N(0, I)), d in {6, 20}, M = 8 clients (even split), N in {1e3
   ``MCMC(nf.FedZigZag(model))`` with its defaults (the sample interval adapts in warmup);
 * **FedZigZag, subsampled**: ``MCMC(nf.FedZigZag(model, subsample_size=1))`` (each client
   estimates its rate from one random row around the control variates' reference), when the
-  installed FedZigZag has ``subsample_size``.
+  installed FedZigZag has ``subsample_size``;
+* **pdmp-jax ZigZag** (the single-client Zig-Zag of the ``pdmp-jax`` package, on the pooled
+  data, its default grid bounds with adaptive horizon), when ``pdmp_jax`` is importable: it
+  has no warmup, so ``EVENTS_PER_DRAW`` skeleton events per warmup draw are run and discarded
+  from a start at zero, then as many per draw, from which the draws are read at equal times.
 
 Each sampler runs ``MCMC.warmup`` then ``MCMC.run`` (``--warmup`` and ``--samples`` draws, one
 chain) and reports the smallest ESS over the coordinates (NumPyro's estimator) per second,
@@ -35,13 +39,16 @@ fixed ``sample_interval = c x`` the smallest marginal posterior sd (from NUTS) f
 Run ``python benchmarks/zigzag_scale.py`` (the full table, about 30-60 minutes on a 2-core
 CPU), ``--quick`` (d = 6, N in {1e3, 1e4, 1e5}, fewer draws: a few minutes),
 ``--sizes 1000 100000 --dims 6`` for a subset. Results: tables on stdout and
-``benchmarks/results/zigzag_scale.json`` (``--out``). See ``benchmarks/README.md``.
+``benchmarks/results/zigzag_scale.json`` (``--out``; a run replaces the rows it measured and
+keeps the others); ``--plot docs/assets/zigzag_scale.png`` draws the stored rows. See
+``benchmarks/README.md``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import inspect
 import json
 import math
@@ -78,8 +85,12 @@ SWEEP_SIZES = (1_000, 10_000, 100_000)
 FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 #: per sampler, the largest N it runs at unless --budget allows more (FedZigZag with full rates
 #: at 1e6: about 1,000 passes over 1e6 rows per 100 effective samples)
-DEFAULT_MAX_N = {"FedZigZag": 100_000}
+DEFAULT_MAX_N = {"FedZigZag": 100_000, "pdmp-jax ZigZag": 100_000}
 HAS_SUBSAMPLING = "subsample_size" in inspect.signature(nf.FedZigZag.__init__).parameters
+HAS_PDMP_JAX = importlib.util.find_spec("pdmp_jax") is not None
+#: pdmp-jax: skeleton events per draw (the Zig-Zag switches about 2-3 times per unit of time
+#: per coordinate at d = 6; its draws are then read at equal times along the skeleton)
+EVENTS_PER_DRAW = 15
 
 
 # -- models and data ----------------------------------------------------------------------
@@ -221,15 +232,52 @@ def run_fedzigzag(X, y, *, num_warmup, num_samples, seed, sample_interval=None, 
     return draws, sw, {
         "gradient_rows": rows,
         "events": int(np.sum(warm["info.num_events"]) + np.sum(post["info.num_events"])),
+        "proposals": int(np.sum(warm["info.num_proposals"]) + np.sum(post["info.num_proposals"])),
         "violations": int(np.sum(warm["info.num_violations"]) + np.sum(post["info.num_violations"])),
         "sample_interval": float(np.asarray(post["adapt.interval"])[-1]),
     }
+
+
+def run_pdmp_jax(X, y, *, num_warmup, num_samples, seed, grid_size=10):
+    """pdmp-jax's ZigZag on the pooled potential: no warmup of its own, so the skeleton of
+    ``EVENTS_PER_DRAW * num_warmup`` events from zero is discarded and the next
+    ``EVENTS_PER_DRAW * num_samples`` events give ``num_samples`` draws at equal times.
+
+    Gradient rows are counted from its output: each skeleton event evaluates the bound on its
+    grid (``grid_size`` gradients, once more per hit horizon or bound error) and the rate at
+    each proposal (accepted, rejected or in error), and once more at the switch; a gradient
+    differentiated along the time grid (``jvp``) counts as one: a lower bound of its work."""
+    from pdmp_jax import ZigZag
+
+    d = X.shape[1]
+
+    def grad_u(w):
+        logits = X @ w
+        return X.T @ (jax.nn.sigmoid(logits) - y) + w
+
+    sampler = ZigZag(d, grad_u, grid_size=grid_size)
+    zero = jnp.zeros(d, X.dtype)
+    velocity = jnp.ones(d, X.dtype)
+
+    def grads(out):
+        proposals = 1 + np.asarray(out.rejected) + np.asarray(out.error_bound)
+        bounds = 1 + np.asarray(out.hitting_horizon) + np.asarray(out.error_bound)
+        return int(np.sum(grid_size * bounds + proposals + 1))
+
+    with Stopwatch() as sw:
+        warm = sampler.sample_skeleton(EVENTS_PER_DRAW * num_warmup, zero, velocity, seed, verbose=False)
+        x0, v0 = warm.x[-1], warm.v[-1]
+        out = sampler.sample_skeleton(EVENTS_PER_DRAW * num_samples, x0, v0, seed + 1, verbose=False)
+        draws = np.asarray(sampler.sample_from_skeleton(num_samples, out))
+    return draws, sw, {"gradient_rows": (grads(warm) + grads(out)) * X.shape[0],
+                       "events": int(out.t.shape[0] - 1 + warm.t.shape[0] - 1)}
 
 
 SAMPLERS = {
     "NUTS": run_nuts,
     "FedZigZag": run_fedzigzag,
     "FedZigZag(subsample_size=1)": lambda X, y, **kw: run_fedzigzag(X, y, subsample_size=1, **kw),
+    "pdmp-jax ZigZag": run_pdmp_jax,
 }
 
 
@@ -312,6 +360,56 @@ def print_scale(rows):
                 print(f"d={d} {name}: gradient rows per ESS grow {growth:.3g}x from N=1e4 to N=1e6")
 
 
+STYLE = {"NUTS": ("black", "o"), "FedZigZag": ("tab:blue", "s"),
+         "FedZigZag(subsample_size=1)": ("tab:red", "^"), "pdmp-jax ZigZag": ("tab:green", "D")}
+
+
+def plot_scale(rows, path=None):
+    """The scale table (``measure``'s rows) as a figure: min-ESS per second against N (log-log)
+    for each d, compilation excluded (solid) and included (dotted), and the gradient rows per
+    effective sample. Saved to ``path`` if given; returns the figure."""
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if "skipped" not in r]
+    dims = sorted({r["d"] for r in rows})
+    samplers = [s for s in STYLE if any(r["sampler"] == s for r in rows)]
+    fig, axes = plt.subplots(1, len(dims) + 1, figsize=(5.2 * (len(dims) + 1), 4.2))
+    for ax, d in zip(axes, dims):
+        for name in samplers:
+            these = sorted((r for r in rows if r["d"] == d and r["sampler"] == name), key=lambda r: r["N"])
+            if not these:
+                continue
+            color, marker = STYLE[name]
+            n = [r["N"] for r in these]
+            ax.loglog(n, [r["ess_per_s"] for r in these], color=color, marker=marker, label=name)
+            ax.loglog(n, [r["ess_per_s_with_compile"] for r in these], color=color, marker=marker,
+                      linestyle=":", alpha=0.6)
+        ax.set_title(f"logistic regression, d = {d}, M = {NUM_CLIENTS}")
+        ax.set_xlabel("rows N")
+        ax.set_ylabel("min-ESS per second")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(title="solid: compilation excluded\ndotted: included", fontsize=8)
+    ax = axes[-1]
+    for name in samplers:
+        color, marker = STYLE[name]
+        for d, style in zip(dims, ("-", "--", "-.")):
+            these = sorted((r for r in rows if r["d"] == d and r["sampler"] == name
+                            and np.isfinite(r.get("rows_per_ess", np.nan))), key=lambda r: r["N"])
+            if these:
+                ax.loglog([r["N"] for r in these], [r["rows_per_ess"] for r in these], color=color,
+                          marker=marker, linestyle=style, label=f"{name}, d = {d}")
+    ax.set_title("cost per effective sample")
+    ax.set_xlabel("rows N")
+    ax.set_ylabel("gradient-row evaluations per effective sample")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=110)
+        print(f"wrote {path}")
+    return fig
+
+
 # -- the sample-interval sweep ------------------------------------------------------------
 
 
@@ -366,7 +464,8 @@ def main(argv=None):
     parser.add_argument("--sizes", type=int, nargs="+", default=None, help="N values (default 1e3..1e6)")
     parser.add_argument("--dims", type=int, nargs="+", default=None, help="d values (default 6 20)")
     parser.add_argument("--samplers", nargs="+", default=None, choices=tuple(SAMPLERS),
-                        help="default: all three (the subsampled one if FedZigZag has subsample_size)")
+                        help="default: all (the subsampled one if FedZigZag has subsample_size, "
+                             "pdmp-jax's if pdmp_jax is importable)")
     parser.add_argument("--quick", action="store_true",
                         help="d=6, N in {1e3, 1e4, 1e5}, 500 warmup and 1000 draws (a few minutes)")
     parser.add_argument("--warmup", type=int, default=1000)
@@ -379,10 +478,18 @@ def main(argv=None):
     parser.add_argument("--x64", action="store_true", help="float64 (default: NumPyro's float32)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--plot", type=Path, default=None, metavar="PNG",
+                        help="draw the scale table stored in --out to this file, run nothing")
     args = parser.parse_args(argv)
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        plot_scale(json.loads(args.out.read_text())["scale"], args.plot)
+        return
     num_warmup, num_samples = (500, 1000) if args.quick else (args.warmup, args.samples)
     dims = args.dims or ((6,) if args.quick or args.sweep else (6, 20))
-    meta = {"argv": sys.argv[1:], "jax": jax.__version__, "numpyro": numpyro.__version__,
+    meta = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "argv": sys.argv[1:], "jax": jax.__version__, "numpyro": numpyro.__version__,
             "python": platform.python_version(), "loadavg": os.getloadavg(), "x64": bool(args.x64),
             "subsampling_available": HAS_SUBSAMPLING}
     print(f"JAX {jax.__version__}, NumPyro {numpyro.__version__}, load average {os.getloadavg()[0]:.1f} "
@@ -395,9 +502,12 @@ def main(argv=None):
         out = {"sweep_meta": meta, "sweep": rows}
     else:
         sizes = args.sizes or ((1_000, 10_000, 100_000) if args.quick else SIZES)
-        samplers = args.samplers or [s for s in SAMPLERS if HAS_SUBSAMPLING or "subsample" not in s]
+        samplers = args.samplers or [s for s in SAMPLERS if (HAS_SUBSAMPLING or "subsample" not in s)
+                                     and (HAS_PDMP_JAX or s != "pdmp-jax ZigZag")]
         if not HAS_SUBSAMPLING:
             print("[skip] FedZigZag(subsample_size=1): this FedZigZag has no subsample_size", flush=True)
+        if not HAS_PDMP_JAX:
+            print("[skip] pdmp-jax ZigZag: pdmp_jax is not importable (see benchmarks/README.md)", flush=True)
         rows = scale_table(sizes, dims, samplers, num_warmup=num_warmup, num_samples=num_samples,
                            budget=args.budget, seed=args.seed)
         print_scale(rows)
@@ -405,6 +515,16 @@ def main(argv=None):
     meta["loadavg_end"] = os.getloadavg()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     previous = json.loads(args.out.read_text()) if args.out.exists() else {}
+    for row in out.get("scale", []):
+        row["run"] = meta["started"]  # which entry of scale_meta measured it
+    if "scale" in out and "scale" in previous:
+        # a scale run replaces the rows it measured (same sampler, d and N) and keeps the others
+        fresh = {(r["sampler"], r["d"], r["N"]) for r in out["scale"]}
+        out["scale"] = [r for r in previous["scale"] if (r["sampler"], r["d"], r["N"]) not in fresh] + out["scale"]
+        before = previous.get("scale_meta", [])
+        out["scale_meta"] = (before if isinstance(before, list) else [before]) + [meta]
+    elif "scale" in out:
+        out["scale_meta"] = [meta]
     previous.update(out)  # a sweep and a scale table share the file
     args.out.write_text(json.dumps(previous, indent=1))
     print(f"wrote {args.out}")
