@@ -41,7 +41,7 @@ demo: $(STAMP)
 	$(PY) examples/demo.py --data $(DATA)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 -m "not slow"
+	$(PY) -m pytest -q -n 2 -m "not slow" --durations=25
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m slow
