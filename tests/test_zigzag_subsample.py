@@ -278,6 +278,29 @@ def _checked(kernel, mcmc):
         return kernel.check_run(mcmc)
 
 
+def probit(X, y=None, clients=None):
+    b = numpyro.sample("b", dist.Normal(0, 5).expand([X.shape[1]]).to_event(1))
+    with nf.federated_plate("data", X.shape[0], clients=clients):
+        numpyro.sample("y", dist.Bernoulli(probs=jax.scipy.stats.norm.cdf(X @ b)), obs=y)
+
+
+def test_curvature_not_finite_away_from_the_posterior_is_warned_not_refused():
+    """A probit written with probabilities: one unit from the reference (covariates of scale
+    50) Phi underflows and the rows' Hessians are nan. Near the posterior they are finite, so
+    the run is warned (a local bound), counted, and agrees with NUTS; with the Laplace
+    preconditioner (the covariates' scales differ 500-fold)."""
+    rng = np.random.default_rng(8)
+    X = rng.normal(size=(400, 3)) * np.array([1.0, 50.0, 0.1])
+    y = (rng.uniform(size=400) < jax.scipy.stats.norm.cdf(X @ np.array([0.5, -0.01, 4.0]))).astype(float)
+    owner = unequal_owner(400, 8)
+    with pytest.warns(RuntimeWarning, match="is not finite one unit from the reference point"):
+        kernel, mcmc = run_zigzag(probit, (X, y, owner), subsample_size=1, sample_interval=None,
+                                  preconditioner="laplace")
+    assert kernel.unbounded_curvature
+    assert int(mcmc.get_extra_fields()["info.num_violations"].sum()) == 0
+    assert_agree_with_draws(np.asarray(mcmc.get_samples()["b"]), np.asarray(run_nuts(probit, (X, y, owner))["b"]))
+
+
 def test_a_violation_in_warmup_grows_the_bound():
     """A user bound too small for the model: the warmup's violations double it, with a
     warning, and the bound's growth stays in the state."""

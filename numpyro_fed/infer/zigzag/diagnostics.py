@@ -54,10 +54,12 @@ _VIOLATION_REMEDY = {
 }
 
 
-def few_effective_draws(samples_by_chain: dict, min_ess: float) -> list[str]:
+def few_effective_draws(samples_by_chain: dict, min_ess: float, *, preconditioned: bool = True) -> list[str]:
     """One message per site with an element of fewer than ``min_ess`` effective draws
     (NumPyro's estimator over the chains): its mean carries a Monte Carlo error above
-    ``1 / sqrt(min_ess)`` of its sd."""
+    ``1 / sqrt(min_ess)`` of its sd. Without ``preconditioned`` the message also names the
+    preconditioner (the axis-aligned process is slow on correlated or unequally scaled
+    parameters)."""
     problems = []
     for site, value in samples_by_chain.items():
         value = np.asarray(jax.device_get(value), dtype=np.float64)
@@ -73,6 +75,8 @@ def few_effective_draws(samples_by_chain: dict, min_ess: float) -> list[str]:
                 f"{where} has {ess[j]:.3g} effective draws (fewer than {min_ess:g}): its summaries "
                 "carry a large Monte Carlo error; run more num_samples (or chains), a longer "
                 "num_warmup, or a larger sample_interval"
+                + ("" if preconditioned else ", or pass preconditioner='laplace' (parameters that are "
+                   "correlated or on unequal scales)")
             )
     return problems
 

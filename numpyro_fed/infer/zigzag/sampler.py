@@ -533,7 +533,8 @@ class FedZigZag(FederatedMCMCKernel):
         Its ``result`` (what :meth:`check_run` returns) is ``(num_violations, num_proposals,
         num_capped_samples)``.
         """
-        problems = few_effective_draws(mcmc.get_samples(group_by_chain=True), min_ess)
+        problems = few_effective_draws(mcmc.get_samples(group_by_chain=True), min_ess,
+                                       preconditioned=self.preconditioner is not None)
         interval = self.sample_interval
         state = getattr(mcmc, "last_state", None)
         if interval is None and state is not None and hasattr(state, "adapt"):
@@ -705,24 +706,35 @@ class FedZigZag(FederatedMCMCKernel):
         num_bound = bound_points.shape[0]
         prior = np.stack([prior_hessians[:num_bound].max(0), prior_hessians[num_bound:].max(0)])
         user_prior = isinstance(self.bounds, RowHessianBound) and self.bounds.prior is not None
-        if not (np.isfinite(curvature).all() and np.isfinite(prior).all()):
+        if not (np.isfinite(curvature[:, 0]).all() and np.isfinite(prior[0]).all()):
             raise ValueError(f"FedZigZag(subsample_size={self.subsample_size}): the curvature bound is not "
-                             "finite (a row's Hessian is inf or nan near the posterior); pass subsample_size=None")
-        grows = []
+                             "finite (a row's Hessian is inf or nan near the posterior: at the reference point, "
+                             "the origin or 2.5 posterior sds around the reference); pass subsample_size=None")
+        # one unit away: a curvature larger there, or not finite (a probability that rounds to
+        # 0 or 1, a log-density undefined there), bounds the rows only near the posterior
         slack = lambda b: b * (1 + 1e-6) + 1e-12  # noqa: E731
-        for m in np.flatnonzero((curvature[:, 1] > slack(curvature[:, 0])).any(axis=(-1, -2))):
-            grows.append(f"client {m}")
-        if not user_prior and (prior[1] > slack(prior[0])).any():
+        finite = np.isfinite(curvature[:, 1]).all(axis=(-1, -2))
+        larger = (np.where(np.isfinite(curvature[:, 1]), curvature[:, 1], 0.0) > slack(curvature[:, 0])).any(axis=(-1, -2))
+        grows = [f"client {m}" for m in np.flatnonzero(larger | ~finite)]
+        prior_finite = bool(np.isfinite(prior[1]).all())
+        if not user_prior and (not prior_finite or (np.where(np.isfinite(prior[1]), prior[1], 0.0) > slack(prior[0])).any()):
             grows.append("the prior")
         self.unbounded_curvature = bool(grows)
         if grows:
-            ratio = max(float(np.max(curvature[:, 1] / np.maximum(curvature[:, 0], 1e-300))),
-                        0.0 if user_prior else float(np.max(prior[1] / np.maximum(prior[0], 1e-300))))
+            undefined = [f"client {m}" for m in np.flatnonzero(~finite)] + ([] if user_prior or prior_finite else ["the prior"])
+            if undefined:
+                how = (f"is not finite one unit from the reference point for {', '.join(undefined)} (the "
+                       "log-density or its derivatives overflow or are undefined there, e.g. a probability "
+                       "that rounds to 0 or 1)")
+            else:
+                ratio = max(float(np.max(curvature[:, 1] / np.maximum(curvature[:, 0], 1e-300))),
+                            0.0 if user_prior else float(np.max(prior[1] / np.maximum(prior[0], 1e-300))))
+                how = (f"grows away from the posterior (one unit from the reference point it is up to {ratio:.3g} "
+                       "times the largest found around the posterior: not bounded globally, e.g. a log link or "
+                       "a scale parameter)")
             warn_user(
-                f"FedZigZag(subsample_size={self.subsample_size}): the curvature of {', '.join(grows)} grows "
-                f"away from the posterior (one unit from the reference point it is up to {ratio:.3g} times "
-                "the largest found around the posterior: not bounded globally, e.g. a log link or a "
-                "scale parameter). The automatic bound holds near the posterior only: proposals whose "
+                f"FedZigZag(subsample_size={self.subsample_size}): the curvature of {', '.join(grows)} {how}. "
+                "The automatic bound holds near the posterior only: proposals whose "
                 "estimated rate exceeds it are counted (sample_stats num_violations, check_run), and "
                 "each warmup draw with one doubles the bound. For an exact run pass "
                 "bounds=RowHessianBound(...) valid everywhere, or subsample_size=None",
