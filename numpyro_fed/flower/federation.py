@@ -65,7 +65,6 @@ class FlowerFederation(RemoteFederation):
     :param float start_timeout: seconds to wait for the nodes to connect, describe their rows
         and build their programs (a node compiles its functions on its first call: the first
         call of each function may take ``timeout`` more).
-    :param str method_name: the name of the method in the app (see :class:`Recipe`).
     """
 
     def __init__(self, grid, *, num_clients: int | None = None, timeout: float = 120.0,

@@ -110,24 +110,27 @@ def build_kernel(proposers: Proposers, *, reference: ControlVariates | None = No
     :param reference: :class:`~numpyro_fed.infer.zigzag.ControlVariates` at the reference
         point ``x*`` (``None``: no control variates); a ``reference`` given to the kernel
         replaces it (same structure: the warmup re-centers it).
-    :param excess_rates: ``(P,)`` excess (refreshment) rate of each proposer, split evenly
-        over coordinates.
-    :param float redistribution_rate: rate of the Poisson clock that redraws the prior's
-        shares ``w ~ Dirichlet(1, ..., 1)`` (Appendix D, Algorithm 4); 0: fixed shares.
-    :param bounds: ``"grid"``: the automatic grid bound; ``"affine"``: exact inversion
-        of ``max(0, a + b t)`` from the rate and its slope at the start of each line, exact
-        when the potential is quadratic (Gaussian targets), elsewhere checked and counted;
-        a :class:`~numpyro_fed.GradientBound` or :class:`~numpyro_fed.HessianBound` with one
-        row per *proposer* (see :func:`~numpyro_fed.infer.zigzag.per_proposer_bound`).
-    :param int grid_size: ``K`` grid points per horizon for the automatic bound.
-    :param float safety_factor: bounds are multiplied by this (>= 1).
-    :param int max_proposals: proposals allowed per call (guards against a rate that
-        explodes); reaching it sets ``hit_event_cap``.
-    :param bool batched: the kernel will run under ``vmap`` (vectorized chains): the grid is
-        then evaluated at all its points in one batch. The counts of gradient evaluations are
-        the same either way (they count what the algorithm needs).
-    :param bool full_covariance: integrate ``x x^T`` in full (else its diagonal).
-    :param int skeleton_size: switches recorded per call (0: none).
+    :param settings: the kernel's settings, by keyword (the fields of
+        :class:`~numpyro_fed.infer.zigzag.KernelConfig`):
+
+        * ``excess_rates``: ``(P,)`` excess (refreshment) rate of each proposer, split evenly
+          over coordinates.
+        * ``redistribution_rate``: rate of the Poisson clock that redraws the prior's
+          shares ``w ~ Dirichlet(1, ..., 1)`` (Appendix D, Algorithm 4); 0: fixed shares.
+        * ``bounds``: ``"grid"``: the automatic grid bound; ``"affine"``: exact inversion
+          of ``max(0, a + b t)`` from the rate and its slope at the start of each line, exact
+          when the potential is quadratic (Gaussian targets), elsewhere checked and counted;
+          a :class:`~numpyro_fed.GradientBound` or :class:`~numpyro_fed.HessianBound` with one
+          row per *proposer* (see :func:`~numpyro_fed.infer.zigzag.per_proposer_bound`).
+        * ``grid_size``: ``K`` grid points per horizon for the automatic bound.
+        * ``safety_factor``: bounds are multiplied by this (>= 1).
+        * ``max_proposals``: proposals allowed per call (guards against a rate that
+          explodes); reaching it sets ``hit_event_cap``.
+        * ``batched``: the kernel will run under ``vmap`` (vectorized chains): the grid is
+          then evaluated at all its points in one batch. The counts of gradient evaluations are
+          the same either way (they count what the algorithm needs).
+        * ``full_covariance``: integrate ``x x^T`` in full (else its diagonal).
+        * ``skeleton_size``: switches recorded per call (0: none).
 
     **Example**: a standard normal target held by two clients.
 
