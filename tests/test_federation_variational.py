@@ -241,7 +241,8 @@ def test_on_ray_the_run_is_the_in_process_run(ray_session, data, case):
         on_ray = RAY_CASES[case](federation=federation).run(key, 2, *data)
     # the same run, and the same ledger: on Ray it is counted from the payloads the actors
     # received and sent, so they carried the protocol's messages and no client state
-    assert_same_run(on_ray, local)
+    # P-DSVGD's server state is made from the particles the clients upload: to round-off
+    assert_same_run(on_ray, local, state_rtol=1e-12 if case == "pdsvgd" else 0.0)
     # nothing the driver holds after the run contains what the clients kept
     cloudpickle = pytest.importorskip("cloudpickle")
     held = cloudpickle.dumps((on_ray.state, on_ray.metrics, on_ray.ledger))
