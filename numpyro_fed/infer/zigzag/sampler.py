@@ -302,8 +302,9 @@ class FedZigZag(FederatedMCMCKernel):
         given as ``bounds``. Needs a mode and first-order control variates (on whatever
         ``M``); with a ``preconditioner`` (in process) the rows' curvatures and weights are
         those of the potential of ``u``; refused with row-local latents, with a privacy
-        guarantee and with a preconditioner through a federation. ``None`` (default): every rate from all the rows. ``sample_stats`` then
-        counts the row gradients (``grad_row_evals``; :attr:`rows_per_gradient`).
+        guarantee and with a preconditioner through a federation. ``None`` (default): every
+        rate from all the rows. ``sample_stats`` then counts the row gradients
+        (``grad_row_evals``; :attr:`rows_per_gradient`).
 
     A sample that makes ``max_proposals`` proposals (at least 50) without one switch stops
     its chain: the remaining draws repeat its last position, are marked ``hit_event_cap``,
@@ -713,15 +714,18 @@ class FedZigZag(FederatedMCMCKernel):
         # one unit away: a curvature larger there, or not finite (a probability that rounds to
         # 0 or 1, a log-density undefined there), bounds the rows only near the posterior
         slack = lambda b: b * (1 + 1e-6) + 1e-12  # noqa: E731
+        finite_part = lambda a: np.where(np.isfinite(a), a, 0.0)  # noqa: E731
         finite = np.isfinite(curvature[:, 1]).all(axis=(-1, -2))
-        larger = (np.where(np.isfinite(curvature[:, 1]), curvature[:, 1], 0.0) > slack(curvature[:, 0])).any(axis=(-1, -2))
+        larger = (finite_part(curvature[:, 1]) > slack(curvature[:, 0])).any(axis=(-1, -2))
         grows = [f"client {m}" for m in np.flatnonzero(larger | ~finite)]
         prior_finite = bool(np.isfinite(prior[1]).all())
-        if not user_prior and (not prior_finite or (np.where(np.isfinite(prior[1]), prior[1], 0.0) > slack(prior[0])).any()):
+        if not user_prior and (not prior_finite or (finite_part(prior[1]) > slack(prior[0])).any()):
             grows.append("the prior")
         self.unbounded_curvature = bool(grows)
         if grows:
-            undefined = [f"client {m}" for m in np.flatnonzero(~finite)] + ([] if user_prior or prior_finite else ["the prior"])
+            undefined = [f"client {m}" for m in np.flatnonzero(~finite)]
+            if not (user_prior or prior_finite):
+                undefined.append("the prior")
             if undefined:
                 how = (f"is not finite one unit from the reference point for {', '.join(undefined)} (the "
                        "log-density or its derivatives overflow or are undefined there, e.g. a probability "
