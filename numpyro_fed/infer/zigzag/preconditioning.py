@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
+
 import jax
 import jax.numpy as jnp
 
@@ -45,8 +47,20 @@ class Preconditioner(NamedTuple):
         """Gradients (rows ``(..., d)`` in ``x``) as gradients in ``u``: ``rows @ scale``."""
         return rows * self.scale if self.scale.ndim == 1 else rows @ self.scale
 
+    def matrix(self):
+        """``scale`` as a ``(d, d)`` matrix."""
+        return jnp.diag(self.scale) if self.scale.ndim == 1 else self.scale
+
     def abs_matrix(self):
-        return jnp.diag(jnp.abs(self.scale)) if self.scale.ndim == 1 else jnp.abs(self.scale)
+        return jnp.abs(self.matrix())
+
+    def bound_to_u(self, bound):
+        """A bound ``H`` on ``|d_i d_k U|`` in ``x`` (``(..., d, d)``) as one in ``u``:
+        ``|scale^T h scale| <= |scale|^T H |scale|`` entrywise (NumPy in, NumPy out)."""
+        absolute = self.abs_matrix()
+        if isinstance(bound, np.ndarray):
+            absolute = np.asarray(absolute, bound.dtype)
+        return absolute.T @ bound @ absolute
 
 
 def precondition(proposers: Proposers, preconditioner: Preconditioner) -> Proposers:
@@ -93,10 +107,10 @@ def preconditioned_row_grad(grad, preconditioner: Preconditioner):
 def preconditioned_bound(bound, preconditioner: Preconditioner):
     """A user's bound in ``x`` as a bound in ``u``: ``|scale^T g| <= |scale|^T G`` and
     ``|scale^T H scale| <= |scale|^T H |scale|`` entrywise."""
-    absolute = preconditioner.abs_matrix()
     if isinstance(bound, GradientBound):
+        absolute = preconditioner.abs_matrix()
         return GradientBound(bound.clients @ absolute, bound.prior @ absolute)
-    return HessianBound(absolute.T @ bound.clients @ absolute, absolute.T @ bound.prior @ absolute)
+    return HessianBound(preconditioner.bound_to_u(bound.clients), preconditioner.bound_to_u(bound.prior))
 
 
 def laplace_preconditioner(flat_potential, mode, *, diagonal: bool = False, hessian=None) -> Preconditioner:

@@ -119,10 +119,10 @@ def _carry_ledger(previous, ledger):
     ledger.round_trips += previous.round_trips
 
 
-def _preconditioned_row_bound(row_bound, absolute, *rows):
+def _preconditioned_row_bound(row_bound, preconditioner, *rows):
     """A user's per-row curvature bound in ``x`` as one in ``u``: ``|S|^T |B| |S|``."""
-    d = absolute.shape[0]
-    return absolute.T @ jnp.broadcast_to(jnp.abs(jnp.asarray(row_bound(*rows))), (d, d)) @ absolute
+    d = preconditioner.center.shape[-1]
+    return preconditioner.bound_to_u(jnp.broadcast_to(jnp.abs(jnp.asarray(row_bound(*rows))), (d, d)))
 
 
 def _at_x(fn, preconditioner, u):
@@ -667,7 +667,7 @@ class FedZigZag(FederatedMCMCKernel):
             total = jax.hessian(flat_potential)(x_point)
         total = np.asarray(total, np.float64)
         if pre is not None:
-            scale = np.asarray(jnp.diag(pre.scale) if pre.scale.ndim == 1 else pre.scale, np.float64)
+            scale = np.asarray(pre.matrix(), np.float64)
             total = scale.T @ total @ scale
         try:
             variances = np.diag(np.linalg.inv(total))
@@ -686,8 +686,7 @@ class FedZigZag(FederatedMCMCKernel):
                                    dtype)
         row_bound = self.bounds.rows if isinstance(self.bounds, RowHessianBound) else None
         if row_bound is not None and pre is not None:  # |S^T H S| <= |S|^T |H| |S| entrywise
-            absolute = pre.abs_matrix()
-            row_bound = partial(_preconditioned_row_bound, row_bound, absolute)
+            row_bound = partial(_preconditioned_row_bound, row_bound, pre)
         weights = None
         if self.federation is not None:
             curvature = self.federation.map("row_curvature", bound_points, probe_points)
@@ -746,8 +745,7 @@ class FedZigZag(FederatedMCMCKernel):
         margin = 1.0 if row_bound is not None and not layout.client_terms else AUTOMATIC_MARGIN
         prior_bound = np.asarray(self.bounds.prior, np.float64) if user_prior else AUTOMATIC_MARGIN * prior[0]
         if user_prior and pre is not None:
-            absolute = np.asarray(pre.abs_matrix(), np.float64)
-            prior_bound = absolute.T @ np.abs(prior_bound) @ absolute
+            prior_bound = pre.bound_to_u(np.abs(prior_bound))
         if weights is None:  # uniform batches: the largest row's curvature n_m times
             bound = HessianBound(np.maximum(margin * curvature[:, 0], 0.0), np.maximum(prior_bound, 0.0))
             return per_proposer_bound(bound, potential.num_clients, num_proposers, d, dtype), None
