@@ -156,10 +156,12 @@ def test_automatic_logistic_bound_is_the_supremum_and_never_violated():
     clients look at: each row's automatic bound is the margin times |a_J a_J^T| / 4 (a true
     bound), and a run has no violation."""
     X, y, owner = logistic_data(200)
-    kernel, mcmc = run_zigzag(logistic, (X, y, owner), subsample_size=2, num_samples=300)
+    kernel, mcmc = run_zigzag(logistic, (X, y, owner), subsample_size=2, num_samples=300,
+                              control_variates="first_order")
     fields = mcmc.get_extra_fields()
     assert int(fields["info.num_violations"].sum()) == 0 and int(fields["info.num_events"].sum()) > 100
     assert not kernel.unbounded_curvature
+    assert kernel.subsample_bounds.second is None
     assert_importance_bound(kernel.subsample_bounds, X, owner, margin=1.25)
     np.testing.assert_allclose(np.asarray(kernel.subsample_bounds.prior), 1.25 * np.eye(3), atol=1e-12)
 
@@ -419,7 +421,8 @@ def test_subsample_larger_than_a_client_is_refused():
 @pytest.mark.parametrize("options, match", [
     ({"dp_sensitivity": 2.0, "dp_epsilon": 1.0, "dp_delta": 1e-3}, "privacy guarantee"),
     ({"control_variates": False}, "control_variates=False"),
-    ({"control_variates": "second_order"}, "second_order"),
+    ({"control_variates": "second_order", "federation": InProcess()}, "not through a federation"),
+    ({"control_variates": "second_order", "bounds": nf.RowHessianBound(lambda x, y: jnp.eye(3))}, "third="),
     ({"bounds": "affine"}, "bounds at its default"),
     ({"bounds": nf.HessianBound(1.0)}, "bounds at its default"),
     ({"preconditioner": "laplace", "federation": InProcess()}, "not through a federation"),

@@ -41,6 +41,10 @@ __all__ = [
 ]
 
 
+#: second-order subsampling: the rounding allowed in a rate's Taylor part, in ulps of its terms
+ROUNDING_ULPS = 64
+
+
 class GradientBound(NamedTuple):
     """User-supplied bounds on the gradients: constant switching-rate bounds.
 
@@ -112,12 +116,23 @@ class SampledRowBound(NamedTuple):
     plus, per proposer and coordinate, ``sup``: the importance-sampled rows' estimate moves
     from its value at the reference point ``x*`` by at most ``sup_i max_k |x_k - x*_k|``.
 
+    With second-order control variates (``second`` given) the estimate is the Taylor part
+    ``g + H (x - x*)`` (exact: the rates' affine part along the line) plus importance-sampled
+    remainders at most ``second_i |x - x*|^2`` (Euclidean), and ``clients``/``prior`` bound
+    the exactly computed terms' Hessians' variation ``|H(x) - H(x*)|``. ``|x + t v - x*|^2``
+    is quadratic in ``t``: on ``[0, horizon]`` it is at most its chord's affine bound
+    ``|x - x*|^2 + t (2 (x - x*).v + d horizon)``, so the line's bound holds up to
+    ``horizon`` and is rebuilt there.
+
     :ivar clients: ``(P, d, d)``. :ivar prior: ``(d, d)``. :ivar sup: ``(P, d)``.
+    :ivar second: ``(P, d)`` or ``None`` (first order). :ivar horizon: ``()``, with ``second``.
     """
 
     clients: jax.Array
     prior: jax.Array
     sup: jax.Array
+    second: jax.Array | None = None
+    horizon: jax.Array | None = None
 
 
 def bound_kind(bounds) -> str:
@@ -231,6 +246,21 @@ def line_coefficients(config: KernelConfig, state: ZigZagState, shift: Shift):
     # |d_i T_j(y) - d_i T_j(x*)| <= sum_k H_jik |y_k - x*_k| <= (H_j |x - x*|)_i + t (H_j 1)_i
     mean_gradient = (reference.term_grads.sum(0) + reference.prior_grad) / config.proposers.num
     distance = jnp.abs(x - reference.point)
+    second = getattr(bounds, "second", None)
+    if second is not None:  # the Taylor part, exact and affine along the line, plus the remainders
+        mean_hessian = (reference.term_hessians.sum(0) + reference.prior_hessian) / config.proposers.num
+        step = x - reference.point
+        d = x.shape[0]
+        # the rate's Taylor part is computed as a sum of terms that cancel (each proposer's gradient
+        # and shift): their rounding, exact terms' scale times a few ulps, is part of the bound
+        magnitude = (jnp.abs(reference.term_grads) + jnp.abs(mean_gradient)
+                     + (jnp.abs(reference.term_hessians) + jnp.abs(mean_hessian)) @ distance
+                     + weights[:, None] * (jnp.abs(reference.prior_grad) + jnp.abs(reference.prior_hessian) @ distance))
+        rounding = ROUNDING_ULPS * jnp.finfo(x.dtype).eps * magnitude
+        a = (v * (mean_gradient + mean_hessian @ step) + hessian @ distance + second * (step @ step)
+             + rounding)
+        b = v * (mean_hessian @ v) + growth + second * (2 * (step @ v) + d * bounds.horizon)
+        return a, b
     a = v * mean_gradient + hessian @ distance
     if sup is not None:
         a = a + sup * jnp.max(distance)

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from numpyro_fed.infer.zigzag.bounds import bound_kind, current_line, empty_line
+from numpyro_fed.infer.zigzag.bounds import SampledRowBound, bound_kind, current_line, empty_line
 from numpyro_fed.infer.zigzag.control_variates import ControlVariates, Shift, shift_for, shift_of
 from numpyro_fed.infer.zigzag.proposals import exponential, grid_proposals, line_proposals
 from numpyro_fed.infer.zigzag.proposers import Proposers
@@ -88,7 +88,11 @@ def kernel_config(
     """The :class:`~numpyro_fed.infer.zigzag.KernelConfig` of :func:`build_kernel` (same
     arguments but ``reference``, which is only checked here)."""
     kind = bound_kind(bounds)
-    if reference is not None and reference.second_order and kind in ("gradient", "hessian"):
+    if isinstance(bounds, SampledRowBound):
+        if reference is not None and reference.second_order != (bounds.second is not None):
+            raise ValueError("a SampledRowBound with second-order remainders needs second-order control "
+                             "variates, and first-order control variates one without")
+    elif reference is not None and reference.second_order and kind in ("gradient", "hessian"):
         raise ValueError(
             "second-order control variates need the automatic bounds ('grid' or 'affine'): "
             f"a {type(bounds).__name__} does not bound the linear part of their shift"
@@ -240,6 +244,8 @@ def step(config: KernelConfig, rng_key, state: ZigZagState, max_time,
         excess = config.excess.astype(dtype) / d
         proposals = line_proposals(line, excess, k_clock, k_coordinate, k_coordinate_clocks)
         line_left = jnp.asarray(jnp.inf, dtype)
+        if getattr(config.bounds, "horizon", None) is not None:  # a bound that holds up to a horizon
+            line_left = config.bounds.horizon.astype(dtype) - line.position
     winner = jnp.argmin(proposals.tau)
     tau_win = proposals.tau[winner]
     stop = jnp.minimum(line_left, max_time)
@@ -326,7 +332,8 @@ def scaled_bounds(config, bound_scale):
         return config
     bounds = config.bounds
     return config._replace(bounds=bounds._replace(**{name: getattr(bounds, name) * bound_scale
-                                                      for name in bounds._fields}))
+                                                      for name in bounds._fields
+                                                      if name != "horizon" and getattr(bounds, name) is not None}))
 
 
 def advance(config: KernelConfig, rng_key, state: ZigZagState, duration,

@@ -19,10 +19,13 @@ from numpyro_fed.infer.kernel import FederatedMCMCKernel, RunCheck
 from numpyro_fed.infer.zigzag.bounds import HessianBound, SampledRowBound, bound_kind, per_proposer_bound
 from numpyro_fed.infer.zigzag.subsample import (
     AUTOMATIC_MARGIN,
+    THIRD_FLOOR,
+    THIRD_GROWTH,
     RowHessianBound,
     importance_weights,
     row_curvature,
     row_weights,
+    third_weights,
     rows_per_estimate,
     subsample_layout,
     subsampled_proposers,
@@ -123,6 +126,46 @@ def _preconditioned_row_bound(row_bound, preconditioner, *rows):
     """A user's per-row curvature bound in ``x`` as one in ``u``: ``|S|^T |B| |S|``."""
     d = preconditioner.center.shape[-1]
     return preconditioner.bound_to_u(jnp.broadcast_to(jnp.abs(jnp.asarray(row_bound(*rows))), (d, d)))
+
+
+def _preconditioned_row_third(row_third, preconditioner, *rows):
+    """A user's per-row third-derivative bound in ``x`` as one in ``u``: with ``y = S w``,
+    ``|w^T (d_{u_i} H^u) w| = |sum_l S_li y^T (d_l H) y| <= (|S|^T B)_i |S|_2^2 |w|^2``."""
+    d = preconditioner.center.shape[-1]
+    bound = jnp.broadcast_to(jnp.abs(jnp.asarray(row_third(*rows))), (d,))
+    matrix = preconditioner.matrix()
+    return jnp.abs(matrix).T @ bound * jnp.linalg.norm(matrix, 2) ** 2
+
+
+def _larger_away(values, factor, axes):
+    """``(larger, finite)`` per leading index of ``values`` ``(n, 2, ...)``: the values one unit
+    from the reference point (``[:, 1]``) exceed ``factor`` times those around the posterior
+    (``[:, 0]``) anywhere, or are not all finite."""
+    around, away = np.asarray(values[:, 0], np.float64), np.asarray(values[:, 1], np.float64)
+    finite = np.isfinite(away).all(axis=axes)
+    larger = (np.where(np.isfinite(away), away, 0.0) > factor * around * (1 + 1e-6) + 1e-12).any(axis=axes)
+    return larger, finite
+
+
+def _warn_local_bound(subsample_size, quantity, grows, undefined, ratio, exact):
+    """The warning of an automatic subsampling bound that holds near the posterior only:
+    ``quantity`` (of ``grows``, a list of names) is not finite one unit from the reference point
+    for ``undefined``, or is up to ``ratio`` times larger there."""
+    if undefined:
+        how = (f"is not finite one unit from the reference point for {', '.join(undefined)} (the "
+               "log-density or its derivatives overflow or are undefined there, e.g. a probability "
+               "that rounds to 0 or 1)")
+    else:
+        how = (f"grows away from the posterior (one unit from the reference point it is up to {ratio:.3g} "
+               "times the largest found around the posterior: not bounded globally, e.g. a log link or "
+               "a scale parameter)")
+    warn_user(
+        f"FedZigZag(subsample_size={subsample_size}): the {quantity} of {', '.join(grows)} {how}. "
+        "The automatic bound holds near the posterior only: proposals whose "
+        "estimated rate exceeds it are counted (sample_stats num_violations, check_run), and "
+        "each warmup draw with one doubles the bound. For an exact run pass "
+        f"bounds={exact} valid everywhere, or subsample_size=None",
+        RuntimeWarning)
 
 
 def _at_x(fn, preconditioner, u):
@@ -442,11 +485,25 @@ class FedZigZag(FederatedMCMCKernel):
             if isinstance(bounds, RowHessianBound) and not callable(bounds.rows):
                 raise TypeError(f"RowHessianBound.rows must be a function of one row's model arguments, "
                                 f"got {type(bounds.rows).__name__}")
-            if control_variates is False or control_variates == "second_order":
+            if control_variates is False:
                 raise ValueError(
-                    f"subsample_size={self.subsample_size} estimates each rate around the first-order "
-                    f"control variates' reference point: control_variates={control_variates!r} is not "
-                    "supported with it (leave it at None or True)")
+                    f"subsample_size={self.subsample_size} estimates each rate around the control "
+                    "variates' reference point: control_variates=False is not supported with it "
+                    "(leave it at None, True or 'second_order')")
+            if control_variates == "second_order" and federation is not None:
+                raise ValueError(
+                    f"subsample_size={self.subsample_size} with control_variates='second_order' is "
+                    "supported in process (federation=None), not through a federation (its batches are "
+                    "drawn uniformly, around first-order control variates): pass control_variates=None")
+            user_third = not isinstance(bounds, RowHessianBound) or bounds.third is not None
+            if control_variates == "second_order" and not user_third:
+                raise ValueError(
+                    "control_variates='second_order' with subsampling bounds the rows' remainders after "
+                    "their Taylor term: a RowHessianBound needs third=... for it (or pass "
+                    "control_variates=None for first order against its curvature bound)")
+            if isinstance(bounds, RowHessianBound) and bounds.third is not None and not callable(bounds.third):
+                raise TypeError(f"RowHessianBound.third must be a function of one row's model arguments, "
+                                f"got {type(bounds.third).__name__}")
             if preconditioner is not None and federation is not None:
                 raise ValueError(f"subsample_size={self.subsample_size} with preconditioner={preconditioner!r} "
                                  "is supported in process (federation=None), not through a federation: "
@@ -471,11 +528,12 @@ class FedZigZag(FederatedMCMCKernel):
         self.redistribution_rate = (check_positive(redistribution_rate, "redistribution_rate")
                                     if prior == "redistribute" else redistribution_rate)
         if not (control_variates is None or isinstance(control_variates, (bool, np.bool_))
-                or control_variates == "second_order"):
+                or control_variates in ("first_order", "second_order")):
             raise ValueError(
-                f"control_variates must be None, True, False or 'second_order', got {control_variates!r}"
+                f"control_variates must be None, True, False, 'first_order' or 'second_order', got "
+                f"{control_variates!r}"
             )
-        if control_variates == "second_order" and not isinstance(bounds, str):
+        if control_variates == "second_order" and not isinstance(bounds, str) and self.subsample_size is None:
             raise ValueError(
                 "control_variates='second_order' needs the automatic bounds ('grid' or 'affine'): "
                 f"a {type(bounds).__name__} does not bound the linear part of the shift"
@@ -648,7 +706,8 @@ class FedZigZag(FederatedMCMCKernel):
 
     # -- set-up: the mode, the preconditioner, the kernel ------------------------------------
 
-    def _subsample_bounds(self, potential, layout, point, flat_potential, hessian, row_grad, num_proposers):
+    def _subsample_bounds(self, potential, layout, point, flat_potential, hessian, row_grad, num_proposers,
+                          order=1):
         """The clients' bounds on their rate estimates (a :class:`HessianBound` laid out per
         proposer), each client's row from its own rows (in a federation: one
         ``"row_curvature"`` call), the prior's on the server; warns when the curvature grows
@@ -687,6 +746,9 @@ class FedZigZag(FederatedMCMCKernel):
         row_bound = self.bounds.rows if isinstance(self.bounds, RowHessianBound) else None
         if row_bound is not None and pre is not None:  # |S^T H S| <= |S|^T |H| |S| entrywise
             row_bound = partial(_preconditioned_row_bound, row_bound, pre)
+        if order == 2:
+            return self._second_order_bounds(potential, layout, row_grad, num_proposers, bound_points,
+                                             probe_points, horizon=float(np.min(sd)))
         weights = None
         if self.federation is not None:
             curvature = self.federation.map("row_curvature", bound_points, probe_points)
@@ -698,13 +760,7 @@ class FedZigZag(FederatedMCMCKernel):
             weights = jnp.swapaxes(weights, 1, 2)  # (M, d, n_max)
             level = np.asarray(level, np.float64)[:, 0]
         curvature = np.asarray(curvature, np.float64)  # (M, 2, d, d)
-        prior_potential = potential.flat().prior_potential
-        if pre is not None:
-            prior_potential = partial(_at_x, prior_potential, pre)
-        prior_hessians = np.abs(np.asarray(jax.jit(jax.vmap(jax.hessian(prior_potential)))(
-            jnp.concatenate([bound_points, probe_points])), np.float64))
-        num_bound = bound_points.shape[0]
-        prior = np.stack([prior_hessians[:num_bound].max(0), prior_hessians[num_bound:].max(0)])
+        prior = self._prior_curvature(potential, bound_points, probe_points)
         user_prior = isinstance(self.bounds, RowHessianBound) and self.bounds.prior is not None
         if not (np.isfinite(curvature[:, 0]).all() and np.isfinite(prior[0]).all()):
             raise ValueError(f"FedZigZag(subsample_size={self.subsample_size}): the curvature bound is not "
@@ -725,23 +781,9 @@ class FedZigZag(FederatedMCMCKernel):
             undefined = [f"client {m}" for m in np.flatnonzero(~finite)]
             if not (user_prior or prior_finite):
                 undefined.append("the prior")
-            if undefined:
-                how = (f"is not finite one unit from the reference point for {', '.join(undefined)} (the "
-                       "log-density or its derivatives overflow or are undefined there, e.g. a probability "
-                       "that rounds to 0 or 1)")
-            else:
-                ratio = max(float(np.max(curvature[:, 1] / np.maximum(curvature[:, 0], 1e-300))),
-                            0.0 if user_prior else float(np.max(prior[1] / np.maximum(prior[0], 1e-300))))
-                how = (f"grows away from the posterior (one unit from the reference point it is up to {ratio:.3g} "
-                       "times the largest found around the posterior: not bounded globally, e.g. a log link or "
-                       "a scale parameter)")
-            warn_user(
-                f"FedZigZag(subsample_size={self.subsample_size}): the curvature of {', '.join(grows)} {how}. "
-                "The automatic bound holds near the posterior only: proposals whose "
-                "estimated rate exceeds it are counted (sample_stats num_violations, check_run), and "
-                "each warmup draw with one doubles the bound. For an exact run pass "
-                "bounds=RowHessianBound(...) valid everywhere, or subsample_size=None",
-                RuntimeWarning)
+            ratio = max(float(np.max(curvature[:, 1] / np.maximum(curvature[:, 0], 1e-300))),
+                        0.0 if user_prior else float(np.max(prior[1] / np.maximum(prior[0], 1e-300))))
+            _warn_local_bound(self.subsample_size, "curvature", grows, undefined, ratio, "RowHessianBound(...)")
         margin = 1.0 if row_bound is not None and not layout.client_terms else AUTOMATIC_MARGIN
         prior_bound = np.asarray(self.bounds.prior, np.float64) if user_prior else AUTOMATIC_MARGIN * prior[0]
         if user_prior and pre is not None:
@@ -762,6 +804,93 @@ class FedZigZag(FederatedMCMCKernel):
             raise ValueError(f"FedZigZag(subsample_size={self.subsample_size}): the curvature bound is not "
                              "finite (a row's Hessian is inf or nan near the posterior); pass subsample_size=None")
         bound = SampledRowBound(level_bound.clients, level_bound.prior, jnp.asarray(sup, dtype))
+        return bound, weights
+
+    def _subsample_order(self) -> int:
+        """The control variates' order with ``subsample_size``: second in process (unless a
+        :class:`RowHessianBound` without ``third`` is given), first through a federation."""
+        if self.control_variates in ("first_order", "second_order"):
+            return 1 if self.control_variates == "first_order" else 2
+        if self.federation is not None or (isinstance(self.bounds, RowHessianBound) and self.bounds.third is None):
+            return 1
+        return 2
+
+    def _prior_curvature(self, potential, bound_points, probe_points):
+        """``(2, d, d)``: the prior's largest ``|d_i d_k U_0|`` over ``bound_points`` and over
+        ``probe_points`` (in ``u`` with a preconditioner), on the server."""
+        pre = self.preconditioning
+        prior_potential = potential.flat().prior_potential
+        if pre is not None:
+            prior_potential = partial(_at_x, prior_potential, pre)
+        prior_hessians = np.abs(np.asarray(jax.jit(jax.vmap(jax.hessian(prior_potential)))(
+            jnp.concatenate([bound_points, probe_points])), np.float64))
+        num_bound = bound_points.shape[0]
+        return np.stack([prior_hessians[:num_bound].max(0), prior_hessians[num_bound:].max(0)])
+
+    def _second_order_bounds(self, potential, layout, row_grad, num_proposers, bound_points, probe_points,
+                             horizon):
+        """In process, second order: ``(SampledRowBound, RowWeights)``: the rows drawn in
+        proportion to their remainder bounds (:func:`third_weights`), and the bound of the
+        exactly computed terms' Hessian variation (twice their largest curvature: the prior's,
+        the client-level terms'). Warns when the third derivative grows away from the
+        posterior (the automatic bound is then local)."""
+        d, dtype = bound_points.shape[-1], bound_points.dtype
+        row_third = self.bounds.third if isinstance(self.bounds, RowHessianBound) else None
+        pre = self.preconditioning
+        if row_third is not None and pre is not None:
+            row_third = partial(_preconditioned_row_third, row_third, pre)
+        level, kappa, spread = jax.jit(jax.vmap(partial(
+            third_weights, row_grad, layout, bound_points=bound_points, probe_points=probe_points,
+            row_third=row_third)))(potential.client_data)
+        level, spread = np.asarray(level, np.float64), np.asarray(spread, np.float64)
+        prior = self._prior_curvature(potential, bound_points, probe_points)
+        user_prior = isinstance(self.bounds, RowHessianBound) and self.bounds.prior is not None
+        if not (np.isfinite(np.asarray(kappa)).all() and np.isfinite(level[:, 0]).all()
+                and np.isfinite(prior[0]).all()):
+            raise ValueError(f"FedZigZag(subsample_size={self.subsample_size}): the remainder bound is not "
+                             "finite (a row's third derivative is inf or nan near the posterior); pass "
+                             "subsample_size=None")
+        # one unit away: a third derivative much larger there (a log link), a curvature of the
+        # exactly computed terms larger there, or either not finite, bounds them near the
+        # posterior only
+        rows_larger, rows_finite = _larger_away(spread, THIRD_GROWTH, axes=-1)
+        if row_third is not None:
+            rows_larger, rows_finite = np.zeros_like(rows_larger), np.ones_like(rows_finite)
+        level_larger, level_finite = _larger_away(level, 1.0, axes=(-1, -2))
+        prior_larger, prior_finite = _larger_away(prior[None], 1.0, axes=(-1, -2))
+        if user_prior:
+            prior_larger, prior_finite = np.zeros(1, bool), np.ones(1, bool)
+        names = [f"client {m}" for m in range(potential.num_clients)] + ["the prior"]
+        larger = np.concatenate([rows_larger | level_larger, prior_larger])
+        finite = np.concatenate([rows_finite & level_finite, prior_finite])
+        grows = [names[k] for k in np.flatnonzero(larger | ~finite)]
+        self.unbounded_curvature = bool(grows)
+        if grows:
+            ratio = float(np.max(np.concatenate([spread[:, 1] / np.maximum(spread[:, 0], 1e-300),
+                                                 (level[:, 1] / np.maximum(level[:, 0], 1e-300)).reshape(
+                                                     len(level), -1)], axis=-1)))
+            _warn_local_bound(self.subsample_size, "rows' third derivative or curvature", grows,
+                              [names[k] for k in np.flatnonzero(~finite)], ratio, "RowHessianBound(..., third=...)")
+        # every row keeps a share of the mean (a row whose third derivative vanishes where it was
+        # looked at, e.g. a logistic row with a zero logit, is still drawn)
+        sizes = jnp.maximum(jnp.sum(potential.client_data["valid"][layout.plate], axis=1), 1)
+        valid = potential.client_data["valid"][layout.plate][..., None]
+        mean = kappa.sum(1, keepdims=True) / sizes[:, None, None]
+        margin = 1.0 if row_third is not None else AUTOMATIC_MARGIN
+        floor = 0.0 if row_third is not None else THIRD_FLOOR
+        kappa = jnp.where(valid, margin * (kappa + floor * mean), 0.0)
+        weights = jax.jit(importance_weights)(jnp.swapaxes(kappa, 1, 2))
+        prior_bound = np.asarray(self.bounds.prior, np.float64) if user_prior else AUTOMATIC_MARGIN * prior[0]
+        if user_prior and pre is not None:
+            prior_bound = pre.bound_to_u(np.abs(prior_bound))
+        # |H(y) - H(x*)| <= 2 max |H| for the terms computed exactly
+        variation = per_proposer_bound(HessianBound(2 * AUTOMATIC_MARGIN * level[:, 0], 2 * np.maximum(prior_bound, 0.0)),
+                                       potential.num_clients, num_proposers, d, dtype)
+        second = np.asarray(weights.sup, np.float64)
+        if num_proposers > potential.num_clients:
+            second = np.concatenate([second, np.zeros((1, d))])
+        bound = SampledRowBound(variation.clients, variation.prior, jnp.zeros((num_proposers, d), dtype),
+                                jnp.asarray(second, dtype), jnp.asarray(horizon, dtype))
         return bound, weights
 
     def _search_mode(self, flat_potential, start, init_params, ravel, vectorized, num_warmup, *, hessian=None):
@@ -849,7 +978,8 @@ class FedZigZag(FederatedMCMCKernel):
         start = potential.ravel(potential.init_params)
         d = start.shape[-1]
         num_warmup = int(num_warmup)
-        order = 2 if self.control_variates == "second_order" else 1
+        order = 2 if self.control_variates == "second_order" or (
+            layout is not None and self._subsample_order() == 2) else 1
         redistribution_rate = self.redistribution_rate if self.prior == "redistribute" else 0.0
         bounds = self.bounds
         if layout is not None:  # a placeholder of the right kind until the clients' bounds are in
@@ -954,7 +1084,7 @@ class FedZigZag(FederatedMCMCKernel):
             if self.preconditioning is not None:  # in process only: the process's space is u
                 row_grad = preconditioned_row_grad(row_grad, self.preconditioning)
             bounds, weights = self._subsample_bounds(potential, layout, reference.point, flat_potential, hessian,
-                                                     row_grad, proposers.num)
+                                                     row_grad, proposers.num, order=order)
             self.subsample_bounds = bounds
             if not federated:
                 proposers = subsampled_proposers(proposers, row_grad, potential.client_data,

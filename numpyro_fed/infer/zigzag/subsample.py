@@ -65,6 +65,8 @@ from jax import lax
 
 __all__ = [
     "AUTOMATIC_MARGIN",
+    "THIRD_FLOOR",
+    "THIRD_GROWTH",
     "RowHessianBound",
     "RowWeights",
     "SubsampleLayout",
@@ -75,6 +77,7 @@ __all__ = [
     "rows_per_estimate",
     "subsample_layout",
     "subsampled_proposers",
+    "third_weights",
     "valid_count",
 ]
 
@@ -83,6 +86,12 @@ __all__ = [
 AUTOMATIC_MARGIN = 1.25
 #: rows whose Hessians one vectorized call of the set-up computes
 CHUNK = 256
+#: second order: every row's remainder bound gets this share of the client's mean (a row whose
+#: third derivative vanishes where the set-up looked keeps a chance to be drawn)
+THIRD_FLOOR = 0.05
+#: second order: a third derivative this many times larger one unit from the reference point
+#: than around the posterior is taken as growing without bound (a log link), and warned
+THIRD_GROWTH = 2.0
 
 
 class RowHessianBound(NamedTuple):
@@ -99,17 +108,27 @@ class RowHessianBound(NamedTuple):
     prior alone). A client's terms outside its rows (client-local latent variables) get the
     automatic bound.
 
+    ``third(*row_arguments)`` (optional), for second-order control variates: a ``(d,)`` array
+    ``C`` with ``|w^T (d_i H_J(x)) w| <= C[i] |w|^2`` for every ``x`` and ``w`` (``d_i H_J``
+    the derivative of the row's Hessian along coordinate ``i``; its largest eigenvalue in
+    absolute value). Without it, second order uses the automatic remainder bound
+    (:func:`third_weights`) while ``rows`` still bounds nothing it needs: the rows' part of
+    a second-order estimate is bounded through ``third`` alone.
+
     **Example**: logistic regression, ``|d_i d_k U_J| = s(1 - s) |a_i a_k| <= |a_i a_k| / 4``
-    with ``a = x_J`` the row's covariates, and a ``Normal(0, 1)`` prior on the weights.
+    with ``a = x_J`` the row's covariates, and a ``Normal(0, 1)`` prior on the weights;
+    ``d_i H_J = s'' a_i a a^T`` with ``|s''| <= 1 / (6 sqrt(3))``.
 
     >>> import jax.numpy as jnp, numpyro_fed as nf
-    >>> bound = nf.RowHessianBound(lambda x, y: jnp.abs(jnp.outer(x, x)) / 4, prior=jnp.eye(2))
+    >>> bound = nf.RowHessianBound(lambda x, y: jnp.abs(jnp.outer(x, x)) / 4, prior=jnp.eye(2),
+    ...                            third=lambda x, y: jnp.abs(x) * (x @ x) / (6 * jnp.sqrt(3.0)))
     >>> bound.rows(jnp.array([1.0, -2.0]), 1.0).tolist()
     [[0.25, 0.5], [0.5, 1.0]]
     """
 
     rows: Callable
     prior: Any = None
+    third: Callable | None = None
 
 
 class SubsampleLayout(NamedTuple):
@@ -335,27 +354,116 @@ def _draw_rows(key, size: int, cumulative_of, max_rows: int, total):
 
 
 def _weighted_estimate(grad, layout: SubsampleLayout, x, key, take, point, reference_grad, cumulative_of,
-                       max_rows: int, sup):
+                       max_rows: int, sup, hessian=None):
     """The importance-sampled estimate for one coordinate ``i`` (``cumulative_of``: indices ->
     the cumulative integer weights of :class:`RowWeights` there):
     ``g + (C(x) - C(x*)) + 1 / b sum_J T / q_J (d U_J(x) - d U_J(x*))`` with ``b`` rows
     drawn with probabilities ``q_J / T`` (``C``: the client-level terms, exact). Its
     coordinate ``i`` is unbiased for the client's gradient there and moves from the
-    reference by at most ``sup max_k |x_k - x*_k|``."""
+    reference by at most ``sup max_k |x_k - x*_k|``.
+
+    With ``hessian`` (the client's Hessian at ``x*``, second order) every difference loses
+    its linear part, ``H (x - x*)`` is added back whole, and the rows are those drawn in
+    proportion to their remainder bounds (:func:`third_weights`):
+    ``g + H (x - x*) + r_C(x) + 1 / b sum_J T / q_J r_J(x)``, ``r`` the remainders after the
+    first-order Taylor term (``H_J (x - x*)`` is a forward pass through the row's gradient at
+    ``x*``). Its coordinate ``i`` moves from the Taylor part by at most ``sup |x - x*|^2``."""
     total = cumulative_of(jnp.asarray(max_rows - 1, jnp.int32))
     index = _draw_rows(key, layout.size, cumulative_of, max_rows, total)
     quanta = cumulative_of(index) - jnp.where(index > 0, cumulative_of(jnp.maximum(index - 1, 0)), 0)
-    both = jnp.stack([x, point])
-    grads = jax.vmap(lambda j: jax.vmap(grad, in_axes=(0, None))(both, take(j[None], True)))(index)  # (b, 2, d)
-    differences = grads[:, 0] - grads[:, 1]
-    estimate = reference_grad
+    step = x - point
+
+    def differences_of(block):
+        if hessian is None:
+            grads = jax.vmap(grad, in_axes=(0, None))(jnp.stack([x, point]), block)
+            return grads[0] - grads[1]
+        at_point, linear = jax.jvp(lambda z: grad(z, block), (point,), (step,))
+        return grad(x, block) - at_point - linear
+
+    differences = jax.vmap(lambda j: differences_of(take(j[None], True)))(index)  # (b, d)
+    estimate = reference_grad if hessian is None else reference_grad + hessian @ step
     if layout.client_terms:  # each row's block also holds the client-level terms once
-        level = jax.vmap(grad, in_axes=(0, None))(both, take(index[:1], False))
-        level = level[0] - level[1]
+        level = differences_of(take(index[:1], False))
         differences = differences - level
         estimate = estimate + level
     factor = jnp.where(quanta > 0, total.astype(x.dtype) / jnp.maximum(quanta, 1), 0.0) / layout.size
     return estimate + factor @ differences
+
+
+def _row_third(grad, x, w, block):
+    """``T[w, w]`` ``(d,)``: the third derivative of a block's potential at ``x`` in direction
+    ``w`` twice (the derivative of the curvature along ``w``), two forward passes over its
+    gradient."""
+    hvp = lambda y: jax.jvp(lambda z: grad(z, block), (y,), (w,))[1]  # noqa: E731
+    return jax.jvp(hvp, (x,), (w,))[1]
+
+
+def _unit(w, fallback):
+    norm = jnp.linalg.norm(w)
+    return jnp.where(norm > 0, w / jnp.where(norm > 0, norm, 1.0), fallback)
+
+
+def third_weights(grad, layout: SubsampleLayout, block, bound_points, probe_points, row_third=None):
+    """Client side, for the second-order estimate (:func:`_weighted_estimate` with a
+    Hessian): ``(level, kappa, spread)``.
+
+    * ``level`` ``(2, d, d)``: the client-level terms' largest ``|d_i d_k C_m|`` over
+      ``bound_points`` and over ``probe_points`` (zero without them), as in :func:`row_weights`;
+    * ``kappa`` ``(n_max, d)``: every row's remainder bound, ``|r_Ji(x)| <= kappa_Ji
+      |x - x*|^2`` with ``r_J(x) = d U_J(x) - d U_J(x*) - H_J(x*) (x - x*)`` (zero on the
+      padding): ``sup |w^T (d_i H_J) w| / 2`` over unit ``w``, taken over the ``bound_points``
+      (``K, d``; the first is ``x*``) and a few directions per row: the row's gradient at
+      ``x*`` and two steps of the tensor power method from it (a GLM's row has one direction,
+      its covariates, where the third derivative is largest for every ``i``: these find it),
+      and the signs of ``bound_points``' offsets. With ``row_third`` (a
+      :class:`RowHessianBound`'s ``third``) ``kappa_J = row_third(rows_J) / 2``, exact;
+    * ``spread`` ``(2, d)``: ``sum_J`` of the same maxima over ``bound_points`` and over
+      ``probe_points`` (whether the third derivative keeps growing away from the posterior).
+    """
+    plate = layout.plate
+    valid = block["valid"][plate]
+    max_rows = valid.shape[0]
+    hessian = jax.jacfwd(grad)
+    points = jnp.concatenate([bound_points, probe_points])
+    num_bound = bound_points.shape[0]
+    d = points.shape[-1]
+    dtype = points.dtype
+    center = bound_points[0]
+    offsets = jnp.sign(bound_points[1:] - center)
+    fixed = jnp.concatenate([jnp.ones((1, d), dtype), offsets]) / jnp.sqrt(jnp.asarray(d, dtype))
+
+    if layout.client_terms:
+        empty = _sub_block(block, plate, jnp.zeros(1, jnp.int32), False)
+        level = jnp.abs(jax.vmap(hessian, in_axes=(0, None))(points, empty))  # (K, d, d)
+        level = jnp.stack([level[:num_bound].max(0), level[num_bound:].max(0)])
+    else:
+        empty = None
+        level = jnp.zeros((2, d, d), dtype)
+
+    def row_only(fn, j):  # fn(block) of row j's own term (its block holds the client-level terms once)
+        value = fn(_sub_block(block, plate, j[None], True))
+        return value - fn(empty) if layout.client_terms else value
+
+    if row_third is None:
+        def one_row(j):
+            third = lambda x, w: row_only(partial(_row_third, grad, x, w), j)  # noqa: E731
+            w0 = _unit(row_only(partial(grad, center), j), fixed[0])
+            w1 = _unit(third(center, w0), w0)
+            w2 = _unit(third(center, w1), w1)
+            directions = jnp.concatenate([jnp.stack([w0, w1, w2]), fixed])
+            values = jax.vmap(lambda x: jax.vmap(lambda w: jnp.abs(third(x, w)))(directions).max(0))(points)
+            values = values / 2
+            return jnp.stack([values[:num_bound].max(0), values[num_bound:].max(0)]) * valid[j]
+    else:
+        def one_row(j):
+            rows = [a[j] for a in block["rows"]]
+            bound = jnp.broadcast_to(jnp.abs(jnp.asarray(row_third(*rows), dtype)), (d,)) / 2
+            return jnp.stack([bound, bound]) * valid[j]
+
+    num_chunks = -(-max_rows // CHUNK)
+    chunks = (jnp.arange(num_chunks * CHUNK) % max_rows).reshape(num_chunks, CHUNK)
+    kappa = lax.map(jax.vmap(one_row), chunks).reshape(-1, 2, d)[:max_rows]  # (n_max, 2, d)
+    return level, kappa[:, 0], kappa.sum(0)
 
 
 def subsampled_proposers(proposers, grad, data, num_clients: int, layout: SubsampleLayout,
@@ -387,7 +495,8 @@ def subsampled_proposers(proposers, grad, data, num_clients: int, layout: Subsam
             estimate = lambda: _weighted_estimate(  # noqa: E731
                 grad, layout, x, key, take, reference.point, reference.term_grads[j],
                 lambda index: weights.cumulative[client, coordinate, index], max_rows,
-                weights.sup[client, coordinate])
+                weights.sup[client, coordinate],
+                reference.term_hessians[j] if reference.second_order else None)
         if not on_server:
             return estimate()
         return lax.cond(j == num_clients, lambda: jnp.zeros_like(x), estimate)
