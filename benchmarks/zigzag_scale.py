@@ -277,8 +277,13 @@ SAMPLERS = {
     "NUTS": run_nuts,
     "FedZigZag": run_fedzigzag,
     "FedZigZag(subsample_size=1)": lambda X, y, **kw: run_fedzigzag(X, y, subsample_size=1, **kw),
+    # the estimate of the first release of subsampling, kept for comparison (not run by default)
+    "FedZigZag(subsample_size=1, first order)": lambda X, y, **kw: run_fedzigzag(
+        X, y, subsample_size=1, control_variates="first_order", **kw),
     "pdmp-jax ZigZag": run_pdmp_jax,
 }
+#: run when --samplers is not given (if available)
+DEFAULT_SAMPLERS = ("NUTS", "FedZigZag", "FedZigZag(subsample_size=1)", "pdmp-jax ZigZag")
 
 
 def measure(name, X, y, *, num_warmup, num_samples, seed, **options):
@@ -361,7 +366,8 @@ def print_scale(rows):
 
 
 STYLE = {"NUTS": ("black", "o"), "FedZigZag": ("tab:blue", "s"),
-         "FedZigZag(subsample_size=1)": ("tab:red", "^"), "pdmp-jax ZigZag": ("tab:green", "D")}
+         "FedZigZag(subsample_size=1)": ("tab:red", "^"),
+         "FedZigZag(subsample_size=1, first order)": ("tab:orange", "v"), "pdmp-jax ZigZag": ("tab:green", "D")}
 
 
 def plot_scale(rows, path=None):
@@ -502,7 +508,7 @@ def main(argv=None):
         out = {"sweep_meta": meta, "sweep": rows}
     else:
         sizes = args.sizes or ((1_000, 10_000, 100_000) if args.quick else SIZES)
-        samplers = args.samplers or [s for s in SAMPLERS if (HAS_SUBSAMPLING or "subsample" not in s)
+        samplers = args.samplers or [s for s in DEFAULT_SAMPLERS if (HAS_SUBSAMPLING or "subsample" not in s)
                                      and (HAS_PDMP_JAX or s != "pdmp-jax ZigZag")]
         if not HAS_SUBSAMPLING:
             print("[skip] FedZigZag(subsample_size=1): this FedZigZag has no subsample_size", flush=True)

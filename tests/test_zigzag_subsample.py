@@ -195,6 +195,67 @@ def test_linear_regression_agrees_with_the_closed_form():
     assert_agree_with_exact(np.asarray(mcmc.get_samples()["w"]), mean, sd)
 
 
+def test_second_order_on_a_gaussian_target_rejects_nothing():
+    """Second order (the default in process): on linear regression the rows' gradients are
+    affine, every remainder after the Taylor term is zero, the automatic remainder bound is
+    zero, and the rows' bound is the exact rate: a proposal is rejected only where the prior's
+    term (bounded through its curvature, ``2 max |H_0| |x - x*|``, small against the rows')
+    proposed it."""
+    rng = np.random.default_rng(3)
+    X = rng.normal(size=(300, 3))
+    y = X @ np.array([0.5, -0.2, 0.3]) + 0.5 * rng.normal(size=300)
+    owner = unequal_owner(300, 3)
+    kernel, mcmc = run_zigzag(linear, (X, y, owner), subsample_size=1, sample_interval=0.05, num_samples=300)
+    bound = kernel.subsample_bounds
+    assert bound.second is not None and float(bound.horizon) > 0
+    np.testing.assert_allclose(np.asarray(bound.second), 0.0, atol=1e-9)
+    fields = mcmc.get_extra_fields()
+    proposals, events = int(fields["info.num_proposals"].sum()), int(fields["info.num_events"].sum())
+    assert events > 300 and proposals - events <= 0.01 * proposals
+    assert int(fields["info.num_violations"].sum()) == 0
+
+
+def logistic_third(x, y, client):
+    """|w^T (d_i H_J) w| = |s''(a.x)| |a_i| (a.w)^2 <= |a_i| |a|^2 / (6 sqrt(3)) |w|^2."""
+    return jnp.abs(x) * (x @ x) / (6 * jnp.sqrt(3.0))
+
+
+def test_second_order_user_third_bound_is_summed_per_coordinate():
+    """RowHessianBound(third=...): each client's remainder bound along i is the sum over its
+    rows of third_J[i] / 2 (no margin, no floor); with a diagonal preconditioner the rows'
+    bound in u is |S|^T third_J |S|_2^2; no violation."""
+    X, y, owner = logistic_data(200, seed=3)
+    bound = nf.RowHessianBound(lambda x, y, client: jnp.abs(jnp.outer(x, x)) / 4, prior=jnp.eye(3),
+                               third=logistic_third)
+    for preconditioner in (None, "diagonal"):
+        kernel, mcmc = run_zigzag(logistic, (X, y, owner), subsample_size=1, bounds=bound, num_samples=200,
+                                  preconditioner=preconditioner, sample_interval=None)
+        assert int(mcmc.get_extra_fields()["info.num_violations"].sum()) == 0
+        scale = np.ones(3) if preconditioner is None else np.abs(np.asarray(kernel.preconditioning.scale))
+        second = np.asarray(kernel.subsample_bounds.second)
+        for m in range(4):
+            rows = X[owner == m]
+            per_row = np.abs(rows) * (rows**2).sum(1, keepdims=True) / (6 * np.sqrt(3.0)) / 2
+            np.testing.assert_allclose(second[m], (per_row * scale).sum(0) * scale.max() ** 2, rtol=1e-4)
+        np.testing.assert_array_equal(second[4], 0.0)  # the server's prior proposer holds no rows
+
+
+def test_second_order_automatic_bound_within_the_exact_one():
+    """The automatic remainder bound of logistic rows (the third derivative found along each
+    row's own direction at points around the posterior) is at most the margin times the
+    exact supremum plus the floor, and a run with it has no violation."""
+    X, y, owner = logistic_data(200, seed=4)
+    kernel, mcmc = run_zigzag(logistic, (X, y, owner), subsample_size=1, num_samples=300)
+    assert int(mcmc.get_extra_fields()["info.num_violations"].sum()) == 0
+    assert not kernel.unbounded_curvature
+    second = np.asarray(kernel.subsample_bounds.second)
+    for m in range(4):
+        rows = X[owner == m]
+        exact = (np.abs(rows) * (rows**2).sum(1, keepdims=True) / (6 * np.sqrt(3.0)) / 2).sum(0)
+        assert np.all(second[m] <= 1.25 * (1 + 0.05) * exact * (1 + 1e-4))
+        assert np.all(second[m] > 0.1 * exact)  # and not vanishingly small
+
+
 def test_preconditioned_on_correlated_covariates_agrees_with_the_closed_form():
     """Two nearly collinear covariates (posterior correlation about -0.99): with the Laplace
     preconditioner the rows are weighed and the rates bounded in ``u``, and the draws match the
