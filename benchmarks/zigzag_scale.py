@@ -379,7 +379,7 @@ def plot_scale(rows, path=None):
     rows = [r for r in rows if "skipped" not in r]
     dims = sorted({r["d"] for r in rows})
     samplers = [s for s in STYLE if any(r["sampler"] == s for r in rows)]
-    fig, axes = plt.subplots(1, len(dims) + 1, figsize=(5.2 * (len(dims) + 1), 4.2))
+    fig, axes = plt.subplots(1, len(dims) + 1, figsize=(5.2 * (len(dims) + 1) + 3.0, 4.2))
     for ax, d in zip(axes, dims):
         for name in samplers:
             these = sorted((r for r in rows if r["d"] == d and r["sampler"] == name), key=lambda r: r["N"])
@@ -394,7 +394,8 @@ def plot_scale(rows, path=None):
         ax.set_xlabel("rows N")
         ax.set_ylabel("min-ESS per second")
         ax.grid(True, which="both", alpha=0.3)
-    axes[0].legend(title="solid: compilation excluded\ndotted: included", fontsize=8)
+    axes[0].legend(title="solid: compilation excluded\ndotted: included", fontsize=7, title_fontsize=7,
+                   loc="lower left")
     ax = axes[-1]
     for name in samplers:
         color, marker = STYLE[name]
@@ -408,7 +409,7 @@ def plot_scale(rows, path=None):
     ax.set_xlabel("rows N")
     ax.set_ylabel("gradient-row evaluations per effective sample")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.tight_layout()
     if path is not None:
         fig.savefig(path, dpi=110)

@@ -202,7 +202,7 @@ def test_one_client_agrees_with_many_and_same_key_gives_same_chain():
         ({"safety_factor": 0.5}, ValueError, "safety_factor must be >= 1"),
         ({"prior": "nowhere"}, ValueError, "prior must be one of"),
         ({"prior": "redistribute", "redistribution_rate": 0.0}, ValueError, "redistribution_rate must be a finite number > 0"),
-        ({"control_variates": "third_order"}, ValueError, "control_variates must be None, True, False or 'second_order'"),
+        ({"control_variates": "third_order"}, ValueError, "control_variates must be None, True, False, 'first_order' or 'second_order'"),
         ({"control_variates": "second_order", "bounds": nf.GradientBound(np.ones(10))}, ValueError,
          "'second_order' needs the automatic bounds"),
         ({"control_variates": "second_order", "dp_sensitivity": 2.0, "dp_delta": 1e-5, "excess_rate": 1.0},

@@ -147,10 +147,10 @@ def _larger_away(values, factor, axes):
     return larger, finite
 
 
-def _warn_local_bound(subsample_size, quantity, grows, undefined, ratio, exact):
+def _warn_local_bound(subsample_size, subject, undefined, ratio, exact):
     """The warning of an automatic subsampling bound that holds near the posterior only:
-    ``quantity`` (of ``grows``, a list of names) is not finite one unit from the reference point
-    for ``undefined``, or is up to ``ratio`` times larger there."""
+    ``subject`` (e.g. "the curvature of client 0") is not finite one unit from the reference
+    point for ``undefined`` (a list of names), or is up to ``ratio`` times larger there."""
     if undefined:
         how = (f"is not finite one unit from the reference point for {', '.join(undefined)} (the "
                "log-density or its derivatives overflow or are undefined there, e.g. a probability "
@@ -160,7 +160,7 @@ def _warn_local_bound(subsample_size, quantity, grows, undefined, ratio, exact):
                "times the largest found around the posterior: not bounded globally, e.g. a log link or "
                "a scale parameter)")
     warn_user(
-        f"FedZigZag(subsample_size={subsample_size}): the {quantity} of {', '.join(grows)} {how}. "
+        f"FedZigZag(subsample_size={subsample_size}): {subject} {how}. "
         "The automatic bound holds near the posterior only: proposals whose "
         "estimated rate exceeds it are counted (sample_stats num_violations, check_run), and "
         "each warmup draw with one doubles the bound. For an exact run pass "
@@ -253,7 +253,9 @@ class FedZigZag(FederatedMCMCKernel):
         more aggregation round, in which each client sends its ``d x d`` Hessian there): the
         re-split terms then agree to second order, which removes the spurious switches that
         remain when clients hold few rows for many coordinates (their curvatures differ).
-        It needs the automatic bounds (``"grid"`` or ``"affine"``).
+        It needs the automatic bounds (``"grid"`` or ``"affine"``), or ``subsample_size``.
+        ``"first_order"``: on, first order (what ``True`` means, except with
+        ``subsample_size`` in process, where ``True`` and ``None`` mean second order).
     :param str prior: ``"server"`` (the prior proposes on its own), ``"clients"``
         (shared evenly among the clients' terms), the two options of Remark 3.2, or
         ``"redistribute"`` (Appendix D, Algorithm 4: random shares of the prior, redrawn at
@@ -335,19 +337,25 @@ class FedZigZag(FederatedMCMCKernel):
         variates' reference point (Bierkens, Fearnhead & Roberts 2019;
         :mod:`~numpyro_fed.infer.zigzag.subsample`), thinned against a bound on its rows'
         curvature, so a proposal costs ``2 b`` row gradients whatever the client's size.
-        Without a ``federation`` (clients vectorized in this process) the rows are drawn in
-        proportion to their curvature along the proposal's coordinate (importance sampling:
-        the bound is the rows' summed curvature, not ``n_m`` times the largest, several
-        times fewer proposals); through a federation they are drawn uniformly.
+        Without a ``federation`` (clients vectorized in this process) the estimate uses
+        second-order control variates: the client's Taylor term around the reference is kept
+        whole (the rate's Gaussian-approximation part, exact) and only the rows' remainders
+        after it are sampled, each row drawn in proportion to its remainder bound (a bound on
+        its third derivative) along the proposal's coordinate; that bound shrinks with the
+        data, so at large ``N`` almost every proposal is a switch whatever the dimension.
+        ``control_variates="first_order"`` keeps the first-order estimate, rows drawn in
+        proportion to their curvature. Through a federation the estimate is first order and
+        the rows are drawn uniformly.
         The bound is automatic (each client's, from its own rows, once at set-up; a model
-        whose curvature grows away from the posterior is warned, its violations counted,
-        and a violation during warmup doubles the bound) or a :class:`RowHessianBound`
-        given as ``bounds``. Needs a mode and first-order control variates (on whatever
-        ``M``); with a ``preconditioner`` (in process) the rows' curvatures and weights are
-        those of the potential of ``u``; refused with row-local latents, with a privacy
-        guarantee and with a preconditioner through a federation. ``None`` (default): every
-        rate from all the rows. ``sample_stats`` then counts the row gradients
-        (``grad_row_evals``; :attr:`rows_per_gradient`).
+        whose curvature or third derivative grows away from the posterior is warned, its
+        violations counted, and a violation during warmup doubles the bound) or a
+        :class:`RowHessianBound` given as ``bounds`` (with ``third=`` for second order).
+        Needs a mode and control variates (on whatever ``M``); with a ``preconditioner``
+        (in process) everything is in ``u``; refused with row-local latents, with a privacy
+        guarantee and with a preconditioner or second order through a federation. ``None``
+        (default): every rate from all the rows. ``sample_stats`` then counts the row
+        gradients (``grad_row_evals``; :attr:`rows_per_gradient`: ``2 b`` rows per estimate,
+        the second-order one's forward pass at ``x*`` included).
 
     A sample that makes ``max_proposals`` proposals (at least 50) without one switch stops
     its chain: the remaining draws repeat its last position, are marked ``hit_event_cap``,
@@ -783,7 +791,8 @@ class FedZigZag(FederatedMCMCKernel):
                 undefined.append("the prior")
             ratio = max(float(np.max(curvature[:, 1] / np.maximum(curvature[:, 0], 1e-300))),
                         0.0 if user_prior else float(np.max(prior[1] / np.maximum(prior[0], 1e-300))))
-            _warn_local_bound(self.subsample_size, "curvature", grows, undefined, ratio, "RowHessianBound(...)")
+            _warn_local_bound(self.subsample_size, f"the curvature of {', '.join(grows)}", undefined, ratio,
+                              "RowHessianBound(...)")
         margin = 1.0 if row_bound is not None and not layout.client_terms else AUTOMATIC_MARGIN
         prior_bound = np.asarray(self.bounds.prior, np.float64) if user_prior else AUTOMATIC_MARGIN * prior[0]
         if user_prior and pre is not None:
@@ -861,16 +870,23 @@ class FedZigZag(FederatedMCMCKernel):
         if user_prior:
             prior_larger, prior_finite = np.zeros(1, bool), np.ones(1, bool)
         names = [f"client {m}" for m in range(potential.num_clients)] + ["the prior"]
-        larger = np.concatenate([rows_larger | level_larger, prior_larger])
+        rows_grow = [names[m] for m in np.flatnonzero(rows_larger | ~rows_finite)]
+        exact_grow = [names[k] for k in np.flatnonzero(np.concatenate([level_larger | ~level_finite,
+                                                                        prior_larger | ~prior_finite]))]
         finite = np.concatenate([rows_finite & level_finite, prior_finite])
-        grows = [names[k] for k in np.flatnonzero(larger | ~finite)]
-        self.unbounded_curvature = bool(grows)
-        if grows:
-            ratio = float(np.max(np.concatenate([spread[:, 1] / np.maximum(spread[:, 0], 1e-300),
-                                                 (level[:, 1] / np.maximum(level[:, 0], 1e-300)).reshape(
-                                                     len(level), -1)], axis=-1)))
-            _warn_local_bound(self.subsample_size, "rows' third derivative or curvature", grows,
-                              [names[k] for k in np.flatnonzero(~finite)], ratio, "RowHessianBound(..., third=...)")
+        self.unbounded_curvature = bool(rows_grow or exact_grow)
+        if self.unbounded_curvature:
+            subject = " and ".join(
+                ([f"the rows' third derivative of {', '.join(rows_grow)}"] if rows_grow else [])
+                + ([f"the curvature of {', '.join(exact_grow)}"] if exact_grow else []))
+            ratios = [level[:, 1] / np.maximum(level[:, 0], 1e-300)]
+            if row_third is None:
+                ratios.append(spread[:, 1] / np.maximum(spread[:, 0], 1e-300))
+            if not user_prior:
+                ratios.append(prior[1] / np.maximum(prior[0], 1e-300))
+            ratio = max(float(np.max(np.where(np.isfinite(r), r, 0.0))) for r in ratios)
+            _warn_local_bound(self.subsample_size, subject, [names[k] for k in np.flatnonzero(~finite)], ratio,
+                              "RowHessianBound(..., third=...)")
         # every row keeps a share of the mean (a row whose third derivative vanishes where it was
         # looked at, e.g. a logistic row with a zero logit, is still drawn)
         sizes = jnp.maximum(jnp.sum(potential.client_data["valid"][layout.plate], axis=1), 1)

@@ -42,13 +42,44 @@ switch). The weights are integers whose cumulative sums each client's rows keep
 federation the batches stay uniform (the weights would have to live on the client's worker
 between rounds).
 
+**Second order** (in process, the default there; ``control_variates="first_order"`` keeps the
+estimate above): the estimate keeps the client's Taylor term around ``x*`` whole and samples
+only what is left of it,
+
+    d U_m(x) ~ g_m + H_m (x - x*) + 1 / b sum_{J in batch} (d U_J(x) - d U_J(x*) - H_J(x*) (x - x*)) / p_J
+
+(``g_m``, ``H_m``: the client's full gradient and Hessian at ``x*``, from the second-order
+control variates' set-up; ``H_J(x*) (x - x*)`` is one forward pass through the row's gradient
+at ``x*``). Each proposer's shifted rate is then ``v_i (grad U(x*) + H (x - x*))_i / P`` plus
+the sampled remainder: the Taylor part is the Gaussian approximation's rate, exact and affine
+along the line, and the remainder is second order in ``x - x*``. If ``|w^T (d_i H_J(y)) w| <=
+2 kappa_Ji |w|^2`` for all ``y`` and ``w``, the remainder of row ``J`` is at most ``kappa_Ji
+|x - x*|^2`` (Taylor's theorem with the integral remainder), so with rows drawn in proportion
+to ``kappa_Ji`` the sampled part moves by at most ``K_i |x - x*|^2``, ``K_i = sum_J kappa_Ji``.
+In the posterior's own units ``K_i`` shrinks like ``n^{-1/2}`` (a row's third derivative is
+``n^{-3/2}`` there), so at large ``n`` almost every proposal is a switch, whatever ``d``: the
+first-order bound's ``S_i max_k |x_k - x*_k|`` grows like ``d`` while the rate does not. The
+``kappa`` come from the user (``RowHessianBound(third=...)``, exact) or, automatically, from
+each row's third derivative ``T_J[w, w]`` (two forward passes through its gradient) at the
+points around the posterior, along the row's own gradient direction at ``x*``, two steps of the
+tensor power method from it (for a GLM row, its covariates: the direction of the largest third
+derivative for every ``i``) and the points' offsets, times the margin, plus
+:data:`THIRD_FLOOR` of the client's mean (:func:`third_weights`); one unit from ``x*`` the
+same tells whether the third derivative grows without bound (a log link: warned, counted). The
+terms computed exactly (the prior, client-level terms) are bounded through twice their
+curvature bound, ``|H(x) - H(x*)| <= 2 max |H|``. ``|x + t v - x*|^2`` is quadratic in ``t``:
+the line's bound uses its chord over ``[0, horizon]`` (``horizon``: the smallest posterior sd
+at ``x*``) and is rebuilt there.
+
 With a preconditioner (in process), the process moves in ``u`` (``x = center + scale u``) and
 everything above is done there: ``grad`` is a row's gradient in ``u``
 (:func:`~numpyro_fed.infer.zigzag.preconditioning.preconditioned_row_grad`), so the curvatures,
 weights and bounds are those of the potential of ``u``.
 
-Everything a client computes here receives its own block only; what it sends the server is
-its ``(d, d)`` bound (once, at set-up) and, in every round, the proposal Algorithm 2 sends.
+Everything a client computes here receives its own block only; through a federation what it
+sends the server is its ``(d, d)`` bound (once, at set-up) and, in every round, the proposal
+Algorithm 2 sends. Second order and the rows' weights are in process only: through a
+federation the batches are uniform and the estimate first order.
 """
 
 from __future__ import annotations
@@ -111,9 +142,9 @@ class RowHessianBound(NamedTuple):
     ``third(*row_arguments)`` (optional), for second-order control variates: a ``(d,)`` array
     ``C`` with ``|w^T (d_i H_J(x)) w| <= C[i] |w|^2`` for every ``x`` and ``w`` (``d_i H_J``
     the derivative of the row's Hessian along coordinate ``i``; its largest eigenvalue in
-    absolute value). Without it, second order uses the automatic remainder bound
-    (:func:`third_weights`) while ``rows`` still bounds nothing it needs: the rows' part of
-    a second-order estimate is bounded through ``third`` alone.
+    absolute value). With ``third``, subsampling in process uses second-order control variates
+    and the rows' part of its bound comes from ``third`` alone (``rows`` is then unused);
+    without it, first order against ``rows``.
 
     **Example**: logistic regression, ``|d_i d_k U_J| = s(1 - s) |a_i a_k| <= |a_i a_k| / 4``
     with ``a = x_J`` the row's covariates, and a ``Normal(0, 1)`` prior on the weights;
