@@ -137,6 +137,17 @@ def _preconditioned_row_third(row_third, preconditioner, *rows):
     return jnp.abs(matrix).T @ bound * jnp.linalg.norm(matrix, 2) ** 2
 
 
+def _remainder_weights(kappa, valid, *, margin, floor):
+    """The :class:`RowWeights` of the rows' remainder bounds ``kappa`` ``(M, n_max, d)`` (mask
+    ``valid`` ``(M, n_max)``): times ``margin``, plus ``floor`` times the client's mean (a row
+    whose third derivative vanishes where it was looked at, e.g. a logistic row with a zero
+    logit, is still drawn)."""
+    sizes = jnp.maximum(jnp.sum(valid, axis=1), 1)
+    mean = kappa.sum(1, keepdims=True) / sizes[:, None, None]
+    kappa = jnp.where(valid[..., None], margin * (kappa + floor * mean), 0.0)
+    return importance_weights(jnp.swapaxes(kappa, 1, 2))
+
+
 def _larger_away(values, factor, axes):
     """``(larger, finite)`` per leading index of ``values`` ``(n, 2, ...)``: the values one unit
     from the reference point (``[:, 1]``) exceed ``factor`` times those around the posterior
@@ -714,7 +725,7 @@ class FedZigZag(FederatedMCMCKernel):
 
     # -- set-up: the mode, the preconditioner, the kernel ------------------------------------
 
-    def _subsample_bounds(self, potential, layout, point, flat_potential, hessian, row_grad, num_proposers,
+    def _subsample_bounds(self, potential, layout, reference, flat_potential, hessian, row_grad, num_proposers,
                           order=1):
         """The clients' bounds on their rate estimates (a :class:`HessianBound` laid out per
         proposer), each client's row from its own rows (in a federation: one
@@ -724,18 +735,22 @@ class FedZigZag(FederatedMCMCKernel):
         With a preconditioner (in process) everything is in ``u``: ``point`` is the reference
         there, ``row_grad`` a row's gradient in ``u`` (:func:`preconditioned_row_grad`), and the
         curvatures are those of the potential of ``u``."""
+        point = reference.point
         d, dtype = point.shape[0], point.dtype
         pre = self.preconditioning
         x_point = pre.to_x(point) if pre is not None else point
-        if hessian is not None:  # through the federation: one "hessian" call
-            total = hessian(x_point)
-            self.setup_tally.add("hessian")
+        if order == 2:  # the second-order control variates hold it, in the process's space
+            total = np.asarray(reference.term_hessians.sum(0) + reference.prior_hessian, np.float64)
         else:
-            total = jax.hessian(flat_potential)(x_point)
-        total = np.asarray(total, np.float64)
-        if pre is not None:
-            scale = np.asarray(pre.matrix(), np.float64)
-            total = scale.T @ total @ scale
+            if hessian is not None:  # through the federation: one "hessian" call
+                total = hessian(x_point)
+                self.setup_tally.add("hessian")
+            else:
+                total = jax.jit(jax.hessian(flat_potential))(x_point)
+            total = np.asarray(total, np.float64)
+            if pre is not None:
+                scale = np.asarray(pre.matrix(), np.float64)
+                total = scale.T @ total @ scale
         try:
             variances = np.diag(np.linalg.inv(total))
         except np.linalg.LinAlgError:
@@ -887,15 +902,10 @@ class FedZigZag(FederatedMCMCKernel):
             ratio = max(float(np.max(np.where(np.isfinite(r), r, 0.0))) for r in ratios)
             _warn_local_bound(self.subsample_size, subject, [names[k] for k in np.flatnonzero(~finite)], ratio,
                               "RowHessianBound(..., third=...)")
-        # every row keeps a share of the mean (a row whose third derivative vanishes where it was
-        # looked at, e.g. a logistic row with a zero logit, is still drawn)
-        sizes = jnp.maximum(jnp.sum(potential.client_data["valid"][layout.plate], axis=1), 1)
-        valid = potential.client_data["valid"][layout.plate][..., None]
-        mean = kappa.sum(1, keepdims=True) / sizes[:, None, None]
         margin = 1.0 if row_third is not None else AUTOMATIC_MARGIN
         floor = 0.0 if row_third is not None else THIRD_FLOOR
-        kappa = jnp.where(valid, margin * (kappa + floor * mean), 0.0)
-        weights = jax.jit(importance_weights)(jnp.swapaxes(kappa, 1, 2))
+        weights = jax.jit(partial(_remainder_weights, margin=margin, floor=floor))(
+            kappa, potential.client_data["valid"][layout.plate])
         prior_bound = np.asarray(self.bounds.prior, np.float64) if user_prior else AUTOMATIC_MARGIN * prior[0]
         if user_prior and pre is not None:
             prior_bound = pre.bound_to_u(np.abs(prior_bound))
@@ -1093,13 +1103,13 @@ class FedZigZag(FederatedMCMCKernel):
                 self.setup_tally.add("value_and_grad")
                 if order == 2:
                     self.setup_tally.add("hessian")
-            else:
-                reference = control_variate_reference(proposers, point, order=order)
+            else:  # one compiled call (eagerly, each operation over the clients' rows compiles on its own)
+                reference = jax.jit(partial(control_variate_reference, proposers, order=order))(point)
         if layout is not None:
             row_grad = (clients if federated else client_functions(potential)).grad
             if self.preconditioning is not None:  # in process only: the process's space is u
                 row_grad = preconditioned_row_grad(row_grad, self.preconditioning)
-            bounds, weights = self._subsample_bounds(potential, layout, reference.point, flat_potential, hessian,
+            bounds, weights = self._subsample_bounds(potential, layout, reference, flat_potential, hessian,
                                                      row_grad, proposers.num, order=order)
             self.subsample_bounds = bounds
             if not federated:
