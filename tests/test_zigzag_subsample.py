@@ -336,6 +336,25 @@ def test_poisson_regression_is_warned_counted_and_agrees_with_nuts():
     assert_agree_with_draws(flat(mcmc.get_samples(), ["b", "w"]), flat(reference, ["b", "w"]))
 
 
+@pytest.mark.parametrize("order, match", [
+    ("first_order", "the curvature of client 0, client 1, client 2, client 3 grows away"),
+    (None, "the rows' third derivative of client 0, client 1, client 2, client 3 grows away"),
+])
+def test_the_set_up_warning_names_what_grows(order, match):
+    """A log link: the rows' curvature (what the first-order estimate's bound holds) and their
+    third derivative (the second-order one's) both grow away from the posterior; the set-up
+    warning names the one its bound rests on. The Normal priors' curvature is constant: not
+    named."""
+    rng = np.random.default_rng(5)
+    X = 0.5 * rng.normal(size=(200, 2))
+    y = rng.poisson(np.exp(X @ np.array([0.6, -0.4]) + 0.3)).astype(float)
+    owner = unequal_owner(200, 5)
+    with pytest.warns(RuntimeWarning, match=match):
+        kernel, _ = run_zigzag(poisson, (X, y, owner), subsample_size=1, num_samples=5, num_warmup=5,
+                               control_variates=order)
+    assert kernel.unbounded_curvature
+
+
 def _checked(kernel, mcmc):
     with pytest.warns(RuntimeWarning, match="bound on the rows' curvature"):
         return kernel.check_run(mcmc)

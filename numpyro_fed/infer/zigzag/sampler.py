@@ -910,8 +910,8 @@ class FedZigZag(FederatedMCMCKernel):
         if user_prior and pre is not None:
             prior_bound = pre.bound_to_u(np.abs(prior_bound))
         # |H(y) - H(x*)| <= 2 max |H| for the terms computed exactly
-        variation = per_proposer_bound(HessianBound(2 * AUTOMATIC_MARGIN * level[:, 0], 2 * np.maximum(prior_bound, 0.0)),
-                                       potential.num_clients, num_proposers, d, dtype)
+        variation = HessianBound(2 * AUTOMATIC_MARGIN * level[:, 0], 2 * np.maximum(prior_bound, 0.0))
+        variation = per_proposer_bound(variation, potential.num_clients, num_proposers, d, dtype)
         second = np.asarray(weights.sup, np.float64)
         if num_proposers > potential.num_clients:
             second = np.concatenate([second, np.zeros((1, d))])
