@@ -395,16 +395,22 @@ def test_a_violation_in_warmup_grows_the_bound():
 
 
 @pytest.mark.slow
-def test_user_row_bound_is_exact_for_logistic_regression():
-    """RowHessianBound with logistic's |a_i a_k| / 4 per row: no violation, NUTS's posterior."""
+@pytest.mark.parametrize("third", [None, logistic_third])
+def test_user_row_bound_is_exact_for_logistic_regression(third):
+    """RowHessianBound with logistic's |a_i a_k| / 4 per row (first order) or with its third
+    derivative's bound too (second order): no violation, NUTS's posterior."""
     X, y, owner = logistic_data(200, seed=1)
     # the row arguments: X's row, y's, and the row's client (an argument with a row per row)
-    bound = nf.RowHessianBound(lambda x, y, client: jnp.abs(jnp.outer(x, x)) / 4, prior=jnp.eye(3))
+    bound = nf.RowHessianBound(lambda x, y, client: jnp.abs(jnp.outer(x, x)) / 4, prior=jnp.eye(3), third=third)
     kernel, mcmc = run_zigzag(logistic, (X, y, owner), subsample_size=1, bounds=bound)
     assert int(mcmc.get_extra_fields()["info.num_violations"].sum()) == 0
-    # the clients' bound is the sum of |a_J a_J^T| / 4's row sums over the rows, the prior's the identity
-    assert_importance_bound(kernel.subsample_bounds, X, owner, margin=1.0)
-    np.testing.assert_allclose(np.asarray(kernel.subsample_bounds.prior), np.eye(3), atol=1e-12)
+    if third is None:
+        # the clients' bound is the sum of |a_J a_J^T| / 4's row sums over the rows, the prior's the identity
+        assert_importance_bound(kernel.subsample_bounds, X, owner, margin=1.0)
+        np.testing.assert_allclose(np.asarray(kernel.subsample_bounds.prior), np.eye(3), atol=1e-12)
+    else:  # the prior's term is bounded through twice its curvature
+        assert kernel.subsample_bounds.second is not None
+        np.testing.assert_allclose(np.asarray(kernel.subsample_bounds.prior), 2 * np.eye(3), atol=1e-12)
     assert_agree_with_draws(np.asarray(mcmc.get_samples()["w"]),
                             np.asarray(run_nuts(logistic, (X, y, owner))["w"]))
 
