@@ -263,6 +263,38 @@ def gradient_estimate(grad, layout: SubsampleLayout, x, key, block, point, refer
     return _estimate(grad, layout, x, key, n, partial(_sub_block, block, layout.plate), point, reference_grad)
 
 
+def _around_and_away(values, num_bound: int):
+    """``(2, ...)``: the largest of ``values`` ``(K, ...)`` over the first ``num_bound`` points
+    (around the posterior) and over the others (one unit away)."""
+    return jnp.stack([values[:num_bound].max(0), values[num_bound:].max(0)])
+
+
+def _level_terms(grad, layout: SubsampleLayout, block, points, num_bound: int):
+    """``(level, empty)``: the client-level terms' largest ``|d_i d_k C_m|`` ``(2, d, d)``
+    (:func:`_around_and_away`; zero without them) and the block that holds only them (a
+    masked row; ``None`` without them)."""
+    d = points.shape[-1]
+    if not layout.client_terms:
+        return jnp.zeros((2, d, d), points.dtype), None
+    empty = _sub_block(block, layout.plate, jnp.zeros(1, jnp.int32), False)
+    level = jnp.abs(jax.vmap(jax.jacfwd(grad), in_axes=(0, None))(points, empty))  # (K, d, d)
+    return _around_and_away(level, num_bound), empty
+
+
+def _row_only(fn, layout: SubsampleLayout, block, empty, j):
+    """``fn(block)`` of row ``j``'s own term: its one-row block holds the client-level terms
+    once, which ``empty`` (:func:`_level_terms`) takes away."""
+    value = fn(_sub_block(block, layout.plate, j[None], True))
+    return value - fn(empty) if layout.client_terms else value
+
+
+def _row_chunks(max_rows: int):
+    """``(num_chunks, CHUNK)`` row indices covering ``range(max_rows)`` (the last chunk wraps
+    around to the first rows): the set-up's vectorized passes over a client's rows."""
+    num_chunks = -(-max_rows // CHUNK)
+    return (jnp.arange(num_chunks * CHUNK) % max_rows).reshape(num_chunks, CHUNK)
+
+
 def _row_terms(grad, layout: SubsampleLayout, block, bound_points, probe_points, row_bound=None,
                per_row: bool = False):
     """``(rows, level, weights)``: ``rows`` ``(2, d, d)``, the largest ``|d_i d_k U_J|`` over
@@ -270,32 +302,19 @@ def _row_terms(grad, layout: SubsampleLayout, block, bound_points, probe_points,
     the same for the client-level terms (zero without them); with ``per_row``, ``weights``
     ``(n_max, d)``: each row's ``sum_k max |d_i d_k U_J|`` over ``bound_points`` (zero on the
     padding), else ``None``."""
-    plate = layout.plate
-    valid = block["valid"][plate]
+    valid = block["valid"][layout.plate]
     max_rows = valid.shape[0]
     hessian = jax.jacfwd(grad)
     points = jnp.concatenate([bound_points, probe_points])
     num_bound = bound_points.shape[0]
     d = points.shape[-1]
     dtype = points.dtype
-
-    if layout.client_terms:
-        empty = _sub_block(block, plate, jnp.zeros(1, jnp.int32), False)
-        level = jnp.abs(jax.vmap(hessian, in_axes=(0, None))(points, empty))  # (K, d, d)
-        level = jnp.stack([level[:num_bound].max(0), level[num_bound:].max(0)])
-    else:
-        level = jnp.zeros((2, d, d), dtype)
-
-    num_chunks = -(-max_rows // CHUNK)
-    chunks = (jnp.arange(num_chunks * CHUNK) % max_rows).reshape(num_chunks, CHUNK)
+    level, empty = _level_terms(grad, layout, block, points, num_bound)
 
     if row_bound is None:
         def one_row(j):
-            h = jax.vmap(hessian, in_axes=(0, None))(points, _sub_block(block, plate, j[None], True))
-            if layout.client_terms:  # the row's block holds the client-level terms once
-                h = h - jax.vmap(hessian, in_axes=(0, None))(points, _sub_block(block, plate, j[None], False))
-            h = jnp.abs(h)
-            return jnp.stack([h[:num_bound].max(0), h[num_bound:].max(0)]) * valid[j]
+            h = _row_only(partial(jax.vmap(hessian, in_axes=(0, None)), points), layout, block, empty, j)
+            return _around_and_away(jnp.abs(h), num_bound) * valid[j]
     else:
         def one_row(j):
             rows = [a[j] for a in block["rows"]]
@@ -306,7 +325,7 @@ def _row_terms(grad, layout: SubsampleLayout, block, bound_points, probe_points,
         h = jax.vmap(one_row)(js)  # (CHUNK, 2, d, d)
         return h.max(0), (h[:, 0].sum(-1) if per_row else None)
 
-    rows, weights = lax.map(chunk, chunks)
+    rows, weights = lax.map(chunk, _row_chunks(max_rows))
     if per_row:
         weights = weights.reshape(-1, d)[:max_rows]
     return rows.max(0), level, weights
@@ -451,10 +470,8 @@ def third_weights(grad, layout: SubsampleLayout, block, bound_points, probe_poin
     * ``spread`` ``(2, d)``: ``sum_J`` of the same maxima over ``bound_points`` and over
       ``probe_points`` (whether the third derivative keeps growing away from the posterior).
     """
-    plate = layout.plate
-    valid = block["valid"][plate]
+    valid = block["valid"][layout.plate]
     max_rows = valid.shape[0]
-    hessian = jax.jacfwd(grad)
     points = jnp.concatenate([bound_points, probe_points])
     num_bound = bound_points.shape[0]
     d = points.shape[-1]
@@ -462,38 +479,24 @@ def third_weights(grad, layout: SubsampleLayout, block, bound_points, probe_poin
     center = bound_points[0]
     offsets = jnp.sign(bound_points[1:] - center)
     fixed = jnp.concatenate([jnp.ones((1, d), dtype), offsets]) / jnp.sqrt(jnp.asarray(d, dtype))
-
-    if layout.client_terms:
-        empty = _sub_block(block, plate, jnp.zeros(1, jnp.int32), False)
-        level = jnp.abs(jax.vmap(hessian, in_axes=(0, None))(points, empty))  # (K, d, d)
-        level = jnp.stack([level[:num_bound].max(0), level[num_bound:].max(0)])
-    else:
-        empty = None
-        level = jnp.zeros((2, d, d), dtype)
-
-    def row_only(fn, j):  # fn(block) of row j's own term (its block holds the client-level terms once)
-        value = fn(_sub_block(block, plate, j[None], True))
-        return value - fn(empty) if layout.client_terms else value
+    level, empty = _level_terms(grad, layout, block, points, num_bound)
 
     if row_third is None:
         def one_row(j):
-            third = lambda x, w: row_only(partial(_row_third, grad, x, w), j)  # noqa: E731
-            w0 = _unit(row_only(partial(grad, center), j), fixed[0])
+            third = lambda x, w: _row_only(partial(_row_third, grad, x, w), layout, block, empty, j)  # noqa: E731
+            w0 = _unit(_row_only(partial(grad, center), layout, block, empty, j), fixed[0])
             w1 = _unit(third(center, w0), w0)
             w2 = _unit(third(center, w1), w1)
             directions = jnp.concatenate([jnp.stack([w0, w1, w2]), fixed])
             values = jax.vmap(lambda x: jax.vmap(lambda w: jnp.abs(third(x, w)))(directions).max(0))(points)
-            values = values / 2
-            return jnp.stack([values[:num_bound].max(0), values[num_bound:].max(0)]) * valid[j]
+            return _around_and_away(values / 2, num_bound) * valid[j]
     else:
         def one_row(j):
             rows = [a[j] for a in block["rows"]]
             bound = jnp.broadcast_to(jnp.abs(jnp.asarray(row_third(*rows), dtype)), (d,)) / 2
             return jnp.stack([bound, bound]) * valid[j]
 
-    num_chunks = -(-max_rows // CHUNK)
-    chunks = (jnp.arange(num_chunks * CHUNK) % max_rows).reshape(num_chunks, CHUNK)
-    kappa = lax.map(jax.vmap(one_row), chunks).reshape(-1, 2, d)[:max_rows]  # (n_max, 2, d)
+    kappa = lax.map(jax.vmap(one_row), _row_chunks(max_rows)).reshape(-1, 2, d)[:max_rows]  # (n_max, 2, d)
     return level, kappa[:, 0], kappa.sum(0)
 
 
