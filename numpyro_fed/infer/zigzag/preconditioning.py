@@ -62,6 +62,13 @@ class Preconditioner(NamedTuple):
             absolute = np.asarray(absolute, bound.dtype)
         return absolute.T @ bound @ absolute
 
+    def third_bound_to_u(self, bound):
+        """A bound ``C`` ``(d,)`` on ``|w^T (d_i H) w| / |w|^2`` in ``x`` as one in ``u``: with
+        ``y = scale w``, ``|w^T (d_{u_i} H^u) w| = |sum_l scale_li y^T (d_l H) y| <= (|scale|^T
+        C)_i |scale|_2^2 |w|^2``."""
+        matrix = self.matrix()
+        return jnp.abs(matrix).T @ bound * jnp.linalg.norm(matrix, 2) ** 2
+
 
 def precondition(proposers: Proposers, preconditioner: Preconditioner) -> Proposers:
     """The same proposers as functions of ``u`` (``x = center + scale u``): gradients are

@@ -129,12 +129,10 @@ def _preconditioned_row_bound(row_bound, preconditioner, *rows):
 
 
 def _preconditioned_row_third(row_third, preconditioner, *rows):
-    """A user's per-row third-derivative bound in ``x`` as one in ``u``: with ``y = S w``,
-    ``|w^T (d_{u_i} H^u) w| = |sum_l S_li y^T (d_l H) y| <= (|S|^T B)_i |S|_2^2 |w|^2``."""
+    """A user's per-row third-derivative bound in ``x`` as one in ``u``
+    (:meth:`~numpyro_fed.infer.zigzag.Preconditioner.third_bound_to_u`)."""
     d = preconditioner.center.shape[-1]
-    bound = jnp.broadcast_to(jnp.abs(jnp.asarray(row_third(*rows))), (d,))
-    matrix = preconditioner.matrix()
-    return jnp.abs(matrix).T @ bound * jnp.linalg.norm(matrix, 2) ** 2
+    return preconditioner.third_bound_to_u(jnp.broadcast_to(jnp.abs(jnp.asarray(row_third(*rows))), (d,)))
 
 
 def _remainder_weights(kappa, valid, *, margin, floor):
