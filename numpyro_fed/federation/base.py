@@ -262,6 +262,18 @@ class Federation(abc.ABC):
         without data arguments."""
         return self.loader is not None
 
+    # -- capabilities (what a face may ask instead of testing the backend's type) ----------
+    #: Whether the clients run inside the caller's compiled program, their blocks held in
+    #: this process (:class:`~numpyro_fed.federation.InProcess`). ``False`` on engines,
+    #: where every call crosses to a worker and values kept for the clients stay there.
+    in_process: bool = False
+
+    def restart(self, clients=None) -> "Federation":
+        """Replaces clients that do not answer (an engine starts new workers that reload
+        their rows and their saved client state); returns ``self``. A backend whose clients
+        cannot fail (in process) has nothing to replace."""
+        return self
+
     # -- host side -------------------------------------------------------------------------
     @abc.abstractmethod
     def start(self, program: ClientProgram) -> "Federation":

@@ -51,6 +51,8 @@ class InProcess(Federation):
     [8, 8, 8]
     """
 
+    in_process = True
+
     def __init__(self, *, loader=None, num_clients=None):
         super().__init__(loader=loader, num_clients=num_clients)
         self._shared: _Shared | None = None

@@ -119,10 +119,8 @@ def adopt_client_state(federation, clients):
     this process (e.g. a state built by hand, or an in-process run's) are handed to the
     clients of an engine backend with its ``init_state``. A state whose values are on the
     workers of another federation cannot be continued in process: a ``ValueError`` says so."""
-    from numpyro_fed.federation import InProcess
-
     has_values = bool(jax.tree_util.tree_leaves(clients.values))
-    if isinstance(federation, InProcess):
+    if federation.in_process:
         if not has_values:
             raise ValueError("init_state's client state is held by the workers of the federation that ran it "
                              "(an engine backend): continue the run on that federation")
@@ -449,10 +447,9 @@ class VariationalMethod:
         picklable ``block -> block``, run where the client lives) if given; or, in simulation
         only, the stacked ``blocks`` given here (see :func:`start_federation`). In a
         federation already started (by a previous run, possibly stopped by a fault), the
-        workers that do not answer are first replaced (its ``restart()``, where it has one)."""
-        restart = getattr(self.federation, "restart", None)
-        if self.federation.started and restart is not None:
-            restart()
+        workers that do not answer are first replaced (its ``restart()``)."""
+        if self.federation.started:
+            self.federation.restart()
         if blocks is not None:
             self._active_federation = start_federation(self.federation, functions, blocks, stateful)
         else:
