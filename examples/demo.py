@@ -22,6 +22,7 @@ Run with ``make demo`` (or ``python examples/demo.py --data ../shared/data``).
 
 import argparse
 import os
+import sys
 import time
 import warnings
 
@@ -71,6 +72,9 @@ def main():
     parser.add_argument("--zigzag-samples", type=int, default=100,
                         help="FedZigZag draws per chain (each after one unit of process time)")
     args = parser.parse_args()
+    # Each line as it is printed, also when the output goes to a file or a pipe (make demo | tee),
+    # so a long step never sits behind a full buffer; the progress bars (stderr) show the samplers.
+    sys.stdout.reconfigure(line_buffering=True)
 
     adult = datasets.load_adult(os.path.join(args.data, "uci_adult"), seed=args.seed)
     X, y = jnp.asarray(adult.X_train), jnp.asarray(adult.y_train)
@@ -143,7 +147,8 @@ def main():
 
     # -- 4. NUTS on the pooled data: the reference posterior ------------------------------
     print(f"\nNUTS on the pooled data ({args.num_chains} chains x {args.num_warmup} warmup + "
-          f"{args.num_samples} samples, dense mass = Laplace covariance):")
+          f"{args.num_samples} samples, dense mass = Laplace covariance; about 20 s on an idle 2-core "
+          "machine, progress bars below):")
     kernel = NUTS(
         logistic_regression,
         dense_mass=True,
@@ -152,7 +157,7 @@ def main():
         init_strategy=init_to_value(values=fp.postprocess_fn(fp.unravel(flat))),
     )
     mcmc = MCMC(kernel, num_warmup=args.num_warmup, num_samples=args.num_samples,
-                num_chains=args.num_chains, chain_method="sequential", progress_bar=os.isatty(1))
+                num_chains=args.num_chains, chain_method="sequential", progress_bar=True)
     start = time.perf_counter()
     mcmc.run(jax.random.PRNGKey(args.seed), X, y, clients=owner, extra_fields=("num_steps",))
     jax.block_until_ready(mcmc.get_samples())
@@ -182,11 +187,12 @@ def main():
     # -- 5. FedZigZag: federated, asymptotically exact ----------------------------------
     print(f"\nFedZigZag over the {args.num_clients} clients (control variates, Laplace preconditioner, "
           f"{args.num_chains} vectorized chains x {args.zigzag_samples} draws one unit of process time "
-          "apart, after 20 warm-up draws):")
+          "apart, after 20 warm-up draws; about 3 minutes on an idle 2-core machine at the defaults, "
+          "a progress bar below):")
     zigzag = nf.FedZigZag(logistic_regression, sample_interval=1.0, preconditioner="laplace")
     # Vectorized chains share each pass over the clients' rows, which dominates the cost here.
     fed = MCMC(zigzag, num_warmup=20, num_samples=args.zigzag_samples, num_chains=args.num_chains,
-               chain_method="vectorized", progress_bar=os.isatty(1))
+               chain_method="vectorized", progress_bar=True)
     start = time.perf_counter()
     map_point = jax.tree.map(lambda a: jnp.broadcast_to(a, (args.num_chains,) + a.shape), fp.unravel(flat))
     fed.run(jax.random.PRNGKey(args.seed + 1), X, y, clients=owner,
