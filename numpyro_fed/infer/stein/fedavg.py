@@ -109,6 +109,7 @@ def build_kernel() -> Callable:
 
     def step(rng_key, state: ParticleState, federation, client):
         point = federation.one("update", client, state.particles, rng_key)
-        return ParticleState(point, state.round + 1), BaselineInfo(jnp.asarray(client), rms_move(point, state.particles))
+        info = BaselineInfo(jnp.asarray(client), rms_move(point, state.particles))
+        return ParticleState(point, state.round + 1), info
 
     return step

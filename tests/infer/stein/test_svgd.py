@@ -293,6 +293,38 @@ def test_fedavg_reaches_the_map_and_dsgld_the_posterior():
     assert 0.3 * POST_VAR < var < 3 * POST_VAR
 
 
+def test_baselines_reach_their_clients_through_the_seam_and_the_ledger_counts_it():
+    n, steps, rounds, f64, key = 4, 3, 4, 8, 8  # a PRNGKey: two uint32
+    svgd = stein.SVGD(gaussian_mean, num_particles=n, steps_per_round=steps, progress_bar=False).run(
+        jax.random.PRNGKey(0), rounds, Y)
+    # every client's gradient at every step: the particles down, their gradients up
+    np.testing.assert_array_equal(svgd.ledger["grad/rounds"], [rounds * steps] * 3)
+    np.testing.assert_array_equal(svgd.ledger["grad/bytes_to_client"], [rounds * steps * n * f64] * 3)
+    np.testing.assert_array_equal(svgd.ledger["grad/bytes_from_client"], [rounds * steps * n * f64] * 3)
+    fedavg = stein.FedAvg(gaussian_mean, num_local_steps=steps, progress_bar=False).run(
+        jax.random.PRNGKey(0), rounds, Y)
+    visits = np.bincount(fedavg.metrics["client"], minlength=3)  # round robin: 2, 1, 1
+    # the point and the round's key down, the client's new point up
+    np.testing.assert_array_equal(fedavg.ledger["update/bytes_to_client"], visits * (f64 + key))
+    np.testing.assert_array_equal(fedavg.ledger["update/bytes_from_client"], visits * f64)
+    sgld = stein.DistributedSGLD(gaussian_mean, num_particles=n, num_local_steps=steps, a0=0.1,
+                                 progress_bar=False).run(jax.random.PRNGKey(0), rounds, Y)
+    # the chains, the gradient's scale n / n_k, the global step count and the key down; the chains up
+    np.testing.assert_array_equal(sgld.ledger["update/bytes_to_client"], visits * (n * f64 + f64 + 4 + key))
+    np.testing.assert_array_equal(sgld.ledger["update/bytes_from_client"], visits * n * f64)
+    # the same run on an InProcess given explicitly
+    again = stein.FedAvg(gaussian_mean, num_local_steps=steps, progress_bar=False, federation=nf.InProcess()).run(
+        jax.random.PRNGKey(0), rounds, Y)
+    np.testing.assert_array_equal(final(again), final(fedavg))
+
+
+@pytest.mark.parametrize("baseline", ["SVGD", "FedAvg", "DistributedSGLD"])
+def test_baselines_run_in_this_process_only(baseline):
+    method = getattr(stein, baseline)(gaussian_mean, progress_bar=False, federation=nf.RayFederation())
+    with pytest.raises(ValueError, match=f"{baseline} runs its clients in this process only"):
+        method.run(jax.random.PRNGKey(0), 1, Y)
+
+
 def test_dsgld_divergence_is_an_error_naming_the_step_size():
     sgld = stein.DistributedSGLD(gaussian_mean, num_particles=4, num_local_steps=300, a0=1e3,
                                 progress_bar=False)
