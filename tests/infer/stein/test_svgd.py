@@ -15,12 +15,13 @@ import numpyro
 import numpyro.distributions as dist
 
 import numpyro_fed as nf
-from models import hierarchical, make_data
 from numpyro_fed import datasets, metrics
 from numpyro_fed.federation import ClientProgram, ClientState, InProcess
 from numpyro_fed.infer import stein
 from numpyro_fed.infer.stein import dsvgd as dsvgd_core
 from numpyro_fed.infer.stein.model import flat_gradients, minibatch_client_grad
+
+from models import hierarchical, make_data
 
 # -- models -------------------------------------------------------------------------------------
 
