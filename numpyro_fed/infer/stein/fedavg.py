@@ -8,7 +8,7 @@ and the round ``step(rng_key, state, federation, client) -> (state, info)``
 
 >>> import jax, jax.numpy as jnp, optax
 >>> from numpyro_fed.federation import ClientProgram, InProcess
->>> # N(0, 1) prior, two clients with L_k(x) = (x - b_k)^2 / 2: client 1's optimum is 2 (1 + 1/2) / 2
+>>> # N(0, 1) prior, L_k(x) = (x - b_k)^2 / 2, b = (0, 3): client 1 minimizes (x - 3)^2 / 2 + x^2 / 4, at 2
 >>> functions, stateful = client_functions(lambda x: x, lambda x, block: x - block, num_clients=2,
 ...                                        num_local_steps=200, optim=optax.sgd(0.1))
 >>> federation = InProcess().start(ClientProgram.stacked(functions, jnp.array([0.0, 3.0])))
