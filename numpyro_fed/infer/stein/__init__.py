@@ -8,9 +8,14 @@ Layout (data flows down):
   independent of the parameters' units;
 * :mod:`.optim`: AdaGrad with momentum as optax pieces (every ``optim`` argument takes any
   optax ``GradientTransformation``);
-* the cores, pure and BlackJAX-shaped (``init``, ``build_kernel`` returning
-  ``step(rng_key, state, ...) -> (state, info)``, client and server functions apart):
-  :mod:`.svgd`, :mod:`.dsvgd`, :mod:`.pdsvgd`, :mod:`.udsvgd`, :mod:`.sgld`;
+* :mod:`.svgd`: SVGD's step on a score function, ``step(rng_key, state) -> (state, info)``,
+  and loops of it;
+* the algorithms' cores, one per algorithm, pure and BlackJAX-shaped, written once against
+  the federation seam: ``init``, ``client_functions`` (what a client runs where it lives)
+  and ``build_kernel`` returning the round ``step(rng_key, state, federation, ...) ->
+  (state, info)``, which on :class:`~numpyro_fed.federation.InProcess` compiles into one
+  program: :mod:`.dsvgd`, :mod:`.pdsvgd`, :mod:`.udsvgd` and the baselines'
+  :mod:`.pooled_svgd`, :mod:`.fedavg`, :mod:`.sgld`;
 * :mod:`.model`: a NumPyro model's split potential as flat gradient functions, prior draws,
   minibatch gradients; :mod:`.client_order`; :mod:`.checks` (Stein's identity);
 * (Gaussian PVI, the paper's other baseline, is :class:`numpyro_fed.GaussianPVI` in

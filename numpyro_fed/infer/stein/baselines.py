@@ -1,55 +1,30 @@
 """The baselines of the DSVGD paper under DSVGD's interface: centralized :class:`SVGD` on the
-pooled potential, :class:`FedAvg` (a point estimate) and :class:`DistributedSGLD`."""
+pooled potential, :class:`FedAvg` (a point estimate) and :class:`DistributedSGLD`: thin faces
+over the cores :mod:`~numpyro_fed.infer.stein.pooled_svgd`,
+:mod:`~numpyro_fed.infer.stein.fedavg` and :mod:`~numpyro_fed.infer.stein.sgld`, which reach
+the clients through the federation seam (references run in simulation, in this process)."""
 
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+
+import numpy as np
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from numpyro.infer.initialization import init_to_uniform
 
 from numpyro_fed._checks import check_int, check_positive
-from numpyro_fed.infer.stein import svgd as svgd_core
+from numpyro_fed.infer.stein import fedavg as fedavg_core
+from numpyro_fed.infer.stein import pooled_svgd as pooled_core
+from numpyro_fed.infer.stein import sgld as sgld_core
 from numpyro_fed.infer.stein.client_order import check_client_order
-from numpyro_fed.infer.stein.dsvgd import batched_client_grad
 from numpyro_fed.infer.stein.face import ParticleMethod
 from numpyro_fed.infer.stein.model import minibatch_client_grad
 from numpyro_fed.infer.stein.optim import adagrad_momentum, check_optim
-from numpyro_fed.infer.stein.sgld import descend, sgld_run
 
-__all__ = ["BaselineInfo", "DistributedSGLD", "FedAvg", "ParticleState", "SVGD", "SVGDRoundState"]
-
-
-class BaselineInfo(NamedTuple):
-    """:ivar client: the scheduled client (-1: all, centralized); :ivar move: root mean square
-    move of the particles in the round."""
-
-    client: jax.Array
-    move: jax.Array
-
-
-class ParticleState(NamedTuple):
-    """:ivar particles: ``(N, d)`` (``(1, d)``: FedAvg's point); :ivar round: rounds done."""
-
-    particles: jax.Array
-    round: jax.Array
-
-
-class SVGDRoundState(NamedTuple):
-    """:ivar particles: ``(N, d)``; :ivar opt_state: the optimizer's state (kept across
-    rounds); :ivar round: rounds done."""
-
-    particles: jax.Array
-    opt_state: Any
-    round: jax.Array
-
-
-def _move(new, old):
-    return jnp.sqrt(jnp.mean(jnp.sum((new - old) ** 2, axis=-1)))
+__all__ = ["DistributedSGLD", "FedAvg", "SVGD"]
 
 
 class SVGD(ParticleMethod):
@@ -65,8 +40,9 @@ class SVGD(ParticleMethod):
     :param int batch_size: rows of the pooled data per step, ``ceil(batch_size / K)`` from each
         client (``None``: all).
     :param federation: ``None`` or an :class:`~numpyro_fed.InProcess` without a loader only:
-        a baseline runs its clients on their rows in this process (it refuses another
-        federation, and deployment, with a ``ValueError``).
+        a baseline is a reference run in simulation, its clients reached through the seam in
+        this process (it refuses another federation, and deployment, with a ``ValueError``);
+        ``result.ledger`` counts its messages.
 
     Other parameters as :class:`~numpyro_fed.DSVGD`; ``metrics["client"]`` is -1 (every
     client's data in every step). No loss: :meth:`evaluate` gives the kernel Stein discrepancy.
@@ -84,6 +60,7 @@ class SVGD(ParticleMethod):
     """
 
     repr_fields = ("num_particles", "steps_per_round", "temperature", "batch_size")
+    deployable = False
 
     def __init__(self, model, *, num_particles: int = 20, steps_per_round: int = 200,
                  learning_rate: float = 0.05, optim=None, svgd_bandwidth=None,
@@ -98,7 +75,6 @@ class SVGD(ParticleMethod):
         self.optim = adagrad_momentum(self.learning_rate) if optim is None else check_optim(optim, "optim")
         self.svgd_bandwidth = None if svgd_bandwidth is None else check_positive(svgd_bandwidth, "svgd_bandwidth")
 
-
     def particles(self, state):
         return state.particles
 
@@ -109,41 +85,26 @@ class SVGD(ParticleMethod):
         return rng_key, None, jax.random.fold_in(rng_key, 1)
 
     def initial_state(self, particles, num_rounds=None):
-        return SVGDRoundState(particles, self.optim.init(particles), jnp.zeros((), jnp.int32))
+        return pooled_core.init(particles, self.optim)
 
     def _round_key(self, rng_key):
         return rng_key
 
-    def build_step(self):
+    def client_functions(self):
         fp = self.federated_potential
-        prior_score = jax.vmap(lambda x: -self.gradients.prior_grad(x))
-        if self.batch_size is None:
-            one_client = batched_client_grad(self.gradients.client_grad, None)
-        else:
-            per_client = math.ceil(self.batch_size / fp.num_clients)
-            one_client = batched_client_grad(self.gradients.client_grad, minibatch_client_grad(fp, per_client))
-        num_clients, temperature, num_steps = fp.num_clients, self.temperature, self.steps_per_round
+        stochastic = (None if self.batch_size is None
+                      else minibatch_client_grad(fp, math.ceil(self.batch_size / fp.num_clients)))
+        return pooled_core.client_functions(self.gradients.client_grad, stochastic)
 
-        def score(x, key):
-            keys = jax.random.split(key, num_clients)
-            grads = jax.vmap(one_client, in_axes=(None, 0, 0))(x, fp.client_data, keys)
-            return prior_score(x) - jnp.sum(grads, axis=0) / temperature
+    def build_round(self):
+        step = pooled_core.build_kernel(self.gradients.prior_grad, self.optim, num_steps=self.steps_per_round,
+                                        temperature=self.temperature, bandwidth=self.svgd_bandwidth,
+                                        stochastic=self.batch_size is not None)
+        return lambda rng_key, state, federation, client: step(rng_key, state, federation)
 
-        kernel = svgd_core.build_kernel(score, self.optim, self.svgd_bandwidth)
-
-        def step(rng_key, state, client, block):
-            del client, block  # every client's data in every step
-            inner = svgd_core.SVGDState(state.particles, state.opt_state)
-            inner, _ = lax.scan(lambda s, k: (kernel(k, s)[0], None), inner, jax.random.split(rng_key, num_steps))
-            info = BaselineInfo(jnp.asarray(-1), _move(inner.particles, state.particles))
-            return SVGDRoundState(inner.particles, inner.opt_state, state.round + 1), info
-
-        return step
-
-    def _round(self, rng_key, state, client):
-        if self._step is None:
-            self._step = jax.jit(self.build_step())
-        return self._step(rng_key, state, None, None)
+    def round_calls(self, client):
+        """Every client's gradient at every step of the round."""
+        return {"grad": np.full(self.federated_potential.num_clients, self.steps_per_round)}
 
 
 class FedAvg(ParticleMethod):
@@ -161,8 +122,9 @@ class FedAvg(ParticleMethod):
     :param client_order: as :class:`~numpyro_fed.DSVGD`.
     :param int batch_size: as :class:`~numpyro_fed.DSVGD`.
     :param federation: ``None`` or an :class:`~numpyro_fed.InProcess` without a loader only:
-        a baseline runs its clients on their rows in this process (it refuses another
-        federation, and deployment, with a ``ValueError``).
+        a baseline is a reference run in simulation, its clients reached through the seam in
+        this process (it refuses another federation, and deployment, with a ``ValueError``);
+        ``result.ledger`` counts its messages.
 
     >>> import jax, jax.numpy as jnp, numpyro, numpyro.distributions as dist
     >>> import numpyro_fed as nf
@@ -176,6 +138,7 @@ class FedAvg(ParticleMethod):
     """
 
     repr_fields = ("num_local_steps", "client_order", "batch_size")
+    deployable = False
 
     def __init__(self, model, *, num_local_steps: int = 200, learning_rate: float = 0.05,
                  optim=None, client_order="round_robin", metrics=None, partition=None,
@@ -189,29 +152,22 @@ class FedAvg(ParticleMethod):
         self.optim = adagrad_momentum(self.learning_rate) if optim is None else check_optim(optim, "optim")
         self.client_order = check_client_order(client_order)
 
-
     def particles(self, state):
         return state.particles
 
     def initial_state(self, particles, num_rounds=None):
-        return ParticleState(particles, jnp.zeros((), jnp.int32))
+        return fedavg_core.init(particles)
 
     def _round_key(self, rng_key):
         return rng_key
 
-    def build_step(self):
-        share = 1.0 / self.federated_potential.num_clients
-        prior_grad, client_grad = jax.vmap(self.gradients.prior_grad), self._client_grad_fn()
-        stochastic = self.stochastic_client_grad is not None
+    def client_functions(self):
+        return fedavg_core.client_functions(*self.gradients, num_clients=self.federated_potential.num_clients,
+                                            num_local_steps=self.num_local_steps, optim=self.optim,
+                                            stochastic_client_grad=self.stochastic_client_grad)
 
-        def step(rng_key, state, client, block):
-            def objective_grad(p, key):
-                return client_grad(p, block, key if stochastic else None) + share * prior_grad(p)
-
-            x = descend(rng_key, state.particles, objective_grad, self.num_local_steps, self.optim)
-            return ParticleState(x, state.round + 1), BaselineInfo(jnp.asarray(client), _move(x, state.particles))
-
-        return step
+    def build_round(self):
+        return fedavg_core.build_kernel()
 
     def init(self, rng_key, *args, init_params=None, num_rounds=None, **kwargs):
         """The initial state: a prior draw, or ``init_params`` (``(d,)`` flat unconstrained)."""
@@ -247,8 +203,9 @@ class DistributedSGLD(ParticleMethod):
     :param client_order: as :class:`~numpyro_fed.DSVGD`.
     :param int batch_size: as :class:`~numpyro_fed.DSVGD`.
     :param federation: ``None`` or an :class:`~numpyro_fed.InProcess` without a loader only:
-        a baseline runs its clients on their rows in this process (it refuses another
-        federation, and deployment, with a ``ValueError``).
+        a baseline is a reference run in simulation, its clients reached through the seam in
+        this process (it refuses another federation, and deployment, with a ``ValueError``);
+        ``result.ledger`` counts its messages.
 
     Non-finite chains stop the run with a :class:`FloatingPointError` naming ``a0``.
 
@@ -264,6 +221,7 @@ class DistributedSGLD(ParticleMethod):
     """
 
     repr_fields = ("num_particles", "num_local_steps", "a0", "client_order", "batch_size")
+    deployable = False
     divergence_advice = "lower a0"
 
     def __init__(self, model, *, num_particles: int = 20, num_local_steps: int = 200, a0: float = 0.01,
@@ -277,12 +235,11 @@ class DistributedSGLD(ParticleMethod):
         self.a0 = check_positive(a0, "a0")
         self.client_order = check_client_order(client_order)
 
-
     def particles(self, state):
         return state.particles
 
     def initial_state(self, particles, num_rounds=None):
-        return ParticleState(particles, jnp.zeros((), jnp.int32))
+        return fedavg_core.init(particles)
 
     def _round_key(self, rng_key):
         return rng_key
@@ -290,22 +247,10 @@ class DistributedSGLD(ParticleMethod):
     def _run_keys(self, rng_key):
         return tuple(jax.random.split(rng_key, 3))  # k_init, k_order, k_noise
 
-    def build_step(self):
-        fp = self.federated_potential
-        sizes = jnp.asarray(fp.client_sizes)
-        prior_grad, client_grad = jax.vmap(self.gradients.prior_grad), self._client_grad_fn()
-        a0, num_steps, temperature = self.a0, self.num_local_steps, self.temperature
-        stochastic = self.stochastic_client_grad is not None
+    def client_functions(self):
+        return sgld_core.client_functions(*self.gradients, num_local_steps=self.num_local_steps, a0=self.a0,
+                                          stochastic_client_grad=self.stochastic_client_grad)
 
-        def step(rng_key, state, client, block):
-            x0 = state.particles
-            scale = jnp.sum(sizes).astype(x0.dtype) / sizes[client].astype(x0.dtype) / temperature
-
-            def grad_potential(p, key):
-                return prior_grad(p) + scale * client_grad(p, block, key if stochastic else None)
-
-            x = sgld_run(rng_key, x0, grad_potential, num_steps, lambda t: a0 * (0.5 + t) ** -0.55,
-                         state.round * num_steps)
-            return ParticleState(x, state.round + 1), BaselineInfo(jnp.asarray(client), _move(x, x0))
-
-        return step
+    def build_round(self):
+        return sgld_core.build_kernel(self.federated_potential.client_sizes, num_local_steps=self.num_local_steps,
+                                      temperature=self.temperature)

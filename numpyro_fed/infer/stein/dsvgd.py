@@ -1,5 +1,8 @@
-"""The DSVGD core (Kassab & Simeone, Algorithm 1): a client function, a server function and
-their composition ``step(rng_key, state, client, block) -> (state, info)``.
+"""The DSVGD core (Kassab & Simeone, Algorithm 1): :func:`init`, the client's functions
+(:func:`client_functions`, run where the client lives) and the round
+``step(rng_key, state, federation, client) -> (state, info)`` (:func:`build_kernel`), written
+once against the federation seam: on :class:`~numpyro_fed.federation.InProcess` the whole
+round compiles into one program, on an engine backend the client's part runs on its worker.
 
 What crosses between server and client is what the paper says: the server sends its ``N``
 global particles (and whether any client has been visited yet, i.e. whether ``q^(i-1)`` is
@@ -7,6 +10,18 @@ still the prior); the scheduled client sends back ``N`` new global particles. It
 particles never leave it: they are its client state
 (:class:`~numpyro_fed.federation.ClientState`), kept where the client lives (stacked in
 :attr:`DSVGDState.clients` in process; on its worker with an engine backend).
+
+>>> import jax, jax.numpy as jnp
+>>> from numpyro_fed.federation import ClientProgram, InProcess
+>>> from numpyro_fed.infer.stein import adagrad_momentum
+>>> # N(0, 1) prior, one client with L(x) = (x - 2)^2 / 2: the posterior is N(1, 1/2)
+>>> functions, stateful = client_functions(lambda x: x, lambda x, block: x - block, num_local_steps=500,
+...                                        num_distill_steps=100, optim=adagrad_momentum(0.1))
+>>> federation = InProcess().start(ClientProgram.stacked(functions, jnp.array([2.0]), stateful=stateful))
+>>> x0 = jax.random.normal(jax.random.PRNGKey(0), (50, 1))
+>>> state, info = build_kernel()(None, init(x0, federation), federation, 0)
+>>> abs(float(state.global_particles.mean()) - 1.0) < 0.1, info.client.tolist()
+(True, 0)
 """
 
 from __future__ import annotations
@@ -30,17 +45,16 @@ __all__ = [
     "DSVGDInfo",
     "DSVGDState",
     "LocalState",
+    "RoundConfig",
     "batched_client_grad",
     "build_client",
     "build_kernel",
-    "build_round",
+    "check_key",
     "client_functions",
-    "in_process",
     "init",
     "initial_local_states",
-    "put_client",
+    "round_config",
     "server_update",
-    "take_client",
     "update_particles",
 ]
 
@@ -138,27 +152,23 @@ def initial_local_states(particles, num_clients: int) -> LocalState:
     return LocalState(jnp.broadcast_to(particles, (num_clients,) + particles.shape), jnp.zeros(num_clients, bool))
 
 
-def in_process(values) -> ClientState:
-    """A :class:`~numpyro_fed.federation.ClientState` of stacked ``values`` kept in this
-    process (version 0), for the cores' in-process kernels."""
-    num_clients = jax.tree_util.tree_leaves(values)[0].shape[0]
-    return ClientState(values, jnp.zeros(num_clients, jnp.int32))
-
-
-def init(particles, num_clients: int, federation=None) -> DSVGDState:
-    """The state of Algorithm 1, line 1: local particles are copies of the prior draws. With a
-    started ``federation``, the clients receive their initial :class:`LocalState` through
-    its ``init_state`` and keep it; otherwise it is kept in this process.
+def init(particles, federation) -> DSVGDState:
+    """The state of Algorithm 1, line 1: every client's local particles are copies of the
+    prior draws ``particles`` (``(N, d)``), handed to the clients of the started
+    ``federation`` through its ``init_state`` (they keep them: in this process with
+    :class:`~numpyro_fed.federation.InProcess`, on their workers with an engine backend).
 
     >>> import jax.numpy as jnp
-    >>> init(jnp.zeros((5, 2)), 3).clients.values.local_particles.shape
+    >>> from numpyro_fed.federation import ClientProgram, InProcess
+    >>> federation = InProcess().start(ClientProgram.stacked({}, jnp.zeros((3, 1))))
+    >>> init(jnp.zeros((5, 2)), federation).clients.values.local_particles.shape
     (3, 5, 2)
     """
     particles = jnp.asarray(particles)
-    local = initial_local_states(particles, num_clients)
+    num_clients = federation.num_clients
     return DSVGDState(
         global_particles=particles,
-        clients=in_process(local) if federation is None else federation.init_state(local),
+        clients=federation.init_state(initial_local_states(particles, num_clients)),
         visited=jnp.zeros(num_clients, bool),
         round=jnp.zeros((), jnp.int32),
     )
@@ -175,8 +185,9 @@ def batched_client_grad(client_grad: Callable, stochastic_client_grad: Callable 
 
 
 def check_key(rng_key, stochastic_client_grad):
+    """Refuses a round with minibatches (``stochastic_client_grad``) but no key."""
     if stochastic_client_grad is not None and rng_key is None:
-        raise ValueError("a round with stochastic_client_grad needs a key: step(rng_key, state, client, block)")
+        raise ValueError("a round with stochastic_client_grad needs a key: step(rng_key, state, federation, client)")
 
 
 def update_particles(global_particles, local_particles, block, *, prior_score, client_grad, kde_score,
@@ -219,7 +230,18 @@ def update_particles(global_particles, local_particles, block, *, prior_score, c
     return ClientUpdate(new_global, new_local)
 
 
-class _Config(NamedTuple):
+class RoundConfig(NamedTuple):
+    """The settings of a round shared by the cores of DSVGD, P-DSVGD and U-DSVGD
+    (:func:`round_config`).
+
+    :ivar kde_bandwidth: ``"auto"`` or the KDE kernel's standard deviation.
+    :ivar svgd_bandwidth: the SVGD kernel's ``h`` (a number, a function of the particles or
+        ``None``: the median heuristic).
+    :ivar stages: SVGD stages per loop (:data:`AUTO_STAGES` with ``"auto"``, else 1).
+    :ivar prior_score: ``(N, d) -> (N, d)``, ``grad log p_0`` at every particle.
+    :ivar client_grad: ``(x (N, d), block, key) -> (N, d)`` (:func:`batched_client_grad`).
+    """
+
     kde_bandwidth: float | str
     svgd_bandwidth: object
     stages: int
@@ -227,12 +249,15 @@ class _Config(NamedTuple):
     client_grad: Callable
 
 
-def _config(prior_grad, client_grad, stochastic_client_grad, kde_bandwidth, svgd_bandwidth) -> _Config:
+def round_config(prior_grad, client_grad, stochastic_client_grad, kde_bandwidth, svgd_bandwidth) -> RoundConfig:
+    """The :class:`RoundConfig` of a method's arguments: ``kde_bandwidth`` checked, the SVGD
+    bandwidth defaulting to :func:`~numpyro_fed.infer.stein.kernels.wide_median_bandwidth`
+    with ``kde_bandwidth="auto"``."""
     kde_bandwidth = check_kde_bandwidth(kde_bandwidth)
     if kde_bandwidth == "auto" and svgd_bandwidth is None:
         svgd_bandwidth = wide_median_bandwidth
-    return _Config(kde_bandwidth, svgd_bandwidth, AUTO_STAGES if kde_bandwidth == "auto" else 1,
-                   jax.vmap(lambda x: -prior_grad(x)), batched_client_grad(client_grad, stochastic_client_grad))
+    return RoundConfig(kde_bandwidth, svgd_bandwidth, AUTO_STAGES if kde_bandwidth == "auto" else 1,
+                       jax.vmap(lambda x: -prior_grad(x)), batched_client_grad(client_grad, stochastic_client_grad))
 
 
 def build_client(
@@ -278,7 +303,7 @@ def build_client(
         (which must then be given; otherwise it is not used).
     """
     distill_optim = optim if distill_optim is None else distill_optim
-    config = _config(prior_grad, client_grad, stochastic_client_grad, kde_bandwidth, svgd_bandwidth)
+    config = round_config(prior_grad, client_grad, stochastic_client_grad, kde_bandwidth, svgd_bandwidth)
     kde_score = kde_score_fn(config.kde_bandwidth)
 
     def client(rng_key, message: ClientMessage, local_particles, visited, block) -> ClientUpdate:
@@ -313,14 +338,14 @@ def server_update(state: DSVGDState, client, new_global, clients: ClientState) -
     return state, DSVGDInfo(jnp.asarray(client), move)
 
 
-def client_functions(prior_grad: Callable, client_grad: Callable, **options) -> dict:
-    """What a DSVGD client runs on its own block and its own :class:`LocalState`: the
-    ``stateful`` functions of a :class:`~numpyro_fed.federation.ClientProgram`,
-    ``"update"``: ``(block, local, global_particles, first, [key]) -> (local', new global
-    particles)``, from the server's :class:`ClientMessage` (and, with
-    ``stochastic_client_grad``, the round's key for the minibatches). The new local particles
-    stay with the client; only the new global particles go back. Options as
-    :func:`build_client`."""
+def client_functions(prior_grad: Callable, client_grad: Callable, **options) -> tuple[dict, dict]:
+    """What a DSVGD client runs, ``(functions, stateful)`` as a
+    :class:`~numpyro_fed.federation.ClientProgram` takes them: no function of its block alone,
+    and one of its own :class:`LocalState`, ``"update"``: ``(block, local, global_particles,
+    first, [key]) -> (local', new global particles)``, from the server's
+    :class:`ClientMessage` (and, with ``stochastic_client_grad``, the round's key for the
+    minibatches). The new local particles stay with the client; only the new global
+    particles go back. Options as :func:`build_client`."""
     client_fn = build_client(prior_grad, client_grad, **options)
 
     def update(block, local: LocalState, global_particles, first, key=None):
@@ -328,63 +353,25 @@ def client_functions(prior_grad: Callable, client_grad: Callable, **options) -> 
         return LocalState(new.local_particles, jnp.ones_like(local.visited)), new.global_particles
 
     if options.get("stochastic_client_grad") is None:
-        return {"update": lambda block, local, global_particles, first: update(block, local, global_particles, first)}
-    return {"update": update}
+        return {}, {"update": lambda block, local, global_particles, first: update(block, local, global_particles,
+                                                                                  first)}
+    return {}, {"update": update}
 
 
-def build_round(stochastic: bool = False) -> Callable:
-    """One round of DSVGD through a federation: ``step(rng_key, state, client, federation) ->
-    (state, info)``. The server sends the scheduled client its :class:`ClientMessage`; the
-    client (:func:`client_functions`' ``"update"``, on its own :class:`LocalState`) moves its
-    local particles and returns the new global particles; :func:`server_update` keeps them.
-    ``stochastic``: the round's key goes to the client (its minibatches)."""
+def build_kernel(stochastic: bool = False) -> Callable:
+    """One round of DSVGD (Algorithm 1): ``step(rng_key, state, federation, client) -> (state,
+    info)``. The server sends the scheduled ``client`` (an index, may be traced) its
+    :class:`ClientMessage` through ``federation`` (started on :func:`client_functions`); the
+    client moves its local particles (its ``"update"``, on its own :class:`LocalState`) and
+    returns the new global particles; :func:`server_update` keeps them. ``stochastic``: the
+    round's ``rng_key`` goes to the client (its minibatches; otherwise ``rng_key`` is unused
+    and may be ``None``)."""
 
-    def step(rng_key, state: DSVGDState, client, federation):
+    def step(rng_key, state: DSVGDState, federation, client):
         first = ~jnp.any(state.visited)
         key = (rng_key,) if stochastic else ()
         clients, new_global = federation.one("update", client, state.global_particles, first, *key,
                                              state=state.clients)
         return server_update(state, client, new_global, clients)
-
-    return step
-
-
-def take_client(clients: ClientState, client):
-    """Client ``client``'s slice of an in-process :class:`~numpyro_fed.federation.ClientState`."""
-    return jax.tree_util.tree_map(lambda a: a[client], clients.values)
-
-
-def put_client(clients: ClientState, client, value) -> ClientState:
-    """An in-process :class:`~numpyro_fed.federation.ClientState` with client ``client``'s
-    (or a ``(C,)`` array of clients') state replaced by ``value``, its version moved on."""
-    values = jax.tree_util.tree_map(lambda a, v: a.at[client].set(v), clients.values, value)
-    return ClientState(values, clients.version.at[client].add(1))
-
-
-def build_kernel(prior_grad: Callable, client_grad: Callable, **options) -> Callable:
-    """One round of DSVGD (Algorithm 1) as ``step(rng_key, state, client, block) -> (state, info)``.
-
-    ``client`` is the scheduled client's index (may be traced), ``block`` its data; the
-    clients' states are kept in this process (``state.clients.values``); ``rng_key`` serves the minibatches of ``stochastic_client_grad`` (unused without one; may
-    then be ``None``). ``options`` as :func:`build_client`.
-
-    >>> import jax, jax.numpy as jnp
-    >>> from numpyro_fed.infer.stein import adagrad_momentum
-    >>> # N(0, 1) prior, one client with L(x) = (x - 2)^2 / 2: the posterior is N(1, 1/2)
-    >>> step = build_kernel(lambda x: x, lambda x, block: x - block, num_local_steps=500,
-    ...                     num_distill_steps=100, optim=adagrad_momentum(0.1))
-    >>> x0 = jax.random.normal(jax.random.PRNGKey(0), (50, 1))
-    >>> state, info = step(None, init(x0, 1), 0, 2.0)
-    >>> abs(float(state.global_particles.mean()) - 1.0) < 0.1, info.client.tolist()
-    (True, 0)
-    """
-    client_fn = build_client(prior_grad, client_grad, **options)
-
-    def step(rng_key, state: DSVGDState, client, block):
-        message = ClientMessage(state.global_particles, ~jnp.any(state.visited))
-        local = take_client(state.clients, client)
-        update = client_fn(rng_key, message, local.local_particles, local.visited, block)
-        clients = put_client(state.clients, client, LocalState(update.local_particles, jnp.ones_like(local.visited)))
-        return server_update(state, client, update.global_particles, clients)
 
     return step

@@ -2,9 +2,12 @@
 
 Every method here mirrors :class:`numpyro.infer.SVI`: ``init``, ``update`` (one round),
 ``run`` (the rounds, by :func:`~numpyro_fed.infer.base.run_rounds`), ``get_samples``,
-``evaluate``. A subclass says how to start (:meth:`ParticleMethod.initial_state`), how to run
-one round from the core (:meth:`ParticleMethod.build_step`) and where the particles are in
-its state (:meth:`ParticleMethod.particles`).
+``evaluate``. A subclass says how to start (:meth:`ParticleMethod.initial_state`), what its
+clients run (:meth:`ParticleMethod.client_functions`), how the server runs one round through
+them (:meth:`ParticleMethod.build_round`, the core's step) and where the particles are in its
+state (:meth:`ParticleMethod.particles`). Every method runs one path: its core's step against
+the federation seam, on :class:`~numpyro_fed.federation.InProcess` (compiled into one program)
+by default.
 """
 
 from __future__ import annotations
@@ -22,10 +25,9 @@ from numpyro_fed._checks import check_int, check_positive
 from numpyro_fed.infer.base import RunCheckpoint, RunResult, VariationalMethod, jit_round
 from numpyro_fed.infer.stein.checks import stein_statistics
 from numpyro_fed.infer.stein.client_order import make_client_order
-from numpyro_fed.infer.stein.dsvgd import batched_client_grad
 from numpyro_fed.infer.stein.kde import AUTO_KDE_FACTOR, shrunk_kde
 from numpyro_fed.infer.stein.kernels import median_bandwidth, squared_distances
-from numpyro_fed.infer.stein.model import client_block, flat_gradients, minibatch_client_grad, prior_draws
+from numpyro_fed.infer.stein.model import flat_gradients, minibatch_client_grad, prior_draws
 
 __all__ = ["ParticleMethod", "kernel_stein_discrepancy"]
 
@@ -83,6 +85,9 @@ class ParticleMethod(VariationalMethod):
 
     repr_fields = ("num_particles",)
     divergence_advice = "lower learning_rate"
+    #: whether the method runs in deployment (``federation=`` with a ``loader``) and on
+    #: engine backends; the baselines, references run in simulation, do not.
+    deployable = True
     _per_round: int | None = None  # clients per round (P-DSVGD), None: one
     _from_prior = True  # whether the current run started from prior draws
 
@@ -108,14 +113,17 @@ class ParticleMethod(VariationalMethod):
         key = (tuple(map(id, args)), tuple((k, id(v)) for k, v in sorted(kwargs.items())))
         if self.federated_potential is not None and key == self._setup_key:
             return self.federated_potential
-        if self.federation.deployed and type(self).client_functions is ParticleMethod.client_functions:
-            name = type(self).__name__
+        name = type(self).__name__
+        if self.federation.deployed and not self.deployable:
             raise ValueError(
-                f"{name} is a baseline that runs every client on its rows in this process; it cannot "
-                f"run in deployment (federation={self.federation!r}: the rows stay on the clients). "
-                f"Run it in simulation on the pooled data, {name}(model, ...).run(rng_key, num_rounds, "
-                "*data), or use DSVGD, PDSVGD or UDSVGD, which run in deployment"
+                f"{name} is a baseline, a reference run in this process; it cannot run in deployment "
+                f"(federation={self.federation!r}: the rows stay on the clients). Run it in simulation on "
+                f"the pooled data, {name}(model, ...).run(rng_key, num_rounds, *data), or use DSVGD, "
+                "PDSVGD or UDSVGD, which run in deployment"
             )
+        if not (self.federation.in_process or self.deployable):
+            raise ValueError(f"{name} runs its clients in this process only: "
+                             f"federation={self.federation!r} does not apply")
         fp = self.build_potential(args, kwargs)
         self.gradients = flat_gradients(fp)
         self.stochastic_client_grad = (None if self.batch_size is None
@@ -124,12 +132,7 @@ class ParticleMethod(VariationalMethod):
         self._setup_key = key
         self._step = None
         self._configure(fp)
-        self._federated = self.client_functions() is not None
-        if self._federated:
-            self._start()
-        elif type(self.federation).__name__ != "InProcess":
-            raise ValueError(f"{type(self).__name__} runs its clients in this process only: "
-                             f"federation={self.federation!r} does not apply")
+        self._start()
         return fp
 
     def _configure(self, fp):
@@ -143,42 +146,27 @@ class ParticleMethod(VariationalMethod):
                              f"got {particles.shape}")
         return particles
 
-    def _client_grad_fn(self) -> Callable:
-        """``(x (N, d), block, key) -> (N, d)``: minibatch or full-batch ``grad L_k``."""
-        return batched_client_grad(self.gradients.client_grad, self.stochastic_client_grad)
-
     def _start(self):
-        """Starts the clients on :meth:`client_functions` (functions of the client's own
-        state) and ``"potential_grad"``, ``(block, x (K, d)) -> (K, d)``: the gradient of the
-        client's term at each point (the diagnostics' full-batch score,
-        :meth:`_target_score`; not one of the algorithm's messages). Each client's block is
-        its own rows (built on its worker in deployment)."""
+        """Starts the clients on :meth:`client_functions` and ``"potential_grad"``,
+        ``(block, x (K, d)) -> (K, d)``: the gradient of the client's term at each point (the
+        diagnostics' full-batch score, :meth:`_target_score`; not one of the algorithm's
+        messages). Each client's block is its own rows (built on its worker in deployment)."""
+        functions, stateful = self.client_functions()
         client_grad = jax.vmap(self.gradients.client_grad, in_axes=(0, None))
-        functions = {"potential_grad": lambda block, x: client_grad(x, block)}
+        functions = {"potential_grad": lambda block, x: client_grad(x, block), **functions}
         self._step = None
-        return self.start_clients(functions, stateful=self.client_functions())
+        return self.start_clients(functions, stateful=stateful)
 
     def _target_score(self) -> Callable:
         """``(N, d) -> (N, d)``: the full-batch score of the tempered posterior, for
-        diagnostics. With the clients on a federation each client computes its term's
-        gradient at the points (``"potential_grad"``: the points down, ``(N, d)`` up; run it
-        inside :meth:`_through_clients`); the baselines, in this process only, read every
-        client's block."""
-        fp = self.federated_potential
+        diagnostics: each client computes its term's gradient at the points
+        (``"potential_grad"``: the points down, ``(N, d)`` up; run it inside
+        :meth:`_through_clients`)."""
         prior_score = jax.vmap(lambda x: -self.gradients.prior_grad(x))
-        client_grad = jax.vmap(self.gradients.client_grad, in_axes=(0, None))
-        temperature = self.temperature
-        if self._federated:
-            federation = self._active_federation
-
-            def score(x):
-                return prior_score(x) - jnp.sum(federation.map("potential_grad", x), axis=0) / temperature
-
-            return score
+        temperature, federation = self.temperature, self._active_federation
 
         def score(x):
-            grads = jax.vmap(client_grad, in_axes=(None, 0))(x, fp.client_data)
-            return prior_score(x) - jnp.sum(grads, axis=0) / temperature
+            return prior_score(x) - jnp.sum(federation.map("potential_grad", x), axis=0) / temperature
 
         return score
 
@@ -186,9 +174,7 @@ class ParticleMethod(VariationalMethod):
         """``fn()`` (a diagnostic computed with :meth:`_target_score`) with the federation's
         guard, its ``calls`` calls of ``"potential_grad"`` recorded in the federation's ledger
         and, given a run's ``ledger`` (:attr:`RunResult.ledger`), added to it."""
-        federation = getattr(self, "_active_federation", None) if self._federated else None
-        if federation is None:
-            return jax.tree.map(np.asarray, fn())
+        federation = self._active_federation
         before = federation.ledger.summary()
         with federation.guard():
             out = jax.tree.map(np.asarray, fn())
@@ -209,27 +195,27 @@ class ParticleMethod(VariationalMethod):
         whose buffers it sizes)."""
         raise NotImplementedError
 
-    def build_step(self) -> Callable:
-        """One round as the method runs it: ``step(rng_key, state, client, block) -> (state,
-        info)``, built from the core with the method's settings (``rng_key``: ``None`` unless
-        the round draws minibatches or noise). The extension point of a variant: a subclass
-        that overrides it runs its own rounds under the same driver. It is called after the
-        model is split (:attr:`gradients` and :attr:`stochastic_client_grad` are then set)."""
+    def client_functions(self) -> tuple[dict, dict]:
+        """What the clients run, ``(functions, stateful)`` as a
+        :class:`~numpyro_fed.federation.ClientProgram` takes them: functions of the client's
+        block, ``f(block, *args) -> reply``, and functions of its own state too, ``f(block,
+        state, *args) -> (state, reply)``; started on :attr:`federation` when the model is
+        split (:attr:`gradients` and :attr:`stochastic_client_grad` are then set)."""
         raise NotImplementedError
-
-    def client_functions(self) -> dict | None:
-        """The functions the clients run on their own blocks and their own state (a
-        :class:`~numpyro_fed.federation.ClientProgram`'s ``stateful`` functions, ``f(block,
-        state, *args) -> (state, reply)``), started on :attr:`federation` when the model is
-        split; ``None`` (the default): the method's rounds run in this process through
-        :meth:`build_step` (the baselines)."""
-        return None
 
     def build_round(self) -> Callable:
-        """With :meth:`client_functions`: one round as ``step(rng_key, state, client,
-        federation) -> (state, info)`` (the server's side; the clients are reached through
-        ``federation``)."""
+        """One round, the core's step: ``step(rng_key, state, federation, client) -> (state,
+        info)`` (the server's side; the clients are reached through ``federation``;
+        ``rng_key``: see :meth:`_round_key`). The extension point of a variant: a subclass
+        that overrides it (and :meth:`client_functions`) runs its own rounds under the same
+        driver, on every backend."""
         raise NotImplementedError
+
+    def round_calls(self, client) -> dict:
+        """The calls of the clients' functions in a round that scheduled ``client`` (an index
+        or an array of them), ``{name: calls}`` (a count per client): what the ledger adds
+        after the round. Default: one ``"update"`` per scheduled client."""
+        return {"update": np.bincount(np.ravel(np.asarray(client)), minlength=self.federated_potential.num_clients)}
 
     # -- SVI's face ------------------------------------------------------------------------------
     def init(self, rng_key, *args, init_particles=None, num_rounds: int | None = None, **kwargs):
@@ -245,18 +231,16 @@ class ParticleMethod(VariationalMethod):
         return self.initial_state(particles, num_rounds)
 
     def _round(self, rng_key, state, client):
-        federation = getattr(self, "_active_federation", None)
-        client = jnp.asarray(client)
-        if not self._federated:
-            if self._step is None:
-                self._step = jax.jit(self.build_step())
-            return self._step(rng_key, state, client, client_block(self.federated_potential, client))
+        federation = self._active_federation
         if self._step is None:
-            self._step = jit_round(self.build_round())
+            step = self.build_round()
+            # the federation last: jit_round passes an InProcess as an argument (its blocks are
+            # not baked into the program) and closes over any other
+            self._step = jit_round(lambda key, s, c, fed: step(key, s, fed, c))
         with federation.guard():
-            out = self._step(rng_key, state, client, federation)
-        calls = np.bincount(np.ravel(np.asarray(client)), minlength=federation.num_clients)
-        federation.record_calls("update", calls)
+            out = self._step(rng_key, state, jnp.asarray(client), federation)
+        for name, calls in self.round_calls(client).items():
+            federation.record_calls(name, calls)
         return out
 
     def _round_key(self, rng_key):
@@ -391,8 +375,7 @@ class ParticleMethod(VariationalMethod):
             state = self.init(k_init, *args, init_particles=init_particles, num_rounds=num_rounds, **kwargs)
         elif isinstance(init_state, RunCheckpoint):
             state = self._check_state(init_state.state)
-            if self._federated:  # the run stopped on a client's fault: fresh clients
-                self._start()
+            self._start()  # the run stopped on a client's fault: fresh clients
         else:
             state = self._check_state(init_state)
         resume = init_state if isinstance(init_state, RunCheckpoint) else None

@@ -169,7 +169,7 @@ class DSVGD(ParticleMethod):
         return state.global_particles
 
     def initial_state(self, particles, num_rounds=None):
-        return dsvgd_core.init(particles, self.federated_potential.num_clients, self._active_federation)
+        return dsvgd_core.init(particles, self._active_federation)
 
     def _core_options(self) -> dict:
         return dict(num_local_steps=self.num_local_steps, num_distill_steps=self.num_distill_steps,
@@ -177,14 +177,11 @@ class DSVGD(ParticleMethod):
                     svgd_bandwidth=self.svgd_bandwidth, temperature=self.temperature,
                     stochastic_client_grad=self.stochastic_client_grad)
 
-    def build_step(self):
-        return dsvgd_core.build_kernel(*self.gradients, **self._core_options())
-
     def client_functions(self):
         return dsvgd_core.client_functions(*self.gradients, **self._core_options())
 
     def build_round(self):
-        return dsvgd_core.build_round(self.stochastic_client_grad is not None)
+        return dsvgd_core.build_kernel(self.stochastic_client_grad is not None)
 
     def _check_state(self, state):
         state = super()._check_state(state)
@@ -266,10 +263,6 @@ class PDSVGD(DSVGD):
             raise ValueError(f"clients_per_round={count} exceeds the number of clients {fp.num_clients}")
         self._per_round = count
 
-    def build_step(self):
-        return pdsvgd_core.build_kernel(*self.gradients, num_server_steps=self.num_server_steps,
-                                        server_optim=self.server_optim, **self._core_options())
-
     def client_functions(self):
         return pdsvgd_core.client_functions(*self.gradients, **self._core_options())
 
@@ -277,10 +270,10 @@ class PDSVGD(DSVGD):
         server = pdsvgd_core.build_server(self.gradients.prior_grad, num_server_steps=self.num_server_steps,
                                           server_optim=self.server_optim, kde_bandwidth=self.kde_bandwidth,
                                           svgd_bandwidth=self.svgd_bandwidth)
-        return pdsvgd_core.build_round(server, self.stochastic_client_grad is not None)
+        return pdsvgd_core.build_kernel(server, self.stochastic_client_grad is not None)
 
     def initial_state(self, particles, num_rounds=None):
-        return pdsvgd_core.init(particles, self.federated_potential.num_clients, self._active_federation)
+        return pdsvgd_core.init(particles, self._active_federation)
 
 
 class UDSVGD(DSVGD):
@@ -314,14 +307,11 @@ class UDSVGD(DSVGD):
         del options["num_distill_steps"], options["distill_optim"]
         return options
 
-    def build_step(self):
-        return udsvgd_core.build_kernel(*self.gradients, **self._udsvgd_options())
-
     def client_functions(self):
         return udsvgd_core.client_functions(*self.gradients, **self._udsvgd_options())
 
     def build_round(self):
-        return udsvgd_core.build_round(self.stochastic_client_grad is not None)
+        return udsvgd_core.build_kernel(self.stochastic_client_grad is not None)
 
     def _check_state(self, state):
         self._num_rounds = int(state.scheduled.shape[0])
@@ -331,8 +321,7 @@ class UDSVGD(DSVGD):
         if num_rounds is None:
             raise ValueError("UDSVGD.init needs num_rounds: its clients' buffers are sized by it")
         self._num_rounds = check_int(num_rounds, "num_rounds", minimum=1)
-        return udsvgd_core.init(particles, self._num_rounds, self.federated_potential.num_clients,
-                                self._active_federation)
+        return udsvgd_core.init(particles, self._num_rounds, self._active_federation)
 
     def run(self, rng_key, num_rounds: int, *args, init_particles=None, **kwargs):
         """As :meth:`DSVGD.run` (no ``init_state``: the buffers are sized by ``num_rounds``)."""

@@ -15,8 +15,7 @@ from jax import lax
 from numpyro.distributions.transforms import biject_to
 from numpyro.handlers import seed, trace
 
-__all__ = ["FlatGradients", "client_block", "data_plate", "flat_gradients", "minibatch_client_grad",
-           "prior_draws"]
+__all__ = ["FlatGradients", "data_plate", "flat_gradients", "minibatch_client_grad", "prior_draws"]
 
 
 class FlatGradients(NamedTuple):
@@ -43,16 +42,11 @@ def flat_gradients(fp) -> FlatGradients:
     ...         numpyro.sample("y", dist.Normal(mu, 1), obs=y)
     >>> fp = nf.split_potential(model, (jnp.array([1.0, 2.0]),))
     >>> grads = flat_gradients(fp)
-    >>> grads.prior_grad(jnp.array([0.5])).tolist(), grads.client_grad(jnp.array([0.5]), client_block(fp, 1)).tolist()
+    >>> grads.prior_grad(jnp.array([0.5])).tolist(), grads.client_grad(jnp.array([0.5]), fp.client_block(1)).tolist()
     ([0.5], [-1.5])
     """
     flat = fp.flat()
     return FlatGradients(jax.grad(flat.prior_potential), jax.grad(flat.client_potential))
-
-
-def client_block(fp, client):
-    """Client ``client``'s data block (its rows of every federated data plate)."""
-    return jax.tree.map(lambda a: a[client], fp.client_data)
 
 
 def data_plate(fp, needed_by: str) -> str:

@@ -2,10 +2,26 @@
 
 The scheduled clients each run DSVGD's client function
 (:func:`numpyro_fed.infer.stein.dsvgd.build_client`) from the server's particles and upload
-their *local* particles; :func:`build_server` then distills ``q^(i) = p_0 prod_k t_k^(i)``
-(Eq. (28)) into the server's ``N`` particles with SVGD steps (Eq. (29)). The state is a
+their *local* particles (:func:`client_functions`); the server then distills
+``q^(i) = p_0 prod_k t_k^(i)`` (Eq. (28)) into its ``N`` particles with SVGD steps (Eq. (29),
+:func:`build_server`). :func:`build_kernel` composes them through the federation seam:
+``step(rng_key, state, federation, clients) -> (state, info)``. The state is a
 :class:`PDSVGDState`: the server keeps the local particles the clients uploaded; each client
 keeps its own :class:`~numpyro_fed.infer.stein.dsvgd.LocalState` (its client state).
+
+>>> import jax, jax.numpy as jnp
+>>> from numpyro_fed.federation import ClientProgram, InProcess
+>>> from numpyro_fed.infer.stein import adagrad_momentum
+>>> # N(0, 1) prior, two clients with L_k(x) = (x - 2)^2 / 2: the posterior is N(4/3, 1/3)
+>>> prior_grad, optim = (lambda x: x), adagrad_momentum(0.1)
+>>> functions, stateful = client_functions(prior_grad, lambda x, block: x - block, num_local_steps=300,
+...                                        num_distill_steps=300, optim=optim)
+>>> federation = InProcess().start(ClientProgram.stacked(functions, jnp.array([2.0, 2.0]), stateful=stateful))
+>>> step = build_kernel(build_server(prior_grad, num_server_steps=300, server_optim=optim))
+>>> x0 = jax.random.normal(jax.random.PRNGKey(0), (50, 1))
+>>> state, info = step(None, init(x0, federation), federation, jnp.array([0, 1]))
+>>> abs(float(state.global_particles.mean()) - 4 / 3) < 0.15
+True
 """
 
 from __future__ import annotations
@@ -17,14 +33,13 @@ import jax
 import jax.numpy as jnp
 
 from numpyro_fed.federation import ClientState
-from numpyro_fed.infer.stein.dsvgd import (ClientMessage, DSVGDInfo, LocalState, _config, build_client, check_key,
-                                          in_process, initial_local_states, put_client, take_client)
+from numpyro_fed.infer.stein.dsvgd import DSVGDInfo, initial_local_states, round_config
 from numpyro_fed.infer.stein.dsvgd import client_functions as dsvgd_client_functions
 from numpyro_fed.infer.stein.kde import kde_score_fn
 from numpyro_fed.infer.stein.svgd import staged_svgd
 from numpyro_fed.infer.stein.whitening import round_frame
 
-__all__ = ["PDSVGDState", "build_kernel", "build_round", "build_server", "client_functions", "init"]
+__all__ = ["PDSVGDState", "build_kernel", "build_server", "client_functions", "init"]
 
 
 class PDSVGDState(NamedTuple):
@@ -47,18 +62,21 @@ class PDSVGDState(NamedTuple):
     round: jax.Array
 
 
-def init(particles, num_clients: int, federation=None) -> PDSVGDState:
+def init(particles, federation) -> PDSVGDState:
     """Algorithm 5's initial state: every client's local particles are copies of the prior
-    draws (sent through ``federation.init_state`` when a started federation is given).
+    draws ``particles``, handed to the clients of the started ``federation`` through its
+    ``init_state`` (see :func:`numpyro_fed.infer.stein.dsvgd.init`).
 
     >>> import jax.numpy as jnp
-    >>> init(jnp.zeros((5, 2)), 3).uploads.shape
+    >>> from numpyro_fed.federation import ClientProgram, InProcess
+    >>> federation = InProcess().start(ClientProgram.stacked({}, jnp.zeros((3, 1))))
+    >>> init(jnp.zeros((5, 2)), federation).uploads.shape
     (3, 5, 2)
     """
     particles = jnp.asarray(particles)
+    num_clients = federation.num_clients
     local = initial_local_states(particles, num_clients)
-    return PDSVGDState(particles, local.local_particles,
-                       in_process(local) if federation is None else federation.init_state(local),
+    return PDSVGDState(particles, local.local_particles, federation.init_state(local),
                        jnp.zeros(num_clients, bool), jnp.zeros((), jnp.int32))
 
 
@@ -72,7 +90,7 @@ def build_server(prior_grad: Callable, *, num_server_steps: int, server_optim,
     others), each ``t_k`` the KDE of client ``k``'s local particles over the prior. With
     ``kde_bandwidth="auto"``, in the coordinates that whiten the server's particles.
     """
-    config = _config(prior_grad, lambda x, block: x, None, kde_bandwidth, svgd_bandwidth)
+    config = round_config(prior_grad, lambda x, block: x, None, kde_bandwidth, svgd_bandwidth)
     kde_score = kde_score_fn(config.kde_bandwidth)
 
     def server(state: PDSVGDState, clients, uploads):
@@ -98,29 +116,30 @@ def build_server(prior_grad: Callable, *, num_server_steps: int, server_optim,
     return server
 
 
-def client_functions(prior_grad: Callable, client_grad: Callable, **options) -> dict:
-    """What a P-DSVGD client runs on its own block and its own
-    :class:`~numpyro_fed.infer.stein.dsvgd.LocalState` (``stateful`` functions):
-    ``"update"``, ``(block, local, global_particles, first, [key]) -> (local', (N, d))``, its
-    new local particles, kept and uploaded (Algorithm 5). Arguments as
+def client_functions(prior_grad: Callable, client_grad: Callable, **options) -> tuple[dict, dict]:
+    """What a P-DSVGD client runs, ``(functions, stateful)``: one function of its own
+    :class:`~numpyro_fed.infer.stein.dsvgd.LocalState`, ``"update"``, ``(block, local,
+    global_particles, first, [key]) -> (local', (N, d))``, its new local particles, kept and
+    uploaded (Algorithm 5). Arguments as
     :func:`numpyro_fed.infer.stein.dsvgd.client_functions`."""
-    update = dsvgd_client_functions(prior_grad, client_grad, **options)["update"]
+    update = dsvgd_client_functions(prior_grad, client_grad, **options)[1]["update"]
 
     def upload(*args):
         local, _ = update(*args)
         return local, local.local_particles
 
-    return {"update": upload}
+    return {}, {"update": upload}
 
 
-def build_round(server_fn: Callable, stochastic: bool = False) -> Callable:
-    """One round of P-DSVGD through a federation: ``step(rng_key, state, clients, federation)
-    -> (state, info)``. Each of the ``(C,)`` scheduled ``clients`` receives the server's
-    particles, moves its own local particles and uploads them; then ``server_fn``
-    (:func:`build_server`) distills them. ``stochastic``: each client gets its own key split
-    from ``rng_key``."""
+def build_kernel(server_fn: Callable, stochastic: bool = False) -> Callable:
+    """One round of P-DSVGD: ``step(rng_key, state, federation, clients) -> (state, info)``.
+    Each of the ``(C,)`` scheduled ``clients`` (distinct indices) receives the server's
+    particles through ``federation`` (started on :func:`client_functions`), moves its own
+    local particles and uploads them (the clients run in parallel: ``vmap`` in process);
+    then ``server_fn`` (:func:`build_server`) distills them. ``stochastic``: each client gets
+    its own key split from ``rng_key`` (otherwise ``rng_key`` is unused and may be ``None``)."""
 
-    def step(rng_key, state: PDSVGDState, clients, federation):
+    def step(rng_key, state: PDSVGDState, federation, clients):
         first = ~jnp.any(state.visited)
         own = ()
         if stochastic:
@@ -129,53 +148,6 @@ def build_round(server_fn: Callable, stochastic: bool = False) -> Callable:
             own = (jnp.zeros((state.visited.shape[0],) + keys.shape[1:], keys.dtype).at[clients].set(keys),)
         client_states, uploads = federation.one("update", clients, state.global_particles, first, own=own,
                                                 state=state.clients)
-        return server_fn(state._replace(clients=client_states), clients, uploads)
-
-    return step
-
-
-def build_kernel(prior_grad: Callable, client_grad: Callable, *, num_server_steps: int,
-                 server_optim=None, **options) -> Callable:
-    """One round of P-DSVGD as ``step(rng_key, state, clients, blocks) -> (state, info)``.
-
-    ``clients``: an ``(C,)`` array of distinct indices; ``blocks``: their data, stacked (the
-    clients' states kept in this process, :func:`init` without a federation). The
-    clients run in parallel (``vmap``), each with its own key split from ``rng_key`` (with
-    ``stochastic_client_grad`` only). ``options`` as
-    :func:`numpyro_fed.infer.stein.dsvgd.build_client`; ``server_optim`` defaults to ``optim``.
-
-    >>> import jax, jax.numpy as jnp
-    >>> from numpyro_fed.infer.stein import adagrad_momentum
-    >>> # N(0, 1) prior, two clients with L_k(x) = (x - 2)^2 / 2: the posterior is N(4/3, 1/3)
-    >>> step = build_kernel(lambda x: x, lambda x, block: x - block, num_local_steps=300,
-    ...                     num_distill_steps=300, num_server_steps=300, optim=adagrad_momentum(0.1))
-    >>> x0 = jax.random.normal(jax.random.PRNGKey(0), (50, 1))
-    >>> state, info = step(None, init(x0, 2), jnp.array([0, 1]), jnp.array([2.0, 2.0]))
-    >>> abs(float(state.global_particles.mean()) - 4 / 3) < 0.15
-    True
-    """
-    server_optim = options["optim"] if server_optim is None else server_optim
-    stochastic = options.get("stochastic_client_grad")
-    client_fn = build_client(prior_grad, client_grad, **options)
-    server_fn = build_server(prior_grad, num_server_steps=num_server_steps, server_optim=server_optim,
-                             kde_bandwidth=options.get("kde_bandwidth", "auto"),
-                             svgd_bandwidth=options.get("svgd_bandwidth"))
-
-    def step(rng_key, state: PDSVGDState, clients, blocks):
-        check_key(rng_key, stochastic)
-        message = ClientMessage(state.global_particles, ~jnp.any(state.visited))
-
-        def one_client(key, local, visited, block):
-            return client_fn(key, message, local, visited, block).local_particles
-
-        mine = take_client(state.clients, clients)
-        locals_, visited = mine.local_particles, mine.visited
-        if stochastic is None:
-            uploads = jax.vmap(lambda local, seen, block: one_client(None, local, seen, block))(
-                locals_, visited, blocks)
-        else:
-            uploads = jax.vmap(one_client)(jax.random.split(rng_key, clients.shape[0]), locals_, visited, blocks)
-        client_states = put_client(state.clients, clients, LocalState(uploads, jnp.ones_like(visited)))
         return server_fn(state._replace(clients=client_states), clients, uploads)
 
     return step

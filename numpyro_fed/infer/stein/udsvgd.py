@@ -4,7 +4,9 @@ Each client keeps the global iterates before and after each of its rounds (its b
 client state: :class:`Buffer`) and computes ``grad log t_k^(i-1)`` by the recursion (15)
 over them, ``sum_{j in I_k} grad log q^(j) - grad log q^(j-1)`` with ``q^(0) = p_0``. The
 server sends the global particles and the round's index; the client returns the new global
-particles.
+particles. :func:`init`, :func:`client_functions` (run where the client lives) and
+:func:`build_kernel`'s ``step(rng_key, state, federation, client) -> (state, info)``, written
+against the federation seam.
 """
 
 from __future__ import annotations
@@ -16,12 +18,12 @@ import jax
 import jax.numpy as jnp
 
 from numpyro_fed.federation import ClientState
-from numpyro_fed.infer.stein.dsvgd import DSVGDInfo, _config, check_key, in_process, put_client, take_client
+from numpyro_fed.infer.stein.dsvgd import DSVGDInfo, check_key, round_config
 from numpyro_fed.infer.stein.kde import kde_score_fn
 from numpyro_fed.infer.stein.svgd import staged_svgd
 from numpyro_fed.infer.stein.whitening import round_frame
 
-__all__ = ["Buffer", "UDSVGDState", "build_client", "build_kernel", "build_round", "client_functions", "init"]
+__all__ = ["Buffer", "UDSVGDState", "build_client", "build_kernel", "client_functions", "init"]
 
 
 class Buffer(NamedTuple):
@@ -54,20 +56,22 @@ class UDSVGDState(NamedTuple):
     round: jax.Array
 
 
-def init(particles, num_rounds: int, num_clients: int = 1, federation=None) -> UDSVGDState:
-    """Buffers sized for ``num_rounds`` rounds, empty, and the initial particles ``(N, d)``
-    (the clients' buffers sent through ``federation.init_state`` when a started federation
-    is given).
+def init(particles, num_rounds: int, federation) -> UDSVGDState:
+    """Buffers sized for ``num_rounds`` rounds, empty, handed to the clients of the started
+    ``federation`` through its ``init_state``, and the initial particles ``(N, d)``.
 
     >>> import jax.numpy as jnp
-    >>> init(jnp.zeros((5, 2)), 3, num_clients=2).clients.values.history.shape
+    >>> from numpyro_fed.federation import ClientProgram, InProcess
+    >>> federation = InProcess().start(ClientProgram.stacked({}, jnp.zeros((2, 1))))
+    >>> init(jnp.zeros((5, 2)), 3, federation).clients.values.history.shape
     (2, 4, 5, 2)
     """
     particles = jnp.asarray(particles)
+    num_clients = federation.num_clients
     buffers = Buffer(jnp.zeros((num_clients, num_rounds + 1) + particles.shape, particles.dtype),
                      jnp.zeros((num_clients, num_rounds), bool))
-    clients = in_process(buffers) if federation is None else federation.init_state(buffers)
-    return UDSVGDState(particles, clients, jnp.full(num_rounds, -1, jnp.int32), jnp.zeros((), jnp.int32))
+    return UDSVGDState(particles, federation.init_state(buffers), jnp.full(num_rounds, -1, jnp.int32),
+                       jnp.zeros((), jnp.int32))
 
 
 def build_client(prior_grad: Callable, client_grad: Callable, *, num_local_steps: int, optim,
@@ -81,7 +85,7 @@ def build_client(prior_grad: Callable, client_grad: Callable, *, num_local_steps
     bool. Returns the new global particles, the client's upload. Options as
     :func:`numpyro_fed.infer.stein.dsvgd.build_client`.
     """
-    config = _config(prior_grad, client_grad, stochastic_client_grad, kde_bandwidth, svgd_bandwidth)
+    config = round_config(prior_grad, client_grad, stochastic_client_grad, kde_bandwidth, svgd_bandwidth)
     kde_score = kde_score_fn(config.kde_bandwidth)
 
     def client(rng_key, global_particles, history, mine, round_, block):
@@ -105,67 +109,43 @@ def build_client(prior_grad: Callable, client_grad: Callable, *, num_local_steps
     return client
 
 
-def _client_round(client_fn, key, buffer: Buffer, global_particles, round_, block):
-    """A client's round on its own buffer: records the particles it received, computes the
-    new global particles, records them and the round."""
-    history = buffer.history.at[round_].set(global_particles)
-    new_global = client_fn(key, global_particles, history, buffer.mine, round_, block)
-    return Buffer(history.at[round_ + 1].set(new_global), buffer.mine.at[round_].set(True)), new_global
-
-
-def client_functions(prior_grad: Callable, client_grad: Callable, **options) -> dict:
-    """What a U-DSVGD client runs on its own block and its own :class:`Buffer` (``stateful``
-    functions): ``"update"``, ``(block, buffer, global_particles, round, [key]) -> (buffer',
-    (N, d))``, the new global particles; ``round`` is the index of the round (where the
-    client files the iterates in its buffer). Options as :func:`build_client`."""
+def client_functions(prior_grad: Callable, client_grad: Callable, **options) -> tuple[dict, dict]:
+    """What a U-DSVGD client runs, ``(functions, stateful)``: one function of its own
+    :class:`Buffer`, ``"update"``, ``(block, buffer, global_particles, round, [key]) ->
+    (buffer', (N, d))``: it files the particles it received at ``round`` (the index of the
+    round) in its buffer, computes the new global particles, files them and returns them.
+    Options as :func:`build_client`."""
     client_fn = build_client(prior_grad, client_grad, **options)
 
-    def update(block, buffer, global_particles, round_, key=None):
-        return _client_round(client_fn, key, buffer, global_particles, round_, block)
+    def update(block, buffer: Buffer, global_particles, round_, key=None):
+        history = buffer.history.at[round_].set(global_particles)
+        new_global = client_fn(key, global_particles, history, buffer.mine, round_, block)
+        return Buffer(history.at[round_ + 1].set(new_global), buffer.mine.at[round_].set(True)), new_global
 
     if options.get("stochastic_client_grad") is None:
-        return {"update": lambda block, buffer, global_particles, round_: update(block, buffer, global_particles,
-                                                                                 round_)}
-    return {"update": update}
+        return {}, {"update": lambda block, buffer, global_particles, round_: update(block, buffer, global_particles,
+                                                                                    round_)}
+    return {}, {"update": update}
 
 
-def build_round(stochastic: bool = False) -> Callable:
-    """One round of U-DSVGD through a federation: ``step(rng_key, state, client, federation)
-    -> (state, info)``: the scheduled client receives the global particles and the round's
-    index, and returns the new global particles."""
+def build_kernel(stochastic: bool = False) -> Callable:
+    """One round of U-DSVGD: ``step(rng_key, state, federation, client) -> (state, info)``:
+    the scheduled ``client`` receives the global particles and the round's index through
+    ``federation`` (started on :func:`client_functions`) and returns the new global
+    particles. ``stochastic``: the round's ``rng_key`` goes to the client (its minibatches;
+    otherwise it is unused and may be ``None``)."""
 
-    def step(rng_key, state: UDSVGDState, client, federation):
+    def step(rng_key, state: UDSVGDState, federation, client):
         key = (rng_key,) if stochastic else ()
         clients, new_global = federation.one("update", client, state.global_particles, state.round, *key,
                                              state=state.clients)
-        return _server_update(state, client, new_global, clients)
-
-    return step
-
-
-def _server_update(state: UDSVGDState, client, new_global, clients):
-    move = jnp.sqrt(jnp.mean(jnp.sum((new_global - state.global_particles) ** 2, axis=-1)))
-    state = UDSVGDState(
-        new_global,
-        clients,
-        state.scheduled.at[state.round].set(jnp.asarray(client, state.scheduled.dtype)),
-        state.round + 1,
-    )
-    return state, DSVGDInfo(jnp.asarray(client), move)
-
-
-def build_kernel(prior_grad: Callable, client_grad: Callable, **options) -> Callable:
-    """One round of U-DSVGD as ``step(rng_key, state, client, block) -> (state, info)``.
-
-    Options as :func:`build_client`; ``rng_key`` as in
-    :func:`numpyro_fed.infer.stein.dsvgd.build_kernel`; the buffers kept in this process
-    (:func:`init` without a federation).
-    """
-    client_fn = build_client(prior_grad, client_grad, **options)
-
-    def step(rng_key, state: UDSVGDState, client, block):
-        buffer, new_global = _client_round(client_fn, rng_key, take_client(state.clients, client),
-                                           state.global_particles, state.round, block)
-        return _server_update(state, client, new_global, put_client(state.clients, client, buffer))
+        move = jnp.sqrt(jnp.mean(jnp.sum((new_global - state.global_particles) ** 2, axis=-1)))
+        state = UDSVGDState(
+            new_global,
+            clients,
+            state.scheduled.at[state.round].set(jnp.asarray(client, state.scheduled.dtype)),
+            state.round + 1,
+        )
+        return state, DSVGDInfo(jnp.asarray(client), move)
 
     return step

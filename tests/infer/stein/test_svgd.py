@@ -16,10 +16,12 @@ import numpyro.distributions as dist
 
 import numpyro_fed as nf
 from numpyro_fed import datasets, metrics
-from numpyro_fed.federation import ClientState
+from numpyro_fed.federation import ClientProgram, ClientState, InProcess
 from numpyro_fed.infer import stein
 from numpyro_fed.infer.stein import dsvgd as dsvgd_core
-from numpyro_fed.infer.stein.model import client_block, flat_gradients, minibatch_client_grad
+from numpyro_fed.infer.stein.model import flat_gradients, minibatch_client_grad
+
+from models import hierarchical, make_data
 
 # -- models -------------------------------------------------------------------------------------
 
@@ -183,21 +185,23 @@ def test_first_round_uses_the_exact_prior_and_unit_factors():
     fp = nf.split_potential(gaussian_mean, (Y,))
     prior_grad, client_grad_one = flat_gradients(fp)
     optim = stein.adagrad_momentum(0.05)
-    step = jax.jit(dsvgd_core.build_kernel(prior_grad, client_grad_one, num_local_steps=30, num_distill_steps=30,
-                                           optim=optim, kde_bandwidth=0.55))
+    functions, stateful = dsvgd_core.client_functions(prior_grad, client_grad_one, num_local_steps=30,
+                                                      num_distill_steps=30, optim=optim, kde_bandwidth=0.55)
+    federation = InProcess().start(fp.client_program(functions, stateful=stateful))
+    step = jax.jit(dsvgd_core.build_kernel())
     x0 = jax.random.normal(jax.random.PRNGKey(0), (5, 1)) * 3.0
-    state = dsvgd_core.init(x0, fp.num_clients)
+    state = dsvgd_core.init(x0, federation)
     prior_score = jax.vmap(lambda x: -prior_grad(x))
     client_grad = jax.vmap(client_grad_one, in_axes=(0, None))
-    after, info = step(None, state, 0, client_block(fp, 0))
+    after, info = step(None, state, federation, 0)
     expected = stein.svgd_run(state.global_particles,
-                              lambda x: prior_score(x) - client_grad(x, client_block(fp, 0)), 30, optim)
+                              lambda x: prior_score(x) - client_grad(x, fp.client_block(0)), 30, optim)
     np.testing.assert_allclose(after.global_particles, expected, rtol=1e-10)
     assert int(info.client) == 0 and float(info.move) > 0
-    second, _ = step(None, after, 1, client_block(fp, 1))
+    second, _ = step(None, after, federation, 1)
     g = after.global_particles
     expected = stein.svgd_run(
-        g, lambda x: stein.kde_grad_log_density(x, g, 0.55) - client_grad(x, client_block(fp, 1)), 30, optim)
+        g, lambda x: stein.kde_grad_log_density(x, g, 0.55) - client_grad(x, fp.client_block(1)), 30, optim)
     np.testing.assert_allclose(second.global_particles, expected, rtol=1e-10)
 
 
@@ -290,32 +294,36 @@ def test_fedavg_reaches_the_map_and_dsgld_the_posterior():
     assert 0.3 * POST_VAR < var < 3 * POST_VAR
 
 
-def test_gaussian_pvi_is_exact_on_the_conjugate_model():
-    """A Gaussian posterior is in PVI's family: after two visits per client, q is the
-    posterior up to the local optimiser's Monte Carlo noise."""
-    pvi = nf.GaussianPVI(gaussian_mean, num_local_steps=500, num_mc_samples=20, progress_bar=False)
-    result = pvi.run(jax.random.PRNGKey(0), 6, Y)
-    assert result.metrics["client"].tolist() == [0, 1, 2, 0, 1, 2]
-    loc, scale = result.metrics["loc"][-1, 0], result.metrics["scale"][-1, 0]
-    # 5% of the posterior sd: well above the optimiser's noise, well below the prior's miss.
-    assert abs(loc - POST_MEAN) < 0.05 * math.sqrt(POST_VAR)
-    assert abs(scale - math.sqrt(POST_VAR)) < 0.05 * math.sqrt(POST_VAR)
-    assert abs(result.metrics["loc"][0, 0] - POST_MEAN) > 0.2  # one client alone is not there
-    draws = pvi.get_samples(jax.random.PRNGKey(1), result, 20_000)["mu"]
-    assert abs(float(draws.mean()) - loc) < 4 * scale / math.sqrt(20_000)
-    x = jnp.array([[POST_MEAN]])
-    assert float(pvi.log_density(result, x)[0]) == pytest.approx(
-        stats.norm(loc, scale).logpdf(POST_MEAN), rel=1e-5)
+def test_baselines_reach_their_clients_through_the_seam_and_the_ledger_counts_it():
+    n, steps, rounds, f64, key = 4, 3, 4, 8, 8  # a PRNGKey: two uint32
+    svgd = stein.SVGD(gaussian_mean, num_particles=n, steps_per_round=steps, progress_bar=False).run(
+        jax.random.PRNGKey(0), rounds, Y)
+    # every client's gradient at every step: the particles down, their gradients up
+    np.testing.assert_array_equal(svgd.ledger["grad/rounds"], [rounds * steps] * 3)
+    np.testing.assert_array_equal(svgd.ledger["grad/bytes_to_client"], [rounds * steps * n * f64] * 3)
+    np.testing.assert_array_equal(svgd.ledger["grad/bytes_from_client"], [rounds * steps * n * f64] * 3)
+    fedavg = stein.FedAvg(gaussian_mean, num_local_steps=steps, progress_bar=False).run(
+        jax.random.PRNGKey(0), rounds, Y)
+    visits = np.bincount(fedavg.metrics["client"], minlength=3)  # round robin: 2, 1, 1
+    # the point and the round's key down, the client's new point up
+    np.testing.assert_array_equal(fedavg.ledger["update/bytes_to_client"], visits * (f64 + key))
+    np.testing.assert_array_equal(fedavg.ledger["update/bytes_from_client"], visits * f64)
+    sgld = stein.DistributedSGLD(gaussian_mean, num_particles=n, num_local_steps=steps, a0=0.1,
+                                 progress_bar=False).run(jax.random.PRNGKey(0), rounds, Y)
+    # the chains, the gradient's scale n / n_k, the global step count and the key down; the chains up
+    np.testing.assert_array_equal(sgld.ledger["update/bytes_to_client"], visits * (n * f64 + f64 + 4 + key))
+    np.testing.assert_array_equal(sgld.ledger["update/bytes_from_client"], visits * n * f64)
+    # the same run on an InProcess given explicitly
+    again = stein.FedAvg(gaussian_mean, num_local_steps=steps, progress_bar=False, federation=nf.InProcess()).run(
+        jax.random.PRNGKey(0), rounds, Y)
+    np.testing.assert_array_equal(final(again), final(fedavg))
 
 
-def test_gaussian_pvi_needs_a_gaussian_prior():
-    def model(y):
-        sigma = numpyro.sample("sigma", dist.Gamma(2.0, 1.0))
-        with nf.federated_plate("data", y.shape[0], clients=3):
-            numpyro.sample("y", dist.Normal(0.0, sigma), obs=y)
-
-    with pytest.raises(ValueError, match="Gaussian prior"):
-        nf.GaussianPVI(model, progress_bar=False).run(jax.random.PRNGKey(0), 1, Y)
+@pytest.mark.parametrize("baseline", ["SVGD", "FedAvg", "DistributedSGLD"])
+def test_baselines_run_in_this_process_only(baseline):
+    method = getattr(stein, baseline)(gaussian_mean, progress_bar=False, federation=nf.RayFederation())
+    with pytest.raises(ValueError, match=f"{baseline} runs its clients in this process only"):
+        method.run(jax.random.PRNGKey(0), 1, Y)
 
 
 def test_dsgld_divergence_is_an_error_naming_the_step_size():
@@ -347,7 +355,7 @@ def test_minibatch_gradient_is_unbiased_and_full_when_the_batch_covers_the_clien
     fp = nf.split_potential(linear, (LIN_X, LIN_Y))
     client_grad = flat_gradients(fp).client_grad
     x = jax.random.normal(jax.random.PRNGKey(0), (3, 2))
-    block = client_block(fp, 1)  # 20 rows (padded to 30)
+    block = fp.client_block(1)  # 20 rows (padded to 30)
     full = jax.vmap(client_grad, in_axes=(0, None))(x, block)
     keys = jax.random.split(jax.random.PRNGKey(1), 4000)
     stochastic = minibatch_client_grad(fp, 5)
@@ -384,11 +392,13 @@ def test_minibatch_runs_reach_the_posterior():
 
 
 def test_round_with_stochastic_gradients_needs_a_key():
-    step = dsvgd_core.build_kernel(lambda x: x, lambda x, b: x, num_local_steps=1, num_distill_steps=1,
-                                   optim=optax.sgd(0.1), stochastic_client_grad=lambda x, b, k: x)
-    state = dsvgd_core.init(jnp.zeros((2, 1)), 1)
+    functions, stateful = dsvgd_core.client_functions(lambda x: x, lambda x, b: x, num_local_steps=1,
+                                                      num_distill_steps=1, optim=optax.sgd(0.1),
+                                                      stochastic_client_grad=lambda x, b, k: x)
+    federation = InProcess().start(ClientProgram.stacked(functions, jnp.zeros((1, 1)), stateful=stateful))
+    state = dsvgd_core.init(jnp.zeros((2, 1)), federation)
     with pytest.raises(ValueError, match="needs a key"):
-        step(None, state, 0, None)
+        dsvgd_core.build_kernel(stochastic=True)(None, state, federation, 0)
 
 
 # -- interface ----------------------------------------------------------------------------------
@@ -464,16 +474,10 @@ def test_client_order_naming_unknown_clients():
 
 
 def test_client_local_latents_are_rejected():
-    def model(group, y):
-        mu = numpyro.sample("mu", dist.Normal(0, 1))
-        with nf.federated_plate("clients", 3, clients=3):
-            offset = numpyro.sample("offset", dist.Normal(0, 1))
-        with nf.federated_plate("data", y.shape[0], clients=group):
-            numpyro.sample("y", dist.Normal(mu + offset[group], 1), obs=y)
-
-    group = jnp.array([0, 0, 1, 1, 2, 2])
-    with pytest.raises(ValueError, match="offset"):
-        nf.DSVGD(model, num_particles=4, progress_bar=False).run(jax.random.PRNGKey(0), 1, group, Y)
+    X, y = make_data("linear_regression")
+    group = jnp.arange(X.shape[0]) % 4  # the model's 4 clients, each with its intercept and noise scale
+    with pytest.raises(ValueError, match=r"DSVGD infers global latent variables only; site\(s\) \['u', 'sigma_c'\]"):
+        nf.DSVGD(hierarchical, num_particles=4, progress_bar=False).run(jax.random.PRNGKey(0), 1, X, group, y)
 
 
 def test_init_particles_shape_is_checked():

@@ -23,7 +23,7 @@ from numpyro.infer import MCMC, NUTS
 import numpyro_fed as nf
 from numpyro_fed.infer import stein
 
-ROOT = os.path.join(os.path.dirname(__file__), "..")
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "..")  # the repository
 
 # -- conjugate Gaussian mean: prior N(shift, (10 scale)^2), 200 rows N(mu, scale^2), 4 clients --
 # The posterior sd (0.07 scale) is 140 times smaller than the prior's: the paper's fixed KDE
