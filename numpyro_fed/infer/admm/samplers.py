@@ -89,7 +89,7 @@ class DADMMS(DecentralizedKernel):
         draw the same numbers: agent ``i``'s noise of iteration ``t`` comes from its own key
         ``fold_in(fold_in(rng_key, i), t)``. On Ray, run under ``with federation.guard():``
         so that a dead or silent agent raises a
-        :class:`~numpyro_fed.federation.decentralized.NetworkError` (a ``ClientError``)
+        :class:`~numpyro_fed.federation.NetworkError` (a ``ClientError``)
         naming it, with the state to resume from (see the guide, "Run across machines").
         **Deployment**: given a federation with ``loader=`` and ``num_clients=``
         (``nf.RayFederation(loader=load, num_clients=N)``), each agent loads its own rows
