@@ -420,11 +420,13 @@ class Federation(abc.ABC):
         """The network that runs ``program`` (a
         :class:`~numpyro_fed.federation.decentralized.AgentProgram`) on the graph
         ``adjacency`` (``(N, N)``, concrete: the topology is static), one agent per client:
-        in this process every agent ``vmap``-ped (:class:`InProcess`), or one worker per agent
-        sending its messages to its neighbours' workers (an engine). ``previous``, a network
-        this backend returned to the same sampler, is kept when it runs the same program
-        (``settings`` equal, e.g. the sampler's ``repr``) on the same data, and is given the
-        program when its agents loaded their own rows (see :meth:`agent_hosts`).
+        in this process every agent ``vmap``-ped (:class:`~numpyro_fed.federation.InProcess`),
+        or one worker per agent sending its messages to its neighbours' workers (an engine).
+        ``previous``, a network this backend returned to the same sampler, is kept when it
+        runs the same program (``settings`` equal, e.g. the sampler's ``repr``) on the same
+        data, and is given the program when its agents loaded their own rows (see
+        :meth:`agent_hosts`). A network has ``start(own) -> NetworkState``, ``local_struct()``
+        and ``sampler_step(batched)`` (see :mod:`~numpyro_fed.federation.decentralized`).
 
         :raises TypeError: a backend that does not :attr:`runs_agents`."""
         raise self._no_agents()
