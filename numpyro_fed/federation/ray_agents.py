@@ -18,7 +18,14 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from numpyro_fed.federation.base import ClientProgram, NetworkError, tree_nbytes
+from numpyro_fed.federation.base import (
+    ClientProgram,
+    NetworkError,
+    block_spec,
+    check_block,
+    describe_arguments,
+    tree_nbytes,
+)
 from numpyro_fed.federation.decentralized import (
     AgentProgram,
     NetworkState,
@@ -60,8 +67,6 @@ class _AgentWorker:
         """Checks the agent's data (finite values) and compiles nothing yet. In deployment,
         first loads the agent's block with the loader (here, never on the driver) and
         reports its shapes and dtypes only."""
-        from numpyro_fed.federation.base import block_spec, check_block  # noqa: PLC0415
-
         if self.loader is not None:
             block = self.loader(self.agent)
             check_block(block, self.agent)
@@ -90,8 +95,6 @@ class _AgentWorker:
     def describe(self, loader):
         """Runs the user's loader here; reports shapes, dtypes and scalar settings only (as
         a federation's client worker does, for a later run on the same actors)."""
-        from numpyro_fed.federation.base import describe_arguments  # noqa: PLC0415
-
         return describe_arguments(loader(self.agent))
 
     def ping(self):

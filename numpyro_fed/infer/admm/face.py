@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from numpyro.util import is_prng_key
 
 from numpyro_fed._checks import check_int, check_positive
-from numpyro_fed.federation import InProcess
+from numpyro_fed.federation import InProcess, MessageLedger
 from numpyro_fed.federation.decentralized import NetworkState, deliver, info_struct
 from numpyro_fed.infer.admm.agents import AgentPotentials, agent_potentials
 from numpyro_fed.infer.admm.topology import make_topology
@@ -445,8 +445,6 @@ class DecentralizedKernel(FederatedMCMCKernel):
         neighbor) and ``"<Sampler>/iterate/"`` (one message per neighbor and iteration).
         On Ray, ``federation.ledger`` counts the same messages from the payloads (and the
         iterations the agents ran ahead of the draws kept)."""
-        from numpyro_fed.federation import MessageLedger
-
         kernel = DecentralizedKernel._kernel_of(mcmc)
         state = mcmc.last_state
         sent = jax.device_get(state.sent)
