@@ -39,17 +39,11 @@ def nap(block, seconds):
     return jax.pure_callback(_sleep_host, jax.ShapeDtypeStruct((), seconds.dtype), seconds)
 
 
-def ring_step(block, state, inbox, mask, t, step_size):
-    new = state + step_size * (inbox.sum(0) - mask.sum() * state) + 0.0 * t
-    return new, new
-
-
 FUNCTIONS = {"sum": weighted_sum, "scaled": scaled, "nap": nap}
-AGENTS = {"ring": ring_step}
 
 
 def toy_program(blocks=None):
-    return ClientProgram(FUNCTIONS, blocks=blocks or toy_blocks(), agents=AGENTS)
+    return ClientProgram(FUNCTIONS, blocks=blocks or toy_blocks())
 
 
 def reference_map(theta, own=None):
@@ -99,18 +93,33 @@ def test_inprocess_ledger_derives_bytes_from_shapes():
         fed.record_calls("never", 1)
 
 
-def test_inprocess_exchange_runs_the_agents_against_their_neighbours_only():
-    fed = InProcess().start(toy_program())
+def test_inprocess_agent_network_runs_the_agents_against_their_neighbours_only():
+    from typing import NamedTuple
+
+    from numpyro_fed.federation.decentralized import AgentProgram
+
+    class Own(NamedTuple):
+        x: jax.Array
+
+    def send(local, key, own, inbox, mask):  # diffusion on the graph: what the neighbours sent only
+        new = own.x + local * (inbox.sum(0) - mask.sum() * own.x)
+        return new, new
+
+    def receive(local, new, inbox, previous_inbox, mask):
+        return Own(new), ()
+
     adjacency = np.array([[0, 1, 0], [1, 0, 1], [0, 1, 0]], bool)
-    states = jnp.array([[1.0], [0.0], [4.0]])
-    out_states, out_msgs = jax.jit(
-        lambda f, s: f.exchange("ring", s, s, adjacency, 20, 0.1))(fed, states)
-    x = np.array(states)
+    program = AgentProgram(lambda own: own.x, send, receive, local=jnp.full(M, 0.1))
+    network = InProcess().agent_network(program, adjacency)
+    step = jax.jit(network.step)
+    state = network.start(Own(jnp.array([[1.0], [0.0], [4.0]])))
+    for t in range(20):
+        state, _ = step(jax.random.PRNGKey(0), t, state)
+    x = np.array([[1.0], [0.0], [4.0]])
     for _ in range(20):
         x = x + 0.1 * (adjacency.T.astype(float) @ x - adjacency.sum(0)[:, None] * x)
-    np.testing.assert_allclose(out_states, x, rtol=1e-12)
-    fed.record_calls("ring", 20)
-    np.testing.assert_array_equal(fed.ledger.summary()["ring/messages_to_peer"], [20, 40, 20])
+    np.testing.assert_allclose(state.own.x, x, rtol=1e-12)
+    assert InProcess.runs_agents
 
 
 def test_bad_blocks_are_refused_naming_the_client():
@@ -163,7 +172,6 @@ def run_toy_calls(fed):
     theta = jnp.array([0.3, -0.7])
     thetas = jnp.stack([theta, 2 * theta, -theta])
     own = jnp.arange(1.0, M + 1)
-    adjacency = np.array([[0, 1, 0], [1, 0, 1], [0, 1, 0]], bool)
     with fed.guard():
         out = {
             "map": jax.jit(lambda f, t: f.map("sum", t))(fed, theta),  # passed, not closed over
@@ -172,9 +180,6 @@ def run_toy_calls(fed):
             "one": jax.jit(lambda c: fed.one("scaled", c, theta, own=(own,)))(2),
             "one_chains": jax.jit(jax.vmap(lambda t, c: fed.one("sum", c, t)))(thetas, jnp.array([2, 0, 2])),
             "loop": jax.jit(lambda: lax.fori_loop(0, 2, lambda i, a: a + fed.map("sum", theta * i), jnp.zeros((M, D))))(),
-            "exchange": jax.jit(lambda s: fed.exchange("ring", s, s, adjacency, 4, 0.1))(thetas[:, :1]),
-            "exchange_chains": jax.jit(jax.vmap(lambda s: fed.exchange("ring", s, s, adjacency, 4, 0.1)))(
-                jnp.stack([thetas[:, :1], thetas[:, 1:]])),
         }
     return out
 
@@ -188,7 +193,7 @@ def test_ray_gives_bit_identical_answers_to_inprocess(ray_pair):
             assert a.shape == b.shape and a.dtype == b.dtype, key
             np.testing.assert_array_equal(a, b, err_msg=key)
     # one round trip per call (all chains together), none per chain
-    assert ray_fed.ledger.round_trips == 8
+    assert ray_fed.ledger.round_trips == 6
 
 
 def test_small_and_large_ray_calls_give_the_same_answers_and_the_clients_time_their_work(ray_pair):
@@ -226,7 +231,6 @@ def test_ray_ledger_counts_the_payloads_and_agrees_with_the_inprocess_ledger(ray
     local.record_calls("sum", [1, 0, 2])  # "one_chains": clients 2, 0, 2
     local.record_calls("scaled", 3)  # "map_chains": 3 chains
     local.record_calls("scaled", [0, 0, 1])  # "one": client 2
-    local.record_calls("ring", 4 + 2 * 4)  # "exchange": 4 iterations; "exchange_chains": 2 chains
     ray_summary, local_summary = ray_fed.ledger.summary(), local.ledger.summary()
     assert ray_summary.keys() == local_summary.keys()
     for key in ray_summary:
@@ -234,7 +238,6 @@ def test_ray_ledger_counts_the_payloads_and_agrees_with_the_inprocess_ledger(ray
     # the payloads: per chain, theta (D floats) and the client's own factor, both ways
     itemsize = jnp.zeros(()).dtype.itemsize
     assert ray_summary["scaled/bytes_to_client"].tolist() == [3 * (D + 1) * itemsize] * 2 + [4 * (D + 1) * itemsize]
-    assert ray_summary["ring/messages_to_peer"].tolist() == [12, 24, 12]
 
 
 def test_a_hung_client_raises_client_error_naming_it_within_the_timeout(ray_session):
@@ -280,7 +283,7 @@ def test_deployment_loaders_run_on_the_workers_and_bad_data_is_refused(ray_feder
         return {"x": np.load(f"{folder}/x{m}.npy"), "w": np.load(f"{folder}/w{m}.npy")}
 
     spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), blocks[0])
-    program = ClientProgram(FUNCTIONS, loader=loader, num_clients=M, agents=AGENTS, spec=spec)
+    program = ClientProgram(FUNCTIONS, loader=loader, num_clients=M, spec=spec)
     fed = ray_federation.start(program)
     got = jax.jit(lambda t: fed.map("sum", t))(jnp.array([0.3, -0.7]))
     want = jnp.stack([weighted_sum(b, jnp.array([0.3, -0.7])) for b in blocks])

@@ -29,15 +29,17 @@ The pieces:
     call the program's ``stateful`` functions ``f(block, state, *args) -> (new_state, reply)``
     and return ``(cs', replies)``: what a client keeps between its calls stays with it (on
     Ray, on its worker, saved to the worker's disk after each call) and only the reply
-    crosses;
-  - ``federation.exchange(name, states, messages, adjacency, num_iterations, *broadcast)``:
-    decentralized iterations, no server. Each iteration every agent ``m`` sends its message to
-    the agents ``k`` with ``adjacency[m, k]`` (on Ray: actor to actor, never through the
-    driver), then runs ``program.agents[name](block_m, state_m, inbox, mask, t, *broadcast)
-    -> (state_m, message_m)`` where ``inbox`` has a leading axis ``M`` (row ``k`` holds ``k``'s
-    message if ``k`` sends to ``m``, zeros otherwise) and ``mask = adjacency[:, m]``. Returns
-    the final ``(states, messages)``, leading axis ``M``. Decentralized algorithms (D-ADMM
-    samplers) build on it.
+    crosses.
+
+* Decentralized algorithms (no server: :class:`~numpyro_fed.DADMMS` and its baselines) are an
+  :class:`~numpyro_fed.federation.decentralized.AgentProgram`, what one agent runs with its
+  own data, its own state and its neighbours' messages. A backend that
+  :attr:`~Federation.runs_agents` runs it on its network,
+  ``federation.agent_network(program, adjacency)``: :class:`InProcess` every agent
+  ``vmap``-ped in the caller's ``jit``, :class:`RayFederation` one actor per agent sending its
+  message to its neighbours' actors (never through the driver); in deployment
+  ``federation.agent_hosts(loader, adjacency)`` starts agents that load their own rows first.
+  A hub-and-spoke engine (Flower) refuses them with a ``TypeError``.
 
 * :class:`MessageLedger` (``federation.ledger``): messages, bytes and rounds per client, per
   call and direction. Engine backends count the payloads they send; :class:`InProcess` counts
@@ -59,8 +61,7 @@ The pieces:
 (3, 2, 2)
 """
 
-from numpyro_fed.federation.base import ClientError, ClientProgram, ClientState, Federation
-from numpyro_fed.federation.decentralized import NetworkError
+from numpyro_fed.federation.base import ClientError, ClientProgram, ClientState, Federation, NetworkError
 from numpyro_fed.federation.inprocess import InProcess
 from numpyro_fed.federation.ledger import MessageLedger
 from numpyro_fed.federation.ray_backend import RayFederation

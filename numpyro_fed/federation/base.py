@@ -1,5 +1,6 @@
 """What a server may ask of its clients: :class:`Federation`, :class:`ClientProgram`,
-:class:`ClientError`, and the helpers every backend shares (message sizes, block checks)."""
+:class:`ClientError` (and :class:`NetworkError`, a decentralized run's), and the helpers every
+backend shares (message sizes, block checks)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import jax.numpy as jnp
 
 from numpyro_fed.federation.ledger import MessageLedger
 
-__all__ = ["ClientError", "ClientProgram", "ClientState", "Federation", "block_spec", "check_block",
+__all__ = ["ClientError", "ClientProgram", "ClientState", "Federation", "NetworkError", "block_spec", "check_block",
            "describe_arguments", "tree_nbytes"]
 
 
@@ -31,6 +32,31 @@ class ClientError(RuntimeError):
         super().__init__(message)
         self.clients = tuple(int(c) for c in clients)
         self.call = call
+
+
+class NetworkError(ClientError):
+    """A :class:`ClientError` of a decentralized run: an agent died, fell silent or failed.
+    :attr:`clients` names it. What was computed before is kept:
+
+    :ivar int iteration: the last iteration every agent completed and the sampler received.
+    :ivar state: the sampler's state at :attr:`iteration` (with the chain axis of the run):
+        resume with ``mcmc.post_warmup_state = error.state; mcmc.run(error.state.rng_key,
+        ...)`` (a dead agent's actor is replaced).
+    :ivar draws: every agent's iterates since the network started, by site (constrained),
+        shaped ``(chains, iterations, agents, ...)``.
+    """
+
+    resume = None
+    history = ()
+    describe = None
+
+    @property
+    def state(self):
+        return None if self.describe is None else self.describe(self.resume, self.history)[0]
+
+    @property
+    def draws(self):
+        return None if self.describe is None else self.describe(self.resume, self.history)[1]
 
 
 class ClientState(NamedTuple):
@@ -158,8 +184,6 @@ class ClientProgram:
     :ivar spec: an optional ``ShapeDtypeStruct`` tree every block must match (the leading
         axis of each leaf, the rows, may differ); blocks are also refused if they hold
         non-finite floats.
-    :ivar dict agents: decentralized programs (see :meth:`Federation.exchange`): name ->
-        ``step(block, state, inbox, mask, t, *broadcast) -> (state, message)``.
     :ivar dict stateful: functions of the client's own state (see :class:`ClientState`):
         name -> ``f(block, state, *args) -> (new_state, reply)``, ``state`` the client's
         slice of what :meth:`Federation.init_state` was given. Called by
@@ -180,7 +204,6 @@ class ClientProgram:
     loader: Callable[[int], Any] | None = None
     num_clients: int | None = None
     spec: Any = None
-    agents: Mapping[str, Callable] = field(default_factory=dict)
     stateful: Mapping[str, Callable] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -196,7 +219,7 @@ class ClientProgram:
             raise ValueError("ClientProgram(loader=...) needs num_clients")
         if int(self.num_clients) < 1:
             raise ValueError(f"num_clients must be >= 1, not {self.num_clients}")
-        for name, fn in {**self.functions, **self.agents, **self.stateful}.items():
+        for name, fn in {**self.functions, **self.stateful}.items():
             if not callable(fn):
                 raise TypeError(f"ClientProgram function '{name}' is not callable")
         both = sorted(set(self.functions) & set(self.stateful))
@@ -223,7 +246,9 @@ class Federation(abc.ABC):
     :attr:`num_clients`. Traceable side, usable inside ``jax.jit``, ``lax.while_loop`` and
     ``vmap`` over chains, so an algorithm's core is written once for every backend:
     :meth:`map`, :meth:`one` (both with ``state=``: a call of the program's ``stateful``
-    functions, see :class:`ClientState`) and :meth:`exchange`.
+    functions, see :class:`ClientState`). Decentralized algorithms (no server) run their
+    agents on the backend's network: :meth:`agent_network` (and :meth:`agent_hosts` in
+    deployment), where the backend :attr:`runs_agents`.
 
     Backends: :class:`~numpyro_fed.federation.InProcess` (the default: clients vectorised in
     this process) and :class:`~numpyro_fed.federation.RayFederation` (one actor per client).
@@ -385,15 +410,40 @@ class Federation(abc.ABC):
         ``client`` may then also be a ``(C,)`` array of distinct clients, each running its
         call (in parallel on an engine): the replies have a leading axis ``C``."""
 
-    def exchange(self, name: str, states, messages, adjacency, num_iterations: int, *broadcast):
-        """Decentralized iterations with no server: ``num_iterations`` times, every agent
-        ``m`` sends its message to its neighbours (``adjacency[m, k]`` true: ``m`` sends to
-        ``k``), then runs ``agents[name](block_m, state_m, inbox, mask, t, *broadcast) ->
-        (state_m, message_m)`` where ``inbox`` is ``(M, ...)`` (row ``k``: ``k``'s message if
-        ``k`` is a neighbour of ``m``, zeros otherwise), ``mask = adjacency[:, m]`` and ``t``
-        the iteration. ``states`` and ``messages`` have a leading axis ``M``; returns the
-        final ``(states, messages)``. Traceable."""
-        raise NotImplementedError(f"{type(self).__name__} has no decentralized exchange")
+    # -- decentralized agents (no server) -------------------------------------------------
+    #: Whether the backend runs a decentralized algorithm's agents, each exchanging messages
+    #: with its neighbours directly (:meth:`agent_network`). ``False`` on a hub-and-spoke
+    #: engine, where every message would go through the server.
+    runs_agents: bool = False
+
+    def agent_network(self, program, adjacency, *, name: str = "agents", settings=None, previous=None):
+        """The network that runs ``program`` (a
+        :class:`~numpyro_fed.federation.decentralized.AgentProgram`) on the graph
+        ``adjacency`` (``(N, N)``, concrete: the topology is static), one agent per client:
+        in this process every agent ``vmap``-ped (:class:`~numpyro_fed.federation.InProcess`),
+        or one worker per agent sending its messages to its neighbours' workers (an engine).
+        ``previous``, a network this backend returned to the same sampler, is kept when it
+        runs the same program (``settings`` equal, e.g. the sampler's ``repr``) on the same
+        data, and is given the program when its agents loaded their own rows (see
+        :meth:`agent_hosts`). A network has ``start(own) -> NetworkState``, ``local_struct()``
+        and ``sampler_step(batched)`` (see :mod:`~numpyro_fed.federation.decentralized`).
+
+        :raises TypeError: a backend that does not :attr:`runs_agents`."""
+        raise self._no_agents()
+
+    def agent_hosts(self, loader, adjacency, *, name: str = "agents", previous=None):
+        """Deployment: the agents of a network, each loading its own block with
+        ``loader(m)`` where it lives, before their program is known (set-up calls reach them
+        through the network's ``ask``; :meth:`agent_network` gives them the program).
+
+        :raises TypeError: a backend that does not :attr:`runs_agents`, or runs them in this
+            process (whose clients' blocks are loaded by :meth:`start`)."""
+        raise self._no_agents()
+
+    def _no_agents(self):
+        return TypeError(f"{type(self).__name__} cannot run decentralized agents: a decentralized algorithm's "
+                         "agents message their neighbours every iteration, and this backend's clients talk to "
+                         "the server only. Use InProcess() or RayFederation()")
 
     # -- shared helpers --------------------------------------------------------------------
     def _function(self, name: str) -> Callable:

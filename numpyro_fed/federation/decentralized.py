@@ -18,15 +18,24 @@ is started (or restarted, e.g. to resume a run) from every agent's own state alo
 agent sends ``message(own)`` to its neighbours, so the driver never hands an agent another
 agent's iterate. The network's state is :class:`NetworkState` (own states and inboxes).
 
-Two networks run the same program with the same numbers:
+The program is the algorithm's one core; a backend's network runs it
+(:meth:`Federation.agent_network <numpyro_fed.federation.Federation.agent_network>`), and
+every network runs the same program with the same numbers:
 
-* in this process (:func:`start_network`, :func:`network_iteration`): every agent
-  ``vmap``-ped, the exchange an indexing of the stacked messages (:func:`deliver`); this
-  is what :class:`~numpyro_fed.federation.InProcess` runs, inside the caller's ``jit``;
-* :class:`~numpyro_fed.federation.ray_agents.RayNetwork`: one Ray actor per agent holding its ``local`` slice and handles to
-  its neighbours' actors; each actor runs its own loop of iterations and sends its message
-  straight to its neighbours' actors. The driver starts the loops and collects every
-  agent's state per iteration (the draws); it never relays a message.
+* :class:`InProcessNetwork` (:class:`~numpyro_fed.federation.InProcess`'s): every agent
+  ``vmap``-ped, the exchange an indexing of the stacked messages (:func:`deliver`), compiled
+  into the caller's ``jit``;
+* :class:`~numpyro_fed.federation.ray_agents.RayNetwork`
+  (:class:`~numpyro_fed.federation.RayFederation`'s): one Ray actor per agent holding its
+  ``local`` slice and handles to its neighbours' actors; each actor runs its own loop of
+  iterations and sends its message straight to its neighbours' actors. The driver starts the
+  loops and collects every agent's state per iteration (the draws); it never relays a message.
+
+A network's ``sampler_step(batched)`` is the iteration a sampler's compiled loop calls:
+``step(rng_key, i, state, sent) -> (state, info, sent)`` for a chain's key, its iteration
+``i``, its :class:`NetworkState` and ``sent``, a namedtuple ``(messages, bytes)`` of ``(N,)``
+counts of what each agent sent its neighbours so far (a leading chain axis on each with
+``batched``).
 
 Randomness: agent ``m`` draws its noise of iteration ``t`` from
 ``fold_in(fold_in(rng_key, m), t)`` (:func:`agent_keys`), so each agent draws its own noise and
@@ -43,16 +52,14 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from numpyro_fed.federation.base import ClientError
+from numpyro_fed.federation.base import tree_nbytes
 
 __all__ = [
     "AgentProgram",
-    "NetworkError",
+    "InProcessNetwork",
     "NetworkState",
-    "agent_hosts",
     "agent_keys",
     "attached_struct",
-    "decentralized_network",
     "deliver",
     "info_struct",
     "neighbors",
@@ -181,79 +188,62 @@ def network_iteration(program: AgentProgram, adjacency, keys, state: NetworkStat
     return NetworkState(own, inbox), info
 
 
+class InProcessNetwork:
+    """``program``'s agents in this process: :func:`network_iteration` (every agent
+    ``vmap``-ped), compiled into the caller's ``jit``. What
+    :meth:`InProcess.agent_network <numpyro_fed.federation.InProcess.agent_network>` returns.
 
-# -- the network on a federation's workers ----------------------------------------------------
-
-
-def decentralized_network(federation, program: AgentProgram, adjacency, *, name: str = "agents",
-                          previous=None, settings=None):
-    """The network that runs ``program`` on ``federation``'s workers, one per agent: a
-    :class:`RayNetwork` for a :class:`~numpyro_fed.federation.RayFederation` (which it
-    starts: the federation's actors are then the agents). ``previous``, a network this
-    sampler started on the same federation, is kept if its agents hold the same data and
-    ``settings`` (e.g. the sampler's ``repr``) are the same, else closed.
-
-    :raises TypeError: for a federation that has no decentralized workers.
-    """
-    from numpyro_fed.federation.ray_agents import RayNetwork
-    from numpyro_fed.federation.ray_backend import RayFederation
-
-    if isinstance(federation, RayFederation):
-        if previous is not None and previous.federation is federation and federation.started \
-                and federation._network is previous:
-            if previous.same(program, adjacency, settings):
-                previous.program = program
-                return previous
-            federation.close()
-        network = RayNetwork(federation, program, adjacency, name=name)
-        network.settings = settings
-        return network
-    raise TypeError(f"{type(federation).__name__} cannot run decentralized agents "
-                    "(use InProcess() or RayFederation())")
-
-
-def agent_hosts(federation, loader, adjacency, *, name: str = "agents", previous=None):
-    """Deployment: the agents of a network on ``federation``'s workers, each loading its own
-    block with ``loader`` where it lives, before the program is known (set-up calls reach
-    them through ``ask``; ``install`` gives them the program). ``previous``, a network this
-    sampler started on the same federation with the same graph, is kept (its agents keep
-    their blocks).
-
-    :raises TypeError: for a federation that has no decentralized workers.
-    """
-    from numpyro_fed.federation.ray_agents import RayNetwork
-    from numpyro_fed.federation.ray_backend import RayFederation
-
-    if not isinstance(federation, RayFederation):
-        raise TypeError(f"{type(federation).__name__} cannot run decentralized agents "
-                        "(use InProcess() or RayFederation())")
-    if (previous is not None and previous.federation is federation and federation.started
-            and federation._network is previous and previous.deployed
-            and np.array_equal(np.asarray(adjacency) != 0, previous.adjacency)):
-        return previous
-    return RayNetwork(federation, None, adjacency, name=name, loader=loader)
-
-
-class NetworkError(ClientError):
-    """A :class:`~numpyro_fed.federation.ClientError` of a decentralized run: an agent died,
-    fell silent or failed. :attr:`clients` names it. What was computed before is kept:
-
-    :ivar int iteration: the last iteration every agent completed and the sampler received.
-    :ivar state: the sampler's state at :attr:`iteration` (with the chain axis of the run):
-        resume with ``mcmc.post_warmup_state = error.state; mcmc.run(error.state.rng_key,
-        ...)`` (a dead agent's actor is replaced).
-    :ivar draws: every agent's iterates since the network started, by site (constrained),
-        shaped ``(chains, iterations, agents, ...)``.
+    >>> import jax, jax.numpy as jnp
+    >>> from typing import NamedTuple
+    >>> class Own(NamedTuple):
+    ...     x: jax.Array
+    >>> def send(local, key, own, inbox, mask):  # move to the mean of itself and its neighbours
+    ...     x = (own.x + inbox.sum(0)) / (1 + mask.sum())
+    ...     return x, x  # (what receive gets, the message)
+    >>> program = AgentProgram(lambda own: own.x, send, lambda local, x, inbox, previous, mask: (Own(x), ()),
+    ...                        local=jnp.zeros(3))
+    >>> network = InProcessNetwork(program, np.ones((3, 3)) - np.eye(3))
+    >>> state, info = network.step(jax.random.PRNGKey(0), 0, network.start(Own(jnp.array([[0.0], [3.0], [6.0]]))))
+    >>> state.x.ravel().tolist()
+    [3.0, 3.0, 3.0]
     """
 
-    resume = None
-    history = ()
-    describe = None
+    #: the agents hold their data here (the driver's ``program.local``)
+    deployed = False
 
-    @property
-    def state(self):
-        return None if self.describe is None else self.describe(self.resume, self.history)[0]
+    def __init__(self, program: AgentProgram, adjacency, *, name: str = "agents"):
+        if program.attach is not None:
+            raise ValueError("an agent program with attach= runs on agents that loaded their own rows where they "
+                             "live; in this process, build it from the clients' blocks")
+        self.program = program
+        self.adjacency = np.asarray(adjacency) != 0
+        self.num_agents = self.adjacency.shape[0]
+        self.name = name
+        #: unused in this process (a fault of a remote agent is described through it)
+        self.describe = None
 
-    @property
-    def draws(self):
-        return None if self.describe is None else self.describe(self.resume, self.history)[1]
+    def start(self, own) -> NetworkState:
+        """The network at the agents' own states (see :func:`start_network`)."""
+        return start_network(self.program, self.adjacency, own)
+
+    def step(self, rng_key, i, state: NetworkState):
+        """Iteration ``i`` of every agent: ``(state, info)``; agent ``m`` draws from
+        ``fold_in(fold_in(rng_key, m), i)`` (:func:`agent_keys`)."""
+        return network_iteration(self.program, self.adjacency, agent_keys(rng_key, self.num_agents, i), state)
+
+    def local_struct(self):
+        """The ``ShapeDtypeStruct`` tree of the agents' stacked locals."""
+        return attached_struct(self.program, None)
+
+    def sampler_step(self, batched: bool):
+        """``step(rng_key, i, state, sent) -> (state, info, sent)`` (see the module's
+        docstring): :meth:`step`, and ``sent`` counted from the graph and the message's size."""
+        degrees = self.adjacency.sum(axis=1).astype(np.int64)
+
+        def one(rng_key, i, state, sent):
+            state, info = self.step(rng_key, i, state)
+            message_bytes = tree_nbytes(jax.eval_shape(jax.vmap(self.program.message), state.own)) // self.num_agents
+            return state, info, sent._replace(messages=sent.messages + degrees,
+                                              bytes=sent.bytes + degrees * message_bytes)
+
+        return jax.vmap(one) if batched else one

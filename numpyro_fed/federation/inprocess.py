@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from numpyro_fed.federation.base import ClientProgram, ClientState, Federation, block_spec, check_block, tree_nbytes
+from numpyro_fed.federation.decentralized import InProcessNetwork
 from numpyro_fed.federation.ledger import MessageLedger
 
 __all__ = ["InProcess"]
@@ -111,13 +112,8 @@ class InProcess(Federation):
         if sizes is None:
             raise KeyError(f"call '{name}' has not been traced on this federation: its message "
                            f"sizes are unknown (traced: {sorted(self._shared.sizes)})")
-        kind, down, up = sizes
+        _, down, up = sizes
         calls = np.broadcast_to(np.asarray(calls, dtype=np.int64), (self.num_clients,))
-        if kind == "exchange":
-            degree, nbytes = down, up
-            self.ledger.add(name, "to_peer", None, messages=calls * degree,
-                            nbytes=calls * degree * nbytes, rounds=calls)
-            return
         self.ledger.add(name, "to_client", None, messages=calls, nbytes=calls * down, rounds=calls)
         self.ledger.add(name, "from_client", None, messages=calls, nbytes=calls * up)
 
@@ -182,43 +178,20 @@ class InProcess(Federation):
         self._shared.sizes[name] = ("one", tree_nbytes(broadcast) + tree_nbytes(own_c), tree_nbytes(reply))
         return reply
 
-    def exchange(self, name, states, messages, adjacency, num_iterations, *broadcast):
-        try:
-            step = self.program.agents[name]
-        except KeyError:
-            raise KeyError(f"the client program has no agent '{name}' "
-                           f"(agents: {sorted(self.program.agents)})") from None
-        adjacency = _concrete_adjacency(adjacency, self.num_clients)
-        adj = jnp.asarray(adjacency)
+    # -- decentralized agents ----------------------------------------------------------------
+    runs_agents = True
 
-        def agent(block, state, mask, t, messages):
-            inbox = jax.tree_util.tree_map(
-                lambda a: jnp.where(mask.reshape((-1,) + (1,) * (a.ndim - 1)), a, jnp.zeros_like(a)),
-                messages)
-            return step(block, state, inbox, mask, t, *broadcast)
+    def agent_network(self, program, adjacency, *, name="agents", settings=None, previous=None):
+        """The agents in this process: an
+        :class:`~numpyro_fed.federation.decentralized.InProcessNetwork` (``program.local``
+        holds their data; nothing to start, so ``settings`` and ``previous`` do not matter)."""
+        return InProcessNetwork(program, adjacency, name=name)
 
-        def body(t, carry):
-            states, messages = carry
-            return jax.vmap(agent, in_axes=(0, 0, 0, None, None))(self._blocks, states, adj.T, t, messages)
-
-        out = lax.fori_loop(0, num_iterations, body, (states, messages))
-        self._shared.sizes[name] = ("exchange", adjacency.sum(axis=1),
-                                    _slice_bytes(messages, self.num_clients))
-        return out
+    def agent_hosts(self, loader, adjacency, *, name="agents", previous=None):
+        raise TypeError("InProcess loads the clients' blocks in this process (start(program) runs the loader): "
+                        "build the agents' program from its blocks and run it with agent_network")
 
     def __repr__(self) -> str:
         state = "not started" if self._shared is None else f"num_clients={self.num_clients}"
         return f"InProcess({state}{self._loader_repr()})"
 
-
-def _concrete_adjacency(adjacency, num_clients):
-    try:
-        adjacency = np.asarray(adjacency, dtype=bool)
-    except jax.errors.TracerArrayConversionError:
-        raise TypeError("exchange needs a concrete adjacency matrix (the topology is static), "
-                        "not a traced one") from None
-    if adjacency.shape != (num_clients, num_clients):
-        raise ValueError(f"adjacency must have shape ({num_clients}, {num_clients}), not {adjacency.shape}")
-    if np.diag(adjacency).any():
-        raise ValueError("adjacency must have a false diagonal (an agent is not its own neighbour)")
-    return adjacency

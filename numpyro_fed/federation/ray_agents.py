@@ -9,7 +9,6 @@ the loops and collects each agent's state per iteration; it never relays a messa
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections import defaultdict
@@ -19,19 +18,23 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from numpyro_fed.federation.base import ClientProgram, tree_nbytes
+from numpyro_fed.federation.base import (
+    ClientProgram,
+    NetworkError,
+    block_spec,
+    check_block,
+    describe_arguments,
+    tree_nbytes,
+)
 from numpyro_fed.federation.decentralized import (
     AgentProgram,
-    NetworkError,
     NetworkState,
-    agent_keys,
     attached_struct,
     deliver,
     info_struct as info_struct_of,
     neighbors,
-    network_iteration,
+    start_network,
 )
-from numpyro_fed.federation.ledger import MessageLedger
 
 __all__ = ["RayNetwork"]
 
@@ -64,8 +67,6 @@ class _AgentWorker:
         """Checks the agent's data (finite values) and compiles nothing yet. In deployment,
         first loads the agent's block with the loader (here, never on the driver) and
         reports its shapes and dtypes only."""
-        from numpyro_fed.federation.base import block_spec, check_block  # noqa: PLC0415
-
         if self.loader is not None:
             block = self.loader(self.agent)
             check_block(block, self.agent)
@@ -94,8 +95,6 @@ class _AgentWorker:
     def describe(self, loader):
         """Runs the user's loader here; reports shapes, dtypes and scalar settings only (as
         a federation's client worker does, for a later run on the same actors)."""
-        from numpyro_fed.federation.base import describe_arguments  # noqa: PLC0415
-
         return describe_arguments(loader(self.agent))
 
     def ping(self):
@@ -206,9 +205,12 @@ class RayNetwork:
     """``program``'s agents as the actors of a :class:`~numpyro_fed.federation.RayFederation`,
     exchanging their messages actor to actor.
 
+    Made by :meth:`RayFederation.agent_network <numpyro_fed.federation.RayFederation.agent_network>`
+    (and :meth:`~numpyro_fed.federation.RayFederation.agent_hosts` in deployment).
+
     The driver starts the agents' loops in chunks of iterations (``chunk`` doubles from 4 up to
     ``max_chunk``) and collects every agent's state and diagnostics per iteration; it hands them
-    out one iteration at a time to the compiled sampler (:meth:`traceable_step`). A request
+    out one iteration at a time to the compiled sampler (:meth:`sampler_step`). A request
     for an iteration that does not follow the last one handed out (a new chain, a resumed
     run) restarts the network from the given states: each agent gets its own state only and
     the agents exchange their messages before the first iteration. A dead agent's actor is
@@ -239,26 +241,18 @@ class RayNetwork:
         if program is not None:
             self.locals = [jax.tree_util.tree_map(lambda a, m=m: np.asarray(a[m]), program.local)
                            for m in range(n)]
-        ray = federation._ensure_ray()
+        self._remote = None
         # the workers of another algorithm's run, or those that described the clients' data,
-        # make way for the agents (a later run of a server-based algorithm replaces them in turn)
-        federation._kill_actors()
-        federation._program = None
-        # the loop runs on the actor's main thread; deliver() and abort() in their own group, so
-        # that the neighbours' messages arrive while the loop waits for them
-        self._remote = ray.remote(concurrency_groups={"inbox": 2})(_AgentWorker)
+        # make way for the agents (a later run of a server-based algorithm replaces them in turn);
         # the federation's actors are the agents: its close(), actors, ledger and guard() apply
         if loader is None:
-            federation._program = ClientProgram({}, blocks=self.locals)
+            hosted = ClientProgram({}, blocks=self.locals)
         else:
-            federation._program = ClientProgram({}, loader=loader, num_clients=n)
-        federation._ledger = MessageLedger(n)
-        federation._specs = [None] * n
-        federation._actors = [self._new_actor(m) for m in range(n)]
-        federation._network = self
+            hosted = ClientProgram({}, loader=loader, num_clients=n)
+        actors = federation.host_agents(self, hosted, self._new_actor)
         try:
-            specs = federation._gather("setup", {m: a.setup.remote() for m, a in enumerate(federation._actors)},
-                                       refuse=True, timeout=federation.start_timeout)
+            specs = federation.gather("setup", {m: a.setup.remote() for m, a in enumerate(actors)},
+                                      refuse=True, timeout=federation.start_timeout)
             self._connect()
         except BaseException:
             federation.close()
@@ -272,7 +266,7 @@ class RayNetwork:
                                        and isinstance(x[1], str))
                 for m in range(n)
             ]
-            federation._specs = list(self.block_specs)
+            federation.set_block_specs(self.block_specs)
         self.run_id = 0
         self.buffer = []          # collected iterations not yet handed out: (own, info, messages, bytes)
         self.expected = None      # (i, own, keys) of the last iteration handed out
@@ -314,7 +308,7 @@ class RayNetwork:
         """``(N, ...)``: every agent's ``fn(block, *broadcast, *own)`` (``own``: its row of each
         ``per_agent`` array), computed on its actor: a set-up or diagnostic call, counted in
         the ledger as ``"<name>/<call>"``. ``fn`` must be picklable and hold no rows."""
-        actors = self.federation._actors
+        actors = self.federation.actors
         ledger = self.federation.ledger
         broadcast = jax.tree_util.tree_map(np.asarray, tuple(broadcast))
         per_agent = jax.tree_util.tree_map(np.asarray, tuple(per_agent))
@@ -324,7 +318,7 @@ class RayNetwork:
             refs[m] = actor.ask.remote(fn, broadcast + own)
             ledger.add(f"{self.name}/{name}", "to_client", m, messages=1,
                        nbytes=tree_nbytes(broadcast) + tree_nbytes(own), rounds=1)
-        replies = self.federation._gather(f"{self.name}/{name}", refs)
+        replies = self.federation.gather(f"{self.name}/{name}", refs)
         for m in range(self.num_agents):
             ledger.add(f"{self.name}/{name}", "from_client", m, messages=1, nbytes=tree_nbytes(replies[m]))
         ledger.round_trips += 1
@@ -352,13 +346,19 @@ class RayNetwork:
             self.program = program
             return
         self.program, self.locals, self.settings = program, locals_, settings
-        refs = {m: a.install.remote(program._replace(local=locals_[m])) for m, a in enumerate(self.federation._actors)}
-        self.federation._gather("install", refs, refuse=True, timeout=self.federation.start_timeout)
+        refs = {m: a.install.remote(program._replace(local=locals_[m])) for m, a in enumerate(self.federation.actors)}
+        self.federation.gather("install", refs, refuse=True, timeout=self.federation.start_timeout)
         self.expected, self.buffer, self.handed = None, [], []  # the next iteration restarts the network
 
     # -- actors ----------------------------------------------------------------------------
-    def _new_actor(self, m):
-        options = self.federation._options(m)
+    def _new_actor(self, m, options):
+        """Agent ``m``'s actor, with the federation's Ray ``options`` for it."""
+        if self._remote is None:
+            import ray
+
+            # the loop runs on the actor's main thread; deliver() and abort() in their own group,
+            # so that the neighbours' messages arrive while the loop waits for them
+            self._remote = ray.remote(concurrency_groups={"inbox": 2})(_AgentWorker)
         agent_program = None
         if self.program is not None:
             agent_program = self.program._replace(local=self.locals[m])  # agent m's data only
@@ -367,16 +367,16 @@ class RayNetwork:
                                                       bool(jax.config.jax_enable_x64), self.loader)
 
     def _connect(self):
-        actors = self.federation._actors
+        actors = self.federation.actors
         refs = {m: actors[m].connect.remote({int(k): actors[int(k)] for k in np.flatnonzero(self.adjacency[m])})
                 for m in range(self.num_agents)}
-        self.federation._gather("connect", refs)
+        self.federation.gather("connect", refs)
 
     def _revive(self):
         """Replaces dead actors (a restart after a fault)."""
-        ray = self.federation._ensure_ray()
-        actors = self.federation._actors
-        refs = [a.ping.remote() for a in actors]
+        import ray
+
+        refs = [a.ping.remote() for a in self.federation.actors]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.federation.timeout)
         dead = []
         for m, ref in enumerate(refs):
@@ -386,12 +386,9 @@ class RayNetwork:
                 dead.append(m)
         if not dead:
             return
-        for m in dead:
-            with contextlib.suppress(Exception):
-                ray.kill(actors[m])
-            actors[m] = self._new_actor(m)
-        self.federation._gather("setup", {m: actors[m].setup.remote() for m in dead}, refuse=True,
-                                timeout=self.federation.start_timeout)
+        replaced = {m: self.federation.replace_agent(m, self._new_actor) for m in dead}
+        self.federation.gather("setup", {m: actor.setup.remote() for m, actor in replaced.items()}, refuse=True,
+                               timeout=self.federation.start_timeout)
         self._connect()
 
     # -- running ---------------------------------------------------------------------------
@@ -399,10 +396,10 @@ class RayNetwork:
         """One chunk on every actor; returns per agent ``(own, info, messages, bytes)`` stacked
         over the chunk's iterations, or raises :class:`ClientError`."""
 
-        ray = self.federation._ensure_ray()
+        import ray
         from ray.exceptions import RayActorError, RayTaskError
 
-        actors, timeout = self.federation._actors, self.federation.timeout
+        actors, timeout = self.federation.actors, self.federation.timeout
         ledger = self.federation.ledger
         refs = {}
         for m, actor in enumerate(actors):
@@ -509,7 +506,7 @@ class RayNetwork:
             error.history = list(self.handed)
             error.describe = self.describe
             self.expected = None
-            self.federation._error = error
+            self.federation.keep_error(error)
             raise
         self.chunk = min(2 * self.chunk, self.max_chunk)
         for k in range(len(per_agent[0][2])):
@@ -528,16 +525,19 @@ class RayNetwork:
             return attached_struct(self.program, self.block_struct())
         return attached_struct(self.program, None)
 
-    def traceable_step(self, batched: bool, deliver_fn):
-        """``state -> (NetworkState, info, sent)``: the next iteration as a host callback inside
-        the compiled sampler (``state`` a :class:`~numpyro_fed.infer.admm.DecentralizedState`,
-        with a leading chain axis if ``batched``)."""
+    def start(self, own) -> NetworkState:
+        """The network at the agents' own states, as the sampler sees it (its first iteration
+        restarts the agents' loops there: see :meth:`advance`)."""
+        return start_network(self.program, self.adjacency, own)
+
+    def sampler_step(self, batched: bool):
+        """``step(rng_key, i, state, sent) -> (state, info, sent)`` (see
+        :mod:`~numpyro_fed.federation.decentralized`): the next iteration as a host callback
+        inside the compiled sampler (every argument with a leading chain axis if ``batched``)."""
         from jax.experimental import io_callback
 
-        n = self.num_agents
-
-        def step(state):
-            own, i, keys, sent = state.core.own, state.i, state.rng_key, state.sent
+        def step(rng_key, i, state, sent):
+            own, keys = state.own, rng_key
             if not batched:
                 own, i, keys, sent = jax.tree_util.tree_map(lambda a: a[None], (own, i, keys, sent))
             chains = jnp.shape(i)[0]
@@ -550,11 +550,11 @@ class RayNetwork:
                    jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct((chains,) + s.shape, s.dtype), info_struct),
                    struct(sent_array))
             own, info, sent_array = io_callback(self.advance, out, i, own, keys, sent_array, ordered=True)
-            sent = type(sent)(sent_array[:, 0], sent_array[:, 1])
-            core = NetworkState(own, jax.vmap(deliver_fn)(own.x))
+            sent = sent._replace(messages=sent_array[:, 0], bytes=sent_array[:, 1])
+            state = NetworkState(own, jax.vmap(lambda x: deliver(self.adjacency, x))(own.x))
             if not batched:
-                core, info, sent = jax.tree_util.tree_map(lambda a: a[0], (core, info, sent))
-            return core, info, sent
+                state, info, sent = jax.tree_util.tree_map(lambda a: a[0], (state, info, sent))
+            return state, info, sent
 
         return step
 

@@ -4,21 +4,19 @@ One long-lived actor per client holds that client's block and its compiled funct
 nothing else. Inside compiled code, :meth:`~RayFederation.map` and :meth:`~RayFederation.one`
 are ``jax.pure_callback``\\ s (``vmap_method="expand_dims"``): under a ``vmap`` over chains a
 single round trip carries every chain's request, and each actor ``vmap``\\ s its function over
-the chains it received. :meth:`~RayFederation.exchange` runs decentralized iterations in which
-the actors send their messages to their neighbours' actors directly; the driver only starts
-the run and collects the final states.
+the chains it received. A decentralized algorithm's agents are actors too
+(:meth:`~RayFederation.agent_network`: a :class:`~numpyro_fed.federation.ray_agents.RayNetwork`),
+sending their messages to their neighbours' actors directly.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 import pickle
 import shutil
 import sys
 import tempfile
-import threading
 import uuid
 import time
 import warnings
@@ -29,9 +27,10 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from numpyro_fed.federation.base import ClientError, ClientProgram, tree_nbytes
-from numpyro_fed.federation.inprocess import _concrete_adjacency
-from numpyro_fed.federation.remote import RemoteFederation, _unbatch
+from numpyro_fed.federation.base import ClientError, ClientProgram
+from numpyro_fed.federation.ledger import MessageLedger
+from numpyro_fed.federation.ray_agents import RayNetwork
+from numpyro_fed.federation.remote import RemoteFederation
 
 __all__ = ["RayFederation", "thread_limits"]
 
@@ -67,8 +66,8 @@ def _state_folder(state_dir, federation_id):
 
 
 class _ClientWorker:
-    """Client ``m``'s worker: its block, its functions compiled on first use, its inbox, and
-    its client state (the last two versions, saved to its disk after each stateful call)."""
+    """Client ``m``'s worker: its block, its functions compiled on first use, and its client
+    state (the last two versions, saved to its disk after each stateful call)."""
 
     def __init__(self, client, x64, state_dir=None, federation_id=None):
         jax.config.update("jax_enable_x64", bool(x64))
@@ -79,8 +78,6 @@ class _ClientWorker:
         self.states = {}  # version -> this client's state (numpy leaves)
         self.state_file = (None if federation_id is None else
                            os.path.join(_state_folder(state_dir, federation_id), f"client{self.client}.pkl"))
-        self.inbox = defaultdict(dict)  # (tag, t) -> {sender: message}
-        self.inbox_ready = threading.Condition()
         self.busy = defaultdict(lambda: [0, 0.0])  # name -> [calls, seconds computing]
 
     def describe(self, loader):
@@ -206,63 +203,6 @@ class _ClientWorker:
         time.sleep(seconds)
         return self.client
 
-    # decentralized exchange ---------------------------------------------------------------
-    def deliver(self, tag, t, sender, message):
-        with self.inbox_ready:
-            self.inbox[(tag, t)][sender] = message
-            self.inbox_ready.notify_all()
-
-    def run_agent(self, tag, name, state, message, senders, receivers, mask, num_iterations,
-                  broadcast, in_axes, timeout):
-        """``num_iterations`` of agent ``name``: send to ``receivers`` (actor handles), wait for
-        ``senders``, step. Returns ``(state, message, messages_sent, bytes_sent)``."""
-        step = self._compiled("agents", name, in_axes)
-        batched = in_axes is not None
-        num_clients = mask.shape[0]
-        sent_messages = sent_bytes = 0
-        message_bytes = tree_nbytes(message)
-        for t in range(num_iterations):
-            for handle in receivers:
-                handle.deliver.options(concurrency_group="inbox").remote(tag, t, self.client, message)
-            sent_messages += len(receivers)
-            sent_bytes += len(receivers) * message_bytes
-            deadline = time.monotonic() + timeout
-            with self.inbox_ready:
-                while len(self.inbox[(tag, t)]) < len(senders):
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        missing = sorted(set(senders) - set(self.inbox[(tag, t)]))
-                        raise TimeoutError(
-                            f"agent {self.client} waited {timeout} s for neighbour(s) {missing} "
-                            f"at iteration {t} of '{name}'")
-                    self.inbox_ready.wait(left)
-                received = self.inbox.pop((tag, t))
-            inbox = _assemble_inbox(message, received, num_clients, batched)
-            state, message = step(self.block, state, inbox, mask, t, *broadcast)
-            state = jax.tree_util.tree_map(np.asarray, state)
-            message = jax.tree_util.tree_map(np.asarray, message)
-        return state, message, sent_messages, sent_bytes
-
-
-def _assemble_inbox(template, received, num_clients, batched):
-    """``(M, ...)`` (or ``(B, M, ...)`` when batched over chains) with row ``k`` the message of
-    sender ``k`` and zeros elsewhere."""
-    leaves, treedef = jax.tree_util.tree_flatten(template)
-    out = []
-    for i, leaf in enumerate(leaves):
-        leaf = np.asarray(leaf)
-        axis = 1 if batched else 0
-        shape = leaf.shape[:axis] + (num_clients,) + leaf.shape[axis:]
-        box = np.zeros(shape, leaf.dtype)
-        for k, msg in received.items():
-            value = jax.tree_util.tree_leaves(msg)[i]
-            if batched:
-                box[:, k] = value
-            else:
-                box[k] = value
-        out.append(box)
-    return jax.tree_util.tree_unflatten(treedef, out)
-
 
 # -- the federation -----------------------------------------------------------------------------
 
@@ -345,7 +285,6 @@ class RayFederation(RemoteFederation):
         #: the :class:`~numpyro_fed.federation.ray_agents.RayNetwork` whose agents are this
         #: federation's actors (a decentralized sampler's), else ``None``
         self._network = None
-        self._tags = itertools.count()
         self.pack_limit = PACK_LIMIT
         self.state_dir = None if state_dir is None else os.fspath(state_dir)
         #: names the folder of this federation's saved client states
@@ -390,13 +329,12 @@ class RayFederation(RemoteFederation):
         :meth:`describe` calls with the same number of clients.
 
         Calls run one at a time on an actor's main thread (a threaded actor costs a few
-        milliseconds per call); ``deliver`` has its own concurrency group so that neighbours'
-        messages arrive while ``run_agent`` waits for them."""
+        milliseconds per call)."""
         if len(self._actors) == num_clients and self._network is None:
             return self._actors
         self._kill_actors()
         ray = self._ensure_ray()
-        remote = ray.remote(concurrency_groups={"inbox": 2})(_ClientWorker)
+        remote = ray.remote(_ClientWorker)
         x64 = bool(jax.config.jax_enable_x64)
         self._actors = [remote.options(**self._options(m)).remote(m, x64, self.state_dir, self.federation_id)
                         for m in range(num_clients)]
@@ -431,7 +369,7 @@ class RayFederation(RemoteFederation):
             return program
         # only client m's block goes to worker m
         return ClientProgram(program.functions, blocks=[program.blocks[m]], spec=program.spec,
-                             agents=program.agents, stateful=program.stateful)
+                             stateful=program.stateful)
 
     def restart(self, clients=None) -> "RayFederation":
         """Replaces the actors of ``clients`` (default: those that do not answer a ping within
@@ -453,7 +391,7 @@ class RayFederation(RemoteFederation):
                 except Exception:
                     clients.append(m)
         clients = sorted(int(c) for c in clients)
-        remote = ray.remote(concurrency_groups={"inbox": 2})(_ClientWorker)
+        remote = ray.remote(_ClientWorker)
         x64 = bool(jax.config.jax_enable_x64)
         for m in clients:
             with contextlib.suppress(Exception):
@@ -577,54 +515,73 @@ class RayFederation(RemoteFederation):
     def send_initial_state(self, slices):
         self._gather("init_state", {m: self._actors[m].set_state.remote(value) for m, value in slices.items()})
 
-    def exchange(self, name, states, messages, adjacency, num_iterations, *broadcast):
-        if name not in self.program.agents:
-            raise KeyError(f"the client program has no agent '{name}' (agents: {sorted(self.program.agents)})")
-        adjacency = _concrete_adjacency(adjacency, self.num_clients)
-        num_iterations = int(num_iterations)
-        m_clients = self.num_clients
-        out_struct = jax.tree_util.tree_map(
-            lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), (states, messages))
-        leaves, treedef = jax.tree_util.tree_flatten((states, messages, broadcast))
-        ndims = [jnp.ndim(x) for x in leaves]
-        num_clientwise = len(jax.tree_util.tree_leaves((states, messages)))
-        out_leaves, out_def = jax.tree_util.tree_flatten(out_struct)
+    # -- decentralized agents: the actors are the agents of a RayNetwork ------------------------
+    runs_agents = True
 
-        def host(*host_leaves):
-            batch, flat, axes = _unbatch([np.asarray(x) for x in host_leaves], ndims)
-            size = int(np.prod(batch)) if batch else 1
-            if batch:  # every chain runs in every actor: batch the whole carry
-                flat = [leaf if ax == 0 or i >= num_clientwise else np.broadcast_to(leaf, (size,) + leaf.shape)
-                        for i, (leaf, ax) in enumerate(zip(flat, axes))]
-                axes = [0 if i < num_clientwise else ax for i, ax in enumerate(axes)]
-            tag = next(self._tags)
-            refs = {}
-            for m in range(m_clients):
-                mine = [leaf[:, m] if batch else leaf[m] for leaf in flat[:num_clientwise]]
-                s, msg, b = jax.tree_util.tree_unflatten(treedef, mine + flat[num_clientwise:])
-                in_axes = None
-                if batch:
-                    sx, mx, bx = jax.tree_util.tree_unflatten(treedef, axes)
-                    in_axes = (sx, 0, None, None) + tuple(bx)  # state, inbox, mask, t, *broadcast
-                senders = [int(k) for k in np.flatnonzero(adjacency[:, m])]
-                receivers = [self._actors[int(k)] for k in np.flatnonzero(adjacency[m])]
-                refs[m] = self._actors[m].run_agent.remote(
-                    tag, name, s, msg, senders, receivers, adjacency[:, m].copy(), num_iterations,
-                    tuple(b), in_axes, self.timeout)
-            results = self._gather(name, refs, timeout=self.timeout * (num_iterations + 1))
-            out = []
-            parts = [jax.tree_util.tree_leaves((results[m][0], results[m][1])) for m in range(m_clients)]
-            for j, want in enumerate(out_leaves):
-                stacked = np.stack([np.asarray(parts[m][j], dtype=want.dtype) for m in range(m_clients)],
-                                   axis=1 if batch else 0)
-                out.append(stacked.reshape(want.shape if not batch else tuple(batch) + tuple(want.shape)))
-            for m in range(m_clients):
-                self.ledger.add(name, "to_peer", m, messages=results[m][2] * size,
-                                nbytes=results[m][3], rounds=num_iterations * size)
-            self.ledger.round_trips += 1
-            return jax.tree_util.tree_unflatten(out_def, out)
+    def agent_network(self, program, adjacency, *, name="agents", settings=None, previous=None) -> RayNetwork:
+        """A :class:`~numpyro_fed.federation.ray_agents.RayNetwork` of ``program``'s agents, this
+        federation's actors (they replace the actors of another algorithm's run). ``previous``,
+        the network this federation gave the same sampler, is kept if its agents hold the same
+        data and ``settings`` are the same (else the federation is closed and started anew),
+        and is given ``program`` if its agents loaded their own rows (:meth:`agent_hosts`)."""
+        if previous is not None and previous is self._network and self.started:
+            if previous.deployed:
+                previous.install(program, settings)
+                return previous
+            if previous.same(program, adjacency, settings):
+                previous.program = program
+                return previous
+            self.close()
+        network = RayNetwork(self, program, adjacency, name=name)
+        network.settings = settings
+        return network
 
-        return jax.pure_callback(host, out_struct, *leaves, vmap_method="expand_dims")
+    def agent_hosts(self, loader, adjacency, *, name="agents", previous=None) -> RayNetwork:
+        """Deployment: a :class:`~numpyro_fed.federation.ray_agents.RayNetwork` whose agents
+        load their own blocks with ``loader`` on their actors; ``previous``, the network this
+        federation gave the same sampler on the same graph, is kept (its agents keep their
+        blocks)."""
+        if (previous is not None and previous is self._network and self.started and previous.deployed
+                and np.array_equal(np.asarray(adjacency) != 0, previous.adjacency)):
+            return previous
+        return RayNetwork(self, None, adjacency, name=name, loader=loader)
+
+    def host_agents(self, network: RayNetwork, program: ClientProgram, spawn) -> list:
+        """Makes ``network``'s agents this federation's actors, so that :meth:`close`,
+        :attr:`actors`, :attr:`ledger` and :meth:`guard` apply to them: ends the actors it has,
+        takes ``program`` (what the agents hold, for :attr:`program`) and a new ledger, and
+        starts agent ``m``'s actor with ``spawn(m, options)`` (``options``: its Ray options).
+        Returns the actors."""
+        self._ensure_ray()
+        self._kill_actors()
+        self._program = program
+        self._ledger = MessageLedger(program.num_clients)
+        self._specs = [None] * program.num_clients
+        self._actors = [spawn(m, self._options(m)) for m in range(program.num_clients)]
+        self._network = network
+        return list(self._actors)
+
+    def replace_agent(self, m: int, spawn):
+        """Ends agent ``m``'s actor and starts a new one with ``spawn(m, options)``; returns it."""
+        ray = self._ensure_ray()
+        with contextlib.suppress(Exception):
+            ray.kill(self._actors[m])
+        self._actors[m] = spawn(m, self._options(m))
+        return self._actors[m]
+
+    def set_block_specs(self, specs) -> None:
+        """Deployment: the ``ShapeDtypeStruct`` trees of the blocks the agents loaded."""
+        self._specs = list(specs)
+
+    def gather(self, call: str, refs: dict, *, refuse: bool = False, timeout: float | None = None) -> dict:
+        """Waits for ``{client: Ray object ref}`` and returns ``{client: value}``; raises a
+        :class:`~numpyro_fed.federation.ClientError` naming the silent, dead or failing clients
+        (kept for :meth:`guard`), or with ``refuse`` a ``ValueError`` for refused data."""
+        return self._gather(call, refs, refuse=refuse, timeout=timeout)
+
+    def keep_error(self, error: ClientError) -> None:
+        """Keeps ``error``, raised inside compiled code, for :meth:`guard` to re-raise as itself."""
+        self._error = error
 
     def __repr__(self) -> str:
         where = "local" if self.address is None else repr(self.address)

@@ -2,25 +2,22 @@
 gradient baselines (D-SGLD, D-SGHMC, D-ULA), agents on a communication graph.
 
 * :mod:`~numpyro_fed.infer.admm.topology`: the communication graphs;
-* :mod:`~numpyro_fed.infer.admm.agents`: what each agent knows (its local potential) and
-  what crosses the graph (neighbors' messages);
-* :mod:`~numpyro_fed.infer.admm.dadmms`: D-ADMMS's core (``init``, ``build_program``, what
-  each agent runs on any network, ``build_kernel``, the proximal solvers);
-* :mod:`~numpyro_fed.infer.admm.gradient`: the baselines' cores;
+* :mod:`~numpyro_fed.infer.admm.agents`: what each agent knows (its local potential);
+* :mod:`~numpyro_fed.infer.admm.dadmms`: D-ADMMS's core (``init`` and ``build_program``, what
+  each agent runs on any network; the proximal solvers);
+* :mod:`~numpyro_fed.infer.admm.gradient`: the baselines' cores (``init_<name>`` and
+  ``build_<name>_program``);
 * :mod:`~numpyro_fed.infer.admm.face`: :class:`DecentralizedKernel`, the NumPyro face they
   share;
 * :mod:`~numpyro_fed.infer.admm.samplers`: :class:`DADMMS`, :class:`ADMM`, :class:`DSGLD`,
   :class:`DSGHMC`, :class:`DULA`.
 """
 
-from numpyro_fed.infer.admm.agents import AgentPotentials, agent_potentials, disagreement, mixed, neighbor_sums
+from numpyro_fed.infer.admm.agents import AgentPotentials, agent_potentials
 from numpyro_fed.infer.admm.dadmms import (
-    ADMMAgent,
     ADMMInfo,
     ADMMState,
     QuadraticPotentials,
-    build_agent,
-    build_kernel,
     build_program,
     init,
     newton_prox,
@@ -32,11 +29,8 @@ from numpyro_fed.infer.admm.gradient import (
     SGHMCState,
     SGLDState,
     ULAState,
-    build_dsghmc_kernel,
     build_dsghmc_program,
-    build_dsgld_kernel,
     build_dsgld_program,
-    build_dula_kernel,
     build_dula_program,
     init_dsghmc,
     init_dsgld,
@@ -54,7 +48,6 @@ from numpyro_fed.infer.admm.topology import (
 
 __all__ = [
     "ADMM",
-    "ADMMAgent",
     "ADMMInfo",
     "ADMMState",
     "AgentPotentials",
@@ -73,16 +66,10 @@ __all__ = [
     "Topology",
     "ULAState",
     "agent_potentials",
-    "build_agent",
-    "build_dsghmc_kernel",
     "build_dsghmc_program",
-    "build_dsgld_kernel",
     "build_dsgld_program",
-    "build_dula_kernel",
     "build_dula_program",
-    "build_kernel",
     "build_program",
-    "disagreement",
     "init",
     "init_dsghmc",
     "init_dsgld",
@@ -90,8 +77,6 @@ __all__ = [
     "largest_curvatures",
     "make_topology",
     "metropolis_weights",
-    "mixed",
-    "neighbor_sums",
     "newton_prox",
     "num_components",
     "quadratic_potentials",

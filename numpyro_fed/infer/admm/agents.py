@@ -7,12 +7,10 @@ Every agent ``i`` (one per client) holds the local potential
 on the flat unconstrained latent vector ``x`` (``w_i = 1/N`` by default, as in Eq. (27) of
 the D-ADMMS paper), so that ``sum_i f_i`` is NumPyro's potential energy. The algorithm
 cores (:mod:`~numpyro_fed.infer.admm.dadmms`, :mod:`~numpyro_fed.infer.admm.gradient`) see
-only :class:`AgentPotentials`, and split each iteration into
-
-* an **agent function**: one agent's own data block, its own state and the messages of its
-  neighbors -> its new state (``vmap``ped over the agents in one process), and
-* the **network**: what each agent receives, computed from what the agents sent
-  (:func:`neighbor_sums`, :func:`mixed`); this is where a transport sits.
+only :class:`AgentPotentials`, and are what one agent runs from its own data block, its own
+state and the messages of its neighbors (an
+:class:`~numpyro_fed.federation.decentralized.AgentProgram`); what crosses the graph is the
+network's (:meth:`Federation.agent_network <numpyro_fed.federation.Federation.agent_network>`).
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-__all__ = ["AgentPotentials", "agent_potentials", "attach_block", "disagreement", "mixed", "neighbor_sums"]
+__all__ = ["AgentPotentials", "agent_potentials", "attach_block"]
 
 
 class AgentPotentials(NamedTuple):
@@ -143,32 +141,3 @@ def attach_block(block, local):
     """
     return (block,) + tuple(local[1:])
 
-
-def neighbor_sums(adjacency, x):
-    """``(N, d)``: what each agent receives, the sum of its neighbors' messages
-    ``sum_{j in N_i} x_j`` (``x``: ``(N, d)``, one message per agent).
-
-    >>> neighbor_sums(jnp.array([[0.0, 1.0], [1.0, 0.0]]), jnp.array([[1.0], [2.0]])).tolist()
-    [[2.0], [1.0]]
-    """
-    return adjacency @ x
-
-
-def mixed(mixing, x):
-    """``(N, d)``: what each agent receives under a mixing matrix ``S`` (e.g.
-    :func:`~numpyro_fed.infer.admm.topology.metropolis_weights`), ``sum_j S_ij x_j``
-    (its own message included)."""
-    return mixing @ x
-
-
-def disagreement(adjacency, x):
-    """``(N,)``: ``sqrt(sum_{j in N_i} ||x_i - x_j||^2)``, each agent's disagreement with
-    its neighbors (the primal residual of consensus).
-
-    >>> disagreement(jnp.array([[0.0, 1.0], [1.0, 0.0]]), jnp.array([[0.0], [3.0]])).tolist()
-    [3.0, 3.0]
-    """
-    degrees = jnp.sum(adjacency, axis=1)
-    sq = jnp.sum(x**2, axis=1)
-    total = degrees * sq - 2.0 * jnp.sum(x * (adjacency @ x), axis=1) + adjacency @ sq
-    return jnp.sqrt(jnp.maximum(total, 0.0))

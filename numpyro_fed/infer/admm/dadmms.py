@@ -25,9 +25,12 @@ likelihood and prior, e.g. linear regression), and otherwise by a damped Newton 
 ``lax.while_loop`` (warm-started at ``x_i^k``, with a tolerance and an iteration cap; the
 inner iterations and non-convergence are reported per agent and iteration).
 
-This module is the functional core: :func:`init`, :func:`build_kernel` (a pure
-``step(rng_key, state) -> (state, info)``), the agents' side of it (:func:`build_agent`)
-and the solvers; :class:`~numpyro_fed.DADMMS` is the NumPyro face.
+This module is the functional core: :func:`init` and :func:`build_program`, what each agent
+runs (an :class:`~numpyro_fed.federation.decentralized.AgentProgram`, from the agents'
+functions of :func:`build_agent`), and the solvers. A federation's network runs the program
+(:meth:`Federation.agent_network <numpyro_fed.federation.Federation.agent_network>`: every
+agent ``vmap``-ped in this process, or one Ray actor per agent) and
+:class:`~numpyro_fed.DADMMS` is the NumPyro face.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from numpyro_fed._checks import check_int, check_positive, check_real
-from numpyro_fed.federation.decentralized import AgentProgram, NetworkState, deliver, network_iteration
+from numpyro_fed.federation.decentralized import AgentProgram
 from numpyro_fed.infer.admm.agents import AgentPotentials, attach_block
 
 __all__ = [
@@ -52,7 +55,6 @@ __all__ = [
     "AgentQuadratics",
     "QuadraticPotentials",
     "build_agent",
-    "build_kernel",
     "build_program",
     "init",
     "newton_prox",
@@ -247,8 +249,7 @@ _LADDER_EXPONENTS = (0, 1, 2, 3, 5, 7, 10, 14, 20, 30)
 
 class ADMMAgent(NamedTuple):
     """One agent's side of a D-ADMMS iteration, apart from the network that carries the
-    messages (:func:`build_kernel` ``vmap``-s it over the agents; a transport would call it
-    on each agent's worker).
+    messages (:func:`build_program` makes it what each agent runs).
 
     :ivar primal: ``(noise, x_i, p_i, neighbor_sum, degree, local) -> (x_i', iterations,
         converged)``: step 1, the noisy proximal step from the agent's standard normal draw
@@ -279,7 +280,7 @@ def build_agent(
     max_iterations: int = 50,
 ) -> ADMMAgent:
     """The agents' functions of D-ADMMS (Algorithm 1): see :class:`ADMMAgent` and
-    :func:`build_kernel` for the arguments (``degrees``: ``(N,)`` number of neighbors of
+    :func:`build_program` for the arguments (``degrees``: ``(N,)`` number of neighbors of
     each agent, which fixes its proximal curvature ``2 rho degree``).
 
     **Example**: agent 0 of two, alone on a worker, with ``f_0(x) = x^2 / 2`` and no noise;
@@ -369,9 +370,40 @@ def build_program(
     Agent ``i``'s own state is :class:`ADMMState` ``(x_i, p_i)`` (one row of it); its message
     is its iterate ``x_i`` (``d`` floats), sent to each neighbor once per iteration, and its
     inbox holds its neighbors' latest iterates. ``send`` draws ``w_i`` from the agent's own key
-    and solves the noisy proximal step (step 1 of Algorithm 1; the message is ``x_i^{k+1}``,
-    step 2), ``receive`` updates the dual from the neighbors' new iterates (step 3) and
-    reports :class:`ADMMInfo`. Arguments as for :func:`build_kernel` (``degrees``: ``(N,)``).
+    (one draw per agent and iteration, Eq. (6)) and solves the noisy proximal step (step 1 of
+    Algorithm 1; the message is ``x_i^{k+1}``, step 2), ``receive`` updates the dual from the
+    neighbors' new iterates (step 3) and reports :class:`ADMMInfo`.
+
+    :param AgentPotentials potentials: the agents' local potentials.
+    :param degrees: ``(N,)`` each agent's number of neighbors (see
+        :func:`~numpyro_fed.infer.admm.topology.make_topology`), which fixes its proximal
+        curvature ``2 rho degree``.
+    :param float rho: penalty parameter (> 0).
+    :param float noise_scale: multiplies the proximal noise; 1 is D-ADMMS, 0 is C-ADMM.
+    :param QuadraticPotentials quadratic: solve the proximal step in closed form with these
+        (see :func:`quadratic_potentials`); ``None``: Newton's method.
+    :param float tolerance: Newton's step tolerance (default ``1e-10`` in float64,
+        ``1e-5`` in float32).
+    :param int max_iterations: Newton's iteration cap per proximal step.
+
+    **Example** (two agents, Gaussian potentials ``f_i(x) = (x - i)^2 / 2``, C-ADMM finds
+    the minimizer of the sum), run in this process by
+    :class:`~numpyro_fed.federation.InProcess`'s network:
+
+    >>> import jax, jax.numpy as jnp
+    >>> from numpyro_fed.federation import InProcess
+    >>> from numpyro_fed.infer.admm import AgentPotentials
+    >>> pots = AgentPotentials(lambda x, b, w: 0.5 * jnp.sum((x - b) ** 2),
+    ...                        jnp.array([0.0, 1.0]), jnp.array([0.5, 0.5]), 2, 1)
+    >>> adjacency = jnp.array([[0.0, 1.0], [1.0, 0.0]])
+    >>> program = build_program(pots, adjacency.sum(1), 1.0, noise_scale=0.0)
+    >>> network = InProcess().agent_network(program, adjacency)
+    >>> step = jax.jit(network.step)
+    >>> state = network.start(init(jnp.zeros((2, 1))))
+    >>> for t in range(60):
+    ...     state, info = step(jax.random.PRNGKey(0), t, state)
+    >>> state.own.x.ravel().round(6).tolist()
+    [0.5, 0.5]
     """
     agent = build_agent(potentials, degrees, rho, noise_scale=noise_scale, quadratic=quadratic,
                         tolerance=tolerance, max_iterations=max_iterations)
@@ -404,62 +436,3 @@ def build_program(
         return ADMMState(x_new, p_new), info
 
     return AgentProgram(message, send, receive, agent.local, agent.attach)
-
-
-def build_kernel(
-    potentials: AgentPotentials,
-    adjacency,
-    rho: float,
-    *,
-    noise_scale: float = 1.0,
-    quadratic: QuadraticPotentials | None = None,
-    tolerance: float | None = None,
-    max_iterations: int = 50,
-) -> Callable:
-    """One D-ADMMS iteration of all agents: ``step(rng_key, state) -> (state, info)``.
-
-    Each agent ``i`` draws its noise ``w_i`` from its own key ``fold_in(rng_key, i)`` (one
-    draw per agent and iteration, Eq. (6)), runs :attr:`ADMMAgent.primal` on its own data and
-    its neighbors' iterates, the network carries the new iterates and each agent runs
-    :attr:`ADMMAgent.dual`: :func:`build_program` run by the in-process network
-    (:func:`~numpyro_fed.federation.decentralized.network_iteration`).
-    :class:`~numpyro_fed.DADMMS` runs the same program, on any backend, with the keys of
-    :func:`~numpyro_fed.federation.decentralized.agent_keys`.
-
-    :param AgentPotentials potentials: the agents' local potentials.
-    :param adjacency: ``(N, N)`` symmetric 0/1 matrix (see
-        :func:`~numpyro_fed.infer.admm.topology.make_topology`).
-    :param float rho: penalty parameter (> 0).
-    :param float noise_scale: multiplies the proximal noise; 1 is D-ADMMS, 0 is C-ADMM.
-    :param QuadraticPotentials quadratic: solve the proximal step in closed form with these
-        (see :func:`quadratic_potentials`); ``None``: Newton's method.
-    :param float tolerance: Newton's step tolerance (default ``1e-10`` in float64,
-        ``1e-5`` in float32).
-    :param int max_iterations: Newton's iteration cap per proximal step.
-
-    **Example** (two agents, Gaussian potentials ``f_i(x) = (x - i)^2 / 2``, C-ADMM finds
-    the minimizer of the sum):
-
-    >>> import jax, jax.numpy as jnp
-    >>> from numpyro_fed.infer.admm import AgentPotentials
-    >>> pots = AgentPotentials(lambda x, b, w: 0.5 * jnp.sum((x - b) ** 2),
-    ...                        jnp.array([0.0, 1.0]), jnp.array([0.5, 0.5]), 2, 1)
-    >>> step = jax.jit(build_kernel(pots, jnp.array([[0.0, 1.0], [1.0, 0.0]]), 1.0, noise_scale=0.0))
-    >>> state = init(jnp.zeros((2, 1)))
-    >>> for _ in range(60):
-    ...     state, info = step(jax.random.PRNGKey(0), state)
-    >>> state.x.ravel().round(6).tolist()
-    [0.5, 0.5]
-    """
-    adjacency = jnp.asarray(adjacency, dtype=potentials.prior_weights.dtype)
-    program = build_program(potentials, jnp.sum(adjacency, axis=1), rho, noise_scale=noise_scale,
-                            quadratic=quadratic, tolerance=tolerance, max_iterations=max_iterations)
-    n = adjacency.shape[0]
-
-    def step(rng_key, state: ADMMState):
-        keys = jax.vmap(lambda i: jax.random.fold_in(rng_key, i))(jnp.arange(n))
-        network = NetworkState(state, deliver(adjacency, state.x))
-        network, info = network_iteration(program, adjacency, keys, network)
-        return network.own, info
-
-    return step

@@ -3,8 +3,11 @@
 One MCMC sample per iteration of the network is one agent's iterate (site shapes as in the
 model, so ``MCMC.get_samples()`` goes straight into :class:`~numpyro.infer.Predictive`), and
 every agent's iterate and the network average are recorded beside it. The algorithm is a
-pure core (``init_fn(x0) -> state``, ``step(rng_key, state) -> (state, info)``) that a
-subclass returns from :meth:`DecentralizedKernel.build_core`.
+pure core, ``init_fn(x0) -> state`` and an
+:class:`~numpyro_fed.federation.decentralized.AgentProgram` (what one agent runs), that a
+subclass returns from :meth:`DecentralizedKernel.build_core`; the federation's network runs
+it (:meth:`Federation.agent_network <numpyro_fed.federation.Federation.agent_network>`: every
+agent ``vmap``-ped in this process, or one Ray actor per agent).
 """
 
 from __future__ import annotations
@@ -20,18 +23,8 @@ import jax.numpy as jnp
 from numpyro.util import is_prng_key
 
 from numpyro_fed._checks import check_int, check_positive
-from numpyro_fed.federation import InProcess
-from numpyro_fed.federation.decentralized import (
-    AgentProgram,
-    agent_keys,
-    NetworkState,
-    agent_hosts,
-    decentralized_network,
-    info_struct,
-    deliver,
-    network_iteration,
-    start_network,
-)
+from numpyro_fed.federation import InProcess, MessageLedger
+from numpyro_fed.federation.decentralized import NetworkState, deliver, info_struct
 from numpyro_fed.infer.admm.agents import AgentPotentials, agent_potentials
 from numpyro_fed.infer.admm.topology import make_topology
 from numpyro_fed.infer.kernel import FederatedMCMCKernel, RunCheck, warn_or_raise
@@ -96,36 +89,44 @@ class DecentralizedKernel(FederatedMCMCKernel):
     them in one batch.
 
     **Adding an algorithm**: subclass, set :attr:`info_names` and return the core from
-    :meth:`build_core`; the face does the rest. Here, gossip averaging (each agent moves to
-    the Metropolis-weighted mean of its neighbors: a consensus algorithm, not a sampler):
+    :meth:`build_core`: what one agent runs, an
+    :class:`~numpyro_fed.federation.decentralized.AgentProgram` of its own data, its own state
+    and its neighbors' messages; the face does the rest, on every backend. Here, gossip
+    averaging (each agent moves to the mean of itself and its neighbors: a consensus
+    algorithm, not a sampler):
 
     >>> from typing import NamedTuple
     >>> import jax, jax.numpy as jnp, numpyro, numpyro.distributions as dist
     >>> from numpyro.infer import MCMC
     >>> import numpyro_fed as nf
-    >>> from numpyro_fed.infer.admm import DecentralizedKernel, metropolis_weights, mixed
-    >>> class GossipState(NamedTuple):
+    >>> from numpyro_fed.federation.decentralized import AgentProgram
+    >>> from numpyro_fed.infer.admm import DecentralizedKernel
+    >>> class GossipState(NamedTuple):  # one agent's own state (stacked: a leading agent axis)
     ...     x: jax.Array
     >>> class GossipInfo(NamedTuple):
-    ...     distance_to_mean: jax.Array
+    ...     distance_to_neighbors: jax.Array
+    >>> def send(local, key, own, inbox, mask):  # inbox: the neighbors' iterates (rows past mask are 0)
+    ...     x = (own.x + inbox.sum(0)) / (1 + mask.sum())
+    ...     return x, x  # (what receive gets, the message each neighbor gets)
+    >>> def receive(local, x, inbox, previous_inbox, mask):  # inbox: the neighbors' new iterates
+    ...     distance = jnp.max(jnp.where(mask, jnp.abs(inbox - x).max(-1), 0.0))
+    ...     return GossipState(x), GossipInfo(distance)
     >>> class Gossip(DecentralizedKernel):
     ...     info_names = GossipInfo._fields
     ...     samples_posterior = False  # no spread check: it is not a sampler
     ...     def build_core(self, potentials, topology, x0):
-    ...         weights = jnp.asarray(metropolis_weights(topology), x0.dtype)
-    ...         def step(rng_key, state):
-    ...             x = mixed(weights, state.x)  # what the network delivers is the new iterate
-    ...             return GossipState(x), GossipInfo(jnp.linalg.norm(x - x.mean(0), axis=-1))
-    ...         return GossipState, step
+    ...         # local: what each agent alone holds (leading agent axis); gossip needs nothing
+    ...         program = AgentProgram(lambda own: own.x, send, receive, local=jnp.zeros(topology.num_agents))
+    ...         return GossipState, program
     >>> def model(y):
     ...     mu = numpyro.sample("mu", dist.Normal(0, 1))
     ...     with nf.federated_plate("data", y.shape[0], clients=4):
     ...         numpyro.sample("y", dist.Normal(mu, 1), obs=y)
     >>> mcmc = MCMC(Gossip(model, topology="ring"), num_warmup=0, num_samples=30, progress_bar=False)
     >>> mcmc.run(jax.random.PRNGKey(0), jnp.zeros(8))
-    >>> Gossip.agent_draws(mcmc)["mu"].shape, mcmc.get_extra_fields()["info.distance_to_mean"].shape
+    >>> Gossip.agent_draws(mcmc)["mu"].shape, mcmc.get_extra_fields()["info.distance_to_neighbors"].shape
     ((30, 4), (30, 4))
-    >>> bool(mcmc.get_extra_fields()["info.distance_to_mean"][-1].max() < 1e-6)  # consensus
+    >>> bool(mcmc.get_extra_fields()["info.distance_to_neighbors"][-1].max() < 1e-6)  # consensus
     True
     """
 
@@ -164,10 +165,13 @@ class DecentralizedKernel(FederatedMCMCKernel):
 
     # -- the algorithm ----------------------------------------------------------------------
     def build_core(self, potentials: AgentPotentials, topology, x0):
-        """The algorithm's core: ``(init_fn, step)`` with ``init_fn(x0) -> state`` for the
-        agents' starting iterates ``x0`` (``(N, d)``) and a pure ``step(rng_key, state) ->
-        (state, info)`` whose state has the iterates as ``state.x`` and whose info is a
-        namedtuple with fields :attr:`info_names` (per-agent ones of shape ``(N,)``).
+        """The algorithm's core: ``(init_fn, program)`` with ``init_fn(x0) -> state`` the
+        agents' own states (stacked, leading axis ``N``) at their starting iterates ``x0``
+        (``(N, d)``), and ``program`` an
+        :class:`~numpyro_fed.federation.decentralized.AgentProgram`, what one agent runs (its
+        own state has its iterate as ``x``; its info is a namedtuple with fields
+        :attr:`info_names`). The federation's network runs it, every agent drawing its
+        iteration ``t``'s noise from ``fold_in(fold_in(rng_key, agent), t)``.
 
         :param AgentPotentials potentials: the agents' local potentials.
         :param topology: the :class:`~numpyro_fed.infer.admm.topology.Topology`.
@@ -201,28 +205,23 @@ class DecentralizedKernel(FederatedMCMCKernel):
                 f"agent={self.agent}: the model has {potential.num_clients} clients (agents "
                 f"0 .. {potential.num_clients - 1}); choose one of them as the reporting agent"
             )
+        # the backend runs the agents (it refuses if it cannot: a hub-and-spoke engine)
+        federation = InProcess() if self.federation is None else self.federation
         self.graph = make_topology(self.topology, potential.num_clients)
         adjacency = np.asarray(self.graph.adjacency)
-        potentials = self.agent_potentials = self._agent_potentials(potential, adjacency)
+        potentials = self.agent_potentials = self._agent_potentials(federation, potential, adjacency)
         n, d = potentials.num_agents, potentials.dim
         base = potential.ravel(potential.init_params)
-        init_fn, core = self.build_core(potentials, self.graph, base)
+        init_fn, program = self.build_core(potentials, self.graph, base)
+        network = self._network = federation.agent_network(program, adjacency, name=type(self).__name__,
+                                                           settings=self._settings(), previous=self._network)
+        network.describe = lambda resume, history: self._describe_failure(program, adjacency, batched,
+                                                                          resume, history)
+        step = network.sampler_step(batched)
+        start_core = lambda x0: network.start(init_fn(x0))  # noqa: E731
+        state_struct = jax.eval_shape(start_core, jax.ShapeDtypeStruct((n, d), base.dtype))
+        info_shape = info_struct(program, adjacency, network.local_struct(), state_struct)
         degrees = np.asarray(self.graph.degrees, dtype=np.int64)
-        if isinstance(core, AgentProgram):
-            step = self._network_step(core, adjacency, batched)
-            start_core = lambda x0: start_network(core, adjacency, init_fn(x0))  # noqa: E731
-            local = (self._network.local_struct() if potentials.deployed else core.local)
-            state_struct = jax.eval_shape(start_core, jax.ShapeDtypeStruct((n, d), base.dtype))
-            info_shape = info_struct(core, adjacency, local, state_struct)
-        else:  # a core written for this process only: step(rng_key, state)
-            if self.federation is not None and not isinstance(self.federation, InProcess):
-                raise ValueError(f"{type(self).__name__} runs in this process only (federation=None or InProcess())")
-            if potentials.deployed:
-                raise ValueError(f"{type(self).__name__}'s core is written for this process only: it cannot "
-                                 "run on agents that load their own rows (use InProcess(loader=...))")
-            step = self._legacy_step(core, batched)
-            start_core = init_fn
-            info_shape = None
         message_bytes = d * base.dtype.itemsize
 
         def start(key, params):
@@ -233,86 +232,36 @@ class DecentralizedKernel(FederatedMCMCKernel):
         def one_chain(key, params):
             k_start, k_chain = jax.random.split(key)
             x0 = start(k_start, params)
-            core_state = start_core(x0)
-            if info_shape is not None:
-                info = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), info_shape)
-            else:
-                info = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: self._info_shape(core, adjacency, core_state)))
+            info = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), info_shape)
+            # the network starts with every agent sending its iterate to each neighbor
             sent = SentCounts(jnp.asarray(degrees), jnp.asarray(degrees * message_bytes))
-            return DecentralizedState(jnp.zeros((), jnp.int32), *self._views(x0), core_state, info, k_chain, sent)
+            return DecentralizedState(jnp.zeros((), jnp.int32), *self._views(x0), start_core(x0), info, k_chain, sent)
 
-        def counted(sent):
-            return SentCounts(sent.messages + degrees, sent.bytes + degrees * message_bytes)
-
-        if batched:
-            def sample(state):
-                core_state, info, sent = step(state)
-                return DecentralizedState(state.i + 1, *jax.vmap(self._views)(core_state.x), core_state, info,
-                                          state.rng_key, sent if sent is not None else jax.vmap(counted)(state.sent))
-            self._sample_fn = sample
-            return jax.vmap(one_chain, in_axes=(0, None if init_params is None else 0))(rng_key, init_params)
+        views = jax.vmap(self._views) if batched else self._views
 
         def sample(state):
-            core_state, info, sent = step(state)
-            return DecentralizedState(state.i + 1, *self._views(core_state.x), core_state, info, state.rng_key,
-                                      sent if sent is not None else counted(state.sent))
+            core_state, info, sent = step(state.rng_key, state.i, state.core, state.sent)
+            return DecentralizedState(state.i + 1, *views(core_state.x), core_state, info, state.rng_key, sent)
+
         self._sample_fn = sample
+        if batched:
+            return jax.vmap(one_chain, in_axes=(0, None if init_params is None else 0))(rng_key, init_params)
         return one_chain(rng_key, init_params)
 
-    def _agent_potentials(self, potential, adjacency) -> AgentPotentials:
+    def _agent_potentials(self, federation, potential, adjacency) -> AgentPotentials:
         """The agents' potentials: from the pooled blocks (simulation), from the blocks the
-        clients loaded in this process (``InProcess(loader=...)``), or reaching agents that
-        loaded their own blocks on their workers (deployment on a ``RayFederation``: the
+        clients loaded in this process (a federation ``in_process`` with a loader), or reaching
+        agents that loaded their own blocks on their workers (deployment on an engine: the
         agents are started here, before the algorithm asks them its set-up questions)."""
         if not potential.deployed:
             return agent_potentials(potential, self.prior_weights)
-        if self.federation is None or isinstance(self.federation, InProcess):
-            federation = self.federation.start(potential.client_program({}))
+        if federation.in_process:
+            federation.start(potential.client_program({}))
             return agent_potentials(potential, self.prior_weights, data=federation.blocks)
-        network = self._network = agent_hosts(self.federation, potential.block_loader, adjacency,
-                                              name=type(self).__name__, previous=self._network)
+        hosts = self._network = federation.agent_hosts(potential.block_loader, adjacency, name=type(self).__name__,
+                                                       previous=self._network)
         pots = agent_potentials(potential, self.prior_weights)
-        return pots._replace(ask=network.agent_ask(pots.prior_weights))
-
-    def _info_shape(self, core, adjacency, core_state):
-        """The info of one iteration (for its shape)."""
-        if isinstance(core, AgentProgram):
-            n = adjacency.shape[0]
-            keys = agent_keys(jax.random.PRNGKey(0), n, 0)
-            return network_iteration(core, adjacency, keys, core_state)[1]
-        return core(jax.random.PRNGKey(0), core_state)[1]
-
-    def _legacy_step(self, step, batched):
-        """``state -> (core, info, None)`` for a core ``step(rng_key, state)``: the iteration's
-        key is the chain's key folded with the iteration."""
-        def one(state):
-            core, info = step(jax.random.fold_in(state.rng_key, state.i), state.core)
-            return core, info, None
-        return jax.vmap(one) if batched else one
-
-    def _network_step(self, program, adjacency, batched):
-        """``state -> (core, info, sent or None)``: one iteration of the agents' network, in
-        this process or on the federation's workers."""
-        n = adjacency.shape[0]
-        if self.federation is None or isinstance(self.federation, InProcess):
-            if program.attach is not None:  # deployment in this process: the loaded blocks are here
-                raise ValueError("an agent program with attach= runs on agents that loaded their own rows")
-
-            def one(state):
-                keys = agent_keys(state.rng_key, n, state.i)
-                core, info = network_iteration(program, adjacency, keys, state.core)
-                return core, info, None
-            return jax.vmap(one) if batched else one
-        if self.agent_potentials is not None and self.agent_potentials.deployed:
-            network = self._network
-            network.install(program, self._settings())
-        else:
-            network = self._network = decentralized_network(self.federation, program, adjacency,
-                                                            name=type(self).__name__, previous=self._network,
-                                                            settings=self._settings())
-        network.describe = lambda resume, history: self._describe_failure(program, adjacency, batched,
-                                                                          resume, history)
-        return network.traceable_step(batched, lambda x: deliver(adjacency, x))
+        return pots._replace(ask=hosts.agent_ask(pots.prior_weights))
 
     def _settings(self) -> str:
         """The arguments that shape the agents' functions (not the federation, whose ``repr``
@@ -496,8 +445,6 @@ class DecentralizedKernel(FederatedMCMCKernel):
         neighbor) and ``"<Sampler>/iterate/"`` (one message per neighbor and iteration).
         On Ray, ``federation.ledger`` counts the same messages from the payloads (and the
         iterations the agents ran ahead of the draws kept)."""
-        from numpyro_fed.federation import MessageLedger
-
         kernel = DecentralizedKernel._kernel_of(mcmc)
         state = mcmc.last_state
         sent = jax.device_get(state.sent)

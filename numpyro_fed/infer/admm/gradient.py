@@ -17,16 +17,16 @@ potential plus its share of the prior, see :mod:`numpyro_fed.infer.admm.agents`)
 
 ``S`` is the doubly stochastic Metropolis matrix of the graph
 (:func:`~numpyro_fed.infer.admm.topology.metropolis_weights`). Each algorithm is
-``init_<name>(x) -> state`` and ``build_<name>_kernel(...) -> step(rng_key, state) ->
-(state, GradientInfo)``; inside a step the agents' noise is one ``(N, d)`` standard
-normal draw from the step's key (row ``i`` is agent ``i``'s) and every agent updates from
-its own gradient, its noise and what the network delivers (:func:`~numpyro_fed.infer.admm.agents.mixed`,
-:func:`~numpyro_fed.infer.admm.agents.neighbor_sums`).
+``init_<name>(x) -> state`` (the agents' own states, stacked) and ``build_<name>_program(...)``,
+what each agent runs (an :class:`~numpyro_fed.federation.decentralized.AgentProgram`): every
+agent updates from its own gradient, its own noise (drawn from its own key) and its
+neighbors' iterates, on any network (:meth:`Federation.agent_network
+<numpyro_fed.federation.Federation.agent_network>`: in this process or one Ray actor per
+agent).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -37,18 +37,15 @@ import numpy as np
 
 from numpyro_fed._checks import check_positive, check_real
 from numpyro_fed.federation.decentralized import AgentProgram, neighbors
-from numpyro_fed.infer.admm.agents import AgentPotentials, attach_block, disagreement, mixed, neighbor_sums
+from numpyro_fed.infer.admm.agents import AgentPotentials, attach_block
 
 __all__ = [
     "GradientInfo",
     "SGHMCState",
     "SGLDState",
     "ULAState",
-    "build_dsghmc_kernel",
     "build_dsghmc_program",
-    "build_dsgld_kernel",
     "build_dsgld_program",
-    "build_dula_kernel",
     "build_dula_program",
     "init_dsghmc",
     "init_dsgld",
@@ -71,7 +68,8 @@ class SGHMCState(NamedTuple):
 
 
 class ULAState(NamedTuple):
-    """:ivar x: ``(N, d)`` iterates; :ivar k: iteration counter (for the step sizes)."""
+    """:ivar x: ``(N, d)`` iterates; :ivar k: ``(N,)`` each agent's iteration counter (for the
+    step sizes)."""
 
     x: jax.Array
     k: jax.Array
@@ -95,9 +93,13 @@ def init_dsghmc(x) -> SGHMCState:
 
 
 def init_dula(x) -> ULAState:
-    """D-ULA's state at ``x`` (``(N, d)``), iteration 0."""
+    """D-ULA's state at ``x`` (``(N, d)``), every agent at iteration 0.
+
+    >>> init_dula(jnp.ones((3, 2))).k.shape
+    (3,)
+    """
     x = jnp.asarray(x)
-    return ULAState(x, jnp.zeros((), x.dtype))
+    return ULAState(x, jnp.zeros(x.shape[0], x.dtype))
 
 
 def largest_curvatures(potentials: AgentPotentials, x, *, iterations: int = 30, rng_key=None):
@@ -134,106 +136,6 @@ def _graph_of(mixing):
     return ((mixing != 0) & ~jnp.eye(mixing.shape[0], dtype=bool)).astype(mixing.dtype)
 
 
-def build_dsgld_kernel(potentials: AgentPotentials, mixing, step_size: float) -> Callable:
-    """D-SGLD, Eq. (22): ``step(rng_key, SGLDState) -> (SGLDState, GradientInfo)``.
-
-    :param mixing: ``(N, N)`` doubly stochastic matrix ``S``.
-    :param float step_size: ``eta``.
-
-    **Example** (three agents, each ``f_i(x) = x^2 / 6``: together a standard normal):
-
-    >>> import jax, jax.numpy as jnp
-    >>> from numpyro_fed.infer.admm import make_topology, metropolis_weights
-    >>> pots = AgentPotentials(lambda x, b, w: jnp.sum(x**2) / 6, jnp.zeros(3), jnp.full(3, 1 / 3), 3, 1)
-    >>> step = jax.jit(build_dsgld_kernel(pots, metropolis_weights(make_topology("ring", 3)), 0.05))
-    >>> def run(state, key):
-    ...     state, info = step(key, state)
-    ...     return state, state.x[0, 0]
-    >>> _, draws = jax.lax.scan(run, init_dsgld(jnp.zeros((3, 1))), jax.random.split(jax.random.PRNGKey(0), 4000))
-    >>> bool(0.7 < draws[500:].std() < 1.5)  # agent 0's draws: about N(0, 1)
-    True
-    """
-    step_size = check_positive(step_size, "step_size")
-    mixing = jnp.asarray(mixing, dtype=potentials.prior_weights.dtype)
-    adjacency = _graph_of(mixing)
-    grad = jax.grad(potentials.fn)
-
-    def agent(w, x, received, block, prior_weight):
-        return received - step_size * grad(x, block, prior_weight) + jnp.sqrt(2.0 * step_size) * w
-
-    def step(rng_key, state):
-        x = state.x
-        w = jax.random.normal(rng_key, x.shape, dtype=x.dtype)
-        x_new = jax.vmap(agent)(w, x, mixed(mixing, x), potentials.data, potentials.prior_weights)
-        return SGLDState(x_new), GradientInfo(disagreement(adjacency, x_new))
-
-    return step
-
-
-def build_dsghmc_kernel(potentials: AgentPotentials, mixing, step_size: float, friction: float) -> Callable:
-    """D-SGHMC, Eqs. (23)-(24): ``step(rng_key, SGHMCState) -> (SGHMCState, GradientInfo)``.
-
-    :param mixing: ``(N, N)`` doubly stochastic matrix ``S``.
-    :param float step_size: ``eta``.
-    :param float friction: ``gamma``.
-    """
-    step_size = check_positive(step_size, "step_size")
-    friction = check_positive(friction, "friction")
-    mixing = jnp.asarray(mixing, dtype=potentials.prior_weights.dtype)
-    adjacency = _graph_of(mixing)
-    grad = jax.grad(potentials.fn)
-
-    def agent(w, x, v, received, block, prior_weight):
-        v_new = (v - step_size * (friction * v + grad(x, block, prior_weight))
-                 + jnp.sqrt(2.0 * friction * step_size) * w)
-        return received + step_size * v_new, v_new
-
-    def step(rng_key, state):
-        x, v = state
-        w = jax.random.normal(rng_key, x.shape, dtype=x.dtype)
-        x_new, v_new = jax.vmap(agent)(w, x, v, mixed(mixing, x), potentials.data, potentials.prior_weights)
-        return SGHMCState(x_new, v_new), GradientInfo(disagreement(adjacency, x_new))
-
-    return step
-
-
-def build_dula_kernel(potentials: AgentPotentials, adjacency, *, alpha0: float, zeta0: float,
-                      chi1: float, chi2: float, offset: float = 230.0) -> Callable:
-    """D-ULA, Eq. (25): ``step(rng_key, ULAState) -> (ULAState, GradientInfo)``.
-
-    :param adjacency: ``(N, N)`` symmetric 0/1 matrix.
-    :param float alpha0: gradient step ``alpha_k = alpha0 / (offset + k)^chi2``.
-    :param float zeta0: consensus step ``zeta_k = zeta0 / (offset + k)^chi1``.
-    """
-    alpha0, zeta0 = check_positive(alpha0, "alpha0"), check_real(zeta0, "zeta0")
-    chi1, chi2, offset = check_real(chi1, "chi1"), check_real(chi2, "chi2"), check_positive(offset, "offset")
-    if zeta0 < 0:
-        raise ValueError(f"zeta0 must be >= 0, got {zeta0}")
-    adjacency = jnp.asarray(adjacency, dtype=potentials.prior_weights.dtype)
-    degrees = jnp.sum(adjacency, axis=1)
-    n = potentials.num_agents
-    grad = jax.grad(potentials.fn)
-
-    def agent(w, x, received, degree, k, block, prior_weight):
-        alpha = alpha0 / (offset + k) ** chi2
-        zeta = zeta0 / (offset + k) ** chi1
-        w = jnp.sqrt(n) * w  # w ~ N(0, N I)
-        return (x - zeta * (degree * x - received) - alpha * n * grad(x, block, prior_weight)
-                + jnp.sqrt(2.0 * alpha) * w)
-
-    def step(rng_key, state):
-        x, k = state
-        w = jax.random.normal(rng_key, x.shape, dtype=x.dtype)
-        x_new = jax.vmap(agent, in_axes=(0, 0, 0, 0, None, 0, 0))(
-            w, x, neighbor_sums(adjacency, x), degrees, k, potentials.data, potentials.prior_weights)
-        return ULAState(x_new, k + 1), GradientInfo(disagreement(adjacency, x_new))
-
-    return step
-
-
-# -- the baselines as agent programs (any network: in process or one Ray actor per agent) -----
-
-
 def _residual(x_new, inbox, mask):
     weight = mask.astype(x_new.dtype)
     return jnp.sqrt(jnp.sum(weight * jnp.sum((x_new[None] - inbox) ** 2, axis=1)))
@@ -262,7 +164,28 @@ def build_dsgld_program(potentials: AgentPotentials, mixing, step_size: float) -
     """D-SGLD, Eq. (22), as an :class:`~numpyro_fed.federation.decentralized.AgentProgram`:
     agent ``i`` sends its iterate (``d`` floats) to its neighbours each iteration and mixes
     what it holds with the weights of its row of ``S``; its noise comes from its own key.
-    Own state: :class:`SGLDState` (one row)."""
+    Own state: :class:`SGLDState` (one row).
+
+    :param mixing: ``(N, N)`` doubly stochastic matrix ``S``.
+    :param float step_size: ``eta``.
+
+    **Example** (three agents, each ``f_i(x) = x^2 / 6``: together a standard normal), run in
+    this process by :class:`~numpyro_fed.federation.InProcess`'s network:
+
+    >>> import jax, jax.numpy as jnp
+    >>> from numpyro_fed.federation import InProcess
+    >>> from numpyro_fed.infer.admm import make_topology, metropolis_weights
+    >>> pots = AgentPotentials(lambda x, b, w: jnp.sum(x**2) / 6, jnp.zeros(3), jnp.full(3, 1 / 3), 3, 1)
+    >>> topology = make_topology("ring", 3)
+    >>> network = InProcess().agent_network(build_dsgld_program(pots, metropolis_weights(topology), 0.05),
+    ...                                     topology.adjacency)
+    >>> def run(state, t):
+    ...     state, info = network.step(jax.random.PRNGKey(0), t, state)
+    ...     return state, state.own.x[0, 0]
+    >>> _, draws = jax.lax.scan(run, network.start(init_dsgld(jnp.zeros((3, 1)))), jnp.arange(4000))
+    >>> bool(0.7 < draws[500:].std() < 1.5)  # agent 0's draws: about N(0, 1)
+    True
+    """
     step_size = check_positive(step_size, "step_size")
     grad, local = _mixing_local(potentials, mixing)
 
@@ -281,7 +204,12 @@ def build_dsgld_program(potentials: AgentPotentials, mixing, step_size: float) -
 
 def build_dsghmc_program(potentials: AgentPotentials, mixing, step_size: float, friction: float) -> AgentProgram:
     """D-SGHMC, Eqs. (23)-(24), as an agent program (see :func:`build_dsgld_program`); own
-    state :class:`SGHMCState`."""
+    state :class:`SGHMCState`.
+
+    :param mixing: ``(N, N)`` doubly stochastic matrix ``S``.
+    :param float step_size: ``eta``.
+    :param float friction: ``gamma``.
+    """
     step_size = check_positive(step_size, "step_size")
     friction = check_positive(friction, "friction")
     grad, local = _mixing_local(potentials, mixing)
@@ -303,9 +231,15 @@ def build_dsghmc_program(potentials: AgentPotentials, mixing, step_size: float, 
 def build_dula_program(potentials: AgentPotentials, *, alpha0: float, zeta0: float, chi1: float, chi2: float,
                        offset: float = 230.0) -> AgentProgram:
     """D-ULA, Eq. (25), as an agent program (see :func:`build_dsgld_program`); own state
-    :class:`ULAState` with one iteration counter per agent."""
+    :class:`ULAState` (:func:`init_dula`) with one iteration counter per agent.
+
+    :param float alpha0: gradient step ``alpha_k = alpha0 / (offset + k)^chi2``.
+    :param float zeta0: consensus step ``zeta_k = zeta0 / (offset + k)^chi1``.
+    """
     alpha0, zeta0 = check_positive(alpha0, "alpha0"), check_real(zeta0, "zeta0")
     chi1, chi2, offset = check_real(chi1, "chi1"), check_real(chi2, "chi2"), check_positive(offset, "offset")
+    if zeta0 < 0:
+        raise ValueError(f"zeta0 must be >= 0, got {zeta0}")
     n = potentials.num_agents
     grad = jax.grad(potentials.fn)
     local = (potentials.data, potentials.prior_weights)

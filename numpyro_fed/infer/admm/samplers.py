@@ -2,9 +2,10 @@
 counterpart and the paper's gradient baselines.
 
 Each class is a thin :class:`~numpyro_fed.infer.admm.face.DecentralizedKernel` over a pure
-core (:mod:`~numpyro_fed.infer.admm.dadmms`, :mod:`~numpyro_fed.infer.admm.gradient`): it
-checks its arguments, warns about step sizes that are unstable at the starting point, and
-returns the core from :meth:`~numpyro_fed.infer.admm.face.DecentralizedKernel.build_core`.
+core (:mod:`~numpyro_fed.infer.admm.dadmms`, :mod:`~numpyro_fed.infer.admm.gradient`: an
+``init`` and an agent program): it checks its arguments, warns about step sizes that are
+unstable at the starting point, and returns the core from
+:meth:`~numpyro_fed.infer.admm.face.DecentralizedKernel.build_core`.
 The baselines' defaults are the paper's hyper-parameters for its linear regression (Section
 6.2.2); its logistic regression (Section 6.3.2) uses ``eta = 0.0003`` (D-SGLD) and
 ``eta = 0.02, gamma = 30`` (D-SGHMC).
@@ -23,12 +24,12 @@ from numpyro_fed.infer.admm.dadmms import ADMMInfo, build_program, init, quadrat
 from numpyro_fed.infer.admm.face import DecentralizedKernel
 from numpyro_fed.infer.admm.gradient import (
     GradientInfo,
-    ULAState,
     build_dsghmc_program,
     build_dsgld_program,
     build_dula_program,
     init_dsghmc,
     init_dsgld,
+    init_dula,
     largest_curvatures,
 )
 from numpyro_fed.infer.admm.topology import metropolis_weights
@@ -88,7 +89,7 @@ class DADMMS(DecentralizedKernel):
         draw the same numbers: agent ``i``'s noise of iteration ``t`` comes from its own key
         ``fold_in(fold_in(rng_key, i), t)``. On Ray, run under ``with federation.guard():``
         so that a dead or silent agent raises a
-        :class:`~numpyro_fed.federation.decentralized.NetworkError` (a ``ClientError``)
+        :class:`~numpyro_fed.federation.NetworkError` (a ``ClientError``)
         naming it, with the state to resume from (see the guide, "Run across machines").
         **Deployment**: given a federation with ``loader=`` and ``num_clients=``
         (``nf.RayFederation(loader=load, num_clients=N)``), each agent loads its own rows
@@ -403,4 +404,4 @@ class DULA(DecentralizedKernel):
                        lambda c: f"lower alpha0 (now {self.alpha0:g}) below "
                                  f"{2.0 / (c * topology.num_agents) * 230.0**self.chi2:.2g}")
         program = build_dula_program(potentials, alpha0=self.alpha0, zeta0=self.zeta0, chi1=chi1, chi2=self.chi2)
-        return lambda x: ULAState(x, jnp.zeros(x.shape[0], x.dtype)), program
+        return init_dula, program

@@ -17,6 +17,8 @@ from numpyro.infer import MCMC
 
 import numpyro_fed as nf
 from numpyro_fed.federation import ClientError
+from numpyro_fed.federation.base import block_spec
+from numpyro_fed.federation.remote import RemoteFederation
 
 Y = 1.0 + jax.random.normal(jax.random.PRNGKey(0), (30, 2))
 X_LOGISTIC = jax.random.normal(jax.random.PRNGKey(1), (45, 2))
@@ -182,6 +184,26 @@ def test_what_an_agent_receives_holds_its_own_rows_only(build):
                 assert all(held)
             elif k != m:
                 assert not any(held), (m, k)
+
+
+@jax.tree_util.register_pytree_node_class
+class HubAndSpoke(RemoteFederation):
+    """An engine whose clients talk to the server only (as Flower's): it runs no agents."""
+
+    def start_clients(self, program):
+        return [block_spec(block) for block in program.blocks]
+
+    def send_calls(self, name, calls):
+        raise AssertionError("no call reaches the clients")
+
+
+@pytest.mark.parametrize("loader", [None, lambda m: (np.asarray(Y[10 * m:10 * (m + 1)]),)])
+def test_a_backend_that_runs_no_agents_refuses_from_the_seam(loader):
+    federation = HubAndSpoke() if loader is None else HubAndSpoke(loader=loader, num_clients=3)
+    assert not federation.runs_agents and nf.InProcess.runs_agents and nf.RayFederation.runs_agents
+    mcmc = MCMC(nf.DADMMS(gaussian_model, federation=federation), num_warmup=0, num_samples=2, progress_bar=False)
+    with pytest.raises(TypeError, match="HubAndSpoke cannot run decentralized agents"):
+        mcmc.run(jax.random.PRNGKey(0), *(() if loader else (Y,)))
 
 
 # -- deployment: each agent loads its own rows where it lives ----------------------------------

@@ -18,6 +18,7 @@ from numpyro.infer import MCMC, NUTS
 
 import numpyro_fed as nf
 from numpyro_fed.datasets import dadmms_linear, dadmms_logistic
+from numpyro_fed.federation.decentralized import NetworkState, agent_keys, deliver, network_iteration
 from numpyro_fed.infer import admm
 from numpyro_fed.infer.admm import DisconnectedTopologyWarning, agent_potentials
 from numpyro_fed.metrics import accuracy, gaussian_w2, gaussian_w2_from_samples
@@ -138,22 +139,27 @@ def test_newton_solver_matches_the_closed_form():
     quadratic = admm.quadratic_potentials(potentials, jnp.zeros(2))
     assert quadratic is not None
     adjacency = nf.make_topology("ring", 5).adjacency
-    exact = jax.jit(admm.build_kernel(potentials, adjacency, 5.0, quadratic=quadratic))
-    newton = jax.jit(admm.build_kernel(potentials, adjacency, 5.0))
-    a = b = admm.init(jax.random.normal(jax.random.PRNGKey(0), (5, 2)))
+    degrees = adjacency.sum(1)
+
+    def network(**kwargs):  # the program run by the in-process network
+        return nf.InProcess().agent_network(admm.build_program(potentials, degrees, 5.0, **kwargs), adjacency)
+
+    exact_network = network(quadratic=quadratic)
+    exact, newton = jax.jit(exact_network.step), jax.jit(network().step)
+    a = b = exact_network.start(admm.init(jax.random.normal(jax.random.PRNGKey(0), (5, 2))))
     for k in range(20):  # same keys: the same noise in both
         key = jax.random.PRNGKey(k)
-        a, _ = exact(key, a)
-        b, info = newton(key, b)
-        np.testing.assert_allclose(b.x, a.x, rtol=0, atol=1e-9)
-        np.testing.assert_allclose(b.p, a.p, rtol=0, atol=1e-8)
+        a, _ = exact(key, k, a)
+        b, info = newton(key, k, b)
+        np.testing.assert_allclose(b.own.x, a.own.x, rtol=0, atol=1e-9)
+        np.testing.assert_allclose(b.own.p, a.own.p, rtol=0, atol=1e-8)
         assert bool(info.converged.all()) and int(info.inner_iterations.max()) <= 3
     # the closed form is exact: the proximal objective's gradient vanishes
-    x, p = a.x, a.p
-    state, _ = exact(jax.random.PRNGKey(99), a)
-    degrees = adjacency.sum(1)
-    # agent i's noise comes from its own key fold_in(key, i)
-    w = jax.vmap(lambda i: jax.random.normal(jax.random.fold_in(jax.random.PRNGKey(99), i), (2,)))(jnp.arange(5))
+    x, p = a.own.x, a.own.p
+    state, _ = exact(jax.random.PRNGKey(99), 7, a)
+    state = state.own
+    # agent i's noise of iteration t comes from its own key fold_in(fold_in(key, i), t)
+    w = jax.vmap(lambda k: jax.random.normal(k, (2,)))(agent_keys(jax.random.PRNGKey(99), 5, 7))
     v = (degrees[:, None] * x + adjacency @ x) / (2 * degrees[:, None]) - np.sqrt(2) / (2 * 5.0) * w
     g = potentials.grads(state.x) + p + 2 * 5.0 * degrees[:, None] * (state.x - v)
     assert float(jnp.max(jnp.abs(g))) < 1e-9
@@ -501,8 +507,6 @@ def test_gradient_baselines_approach_the_posterior(kernel_class):
 
 def test_dsghmc_agents_follow_eqs_23_24():
     # one iteration of the agents' program (each agent's own key) against the equations by hand
-    from numpyro_fed.federation.decentralized import NetworkState, deliver, network_iteration
-
     pots = admm.AgentPotentials(lambda x, b, w: jnp.sum((x - b) ** 2) / 2,
                                 jnp.arange(5.0)[:, None] * jnp.ones((5, 2)), jnp.full(5, 0.2), 5, 2)
     adjacency = admm.make_topology("ring", 5).adjacency
@@ -518,16 +522,34 @@ def test_dsghmc_agents_follow_eqs_23_24():
 
 
 def test_gradient_baselines_mix_with_metropolis_weights():
-    # One D-SGLD step by hand: x' = S x - eta grad f(x) + sqrt(2 eta) w.
+    # One D-SGLD step by hand: x' = S x - eta grad f(x) + sqrt(2 eta) w, agent i's w from its own key.
     potential = nf.split_potential(linear_model, (LINEAR.X, LINEAR.y))
     potentials = agent_potentials(potential)
-    s = nf.infer.metropolis_weights(nf.make_topology("star", 5).adjacency)
-    step = admm.build_dsgld_kernel(potentials, s, 0.01)
+    adjacency = nf.make_topology("star", 5).adjacency
+    s = nf.infer.metropolis_weights(adjacency)
+    network = nf.InProcess().agent_network(admm.build_dsgld_program(potentials, s, 0.01), adjacency)
     x = jax.random.normal(jax.random.PRNGKey(1), (5, 2))
-    state, _ = step(jax.random.PRNGKey(2), admm.init_dsgld(x))
-    w = jax.random.normal(jax.random.PRNGKey(2), x.shape)
+    state, _ = network.step(jax.random.PRNGKey(2), 3, network.start(admm.init_dsgld(x)))
+    w = jax.vmap(lambda k: jax.random.normal(k, (2,)))(agent_keys(jax.random.PRNGKey(2), 5, 3))
     expected = s @ x - 0.01 * potentials.grads(x) + np.sqrt(0.02) * w
-    np.testing.assert_allclose(state.x, expected, atol=1e-12)
+    np.testing.assert_allclose(state.own.x, expected, atol=1e-12)
+
+
+def test_dula_agents_follow_eq_25():
+    # one D-ULA iteration from init_dula (every agent at k = 0) against Eq. (25) by hand
+    pots = admm.AgentPotentials(lambda x, b, w: jnp.sum((x - b) ** 2) / 2,
+                                jnp.arange(5.0)[:, None] * jnp.ones((5, 2)), jnp.full(5, 0.2), 5, 2)
+    adjacency = admm.make_topology("ring", 5).adjacency
+    program = admm.build_dula_program(pots, alpha0=0.01, zeta0=0.4, chi1=0.05, chi2=0.05)
+    network = nf.InProcess().agent_network(program, adjacency)
+    x = jax.random.normal(jax.random.PRNGKey(3), (5, 2))
+    state, _ = network.step(jax.random.PRNGKey(9), 0, network.start(admm.init_dula(x)))
+    w = np.sqrt(5) * jax.vmap(lambda k: jax.random.normal(k, (2,)))(agent_keys(jax.random.PRNGKey(9), 5, 0))
+    alpha, zeta = 0.01 / 230.0**0.05, 0.4 / 230.0**0.05
+    expected = x - zeta * (adjacency.sum(1)[:, None] * x - adjacency @ x) - alpha * 5 * (x - pots.data) \
+        + np.sqrt(2 * alpha) * w
+    np.testing.assert_allclose(state.own.x, expected, atol=1e-13)
+    np.testing.assert_array_equal(state.own.k, np.ones(5))
 
 
 def test_dula_warns_when_its_consensus_step_diverges():
