@@ -1,5 +1,6 @@
 """docs/guide/architecture.md: the "add an algorithm" walkthrough runs as printed, in process
-and, unchanged, on a local Ray (simulation and deployment) and in Flower's simulation."""
+and, unchanged, on a local Ray (simulation and deployment) and in Flower's simulation; the
+decentralized example in process and on Ray."""
 
 import re
 import subprocess
@@ -45,6 +46,6 @@ def test_the_walkthrough_runs_unchanged_on_ray_and_flower():
     pytest.importorskip("flwr", reason="Flower is not installed (pip install 'numpyro_fed[flower]')")
     code = walkthrough(engines=True)
     # the three backends' checks: the same losses as in process, the ledger of real payloads
-    assert code.count("np.allclose(") == 3 and "RayFederation(loader=load" in code and "flower.simulate(" in code
+    assert code.count("np.allclose(") == 4 and "RayFederation(loader=load" in code and "flower.simulate(" in code
     run = run_script(code)
     assert run.returncode == 0, run.stderr[-3000:]
