@@ -11,6 +11,7 @@ import pytest
 
 import jax
 import jax.numpy as jnp
+
 import numpyro
 import numpyro.distributions as dist
 
