@@ -756,7 +756,10 @@ class FedZigZag(FederatedMCMCKernel):
         variances = np.where(np.isfinite(variances) & (variances > 0), variances,
                              1.0 / np.maximum(np.abs(np.diag(total)), 1e-12))
         sd = np.sqrt(variances)
-        signs = np.where(np.random.default_rng(0).uniform(size=(4, d)) < 0.5, -1.0, 1.0)
+        # the probe points' signs are part of the bound's definition, not of the chain's randomness:
+        # drawn from a fixed key, so a model gets the same bound whatever the run's key and on every
+        # backend (the clients receive the points), and no generator outside JAX's keys is used
+        signs = np.asarray(jax.random.rademacher(jax.random.PRNGKey(0), (4, d)), np.float64)
         center = np.asarray(point, np.float64)
         # the origin of x (where a GLM's curvature peaks) and, one unit of x away from the
         # reference, the points where a curvature that grows shows itself
