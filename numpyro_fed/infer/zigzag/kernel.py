@@ -53,7 +53,7 @@ def init(x, rng_key, prior_weights, *, horizon: float = 1.0, v=None, bounds="gri
 
     :param prior_weights: ``(P,)`` initial shares of the prior (summing to one).
     :param bounds: and ``grid_size``: as given to :func:`build_kernel` (they fix the shape
-        of the kept :class:`~numpyro_fed.infer.zigzag.LineBound`).
+        of the kept :class:`~numpyro_fed.infer.zigzag.state.LineBound`).
 
     >>> import jax, jax.numpy as jnp
     >>> state = init(jnp.zeros(3), jax.random.PRNGKey(0), jnp.array([0.5, 0.5]))
