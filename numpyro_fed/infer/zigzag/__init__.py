@@ -16,32 +16,25 @@ The package in the order data flows through it:
   its own next switching time on its own rows (:func:`client_proposal`), the server taking
   the earliest (:func:`build_federated_kernel`);
 * :mod:`~numpyro_fed.infer.zigzag.mode`, :mod:`~numpyro_fed.infer.zigzag.preconditioning`,
+  :mod:`~numpyro_fed.infer.zigzag.setup` (the set-up calls through a federation),
+  :mod:`~numpyro_fed.infer.zigzag.subsample_setup` (the subsampling's bounds),
   :mod:`~numpyro_fed.infer.zigzag.warmup`: what the face sets up and adapts;
-* :mod:`~numpyro_fed.infer.zigzag.sampler`: :class:`FedZigZag`, the NumPyro ``MCMCKernel``;
-  :mod:`~numpyro_fed.infer.zigzag.diagnostics` reads its recorded infos.
+* :mod:`~numpyro_fed.infer.zigzag.sampler`: :class:`FedZigZag`, the NumPyro ``MCMCKernel``
+  (its settings checked by :mod:`~numpyro_fed.infer.zigzag.options`, its clients' program
+  in :mod:`~numpyro_fed.infer.zigzag.program`, a draw in
+  :mod:`~numpyro_fed.infer.zigzag.draws`); :mod:`~numpyro_fed.infer.zigzag.diagnostics`
+  reads its recorded infos and message ledger.
+
+The package exports what users and those who build on the core need; the rest is
+importable from its module.
 """
 
-from numpyro_fed.infer.zigzag.bounds import (
-    GradientBound,
-    HessianBound,
-    bound_kind,
-    per_proposer_bound,
-    segment_bounds,
-)
+from numpyro_fed.infer.zigzag.bounds import GradientBound, HessianBound, per_proposer_bound
 from numpyro_fed.infer.zigzag.control_variates import ControlVariates, control_variate_reference
-from numpyro_fed.infer.zigzag.federated import (
-    ClientCounts,
-    FederatedZigZagState,
-    Pending,
-    Proposal,
-    build_federated_kernel,
-    client_proposal,
-    federated_init,
-)
+from numpyro_fed.infer.zigzag.draws import FedZigZagState
 from numpyro_fed.infer.zigzag.kernel import advance, build_kernel, init, kernel_config, step
-from numpyro_fed.infer.zigzag.mode import ModeSearch, find_mode
+from numpyro_fed.infer.zigzag.mode import ModeSearch
 from numpyro_fed.infer.zigzag.preconditioning import Preconditioner, precondition
-from numpyro_fed.infer.zigzag.proposals import affine_first_arrival
 from numpyro_fed.infer.zigzag.proposers import (
     ClientFunctions,
     Proposers,
@@ -49,49 +42,36 @@ from numpyro_fed.infer.zigzag.proposers import (
     in_process_proposers,
     proposers_from_potential,
 )
-from numpyro_fed.infer.zigzag.sampler import FedZigZag, FedZigZagState
-from numpyro_fed.infer.zigzag.subsample import RowHessianBound, SubsampleLayout
-from numpyro_fed.infer.zigzag.state import KernelConfig, LineBound, SampleInfo, StepInfo, ZigZagState
+from numpyro_fed.infer.zigzag.sampler import FedZigZag
+from numpyro_fed.infer.zigzag.subsample import RowHessianBound
+from numpyro_fed.infer.zigzag.state import KernelConfig, SampleInfo, StepInfo, ZigZagState
 from numpyro_fed.infer.zigzag.warmup import WarmupState
 
 __all__ = [
-    "ClientCounts",
     "ClientFunctions",
     "ControlVariates",
     "FedZigZag",
     "FedZigZagState",
-    "FederatedZigZagState",
     "GradientBound",
     "HessianBound",
     "KernelConfig",
-    "LineBound",
     "ModeSearch",
-    "Pending",
     "Preconditioner",
-    "Proposal",
     "Proposers",
     "RowHessianBound",
     "SampleInfo",
     "StepInfo",
-    "SubsampleLayout",
     "WarmupState",
     "ZigZagState",
     "advance",
-    "affine_first_arrival",
-    "bound_kind",
-    "build_federated_kernel",
     "build_kernel",
     "client_functions",
-    "client_proposal",
     "control_variate_reference",
-    "federated_init",
-    "find_mode",
     "in_process_proposers",
     "init",
     "kernel_config",
     "per_proposer_bound",
     "precondition",
     "proposers_from_potential",
-    "segment_bounds",
     "step",
 ]

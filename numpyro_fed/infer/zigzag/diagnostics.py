@@ -1,6 +1,7 @@
-"""What a run's recorded infos say: problems, exact trajectory moments, the skeleton and the
-per-client statistics. Each function takes ``MCMC.get_extra_fields()`` output (the
-``info.<name>`` fields of :class:`~numpyro_fed.infer.zigzag.SampleInfo`)."""
+"""What a run's recorded infos say: problems, exact trajectory moments, the skeleton, the
+per-client statistics and the message ledger of the rounds. Each function takes
+``MCMC.get_extra_fields()`` output (the ``info.<name>`` fields of
+:class:`~numpyro_fed.infer.zigzag.SampleInfo`) or a field of it."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ __all__ = [
     "SKELETON",
     "few_effective_draws",
     "per_client_stats",
+    "round_ledger",
+    "run_ledger",
     "rate_problems",
     "skeleton_of",
     "trajectory_moments_of",
@@ -163,3 +166,38 @@ def per_client_stats(fields: dict, num_clients: int, prior_on_server: bool) -> d
         else:
             stats[name] = (value, [])
     return stats
+
+
+def round_ledger(rounds, num_clients: int, message_sizes: dict) -> dict:
+    """The ledger of the ``"propose"`` rounds ``rounds`` (any shape, e.g. ``(chain, draw)``):
+    ``{name: rounds.shape + (M,)}``; in a round the server sends every client one message and
+    every client answers with one, of the bytes ``message_sizes`` gives (``"to_client"``,
+    ``"from_client"``).
+
+    >>> ledger = round_ledger(np.array([2, 3]), 2, {"to_client": 40, "from_client": 12})
+    >>> ledger["bytes_from_client"].tolist()
+    [[24, 24], [36, 36]]
+    """
+    messages = np.repeat(np.asarray(rounds)[..., None].astype(np.int64), num_clients, axis=-1)
+    return {
+        "messages_to_client": messages,
+        "bytes_to_client": messages * message_sizes["to_client"],
+        "messages_from_client": messages,
+        "bytes_from_client": messages * message_sizes["from_client"],
+    }
+
+
+def run_ledger(rounds, num_clients: int, message_sizes: dict, setup: dict | None = None) -> dict:
+    """A run's ledger per client, ``{name: (M,) int array}``: the rounds' totals (prefixed
+    ``"propose/"``, ``"propose/rounds"`` included) and the set-up calls' (``setup``, as
+    :meth:`SetupTally.summary <numpyro_fed.infer.zigzag.setup.SetupTally.summary>` gives them),
+    then their sums without the prefix."""
+    ledger = {"propose/" + name: value.reshape(-1, value.shape[-1]).sum(0)
+              for name, value in round_ledger(rounds, num_clients, message_sizes).items()}
+    ledger["propose/rounds"] = ledger["propose/messages_from_client"].copy()
+    ledger.update(setup or {})
+    totals = {}
+    for key, value in ledger.items():
+        name = key.split("/", 1)[1]
+        totals[name] = totals.get(name, 0) + value
+    return {**totals, **ledger}

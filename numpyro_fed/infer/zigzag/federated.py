@@ -38,6 +38,7 @@ from numpyro_fed.infer.zigzag.kernel import (
     accumulate,
     exponential,
     kernel_config,
+    run_for,
     scaled_bounds,
     segment_integrals,
     step,
@@ -389,7 +390,8 @@ def federated_step(config: FederatedConfig, rng_key, state: FederatedZigZagState
 def federated_advance(config: FederatedConfig, rng_key, state: FederatedZigZagState, duration, reference=None, *,
                       default_reference=None, bound_scale=None):
     """Runs the server for ``duration`` of process time (at most ``config.max_proposals``
-    rounds): ``(state, info)``, a :class:`~numpyro_fed.infer.zigzag.SampleInfo` whose
+    rounds; the loop is the core's, :func:`~numpyro_fed.infer.zigzag.kernel.run_for`):
+    ``(state, info)``, a :class:`~numpyro_fed.infer.zigzag.SampleInfo` whose
     ``num_proposals`` counts the clients' local proposals and ``rounds`` the rounds.
     ``bound_scale`` multiplies the clients' bound rows sent in each round (``None``: 1)."""
     reference = default_reference if reference is None else reference
@@ -398,25 +400,18 @@ def federated_advance(config: FederatedConfig, rng_key, state: FederatedZigZagSt
     empty = SampleInfo.zeros(num, d, dtype, skeleton_size=config.skeleton_size,
                              full_covariance=config.full_covariance)
 
-    def not_done(carry):
-        _, _, total, remaining, rounds = carry
-        return (remaining > 0) & (rounds < config.max_proposals)
-
-    def one_step(carry):
-        key, state, total, remaining, rounds = carry
-        key, k_step = jax.random.split(key)
-        state, info, made, tally = federated_step(config, k_step, state, remaining, reference)
+    def one_step(key, state, remaining, total):
+        state, info, made, tally = federated_step(config, key, state, remaining, reference)
         view = ZigZagState(state.x, state.v, state.scale, state.prior_weights, None)
         total = accumulate(total, view, info)
         total = total._replace(
             num_proposals=(total.num_proposals - info.proposed + tally.proposals.sum()).astype(jnp.int32),
             num_violations=(total.num_violations + tally.violations.sum()).astype(jnp.int32),
-                               rounds=total.rounds + made)
-        return key, state, total, remaining - info.elapsed, rounds + made
+            rounds=total.rounds + made)
+        return state, total, info.elapsed
 
-    _, state, total, remaining, _ = lax.while_loop(
-        not_done, one_step, (rng_key, state, empty, jnp.asarray(duration, dtype), jnp.zeros((), jnp.int32)))
-    return state, total._replace(hit_event_cap=remaining > 0)
+    return run_for(one_step, rng_key, state, duration, empty,
+                   within_budget=lambda total: total.rounds < config.max_proposals)
 
 
 def build_federated_kernel(federation, clients, *, num_clients: int, prior_on_server: bool,

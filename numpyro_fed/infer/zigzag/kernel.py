@@ -41,6 +41,7 @@ __all__ = [
     "exact_rate",
     "init",
     "kernel_config",
+    "run_for",
     "segment_integrals",
     "step",
     "thinning_decision",
@@ -53,7 +54,7 @@ def init(x, rng_key, prior_weights, *, horizon: float = 1.0, v=None, bounds="gri
 
     :param prior_weights: ``(P,)`` initial shares of the prior (summing to one).
     :param bounds: and ``grid_size``: as given to :func:`build_kernel` (they fix the shape
-        of the kept :class:`~numpyro_fed.infer.zigzag.LineBound`).
+        of the kept :class:`~numpyro_fed.infer.zigzag.state.LineBound`).
 
     >>> import jax, jax.numpy as jnp
     >>> state = init(jnp.zeros(3), jax.random.PRNGKey(0), jnp.array([0.5, 0.5]))
@@ -336,11 +337,39 @@ def scaled_bounds(config, bound_scale):
                                                       if name != "horizon" and getattr(bounds, name) is not None}))
 
 
+def run_for(one_step, rng_key, state, duration, total: SampleInfo, *, within_budget):
+    """The loop of every core: steps, each with its own key, until ``duration`` of process
+    time has passed or the budget is spent; ``hit_event_cap`` says the latter.
+
+    :param one_step: ``(rng_key, state, remaining, total) -> (state, total, elapsed)``: one
+        step at most ``remaining`` long, its info accumulated into ``total``.
+    :param total: the empty :class:`~numpyro_fed.infer.zigzag.SampleInfo` the steps add to.
+    :param within_budget: ``total -> bool``: another step is allowed (e.g. proposals below
+        ``max_proposals``).
+    :return: ``(state, total)``.
+    """
+
+    def not_done(carry):
+        _, _, total, remaining = carry
+        return (remaining > 0) & within_budget(total)
+
+    def body(carry):
+        key, state, total, remaining = carry
+        key, k_step = jax.random.split(key)
+        state, total, elapsed = one_step(k_step, state, remaining, total)
+        return key, state, total, remaining - elapsed
+
+    _, state, total, remaining = lax.while_loop(
+        not_done, body, (rng_key, state, total, jnp.asarray(duration, state.x.dtype)))
+    return state, total._replace(hit_event_cap=remaining > 0)
+
+
 def advance(config: KernelConfig, rng_key, state: ZigZagState, duration,
             reference: ControlVariates | None = None, *,
             default_reference: ControlVariates | None = None, bound_scale=None) -> tuple[ZigZagState, SampleInfo]:
     """Runs the process for ``duration`` (at most ``config.max_proposals`` proposals): one
-    :func:`step` after another, each with its own key, their infos accumulated.
+    :func:`step` after another, each with its own key, their infos accumulated
+    (:func:`run_for`).
 
     :param bound_scale: multiplies a user's or the subsampling's bound (``None``: 1).
     :return: ``(state, info)``, a :class:`~numpyro_fed.infer.zigzag.SampleInfo`.
@@ -351,16 +380,9 @@ def advance(config: KernelConfig, rng_key, state: ZigZagState, duration,
     empty = SampleInfo.zeros(num, d, dtype, skeleton_size=config.skeleton_size,
                              full_covariance=config.full_covariance)
 
-    def not_done(carry):
-        _, _, total, remaining = carry
-        return (remaining > 0) & (total.num_proposals < config.max_proposals)
+    def one_step(key, state, remaining, total):
+        state, info = step(config, key, state, remaining, reference)
+        return state, accumulate(total, state, info), info.elapsed
 
-    def one_step(carry):
-        key, state, total, remaining = carry
-        key, k_step = jax.random.split(key)
-        state, info = step(config, k_step, state, remaining, reference)
-        return key, state, accumulate(total, state, info), remaining - info.elapsed
-
-    _, state, total, remaining = lax.while_loop(
-        not_done, one_step, (rng_key, state, empty, jnp.asarray(duration, dtype)))
-    return state, total._replace(hit_event_cap=remaining > 0)
+    return run_for(one_step, rng_key, state, duration, empty,
+                   within_budget=lambda total: total.num_proposals < config.max_proposals)

@@ -607,3 +607,33 @@ def test_core_client_functions_add_up_to_the_potential_and_the_kernel_is_pure():
     assert int(info.events_by_proposer.sum()) == int(info.num_events) <= int(info.num_proposals)
     other, _ = kernel(jax.random.PRNGKey(2), state, 2.0)
     assert not np.allclose(new.x, other.x)
+
+
+def _mean_model(y):
+    mu = numpyro.sample("mu", dist.Normal(0, 10))
+    with nf.federated_plate("data", y.shape[0], clients=4):
+        numpyro.sample("y", dist.Normal(mu, 1), obs=y)
+
+
+def test_subsampling_and_deployment_on_the_mean_of_a_normal():
+    """Subsampling reads one row of the winning client per check (here 25 rows each) and
+    agrees with the posterior mean; in deployment each client loads its own rows and ``run``
+    takes no data."""
+    from numpyro_fed.federation import InProcess
+
+    y = 1.0 + jax.random.normal(jax.random.PRNGKey(0), (100,))
+    sampler = nf.FedZigZag(_mean_model, sample_interval=0.2, subsample_size=1)
+    mcmc = MCMC(sampler, num_warmup=50, num_samples=500, progress_bar=False)
+    mcmc.run(jax.random.PRNGKey(1), y)
+    assert abs(float(mcmc.get_samples()["mu"].mean() - y.sum() / (100 + 0.01))) < 0.1
+    assert sampler.rows_per_gradient.tolist() == [2, 2, 2, 2]
+    assert int(mcmc.get_extra_fields()["info.num_violations"].sum()) == 0
+
+    def load(m):
+        return (y[25 * m:25 * (m + 1)],)
+
+    sampler = nf.FedZigZag(_mean_model, sample_interval=0.2, federation=InProcess(loader=load, num_clients=4))
+    mcmc = MCMC(sampler, num_warmup=50, num_samples=200, progress_bar=False)
+    mcmc.run(jax.random.PRNGKey(1))
+    assert sampler.federated_potential.deployed
+    assert mcmc.get_samples()["mu"].shape == (200,)

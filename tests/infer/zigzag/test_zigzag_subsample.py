@@ -10,7 +10,6 @@ runs). A standard deviation estimated from ``ESS`` draws has relative error abou
 ``1 / sqrt(2 ESS)``; we allow ``Z`` of those plus 2% for the ESS estimate's own error.
 """
 
-import warnings
 
 import numpy as np
 import pytest

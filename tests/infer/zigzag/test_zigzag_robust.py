@@ -22,7 +22,7 @@ from numpyro.infer.reparam import LocScaleReparam
 
 import numpyro_fed as nf
 
-ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
+ROOT = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, os.pardir)  # the repository
 
 
 def funnel(x, client, y=None):

@@ -1,0 +1,191 @@
+"""FedZigZag's settings, checked: every constructor argument of
+:class:`~numpyro_fed.infer.zigzag.FedZigZag` (but the model, ``partition`` and
+``init_strategy``) validated and resolved into :class:`ZigZagOptions`, and the privacy
+guarantee those settings give (Theorem 5.1), a pure function of them.
+
+Bad input gets a ``ValueError`` or ``TypeError`` naming the argument at fault; combinations
+that the sampler does not support (e.g. subsampling with a privacy guarantee) are refused by
+name here, before any model is traced.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from numpyro_fed._checks import check_int, check_positive, check_real
+from numpyro_fed.federation import Federation
+from numpyro_fed.infer.zigzag.bounds import bound_kind
+from numpyro_fed.infer.zigzag.proposers import PRIOR_MODES
+from numpyro_fed.infer.zigzag.subsample import RowHessianBound
+from numpyro_fed.privacy import switching_time_guarantee
+
+__all__ = ["ZigZagOptions", "check_options", "privacy_guarantee"]
+
+
+class ZigZagOptions(NamedTuple):
+    """FedZigZag's checked settings, each under its constructor argument's name (see
+    :class:`~numpyro_fed.infer.zigzag.FedZigZag`). ``excess_rate`` and ``control_variates``
+    are those the run uses: with a privacy guarantee the calibrated rate and ``False``.
+
+    :ivar privacy: the :class:`~numpyro_fed.privacy.PrivacyGuarantee` of ``dp_*``, or ``None``.
+    """
+
+    sample_interval: float | None
+    control_variates: Any
+    prior: str
+    redistribution_rate: float
+    excess_rate: float
+    bounds: Any
+    grid_size: int
+    safety_factor: float
+    initial_horizon: float
+    max_proposals: int
+    skeleton_size: int
+    full_covariance: bool
+    preconditioner: Any
+    federation: Federation | None
+    private_randomness: bool
+    subsample_size: int | None
+    privacy: Any
+
+
+def check_options(*, sample_interval=None, control_variates=None, prior="server", redistribution_rate=0.1,
+                  excess_rate=0.0, bounds="grid", grid_size=2, safety_factor=1.0, initial_horizon=0.1,
+                  max_proposals=1_000_000, dp_sensitivity=None, dp_epsilon=None, dp_delta=None, skeleton_size=0,
+                  full_covariance=False, preconditioner=None, federation=None, private_randomness=False,
+                  subsample_size=None) -> ZigZagOptions:
+    """FedZigZag's arguments checked (in the order a user reads them in an error) and
+    resolved: :class:`ZigZagOptions`."""
+    if federation is not None and not isinstance(federation, Federation):
+        raise TypeError(f"federation must be a Federation (e.g. nf.RayFederation()) or None, "
+                        f"got {type(federation).__name__}")
+    if private_randomness and federation is None:
+        raise ValueError("private_randomness=True needs a federation (the clients draw their own "
+                         "randomness when they answer rounds; federation=None has no rounds)")
+    if isinstance(preconditioner, str) and preconditioner not in ("laplace", "diagonal"):
+        raise ValueError(f"preconditioner must be None, 'laplace', 'diagonal' or an array, got {preconditioner!r}")
+    skeleton_size = check_int(skeleton_size, "skeleton_size", minimum=0)
+    sample_interval = None if sample_interval is None else check_positive(sample_interval, "sample_interval")
+    if excess_rate is None or check_real(excess_rate, "excess_rate") < 0:
+        raise ValueError(f"excess_rate must be >= 0, got {excess_rate}")
+    subsample_size = None if subsample_size is None else check_int(subsample_size, "subsample_size", minimum=1)
+    if subsample_size is None:
+        if isinstance(bounds, RowHessianBound):
+            raise ValueError("bounds=RowHessianBound(...) bounds each row's curvature for subsampling: "
+                             "pass subsample_size (e.g. subsample_size=1) with it")
+        bound_kind(bounds)
+    else:
+        _check_subsampling(subsample_size, bounds, control_variates, preconditioner, federation,
+                           dp_sensitivity is not None or dp_epsilon is not None or dp_delta is not None)
+    grid_size = check_int(grid_size, "grid_size", minimum=2)
+    safety = check_real(safety_factor, "safety_factor")
+    if safety < 1:
+        raise ValueError(f"safety_factor must be >= 1, got {safety_factor}")
+    initial_horizon = check_positive(initial_horizon, "initial_horizon")
+    max_proposals = check_int(max_proposals, "max_proposals", minimum=1)
+    if prior not in PRIOR_MODES:
+        raise ValueError(f"prior must be one of {PRIOR_MODES}, got {prior!r}")
+    if prior == "redistribute":
+        redistribution_rate = check_positive(redistribution_rate, "redistribution_rate")
+    if not (control_variates is None or isinstance(control_variates, (bool, np.bool_))
+            or control_variates in ("first_order", "second_order")):
+        raise ValueError(
+            f"control_variates must be None, True, False, 'first_order' or 'second_order', got "
+            f"{control_variates!r}"
+        )
+    if control_variates == "second_order" and not isinstance(bounds, str) and subsample_size is None:
+        raise ValueError(
+            "control_variates='second_order' needs the automatic bounds ('grid' or 'affine'): "
+            f"a {type(bounds).__name__} does not bound the linear part of the shift"
+        )
+    privacy, excess_rate = privacy_guarantee(dp_sensitivity, dp_epsilon, dp_delta, control_variates=control_variates,
+                                             preconditioner=preconditioner, excess_rate=float(excess_rate))
+    if privacy is not None:  # the control variates' set-up rounds are not covered by the theorem
+        control_variates = False
+    return ZigZagOptions(
+        sample_interval=sample_interval, control_variates=control_variates, prior=prior,
+        redistribution_rate=redistribution_rate, excess_rate=excess_rate, bounds=bounds, grid_size=grid_size,
+        safety_factor=safety, initial_horizon=initial_horizon, max_proposals=max_proposals,
+        skeleton_size=skeleton_size, full_covariance=bool(full_covariance), preconditioner=preconditioner,
+        federation=federation, private_randomness=bool(private_randomness), subsample_size=subsample_size,
+        privacy=privacy,
+    )
+
+
+def _check_subsampling(subsample_size, bounds, control_variates, preconditioner, federation, private):
+    """Refuses, by name, what ``subsample_size`` does not support (``private``: a privacy
+    guarantee is asked for)."""
+    if not (isinstance(bounds, RowHessianBound) or bounds == "grid"):
+        raise ValueError(
+            f"subsample_size={subsample_size} thins against bounds on every row's curvature: "
+            "leave bounds at its default (automatic, computed by each client from its rows) or "
+            f"pass a RowHessianBound, not {bounds!r}")
+    if isinstance(bounds, RowHessianBound) and not callable(bounds.rows):
+        raise TypeError(f"RowHessianBound.rows must be a function of one row's model arguments, "
+                        f"got {type(bounds.rows).__name__}")
+    if control_variates is False:
+        raise ValueError(
+            f"subsample_size={subsample_size} estimates each rate around the control "
+            "variates' reference point: control_variates=False is not supported with it "
+            "(leave it at None, True or 'second_order')")
+    if control_variates == "second_order" and federation is not None:
+        raise ValueError(
+            f"subsample_size={subsample_size} with control_variates='second_order' is "
+            "supported in process (federation=None), not through a federation (its batches are "
+            "drawn uniformly, around first-order control variates): pass control_variates=None")
+    user_third = not isinstance(bounds, RowHessianBound) or bounds.third is not None
+    if control_variates == "second_order" and not user_third:
+        raise ValueError(
+            "control_variates='second_order' with subsampling bounds the rows' remainders after "
+            "their Taylor term: a RowHessianBound needs third=... for it (or pass "
+            "control_variates=None for first order against its curvature bound)")
+    if isinstance(bounds, RowHessianBound) and bounds.third is not None and not callable(bounds.third):
+        raise TypeError(f"RowHessianBound.third must be a function of one row's model arguments, "
+                        f"got {type(bounds.third).__name__}")
+    if preconditioner is not None and federation is not None:
+        raise ValueError(f"subsample_size={subsample_size} with preconditioner={preconditioner!r} "
+                         "is supported in process (federation=None), not through a federation: "
+                         "pass preconditioner=None or federation=None")
+    if private:
+        raise ValueError(
+            f"subsample_size={subsample_size} with a privacy guarantee (dp_sensitivity/"
+            "dp_epsilon/dp_delta): Theorem 5.1 covers switching times thinned against a "
+            "client's exact rate with refreshment; a rate estimated from random rows around "
+            "a reference point (and the set-up rounds it needs) is not covered. Pass "
+            "subsample_size=None for the guarantee")
+
+
+def privacy_guarantee(sensitivity, epsilon, delta, *, control_variates, preconditioner, excess_rate: float):
+    """``(guarantee, excess_rate)``: the :class:`~numpyro_fed.privacy.PrivacyGuarantee` of
+    Theorem 5.1 for ``dp_sensitivity``, ``dp_epsilon`` and ``dp_delta`` (``None`` when no
+    sensitivity is given) and the excess rate the run uses (``excess_rate``, or with
+    ``epsilon`` and no rate given, the one inequality (7) calibrates). Refuses the settings
+    whose set-up rounds the theorem does not cover (control variates, a Laplace
+    preconditioner).
+
+    >>> guarantee, rate = privacy_guarantee(2.0, 1.0, 1e-5, control_variates=None, preconditioner=None,
+    ...                                     excess_rate=0.0)
+    >>> rate > 0, guarantee.epsilon <= 1.0  # the calibrated rate buys at least the epsilon asked for
+    (True, True)
+    """
+    if sensitivity is None:
+        if epsilon is not None or delta is not None:
+            raise ValueError("dp_epsilon/dp_delta need dp_sensitivity (the bound K of Theorem 5.1)")
+        return None, excess_rate
+    if delta is None:
+        raise ValueError("dp_sensitivity needs dp_delta")
+    if control_variates:
+        raise ValueError(
+            f"control_variates={control_variates!r} with a privacy guarantee: the control "
+            "variates' aggregation round is not covered by Theorem 5.1"
+        )
+    if isinstance(preconditioner, str):
+        raise ValueError(
+            f"preconditioner={preconditioner!r} with a privacy guarantee: the round of "
+            "Hessians it needs is not covered by Theorem 5.1 (pass a fixed scale; K must then "
+            "bound the change of the preconditioned intensities)"
+        )
+    excess_rate, guarantee = switching_time_guarantee(sensitivity, excess_rate, delta, epsilon=epsilon)
+    return guarantee, excess_rate

@@ -1,0 +1,148 @@
+"""FedZigZag's clients' program: the named calls each client answers on its own rows (the
+set-up calls of :mod:`~numpyro_fed.infer.zigzag.setup`, ``"row_curvature"`` with
+subsampling, and the rounds' ``"propose"``), and the federation started on it.
+
+A federation keeps the program it was started on (and what its workers compiled) while the
+program does not change: :class:`ProgramCache` restarts it only when the clients' rows or the
+settings the program depends on change (:func:`program_key`), and carries what the set-up
+calls counted in the federation's ledger across a restart.
+
+With ``private_randomness`` each client folds the key the server sends with a seed it drew
+from its operating system's entropy where it loaded its rows (:class:`PrivateSeed`), so the
+server cannot know the key a client draws its proposals from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from functools import partial
+import secrets
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+from numpyro_fed.federation.ledger import DIRECTIONS
+from numpyro_fed.infer.zigzag.setup import setup_functions
+from numpyro_fed.infer.zigzag.subsample import RowHessianBound, row_curvature
+
+__all__ = ["PrivateSeed", "ProgramCache", "client_calls", "program_key"]
+
+
+def program_key(*parts):
+    """A digest of what the clients' program depends on (their rows and its settings)."""
+    digest = hashlib.sha256()
+    for leaf in jax.tree.leaves(parts):
+        array = np.asarray(leaf)
+        digest.update(repr((array.shape, array.dtype.str)).encode())
+        digest.update(array.tobytes() if array.dtype != object else repr(leaf).encode())
+    return digest.hexdigest()
+
+
+class PrivateSeed:
+    """Runs where a client lives (``client_program(transform=...)``): its block and a seed
+    drawn there from the operating system's entropy, which the server never sees."""
+
+    def __call__(self, block):
+        return {"rows": block, "seed": np.uint32(secrets.randbits(32))}
+
+
+def _on_rows(fn, block, *args):
+    return fn(block["rows"], *args)
+
+
+def _with_private_key(propose, key_index, block, *args):
+    """The client's round with its key folded with its private seed: the server sent a key
+    (``args[key_index]``), and cannot know the one the client draws its proposals from."""
+    args = list(args)
+    key = args[key_index]
+    if not (jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+            or (key.dtype == jnp.uint32 and key.shape[-1:] == (2,))):
+        raise RuntimeError(f"FedZigZag(private_randomness=True): argument {key_index} of the clients' "
+                           f"round is not its key (dtype {key.dtype}, shape {key.shape}): the round's "
+                           "arguments changed order")
+    args[key_index] = jax.random.fold_in(key, block["seed"])
+    return propose(block["rows"], *args)
+
+
+def _row_curvature_call(grad, layout, row_bound, block, bound_points, probe_points):
+    """The clients' ``"row_curvature"`` call (see
+    :func:`~numpyro_fed.infer.zigzag.subsample.row_curvature`)."""
+    return row_curvature(grad, layout, block, bound_points, probe_points, row_bound)
+
+
+def client_calls(potential, clients, *, layout=None, bounds=None, propose=None, use_reference=False,
+                 private_randomness=False) -> dict:
+    """The clients' calls by name, ``name -> f(block, *args)``, for
+    :meth:`FederatedPotential.client_program <numpyro_fed.FederatedPotential.client_program>`:
+    the set-up calls, ``"row_curvature"`` with subsampling (``layout``; a
+    :class:`RowHessianBound` given as ``bounds`` bounds the rows) and ``"propose"`` when known.
+
+    :param clients: the :class:`~numpyro_fed.infer.zigzag.ClientFunctions`.
+    :param bool use_reference: the rounds send the control variates' reference point and mean
+        gradient (they come before the client's key in a round's arguments).
+    :param bool private_randomness: each block carries the client's private seed
+        (:class:`PrivateSeed`), folded into its key in every round.
+    """
+    functions = setup_functions(potential.flat().client_potential)
+    if layout is not None:
+        row_bound = bounds.rows if isinstance(bounds, RowHessianBound) else None
+        functions["row_curvature"] = partial(_row_curvature_call, clients.grad, layout, row_bound)
+    if propose is not None:
+        functions["propose"] = propose
+    if not private_randomness:
+        return functions
+    # the round's arguments: x, v, window (and the reference point and mean gradient), then
+    # the client's own: its key first
+    key_index = 3 + 2 * bool(use_reference)
+    return {name: partial(_with_private_key, fn, key_index) if name == "propose" else partial(_on_rows, fn)
+            for name, fn in functions.items()}
+
+
+def carry_ledger(previous, ledger):
+    """Adds the counts of ``previous`` (a :class:`~numpyro_fed.federation.MessageLedger`) to
+    ``ledger``: a restarted federation keeps what its set-up calls sent."""
+    for name in previous.names:
+        for direction in DIRECTIONS:
+            messages, nbytes = previous.count(name, direction, "messages"), previous.count(name, direction, "bytes")
+            if messages.any() or nbytes.any():
+                ledger.add(name, direction, None, messages=messages, nbytes=nbytes)
+        rounds = previous.rounds(name)
+        if rounds.any():
+            ledger.add(name, "to_client", None, messages=0, nbytes=0, rounds=rounds)
+    ledger.round_trips += previous.round_trips
+
+
+class ProgramCache:
+    """The program a sampler last started its federation on, and what it depends on: a
+    federation that runs it already for the same key is not restarted."""
+
+    def __init__(self):
+        self.program = None
+        self.key = None
+        self.data_key = None
+
+    @staticmethod
+    def data_key_of(potential, private_randomness: bool):
+        """What the program depends on of the clients' data."""
+        if potential.deployed:  # the rows are the loaders' (on the clients): their counts are known
+            return program_key(potential.client_sizes, "deployed", private_randomness)
+        return program_key(potential.client_data, private_randomness)
+
+    def runs_data(self, federation, data_key) -> bool:
+        """``federation`` runs this cache's program, built for the same data."""
+        return federation.started and federation.program is self.program and self.data_key == data_key
+
+    def start(self, federation, potential, functions, key, data_key, *, private_randomness: bool):
+        """Starts ``federation`` on ``functions`` (the set-up calls and, when known, the
+        proposals) unless it runs this cache's program for ``key`` already. What the set-up
+        calls counted in the federation's ledger is kept across a restart."""
+        if federation.started and federation.program is self.program and key == self.key:
+            return
+        previous = federation.ledger if federation.started and federation.program is self.program else None
+        program = potential.client_program(functions, transform=PrivateSeed() if private_randomness else None)
+        federation.start(program)
+        if previous is not None:
+            carry_ledger(previous, federation.ledger)
+        self.program, self.key, self.data_key = program, key, data_key
