@@ -7,6 +7,7 @@ from numpyro_fed.infer import ADMM, DADMMS, DSGHMC, DSGLD, DULA, make_topology
 from numpyro_fed.infer import FedZigZag, GradientBound, HessianBound, RowHessianBound
 from numpyro_fed.infer import BCM, DPPVI, GaussianPVI, GlobalVI
 from numpyro_fed.infer import DSVGD, PDSVGD, SVGD, UDSVGD, DistributedSGLD, FedAvg
+from numpyro_fed.infer.ledger import message_ledger
 from numpyro_fed.plate import federated_plate, normalize_clients
 from numpyro_fed.potential import FederatedPotential, FlatPotential, PlateInfo, split_potential
 
@@ -36,6 +37,7 @@ __all__ = [
     "SVGD",
     "UDSVGD",
     "make_topology",
+    "message_ledger",
     "FedZigZag",
     "FederatedPotential",
     "FlatPotential",

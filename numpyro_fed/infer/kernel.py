@@ -226,6 +226,14 @@ class FederatedMCMCKernel(MCMCKernel):
         *leading, *site_shape)`` (default: none)."""
         return {}
 
+    def message_ledger(self, mcmc) -> dict:
+        """What crossed the wire in ``mcmc``'s run, per client (or agent): ``{name: (M,)
+        array}`` in the shape of :meth:`MessageLedger.summary
+        <numpyro_fed.federation.MessageLedger.summary>` (see
+        :func:`numpyro_fed.message_ledger`, the accessor for every run). A sampler that
+        sends messages overrides it."""
+        raise NotImplementedError(f"{type(self).__name__} does not count its messages")
+
     # -- repr -------------------------------------------------------------------------------
     def hyperparameters(self) -> dict:
         """The constructors' arguments that differ from their defaults, by name (those

@@ -432,8 +432,7 @@ class DecentralizedKernel(FederatedMCMCKernel):
                    jax.device_get(self.network_average(mcmc, group_by_chain=True)).items()}
         return {"agents": (agents, ["agent"]), "network_average": (average, [])}
 
-    @staticmethod
-    def message_ledger(mcmc) -> dict:
+    def message_ledger(self, mcmc) -> dict:
         """What crossed the network in ``mcmc``'s run since it started (warm-up included),
         per agent: ``{name: (M,) int array}`` with the names of :meth:`MessageLedger.summary
         <numpyro_fed.federation.MessageLedger.summary>` (the shape of
@@ -445,7 +444,7 @@ class DecentralizedKernel(FederatedMCMCKernel):
         neighbor) and ``"<Sampler>/iterate/"`` (one message per neighbor and iteration).
         On Ray, ``federation.ledger`` counts the same messages from the payloads (and the
         iterations the agents ran ahead of the draws kept)."""
-        kernel = DecentralizedKernel._kernel_of(mcmc)
+        kernel = self._kernel_of(mcmc)
         state = mcmc.last_state
         sent = jax.device_get(state.sent)
         messages = np.asarray(sent.messages).reshape(-1, kernel.graph.num_agents)

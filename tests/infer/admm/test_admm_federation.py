@@ -100,7 +100,7 @@ def test_ledger_follows_algorithm_1_and_the_driver_relays_nothing(ray_session):
     np.testing.assert_array_equal(summary["DADMMS/start/messages_to_peer"], degrees * chains)
     # the sampler's ledger (the same on every backend) is Ray's, counted from the payloads
     assert rounds[0] == samples  # here the agents ran no iteration ahead (chunks of 4 and 8)
-    for counted in (nf.DADMMS.message_ledger(local), nf.DADMMS.message_ledger(remote)):
+    for counted in (nf.message_ledger(local), nf.message_ledger(remote)):
         for entry in ("DADMMS/start", "DADMMS/iterate"):
             for what in ("messages_to_peer", "bytes_to_peer", "rounds"):
                 np.testing.assert_array_equal(counted[f"{entry}/{what}"], summary[f"{entry}/{what}"])
