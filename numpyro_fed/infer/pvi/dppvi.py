@@ -420,7 +420,7 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
             batch_cap=self.batch_cap(privacy, num_rounds, sizes, num_rows), damping=self.damping,
         )
         federation = self._start(programs, potential, layout)
-        step = core.build_step(config, num_clients=num_clients, dp=self.dp, schedule=self.schedule,
+        step = core.build_step(config, num_clients=num_clients, schedule=self.schedule,
                                damping=self.damping, auto_clip=self.auto_clip)
         num_mc_samples = self.num_mc_samples
 
