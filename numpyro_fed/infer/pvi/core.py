@@ -56,23 +56,21 @@ __all__ = [
     "PVIState",
     "ClientReply",
     "build_client_step",
+    "build_loss",
     "build_step",
     "build_visit",
     "client_factors",
     "client_functions",
-    "draw_q",
     "expected_log_lik",
     "federated_negative_elbo",
     "init",
-    "initial_client_state",
     "negative_elbo",
     "server_update",
     "shard_layout",
 ]
 
-DP_VARIANTS = (None, "dpsgd", "local_avg", "virtual")
+#: ``build_step``'s schedules of the clients' visits within a round.
 SCHEDULES = ("sequential", "synchronous")
-SAMPLING = ("poisson", "without_replacement", "full")
 
 
 class ClientFactor(NamedTuple):
@@ -200,7 +198,7 @@ class BlockLayout:
         return f"BlockLayout(plate={self.plate!r}, num_clients={len(self.noise_multiplier)})"
 
 
-def initial_client_state(prior: GaussianNatural, num_clients: int, num_virtual: int | None = None,
+def _initial_client_state(prior: GaussianNatural, num_clients: int, num_virtual: int | None = None,
                          factors: GaussianNatural | None = None) -> ClientFactor:
     """Every client's initial :class:`ClientFactor`, stacked: its factor ``factors[m]``
     (default zero; public values) or, with ``num_virtual`` (``dp="virtual"``), that many
@@ -229,7 +227,7 @@ def init(prior: GaussianNatural, num_clients: int, num_virtual: int | None = Non
     d = prior.eta1.shape[-1]
     zeros = jnp.zeros((num_clients, d), prior.eta1.dtype)
     factors = GaussianNatural(zeros, zeros) if factors is None else factors
-    own = initial_client_state(prior, num_clients, num_virtual, factors)
+    own = _initial_client_state(prior, num_clients, num_virtual, factors)
     clients = (ClientState(own, jnp.zeros(num_clients, jnp.int32)) if federation is None
                else federation.init_state(own))
     return PVIState(
@@ -294,7 +292,7 @@ def server_update(state: PVIState, new_q, new_factors):
     return state._replace(q=pick(new_q, state.q), factors=pick(new_factors, state.factors)), ok
 
 
-def draw_q(rng_key, q: GaussianNatural, num_samples: int):
+def _draw_q(rng_key, q: GaussianNatural, num_samples: int):
     """``(num_samples, d)`` draws of ``q``: what the server sends the clients for the loss."""
     loc, scale = loc_scale(q)
     return loc + scale * jax.random.normal(rng_key, (num_samples,) + loc.shape, loc.dtype)
@@ -315,7 +313,7 @@ def negative_elbo(rng_key, row_log_lik: Callable, q: GaussianNatural, prior: Gau
     A diagnostic of the run computed on every client's rows in this process: it is not one of
     the messages the clients send, and no privacy guarantee covers it.
     """
-    thetas = draw_q(rng_key, q, num_samples)
+    thetas = _draw_q(rng_key, q, num_samples)
     client_log_lik = lambda rows, valid: expected_log_lik(row_log_lik, thetas, rows, valid)  # noqa: E731
     expected = jnp.sum(jax.vmap(client_log_lik)(data.rows, data.valid))
     return kl_divergence(q, prior) - expected
@@ -407,6 +405,16 @@ def federated_negative_elbo(rng_key, federation, q: GaussianNatural, prior: Gaus
     thetas = loc + scale * jax.random.normal(rng_key, (num_samples,) + loc.shape, loc.dtype)
     expected = jnp.sum(federation.map("expected_log_lik", thetas))
     return kl_divergence(q, prior) - expected
+
+
+def build_loss(num_mc_samples: int) -> Callable:
+    """A pure ``loss(rng_key, q, prior, federation)``: :func:`federated_negative_elbo` with
+    ``num_mc_samples`` draws (the loss of a face's ``evaluate``)."""
+
+    def loss(rng_key, q: GaussianNatural, prior: GaussianNatural, federation):
+        return federated_negative_elbo(rng_key, federation, q, prior, num_mc_samples)
+
+    return loss
 
 
 def build_visit(*, damping: float = 1.0, auto_clip: bool = False) -> Callable:

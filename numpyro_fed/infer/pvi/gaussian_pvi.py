@@ -136,11 +136,7 @@ class GaussianPVI(VariationalMethod):
         self._data = layout
         num_mc_samples = self.num_mc_samples
 
-        @jit_round
-        def loss_fn(rng_key, q, prior, federation):
-            return core.federated_negative_elbo(rng_key, federation, q, prior, num_mc_samples)
-
-        self._loss_fn = loss_fn
+        self._loss_fn = jit_round(core.build_loss(num_mc_samples))
         step = core.build_client_step(num_mc_samples, damping=self.damping)
 
         @jit_round
