@@ -199,7 +199,7 @@ class BlockLayout:
 
 
 def _initial_client_state(prior: GaussianNatural, num_clients: int, num_virtual: int | None = None,
-                         factors: GaussianNatural | None = None) -> ClientFactor:
+                          factors: GaussianNatural | None = None) -> ClientFactor:
     """Every client's initial :class:`ClientFactor`, stacked: its factor ``factors[m]``
     (default zero; public values) or, with ``num_virtual`` (``dp="virtual"``), that many
     virtual factors at zero; nothing pending."""

@@ -66,8 +66,9 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         Section 4.1), ``"local_avg"`` (Algorithm 2) or ``"virtual"`` (Algorithm 3).
     :param str schedule: ``"sequential"`` or ``"synchronous"``.
     :param optim: an optax optimizer for the local optimization, run on ``(loc, log_scale)``
-        and taking its last iterate. Default (``None``): :func:`~numpyro_fed.infer.pvi.settings.default_optimizer`, run in
-        units of ``q``'s scale with iterate averaging (see *Defaults*).
+        and taking its last iterate. Default (``None``):
+        :func:`~numpyro_fed.infer.pvi.settings.default_optimizer`, run in units of ``q``'s scale
+        with iterate averaging (see *Defaults*).
     :param int num_local_steps: local optimization steps per client update.
     :param int num_mc_samples: Monte Carlo draws of ``q`` per step.
     :param float damping: ``rho`` in ``(0, 1]``: the server adds ``rho * Delta``.
@@ -225,7 +226,9 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         if self.damping > 1.0:
             raise ValueError(f"damping must lie in (0, 1], got {self.damping}")
         self.sampling, self.sampling_rate = sampling, sampling_rate
-        self.clip_norm = None if self.auto_clip else check_positive(1.0 if clip_norm is None else clip_norm, "clip_norm")
+        if not self.auto_clip:
+            clip_norm = check_positive(1.0 if clip_norm is None else clip_norm, "clip_norm")
+        self.clip_norm = clip_norm
         self.delta = check_delta(delta)
         self.num_shards = num_shards
         self.trusted_aggregator = bool(trusted_aggregator)
