@@ -29,6 +29,8 @@ from jax.flatten_util import ravel_pytree
 
 from numpyro.infer.initialization import init_to_uniform
 
+from numpyro_fed.federation.base import ClientProgram
+from numpyro_fed.federation.inprocess import InProcess
 from numpyro_fed.potential.deployment import TransformedLoader, stand_in_arguments
 from numpyro_fed.potential.trace import (
     analyse_trace,
@@ -182,8 +184,6 @@ class FederatedPotential:
             the client lives (an algorithm's own layout of the rows, e.g. minibatch-ready
             arrays); picklable for engine backends. The functions then receive its output.
         """
-        from numpyro_fed.federation import ClientProgram
-
         agents, stateful = dict(agents or {}), dict(stateful or {})
         if self.block_loader is not None:
             loader = self.block_loader if transform is None else TransformedLoader(self.block_loader, transform)
@@ -344,8 +344,6 @@ def split_potential(
         if num_clients is None:
             raise ValueError("split_potential(loader=...) needs num_clients")
         if federation is None:
-            from numpyro_fed.federation import InProcess
-
             federation = InProcess()
         descriptions = federation.describe(loader, int(num_clients))
         model_args, model_kwargs, deployment = stand_in_arguments(descriptions, loader)
