@@ -13,7 +13,7 @@ import numpy as np
 
 import jax
 
-__all__ = ["DeployedBlockLoader", "Deployment", "TransformedLoader", "as_arguments", "stand_in_arguments"]
+__all__ = ["DeployedBlockLoader", "TransformedLoader", "stand_in_arguments"]
 
 
 def as_arguments(loaded, client):

@@ -11,7 +11,7 @@ from numpyro_fed._checks import check_real
 from numpyro_fed.infer.pvi.core import SCHEDULES
 from numpyro_fed.privacy.accounting import check_sampling_rate
 
-__all__ = ["DP_VARIANTS", "MIN_NOISE_MULTIPLIER", "SAMPLING", "SCHEDULES", "check_aggregation", "check_noise",
+__all__ = ["DP_VARIANTS", "SAMPLING", "check_aggregation", "check_noise",
            "default_optimizer", "resolve_sampling"]
 
 DP_VARIANTS = (None, "dpsgd", "local_avg", "virtual")
