@@ -134,10 +134,8 @@ class GaussianPVI(VariationalMethod):
         functions, stateful = core.client_functions(flat.row_log_likelihood, config, damping=self.damping)
         self.start_clients(functions, transform=layout, stateful=stateful)
         self._data = layout
-        num_mc_samples = self.num_mc_samples
-
-        self._loss_fn = jit_round(core.build_loss(num_mc_samples))
-        step = core.build_client_step(num_mc_samples, damping=self.damping)
+        self._loss_fn = jit_round(core.build_loss(self.num_mc_samples))
+        step = core.build_client_step(self.num_mc_samples, damping=self.damping)
 
         @jit_round
         def round_fn(rng_key, state, m, federation):
