@@ -28,7 +28,10 @@ _SIZE_OVERRIDES: list[dict[str, int]] = []
 
 
 @contextmanager
-def _override_plate_sizes(sizes: dict[str, int]):
+def override_plate_sizes(sizes: dict[str, int]):
+    """Within this context, the plates named in ``sizes`` (federated or not) have those sizes:
+    how :mod:`numpyro_fed.potential` traces one client's (its padded rows) or the server's view
+    (one placeholder row) of a model written for all rows."""
     _SIZE_OVERRIDES.append(sizes)
     try:
         yield

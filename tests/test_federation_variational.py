@@ -225,8 +225,27 @@ def kept_by_the_clients(state):
     elif isinstance(values, nf.infer.pvi.ClientFactor) and values.factor.eta1.ndim == 3:
         leaves = [x[c] for c in ran for x in (values.factor.eta1, values.pending.eta1)]
     else:  # P-DSVGD's local particles are uploaded; PVI's factor is the sum of the changes sent
-        leaves = []
+        leaves = []  # (PVI's client state is checked with a planted value instead, below)
     return [np.asarray(leaf).tobytes() for leaf in leaves]
+
+
+STATE_SENTINEL = 0.0012345678901234567  # planted in client 1's own state only (a plausible value)
+
+
+def holds_state_sentinel(*objects):
+    cloudpickle = pytest.importorskip("cloudpickle")
+    return np.float64(STATE_SENTINEL).tobytes() in cloudpickle.dumps(objects)
+
+
+def with_planted_client_state(state):
+    """A PVI initial state whose client 1 keeps ``STATE_SENTINEL`` in its own factor (its
+    first virtual factor with ``dp="virtual"``): a value of the client's state only, which no
+    message carries (the server's record of the factors stays as it was)."""
+    values = state.clients.values
+    eta1 = values.factor.eta1
+    eta1 = eta1.at[(1,) + (0,) * (eta1.ndim - 1)].set(STATE_SENTINEL)
+    values = values._replace(factor=values.factor._replace(eta1=eta1))
+    return state._replace(clients=state.clients._replace(values=values))
 
 
 # in CI: DPPVI and DSVGD (one of each family); the other cases (DP-SGD is also run on Ray by
@@ -250,6 +269,18 @@ def test_on_ray_the_run_is_the_in_process_run(ray_session, data, case):
     assert secrets or case not in ("dsvgd", "udsvgd", "dppvi-virtual")
     assert not any(secret in held for secret in secrets)
     assert any(secret in cloudpickle.dumps(local.state) for secret in secrets) or not secrets  # the check can fail
+    if case in ("dppvi", "dppvi-dpsgd", "dppvi-virtual", "gaussian_pvi"):
+        # PVI's client state: a value planted in client 1's state before a round stays in the
+        # client's state (the in-process run keeps it in this process, so the check can fail)
+        # and never reaches the driver when the clients are workers
+        planted = with_planted_client_state(RAY_CASES[case]().init(key, *data))
+        local = RAY_CASES[case]().run(key, 1, *data, init_state=planted)
+        assert holds_state_sentinel(local.state)
+        with nf.RayFederation(timeout=60.0) as federation:
+            on_ray = RAY_CASES[case](federation=federation).run(key, 1, *data, init_state=planted)
+            assert_same_run(on_ray, local)
+            assert not holds_state_sentinel(on_ray.state, on_ray.metrics, on_ray.ledger, federation.ledger,
+                                            federation.program)
 
 
 @pytest.mark.parametrize("case", ["dppvi-dpsgd", pytest.param("dsvgd", marks=pytest.mark.slow)])

@@ -49,7 +49,9 @@ class PlateInfo:
 
 
 @dataclass(frozen=True)
-class _LatentSite:
+class LatentSite:
+    """A continuous latent site as :func:`analyse_trace` found it."""
+
     name: str
     plate: str | None  # None: a global site
     unconstrained_axis: int | None  # plate axis of the unconstrained value (negative)
@@ -58,12 +60,12 @@ class _LatentSite:
 # -- discovery ------------------------------------------------------------------------------
 
 
-def _discovery_trace(model, model_args, model_kwargs, rng_key, init_strategy):
+def discovery_trace(model, model_args, model_kwargs, rng_key, init_strategy):
     seeded = substitute(seed(model, rng_key), substitute_fn=init_strategy)
     return trace(seeded).get_trace(*model_args, **model_kwargs)
 
 
-def _in_plates(site, plates) -> bool:
+def in_plates(site, plates) -> bool:
     """Whether a sample or deterministic site lies inside one of ``plates``."""
     return any(f.name in plates for f in site["cond_indep_stack"])
 
@@ -75,7 +77,12 @@ def _is_factor(site) -> bool:
     return isinstance(fn, dist.Unit)
 
 
-def _analyse_trace(model_trace, partition):
+def analyse_trace(model_trace, partition):
+    """``(plates, latent_sites, enumerated)`` of a model's trace: a :class:`PlateInfo` of every
+    federated plate (declared with ``federated_plate`` or named in ``partition``) that holds a
+    sample site, every continuous latent site with the federated plate it lives in, and
+    whether discrete latents are enumerated; a ``ValueError`` names what the split cannot
+    take."""
     plate_args = {s["name"]: s["args"] for s in model_trace.values() if s["type"] == "plate"}
     for name in partition:
         if name not in plate_args:
@@ -83,10 +90,26 @@ def _analyse_trace(model_trace, partition):
                 f"partition names plate '{name}', but the model has no plate of that name "
                 f"(plates: {sorted(plate_args)})"
             )
+    sample_sites = [s for s in model_trace.values() if s["type"] == "sample"]
+    specs, frames = _federated_frames(sample_sites, partition)
+    plates = _plate_infos(specs, frames, plate_args, sample_sites)
+    for site in sample_sites:
+        if site["is_observed"] and not _is_factor(site):
+            value = np.asarray(site["value"])
+            if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
+                bad = np.argwhere(~np.isfinite(value))[0].tolist()
+                raise ValueError(
+                    f"observed site '{site['name']}' holds non-finite data (first at index {bad})"
+                )
+    latent_sites, enumerated = _latent_sites(sample_sites, plates)
+    return plates, latent_sites, enumerated
 
+
+def _federated_frames(sample_sites, partition):
+    """``(specs, frames)``: every federated plate's client specs (one per ``federated_plate``
+    entered, or the ``partition``'s) and its frame in the sites' plate stacks."""
     specs: dict[str, list] = {name: [clients] for name, clients in partition.items()}
     frames: dict[str, Any] = {}
-    sample_sites = [s for s in model_trace.values() if s["type"] == "sample"]
     for site in sample_sites:
         for name, clients in (site.get("infer") or {}).get(FEDERATED_KEY, {}).items():
             if name in partition:
@@ -110,7 +133,11 @@ def _analyse_trace(model_trace, partition):
             )
         for f in fed:
             frames.setdefault(f.name, f)
+    return specs, frames
 
+
+def _plate_infos(specs, frames, plate_args, sample_sites):
+    """A :class:`PlateInfo` of every federated plate that encloses a sample site."""
     plates = {}
     for name, spec_list in specs.items():
         size, subsample_size = plate_args[name]
@@ -145,16 +172,12 @@ def _analyse_trace(model_trace, partition):
             f"the federated plates {sorted(specs)} enclose no sample site: put the "
             "observed data (the likelihood) inside the federated plate"
         )
+    return plates
 
-    for site in sample_sites:
-        if site["is_observed"] and not _is_factor(site):
-            value = np.asarray(site["value"])
-            if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
-                bad = np.argwhere(~np.isfinite(value))[0].tolist()
-                raise ValueError(
-                    f"observed site '{site['name']}' holds non-finite data (first at index {bad})"
-                )
 
+def _latent_sites(sample_sites, plates):
+    """``(latent_sites, enumerated)``: the continuous latent sites (a :class:`LatentSite`
+    each) and whether discrete latents inside federated plates are enumerated."""
     latent_sites, enumerated = {}, False
     for site in sample_sites:
         if site["is_observed"]:
@@ -179,9 +202,9 @@ def _analyse_trace(model_trace, partition):
                 f"sample site '{site['name']}' has a Delta distribution; use "
                 "numpyro.deterministic instead"
             )
-        axis = _plate_axis(site, fed[0].dim, constrained=False) if fed else None
-        latent_sites[site["name"]] = _LatentSite(site["name"], fed[0].name if fed else None, axis)
-    return plates, latent_sites, enumerated
+        axis = plate_axis(site, fed[0].dim, constrained=False) if fed else None
+        latent_sites[site["name"]] = LatentSite(site["name"], fed[0].name if fed else None, axis)
+    return latent_sites, enumerated
 
 
 def _check_observed_rows(site, frame, size):
@@ -194,21 +217,21 @@ def _check_observed_rows(site, frame, size):
         )
 
 
-def _plate_axis(site, plate_dim, *, constrained):
+def plate_axis(site, plate_dim, *, constrained):
     """Axis (negative) of the plate in the site's constrained or unconstrained value."""
     if constrained:
         return plate_dim - len(site["fn"].event_shape)
     return plate_dim - biject_to(site["fn"].support).domain.event_dim
 
 
-def _common_num_clients(plates):
+def common_num_clients(plates):
     counts = {name: int(p.owner.max()) + 1 for name, p in plates.items()}
     if len(set(counts.values())) > 1:
         raise ValueError(f"federated plates disagree on the number of clients: {counts}")
     return next(iter(counts.values()))
 
 
-def _find_row_leaves(leaves, plates) -> dict[int, str]:
+def find_row_leaves(leaves, plates) -> dict[int, str]:
     data_plates = {p.name: p.size for p in plates.values() if p.holds_data}
     row_leaves = {}
     for i, leaf in enumerate(leaves):
@@ -233,7 +256,7 @@ def _find_row_leaves(leaves, plates) -> dict[int, str]:
     return row_leaves
 
 
-def _check_finite_arguments(model_args, model_kwargs):
+def check_finite_arguments(model_args, model_kwargs):
     named = {"model_args": tuple(model_args), "model_kwargs": model_kwargs}
     for path, leaf in jax.tree_util.tree_flatten_with_path(named)[0]:
         if isinstance(leaf, (str, bytes)) or not np.ndim(leaf):
@@ -247,13 +270,13 @@ def _check_finite_arguments(model_args, model_kwargs):
             )
 
 
-def _describe_leaves(treedef, num_leaves, row_leaves):
+def describe_leaves(treedef, num_leaves, row_leaves):
     labels = jax.tree_util.tree_unflatten(treedef, [f"#{i}" for i in range(num_leaves)])
     paths = jax.tree_util.tree_flatten_with_path(labels)[0]
     return {jax.tree_util.keystr(path): row_leaves[i] for i, (path, _) in enumerate(paths) if i in row_leaves}
 
 
-def _unconstrained_init(model_trace, latent_sites):
+def unconstrained_init(model_trace, latent_sites):
     z0 = {}
     for name in latent_sites:
         site = model_trace[name]
@@ -261,7 +284,7 @@ def _unconstrained_init(model_trace, latent_sites):
     return z0
 
 
-def _owner_of_coordinates(site, plates, shape):
+def owner_of_coordinates(site, plates, shape):
     if site.plate is None:
         return np.full(shape, -1, dtype=np.int64)
     owner = plates[site.plate].owner
@@ -269,7 +292,7 @@ def _owner_of_coordinates(site, plates, shape):
     return np.broadcast_to(owner.reshape((-1,) + (1,) * (-axis - 1)), shape).copy()
 
 
-def _scatter_rows(per_client, index, size, axis):
+def scatter_rows(per_client, index, size, axis):
     """Puts clients' padded rows (leading client axis) back at their rows of the plate.
 
     Padding repeats one of the client's own rows, so duplicate indices write equal values.
@@ -306,12 +329,12 @@ def _tainted_outputs(fn, args, taint_argnum):
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), flags)
 
 
-def _data_free_outputs(server_values, z0, placeholders):
+def data_free_outputs(server_values, z0, placeholders):
     flags = _tainted_outputs(server_values, (z0, placeholders), 1)
     return {name for name, tainted in flags.items() if not tainted}
 
 
-def _validate_split(potential, model, model_args, model_kwargs, model_trace, enumerated,
+def validate_split(potential, model, model_args, model_kwargs, model_trace, enumerated,
                     prior_site_log_probs, placeholders, pooled=True):
     z0 = potential.init_params
     flags = _tainted_outputs(prior_site_log_probs, (z0, placeholders), 1)

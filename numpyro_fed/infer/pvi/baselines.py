@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 
-import jax
-import jax.numpy as jnp
 
 from numpyro_fed._checks import check_int
 from numpyro_fed.infer.base import RunResult
-from numpyro_fed.infer.pvi import core
+from numpyro_fed.infer.pvi.baseline_core import committee_init, committee_posterior, pooled_client_data
 from numpyro_fed.infer.pvi.dppvi import DPPVI
 
 __all__ = ["BCM", "GlobalVI"]
@@ -56,19 +54,10 @@ class BCM(DPPVI):
         super().__init__(model, dp=dp, schedule="synchronous", damping=1.0, **kwargs)
 
     def _initial_state(self, prior, num_clients):
-        share = None
-        if self.prior == "split":
-            # factors (1 - 1/M) eta_prior make every cavity p^(1/M)
-            share = jax.tree_util.tree_map(
-                lambda x: jnp.broadcast_to((1.0 - 1.0 / num_clients) * x, (num_clients,) + x.shape), prior
-            )
-        return core.init(prior, num_clients, factors=share, federation=self._plan.federation)
+        return committee_init(prior, num_clients, self.prior, federation=self._plan.federation)
 
     def _final_state(self, state):
-        # the server's record of the factors: the public initial ones plus the local
-        # posteriors' changes the clients sent (BCM's messages)
-        q = jax.tree_util.tree_map(lambda p, f: p + f.sum(0), state.prior, state.factors)
-        return state._replace(q=q)
+        return committee_posterior(state)
 
     def run(self, rng_key, num_rounds: int, *args, **kwargs) -> RunResult:
         """As :meth:`DPPVI.run <numpyro_fed.DPPVI.run>`; ``num_rounds`` must be 1."""
@@ -115,16 +104,8 @@ class GlobalVI(DPPVI):
 
     def _start(self, programs, potential, layout):
         # one party holding the pooled rows (simulation only, see _layout)
-        plate = layout.plate
-        valid = potential.client_data["valid"][plate]
-        rows = [r.reshape((1, -1) + r.shape[2:]) for r in potential.client_data["rows"]]
-        as_jax = lambda a: None if a is None else jnp.asarray(a)  # noqa: E731
-        data = core.ClientData(rows=rows, valid=valid.reshape(1, -1), shard_index=as_jax(layout.shard_index),
-                               shard_valid=as_jax(layout.shard_valid),
-                               noise_multiplier=as_jax(layout.noise_multiplier),
-                               clip_first=as_jax(layout.clip_first), clip_later=as_jax(layout.clip_later))
         functions, stateful = programs
-        return self.start_clients(functions, data, stateful=stateful)
+        return self.start_clients(functions, pooled_client_data(potential.client_data, layout), stateful=stateful)
 
     def _communications_per_round(self):
         return self.federated_potential.num_clients * self.num_local_steps

@@ -22,11 +22,15 @@ divided by ``sqrt(M)``: the sum the aggregator releases carries the full noise (
 
 Schedules: ``"sequential"`` (clients in turn, the server updating after each:
 ``federation.one``) and ``"synchronous"`` (all clients from the same ``q``:
-``federation.map``). One *round* visits every client once. The core in BlackJAX's shape:
+``federation.map``). One *round* visits every client once (:func:`build_step`) or, for
+:class:`~numpyro_fed.GaussianPVI`, the one client it schedules (:func:`build_client_step`);
+both are written with the same visit (:func:`build_visit`). The core in BlackJAX's shape:
 :func:`init`, the clients' functions (:func:`client_functions`, run on each client's own
-block by a :class:`~numpyro_fed.federation.Federation`) and :func:`build_step`'s pure
-``step(rng_key, state) -> (state, info)`` on the server; :class:`~numpyro_fed.DPPVI` is the
-face.
+block by a :class:`~numpyro_fed.federation.Federation`) and the server's pure
+``step(rng_key, state, federation) -> (state, info)`` (:func:`build_step`; ``federation`` a
+started federation running :func:`client_functions`, :class:`~numpyro_fed.InProcess` in one
+process); :class:`~numpyro_fed.DPPVI`, :class:`~numpyro_fed.GaussianPVI` and the baselines
+are faces.
 """
 
 from __future__ import annotations
@@ -51,20 +55,22 @@ __all__ = [
     "PVIInfo",
     "PVIState",
     "ClientReply",
+    "build_client_step",
+    "build_loss",
     "build_step",
+    "build_visit",
     "client_factors",
     "client_functions",
+    "expected_log_lik",
     "federated_negative_elbo",
     "init",
-    "initial_client_state",
     "negative_elbo",
     "server_update",
     "shard_layout",
 ]
 
-DP_VARIANTS = (None, "dpsgd", "local_avg", "virtual")
+#: ``build_step``'s schedules of the clients' visits within a round.
 SCHEDULES = ("sequential", "synchronous")
-SAMPLING = ("poisson", "without_replacement", "full")
 
 
 class ClientFactor(NamedTuple):
@@ -192,8 +198,8 @@ class BlockLayout:
         return f"BlockLayout(plate={self.plate!r}, num_clients={len(self.noise_multiplier)})"
 
 
-def initial_client_state(prior: GaussianNatural, num_clients: int, num_virtual: int | None = None,
-                         factors: GaussianNatural | None = None) -> ClientFactor:
+def _initial_client_state(prior: GaussianNatural, num_clients: int, num_virtual: int | None = None,
+                          factors: GaussianNatural | None = None) -> ClientFactor:
     """Every client's initial :class:`ClientFactor`, stacked: its factor ``factors[m]``
     (default zero; public values) or, with ``num_virtual`` (``dp="virtual"``), that many
     virtual factors at zero; nothing pending."""
@@ -221,7 +227,7 @@ def init(prior: GaussianNatural, num_clients: int, num_virtual: int | None = Non
     d = prior.eta1.shape[-1]
     zeros = jnp.zeros((num_clients, d), prior.eta1.dtype)
     factors = GaussianNatural(zeros, zeros) if factors is None else factors
-    own = initial_client_state(prior, num_clients, num_virtual, factors)
+    own = _initial_client_state(prior, num_clients, num_virtual, factors)
     clients = (ClientState(own, jnp.zeros(num_clients, jnp.int32)) if federation is None
                else federation.init_state(own))
     return PVIState(
@@ -286,6 +292,19 @@ def server_update(state: PVIState, new_q, new_factors):
     return state._replace(q=pick(new_q, state.q), factors=pick(new_factors, state.factors)), ok
 
 
+def _draw_q(rng_key, q: GaussianNatural, num_samples: int):
+    """``(num_samples, d)`` draws of ``q``: what the server sends the clients for the loss."""
+    loc, scale = loc_scale(q)
+    return loc + scale * jax.random.normal(rng_key, (num_samples,) + loc.shape, loc.dtype)
+
+
+def expected_log_lik(row_log_lik: Callable, thetas, rows, valid):
+    """One client's term of the loss: the sum over its valid rows of the Monte Carlo estimate
+    of ``E_q[log p(x | theta)]`` at the draws ``thetas`` (``(S, d)``)."""
+    per_draw = jax.vmap(row_log_lik, in_axes=(0, None))(thetas, rows)  # (S, R)
+    return jnp.sum(jnp.where(valid, jnp.mean(per_draw, axis=0), 0.0))
+
+
 def negative_elbo(rng_key, row_log_lik: Callable, q: GaussianNatural, prior: GaussianNatural,
                   data: ClientData, num_samples: int):
     """``-ELBO(q) = KL(q || prior) - sum_m sum_i E_q[log p(x_{m,i} | theta)]``, the
@@ -294,13 +313,8 @@ def negative_elbo(rng_key, row_log_lik: Callable, q: GaussianNatural, prior: Gau
     A diagnostic of the run computed on every client's rows in this process: it is not one of
     the messages the clients send, and no privacy guarantee covers it.
     """
-    loc, scale = loc_scale(q)
-    thetas = loc + scale * jax.random.normal(rng_key, (num_samples,) + loc.shape, loc.dtype)
-
-    def client_log_lik(rows, valid):
-        per_draw = jax.vmap(row_log_lik, in_axes=(0, None))(thetas, rows)  # (S, R)
-        return jnp.sum(jnp.where(valid, jnp.mean(per_draw, axis=0), 0.0))
-
+    thetas = _draw_q(rng_key, q, num_samples)
+    client_log_lik = lambda rows, valid: expected_log_lik(row_log_lik, thetas, rows, valid)  # noqa: E731
     expected = jnp.sum(jax.vmap(client_log_lik)(data.rows, data.valid))
     return kl_divergence(q, prior) - expected
 
@@ -376,11 +390,10 @@ def client_functions(
         pending = jax.tree_util.tree_map(lambda d: damping * d, change)
         return ClientFactor(factor, pending), ClientReply(delta, clipped, residual)
 
-    def expected_log_lik(block, thetas):
-        per_draw = jax.vmap(row_log_lik, in_axes=(0, None))(thetas, block.rows)  # (S, R)
-        return jnp.sum(jnp.where(block.valid, jnp.mean(per_draw, axis=0), 0.0))
+    def client_expected_log_lik(block, thetas):
+        return expected_log_lik(row_log_lik, thetas, block.rows, block.valid)
 
-    return {"expected_log_lik": expected_log_lik}, {"update": update}
+    return {"expected_log_lik": client_expected_log_lik}, {"update": update}
 
 
 def federated_negative_elbo(rng_key, federation, q: GaussianNatural, prior: GaussianNatural,
@@ -394,11 +407,52 @@ def federated_negative_elbo(rng_key, federation, q: GaussianNatural, prior: Gaus
     return kl_divergence(q, prior) - expected
 
 
+def build_loss(num_mc_samples: int) -> Callable:
+    """A pure ``loss(rng_key, q, prior, federation)``: :func:`federated_negative_elbo` with
+    ``num_mc_samples`` draws (the loss of a face's ``evaluate``)."""
+
+    def loss(rng_key, q: GaussianNatural, prior: GaussianNatural, federation):
+        return federated_negative_elbo(rng_key, federation, q, prior, num_mc_samples)
+
+    return loss
+
+
+def build_visit(*, damping: float = 1.0, auto_clip: bool = False) -> Callable:
+    """A pure ``visit(state, m, key, federation) -> (state, (rejected, clipped, residual))``:
+    client ``m``'s update (its key of the round ``key``) and the server's update after it.
+
+    What crosses: down, ``q`` (``2 d`` numbers), with ``auto_clip`` whether it is the state's
+    first round, the key, and which coordinates of the client's last update were applied
+    (``d`` booleans); up, :class:`ClientReply`. The client's factor (or virtual factors) stays
+    with it. The server (:func:`server_update`) adds ``damping`` times the reply to ``q`` and
+    to its record of client ``m``'s factor.
+    """
+
+    def visit(state: PVIState, m, key, federation):
+        sent = (state.q, state.round == 0) if auto_clip else (state.q,)
+        # own: client m's slice of what was applied of its last update
+        clients, reply = federation.one("update", m, *sent, key, own=(state.applied,), state=state.clients)
+        delta = reply.delta
+        new_factors = jax.tree_util.tree_map(lambda all_, d: all_.at[m].add(damping * d), state.factors, delta)
+        state, ok = server_update(state, tree_add(state.q, delta, damping), new_factors)
+        state = state._replace(clients=clients, applied=state.applied.at[m].set(ok))
+        return state, (jnp.sum(~ok), reply.clipped, reply.residual)
+
+    return visit
+
+
+def _end_round(rng_key, state: PVIState, federation, num_mc_samples: int, rejected, clipped, residual):
+    """Counts the round and computes the loss of the new ``q`` through the clients."""
+    state = state._replace(round=state.round + 1)
+    loss = federated_negative_elbo(jax.random.fold_in(rng_key, LOSS_STREAM), federation, state.q, state.prior,
+                                   num_mc_samples)
+    return state, PVIInfo(rejected=rejected, clipped=clipped, residual=residual, loss=loss)
+
+
 def build_step(
     config: LocalConfig,
     *,
     num_clients: int,
-    dp: str | None = None,
     schedule: str = "sequential",
     damping: float = 1.0,
     auto_clip: bool = False,
@@ -406,21 +460,19 @@ def build_step(
     """A pure ``step(rng_key, state, federation) -> (state, info)``: one round, visiting
     every client once through ``federation`` (a started
     :class:`~numpyro_fed.federation.Federation` running :func:`client_functions`; pass it as
-    an argument of ``jit``, it is a pytree).
+    an argument of ``jit``, it is a pytree), ``info`` a :class:`PVIInfo`.
 
-    What crosses per client visit: down, ``q`` (``2 d`` numbers), the client's key, with
-    ``auto_clip`` whether it is the state's first round, and which coordinates of the
-    client's last update were applied (``d`` booleans); up, :class:`ClientReply`. The
-    client's factor (or virtual factors) stays with it. The server (:func:`server_update`)
-    adds ``damping`` times each reply to ``q`` and to its record of the factors.
+    ``"sequential"``: the clients in turn (:func:`build_visit`, ``federation.one``), each
+    from the ``q`` the previous one left; ``"synchronous"``: every client from the same ``q``
+    (``federation.map``, the same messages), the server adding the sum of the replies.
+    Client ``m``'s key is ``jax.random.split(rng_key, num_clients)[m]``.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    def send(state):
-        return (state.q, state.round == 0) if auto_clip else (state.q,)
 
     def synchronous(keys, state, federation):
-        clients, reply = federation.map("update", *send(state), per_client=(keys, state.applied), state=state.clients)
+        sent = (state.q, state.round == 0) if auto_clip else (state.q,)
+        clients, reply = federation.map("update", *sent, per_client=(keys, state.applied), state=state.clients)
         deltas = reply.delta
         new_factors = tree_add(state.factors, deltas, damping)
         total = jax.tree_util.tree_map(lambda x: jnp.sum(x, axis=0), deltas)
@@ -428,27 +480,30 @@ def build_step(
         state = state._replace(clients=clients, applied=jnp.broadcast_to(ok, state.applied.shape))
         return state, (jnp.sum(~ok), reply.clipped, reply.residual)
 
-    def sequential(keys, state, federation):
-        def visit(state, m):
-            # own: the client's slices of the per-client arrays (its key, what was applied)
-            clients, reply = federation.one("update", m, *send(state), own=(keys, state.applied),
-                                            state=state.clients)
-            delta = reply.delta
-            new_factors = jax.tree_util.tree_map(lambda all_, d: all_.at[m].add(damping * d), state.factors, delta)
-            state, ok = server_update(state, tree_add(state.q, delta, damping), new_factors)
-            state = state._replace(clients=clients, applied=state.applied.at[m].set(ok))
-            return state, (jnp.sum(~ok), reply.clipped, reply.residual)
+    visit = build_visit(damping=damping, auto_clip=auto_clip)
 
-        return lax.scan(visit, state, jnp.arange(num_clients))
+    def sequential(keys, state, federation):
+        return lax.scan(lambda state, m: visit(state, m, keys[m], federation), state, jnp.arange(num_clients))
 
     visit_all = synchronous if schedule == "synchronous" else sequential
 
     def step(rng_key, state: PVIState, federation):
         keys = jax.random.split(rng_key, num_clients)
         state, (rejected, clipped, residual) = visit_all(keys, state, federation)
-        state = state._replace(round=state.round + 1)
-        loss = federated_negative_elbo(jax.random.fold_in(rng_key, LOSS_STREAM), federation, state.q,
-                                       state.prior, config.num_mc_samples)
-        return state, PVIInfo(rejected=rejected, clipped=clipped, residual=residual, loss=loss)
+        return _end_round(rng_key, state, federation, config.num_mc_samples, rejected, clipped, residual)
+
+    return step
+
+
+def build_client_step(num_mc_samples: int, *, damping: float = 1.0) -> Callable:
+    """A pure ``step(rng_key, state, federation, client) -> (state, info)``: a round that
+    visits only ``client`` (:func:`build_visit`, with ``rng_key`` as the client's key), as
+    :class:`~numpyro_fed.GaussianPVI` schedules them; ``info`` a :class:`PVIInfo` whose
+    ``rejected``, ``clipped`` and ``residual`` are that client's."""
+    visit = build_visit(damping=damping)
+
+    def step(rng_key, state: PVIState, federation, client):
+        state, (rejected, clipped, residual) = visit(state, client, rng_key, federation)
+        return _end_round(rng_key, state, federation, num_mc_samples, rejected, clipped, residual)
 
     return step

@@ -18,43 +18,24 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-import optax
 
 from numpyro.infer.initialization import init_to_uniform
 
-from numpyro_fed._checks import check_int, check_positive, check_real
+from numpyro_fed._checks import check_int, check_positive
 from numpyro_fed.infer.base import (RunCheckpoint, RunResult, VariationalMethod, adopt_client_state, build_potential,
                                    jit_round)
 from numpyro_fed.infer.pvi import core
 from numpyro_fed.infer.pvi.accounting import AVERAGE_FROM, MAX_DP_ERROR, PrivacyAccounting
 from numpyro_fed.infer.pvi.client import LocalConfig
-from numpyro_fed.infer.pvi.core import DP_VARIANTS, SAMPLING, SCHEDULES, PVIState
+from numpyro_fed.infer.pvi.core import PVIState
+from numpyro_fed.infer.pvi.diagnostics import judge_run, last_move
 from numpyro_fed.infer.pvi.gaussian import gaussian_prior, loc_scale
-from numpyro_fed.privacy.accounting import check_delta, check_epsilon, check_sampling_rate
+from numpyro_fed.infer.pvi.settings import check_aggregation, check_noise, default_optimizer, resolve_sampling
+from numpyro_fed.privacy.accounting import check_delta, check_epsilon
 
-__all__ = ["DPPVI", "default_optimizer"]
+__all__ = ["DPPVI"]
 
-# The default local optimizer (see default_optimizer).
-_DEFAULT_RATE = 0.1
-_FINAL_RATE_SHARE = 0.01
-
-# predicted_dp_error above which a run that goes ahead warns: measured errors were up to
-# 5 times the prediction (benchmarks/dppvi.md), so 0.2 can mean a posterior sd.
-_WARN_DP_ERROR = 0.2
-_MAX_LAST_MOVE = 0.1  # non-private: largest move of q's means per round, in q's scales,
-_LAST_MOVE_SPAN = 3  # averaged over the last 3 rounds (or fewer in a shorter run)
-_MOSTLY_CLIPPED = 0.99  # update perturbation: share of clipped changes that bounds q's moves
-MIN_NOISE_MULTIPLIER = 0.3  # below: epsilon in the hundreds; accounting blows up
-_MAX_RESIDUAL = 0.25  # local-optimization residual (in q's scales) above which it has not converged
 _DEFAULT_NUM_SAMPLES = 1000  # get_samples' draws when num_samples is None
-
-
-def default_optimizer(num_local_steps: int):
-    """The default local optimizer: Adam whose rate decays from 0.1 to 0.001 (cosine)
-    over the ``num_local_steps`` steps of each local optimization. :class:`DPPVI` runs it in
-    standardized coordinates (steps in units of the current ``q``'s scale) and returns the
-    average of the iterates over the second half of the steps."""
-    return optax.adam(optax.cosine_decay_schedule(_DEFAULT_RATE, num_local_steps, alpha=_FINAL_RATE_SHARE))
 
 
 class _RunPlan(NamedTuple):
@@ -85,8 +66,9 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         Section 4.1), ``"local_avg"`` (Algorithm 2) or ``"virtual"`` (Algorithm 3).
     :param str schedule: ``"sequential"`` or ``"synchronous"``.
     :param optim: an optax optimizer for the local optimization, run on ``(loc, log_scale)``
-        and taking its last iterate. Default (``None``): :func:`default_optimizer`, run in
-        units of ``q``'s scale with iterate averaging (see *The default local optimizer*).
+        and taking its last iterate. Default (``None``):
+        :func:`~numpyro_fed.infer.pvi.settings.default_optimizer`, run in units of ``q``'s scale
+        with iterate averaging (see *Defaults*).
     :param int num_local_steps: local optimization steps per client update.
     :param int num_mc_samples: Monte Carlo draws of ``q`` per step.
     :param float damping: ``rho`` in ``(0, 1]``: the server adds ``rho * Delta``.
@@ -150,55 +132,18 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
     :meth:`update` run rounds one at a time; :meth:`get_params` gives ``q``'s ``loc`` and
     ``scale`` by site, :meth:`get_samples` draws from it.
 
-    **The default local optimizer.** Adam whose rate decays from 0.1 to 0.001 (cosine) over
-    each local optimization, on the location in units of the starting ``q``'s scale
-    (``loc = loc_0 + scale_0 u``) and the log-scale; the new ``q`` is the average of the
-    iterates over the second half of the steps. The steps are thus relative to ``q``'s width
-    (the fit does not depend on the parameters' units), the decaying rate lets the iterates
-    settle and the averaging removes most of their Monte Carlo jitter: on a conjugate linear
-    regression the default run ends at the exact posterior within Monte Carlo error (a few
-    hundredths of a posterior sd) where a constant rate of 0.01 stopped 0.1-0.4 sd short.
-    ``result.metrics["residual"]`` holds, per round and client, the distance to the local
-    optimum that the averaged gradient still points to (in units of ``q``'s scale); a
-    non-private run warns when the last round's exceeds 0.25 (not converged: more
-    ``num_local_steps`` or rounds). A user ``optim`` gets the plain optimization.
-
-    **Automatic DP-SGD settings.** With ``dp="dpsgd"`` and no ``sampling``,
-    ``sampling_rate`` or ``clip_norm`` (only a budget, say), the run chooses:
-
-    * *sampling*: Poisson, rate ``max(64 / n_min, 2 / (c sqrt(T)))`` (at most 1), where
-      ``n_min`` is the smallest client's size, ``T`` the run's local steps and ``c`` the noise
-      multiplier of one Gaussian mechanism spending the whole budget. DP-SGD over ``T``
-      steps at rate ``r`` needs about ``sigma = c r sqrt(T)``: the noise per expected row,
-      which is what the answer feels, does not depend on ``r``, so the rate buys cost (about
-      64 rows per step) until ``sigma`` falls to 2, below which subsampling's amplification
-      weakens. (Full batches, the former default, spend the same budget on 10-100 times the
-      work.)
-    * *clip norm*: each row's gradient is measured in units of the current ``q``'s width
-      (location part times ``scale``) and clipped to ``8 sqrt(d / N_seen)``, where ``d`` is
-      the number of latent dimensions and ``N_seen`` the rows whose information ``q`` holds
-      at that update (the client's own and those of the clients before it in the first
-      sequential round; all rows afterwards). Near the posterior the squared row gradients
-      in these units sum to about ``d``, so a typical row's is ``sqrt(d / N)``; 8 times that
-      leaves heavy-tailed rows (misclassified points of a logistic regression) unclipped
-      often enough that clipping does not bias the fit (4 times did, by several sds).
-      The clip norm depends on sizes only and adapts to the parameters' units.
-    * *steps*: ``num_local_steps`` (100) with the default optimizer, whose averaging over
-      the last 50 steps also averages the privacy noise.
-
-    Before running, :meth:`predicted_dp_error` estimates from sizes only how far the privacy
-    noise alone will move the means, in posterior sds; above 1 the automatic settings
-    refuse (``ValueError``) with advice (raise ``target_epsilon``, fewer rounds, more rows,
-    ``dp="virtual"`` with a trusted aggregator), and a user's settings get a
-    ``RuntimeWarning``: the answer would be mostly noise. Measured: 4 clients of 250 rows
-    of a logistic regression at ``epsilon = 1`` are refused (the former default answered
-    2 sds off and 3-6 times too wide); 2 clients of 40,000 rows of a linear regression at
-    ``epsilon = 4`` end within 0.3 posterior sds with sds within 15 %. The first round
-    clips heavily while ``q`` is as wide as the prior: the automatic settings want at least
-    2 rounds (one warns). Update perturbation (``"local_avg"``, ``"virtual"``) is judged
-    after each round from ``q``'s scale (:meth:`update_noise_error`, in
-    ``metrics["predicted_dp_error"]``): the run warns when its noise or its clipping
-    dominates.
+    **Defaults.** Without ``optim``, the local optimizer is :func:`~numpyro_fed.infer.pvi.settings.default_optimizer` in
+    units of ``q``'s scale with iterate averaging; a non-private run warns when the last
+    round's local fits had not converged (``metrics["residual"]`` above 0.25) or ``q`` still
+    moves between rounds (``metrics["last_move"]`` above 0.1). With ``dp="dpsgd"`` and no
+    ``sampling``, ``sampling_rate`` or ``clip_norm``, the run chooses Poisson sampling at a
+    rate and a clip norm (in units of ``q``'s scale) from the sizes and the budget.
+    :meth:`predicted_dp_error` estimates from sizes only how far the privacy noise alone will
+    move the means, in posterior sds: above 1 the automatic settings refuse (``ValueError``)
+    with advice and a user's settings get a ``RuntimeWarning``; between 0.2 and 1 the run
+    warns at its end. Update perturbation (``"local_avg"``, ``"virtual"``) is judged after
+    each round from ``q``'s scale (:meth:`update_noise_error`). The rules, their reasons and
+    what was measured: the guide's *Default settings* (``docs/guide/dppvi.md``).
 
     **Example**
 
@@ -263,18 +208,11 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         progress_bar: bool = True,
         federation=None,
     ):
-        if dp not in DP_VARIANTS:
-            raise ValueError(f"dp must be one of {DP_VARIANTS}, got {dp!r}")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-        if sampling is not None and sampling not in SAMPLING:
-            raise ValueError(f"sampling must be one of {SAMPLING}, got {sampling!r}")
-        # DP-SGD without a sampling scheme or a clip norm: chosen by the rule of
-        # _auto_sampling_rate and auto_clip_norms (see the class docstring).
-        self.auto_sampling = dp == "dpsgd" and sampling is None and sampling_rate is None
+        sampling, sampling_rate, self.auto_sampling = resolve_sampling(dp, sampling, sampling_rate)
+        num_shards = check_int(num_shards, "num_shards", minimum=1)
+        check_aggregation(dp, schedule, num_shards, trusted_aggregator)
+        # DP-SGD without a clip norm: the automatic one (auto_clip_norms, see the guide).
         self.auto_clip = dp == "dpsgd" and clip_norm is None
-        if sampling is None:
-            sampling = "poisson" if dp == "dpsgd" or sampling_rate is not None else "full"
         super().__init__(model, partition=partition, init_strategy=init_strategy, progress_bar=progress_bar,
                          federation=federation)
         self.dp = dp
@@ -287,53 +225,14 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         self.damping = check_positive(damping, "damping")
         if self.damping > 1.0:
             raise ValueError(f"damping must lie in (0, 1], got {self.damping}")
-        self.sampling = sampling
-        if self.auto_sampling:
-            self.sampling_rate = None  # resolved per run (sizes, rounds): _resolve
-        elif sampling == "full":
-            if sampling_rate not in (None, 1.0):
-                raise ValueError("sampling='full' uses every row: leave sampling_rate unset")
-            self.sampling_rate = 1.0
-        else:
-            if sampling_rate is None:
-                raise ValueError(f"sampling={sampling!r} needs sampling_rate in (0, 1]")
-            self.sampling_rate = check_sampling_rate(sampling_rate)
-        if dp in ("local_avg", "virtual") and sampling != "full":
-            raise ValueError(f"dp={dp!r} optimizes every shard on all its rows: use sampling='full'")
-        self.clip_norm = None if self.auto_clip else check_positive(1.0 if clip_norm is None else clip_norm, "clip_norm")
+        self.sampling, self.sampling_rate = sampling, sampling_rate
+        if not self.auto_clip:
+            clip_norm = check_positive(1.0 if clip_norm is None else clip_norm, "clip_norm")
+        self.clip_norm = clip_norm
         self.delta = check_delta(delta)
-        self.num_shards = check_int(num_shards, "num_shards", minimum=1)
-        if self.num_shards > 1 and dp not in ("local_avg", "virtual"):
-            raise ValueError("num_shards > 1 applies to dp='local_avg' or dp='virtual' only")
+        self.num_shards = num_shards
         self.trusted_aggregator = bool(trusted_aggregator)
-        if self.trusted_aggregator:
-            if dp not in ("local_avg", "virtual"):
-                raise ValueError(
-                    "trusted_aggregator=True applies to dp='local_avg' or dp='virtual' "
-                    "(DP-SGD's noise cannot be shared between clients)"
-                )
-            if schedule != "synchronous":
-                raise ValueError("trusted_aggregator=True needs schedule='synchronous'")
-        if dp is None:
-            if noise_multiplier is not None or target_epsilon is not None:
-                raise ValueError("dp=None is non-private: do not pass noise_multiplier or target_epsilon")
-        elif noise_multiplier is None and target_epsilon is None:
-            raise ValueError(f"dp={dp!r} needs noise_multiplier, target_epsilon or both")
-        if noise_multiplier is not None:
-            noise_multiplier = check_real(noise_multiplier, "noise_multiplier")
-            if noise_multiplier < 0:
-                raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
-            if noise_multiplier == 0 and target_epsilon is not None:
-                raise ValueError("noise_multiplier=0 gives no privacy: do not pass target_epsilon")
-            if 0 < noise_multiplier < MIN_NOISE_MULTIPLIER:
-                # PLD accounting of 200 Poisson steps at sigma 0.1 gives epsilon ~ 2000 and takes
-                # 20 s; at 1e-3 the accountant tries to allocate tens of GiB.
-                raise ValueError(
-                    f"noise_multiplier={noise_multiplier} gives no meaningful privacy (epsilon in "
-                    f"the hundreds or more, which the accountant cannot compute in reasonable time "
-                    f"and memory): use noise_multiplier >= {MIN_NOISE_MULTIPLIER}, or dp=None"
-                )
-        self.noise_multiplier = noise_multiplier
+        self.noise_multiplier = check_noise(dp, noise_multiplier, target_epsilon)
         self.target_epsilon = None if target_epsilon is None else check_epsilon(target_epsilon)
         if accountant not in (None, "pld", "rdp"):
             raise ValueError(f"accountant must be 'pld', 'rdp' or None, got {accountant!r}")
@@ -420,15 +319,10 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
             batch_cap=self.batch_cap(privacy, num_rounds, sizes, num_rows), damping=self.damping,
         )
         federation = self._start(programs, potential, layout)
-        step = core.build_step(config, num_clients=num_clients, dp=self.dp, schedule=self.schedule,
+        step = core.build_step(config, num_clients=num_clients, schedule=self.schedule,
                                damping=self.damping, auto_clip=self.auto_clip)
-        num_mc_samples = self.num_mc_samples
-
-        def loss(rng_key, q, prior, federation):
-            return core.federated_negative_elbo(rng_key, federation, q, prior, num_mc_samples)
-
         self._plan = _RunPlan(num_rounds, sizes, sigmas, privacy, dp_error, layout, jit_round(step),
-                              jit_round(loss), federation)
+                              jit_round(core.build_loss(self.num_mc_samples)), federation)
         return self._initial_state(prior, sizes.size)
 
     def update(self, rng_key, state: PVIState, *args, **kwargs):
@@ -485,7 +379,7 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
             desc=f"{type(self).__name__} ({self.dp or 'non-private'})", context={"start_loc": start_loc},
         )
         if self.dp is None:
-            result.metrics["last_move"] = _last_move(start_loc, result.metrics["loc"], result.metrics["scale"])
+            result.metrics["last_move"] = last_move(start_loc, result.metrics["loc"], result.metrics["scale"])
         return self.finish(result)
 
     def record(self, state: PVIState, info) -> dict:
@@ -513,75 +407,8 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         """The final state (the baselines combine the factors) and the run's warnings: local
         fits that had not converged, ``q`` still moving between rounds (non-private), a
         privacy noise that makes the answer approximate."""
-        metrics = result.metrics
-        residual = metrics["residual"]
-        if result.privacy is None and self.dp is None and residual[-1].max() > _MAX_RESIDUAL:
-            warnings.warn(
-                f"DPPVI: the local optimization had not converged in the last round: its "
-                f"gradient puts the optimum about {residual[-1].max():.2g} of q's scale away "
-                f"(metrics['residual']; above {_MAX_RESIDUAL}): raise num_local_steps or run more "
-                "rounds (or, with your own optim, a larger or decaying rate; num_mc_samples if "
-                "the model is noisy)",
-                RuntimeWarning, stacklevel=3,
-            )
-        num_rounds = residual.shape[0]
-        if result.privacy is None and self.dp is None and num_rounds >= 2:
-            # A mean-field PVI fixed point is reached like coordinate ascent: on a strongly
-            # correlated posterior q's means still move a lot between rounds when the run
-            # stops (the zoo's d = 20, condition number 1e3: 2.7 posterior sds short after 10
-            # rounds), while each local fit has converged (residual small).
-            moved = metrics["last_move"][-1]
-            if moved.max() > _MAX_LAST_MOVE:
-                span = min(_LAST_MOVE_SPAN, num_rounds - 1)
-                j = int(np.argmax(moved))
-                last = "in the last round" if span == 1 else f"over the last {span} rounds"
-                warnings.warn(
-                    f"DPPVI: q had not converged over the rounds: {last} its mean moved "
-                    f"{moved[j]:.2g} of its scale per round (coordinate {j}; metrics['last_move'], above "
-                    f"{_MAX_LAST_MOVE}), so it is still on its way (a strongly correlated posterior "
-                    "converges slowly with one mean-field factor per client): run more rounds",
-                    RuntimeWarning, stacklevel=3,
-                )
-        dp_error = float(metrics["predicted_dp_error"][-1])
-        if self.dp in ("local_avg", "virtual") and result.privacy is not None:
-            self._update_perturbation_warnings(dp_error, float(np.mean(metrics["clipped"][-1])))
-        elif _WARN_DP_ERROR < dp_error <= MAX_DP_ERROR:
-            warnings.warn(
-                f"DPPVI(dp='dpsgd'): the privacy noise is expected to have moved q's means by "
-                f"about {dp_error:.2g} posterior standard deviations (predicted_dp_error; measured "
-                f"errors have been up to 5 times that), and q's scales do not include that noise: "
-                "read the answer as approximate. For a closer one raise target_epsilon, run "
-                "fewer rounds, or give the clients more rows",
-                RuntimeWarning, stacklevel=3,
-            )
+        judge_run(self.dp, result.metrics, private=result.privacy is not None, clip_norm=self.clip_norm, stacklevel=3)
         return result._replace(state=self._final_state(result.state))
-
-    def _update_perturbation_warnings(self, dp_error, clipped):
-        """Update perturbation: ``q``'s scale is known only after the run, so the noise's
-        error (:meth:`update_noise_error`) and the clipping are judged then, with a warning."""
-        shards = ("num_shards (the noise is divided by it)" if self.dp == "local_avg"
-                  else "num_shards (more virtual clients, each with fewer rows, are clipped less)")
-        if dp_error > _WARN_DP_ERROR:
-            verdict = ("the answer is mostly noise" if dp_error > MAX_DP_ERROR
-                       else "read the answer as approximate")
-            warnings.warn(
-                f"DPPVI(dp='{self.dp}'): the privacy noise is expected to have moved q's means by "
-                f"about {dp_error:.2g} of q's standard deviations (metrics['predicted_dp_error']; "
-                f"measured errors have been up to 5 times that), and q's scales do not include "
-                f"that noise: {verdict}. Raise target_epsilon, run fewer rounds, use damping "
-                f"below 1 over several rounds, raise {shards}, or use dp='dpsgd' (its noise "
-                "shrinks with the clients' rows)",
-                RuntimeWarning, stacklevel=4,
-            )
-        if clipped >= _MOSTLY_CLIPPED:
-            warnings.warn(
-                f"DPPVI(dp='{self.dp}'): {clipped:.0%} of the clients' changes were clipped to "
-                f"clip_norm={self.clip_norm} in the last round (metrics['clipped']): the clip "
-                "norm bounds each round's move of q's natural parameters, so q may not have "
-                f"reached its fixed point (too wide, pulled toward the prior). Raise {shards}, "
-                "run more rounds, or raise clip_norm (the noise grows with it)",
-                RuntimeWarning, stacklevel=4,
-            )
 
     def get_params(self, state: PVIState) -> dict:
         """``{"loc": ..., "scale": ...}`` of ``q`` on the unconstrained space, each a dict by
@@ -672,15 +499,3 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
     def _communications_per_round(self):
         return self.federated_potential.num_clients
 
-
-def _last_move(start_loc, locs, scales):
-    """``(num_rounds, d)``: per round, the move of ``q``'s means per round over the last (up
-    to) ``_LAST_MOVE_SPAN`` rounds, in units of its scales; the first round's from the start.
-    A steady drift keeps its size while the round-to-round jitter of the stochastic local fits
-    shrinks by the span (one round's jitter alone reached 0.12 on a converged logistic run)."""
-    history = np.concatenate([np.asarray(start_loc)[None], locs])
-    out = np.empty_like(locs)
-    for r in range(locs.shape[0]):
-        span = max(1, min(_LAST_MOVE_SPAN, r))
-        out[r] = np.abs(history[r + 1] - history[r + 1 - span]) / (span * scales[r])
-    return out

@@ -19,7 +19,8 @@ from numpyro_fed._checks import check_int, check_positive
 from numpyro_fed.infer.base import RunResult, VariationalMethod, jit_round
 from numpyro_fed.infer.pvi import core
 from numpyro_fed.infer.pvi.client import LocalConfig
-from numpyro_fed.infer.pvi.gaussian import gaussian_prior, loc_scale, tree_add
+from numpyro_fed.infer.pvi.gaussian import gaussian_prior, loc_scale
+from numpyro_fed.infer.stein.client_order import check_client_order, make_client_order
 
 __all__ = ["GaussianPVI", "GaussianPVIInfo"]
 
@@ -106,11 +107,8 @@ class GaussianPVI(VariationalMethod):
         self.damping = check_positive(damping, "damping")
         if self.damping > 1.0:
             raise ValueError(f"damping must lie in (0, 1], got {self.damping}")
-        if isinstance(client_order, str):
-            if client_order not in ("round_robin", "random"):
-                raise ValueError(f"client_order must be 'round_robin', 'random' or a sequence of client "
-                                 f"indices, got {client_order!r}")
-        else:
+        check_client_order(client_order)
+        if not isinstance(client_order, str):
             order = np.asarray(client_order)
             if order.ndim != 1 or order.dtype == bool or not np.issubdtype(order.dtype, np.integer):
                 raise ValueError(f"client_order must be a 1-d sequence of client indices, got {client_order!r}")
@@ -124,10 +122,8 @@ class GaussianPVI(VariationalMethod):
         plates = [p.name for p in fp.plates.values() if p.holds_data]
         if len(plates) != 1:
             raise ValueError(f"GaussianPVI needs a model with one federated data plate, found {plates}")
-        if not isinstance(self.client_order, str):
-            bad = sorted({m for m in self.client_order if not 0 <= m < fp.num_clients})
-            if bad:
-                raise ValueError(f"client_order names unknown client(s) {bad}: clients are 0..{fp.num_clients - 1}")
+        if not isinstance(self.client_order, str):  # its clients checked now, its length per round
+            make_client_order(self.client_order, len(self.client_order), fp.num_clients, None)
         flat = fp.flat()
         prior = gaussian_prior(flat.prior_potential, fp.num_latent)
         shard_index, shard_valid = core.shard_layout(np.asarray(fp.client_sizes), 1)
@@ -135,47 +131,28 @@ class GaussianPVI(VariationalMethod):
         layout = core.BlockLayout(plates[0], shard_index, shard_valid, jnp.zeros(fp.num_clients, prior.eta1.dtype))
         config = LocalConfig(optim=self.optim, num_steps=self.num_local_steps, num_mc_samples=self.num_mc_samples,
                              sampling="full", sampling_rate=1.0, dpsgd=False, clip_norm=1.0)
-        row_log_lik, damping, num_mc_samples = flat.row_log_likelihood, self.damping, self.num_mc_samples
-        functions, stateful = core.client_functions(row_log_lik, config, damping=damping)
+        functions, stateful = core.client_functions(flat.row_log_likelihood, config, damping=self.damping)
         self.start_clients(functions, transform=layout, stateful=stateful)
         self._data = layout
-
-        @jit_round
-        def loss_fn(rng_key, q, prior, federation):
-            return core.federated_negative_elbo(rng_key, federation, q, prior, num_mc_samples)
-
-        self._loss_fn = loss_fn
+        self._loss_fn = jit_round(core.build_loss(self.num_mc_samples))
+        step = core.build_client_step(self.num_mc_samples, damping=self.damping)
 
         @jit_round
         def round_fn(rng_key, state, m, federation):
-            # the scheduled client: q and which coordinates of its last update were applied
-            # down, the change of its factor up (its factor stays with it)
-            clients, reply = federation.one("update", m, state.q, rng_key, own=(state.applied,),
-                                            state=state.clients)
-            delta = reply.delta
-            # the server
-            add = lambda all_, d: all_.at[m].add(damping * d)
-            state, ok = core.server_update(state, tree_add(state.q, delta, damping),
-                                           jax.tree.map(add, state.factors, delta))
-            state = state._replace(clients=clients, applied=state.applied.at[m].set(ok), round=state.round + 1)
-            loss = core.federated_negative_elbo(jax.random.fold_in(rng_key, core.LOSS_STREAM), federation,
-                                                state.q, state.prior, self.num_mc_samples)
-            return state, GaussianPVIInfo(m, jnp.sum(~ok), reply.residual, loss)
+            state, info = step(rng_key, state, federation, m)
+            return state, GaussianPVIInfo(m, info.rejected, info.residual, info.loss)
 
         self._round_fn = round_fn
         return core.init(prior, fp.num_clients, federation=self._active_federation)
 
     def client_of_round(self, rng_key, round_index: int) -> int:
         """The client that ``client_order`` schedules in round ``round_index`` (0-based;
-        ``"random"`` draws it with ``rng_key``)."""
+        ``"random"`` draws it with ``rng_key``), by
+        :func:`~numpyro_fed.infer.stein.client_order.make_client_order`."""
         num_clients = self.federated_potential.num_clients
-        if self.client_order == "round_robin":
-            return round_index % num_clients
         if self.client_order == "random":
-            return int(jax.random.randint(rng_key, (), 0, num_clients))
-        if round_index >= len(self.client_order):
-            raise ValueError(f"client_order gives {len(self.client_order)} rounds; round {round_index + 1} has no client")
-        return self.client_order[round_index]
+            return int(make_client_order("random", 1, num_clients, rng_key)[0])
+        return int(make_client_order(self.client_order, round_index + 1, num_clients, None)[round_index])
 
     def update(self, rng_key, state: core.PVIState, *args, **kwargs):
         """One round: the scheduled client's update and the server's. ``(state,

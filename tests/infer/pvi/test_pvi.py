@@ -52,8 +52,8 @@ def test_row_log_likelihood_refuses_client_local_latents():
 def test_gaussian_prior_reads_normal_priors():
     X, y = _regression_data()
     fp = nf.split_potential(models.logistic_regression, (X, y))
-    eta = pvi.gaussian_prior(lambda x: fp.prior_potential_fn(fp.unravel(x)), fp.num_latent)
-    loc, scale = pvi.loc_scale(eta)
+    eta = pvi.gaussian.gaussian_prior(lambda x: fp.prior_potential_fn(fp.unravel(x)), fp.num_latent)
+    loc, scale = pvi.gaussian.loc_scale(eta)
     np.testing.assert_allclose(loc, 0.0, atol=1e-12)
     np.testing.assert_allclose(scale, 1.0, rtol=1e-12)
 
@@ -62,13 +62,13 @@ def test_gaussian_prior_refuses_non_gaussian_prior():
     X, _ = _regression_data()
     fp = nf.split_potential(models.poisson_glm, (X, jnp.ones(X.shape[0])))
     with pytest.raises(ValueError, match="Gaussian prior"):
-        pvi.gaussian_prior(lambda x: fp.prior_potential_fn(fp.unravel(x)), fp.num_latent)
+        pvi.gaussian.gaussian_prior(lambda x: fp.prior_potential_fn(fp.unravel(x)), fp.num_latent)
 
 
 @pytest.mark.parametrize("clip_norm", [1e-3, 0.5, 3.0])
 def test_clip_by_norm_bounds_every_row(clip_norm):
     vectors = jax.random.normal(jax.random.PRNGKey(1), (500, 7)) * jnp.logspace(-3, 2, 500)[:, None]
-    clipped, was_clipped = pvi.clip_by_norm(vectors, clip_norm)
+    clipped, was_clipped = pvi.client.clip_by_norm(vectors, clip_norm)
     norms = jnp.linalg.norm(vectors, axis=1)
     new_norms = jnp.linalg.norm(clipped, axis=1)
     assert jnp.all(new_norms <= clip_norm * (1 + 1e-12))
@@ -88,9 +88,9 @@ def test_per_example_grads_match_single_row_gradients():
     def row_log_lik(theta, rows):
         return fp.row_log_likelihood_fn(fp.unravel(theta), rows)
 
-    params = pvi.LocalParams(jnp.arange(d) * 0.3, jnp.full(d, -0.5))
+    params = pvi.client.LocalParams(jnp.arange(d) * 0.3, jnp.full(d, -0.5))
     eps = jax.random.normal(jax.random.PRNGKey(2), (5, d))
-    grads = pvi.per_example_grads(row_log_lik, params, eps, rows)
+    grads = pvi.client.per_example_grads(row_log_lik, params, eps, rows)
     for i in range(rows[0].shape[0]):
         def term(p):
             thetas = p.loc + jnp.exp(p.log_scale) * eps

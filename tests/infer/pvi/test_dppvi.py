@@ -75,13 +75,13 @@ def test_poisson_cap_changes_nothing_when_the_batch_fits(data):
     rows = [r[0] for r in fp.client_data["rows"]]
     valid = fp.client_data["valid"]["data"][0]
     d = fp.num_latent
-    start = pvi.natural(jnp.zeros(d), jnp.ones(d))
-    config = pvi.LocalConfig(optim=optax.adam(0.1), num_steps=3, num_mc_samples=2, sampling="poisson",
+    start = pvi.gaussian.natural(jnp.zeros(d), jnp.ones(d))
+    config = pvi.client.LocalConfig(optim=optax.adam(0.1), num_steps=3, num_mc_samples=2, sampling="poisson",
                              sampling_rate=0.1, dpsgd=True, clip_norm=1.0)
     row_log_lik = lambda t, r: fp.row_log_likelihood_fn(fp.unravel(t), r)
-    full, _ = pvi.optimize_local(jax.random.PRNGKey(0), row_log_lik, start, start, rows, valid, config,
+    full, _ = pvi.client.optimize_local(jax.random.PRNGKey(0), row_log_lik, start, start, rows, valid, config,
                                  noise_multiplier=1.0)
-    capped, _ = pvi.optimize_local(jax.random.PRNGKey(0), row_log_lik, start, start, rows, valid, config,
+    capped, _ = pvi.client.optimize_local(jax.random.PRNGKey(0), row_log_lik, start, start, rows, valid, config,
                                    noise_multiplier=1.0, batch_cap=20)
     np.testing.assert_allclose(capped.eta1, full.eta1, rtol=1e-10)
     # The cap the class picks keeps the overflow probability within its share of delta.
@@ -184,15 +184,15 @@ def test_dpsgd_noise_has_the_stated_scale():
     # With no data and q equal to the cavity, one SGD step of size 1 moves the
     # parameters by exactly the noise: sigma * C / rate per coordinate.
     d, sigma, clip, rate = 3, 2.0, 0.7, 0.25
-    start = pvi.natural(jnp.zeros(d), jnp.ones(d))
+    start = pvi.gaussian.natural(jnp.zeros(d), jnp.ones(d))
     rows = [jnp.zeros((4, 1))]
-    config = pvi.LocalConfig(optim=optax.sgd(1.0), num_steps=1, num_mc_samples=1, sampling="poisson",
+    config = pvi.client.LocalConfig(optim=optax.sgd(1.0), num_steps=1, num_mc_samples=1, sampling="poisson",
                              sampling_rate=rate, dpsgd=True, clip_norm=clip)
 
     def moved(key):
-        new, _ = pvi.optimize_local(key, lambda t, r: jnp.zeros(r[0].shape[0]), start, start,
+        new, _ = pvi.client.optimize_local(key, lambda t, r: jnp.zeros(r[0].shape[0]), start, start,
                                     rows, jnp.zeros(4, bool), config, noise_multiplier=sigma)
-        loc, scale = pvi.loc_scale(new)
+        loc, scale = pvi.gaussian.loc_scale(new)
         return jnp.concatenate([loc, jnp.log(scale)])
 
     steps = jax.vmap(moved)(jax.random.split(jax.random.PRNGKey(4), 4000))
@@ -203,17 +203,17 @@ def test_dpsgd_noise_has_the_stated_scale():
 @pytest.mark.parametrize("dp, trusted", [("local_avg", False), ("virtual", False), ("virtual", True)])
 def test_update_noise_has_the_stated_scale(dp, trusted):
     d, sigma, clip, shards, clients = 2, 3.0, 0.5, 4, 9
-    q = pvi.natural(jnp.zeros(d), jnp.ones(d))
+    q = pvi.gaussian.natural(jnp.zeros(d), jnp.ones(d))
     zero = pvi.GaussianNatural(jnp.zeros(d), jnp.zeros(d))
     virtual = pvi.GaussianNatural(jnp.zeros((shards, d)), jnp.zeros((shards, d)))
     rows = [jnp.zeros((8, 1))]
     index = jnp.arange(8).reshape(shards, 2)
-    config = pvi.LocalConfig(optim=optax.sgd(0.1), num_steps=2, num_mc_samples=1, sampling="full",
+    config = pvi.client.LocalConfig(optim=optax.sgd(0.1), num_steps=2, num_mc_samples=1, sampling="full",
                              sampling_rate=1.0, dpsgd=False, clip_norm=clip)
     divisor = np.sqrt(clients) if trusted else 1.0
 
     def delta(key):
-        out, _, _ = pvi.client_update(
+        out, _, _ = pvi.client.client_update(
             key, lambda t, r: jnp.zeros(r[0].shape[0]), q, zero, virtual, rows, jnp.zeros(8, bool),
             index, jnp.zeros((shards, 2), bool), config, dp=dp, noise_multiplier=sigma,
             noise_divisor=divisor,
@@ -231,15 +231,15 @@ def test_clipped_updates_have_norm_at_most_C(data, dp):
     rows = [r[0] for r in fp.client_data["rows"]]
     valid = fp.client_data["valid"]["data"][0]
     shards = 4
-    index, shard_valid = pvi.shard_layout([int(valid.sum())], shards, seed=0)
+    index, shard_valid = pvi.core.shard_layout([int(valid.sum())], shards, seed=0)
     d = fp.num_latent
-    q = pvi.natural(jnp.zeros(d), jnp.ones(d))
+    q = pvi.gaussian.natural(jnp.zeros(d), jnp.ones(d))
     zero = pvi.GaussianNatural(jnp.zeros(d), jnp.zeros(d))
     virtual = pvi.GaussianNatural(jnp.zeros((shards, d)), jnp.zeros((shards, d)))
     clip = 0.3  # far below the unclipped changes (several units): clipping is active
-    config = pvi.LocalConfig(optim=optax.adam(0.1), num_steps=20, num_mc_samples=2, sampling="full",
+    config = pvi.client.LocalConfig(optim=optax.adam(0.1), num_steps=20, num_mc_samples=2, sampling="full",
                              sampling_rate=1.0, dpsgd=False, clip_norm=clip)
-    delta, virtual_delta, clipped = pvi.client_update(
+    delta, virtual_delta, clipped = pvi.client.client_update(
         jax.random.PRNGKey(6), lambda t, r: fp.row_log_likelihood_fn(fp.unravel(t), r), q, zero,
         virtual, rows, valid, index[0], shard_valid[0], config, dp=dp, noise_multiplier=0.0,
     )
@@ -257,10 +257,10 @@ def test_dpsgd_clipped_gradients_have_norm_at_most_C(data):
     fp = nf.split_potential(model, data)
     rows = [r[0] for r in fp.client_data["rows"]]
     d = fp.num_latent
-    params = pvi.LocalParams(jnp.full(d, 3.0), jnp.zeros(d))
+    params = pvi.client.LocalParams(jnp.full(d, 3.0), jnp.zeros(d))
     eps = jax.random.normal(jax.random.PRNGKey(7), (3, d))
-    grads = pvi.per_example_grads(lambda t, r: fp.row_log_likelihood_fn(fp.unravel(t), r), params, eps, rows)
-    clipped, was_clipped = pvi.clip_by_norm(grads, 0.1)
+    grads = pvi.client.per_example_grads(lambda t, r: fp.row_log_likelihood_fn(fp.unravel(t), r), params, eps, rows)
+    clipped, was_clipped = pvi.client.clip_by_norm(grads, 0.1)
     assert jnp.any(was_clipped) and jnp.all(jnp.linalg.norm(clipped, axis=1) <= 0.1 * (1 + 1e-12))
 
 
@@ -295,21 +295,21 @@ def test_one_virtual_client_equals_naive_parameter_perturbation_by_hand(data, no
     valid = fp.client_data["valid"]["data"][1]
     d = fp.num_latent
     row_log_lik = lambda t, r: fp.row_log_likelihood_fn(fp.unravel(t), r)
-    q = pvi.natural(jnp.array([0.3, -0.2]), jnp.array([0.8, 0.9]))
+    q = pvi.gaussian.natural(jnp.array([0.3, -0.2]), jnp.array([0.8, 0.9]))
     factor = pvi.GaussianNatural(jnp.array([0.1, 0.2]), jnp.array([-0.05, -0.1]))
-    index, shard_valid = pvi.shard_layout([int(valid.sum())], 1, seed=0)
+    index, shard_valid = pvi.core.shard_layout([int(valid.sum())], 1, seed=0)
     clip = 0.4
-    config = pvi.LocalConfig(optim=optax.adam(0.1), num_steps=20, num_mc_samples=2, sampling="full",
+    config = pvi.client.LocalConfig(optim=optax.adam(0.1), num_steps=20, num_mc_samples=2, sampling="full",
                              sampling_rate=1.0, dpsgd=False, clip_norm=clip)
     key = jax.random.PRNGKey(11)
-    delta, _, _ = pvi.client_update(
+    delta, _, _ = pvi.client.client_update(
         key, row_log_lik, q, factor, jax.tree_util.tree_map(lambda x: x[None], factor), rows, valid,
         index[0], shard_valid[0], config, dp="virtual", noise_multiplier=noise_multiplier,
     )
     # by hand
     key_opt, key_noise = jax.random.split(key)
     cavity = pvi.GaussianNatural(q.eta1 - factor.eta1, q.eta2 - factor.eta2)
-    new_q, _ = pvi.optimize_local(jax.random.split(key_opt, 1)[0], row_log_lik, q, cavity, rows, valid, config)
+    new_q, _ = pvi.client.optimize_local(jax.random.split(key_opt, 1)[0], row_log_lik, q, cavity, rows, valid, config)
     change = jnp.concatenate([new_q.eta1 - q.eta1, new_q.eta2 - q.eta2])
     assert jnp.linalg.norm(change) > clip  # clipping is active
     change = change * clip / jnp.linalg.norm(change)
