@@ -25,8 +25,18 @@ def ray_session():
         with warnings.catch_warnings():
             # Ray starts its processes with fork+exec; JAX warns of fork in a threaded process.
             warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)
-            ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-                     configure_logging=False)
+            ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield ray
     if started:
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_federation(ray_session):
+    """One RayFederation for a test module: each test starts its clients with its own program
+    (the actors are reused: starting a process that imports JAX is what costs)."""
+    from numpyro_fed import RayFederation
+
+    federation = RayFederation(timeout=120.0)  # the first call compiles on each worker: a loaded machine
+    yield federation
+    federation.close()

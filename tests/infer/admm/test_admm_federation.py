@@ -20,6 +20,8 @@ from numpyro_fed.federation import ClientError
 from numpyro_fed.federation.base import block_spec
 from numpyro_fed.federation.remote import RemoteFederation
 
+from helpers import SENTINEL, holds_sentinel, save_client_rows
+
 Y = 1.0 + jax.random.normal(jax.random.PRNGKey(0), (30, 2))
 X_LOGISTIC = jax.random.normal(jax.random.PRNGKey(1), (45, 2))
 Y_LOGISTIC = (X_LOGISTIC @ jnp.array([1.0, -1.0]) + 0.5 * jax.random.normal(jax.random.PRNGKey(2), (45,)) > 0) * 1.0
@@ -39,8 +41,14 @@ def logistic_model(X, y=None):
 
 
 def _run(federation, model, args, *, topology="ring", num_samples=12, num_chains=2, num_warmup=0, sampler=nf.DADMMS):
-    mcmc = MCMC(sampler(model, topology=topology, federation=federation), num_warmup=num_warmup,
-                num_samples=num_samples, num_chains=num_chains, chain_method="vectorized", progress_bar=False)
+    mcmc = MCMC(
+        sampler(model, topology=topology, federation=federation),
+        num_warmup=num_warmup,
+        num_samples=num_samples,
+        num_chains=num_chains,
+        chain_method="vectorized",
+        progress_bar=False,
+    )
     if federation is None:
         mcmc.run(jax.random.PRNGKey(1), *args)
     else:
@@ -49,11 +57,14 @@ def _run(federation, model, args, *, topology="ring", num_samples=12, num_chains
     return mcmc
 
 
-@pytest.mark.parametrize("sampler, model, args, topology", [
-    (nf.DADMMS, gaussian_model, (Y,), "ring"),             # closed-form proximal steps
-    (nf.DADMMS, logistic_model, (X_LOGISTIC, Y_LOGISTIC), PATH),  # Newton's proximal steps, a path
-    (nf.DSGHMC, gaussian_model, (Y,), "ring"),             # a gradient baseline: iterate and momentum
-])
+@pytest.mark.parametrize(
+    "sampler, model, args, topology",
+    [
+        (nf.DADMMS, gaussian_model, (Y,), "ring"),  # closed-form proximal steps
+        (nf.DADMMS, logistic_model, (X_LOGISTIC, Y_LOGISTIC), PATH),  # Newton's proximal steps, a path
+        (nf.DSGHMC, gaussian_model, (Y,), "ring"),  # a gradient baseline: iterate and momentum
+    ],
+)
 def test_ray_agents_agree_with_the_in_process_network(ray_session, sampler, model, args, topology):
     local = _run(None, model, args, topology=topology, sampler=sampler)
     with nf.RayFederation(timeout=60.0) as federation:
@@ -62,8 +73,12 @@ def test_ray_agents_agree_with_the_in_process_network(ray_session, sampler, mode
     # for (chains,) on each actor: XLA may fuse differently (seen: 1 ulp at the 5th iteration),
     # so the draws of every agent agree to round-off, far inside Monte Carlo error
     for site, value in sampler.agent_draws(local, group_by_chain=True).items():
-        np.testing.assert_allclose(np.asarray(sampler.agent_draws(remote, group_by_chain=True)[site]),
-                                   np.asarray(value), rtol=1e-11, atol=1e-13)
+        np.testing.assert_allclose(
+            np.asarray(sampler.agent_draws(remote, group_by_chain=True)[site]),
+            np.asarray(value),
+            rtol=1e-11,
+            atol=1e-13,
+        )
     extra_local, extra_remote = local.get_extra_fields(), remote.get_extra_fields()
     for name in ("info.converged", "sent.messages", "sent.bytes"):
         if name in extra_local:
@@ -89,8 +104,9 @@ def test_ledger_follows_algorithm_1_and_the_driver_relays_nothing(ray_session):
     np.testing.assert_array_equal(messages[:, -1], [(samples + 1) * degrees] * chains)
     np.testing.assert_array_equal(nbytes[:, -1], [(samples + 1) * degrees * d * 8] * chains)
     np.testing.assert_array_equal(np.diff(messages, axis=1), np.broadcast_to(degrees, (chains, samples - 1, 3)))
-    np.testing.assert_array_equal(np.asarray(remote.get_extra_fields()["sent.bytes"]),
-                                  np.asarray(local.get_extra_fields()["sent.bytes"]))
+    np.testing.assert_array_equal(
+        np.asarray(remote.get_extra_fields()["sent.bytes"]), np.asarray(local.get_extra_fields()["sent.bytes"])
+    )
     # Ray's ledger, counted from the payloads: every round an agent ran (the agents may run a
     # few iterations ahead of the sampler) carried one message of d floats per neighbor and chain
     rounds = summary["DADMMS/iterate/rounds"]
@@ -117,8 +133,14 @@ def test_ledger_follows_algorithm_1_and_the_driver_relays_nothing(ray_session):
 def test_a_killed_agent_stops_the_run_naming_it_and_the_run_resumes(ray_session):
     timeout, samples = 10.0, 4000
     federation = nf.RayFederation(timeout=timeout)
-    mcmc = MCMC(nf.DADMMS(gaussian_model, federation=federation), num_warmup=0, num_samples=samples,
-                num_chains=2, chain_method="vectorized", progress_bar=False)
+    mcmc = MCMC(
+        nf.DADMMS(gaussian_model, federation=federation),
+        num_warmup=0,
+        num_samples=samples,
+        num_chains=2,
+        chain_method="vectorized",
+        progress_bar=False,
+    )
     killed = {}
 
     def kill_agent_1():
@@ -152,13 +174,20 @@ def test_a_killed_agent_stops_the_run_naming_it_and_the_run_resumes(ray_session)
         assert mcmc.last_state.i.tolist() == [done + 5, done + 5]
     finally:
         federation.close()
-    reference = MCMC(nf.DADMMS(gaussian_model), num_warmup=0, num_samples=done + 5, num_chains=2,
-                     chain_method="vectorized", progress_bar=False)
+    reference = MCMC(
+        nf.DADMMS(gaussian_model),
+        num_warmup=0,
+        num_samples=done + 5,
+        num_chains=2,
+        chain_method="vectorized",
+        progress_bar=False,
+    )
     reference.run(jax.random.PRNGKey(1), Y)
     expected = np.asarray(nf.DADMMS.agent_draws(reference, group_by_chain=True)["mu"])
     np.testing.assert_allclose(np.asarray(draws["mu"]), expected[:, :done], rtol=1e-9, atol=1e-12)
-    np.testing.assert_allclose(np.asarray(nf.DADMMS.agent_draws(mcmc, group_by_chain=True)["mu"]),
-                               expected[:, done:], rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(
+        np.asarray(nf.DADMMS.agent_draws(mcmc, group_by_chain=True)["mu"]), expected[:, done:], rtol=1e-9, atol=1e-12
+    )
 
 
 @pytest.mark.parametrize("build", ["dadmms_newton", "dadmms_quadratic", "dsgld"])
@@ -197,7 +226,7 @@ class HubAndSpoke(RemoteFederation):
         raise AssertionError("no call reaches the clients")
 
 
-@pytest.mark.parametrize("loader", [None, lambda m: (np.asarray(Y[10 * m:10 * (m + 1)]),)])
+@pytest.mark.parametrize("loader", [None, lambda m: (np.asarray(Y[10 * m : 10 * (m + 1)]),)])
 def test_a_backend_that_runs_no_agents_refuses_from_the_seam(loader):
     federation = HubAndSpoke() if loader is None else HubAndSpoke(loader=loader, num_clients=3)
     assert not federation.runs_agents and nf.InProcess.runs_agents and nf.RayFederation.runs_agents
@@ -208,7 +237,6 @@ def test_a_backend_that_runs_no_agents_refuses_from_the_seam(loader):
 
 # -- deployment: each agent loads its own rows where it lives ----------------------------------
 
-SENTINEL = 1.2345678901234567  # planted in client 1's rows only (distinctive bytes, a tame value)
 ROWS = 10  # per client
 
 
@@ -229,31 +257,18 @@ def linear_model(X, y=None):
 def save_per_agent(tmp_path):
     """Each client's rows in its own files, and a loader that reads them and records the pid
     of the process it runs in."""
-    X, y = deployment_rows()
-    for m in range(3):
-        np.save(tmp_path / f"X{m}.npy", X[m * ROWS:(m + 1) * ROWS])
-        np.save(tmp_path / f"y{m}.npy", y[m * ROWS:(m + 1) * ROWS])
-    folder = str(tmp_path)
-
-    def load(m):
-        import os
-
-        with open(f"{folder}/pids", "a") as f:
-            f.write(f"{os.getpid()}\n")
-        return np.load(f"{folder}/X{m}.npy"), np.load(f"{folder}/y{m}.npy")
-
-    return load
-
-
-def holds_sentinel(*objects):
-    import cloudpickle
-
-    return np.float64(SENTINEL).tobytes() in cloudpickle.dumps(objects)
+    return save_client_rows(tmp_path, [0, ROWS, 2 * ROWS, 3 * ROWS], *deployment_rows(), record_pids=True)
 
 
 def _deployed_run(federation, sampler, model, *, num_samples=10, **kwargs):
-    mcmc = MCMC(sampler(model, federation=federation, **kwargs), num_warmup=3, num_samples=num_samples,
-                num_chains=2, chain_method="vectorized", progress_bar=False)
+    mcmc = MCMC(
+        sampler(model, federation=federation, **kwargs),
+        num_warmup=3,
+        num_samples=num_samples,
+        num_chains=2,
+        chain_method="vectorized",
+        progress_bar=False,
+    )
     with federation.guard() if hasattr(federation, "guard") else contextlib_null():
         mcmc.run(jax.random.PRNGKey(4))  # no data arguments: the loaders give the rows
     return mcmc
@@ -266,26 +281,36 @@ def contextlib_null():
 
 
 def _simulated_run(sampler, model, *, num_samples=10, **kwargs):
-    mcmc = MCMC(sampler(model, **kwargs), num_warmup=3, num_samples=num_samples, num_chains=2,
-                chain_method="vectorized", progress_bar=False)
+    mcmc = MCMC(
+        sampler(model, **kwargs),
+        num_warmup=3,
+        num_samples=num_samples,
+        num_chains=2,
+        chain_method="vectorized",
+        progress_bar=False,
+    )
     mcmc.run(jax.random.PRNGKey(4), *deployment_rows())
     return mcmc
 
 
-@pytest.mark.parametrize("sampler, model", [
-    (nf.DADMMS, logistic_model),  # Newton's proximal steps
-    (nf.DADMMS, linear_model),    # closed form
-    pytest.param(nf.ADMM, linear_model, marks=pytest.mark.slow),
-    (nf.DSGLD, logistic_model),
-    pytest.param(nf.DSGHMC, linear_model, marks=pytest.mark.slow),
-    pytest.param(nf.DULA, logistic_model, marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "sampler, model",
+    [
+        (nf.DADMMS, logistic_model),  # Newton's proximal steps
+        (nf.DADMMS, linear_model),  # closed form
+        pytest.param(nf.ADMM, linear_model, marks=pytest.mark.slow),
+        (nf.DSGLD, logistic_model),
+        pytest.param(nf.DSGHMC, linear_model, marks=pytest.mark.slow),
+        pytest.param(nf.DULA, logistic_model, marks=pytest.mark.slow),
+    ],
+)
 def test_deployment_in_process_draws_the_simulation_s_numbers(tmp_path, sampler, model):
     simulated = _simulated_run(sampler, model)
     deployed = _deployed_run(nf.InProcess(loader=save_per_agent(tmp_path), num_clients=3), sampler, model)
     for site, value in sampler.agent_draws(simulated, group_by_chain=True).items():
-        np.testing.assert_array_equal(np.asarray(sampler.agent_draws(deployed, group_by_chain=True)[site]),
-                                      np.asarray(value))
+        np.testing.assert_array_equal(
+            np.asarray(sampler.agent_draws(deployed, group_by_chain=True)[site]), np.asarray(value)
+        )
     assert deployed.sampler.federated_potential.deployed
     assert deployed.sampler.solver_used == simulated.sampler.solver_used if sampler is nf.DADMMS else True
 
@@ -304,9 +329,15 @@ def _check_ray_deployment(ray_session, tmp_path, sampler, model, **kwargs):
         # the driver holds no row: not the sampler, its potential, the agents' programs, the
         # federation's program, the draws nor the ArviZ object
         assert holds_sentinel(deployment_rows())  # the check sees rows when they are there
-        assert not holds_sentinel(kernel, kernel.federated_potential, kernel.agent_potentials,
-                                  federation.program, deployed.get_samples(), deployed.get_extra_fields(),
-                                  nf.to_inference_data(deployed))
+        assert not holds_sentinel(
+            kernel,
+            kernel.federated_potential,
+            kernel.agent_potentials,
+            federation.program,
+            deployed.get_samples(),
+            deployed.get_extra_fields(),
+            nf.to_inference_data(deployed),
+        )
         # the check of the draws (Stein's identity) asks the agents for their gradients
         if kernel.samples_posterior:
             kernel.check_spread(deployed)
@@ -317,8 +348,12 @@ def _check_ray_deployment(ray_session, tmp_path, sampler, model, **kwargs):
     pids = {int(p) for p in open(tmp_path / "pids").read().split()}
     assert pids and os.getpid() not in pids
     for site, value in sampler.agent_draws(simulated, group_by_chain=True).items():
-        np.testing.assert_allclose(np.asarray(sampler.agent_draws(deployed, group_by_chain=True)[site]),
-                                   np.asarray(value), rtol=1e-9, atol=1e-11)
+        np.testing.assert_allclose(
+            np.asarray(sampler.agent_draws(deployed, group_by_chain=True)[site]),
+            np.asarray(value),
+            rtol=1e-9,
+            atol=1e-11,
+        )
     return kernel, ledger, names
 
 
@@ -332,13 +367,16 @@ def test_deployment_on_ray_agents_load_their_own_rows_and_the_driver_holds_none(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sampler, model", [
-    (nf.DADMMS, linear_model),  # each agent factors its own quadratic where it lives
-    (nf.ADMM, linear_model),
-    (nf.DSGLD, logistic_model),
-    (nf.DSGHMC, linear_model),
-    (nf.DULA, logistic_model),
-])
+@pytest.mark.parametrize(
+    "sampler, model",
+    [
+        (nf.DADMMS, linear_model),  # each agent factors its own quadratic where it lives
+        (nf.ADMM, linear_model),
+        (nf.DSGLD, logistic_model),
+        (nf.DSGHMC, linear_model),
+        (nf.DULA, logistic_model),
+    ],
+)
 def test_deployment_on_ray_every_decentralized_sampler(ray_session, tmp_path, sampler, model):
     kernel, ledger, names = _check_ray_deployment(ray_session, tmp_path, sampler, model)
     if sampler in (nf.DSGLD, nf.DSGHMC, nf.DULA):  # the step-size check: one curvature per agent

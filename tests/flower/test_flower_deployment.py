@@ -1,0 +1,77 @@
+"""The Flower app of examples/flower on one machine (slow: a process per message on each
+node): a SuperLink and 3 SuperNodes on localhost, each node loading its own shard from the
+file its node config names, give the in-process run's answer; and ``flwr run`` runs the same
+app in Flower's simulation."""
+
+import json
+import os
+import shutil
+import sys
+
+import numpy as np
+import pytest
+
+import jax
+
+pytest.importorskip("flwr", reason="Flower is not installed (pip install 'numpyro_fed[flower]')")
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples", "flower")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
+    pytest.mark.skipif(
+        shutil.which("flower-superlink", path=os.path.dirname(sys.executable)) is None
+        and shutil.which("flower-superlink") is None,
+        reason="the flower-superlink command is not installed",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def example():
+    sys.path.insert(0, os.path.abspath(EXAMPLE))
+    import deploy_localhost
+    from fedapp import task
+
+    yield deploy_localhost, task
+    sys.path.remove(os.path.abspath(EXAMPLE))
+
+
+def in_process_means(task, name, rounds):
+    """The posterior means the app's server writes, from the in-process deployed run (in
+    float32, as the app's processes run)."""
+    import copy
+
+    import numpyro_fed as nf
+
+    with jax.enable_x64(False):
+        method = copy.copy(task.METHODS[name])  # the app's method, never run, on this federation
+        method.federation = nf.InProcess(loader=lambda m: task.load({"partition-id": m}), num_clients=task.NUM_NODES)
+        result = method.run(jax.random.PRNGKey(0), rounds)
+        draws = result.method.get_samples(jax.random.PRNGKey(1), result, 1000)
+        return {k: np.asarray(v).mean(axis=0) for k, v in draws.items()}, result
+
+
+def test_localhost_deployment_gives_the_in_process_answer(example, tmp_path):
+    deploy, task = example
+    results = deploy.main(["--num-rounds", "2", "--methods", "dppvi", "--out", str(tmp_path), "--timeout", "900"])
+    summary = results["dppvi"]
+    assert summary["rounds"] == 2
+    # the shards the nodes loaded are the app's synthetic ones
+    means, result = in_process_means(task, "dppvi", 2)
+    np.testing.assert_array_equal(np.asarray(summary["posterior_mean"]["w"], np.float32), means["w"])
+    assert summary["bytes_to_clients"] == int(result.ledger["bytes_to_client"].sum())
+    assert summary["bytes_from_clients"] == int(result.ledger["bytes_from_client"].sum())
+    with open(tmp_path / "dppvi.json") as f:
+        assert json.load(f) == summary
+
+
+def test_flwr_run_simulates_the_app(example, tmp_path):
+    deploy, task = example
+    results = deploy.main(
+        ["--simulation", "--num-rounds", "2", "--methods", "dppvi-dpsgd", "--out", str(tmp_path), "--timeout", "600"]
+    )
+    summary = results["dppvi-dpsgd"]
+    means, result = in_process_means(task, "dppvi-dpsgd", 2)
+    np.testing.assert_array_equal(np.asarray(summary["posterior_mean"]["w"], np.float32), means["w"])
+    assert summary["privacy"]["epsilon"] == result.privacy.epsilon
