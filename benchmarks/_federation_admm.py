@@ -24,6 +24,7 @@ import time
 import numpy as np
 
 import jax
+
 from numpyro.infer import MCMC
 
 import numpyro_fed as nf
@@ -50,8 +51,9 @@ def measure(federation, problem, chains):
     kernel = nf.DADMMS(_model(problem), topology="ring", rho=5.0, federation=federation)
     seconds, peer_bytes, peer_rounds = {}, {}, {}
     for label, n in (("compile", SHORT), ("short", SHORT), ("long", LONG)):
-        mcmc = MCMC(kernel, num_warmup=0, num_samples=n, num_chains=chains, chain_method="vectorized",
-                    progress_bar=False)
+        mcmc = MCMC(
+            kernel, num_warmup=0, num_samples=n, num_chains=chains, chain_method="vectorized", progress_bar=False
+        )
         start = time.perf_counter()
         if federation is None:
             mcmc.run(jax.random.PRNGKey(0), problem.X, problem.y)
@@ -68,8 +70,12 @@ def measure(federation, problem, chains):
     sent = np.asarray(mcmc.get_extra_fields(group_by_chain=True)["sent.bytes"])  # (chain, draw, agent)
     per_iteration = float(np.diff(sent, axis=1)[:, -1].sum())  # all agents, all chains
     marginal = seconds["long"] - seconds["short"]
-    out = dict(ms_per_round=marginal / (LONG - SHORT) * 1e3, rounds_per_s=(LONG - SHORT) / marginal,
-               bytes_per_round=per_iteration, wall_s=seconds["long"])
+    out = dict(
+        ms_per_round=marginal / (LONG - SHORT) * 1e3,
+        rounds_per_s=(LONG - SHORT) / marginal,
+        bytes_per_round=per_iteration,
+        wall_s=seconds["long"],
+    )
     if federation is not None:
         rounds = peer_rounds["long"] - peer_rounds["short"]
         out["ledger_bytes_per_round"] = (peer_bytes["long"] - peer_bytes["short"]) / max(rounds, 1)
@@ -81,14 +87,16 @@ def rows(ctx):
     problem = dadmms_linear(0, num_agents=ctx.num_clients, n_per_agent=ROWS)
     out = []
     local = measure(None, problem, ctx.chains)
-    out.append(dict(what=f"DADMMS iteration, {ctx.num_clients}-agent ring, {ctx.chains} chains",
-                    backend="in-process", **local))
+    out.append(
+        dict(what=f"DADMMS iteration, {ctx.num_clients}-agent ring, {ctx.chains} chains", backend="in-process", **local)
+    )
     federation = ctx.ray()
     try:
         remote = measure(federation, problem, ctx.chains)
     finally:
         federation.close()
     remote["ray_over_in_process"] = remote["ms_per_round"] / local["ms_per_round"]
-    out.append(dict(what=f"DADMMS iteration, {ctx.num_clients}-agent ring, {ctx.chains} chains",
-                    backend="ray", **remote))
+    out.append(
+        dict(what=f"DADMMS iteration, {ctx.num_clients}-agent ring, {ctx.chains} chains", backend="ray", **remote)
+    )
     return out

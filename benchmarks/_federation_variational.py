@@ -57,29 +57,54 @@ def _methods(model, num_clients):
     called once (on Ray each worker compiles its function at its first call)."""
     return {
         "DPPVI synchronous, non-private (M updates of q per round)": (
-            lambda fed: nf.DPPVI(model, schedule="synchronous", num_local_steps=50, federation=fed,
-                                 progress_bar=False), 1),
+            lambda fed: nf.DPPVI(model, schedule="synchronous", num_local_steps=50, federation=fed, progress_bar=False),
+            1,
+        ),
         "DPPVI sequential, non-private (M updates of q per round)": (
-            lambda fed: nf.DPPVI(model, num_local_steps=50, federation=fed, progress_bar=False), 1),
+            lambda fed: nf.DPPVI(model, num_local_steps=50, federation=fed, progress_bar=False),
+            1,
+        ),
         "DPPVI sequential, DP-SGD (M updates of q per round)": (
-            lambda fed: nf.DPPVI(model, dp="dpsgd", noise_multiplier=1.0, sampling="poisson", sampling_rate=0.1,
-                                 clip_norm=2.0, num_local_steps=50, federation=fed, progress_bar=False), 1),
+            lambda fed: nf.DPPVI(
+                model,
+                dp="dpsgd",
+                noise_multiplier=1.0,
+                sampling="poisson",
+                sampling_rate=0.1,
+                clip_norm=2.0,
+                num_local_steps=50,
+                federation=fed,
+                progress_bar=False,
+            ),
+            1,
+        ),
         "DSVGD (one scheduled client per round)": (
-            lambda fed: nf.DSVGD(model, num_particles=20, num_local_steps=50, num_distill_steps=50,
-                                 federation=fed, progress_bar=False), num_clients),
+            lambda fed: nf.DSVGD(
+                model, num_particles=20, num_local_steps=50, num_distill_steps=50, federation=fed, progress_bar=False
+            ),
+            num_clients,
+        ),
     }
 
 
 def _row(what, backend, result, wall_s, warm):
-    per_round = np.diff(result.metrics["wall_time"])[warm - 1:] * 1e3  # after the warm-up rounds
+    per_round = np.diff(result.metrics["wall_time"])[warm - 1 :] * 1e3  # after the warm-up rounds
     ledger = result.ledger
     rounds = len(result.metrics["wall_time"])
     total = sum(int(np.sum(ledger[k])) for k in ("bytes_to_client", "bytes_from_client"))
     update = sum(int(np.sum(ledger[f"update/bytes_{d}"])) for d in ("to_client", "from_client"))
-    return dict(what=what, backend=backend, ms_per_round=float(np.median(per_round)),
-                ms_p10=float(np.percentile(per_round, 10)), ms_p90=float(np.percentile(per_round, 90)),
-                rounds_per_s=float(1e3 / np.median(per_round)), bytes_per_round=total // rounds,
-                message_bytes_per_round=update // rounds, diagnostic_bytes_per_round=(total - update) // rounds, wall_s=round(wall_s, 2))
+    return dict(
+        what=what,
+        backend=backend,
+        ms_per_round=float(np.median(per_round)),
+        ms_p10=float(np.percentile(per_round, 10)),
+        ms_p90=float(np.percentile(per_round, 90)),
+        rounds_per_s=float(1e3 / np.median(per_round)),
+        bytes_per_round=total // rounds,
+        message_bytes_per_round=update // rounds,
+        diagnostic_bytes_per_round=(total - update) // rounds,
+        wall_s=round(wall_s, 2),
+    )
 
 
 def rows(ctx):

@@ -29,6 +29,7 @@ import time
 import numpy as np
 
 import jax
+
 import numpyro
 import numpyro.distributions as dist
 from numpyro.diagnostics import effective_sample_size

@@ -43,7 +43,6 @@ import numpyro
 numpyro.enable_x64()
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
 import numpyro.distributions as dist  # noqa: E402
@@ -107,25 +106,26 @@ def save(results, out):
 
 
 def run(kernel, problem, iterations, chains, seed):
-    mcmc = MCMC(kernel, num_warmup=0, num_samples=iterations, num_chains=chains,
-                chain_method="vectorized", progress_bar=False)
+    mcmc = MCMC(
+        kernel, num_warmup=0, num_samples=iterations, num_chains=chains, chain_method="vectorized", progress_bar=False
+    )
     start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DisconnectedTopologyWarning)
         mcmc.run(jax.random.PRNGKey(seed), problem.X, problem.y)
         # every agent's draws of x, (chains, iterations, agents, d), and the network average
-        samples = {"agents": jax.device_get(kernel.agent_draws(mcmc, group_by_chain=True)["x"]),
-                   "average": jax.device_get(kernel.network_average(mcmc, group_by_chain=True)["x"])}
+        samples = {
+            "agents": jax.device_get(kernel.agent_draws(mcmc, group_by_chain=True)["x"]),
+            "average": jax.device_get(kernel.network_average(mcmc, group_by_chain=True)["x"]),
+        }
     return samples, time.perf_counter() - start
 
 
 def bare_iteration_seconds(kernel, problem, chains=100, iterations=100):
     """One iteration of all agents and chains: the kernel's vmapped sample function in a
     compiled scan, timed on its second call (compilation excluded)."""
-    state = kernel.init(jax.random.split(jax.random.PRNGKey(0), chains), 0, None,
-                        (problem.X, problem.y), {})
-    scan = jax.jit(lambda s: lax.scan(lambda c, _: (kernel.sample(c, (), {}), None), s, None,
-                                      length=iterations)[0])
+    state = kernel.init(jax.random.split(jax.random.PRNGKey(0), chains), 0, None, (problem.X, problem.y), {})
+    scan = jax.jit(lambda s: lax.scan(lambda c, _: (kernel.sample(c, (), {}), None), s, None, length=iterations)[0])
     jax.block_until_ready(scan(state))
     start = time.perf_counter()
     jax.block_until_ready(scan(state))
@@ -134,14 +134,18 @@ def bare_iteration_seconds(kernel, problem, chains=100, iterations=100):
 
 def w2_curve(draws, problem):
     """W2 per iteration of the Gaussian fitted over chains; ``draws``: (chains, iterations, d)."""
-    return [gaussian_w2_from_samples(draws[:, k], problem.posterior_mean, problem.posterior_cov)
-            for k in range(draws.shape[1])]
+    return [
+        gaussian_w2_from_samples(draws[:, k], problem.posterior_mean, problem.posterior_cov)
+        for k in range(draws.shape[1])
+    ]
 
 
 def linear_section(args, results):
     print("\n## Section 6.2: linear regression, W2 to the exact posterior (agent 0 / network average)")
-    print(f"{'n_i':>4} {'N':>4} {'graph':>9} {'method':>7} | {'ag@10':>6} {'ag@30':>6} {'ag@end':>6} | "
-          f"{'avg@10':>6} {'avg@end':>7} | {'iters':>5} {'run s':>6}")
+    print(
+        f"{'n_i':>4} {'N':>4} {'graph':>9} {'method':>7} | {'ag@10':>6} {'ag@30':>6} {'ag@end':>6} | "
+        f"{'avg@10':>6} {'avg@end':>7} | {'iters':>5} {'run s':>6}"
+    )
     for n_i in args.rows:
         for num_agents in args.agents:
             problem = dadmms_linear(args.seed, num_agents=num_agents, n_per_agent=n_i)
@@ -152,13 +156,24 @@ def linear_section(args, results):
                     samples, seconds = run(kernel, problem, iterations, args.chains, args.seed)
                     agent = np.asarray(samples["agents"][:, :, 0])
                     ag, avg = w2_curve(agent, problem), w2_curve(np.asarray(samples["average"]), problem)
-                    results["linear"].append(dict(n_i=n_i, num_agents=num_agents, topology=topology,
-                                                  method=method, w2_agent0=ag, w2_average=avg,
-                                                  run_seconds=seconds, load_average=os.getloadavg()[0]))
+                    results["linear"].append(
+                        dict(
+                            n_i=n_i,
+                            num_agents=num_agents,
+                            topology=topology,
+                            method=method,
+                            w2_agent0=ag,
+                            w2_average=avg,
+                            run_seconds=seconds,
+                            load_average=os.getloadavg()[0],
+                        )
+                    )
                     save(results, args.out_path)
-                    print(f"{n_i:>4} {num_agents:>4} {topology:>9} {method:>7} | {ag[9]:6.3f} {ag[29]:6.3f} "
-                          f"{ag[-1]:6.3f} | {avg[9]:6.3f} {avg[-1]:7.3f} | {iterations:>5} {seconds:6.1f}",
-                          flush=True)
+                    print(
+                        f"{n_i:>4} {num_agents:>4} {topology:>9} {method:>7} | {ag[9]:6.3f} {ag[29]:6.3f} "
+                        f"{ag[-1]:6.3f} | {avg[9]:6.3f} {avg[-1]:7.3f} | {iterations:>5} {seconds:6.1f}",
+                        flush=True,
+                    )
 
 
 def rho_section(args, results):
@@ -166,7 +181,9 @@ def rho_section(args, results):
     problem = dadmms_linear(args.seed, num_agents=20, n_per_agent=50)
     print(f"{'rho':>7} | {'@5':>6} {'@10':>6} {'@20':>6} {'@50':>6}")
     for rho in args.rhos:
-        samples, seconds = run(nf.DADMMS(linear_model(problem), topology="ring", rho=rho), problem, 50, args.chains, args.seed)
+        samples, seconds = run(
+            nf.DADMMS(linear_model(problem), topology="ring", rho=rho), problem, 50, args.chains, args.seed
+        )
         ag = w2_curve(np.asarray(samples["agents"][:, :, 0]), problem)
         results["rho"].append(dict(rho=rho, w2_agent0=ag, run_seconds=seconds, load_average=os.getloadavg()[0]))
         save(results, args.out_path)
@@ -196,14 +213,25 @@ def logistic_section(args, results):
                 samples, seconds = run(kernel, problem, iterations, args.chains, args.seed)
                 acc = accuracy_curves(np.asarray(samples["agents"][:, :, 0]), problem.X, problem.y)
                 m, s = acc.mean(0), acc.std(0)
-                results["logistic"].append(dict(num_agents=num_agents, topology=topology, method=method,
-                                                accuracy_mean=m.tolist(), accuracy_sd=s.tolist(),
-                                                nuts_accuracy=reference, run_seconds=seconds,
-                                                load_average=os.getloadavg()[0]))
+                results["logistic"].append(
+                    dict(
+                        num_agents=num_agents,
+                        topology=topology,
+                        method=method,
+                        accuracy_mean=m.tolist(),
+                        accuracy_sd=s.tolist(),
+                        nuts_accuracy=reference,
+                        run_seconds=seconds,
+                        load_average=os.getloadavg()[0],
+                    )
+                )
                 save(results, args.out_path)
                 cell = lambda k: f"{m[k]:.3f}+-{s[k]:.3f}"  # noqa: E731
-                print(f"{num_agents:>4} {topology:>9} {method:>7} | {cell(4)} {cell(min(14, iterations - 1))} "
-                      f"{cell(-1)} | {seconds:6.1f}", flush=True)
+                print(
+                    f"{num_agents:>4} {topology:>9} {method:>7} | {cell(4)} {cell(min(14, iterations - 1))} "
+                    f"{cell(-1)} | {seconds:6.1f}",
+                    flush=True,
+                )
 
 
 def speed_section(args, results):
@@ -215,19 +243,35 @@ def speed_section(args, results):
         run(kernel, problem, 100, 100, args.seed)  # warm JAX's caches
         _, first = run(kernel, problem, 100, 100, args.seed + 1)
         bare = bare_iteration_seconds(kernel, problem)
-        rows.append(dict(method=method, solver=getattr(kernel, "solver_used", None),
-                         mcmc_run_seconds=first, bare_seconds_per_iteration=bare,
-                         load_average=os.getloadavg()[0]))
-        print(f"{method:>7}: MCMC.run {first:6.2f} s (set-up and compilation included, "
-              f"{first / 100 * 1e3:6.2f} ms per iteration); bare iteration {bare * 1e6:8.1f} us "
-              f"({getattr(kernel, 'solver_used', '') or 'gradient'})", flush=True)
+        rows.append(
+            dict(
+                method=method,
+                solver=getattr(kernel, "solver_used", None),
+                mcmc_run_seconds=first,
+                bare_seconds_per_iteration=bare,
+                load_average=os.getloadavg()[0],
+            )
+        )
+        print(
+            f"{method:>7}: MCMC.run {first:6.2f} s (set-up and compilation included, "
+            f"{first / 100 * 1e3:6.2f} ms per iteration); bare iteration {bare * 1e6:8.1f} us "
+            f"({getattr(kernel, 'solver_used', '') or 'gradient'})",
+            flush=True,
+        )
     logistic = dadmms_logistic(args.seed, num_agents=5, n_per_agent=50)
     kernel = nf.DADMMS(logistic_model(logistic), topology="ring", rho=5.0)
     run(kernel, logistic, 100, 100, args.seed)
     _, first = run(kernel, logistic, 100, 100, args.seed + 1)
     bare = bare_iteration_seconds(kernel, logistic)
-    rows.append(dict(method="DADMMS-logistic", solver=kernel.solver_used, mcmc_run_seconds=first,
-                     bare_seconds_per_iteration=bare, load_average=os.getloadavg()[0]))
+    rows.append(
+        dict(
+            method="DADMMS-logistic",
+            solver=kernel.solver_used,
+            mcmc_run_seconds=first,
+            bare_seconds_per_iteration=bare,
+            load_average=os.getloadavg()[0],
+        )
+    )
     print(f"DADMMS logistic (Newton): MCMC.run {first:6.2f} s, bare iteration {bare * 1e6:8.1f} us")
     nuts = MCMC(NUTS(linear_model(problem)), num_warmup=500, num_samples=1000, progress_bar=False)
     nuts.run(jax.random.PRNGKey(0), problem.X, problem.y)
@@ -235,11 +279,16 @@ def speed_section(args, results):
     nuts.run(jax.random.PRNGKey(1), problem.X, problem.y)
     jax.block_until_ready(nuts.get_samples())
     nuts_seconds = time.perf_counter() - start
-    rows.append(dict(method="NUTS (pooled, 1 chain, 500 + 1000)", mcmc_run_seconds=nuts_seconds,
-                     load_average=os.getloadavg()[0]))
+    rows.append(
+        dict(
+            method="NUTS (pooled, 1 chain, 500 + 1000)", mcmc_run_seconds=nuts_seconds, load_average=os.getloadavg()[0]
+        )
+    )
     print(f"NUTS on the pooled posterior (1 chain, 500 warm-up + 1000 draws): {nuts_seconds:.2f} s per run")
-    print("Reference (issue 4): the authors' cvxpy code takes about 5 ms per linear proximal solve,"
-          " i.e. about 2.5 s per iteration of this configuration (5 agents x 100 chains).")
+    print(
+        "Reference (issue 4): the authors' cvxpy code takes about 5 ms per linear proximal solve,"
+        " i.e. about 2.5 s per iteration of this configuration (5 agents x 100 chains)."
+    )
     results["speed"] = rows
     save(results, args.out_path)
 
@@ -253,44 +302,65 @@ def report(path):
         return f"{v:.3f}" if abs(v) < 100 else f"{v:.1e}"
 
     if results.get("speed"):
-        lines += ["| method | solver | `MCMC.run`, 100 iterations (s) | bare iteration (ms) | load average |",
-                  "|---|---|---|---|---|"]
+        lines += [
+            "| method | solver | `MCMC.run`, 100 iterations (s) | bare iteration (ms) | load average |",
+            "|---|---|---|---|---|",
+        ]
         for r in results["speed"]:
             bare = r.get("bare_seconds_per_iteration")
-            lines.append(f"| {r['method']} | {r.get('solver') or '-'} | {r['mcmc_run_seconds']:.2f} | "
-                         f"{'-' if bare is None else f'{bare * 1e3:.3f}'} | {r.get('load_average', float('nan')):.1f} |")
+            lines.append(
+                f"| {r['method']} | {r.get('solver') or '-'} | {r['mcmc_run_seconds']:.2f} | "
+                f"{'-' if bare is None else f'{bare * 1e3:.3f}'} | {r.get('load_average', float('nan')):.1f} |"
+            )
         lines.append("")
     marks = (1, 5, 10, 20, 30, 50, 100)
     if results.get("linear"):
         for n_i in sorted({r["n_i"] for r in results["linear"]}):
-            lines += [f"W2 to the exact posterior, n_i = {n_i}: agent 0 / network average at iterations {marks}.", "",
-                      "| N | graph | method | agent 0 | average | run (s) |", "|---|---|---|---|---|---|"]
+            lines += [
+                f"W2 to the exact posterior, n_i = {n_i}: agent 0 / network average at iterations {marks}.",
+                "",
+                "| N | graph | method | agent 0 | average | run (s) |",
+                "|---|---|---|---|---|---|",
+            ]
             for r in results["linear"]:
                 if r["n_i"] != n_i:
                     continue
-                cells = [(fmt(r["w2_agent0"][k - 1]), fmt(r["w2_average"][k - 1]))
-                         for k in marks if k <= len(r["w2_agent0"])]
-                lines.append(f"| {r['num_agents']} | {r['topology']} | {r['method']} | "
-                             f"{' '.join(c[0] for c in cells)} | {' '.join(c[1] for c in cells)} | "
-                             f"{r['run_seconds']:.1f} |")
+                cells = [
+                    (fmt(r["w2_agent0"][k - 1]), fmt(r["w2_average"][k - 1])) for k in marks if k <= len(r["w2_agent0"])
+                ]
+                lines.append(
+                    f"| {r['num_agents']} | {r['topology']} | {r['method']} | "
+                    f"{' '.join(c[0] for c in cells)} | {' '.join(c[1] for c in cells)} | "
+                    f"{r['run_seconds']:.1f} |"
+                )
             lines.append("")
     if results.get("rho"):
-        lines += [f"rho ablation (20-agent ring, n_i = 50): W2 of agent 0 at iterations {marks[:-1]}.", "",
-                  "| rho | agent 0 | run (s) |", "|---|---|---|"]
+        lines += [
+            f"rho ablation (20-agent ring, n_i = 50): W2 of agent 0 at iterations {marks[:-1]}.",
+            "",
+            "| rho | agent 0 | run (s) |",
+            "|---|---|---|",
+        ]
         for r in results["rho"]:
             cells = [fmt(r["w2_agent0"][k - 1]) for k in marks[:-1]]
             lines.append(f"| {r['rho']:g} | {' '.join(cells)} | {r['run_seconds']:.1f} |")
         lines.append("")
     if results.get("logistic"):
         marks = (1, 2, 3, 5, 10, 15, 30)
-        lines += [f"Logistic regression: accuracy of agent 0 on the pooled data, mean over chains at "
-                  f"iterations {marks} (sd at the last iteration).", "",
-                  "| N | graph | method | accuracy | sd at end | NUTS mean | run (s) |", "|---|---|---|---|---|---|---|"]
+        lines += [
+            f"Logistic regression: accuracy of agent 0 on the pooled data, mean over chains at "
+            f"iterations {marks} (sd at the last iteration).",
+            "",
+            "| N | graph | method | accuracy | sd at end | NUTS mean | run (s) |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for r in results["logistic"]:
             m = r["accuracy_mean"]
             cells = [f"{m[k - 1]:.3f}" for k in marks if k <= len(m)]
-            lines.append(f"| {r['num_agents']} | {r['topology']} | {r['method']} | {' '.join(cells)} | "
-                         f"{r['accuracy_sd'][-1]:.3f} | {r['nuts_accuracy']:.3f} | {r['run_seconds']:.1f} |")
+            lines.append(
+                f"| {r['num_agents']} | {r['topology']} | {r['method']} | {' '.join(cells)} | "
+                f"{r['accuracy_sd'][-1]:.3f} | {r['nuts_accuracy']:.3f} | {r['run_seconds']:.1f} |"
+            )
         lines.append("")
     print("\n".join(lines))
 
@@ -301,10 +371,18 @@ def main():
     parser.add_argument("--chains", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    parser.add_argument("--sections", nargs="+", default=["speed", "linear", "rho", "logistic"],
-                        choices=["speed", "linear", "rho", "logistic"])
-    parser.add_argument("--logistic-iterations", type=int, default=None,
-                        help="iterations of the logistic runs (default: Figure 6's, 30 for N = 5, else 15)")
+    parser.add_argument(
+        "--sections",
+        nargs="+",
+        default=["speed", "linear", "rho", "logistic"],
+        choices=["speed", "linear", "rho", "logistic"],
+    )
+    parser.add_argument(
+        "--logistic-iterations",
+        type=int,
+        default=None,
+        help="iterations of the logistic runs (default: Figure 6's, 30 for N = 5, else 15)",
+    )
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "admm.json"))
     parser.add_argument("--report", metavar="JSON", help="print markdown tables of a results file and exit")
     args = parser.parse_args()
@@ -317,9 +395,17 @@ def main():
     args.logistic_agents = [5] if args.quick else [5, 20, 50]
     args.rhos = [1.0, 5.0, 50.0, 1000.0] if args.quick else [1.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0]
 
-    results = {"platform": platform.platform(), "jax": jax.__version__, "numpyro": numpyro.__version__,
-               "chains": args.chains, "seed": args.seed, "sections": args.sections,
-               "linear": [], "rho": [], "logistic": []}
+    results = {
+        "platform": platform.platform(),
+        "jax": jax.__version__,
+        "numpyro": numpyro.__version__,
+        "chains": args.chains,
+        "seed": args.seed,
+        "sections": args.sections,
+        "linear": [],
+        "rho": [],
+        "logistic": [],
+    }
     start = time.perf_counter()
     sections = {"speed": speed_section, "linear": linear_section, "rho": rho_section, "logistic": logistic_section}
     for name in args.sections:

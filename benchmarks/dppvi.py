@@ -47,79 +47,233 @@ ADULT = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "shared", 
 # are global rounds, each visiting every client once.
 VARIANTS = {
     "pvi (non-private)": dict(
-        cls=DPPVI, rounds=4, kwargs=dict(dp=None, optim=optax.adam(2e-2), num_local_steps=200,
-                                         sampling="poisson", sampling_rate=0.05, damping=0.5)),
+        cls=DPPVI,
+        rounds=4,
+        kwargs=dict(
+            dp=None, optim=optax.adam(2e-2), num_local_steps=200, sampling="poisson", sampling_rate=0.05, damping=0.5
+        ),
+    ),
     "dpsgd": dict(
-        cls=DPPVI, rounds=2, kwargs=dict(dp="dpsgd", optim=optax.adam(2e-2), num_local_steps=200,
-                                         sampling="poisson", sampling_rate=0.05, clip_norm=2.0,
-                                         damping=0.5)),
+        cls=DPPVI,
+        rounds=2,
+        kwargs=dict(
+            dp="dpsgd",
+            optim=optax.adam(2e-2),
+            num_local_steps=200,
+            sampling="poisson",
+            sampling_rate=0.05,
+            clip_norm=2.0,
+            damping=0.5,
+        ),
+    ),
     "local avg": dict(
-        cls=DPPVI, rounds=2, kwargs=dict(dp="local_avg", optim=optax.adam(1e-1), num_local_steps=40,
-                                         num_mc_samples=4, num_shards=500, clip_norm=50.0, damping=0.2)),
+        cls=DPPVI,
+        rounds=2,
+        kwargs=dict(
+            dp="local_avg",
+            optim=optax.adam(1e-1),
+            num_local_steps=40,
+            num_mc_samples=4,
+            num_shards=500,
+            clip_norm=50.0,
+            damping=0.2,
+        ),
+    ),
     "virtual": dict(
-        cls=DPPVI, rounds=2, kwargs=dict(dp="virtual", optim=optax.adam(5e-2), num_local_steps=100,
-                                         num_mc_samples=4, num_shards=1000, clip_norm=0.5, damping=0.2)),
+        cls=DPPVI,
+        rounds=2,
+        kwargs=dict(
+            dp="virtual",
+            optim=optax.adam(5e-2),
+            num_local_steps=100,
+            num_mc_samples=4,
+            num_shards=1000,
+            clip_norm=0.5,
+            damping=0.2,
+        ),
+    ),
     "local avg, trusted aggr.": dict(
-        cls=DPPVI, rounds=2, kwargs=dict(dp="local_avg", optim=optax.adam(1e-1), num_local_steps=40,
-                                         num_mc_samples=4, num_shards=500, clip_norm=50.0, damping=0.3,
-                                         schedule="synchronous", trusted_aggregator=True)),
+        cls=DPPVI,
+        rounds=2,
+        kwargs=dict(
+            dp="local_avg",
+            optim=optax.adam(1e-1),
+            num_local_steps=40,
+            num_mc_samples=4,
+            num_shards=500,
+            clip_norm=50.0,
+            damping=0.3,
+            schedule="synchronous",
+            trusted_aggregator=True,
+        ),
+    ),
     "virtual, trusted aggr.": dict(
-        cls=DPPVI, rounds=2, kwargs=dict(dp="virtual", optim=optax.adam(5e-2), num_local_steps=100,
-                                         num_mc_samples=4, num_shards=1000, clip_norm=0.5, damping=0.3,
-                                         schedule="synchronous", trusted_aggregator=True)),
+        cls=DPPVI,
+        rounds=2,
+        kwargs=dict(
+            dp="virtual",
+            optim=optax.adam(5e-2),
+            num_local_steps=100,
+            num_mc_samples=4,
+            num_shards=1000,
+            clip_norm=0.5,
+            damping=0.3,
+            schedule="synchronous",
+            trusted_aggregator=True,
+        ),
+    ),
     "bcm same": dict(
-        cls=BCM, rounds=1, kwargs=dict(prior="same", optim=optax.adam(2e-2), num_local_steps=400,
-                                       sampling="poisson", sampling_rate=0.05, clip_norm=2.0)),
+        cls=BCM,
+        rounds=1,
+        kwargs=dict(
+            prior="same",
+            optim=optax.adam(2e-2),
+            num_local_steps=400,
+            sampling="poisson",
+            sampling_rate=0.05,
+            clip_norm=2.0,
+        ),
+    ),
     "bcm split": dict(
-        cls=BCM, rounds=1, kwargs=dict(prior="split", optim=optax.adam(2e-2), num_local_steps=400,
-                                       sampling="poisson", sampling_rate=0.05, clip_norm=2.0)),
+        cls=BCM,
+        rounds=1,
+        kwargs=dict(
+            prior="split",
+            optim=optax.adam(2e-2),
+            num_local_steps=400,
+            sampling="poisson",
+            sampling_rate=0.05,
+            clip_norm=2.0,
+        ),
+    ),
     "global vi, trusted aggr.": dict(
-        cls=GlobalVI, rounds=1, kwargs=dict(optim=optax.adam(2e-2), num_local_steps=1000,
-                                            sampling="poisson", sampling_rate=0.01, clip_norm=2.0)),
+        cls=GlobalVI,
+        rounds=1,
+        kwargs=dict(
+            optim=optax.adam(2e-2), num_local_steps=1000, sampling="poisson", sampling_rate=0.01, clip_norm=2.0
+        ),
+    ),
     "global vi (non-private)": dict(
-        cls=GlobalVI, rounds=1, kwargs=dict(dp=None, optim=optax.adam(2e-2), num_local_steps=1000,
-                                            sampling="poisson", sampling_rate=0.01)),
+        cls=GlobalVI,
+        rounds=1,
+        kwargs=dict(dp=None, optim=optax.adam(2e-2), num_local_steps=1000, sampling="poisson", sampling_rate=0.01),
+    ),
 }
 # The BNN of Figure 4 (epsilon = 2). The update-perturbation variants use fewer shards than
 # for logistic regression: every shard holds a copy of the 5,501 weights' optimiser state.
 _BNN_UPDATE = dict(optim=optax.adam(1e-2), num_local_steps=100, num_mc_samples=2)
 BNN_VARIANTS = {
     "pvi (non-private)": dict(
-        cls=DPPVI, rounds=4, kwargs=dict(dp=None, optim=optax.adam(1e-2), num_local_steps=200,
-                                         num_mc_samples=2, sampling="poisson", sampling_rate=0.05,
-                                         damping=0.5)),
+        cls=DPPVI,
+        rounds=4,
+        kwargs=dict(
+            dp=None,
+            optim=optax.adam(1e-2),
+            num_local_steps=200,
+            num_mc_samples=2,
+            sampling="poisson",
+            sampling_rate=0.05,
+            damping=0.5,
+        ),
+    ),
     "dpsgd": dict(
-        cls=DPPVI, rounds=2, kwargs=dict(dp="dpsgd", optim=optax.adam(1e-2), num_local_steps=200,
-                                         num_mc_samples=2, sampling="poisson", sampling_rate=0.05,
-                                         clip_norm=2.0, damping=0.5)),
+        cls=DPPVI,
+        rounds=2,
+        kwargs=dict(
+            dp="dpsgd",
+            optim=optax.adam(1e-2),
+            num_local_steps=200,
+            num_mc_samples=2,
+            sampling="poisson",
+            sampling_rate=0.05,
+            clip_norm=2.0,
+            damping=0.5,
+        ),
+    ),
     "local avg": dict(
-        cls=DPPVI, rounds=2, kwargs=dict(dp="local_avg", num_shards=20, clip_norm=50.0, damping=0.2, **_BNN_UPDATE)),
+        cls=DPPVI, rounds=2, kwargs=dict(dp="local_avg", num_shards=20, clip_norm=50.0, damping=0.2, **_BNN_UPDATE)
+    ),
     "virtual": dict(
-        cls=DPPVI, rounds=2, kwargs=dict(dp="virtual", num_shards=50, clip_norm=1.0, damping=0.2, **_BNN_UPDATE)),
+        cls=DPPVI, rounds=2, kwargs=dict(dp="virtual", num_shards=50, clip_norm=1.0, damping=0.2, **_BNN_UPDATE)
+    ),
     "local avg, trusted aggr.": dict(
-        cls=DPPVI, rounds=2, kwargs=dict(dp="local_avg", num_shards=20, clip_norm=50.0, damping=0.3,
-                                         schedule="synchronous", trusted_aggregator=True, **_BNN_UPDATE)),
+        cls=DPPVI,
+        rounds=2,
+        kwargs=dict(
+            dp="local_avg",
+            num_shards=20,
+            clip_norm=50.0,
+            damping=0.3,
+            schedule="synchronous",
+            trusted_aggregator=True,
+            **_BNN_UPDATE,
+        ),
+    ),
     "virtual, trusted aggr.": dict(
-        cls=DPPVI, rounds=2, kwargs=dict(dp="virtual", num_shards=50, clip_norm=1.0, damping=0.3,
-                                         schedule="synchronous", trusted_aggregator=True, **_BNN_UPDATE)),
+        cls=DPPVI,
+        rounds=2,
+        kwargs=dict(
+            dp="virtual",
+            num_shards=50,
+            clip_norm=1.0,
+            damping=0.3,
+            schedule="synchronous",
+            trusted_aggregator=True,
+            **_BNN_UPDATE,
+        ),
+    ),
     "bcm same": dict(
-        cls=BCM, rounds=1, kwargs=dict(prior="same", optim=optax.adam(1e-2), num_local_steps=400,
-                                       num_mc_samples=2, sampling="poisson", sampling_rate=0.05,
-                                       clip_norm=2.0)),
+        cls=BCM,
+        rounds=1,
+        kwargs=dict(
+            prior="same",
+            optim=optax.adam(1e-2),
+            num_local_steps=400,
+            num_mc_samples=2,
+            sampling="poisson",
+            sampling_rate=0.05,
+            clip_norm=2.0,
+        ),
+    ),
     "bcm split": dict(
-        cls=BCM, rounds=1, kwargs=dict(prior="split", optim=optax.adam(1e-2), num_local_steps=400,
-                                       num_mc_samples=2, sampling="poisson", sampling_rate=0.05,
-                                       clip_norm=2.0)),
+        cls=BCM,
+        rounds=1,
+        kwargs=dict(
+            prior="split",
+            optim=optax.adam(1e-2),
+            num_local_steps=400,
+            num_mc_samples=2,
+            sampling="poisson",
+            sampling_rate=0.05,
+            clip_norm=2.0,
+        ),
+    ),
     "global vi, trusted aggr.": dict(
-        cls=GlobalVI, rounds=1, kwargs=dict(optim=optax.adam(1e-2), num_local_steps=1000,
-                                            num_mc_samples=2, sampling="poisson", sampling_rate=0.01,
-                                            clip_norm=2.0)),
+        cls=GlobalVI,
+        rounds=1,
+        kwargs=dict(
+            optim=optax.adam(1e-2),
+            num_local_steps=1000,
+            num_mc_samples=2,
+            sampling="poisson",
+            sampling_rate=0.01,
+            clip_norm=2.0,
+        ),
+    ),
 }
 
-SHORT = {"pvi": "pvi (non-private)", "dpsgd": "dpsgd", "local_avg": "local avg", "virtual": "virtual",
-         "local_avg_trusted": "local avg, trusted aggr.", "virtual_trusted": "virtual, trusted aggr.",
-         "bcm_same": "bcm same", "bcm_split": "bcm split", "global_vi": "global vi, trusted aggr.",
-         "global_vi_nonprivate": "global vi (non-private)"}
+SHORT = {
+    "pvi": "pvi (non-private)",
+    "dpsgd": "dpsgd",
+    "local_avg": "local avg",
+    "virtual": "virtual",
+    "local_avg_trusted": "local avg, trusted aggr.",
+    "virtual_trusted": "virtual, trusted aggr.",
+    "bcm_same": "bcm same",
+    "bcm_split": "bcm split",
+    "global_vi": "global vi, trusted aggr.",
+    "global_vi_nonprivate": "global vi (non-private)",
+}
 
 
 def logistic_regression(X, y=None, clients=None):
@@ -175,11 +329,18 @@ def run_variant(name, spec, X, y, owner, X_test, y_test, epsilon, delta, seed, n
     wall = time.perf_counter() - start
     curve = []
     for r in range(result.metrics["loc"].shape[0]):
-        acc, ll = evaluate(result.metrics["loc"][r], result.metrics["scale"][r],
-                           method.federated_potential.unravel, logits_fn, X_test, y_test,
-                           jax.random.PRNGKey(1000 + r))
-        curve.append({"communications": int(result.metrics["communications"][r]), "accuracy": acc,
-                      "log_likelihood": ll})
+        acc, ll = evaluate(
+            result.metrics["loc"][r],
+            result.metrics["scale"][r],
+            method.federated_potential.unravel,
+            logits_fn,
+            X_test,
+            y_test,
+            jax.random.PRNGKey(1000 + r),
+        )
+        curve.append(
+            {"communications": int(result.metrics["communications"][r]), "accuracy": acc, "log_likelihood": ll}
+        )
     return {
         "variant": name,
         "seed": seed,
@@ -208,8 +369,10 @@ def summarise(results):
         summary[name] = {
             "seeds": [r["seed"] for r in runs],
             "communications": runs[0]["curve"][-1]["communications"],
-            "accuracy_mean": float(acc.mean()), "accuracy_sem": sem(acc),
-            "log_likelihood_mean": float(ll.mean()), "log_likelihood_sem": sem(ll),
+            "accuracy_mean": float(acc.mean()),
+            "accuracy_sem": sem(acc),
+            "log_likelihood_mean": float(ll.mean()),
+            "log_likelihood_sem": sem(ll),
             "epsilon_max": max(eps) if eps else None,
             "wall_seconds_mean": float(np.mean([r["wall_seconds"] for r in runs])),
         }
@@ -263,14 +426,22 @@ DEFAULT_PROBLEMS = {
     # name: (problem, DPPVI kwargs, rounds)
     "regression, non-private": (lambda: _regression_problem(400, 3, 4, 1.0, [1.0, -2.0, 0.5]), {}, 5),
     "regression, non-private, former default": (
-        lambda: _regression_problem(400, 3, 4, 1.0, [1.0, -2.0, 0.5]), dict(optim=optax.adam(1e-2)), 5),
+        lambda: _regression_problem(400, 3, 4, 1.0, [1.0, -2.0, 0.5]),
+        dict(optim=optax.adam(1e-2)),
+        5,
+    ),
     "logistic 4x250, eps 1": (lambda: _logistic_problem(1000, 4), dict(dp="dpsgd", target_epsilon=1.0), 2),
     "logistic 4x250, eps 1, former default": (
         lambda: _logistic_problem(1000, 4),
-        dict(dp="dpsgd", target_epsilon=1.0, sampling="full", clip_norm=1.0, optim=optax.adam(1e-2)), 2),
+        dict(dp="dpsgd", target_epsilon=1.0, sampling="full", clip_norm=1.0, optim=optax.adam(1e-2)),
+        2,
+    ),
     "logistic 4x5000, eps 4": (lambda: _logistic_problem(20000, 4), dict(dp="dpsgd", target_epsilon=4.0), 2),
     "regression 2x40000, eps 4": (
-        lambda: _regression_problem(80000, 2, 2, 1.0, [0.5, -1.0]), dict(dp="dpsgd", target_epsilon=4.0), 2),
+        lambda: _regression_problem(80000, 2, 2, 1.0, [0.5, -1.0]),
+        dict(dp="dpsgd", target_epsilon=4.0),
+        2,
+    ),
 }
 
 
@@ -299,8 +470,11 @@ def run_defaults(seeds, names=None):
             params = method.get_params(result.state)
             loc, scale = np.asarray(params["loc"]["w"]), np.asarray(params["scale"]["w"])
             row = {
-                "problem": name, "seed": seed, "max_abs_error_sd": float(np.max(np.abs(loc - mean) / sd)),
-                "sd_ratio_min": float(np.min(scale / sd)), "sd_ratio_max": float(np.max(scale / sd)),
+                "problem": name,
+                "seed": seed,
+                "max_abs_error_sd": float(np.max(np.abs(loc - mean) / sd)),
+                "sd_ratio_min": float(np.min(scale / sd)),
+                "sd_ratio_max": float(np.max(scale / sd)),
                 "epsilon": None if result.privacy is None else result.privacy.epsilon,
                 "noise_multiplier": float(np.max(result.metrics["noise_multiplier"])),
                 "sampling_rate": method.sampling_rate,
@@ -309,10 +483,13 @@ def run_defaults(seeds, names=None):
                 "wall_seconds": time.perf_counter() - start,
             }
             rows.append(row)
-            print(f"{name:42s} seed {seed}  max |error| {row['max_abs_error_sd']:.3f} sd  sd ratio "
-                  f"{row['sd_ratio_min']:.2f}-{row['sd_ratio_max']:.2f}  rate {row['sampling_rate']:.4g}  "
-                  f"sigma {row['noise_multiplier']:.3g}  predicted {row['predicted_dp_error']:.2g}  "
-                  f"warnings {len(row['warnings'])}  {row['wall_seconds']:.1f} s", flush=True)
+            print(
+                f"{name:42s} seed {seed}  max |error| {row['max_abs_error_sd']:.3f} sd  sd ratio "
+                f"{row['sd_ratio_min']:.2f}-{row['sd_ratio_max']:.2f}  rate {row['sampling_rate']:.4g}  "
+                f"sigma {row['noise_multiplier']:.3g}  predicted {row['predicted_dp_error']:.2g}  "
+                f"warnings {len(row['warnings'])}  {row['wall_seconds']:.1f} s",
+                flush=True,
+            )
     return rows
 
 
@@ -326,13 +503,21 @@ def main(argv=None):
     parser.add_argument("--variants", default=",".join(SHORT))
     parser.add_argument("--model", default="logistic", choices=sorted(MODELS))
     parser.add_argument("--data", default=ADULT)
-    parser.add_argument("--drop-rare", type=int, default=0, metavar="N",
-                        help="drop one-hot columns with fewer than N training rows (a diagnostic: "
-                             "the update-perturbation variants' noise swamps rare coordinates)")
+    parser.add_argument(
+        "--drop-rare",
+        type=int,
+        default=0,
+        metavar="N",
+        help="drop one-hot columns with fewer than N training rows (a diagnostic: "
+        "the update-perturbation variants' noise swamps rare coordinates)",
+    )
     parser.add_argument("--out", default=None)
-    parser.add_argument("--defaults", action="store_true",
-                        help="instead of Adult: DPPVI with default settings on problems with exact or NUTS "
-                             "references (non-private convergence; DP-SGD given only a budget)")
+    parser.add_argument(
+        "--defaults",
+        action="store_true",
+        help="instead of Adult: DPPVI with default settings on problems with exact or NUTS "
+        "references (non-private convergence; DP-SGD given only a budget)",
+    )
     args = parser.parse_args(argv)
     if args.defaults:
         rows = run_defaults([int(s) for s in args.seeds.split(",")])
@@ -348,8 +533,9 @@ def main(argv=None):
         binary = np.all(np.isin(data.X_train, (0.0, 1.0)), axis=0)
         keep = ~binary | ((data.X_train != 0).sum(0) >= args.drop_rare)
         names = tuple(n for n, k in zip(data.feature_names, keep) if k)
-        data = dataclasses.replace(data, X_train=data.X_train[:, keep], X_test=data.X_test[:, keep],
-                                   feature_names=names)
+        data = dataclasses.replace(
+            data, X_train=data.X_train[:, keep], X_test=data.X_test[:, keep], feature_names=names
+        )
         print(f"kept {keep.sum()} of {keep.size} columns", flush=True)
     if args.model == "logistic":
         X, X_test = with_bias(data.X_train), with_bias(data.X_test)
@@ -364,34 +550,66 @@ def main(argv=None):
             name = SHORT[short]
             if name not in table:
                 continue
-            out = run_variant(name, table[name], X, data.y_train, owner, X_test, data.y_test,
-                              args.epsilon, args.delta, seed, args.num_clients, args.model)
+            out = run_variant(
+                name,
+                table[name],
+                X,
+                data.y_train,
+                owner,
+                X_test,
+                data.y_test,
+                args.epsilon,
+                args.delta,
+                seed,
+                args.num_clients,
+                args.model,
+            )
             results.append(out)
             last = out["curve"][-1]
             best = max(out["curve"], key=lambda c: c["log_likelihood"])
             eps = "-" if out["epsilon"] is None else f"{out['epsilon']:.4f}"
-            print(f"{name:26s} seed {seed}  eps {eps:>7s}  comms {last['communications']:6d}  "
-                  f"acc {last['accuracy']:.4f}  ll {last['log_likelihood']:.4f}  "
-                  f"(best ll {best['log_likelihood']:.4f} at {best['communications']})  "
-                  f"sigma {out['noise_multiplier']:.3f}  rejected {out['rejected_updates']}  "
-                  f"{out['wall_seconds']:.1f} s", flush=True)
+            print(
+                f"{name:26s} seed {seed}  eps {eps:>7s}  comms {last['communications']:6d}  "
+                f"acc {last['accuracy']:.4f}  ll {last['log_likelihood']:.4f}  "
+                f"(best ll {best['log_likelihood']:.4f} at {best['communications']})  "
+                f"sigma {out['noise_multiplier']:.3f}  rejected {out['rejected_updates']}  "
+                f"{out['wall_seconds']:.1f} s",
+                flush=True,
+            )
     out_path = args.out or os.path.join(
-        os.path.dirname(__file__), "results",
+        os.path.dirname(__file__),
+        "results",
         f"dppvi_{args.model}_{args.split}_{args.num_clients}clients_eps{args.epsilon:g}"
-        + (f"_droprare{args.drop_rare}" if args.drop_rare else "") + ".json",
+        + (f"_droprare{args.drop_rare}" if args.drop_rare else "")
+        + ".json",
     )
     summary = summarise(results)
     print(f"\nmean +- SEM over seeds {args.seeds}:")
     for name, row in summary.items():
         eps = "-" if row["epsilon_max"] is None else f"{row['epsilon_max']:.3f}"
-        print(f"{name:26s} comms {row['communications']:6d}  acc {row['accuracy_mean']:.4f} +- {row['accuracy_sem']:.4f}  "
-              f"ll {row['log_likelihood_mean']:.4f} +- {row['log_likelihood_sem']:.4f}  eps {eps:>6s}  "
-              f"{row['wall_seconds_mean']:.1f} s/run")
+        print(
+            f"{name:26s} comms {row['communications']:6d}  "
+            f"acc {row['accuracy_mean']:.4f} +- {row['accuracy_sem']:.4f}  "
+            f"ll {row['log_likelihood_mean']:.4f} +- {row['log_likelihood_sem']:.4f}  eps {eps:>6s}  "
+            f"{row['wall_seconds_mean']:.1f} s/run"
+        )
     os.makedirs(os.path.dirname(out_path), exist_ok=True)
     with open(out_path, "w") as handle:
-        json.dump({"model": args.model, "split": args.split, "num_clients": args.num_clients, "epsilon": args.epsilon,
-                   "delta": args.delta, "seeds": args.seeds, "load_average": os.getloadavg(),
-                   "summary": summary, "results": results}, handle, indent=1)
+        json.dump(
+            {
+                "model": args.model,
+                "split": args.split,
+                "num_clients": args.num_clients,
+                "epsilon": args.epsilon,
+                "delta": args.delta,
+                "seeds": args.seeds,
+                "load_average": os.getloadavg(),
+                "summary": summary,
+                "results": results,
+            },
+            handle,
+            indent=1,
+        )
     print(f"wrote {out_path}")
 
 

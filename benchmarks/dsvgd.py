@@ -78,8 +78,7 @@ def mixture_toy(y, shifts, log_scales):
     theta = numpyro.sample("theta", dist.Normal(0, 1))
     with nf.federated_plate("agents", 2, clients=2):
         components = dist.Normal(theta + shifts, jnp.exp(log_scales))
-        numpyro.sample("obs", dist.MixtureSameFamily(dist.Categorical(probs=jnp.full(2, 0.5)), components),
-                       obs=y)
+        numpyro.sample("obs", dist.MixtureSameFamily(dist.Categorical(probs=jnp.full(2, 0.5)), components), obs=y)
 
 
 def make_logistic(clients):
@@ -136,8 +135,11 @@ def run_mixture(rounds: int = 10, num_particles: int = 200):
     toy = datasets.dsvgd_mixture_1d("gaussian")
     grid = np.linspace(-6, 6, 2001)
     kl = metrics.kl_metric_1d("theta", toy.log_posterior, grid)
-    args = (jnp.array([1.0, 0.0]), jnp.array([[0.0, 0.0], [3.0, -3.0]]),
-            jnp.log(jnp.array([[2.0, 2.0], [1.0, math.sqrt(2.0)]])))
+    args = (
+        jnp.array([1.0, 0.0]),
+        jnp.array([[0.0, 0.0], [3.0, -3.0]]),
+        jnp.log(jnp.array([[2.0, 2.0], [1.0, math.sqrt(2.0)]])),
+    )
     common = dict(num_particles=num_particles, metrics={"kl": kl}, progress_bar=False)
     methods = {
         "DSVGD": nf.DSVGD(mixture_toy, num_local_steps=200, num_distill_steps=200, kde_bandwidth=PAPER_KDE, **common),
@@ -149,24 +151,35 @@ def run_mixture(rounds: int = 10, num_particles: int = 200):
     }
     draws = toy.posterior.sample(400_000, seed=0)
     gaussian = metrics.kl_1d(toy.log_posterior, stats.norm(draws.mean(), draws.std()).logpdf, grid)
-    out = {"settings": {"num_particles": num_particles, "local_steps": 200, "distill_steps": 200,
-                        "kde_bandwidth": 0.55, "rounds": rounds, "dsgld_a0": 0.01,
-                        "pvi": "adam(1e-2), 1000 local steps, 10 MC draws"},
-           "best_gaussian_kl": gaussian}
-    print(f"\n1-D mixture, N={num_particles}, L=L'=200: KL(q_opt || q) per round "
-          f"(best Gaussian: {gaussian:.4f})")
+    out = {
+        "settings": {
+            "num_particles": num_particles,
+            "local_steps": 200,
+            "distill_steps": 200,
+            "kde_bandwidth": 0.55,
+            "rounds": rounds,
+            "dsgld_a0": 0.01,
+            "pvi": "adam(1e-2), 1000 local steps, 10 MC draws",
+        },
+        "best_gaussian_kl": gaussian,
+    }
+    print(f"\n1-D mixture, N={num_particles}, L=L'=200: KL(q_opt || q) per round (best Gaussian: {gaussian:.4f})")
     for name, method in methods.items():
         result = method.run(jax.random.PRNGKey(0), rounds, *args)
         m = result.metrics
         if name == "GaussianPVI":  # the KL of the Gaussian q, not of a KDE of draws
-            curve = [metrics.kl_1d(toy.log_posterior, stats.norm(l[0], s[0]).logpdf, grid)
-                     for l, s in zip(m["loc"], m["scale"])]
+            curve = [
+                metrics.kl_1d(toy.log_posterior, stats.norm(loc[0], s[0]).logpdf, grid)
+                for loc, s in zip(m["loc"], m["scale"])
+            ]
         else:
             curve = m["kl"].tolist()
-        out[name] = {"kl": [float(v) for v in curve], "wall_time": m["wall_time"].tolist(),
-                     "client": np.asarray(m["client"]).tolist()}
-        print(f"  {name:12s} " + " ".join(f"{v:.4f}" for v in curve)
-              + f"   ({m['wall_time'][-1]:.1f} s)")
+        out[name] = {
+            "kl": [float(v) for v in curve],
+            "wall_time": m["wall_time"].tolist(),
+            "client": np.asarray(m["client"]).tolist(),
+        }
+        print(f"  {name:12s} " + " ".join(f"{v:.4f}" for v in curve) + f"   ({m['wall_time'][-1]:.1f} s)")
     return out
 
 
@@ -202,23 +215,50 @@ def run_adult(num_clients: int, num_particles: int, rounds: int = 10):
     metric = {"test": metrics.classification_metrics(logistic_probability, data.X_test, data.y_test)}
     common = dict(metrics=metric, progress_bar=False)
     methods = {
-        "DSVGD": nf.DSVGD(logistic, num_particles=num_particles, num_local_steps=200, num_distill_steps=200,
-                          learning_rate=0.05, kde_bandwidth=PAPER_KDE, **common),
+        "DSVGD": nf.DSVGD(
+            logistic,
+            num_particles=num_particles,
+            num_local_steps=200,
+            num_distill_steps=200,
+            learning_rate=0.05,
+            kde_bandwidth=PAPER_KDE,
+            **common,
+        ),
         # The paper's rate lets the particles drift outwards round after round (see dsvgd.md).
-        "DSVGD_lr0.01": nf.DSVGD(logistic, num_particles=num_particles, num_local_steps=200,
-                                 num_distill_steps=200, learning_rate=0.01, kde_bandwidth=PAPER_KDE, **common),
-        "DSVGD_auto": nf.DSVGD(logistic, num_particles=num_particles, num_local_steps=200, num_distill_steps=200,
-                               learning_rate=0.05, **common),
-        "SVGD": nf.SVGD(logistic, num_particles=num_particles, steps_per_round=200,
-                          learning_rate=0.05, **common),
+        "DSVGD_lr0.01": nf.DSVGD(
+            logistic,
+            num_particles=num_particles,
+            num_local_steps=200,
+            num_distill_steps=200,
+            learning_rate=0.01,
+            kde_bandwidth=PAPER_KDE,
+            **common,
+        ),
+        "DSVGD_auto": nf.DSVGD(
+            logistic,
+            num_particles=num_particles,
+            num_local_steps=200,
+            num_distill_steps=200,
+            learning_rate=0.05,
+            **common,
+        ),
+        "SVGD": nf.SVGD(logistic, num_particles=num_particles, steps_per_round=200, learning_rate=0.05, **common),
         "FedAvg": nf.FedAvg(logistic, num_local_steps=200, learning_rate=0.05, **common),
-        "DSGLD": nf.DistributedSGLD(logistic, num_particles=num_particles, num_local_steps=200,
-                                      a0=1e-4, **common),
+        "DSGLD": nf.DistributedSGLD(logistic, num_particles=num_particles, num_local_steps=200, a0=1e-4, **common),
     }
     print(f"\nAdult logistic regression, K={num_clients}, N={num_particles}, {rounds} rounds")
-    out = {"settings": {"num_clients": num_clients, "num_particles": num_particles, "rounds": rounds,
-                        "local_steps": 200, "distill_steps": 200, "learning_rate": 0.05,
-                        "batch": "full", "dsgld_a0": 1e-4}}
+    out = {
+        "settings": {
+            "num_clients": num_clients,
+            "num_particles": num_particles,
+            "rounds": rounds,
+            "local_steps": 200,
+            "distill_steps": 200,
+            "learning_rate": 0.05,
+            "batch": "full",
+            "dsgld_a0": 1e-4,
+        }
+    }
     for name, result in _run_methods(methods, rounds, X, y, out):
         _report(name, result, ["accuracy", "log_predictive_density", "maximum_calibration_error"])
     return out
@@ -244,13 +284,15 @@ class LocalPosteriorSVGD(nf.DSVGD):
             if key is None:
                 new = stein.svgd_run(global_particles, lambda x: prior_score(x) - client_grad(x, block), steps, optim)
             else:
-                new = stein.svgd_run(global_particles, lambda x, k: prior_score(x) - client_grad(x, block, k),
-                                     steps, optim, rng_key=key)
+                new = stein.svgd_run(
+                    global_particles, lambda x, k: prior_score(x) - client_grad(x, block, k), steps, optim, rng_key=key
+                )
             return LocalState(local.local_particles, jnp.ones_like(local.visited)), new
 
         if self.stochastic_client_grad is None:  # DSVGD's round sends a key with minibatches only
-            return {}, {"update": lambda block, local, global_particles, first: update(block, local,
-                                                                                      global_particles, first)}
+            return {}, {
+                "update": lambda block, local, global_particles, first: update(block, local, global_particles, first)
+            }
         return {}, {"update": update}
 
 
@@ -259,8 +301,15 @@ def _gap_trace(X, y, kde_bandwidth, rounds=8):
     the global particles and of the scheduled client's local particles (the gap), the move of
     the global mean in the round and its cosine with the gap."""
     model = make_logistic(partition.even(X.shape[0], 2, shuffle=True, seed=0))
-    method = nf.DSVGD(model, num_particles=6, num_local_steps=200, num_distill_steps=200, learning_rate=0.05,
-                      kde_bandwidth=kde_bandwidth, progress_bar=False)
+    method = nf.DSVGD(
+        model,
+        num_particles=6,
+        num_local_steps=200,
+        num_distill_steps=200,
+        learning_rate=0.05,
+        kde_bandwidth=kde_bandwidth,
+        progress_bar=False,
+    )
     state = method.init(jax.random.PRNGKey(0), X, y)
     trace = {"gap": [], "move": [], "cosine": []}
     for i in range(rounds):
@@ -287,6 +336,7 @@ def run_adult_drift():
             w = numpyro.sample("w", dist.Normal(0, 1.0).expand([X.shape[1]]).to_event(1))
             with nf.federated_plate("data", X.shape[0], clients=clients):
                 numpyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+
         return logistic
 
     # name: (method class, K, N, rounds, KDE bandwidth, batch size, model maker)
@@ -303,8 +353,17 @@ def run_adult_drift():
     out = {"settings": {"learning_rate": 0.05, "local_steps": 200, "distill_steps": 200}}
     for name, (cls, k, n, rounds, kde, batch, maker) in runs.items():
         model = maker(partition.even(X.shape[0], k, shuffle=True, seed=0))
-        method = cls(model, num_particles=n, num_local_steps=200, num_distill_steps=200, learning_rate=0.05,
-                     kde_bandwidth=kde, batch_size=batch, metrics=metric, progress_bar=False)
+        method = cls(
+            model,
+            num_particles=n,
+            num_local_steps=200,
+            num_distill_steps=200,
+            learning_rate=0.05,
+            kde_bandwidth=kde,
+            batch_size=batch,
+            metrics=metric,
+            progress_bar=False,
+        )
         start = time.perf_counter()
         try:
             result = method.run(jax.random.PRNGKey(0), rounds, X, y)
@@ -314,9 +373,11 @@ def run_adult_drift():
             continue
         norms = [float(np.linalg.norm(np.asarray(p), axis=1).mean()) for p in result.metrics["particles"]]
         out[name] = {k_: np.asarray(v).tolist() for k_, v in result.metrics.items() if k_ != "particles"}
-        out[name].update(mean_particle_norm=norms, total_seconds=time.perf_counter() - start,
-                         settings=dict(num_clients=k, num_particles=n, rounds=rounds, kde_bandwidth=kde,
-                                       batch_size=batch))
+        out[name].update(
+            mean_particle_norm=norms,
+            total_seconds=time.perf_counter() - start,
+            settings=dict(num_clients=k, num_particles=n, rounds=rounds, kde_bandwidth=kde, batch_size=batch),
+        )
         lpd = result.metrics["log_predictive_density"]
         print(f"  {name:32s} " + " ".join(f"{v:.3f}" for v in lpd))
         print(f"  {'':32s} " + " ".join(f"{v:.0f}" for v in norms))
@@ -324,47 +385,77 @@ def run_adult_drift():
     for kde in (0.55, 2.0):
         trace = _gap_trace(X, y, kde)
         out[f"gap_trace_kde{kde}"] = trace
-        print(f"  KDE bandwidth {kde}: " + ", ".join(
-            f"{g:.1f}/{m:.1f}/{c:+.2f}" for g, m, c in zip(trace["gap"], trace["move"], trace["cosine"])))
+        print(
+            f"  KDE bandwidth {kde}: "
+            + ", ".join(f"{g:.1f}/{m:.1f}/{c:+.2f}" for g, m, c in zip(trace["gap"], trace["move"], trace["cosine"]))
+        )
     return out
 
 
-def run_kin8nm(num_clients: int, rounds: int = 20, num_particles: int = 20, baselines: bool = True,
-               batch_size: int | None = KIN8NM_BATCH):
+def run_kin8nm(
+    num_clients: int,
+    rounds: int = 20,
+    num_particles: int = 20,
+    baselines: bool = True,
+    batch_size: int | None = KIN8NM_BATCH,
+):
     data = datasets.load_kin8nm(os.path.join(DATA, "kin8nm"))
     X, y = jnp.asarray(data.X_train), jnp.asarray(data.y_train)
     bnn = make_bnn(partition.even(X.shape[0], num_clients, shuffle=True, seed=0))
     metric = {"test": metrics.regression_metrics(bnn_predict, data.X_test, data.y_test, y_scale=data.y_std)}
     common = dict(metrics=metric, progress_bar=False, batch_size=batch_size)
     methods = {
-        "DSVGD": nf.DSVGD(bnn, num_particles=num_particles, num_local_steps=200, num_distill_steps=200,
-                          learning_rate=0.001, kde_bandwidth=PAPER_KDE, **common),
+        "DSVGD": nf.DSVGD(
+            bnn,
+            num_particles=num_particles,
+            num_local_steps=200,
+            num_distill_steps=200,
+            learning_rate=0.001,
+            kde_bandwidth=PAPER_KDE,
+            **common,
+        ),
     }
     if baselines:
-        methods.update({
-            "SVGD": nf.SVGD(bnn, num_particles=num_particles, steps_per_round=200,
-                              learning_rate=0.001, **common),
-            "FedAvg": nf.FedAvg(bnn, num_local_steps=200, learning_rate=0.001, **common),
-            "DSGLD": nf.DistributedSGLD(bnn, num_particles=num_particles, num_local_steps=200,
-                                          a0=KIN8NM_SGLD_A0, **common),
-        })
-    print(f"\nkin8nm BNN (50 ReLUs), K={num_clients}, N={num_particles}, L=L'=200, {rounds} rounds, "
-          f"batch {batch_size or 'full'} (y_std {data.y_std:.4f}); the authors' code: about "
-          f"{AUTHORS_KIN8NM_SECONDS:.0f} s for K=2")
-    out = {"settings": {"num_clients": num_clients, "num_particles": num_particles, "rounds": rounds,
-                        "local_steps": 200, "distill_steps": 200, "learning_rate": 0.001,
-                        "batch_size": batch_size, "dsgld_a0": KIN8NM_SGLD_A0,
-                        "authors_seconds_K2": AUTHORS_KIN8NM_SECONDS}}
+        methods.update(
+            {
+                "SVGD": nf.SVGD(bnn, num_particles=num_particles, steps_per_round=200, learning_rate=0.001, **common),
+                "FedAvg": nf.FedAvg(bnn, num_local_steps=200, learning_rate=0.001, **common),
+                "DSGLD": nf.DistributedSGLD(
+                    bnn, num_particles=num_particles, num_local_steps=200, a0=KIN8NM_SGLD_A0, **common
+                ),
+            }
+        )
+    print(
+        f"\nkin8nm BNN (50 ReLUs), K={num_clients}, N={num_particles}, L=L'=200, {rounds} rounds, "
+        f"batch {batch_size or 'full'} (y_std {data.y_std:.4f}); the authors' code: about "
+        f"{AUTHORS_KIN8NM_SECONDS:.0f} s for K=2"
+    )
+    out = {
+        "settings": {
+            "num_clients": num_clients,
+            "num_particles": num_particles,
+            "rounds": rounds,
+            "local_steps": 200,
+            "distill_steps": 200,
+            "learning_rate": 0.001,
+            "batch_size": batch_size,
+            "dsgld_a0": KIN8NM_SGLD_A0,
+            "authors_seconds_K2": AUTHORS_KIN8NM_SECONDS,
+        }
+    }
     for name, result in _run_methods(methods, rounds, X, y, out):
         total = out[name]["total_seconds"]
         load_before, load_after = out[name]["load_average"]
         _report(name, result, ["rmse", "log_predictive_density"])
-        print(f"      RMSE per round: " + " ".join(f"{v:.3f}" for v in result.metrics["rmse"]))
-        print(f"      total {total:.1f} s with set-up and compilation, load average "
-              f"{load_before:.1f} -> {load_after:.1f}")
+        print("      RMSE per round: " + " ".join(f"{v:.3f}" for v in result.metrics["rmse"]))
+        print(
+            f"      total {total:.1f} s with set-up and compilation, load average {load_before:.1f} -> {load_after:.1f}"
+        )
         if name == "DSVGD":
-            print(f"      {AUTHORS_KIN8NM_SECONDS / total:.1f}x faster than the authors' "
-                  f"{AUTHORS_KIN8NM_SECONDS:.0f} s (K=2)")
+            print(
+                f"      {AUTHORS_KIN8NM_SECONDS / total:.1f}x faster than the authors' "
+                f"{AUTHORS_KIN8NM_SECONDS:.0f} s (K=2)"
+            )
     return out
 
 
@@ -388,6 +479,7 @@ def run_units(rounds: int = 8):
     y0 = 1.3 + np.asarray(jax.random.normal(jax.random.PRNGKey(0), (200,)))
     print(f"\nConjugate Gaussian mean, N=50, {rounds} rounds: mean offset (posterior sds) / variance ratio")
     for scale, shift in [(1.0, 0.0), (1000.0, 500.0), (0.01, 0.0)]:
+
         def model(y, scale=scale, shift=shift):
             mu = numpyro.sample("mu", dist.Normal(shift, 10.0 * scale))
             with nf.federated_plate("data", y.shape[0], clients=4):
@@ -401,17 +493,23 @@ def run_units(rounds: int = 8):
             start = time.perf_counter()
             result, warned_about = warned(lambda: method.run(jax.random.PRNGKey(0), rounds, y))
             x = np.asarray(method.particles(result.state))[:, 0]
-            row = {"offset_sd": float((x.mean() - mean) * math.sqrt(precision)),
-                   "variance_ratio": float(x.var() * precision), "warning": warned_about,
-                   "seconds": time.perf_counter() - start}
+            row = {
+                "offset_sd": float((x.mean() - mean) * math.sqrt(precision)),
+                "variance_ratio": float(x.var() * precision),
+                "warning": warned_about,
+                "seconds": time.perf_counter() - start,
+            }
             out[f"gaussian_scale{scale:g}_kde{kde}"] = row
-            print(f"  units {scale:>7g} kde {kde!s:5s} offset {row['offset_sd']:9.3g} "
-                  f"variance ratio {row['variance_ratio']:9.3g}  warned: {bool(warned_about)}")
+            print(
+                f"  units {scale:>7g} kde {kde!s:5s} offset {row['offset_sd']:9.3g} "
+                f"variance ratio {row['variance_ratio']:9.3g}  warned: {bool(warned_about)}"
+            )
 
     d = 4
     X = jax.random.normal(jax.random.PRNGKey(42), (2000, d))
-    y = jax.random.bernoulli(jax.random.PRNGKey(43), jax.nn.sigmoid(
-        X @ jnp.array([1.0, -0.5, 0.0, 0.25]) + 0.3)).astype(X.dtype)
+    y = jax.random.bernoulli(
+        jax.random.PRNGKey(43), jax.nn.sigmoid(X @ jnp.array([1.0, -0.5, 0.0, 0.25]) + 0.3)
+    ).astype(X.dtype)
 
     def logistic(X, y, federated=True):
         b = numpyro.sample("b", dist.Normal(0, 5))
@@ -426,18 +524,28 @@ def run_units(rounds: int = 8):
     reference = flat(mcmc.get_samples())
     ref_mean, ref_sd = reference.mean(0), reference.std(0)
     out["logistic_nuts"] = {"mean": ref_mean.tolist(), "sd": ref_sd.tolist()}
-    print(f"\nLogistic regression, 4 clients, 2000 rows, N=20, {rounds} rounds: "
-          "(mean - NUTS) / NUTS sd and sd / NUTS sd per coefficient (b, w1..w4)")
+    print(
+        f"\nLogistic regression, 4 clients, 2000 rows, N=20, {rounds} rounds: "
+        "(mean - NUTS) / NUTS sd and sd / NUTS sd per coefficient (b, w1..w4)"
+    )
     for kde in ("auto", 0.55):
         method = nf.DSVGD(logistic, kde_bandwidth=kde, progress_bar=False)
         start = time.perf_counter()
         result, warned_about = warned(lambda: method.run(jax.random.PRNGKey(0), rounds, X, y))
         x = flat(method.get_samples(None, result))
-        row = {"z": ((x.mean(0) - ref_mean) / ref_sd).tolist(), "sd_ratio": (x.std(0) / ref_sd).tolist(),
-               "warning": warned_about, "seconds": time.perf_counter() - start}
+        row = {
+            "z": ((x.mean(0) - ref_mean) / ref_sd).tolist(),
+            "sd_ratio": (x.std(0) / ref_sd).tolist(),
+            "warning": warned_about,
+            "seconds": time.perf_counter() - start,
+        }
         out[f"logistic_kde{kde}"] = row
-        print(f"  kde {kde!s:5s} z " + " ".join(f"{v:6.2f}" for v in row["z"])
-              + "   sd ratio " + " ".join(f"{v:5.2f}" for v in row["sd_ratio"]))
+        print(
+            f"  kde {kde!s:5s} z "
+            + " ".join(f"{v:6.2f}" for v in row["z"])
+            + "   sd ratio "
+            + " ".join(f"{v:5.2f}" for v in row["sd_ratio"])
+        )
     return out
 
 
@@ -479,8 +587,7 @@ def main():
     parser.add_argument("--clients", type=int, nargs="*", default=None)
     parser.add_argument("--particles", type=int, nargs="*", default=None)
     parser.add_argument("--rounds", type=int, default=None)
-    parser.add_argument("--batch-size", type=int, default=KIN8NM_BATCH,
-                        help="kin8nm: rows per step (0: full batch)")
+    parser.add_argument("--batch-size", type=int, default=KIN8NM_BATCH, help="kin8nm: rows per step (0: full batch)")
     parser.add_argument("--no-baselines", action="store_true")
     parser.add_argument("--out-dir", default=RESULTS, help="where the JSON files go")
     args = parser.parse_args()
@@ -496,8 +603,9 @@ def main():
     if args.experiment in ("kin8nm", "all"):
         results = {}
         for k in args.clients or [2, 20]:
-            results[f"K{k}"] = run_kin8nm(k, rounds=args.rounds or 20, baselines=not args.no_baselines,
-                                          batch_size=args.batch_size or None)
+            results[f"K{k}"] = run_kin8nm(
+                k, rounds=args.rounds or 20, baselines=not args.no_baselines, batch_size=args.batch_size or None
+            )
         _write(args.out_dir, "kin8nm", results)
     if args.experiment in ("units", "all"):
         _write(args.out_dir, "units", {"units": run_units(rounds=args.rounds or 8)})

@@ -67,8 +67,12 @@ def timed(fn, repeats, warmup=3):
 
 
 def summary(ms):
-    return dict(ms_per_round=float(np.median(ms)), ms_p10=float(np.percentile(ms, 10)),
-                ms_p90=float(np.percentile(ms, 90)), rounds_per_s=float(1e3 / np.median(ms)))
+    return dict(
+        ms_per_round=float(np.median(ms)),
+        ms_p10=float(np.percentile(ms, 10)),
+        ms_p90=float(np.percentile(ms, 90)),
+        rounds_per_s=float(1e3 / np.median(ms)),
+    )
 
 
 @dataclass
@@ -117,14 +121,21 @@ def seam_rows(ctx, dim, rows_per_client):
 
     out = []
     echo = ray.remote(_Echo)
-    actors = [echo.options(num_cpus=0, runtime_env={"env_vars": thread_limits(1)}).remote()
-              for _ in range(ctx.num_clients)]
+    actors = [
+        echo.options(num_cpus=0, runtime_env={"env_vars": thread_limits(1)}).remote() for _ in range(ctx.num_clients)
+    ]
     v = np.ones(dim)
     ray.get([a.dot.remote(v) for a in actors])
     bare = summary(timed(lambda: ray.get([a.dot.remote(v) for a in actors]), ctx.repeats))
     ctx.bare_ms = bare["ms_per_round"]
-    out.append(dict(what="bare Ray round trip (ray.get of one .remote per actor)", backend="ray",
-                    bytes_per_round=ctx.num_clients * (dim * 8 + 8), **bare))
+    out.append(
+        dict(
+            what="bare Ray round trip (ray.get of one .remote per actor)",
+            backend="ray",
+            bytes_per_round=ctx.num_clients * (dim * 8 + 8),
+            **bare,
+        )
+    )
     ctx.extra.update(echo=actors, echo_arg=v)  # for ctx.bare(); ended with Ray
 
     rng = np.random.default_rng(0)
@@ -138,8 +149,10 @@ def seam_rows(ctx, dim, rows_per_client):
         try:
             single = jax.jit(lambda w: fed.map("sum", w))
             chains = jax.jit(jax.vmap(lambda w: fed.map("sum", w)))
-            for what, fn, arg, n in (("map call", single, w, 1),
-                                     (f"map call, vmap over {ctx.chains} chains", chains, ws, ctx.chains)):
+            for what, fn, arg, n in (
+                ("map call", single, w, 1),
+                (f"map call, vmap over {ctx.chains} chains", chains, ws, ctx.chains),
+            ):
                 with fed.guard():
                     fn(arg).block_until_ready()
                     ms = timed(lambda: fn(arg).block_until_ready(), ctx.repeats)
@@ -152,8 +165,12 @@ def seam_rows(ctx, dim, rows_per_client):
                     ledger = fed.ledger
                     calls = ledger.rounds("sum").sum() // max(ctx.num_clients, 1)
                     row["ledger_bytes_per_chain_call"] = int(
-                        (ledger.count("sum", "to_client", "bytes").sum()
-                         + ledger.count("sum", "from_client", "bytes").sum()) // max(calls, 1))
+                        (
+                            ledger.count("sum", "to_client", "bytes").sum()
+                            + ledger.count("sum", "from_client", "bytes").sum()
+                        )
+                        // max(calls, 1)
+                    )
                 out.append(row)
         finally:
             fed.close()
@@ -169,7 +186,7 @@ def seam_rows(ctx, dim, rows_per_client):
 def family_modules(selected):
     mods = []
     for path in sorted(HERE.glob("_federation_*.py")):
-        family = path.stem[len("_federation_"):]
+        family = path.stem[len("_federation_") :]
         if selected is not None and family not in selected:
             continue
         mods.append(importlib.import_module(path.stem))
@@ -180,8 +197,19 @@ def print_table(rows, bare_ms):
     for r in rows:
         if "ms_per_round" in r and np.isfinite(bare_ms):
             r.setdefault("ratio_to_bare", r["ms_per_round"] / bare_ms)
-    keys = ["family", "what", "backend", "ms_per_round", "ms_p10", "ms_p90", "rounds_per_s",
-            "bytes_per_round", "wall_s", "ratio_to_bare", "ray_over_in_process"]
+    keys = [
+        "family",
+        "what",
+        "backend",
+        "ms_per_round",
+        "ms_p10",
+        "ms_p90",
+        "rounds_per_s",
+        "bytes_per_round",
+        "wall_s",
+        "ratio_to_bare",
+        "ray_over_in_process",
+    ]
     extra = sorted({k for r in rows for k in r} - set(keys))
     keys = [k for k in keys if any(k in r for r in rows)] + extra
     print("| " + " | ".join(keys) + " |")
@@ -201,8 +229,11 @@ def main(argv=None):
     parser.add_argument("--rows", type=int, default=100, help="rows per client")
     parser.add_argument("--chains", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=200)
-    parser.add_argument("--families", default=None,
-                        help="comma-separated families of benchmarks/_federation_<family>.py; 'none': the seam only")
+    parser.add_argument(
+        "--families",
+        default=None,
+        help="comma-separated families of benchmarks/_federation_<family>.py; 'none': the seam only",
+    )
     parser.add_argument("--out", default=str(HERE / "results" / "federation.json"))
     args = parser.parse_args(argv)
 
@@ -221,11 +252,22 @@ def main(argv=None):
     finally:
         ray.shutdown()
     print_table(rows, ctx.bare_ms)
-    result = dict(rows=rows, bare_ms=ctx.bare_ms, clients=args.clients, dim=args.dim,
-                  rows_per_client=args.rows, chains=args.chains, repeats=args.repeats,
-                  seconds=time.time() - started, load_average=os.getloadavg()[0],
-                  python=platform.python_version(), jax=jax.__version__, ray=ray.__version__,
-                  cpus=os.cpu_count(), command=" ".join([Path(sys.argv[0]).name] + sys.argv[1:]))
+    result = dict(
+        rows=rows,
+        bare_ms=ctx.bare_ms,
+        clients=args.clients,
+        dim=args.dim,
+        rows_per_client=args.rows,
+        chains=args.chains,
+        repeats=args.repeats,
+        seconds=time.time() - started,
+        load_average=os.getloadavg()[0],
+        python=platform.python_version(),
+        jax=jax.__version__,
+        ray=ray.__version__,
+        cpus=os.cpu_count(),
+        command=" ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

@@ -54,7 +54,6 @@ def simulation(num_clients: int, rounds: int, repeats: int) -> list[dict]:
     from flwr.app import ArrayRecord, Message, RecordDict
     from flwr.serverapp import ServerApp
 
-    import numpyro_fed as nf
     from numpyro_fed import flower
 
     X, y = (np.asarray(a) for a in variational._data(num_clients))
@@ -64,15 +63,16 @@ def simulation(num_clients: int, rounds: int, repeats: int) -> list[dict]:
 
     def load(node_config):
         m = int(node_config["partition-id"])
-        return X[m * size:(m + 1) * size], y[m * size:(m + 1) * size]
+        return X[m * size : (m + 1) * size], y[m * size : (m + 1) * size]
 
     key = jax.random.PRNGKey(0)
     rows, local = [], {}
     for what, (make, warm) in methods.items():
         result = make(None).run(key, warm + rounds, jax.numpy.asarray(X), jax.numpy.asarray(y))
         local[what] = result
-        rows.append({"what": what, "backend": "in process",
-                     **_stats(np.diff(result.metrics["wall_time"])[warm - 1:] * 1e3)})
+        rows.append(
+            {"what": what, "backend": "in process", **_stats(np.diff(result.metrics["wall_time"])[warm - 1 :] * 1e3)}
+        )
 
     client = flower.client_app({what: make(None) for what, (make, _) in methods.items()}, load)
 
@@ -91,8 +91,10 @@ def simulation(num_clients: int, rounds: int, repeats: int) -> list[dict]:
         trips = []
         for _ in range(repeats + 3):
             start = time.perf_counter()
-            messages = [Message(RecordDict({"x": ArrayRecord([np.zeros(10)])}), dst_node_id=n, message_type="query.echo")
-                        for n in nodes]
+            messages = [
+                Message(RecordDict({"x": ArrayRecord([np.zeros(10)])}), dst_node_id=n, message_type="query.echo")
+                for n in nodes
+            ]
             replies = list(grid.send_and_receive(messages, timeout=60.0))
             assert len(replies) == len(nodes)
             trips.append((time.perf_counter() - start) * 1e3)
@@ -100,9 +102,18 @@ def simulation(num_clients: int, rounds: int, repeats: int) -> list[dict]:
         one = []
         for _ in range(repeats + 3):
             start = time.perf_counter()
-            replies = list(grid.send_and_receive([Message(RecordDict({"x": ArrayRecord([np.zeros(10)])}),
-                                                          dst_node_id=nodes[0], message_type="query.echo")],
-                                                 timeout=60.0))
+            replies = list(
+                grid.send_and_receive(
+                    [
+                        Message(
+                            RecordDict({"x": ArrayRecord([np.zeros(10)])}),
+                            dst_node_id=nodes[0],
+                            message_type="query.echo",
+                        )
+                    ],
+                    timeout=60.0,
+                )
+            )
             assert len(replies) == 1
             one.append((time.perf_counter() - start) * 1e3)
         seen["bare_one"] = one[3:]
@@ -114,21 +125,40 @@ def simulation(num_clients: int, rounds: int, repeats: int) -> list[dict]:
         warnings.simplefilter("ignore")
         flower.simulate(server, client, num_clients)
     bare = _stats(seen["bare"])
-    rows.append({"what": "bare Flower round trip (a Message to one node and back)", "backend": "Flower simulation",
-                 **_stats(seen["bare_one"])})
-    rows.append({"what": f"bare Flower round trip (a Message to each of the {num_clients} nodes and back)",
-                 "backend": "Flower simulation", **bare})
+    rows.append(
+        {
+            "what": "bare Flower round trip (a Message to one node and back)",
+            "backend": "Flower simulation",
+            **_stats(seen["bare_one"]),
+        }
+    )
+    rows.append(
+        {
+            "what": f"bare Flower round trip (a Message to each of the {num_clients} nodes and back)",
+            "backend": "Flower simulation",
+            **bare,
+        }
+    )
     for what, (make, warm) in methods.items():
         result, wall = seen[what]
         ref = local[what]
         same = set(result.ledger) == set(ref.ledger) and all(
-            np.array_equal(result.ledger[k], ref.ledger[k]) for k in ref.ledger)
-        stats = _stats(np.diff(result.metrics["wall_time"])[warm - 1:] * 1e3)
-        rows.append({"what": what, "backend": "Flower simulation", **stats, "x_bare": stats["median"] / bare["median"],
-                     "ledger_equal": bool(same), "wall_s": wall,
-                     "bytes_per_round": int(sum(np.sum(result.ledger[k]) for k in ("bytes_to_client",
-                                                                                     "bytes_from_client"))
-                                            // (warm + rounds))})
+            np.array_equal(result.ledger[k], ref.ledger[k]) for k in ref.ledger
+        )
+        stats = _stats(np.diff(result.metrics["wall_time"])[warm - 1 :] * 1e3)
+        rows.append(
+            {
+                "what": what,
+                "backend": "Flower simulation",
+                **stats,
+                "x_bare": stats["median"] / bare["median"],
+                "ledger_equal": bool(same),
+                "wall_s": wall,
+                "bytes_per_round": int(
+                    sum(np.sum(result.ledger[k]) for k in ("bytes_to_client", "bytes_from_client")) // (warm + rounds)
+                ),
+            }
+        )
     return rows
 
 
@@ -139,11 +169,21 @@ def deployment(rounds: int) -> list[dict]:
     start = time.perf_counter()
     summary = deploy_localhost.main(["--num-rounds", str(rounds), "--methods", "dppvi"])["dppvi"]
     seconds = summary["round_seconds"]
-    return [{"what": "example app's DPPVI (synchronous, 3 nodes x 200 rows, float32): first round",
-             "backend": "Flower deployment (localhost)", "median": seconds[0] * 1e3, "p10": seconds[0] * 1e3,
-             "p90": seconds[0] * 1e3},
-            {"what": "example app's DPPVI: later rounds", "backend": "Flower deployment (localhost)",
-             **_stats(np.asarray(seconds[1:]) * 1e3), "wall_s": time.perf_counter() - start}]
+    return [
+        {
+            "what": "example app's DPPVI (synchronous, 3 nodes x 200 rows, float32): first round",
+            "backend": "Flower deployment (localhost)",
+            "median": seconds[0] * 1e3,
+            "p10": seconds[0] * 1e3,
+            "p90": seconds[0] * 1e3,
+        },
+        {
+            "what": "example app's DPPVI: later rounds",
+            "backend": "Flower deployment (localhost)",
+            **_stats(np.asarray(seconds[1:]) * 1e3),
+            "wall_s": time.perf_counter() - start,
+        },
+    ]
 
 
 def main(argv=None):
@@ -159,17 +199,28 @@ def main(argv=None):
     rows = deployment(args.rounds) if args.deployment else simulation(args.clients, args.rounds, args.repeats)
     load_after = os.getloadavg()
     print(f"load average before {load_before[0]:.1f}, after {load_after[0]:.1f}")
-    print(f"| what | backend | ms per round (p10-p90) | x bare | ledger equal |")
+    print("| what | backend | ms per round (p10-p90) | x bare | ledger equal |")
     print("|---|---|---|---|---|")
     for row in rows:
-        print(f"| {row['what']} | {row['backend']} | {row['median']:.4g} ({row['p10']:.4g}-{row['p90']:.4g}) | "
-              f"{row.get('x_bare', ''):{'.3g' if 'x_bare' in row else ''}} | {row.get('ledger_equal', '')} |")
+        print(
+            f"| {row['what']} | {row['backend']} | {row['median']:.4g} ({row['p10']:.4g}-{row['p90']:.4g}) | "
+            f"{row.get('x_bare', ''):{'.3g' if 'x_bare' in row else ''}} | {row.get('ledger_equal', '')} |"
+        )
     out = HERE / "results"
     out.mkdir(exist_ok=True)
     name = "flower_deployment.json" if args.deployment else "flower.json"
     with open(out / name, "w") as f:
-        json.dump({"rows": rows, "load_average": [load_before, load_after], "python": platform.python_version(),
-                   "argv": sys.argv[1:]}, f, indent=1, default=float)
+        json.dump(
+            {
+                "rows": rows,
+                "load_average": [load_before, load_after],
+                "python": platform.python_version(),
+                "argv": sys.argv[1:],
+            },
+            f,
+            indent=1,
+            default=float,
+        )
     return rows
 
 

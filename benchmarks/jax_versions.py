@@ -43,6 +43,7 @@ def _problem(num_rows=400, dim=4, num_clients=4, seed=0):
     import numpy as np
 
     import jax.numpy as jnp
+
     import numpyro
     import numpyro.distributions as dist
 
@@ -84,6 +85,7 @@ def _time(fn):
 
 def _bench_mcmc(kernel, args, *, num_warmup, num_samples, reps):
     import jax
+
     from numpyro.infer import MCMC
 
     mcmc = MCMC(kernel, num_warmup=num_warmup, num_samples=num_samples, progress_bar=False)
@@ -102,8 +104,7 @@ def _bench_run(method, args, *, num_rounds, reps):
     import jax
 
     first = _time(lambda: method.run(jax.random.PRNGKey(0), num_rounds, *args).state)
-    warm = [_time(lambda: method.run(jax.random.PRNGKey(1 + i), num_rounds, *args).state)
-            for i in range(reps)]
+    warm = [_time(lambda: method.run(jax.random.PRNGKey(1 + i), num_rounds, *args).state) for i in range(reps)]
     return {"first": first, "warm": warm, "warm_cpu": CPU_TIMES[-reps:]}
 
 
@@ -111,6 +112,7 @@ def worker(reps: int, only=None) -> dict:
     import warnings
 
     import jax
+
     import numpyro
 
     numpyro.enable_x64()
@@ -119,21 +121,22 @@ def worker(reps: int, only=None) -> dict:
     warnings.simplefilter("ignore")
     model, args = _problem()
     cases = {
-        "FedZigZag": lambda: _bench_mcmc(nf.FedZigZag(model), args, num_warmup=200,
-                                         num_samples=1000, reps=reps),
-        "DADMMS": lambda: _bench_mcmc(nf.DADMMS(model), args, num_warmup=100, num_samples=500,
-                                      reps=reps),
-        "DSVGD": lambda: _bench_run(nf.DSVGD(model, num_particles=10, num_local_steps=50,
-                                             num_distill_steps=50, progress_bar=False),
-                                    args, num_rounds=2, reps=reps),
-        "DPPVI": lambda: _bench_run(nf.DPPVI(model, num_local_steps=100, progress_bar=False),
-                                    args, num_rounds=2, reps=reps),
+        "FedZigZag": lambda: _bench_mcmc(nf.FedZigZag(model), args, num_warmup=200, num_samples=1000, reps=reps),
+        "DADMMS": lambda: _bench_mcmc(nf.DADMMS(model), args, num_warmup=100, num_samples=500, reps=reps),
+        "DSVGD": lambda: _bench_run(
+            nf.DSVGD(model, num_particles=10, num_local_steps=50, num_distill_steps=50, progress_bar=False),
+            args,
+            num_rounds=2,
+            reps=reps,
+        ),
+        "DPPVI": lambda: _bench_run(
+            nf.DPPVI(model, num_local_steps=100, progress_bar=False), args, num_rounds=2, reps=reps
+        ),
     }
     results = {name: case() for name, case in cases.items() if not only or name in only}
     import jaxlib
 
-    return {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
-            "python": sys.version.split()[0], "results": results}
+    return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "python": sys.version.split()[0], "results": results}
 
 
 # -- driver -----------------------------------------------------------------------------------
@@ -160,32 +163,45 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
             medians = [statistics.median(r["results"][name]["warm"]) for r in rounds]
             firsts = [r["results"][name]["first"] for r in rounds]
             cpu = [statistics.median(r["results"][name]["warm_cpu"]) for r in rounds]
-            table[label][name] = {"warm_median": statistics.median(medians), "warm_min": min(medians),
-                                  "warm_max": max(medians), "first_median": statistics.median(firsts),
-                                  "warm_cpu_median": statistics.median(cpu), "warm_cpu_min": min(cpu),
-                                  "warm_cpu_max": max(cpu)}
+            table[label][name] = {
+                "warm_median": statistics.median(medians),
+                "warm_min": min(medians),
+                "warm_max": max(medians),
+                "first_median": statistics.median(firsts),
+                "warm_cpu_median": statistics.median(cpu),
+                "warm_cpu_min": min(cpu),
+                "warm_cpu_max": max(cpu),
+            }
     return table
 
 
 def print_table(table: dict) -> None:
     labels = list(table)
     base = labels[0]
-    print(f"{'algorithm':<10} {'jax':<10} {'warm wall s (min-max)':<24} {'ratio':>6} "
-          f"{'warm CPU s (min-max)':<24} {'ratio':>6} {'first call s':>12} {'ratio':>6}")
+    print(
+        f"{'algorithm':<10} {'jax':<10} {'warm wall s (min-max)':<24} {'ratio':>6} "
+        f"{'warm CPU s (min-max)':<24} {'ratio':>6} {'first call s':>12} {'ratio':>6}"
+    )
     for name in table[base]:
         for label in labels:
             row, ref = table[label][name], table[base][name]
             wall = f"{row['warm_median']:.2f} ({row['warm_min']:.2f}-{row['warm_max']:.2f})"
             cpu = f"{row['warm_cpu_median']:.2f} ({row['warm_cpu_min']:.2f}-{row['warm_cpu_max']:.2f})"
-            print(f"{name:<10} {label:<10} {wall:<24} {row['warm_median'] / ref['warm_median']:>6.2f} "
-                  f"{cpu:<24} {row['warm_cpu_median'] / ref['warm_cpu_median']:>6.2f} "
-                  f"{row['first_median']:>12.2f} {row['first_median'] / ref['first_median']:>6.2f}")
+            print(
+                f"{name:<10} {label:<10} {wall:<24} {row['warm_median'] / ref['warm_median']:>6.2f} "
+                f"{cpu:<24} {row['warm_cpu_median'] / ref['warm_cpu_median']:>6.2f} "
+                f"{row['first_median']:>12.2f} {row['first_median'] / ref['first_median']:>6.2f}"
+            )
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--python", action="append", default=None,
-                        help="an interpreter with its own JAX (repeat; the first is the reference)")
+    parser.add_argument(
+        "--python",
+        action="append",
+        default=None,
+        help="an interpreter with its own JAX (repeat; the first is the reference)",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds over the interpreters")
     parser.add_argument("--reps", type=int, default=5, help="warm calls per algorithm and worker")
     parser.add_argument("--only", nargs="+", choices=ALGORITHMS, default=None)
@@ -206,8 +222,11 @@ def main(argv=None):
     table = summarise(runs)
     print_table(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"summary": table, "runs": runs, "rounds": args.rounds,
-                                    "reps": args.reps, "pythons": pythons}, indent=1))
+    args.out.write_text(
+        json.dumps(
+            {"summary": table, "runs": runs, "rounds": args.rounds, "reps": args.reps, "pythons": pythons}, indent=1
+        )
+    )
     print(f"wrote {args.out}", file=sys.stderr)
 
 

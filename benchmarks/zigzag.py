@@ -58,9 +58,9 @@ from numpyro.infer.initialization import init_to_uniform, init_to_value  # noqa:
 
 import numpyro_fed as nf  # noqa: E402
 from numpyro_fed.infer.zigzag import (  # noqa: E402
-    precondition,
     build_kernel,
     control_variate_reference,
+    precondition,
     proposers_from_potential,
 )
 
@@ -409,8 +409,9 @@ def sweep_interval(X, y, M, sd_min, factors, *, init_params, process_sds, seed=0
 
 def bench_pdmp_jax(X, y, x_start, *, num_events, grid_sizes=(10, 2), num_draws=2000):
     try:
-        import pdmp_jax
         from importlib.metadata import version
+
+        import pdmp_jax
         pdmp_version = version("pdmp-jax")
     except Exception as error:  # not installed, or fails to import with this JAX
         return {"error": f"{type(error).__name__}: {error}"}
@@ -778,7 +779,7 @@ def targets(results):
         if r and nuts:
             ok = r["ess_per_s"] >= nuts["ess_per_s"]
             ok_s = r["ess_per_s_sampling"] >= nuts["ess_per_s_sampling"]
-            extra = f"; prototype at M=8: ~3,400 vs NUTS ~750" if M == 8 else ""
+            extra = "; prototype at M=8: ~3,400 vs NUTS ~750" if M == 8 else ""
             lines.append(f"[{'MET' if ok else 'NOT MET'}] ESS/s >= NUTS at d=6, M={M}, CV on: end-to-end "
                          f"{r['ess_per_s']:,.0f} vs NUTS {nuts['ess_per_s']:,.0f} (ratio {r['ratio_to_nuts']:.2f}); "
                          f"sampling phase only {r['ess_per_s_sampling']:,.0f} vs {nuts['ess_per_s_sampling']:,.0f} "

@@ -34,7 +34,6 @@ import warnings
 import numpy as np
 
 import jax
-import jax.numpy as jnp
 
 import numpyro
 import numpyro.distributions as dist
@@ -80,8 +79,10 @@ def compare(name, draws, seconds, ledger, reference):
     ratio = draws.std(0) / ref_sd
     out = int(np.sum(ledger["bytes_to_client"]) + np.sum(ledger.get("bytes_to_peer", 0)))
     back = int(np.sum(ledger["bytes_from_client"]))
-    print(f"{name:10s} max |mean - NUTS| = {z.max():.2f} sd   sd / NUTS sd in [{ratio.min():.2f}, "
-          f"{ratio.max():.2f}]   {seconds:6.1f} s   sent {out:,} B, received {back:,} B")
+    print(
+        f"{name:10s} max |mean - NUTS| = {z.max():.2f} sd   sd / NUTS sd in [{ratio.min():.2f}, "
+        f"{ratio.max():.2f}]   {seconds:6.1f} s   sent {out:,} B, received {back:,} B"
+    )
     return z.max(), ratio
 
 
@@ -89,18 +90,34 @@ def run_all(federation, X, y, key, scale):
     results = {}
     with federation.guard():
         t = time.perf_counter()
-        mcmc = MCMC(nf.FedZigZag(model, federation=federation), num_warmup=100 * scale,
-                    num_samples=300 * scale, progress_bar=False)
+        mcmc = MCMC(
+            nf.FedZigZag(model, federation=federation),
+            num_warmup=100 * scale,
+            num_samples=300 * scale,
+            progress_bar=False,
+        )
         mcmc.run(key, X, y)
-        results["FedZigZag"] = (np.asarray(mcmc.get_samples()["w"]), time.perf_counter() - t,
-                                federation.ledger.summary())
+        results["FedZigZag"] = (
+            np.asarray(mcmc.get_samples()["w"]),
+            time.perf_counter() - t,
+            federation.ledger.summary(),
+        )
 
         t = time.perf_counter()
-        mcmc = MCMC(nf.DADMMS(model, topology="ring", federation=federation), num_warmup=100 * scale,
-                    num_samples=200 * scale, num_chains=4, chain_method="vectorized", progress_bar=False)
+        mcmc = MCMC(
+            nf.DADMMS(model, topology="ring", federation=federation),
+            num_warmup=100 * scale,
+            num_samples=200 * scale,
+            num_chains=4,
+            chain_method="vectorized",
+            progress_bar=False,
+        )
         mcmc.run(key, X, y)
-        results["DADMMS"] = (np.asarray(mcmc.get_samples()["w"]).reshape(-1, X.shape[1]),
-                             time.perf_counter() - t, federation.ledger.summary())
+        results["DADMMS"] = (
+            np.asarray(mcmc.get_samples()["w"]).reshape(-1, X.shape[1]),
+            time.perf_counter() - t,
+            federation.ledger.summary(),
+        )
 
     t = time.perf_counter()
     pvi = nf.DPPVI(model, federation=federation, progress_bar=False)
@@ -111,8 +128,11 @@ def run_all(federation, X, y, key, scale):
     t = time.perf_counter()
     svgd = nf.DSVGD(model, federation=federation, progress_bar=False)
     result = svgd.run(key, 4 * NUM_CLIENTS * scale, X, y)
-    results["DSVGD"] = (np.asarray(svgd.get_samples(key, result)["w"]), time.perf_counter() - t,
-                        federation.ledger.summary())
+    results["DSVGD"] = (
+        np.asarray(svgd.get_samples(key, result)["w"]),
+        time.perf_counter() - t,
+        federation.ledger.summary(),
+    )
     return results
 
 
@@ -130,8 +150,10 @@ def main(argv=None):
     nuts = MCMC(NUTS(model), num_warmup=500, num_samples=2000, progress_bar=False)
     nuts.run(key, X, y)
     reference = np.asarray(nuts.get_samples()["w"])
-    print(f"NUTS on the pooled rows: posterior mean {np.round(reference.mean(0), 3).tolist()}, "
-          f"sd {np.round(reference.std(0), 3).tolist()} ({time.perf_counter() - t:.1f} s)")
+    print(
+        f"NUTS on the pooled rows: posterior mean {np.round(reference.mean(0), 3).tolist()}, "
+        f"sd {np.round(reference.std(0), 3).tolist()} ({time.perf_counter() - t:.1f} s)"
+    )
 
     def federation(**kwargs):
         if args.federation == "ray":
@@ -153,8 +175,9 @@ def main(argv=None):
                 result = pvi.run(key, 10 * scale)  # no data arguments: the clients load their rows
                 draws = np.asarray(pvi.get_samples(jax.random.PRNGKey(1), result, 4000)["w"])
                 print(f"\nDeployment on {deployed!r}: the driver ran DPPVI without data")
-                worst["DPPVI (deployed)"] = compare("DPPVI dep.", draws, time.perf_counter() - t,
-                                                    deployed.ledger.summary(), reference)[0]
+                worst["DPPVI (deployed)"] = compare(
+                    "DPPVI dep.", draws, time.perf_counter() - t, deployed.ledger.summary(), reference
+                )[0]
                 same = np.array_equal(draws, results["DPPVI"][0])
                 print(f"the same draws as DPPVI run on the pooled rows' split above: {same}")
     return worst

@@ -1,12 +1,38 @@
 """numpyro_fed: federated Bayesian inference for NumPyro models."""
 
 from numpyro_fed.arviz import to_inference_data
-from numpyro_fed.federation import ClientError, ClientProgram, ClientState, Federation, InProcess, MessageLedger
-from numpyro_fed.federation import NetworkError, RayFederation
-from numpyro_fed.infer import ADMM, DADMMS, DSGHMC, DSGLD, DULA, make_topology
-from numpyro_fed.infer import FedZigZag, GradientBound, HessianBound, RowHessianBound
-from numpyro_fed.infer import BCM, DPPVI, GaussianPVI, GlobalVI
-from numpyro_fed.infer import DSVGD, PDSVGD, SVGD, UDSVGD, DistributedSGLD, FedAvg
+from numpyro_fed.federation import (
+    ClientError,
+    ClientProgram,
+    ClientState,
+    Federation,
+    InProcess,
+    MessageLedger,
+    NetworkError,
+    RayFederation,
+)
+from numpyro_fed.infer import (
+    ADMM,
+    BCM,
+    DADMMS,
+    DPPVI,
+    DSGHMC,
+    DSGLD,
+    DSVGD,
+    DULA,
+    PDSVGD,
+    SVGD,
+    UDSVGD,
+    DistributedSGLD,
+    FedAvg,
+    FedZigZag,
+    GaussianPVI,
+    GlobalVI,
+    GradientBound,
+    HessianBound,
+    RowHessianBound,
+    make_topology,
+)
 from numpyro_fed.infer.ledger import message_ledger
 from numpyro_fed.plate import federated_plate, normalize_clients
 from numpyro_fed.potential import FederatedPotential, FlatPotential, PlateInfo, split_potential

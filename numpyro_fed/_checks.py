@@ -41,7 +41,11 @@ def warn_user(message: str, category=RuntimeWarning, origin=None) -> None:
         return
     filename, lineno, module_globals = origin
     warnings.warn_explicit(
-        message, category, filename, lineno, module=module_globals.get("__name__", "__main__"),
+        message,
+        category,
+        filename,
+        lineno,
+        module=module_globals.get("__name__", "__main__"),
         registry=module_globals.setdefault("__warningregistry__", {}),
     )
 

@@ -15,7 +15,6 @@ on the object's type.
 from __future__ import annotations
 
 import copy
-
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -143,7 +142,9 @@ def from_dicts(
     if sample_stats:
         groups["sample_stats"] = _dataset(
             {name: value for name, (value, _) in sample_stats.items()},
-            dims={name: list(d) for name, (_, d) in sample_stats.items()}, coords=coords, sample_dims=(),
+            dims={name: list(d) for name, (_, d) in sample_stats.items()},
+            coords=coords,
+            sample_dims=(),
         )
     return _build(groups, attrs or {})
 
@@ -153,23 +154,25 @@ def _model_of(obj):
     ``obj.model``."""
     model = getattr(getattr(obj, "method", None), "model", None) or getattr(obj, "model", None)
     if model is None:
-        raise TypeError(f"to_inference_data: a {type(obj).__name__} does not say which model it "
-                        "fitted, so log_likelihood and observed_data cannot be computed")
+        raise TypeError(
+            f"to_inference_data: a {type(obj).__name__} does not say which model it "
+            "fitted, so log_likelihood and observed_data cannot be computed"
+        )
     return model
 
 
-def _add_client_data(idata, model, *, log_likelihood=False, observed_data=False, model_args=(),
-                     model_kwargs=None):
+def _add_client_data(idata, model, *, log_likelihood=False, observed_data=False, model_args=(), model_kwargs=None):
     """``idata`` with the groups ``log_likelihood`` (every observed site's pointwise
     log-likelihood at every posterior draw) and ``observed_data``, as asked for."""
     model_args, model_kwargs = tuple(model_args or ()), dict(model_kwargs or {})
     if not (model_args or model_kwargs):
-        raise TypeError("log_likelihood=True and observed_data=True need the data the result was "
-                        "fitted to: pass model_args=(...) (and model_kwargs=) to to_inference_data")
+        raise TypeError(
+            "log_likelihood=True and observed_data=True need the data the result was "
+            "fitted to: pass model_args=(...) (and model_kwargs=) to to_inference_data"
+        )
     groups = _groups_of(idata)
     trace = _trace(model, model_args, model_kwargs)
-    observed = {name: site for name, site in trace.items()
-                if site["type"] == "sample" and site["is_observed"]}
+    observed = {name: site for name, site in trace.items() if site["type"] == "sample" and site["is_observed"]}
     if log_likelihood:
         from numpyro.infer import log_likelihood as numpyro_log_likelihood
 
@@ -179,13 +182,15 @@ def _add_client_data(idata, model, *, log_likelihood=False, observed_data=False,
         values = numpyro_log_likelihood(model, flat, *model_args, **model_kwargs)
         values = {k: np.asarray(v).reshape((chains, draws) + v.shape[1:]) for k, v in values.items()}
         # pointwise: a site's batch (plate) dims, not its event dims
-        dims = {k: [f.name for f in sorted(observed[k]["cond_indep_stack"], key=lambda f: f.dim)]
-                for k in values}
+        dims = {k: [f.name for f in sorted(observed[k]["cond_indep_stack"], key=lambda f: f.dim)] for k in values}
         groups["log_likelihood"] = _dataset(values, dims=dims, coords=None, sample_dims=("chain", "draw"))
     if observed_data:
-        groups["observed_data"] = _dataset({k: site["value"] for k, site in observed.items()},
-                                           dims={k: _site_dims(site) for k, site in observed.items()},
-                                           coords=None, sample_dims=())
+        groups["observed_data"] = _dataset(
+            {k: site["value"] for k, site in observed.items()},
+            dims={k: _site_dims(site) for k, site in observed.items()},
+            coords=None,
+            sample_dims=(),
+        )
     return _build(groups, dict(idata.attrs))
 
 
@@ -198,10 +203,10 @@ def _dataset(values: dict[str, Any], *, dims, coords, sample_dims):
 
     values = {k: np.asarray(v) for k, v in values.items()}
     if _arviz_major() >= 1:
-        return az.dict_to_dataset(values, coords=coords, dims=dims, sample_dims=list(sample_dims),
-                                  index_origin=0)
-    return az.dict_to_dataset(values, library=None, coords=coords, dims=dims,
-                              default_dims=list(sample_dims), index_origin=0)
+        return az.dict_to_dataset(values, coords=coords, dims=dims, sample_dims=list(sample_dims), index_origin=0)
+    return az.dict_to_dataset(
+        values, library=None, coords=coords, dims=dims, default_dims=list(sample_dims), index_origin=0
+    )
 
 
 def _groups_of(idata) -> dict:
@@ -265,8 +270,9 @@ def _register_numpyro_mcmc():
     from numpyro.infer import MCMC
 
     @register_converter(MCMC, handles_data=True)
-    def _from_mcmc(mcmc, *, potential=None, observed_data=False, log_likelihood=False,
-                   model_args=None, model_kwargs=None, **kwargs):
+    def _from_mcmc(
+        mcmc, *, potential=None, observed_data=False, log_likelihood=False, model_args=None, model_kwargs=None, **kwargs
+    ):
         # model_args, model_kwargs: accepted as for every result, and not needed: an MCMC run
         # keeps the arguments it ran with
         import arviz as az
@@ -279,9 +285,11 @@ def _register_numpyro_mcmc():
             # deployment: the rows are on the clients; the model is traced with stand-ins (zeros
             # shaped like the pooled arguments), so observations and likelihoods cannot be had
             if observed_data or log_likelihood:
-                raise ValueError("the clients loaded their own rows (deployment): the driver has no "
-                                 "observed data and no per-row log-likelihood; convert with "
-                                 "observed_data=False and log_likelihood=False")
+                raise ValueError(
+                    "the clients loaded their own rows (deployment): the driver has no "
+                    "observed data and no per-row log-likelihood; convert with "
+                    "observed_data=False and log_likelihood=False"
+                )
             mcmc = copy.copy(mcmc)
             mcmc._args, mcmc._kwargs = split.stand_in_arguments
         if kwargs.get("dims") is None:
@@ -292,23 +300,24 @@ def _register_numpyro_mcmc():
         groups = _groups_of(az.from_numpyro(mcmc, log_likelihood=log_likelihood, **kwargs))
         # from_numpyro always adds the observed (and constant) data; they leave the clients
         # only when asked for
-        keep = {"observed_data": observed_data, "constant_data": observed_data,
-                "log_likelihood": log_likelihood}
+        keep = {"observed_data": observed_data, "constant_data": observed_data, "log_likelihood": log_likelihood}
         groups = {name: dataset for name, dataset in groups.items() if keep.get(name, True)}
         if hasattr(sampler, "extra_groups"):
             # draws beside the posterior ones (e.g. every agent's, their average), dims as in
             # the posterior (named after plates) after the group's own leading dims
             posterior = groups["posterior"]
             for group, (values, leading) in sampler.extra_groups(mcmc).items():
-                dims = {name: ["chain", "draw", *leading, *posterior[name].dims[2:]]
-                        for name in values if name in posterior}
+                dims = {
+                    name: ["chain", "draw", *leading, *posterior[name].dims[2:]] for name in values if name in posterior
+                }
                 groups[group] = _dataset(values, dims=dims, coords=kwargs.get("coords"), sample_dims=())
         if hasattr(sampler, "sample_stats"):
             stats = sampler.sample_stats(mcmc.get_extra_fields(group_by_chain=True))
             groups["sample_stats"] = _dataset(
                 {name: value for name, (value, _) in stats.items()},
                 dims={name: list(dims) for name, (_, dims) in stats.items()},
-                coords=kwargs.get("coords"), sample_dims=("chain", "draw"),
+                coords=kwargs.get("coords"),
+                sample_dims=("chain", "draw"),
             )
         attrs = {"algorithm": type(sampler).__name__}
         if potential is None:

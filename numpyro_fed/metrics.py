@@ -15,11 +15,11 @@ import math
 import numbers
 from typing import Callable, NamedTuple
 
-from numpyro_fed._checks import check_int, check_positive
-
 import numpy as np
 from scipy import special
 from scipy.integrate import trapezoid
+
+from numpyro_fed._checks import check_int, check_positive
 
 __all__ = [
     "ReliabilityDiagram",
@@ -219,8 +219,7 @@ def _log_density_on_grid(log_density, grid: np.ndarray, name: str) -> np.ndarray
         raise TypeError(f"{name} must be a callable or an array of log-density values") from error
     if values.shape != grid.shape:
         raise ValueError(
-            f"{name} must give one log-density value per grid point: "
-            f"shape {values.shape} != grid {grid.shape}"
+            f"{name} must give one log-density value per grid point: shape {values.shape} != grid {grid.shape}"
         )
     if np.any(np.isnan(values)) or np.any(values == np.inf):
         raise ValueError(f"{name} must not contain NaN or +inf")
@@ -287,15 +286,17 @@ def kde_1d(samples, grid, bandwidth: float) -> np.ndarray:
     grid = _as_float_array(grid, "grid")
     if grid.ndim != 1:
         raise ValueError(f"grid must be 1-D, got shape {grid.shape}")
-    if isinstance(bandwidth, bool) or not isinstance(bandwidth, numbers.Real) or not (
-        math.isfinite(bandwidth) and bandwidth > 0
+    if (
+        isinstance(bandwidth, bool)
+        or not isinstance(bandwidth, numbers.Real)
+        or not (math.isfinite(bandwidth) and bandwidth > 0)
     ):
         raise ValueError(f"bandwidth must be a finite number > 0, got {bandwidth!r}")
     density = np.zeros(grid.shape)
     # Chunked so that S x G never materialises for large sample sets.
     chunk = max(1, 2**22 // max(grid.size, 1))
     for start in range(0, samples.size, chunk):
-        z = (grid[:, None] - samples[None, start:start + chunk]) / bandwidth
+        z = (grid[:, None] - samples[None, start : start + chunk]) / bandwidth
         density += np.exp(-0.5 * z**2).sum(axis=1)
     return density / (samples.size * bandwidth * math.sqrt(2 * math.pi))
 
@@ -487,8 +488,9 @@ def kl_metric_1d(site: str, log_target: Callable, grid, bandwidth: float = 0.55)
     return metric
 
 
-def classification_metrics(probability_fn: Callable, X_test, y_test, *, num_bins: int = 10,
-                           reliability: bool = False) -> Callable:
+def classification_metrics(
+    probability_fn: Callable, X_test, y_test, *, num_bins: int = 10, reliability: bool = False
+) -> Callable:
     """Per-round metrics for a classifier: accuracy, log predictive density, MCE.
 
     :param probability_fn: ``(draws, X) -> (S, n)`` probability of class 1 under each draw

@@ -20,7 +20,8 @@ import math
 
 import numpy as np
 
-from numpyro_fed._checks import check_int as _check_int, check_real as _check_real
+from numpyro_fed._checks import check_int as _check_int
+from numpyro_fed._checks import check_real as _check_real
 
 __all__ = [
     "DPPVI_SPLITS",
@@ -49,10 +50,6 @@ _FLOOR_SLACK = 1e-9
 # argument checks
 
 
-
-
-
-
 def _check_labels(labels) -> np.ndarray:
     labels = np.asarray(labels)
     if labels.ndim != 1:
@@ -67,8 +64,7 @@ def _check_labels(labels) -> np.ndarray:
 def _check_enough_rows(n: int, num_clients: int) -> None:
     if num_clients > n:
         raise ValueError(
-            f"num_clients={num_clients} exceeds the number of rows n={n}: "
-            "every client must own at least one row"
+            f"num_clients={num_clients} exceeds the number of rows n={n}: every client must own at least one row"
         )
 
 
@@ -90,8 +86,7 @@ def _num_clients_of(owner: np.ndarray, num_clients: int | None) -> int:
     num_clients = _check_int(num_clients, "num_clients", minimum=1)
     if inferred > num_clients:
         raise ValueError(
-            f"owner holds client id {inferred - 1}, outside 0..{num_clients - 1} "
-            f"for num_clients={num_clients}"
+            f"owner holds client id {inferred - 1}, outside 0..{num_clients - 1} for num_clients={num_clients}"
         )
     return num_clients
 
@@ -228,8 +223,8 @@ def by_label(labels, num_clients: int, *, rho: float, kappa: float, seed=None) -
     minority_rows = rng.permutation(minority_rows)
     owner = np.full(n, -1, dtype=np.int64)
     for client in range(num_small_clients):
-        owner[majority_rows[client * majority_per_small:(client + 1) * majority_per_small]] = client
-        owner[minority_rows[client * minority_per_small:(client + 1) * minority_per_small]] = client
+        owner[majority_rows[client * majority_per_small : (client + 1) * majority_per_small]] = client
+        owner[minority_rows[client * minority_per_small : (client + 1) * minority_per_small]] = client
 
     remaining_rows = rng.permutation(np.flatnonzero(owner < 0))
     # Evenly-sized large blocks first, then the floors' leftovers dealt out

@@ -162,35 +162,34 @@ def normalize_clients(clients: Any, size: int, *, name: str = "plate") -> tuple[
     """
     where = f"federated plate '{name}'"
     if isinstance(clients, bool):
-        raise TypeError(f"{where}: `clients` must be an int, an array of client ids or a list of index arrays, not a bool")
+        raise TypeError(
+            f"{where}: `clients` must be an int, an array of client ids or a list of index arrays, not a bool"
+        )
     if isinstance(clients, (int, np.integer)):
         num_clients = int(clients)
         if num_clients < 1:
             raise ValueError(f"{where}: the number of clients must be at least 1, got {num_clients}")
         if num_clients > size:
-            raise ValueError(
-                f"{where}: cannot split {size} rows over {num_clients} clients (each client needs a row)"
-            )
+            raise ValueError(f"{where}: cannot split {size} rows over {num_clients} clients (each client needs a row)")
         owner = np.empty(size, dtype=np.int64)
         for m, rows in enumerate(np.array_split(np.arange(size), num_clients)):
             owner[rows] = m
         return owner, num_clients
 
-    if isinstance(clients, Sequence) and not isinstance(clients, (str, bytes)) and any(
-        np.ndim(c) == 1 for c in clients
+    if (
+        isinstance(clients, Sequence)
+        and not isinstance(clients, (str, bytes))
+        and any(np.ndim(c) == 1 for c in clients)
     ):
         return _owner_from_index_lists(clients, size, where)
 
     owner = _concrete_integer_array(clients, where, "`clients`")
     if owner.ndim != 1:
         raise ValueError(
-            f"{where}: `clients` as an array must have shape ({size},) (one client id per row), "
-            f"got shape {owner.shape}"
+            f"{where}: `clients` as an array must have shape ({size},) (one client id per row), got shape {owner.shape}"
         )
     if owner.shape[0] != size:
-        raise ValueError(
-            f"{where}: `clients` has {owner.shape[0]} entries but the plate has {size} rows"
-        )
+        raise ValueError(f"{where}: `clients` has {owner.shape[0]} entries but the plate has {size} rows")
     if size and owner.min() < 0:
         bad = int(np.flatnonzero(owner < 0)[0])
         raise ValueError(f"{where}: client ids must be >= 0; row {bad} has client {owner[bad]}")
@@ -210,8 +209,7 @@ def _concrete_integer_array(value: Any, where: str, what: str) -> np.ndarray:
         array = np.asarray(value)
     except Exception as exc:  # a jax tracer raises here
         raise TypeError(
-            f"{where}: {what} must be concrete integers known before inference "
-            f"(got {type(value).__name__})"
+            f"{where}: {what} must be concrete integers known before inference (got {type(value).__name__})"
         ) from exc
     if array.dtype == object or not (np.issubdtype(array.dtype, np.integer) or array.size == 0):
         raise TypeError(f"{where}: {what} must hold integers, got dtype {array.dtype}")
@@ -228,20 +226,15 @@ def _owner_from_index_lists(clients: Sequence, size: int, where: str) -> tuple[n
             raise ValueError(f"{where}: client {m} owns no rows (empty index array)")
         out_of_range = rows[(rows < 0) | (rows >= size)]
         if out_of_range.size:
-            raise ValueError(
-                f"{where}: client {m} lists row {int(out_of_range[0])}, outside 0..{size - 1}"
-            )
+            raise ValueError(f"{where}: client {m} lists row {int(out_of_range[0])}, outside 0..{size - 1}")
         unique_rows, counts = np.unique(rows, return_counts=True)
         if (counts > 1).any():
-            raise ValueError(
-                f"{where}: client {m} lists row {int(unique_rows[counts > 1][0])} more than once"
-            )
+            raise ValueError(f"{where}: client {m} lists row {int(unique_rows[counts > 1][0])} more than once")
         taken = owner[rows] >= 0
         if taken.any():
             row = int(rows[taken][0])
             raise ValueError(
-                f"{where}: clients overlap: row {row} is listed by client {int(owner[row])} "
-                f"and client {m}"
+                f"{where}: clients overlap: row {row} is listed by client {int(owner[row])} and client {m}"
             )
         owner[rows] = m
     missing = np.flatnonzero(owner < 0)

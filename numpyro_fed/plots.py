@@ -28,9 +28,7 @@ def plot_zigzag_trajectory(times, positions, *, coords=(0, 1), labels=None, ax=N
 
     times, positions = np.asarray(times), np.asarray(positions)
     if positions.ndim != 2 or positions.shape[0] != times.shape[0]:
-        raise ValueError(
-            f"positions must have shape (len(times), d) = ({times.shape[0]}, d), got {positions.shape}"
-        )
+        raise ValueError(f"positions must have shape (len(times), d) = ({times.shape[0]}, d), got {positions.shape}")
     coords = tuple(np.atleast_1d(coords))
     if not 1 <= len(coords) <= 2 or max(coords) >= positions.shape[1]:
         raise ValueError(f"coords must name one or two of the {positions.shape[1]} coordinates, got {coords}")

@@ -14,8 +14,9 @@ def is_client_state(x):
 def server_view(state):
     """A state without the values of its client states (in process they are kept beside the
     server's state; on an engine they stay with the clients)."""
-    return jax.tree.map(lambda x: ClientState((), x.version) if is_client_state(x) else x, state,
-                        is_leaf=is_client_state)
+    return jax.tree.map(
+        lambda x: ClientState((), x.version) if is_client_state(x) else x, state, is_leaf=is_client_state
+    )
 
 
 def assert_same_run(remote_result, local_result, *, interrupted=False, state_rtol=0.0):

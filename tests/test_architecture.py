@@ -8,6 +8,7 @@ import sys
 import textwrap
 
 import pytest
+
 from test_docs import DOCS, ROOT
 
 PRELUDE = textwrap.dedent("""\
@@ -28,8 +29,7 @@ def walkthrough(*, engines: bool) -> str:
 
 
 def run_script(code: str):
-    return subprocess.run([sys.executable, "-c", PRELUDE + code], cwd=ROOT, capture_output=True, text=True,
-                          timeout=900)
+    return subprocess.run([sys.executable, "-c", PRELUDE + code], cwd=ROOT, capture_output=True, text=True, timeout=900)
 
 
 def test_the_walkthrough_runs_in_process_and_its_checks_hold():

@@ -79,8 +79,9 @@ def test_unknown_result_type():
 
 
 def test_log_likelihood_of_a_result_without_its_data_asks_for_model_args():
-    result = nf.DSVGD(logistic_regression, num_particles=5, num_local_steps=2, num_distill_steps=2,
-                      progress_bar=False).run(jax.random.PRNGKey(0), 1, *DATA)
+    result = nf.DSVGD(
+        logistic_regression, num_particles=5, num_local_steps=2, num_distill_steps=2, progress_bar=False
+    ).run(jax.random.PRNGKey(0), 1, *DATA)
     with pytest.raises(TypeError, match="model_args"):
         nf.to_inference_data(result, log_likelihood=True)
 
@@ -88,11 +89,18 @@ def test_log_likelihood_of_a_result_without_its_data_asks_for_model_args():
 def test_from_dicts_builds_what_arviz_builds():
     from numpyro_fed.arviz import from_dicts
 
-    idata = from_dicts({"w": np.zeros((2, 10, 3))}, dims={"w": ["feature"]},
-                       sample_stats={"loss": (np.arange(5.0), ["round"])},
-                       coords={"round": np.arange(1, 6)}, attrs={"algorithm": "X", "sizes": (1, 2)})
-    assert type(idata) is type(az.from_dict({"posterior": {"w": np.zeros((2, 10, 3))}})
-                               if ARVIZ_1 else az.from_dict(posterior={"w": np.zeros((2, 10, 3))}))
+    idata = from_dicts(
+        {"w": np.zeros((2, 10, 3))},
+        dims={"w": ["feature"]},
+        sample_stats={"loss": (np.arange(5.0), ["round"])},
+        coords={"round": np.arange(1, 6)},
+        attrs={"algorithm": "X", "sizes": (1, 2)},
+    )
+    assert type(idata) is type(
+        az.from_dict({"posterior": {"w": np.zeros((2, 10, 3))}})
+        if ARVIZ_1
+        else az.from_dict(posterior={"w": np.zeros((2, 10, 3))})
+    )
     assert idata.posterior["w"].dims == ("chain", "draw", "feature")
     assert idata.sample_stats["loss"].dims == ("round",)
     assert list(idata.sample_stats["round"].values) == [1, 2, 3, 4, 5]
@@ -107,8 +115,14 @@ def test_decentralised_draws_have_plate_dims_in_every_group():
     clients, owner = owners_in_three_forms()["array"]
     X, y = make_data("linear_regression")
     args = (X, jax.numpy.asarray(owner), y)
-    mcmc = MCMC(nf.DADMMS(hierarchical), num_warmup=5, num_samples=5, num_chains=2,
-                chain_method="vectorized", progress_bar=False)
+    mcmc = MCMC(
+        nf.DADMMS(hierarchical),
+        num_warmup=5,
+        num_samples=5,
+        num_chains=2,
+        chain_method="vectorized",
+        progress_bar=False,
+    )
     mcmc.run(jax.random.PRNGKey(0), *args, clients=clients)
     idata = nf.to_inference_data(mcmc)
     assert idata.posterior["u"].dims == ("chain", "draw", "clients")
@@ -148,15 +162,19 @@ def _mcmc(kernel, **kwargs):
 # Small runs: the tests check the conversion, not the algorithms (their own tests check their
 # accuracy). PSIS-LOO needs at least about 30 draws (its Pareto tail has 5 or more).
 RUNS = {
-    "NUTS": lambda: _mcmc(NUTS(logistic_regression), num_warmup=100, num_samples=100, num_chains=2,
-                          chain_method="sequential"),
+    "NUTS": lambda: _mcmc(
+        NUTS(logistic_regression), num_warmup=100, num_samples=100, num_chains=2, chain_method="sequential"
+    ),
     "FedZigZag": lambda: _mcmc(nf.FedZigZag(logistic_regression), num_warmup=50, num_samples=100),
-    "DADMMS": lambda: _mcmc(nf.DADMMS(logistic_regression), num_warmup=20, num_samples=25, num_chains=4,
-                            chain_method="vectorized"),
-    "DSVGD": lambda: nf.DSVGD(logistic_regression, num_particles=40, num_local_steps=20, num_distill_steps=20,
-                              progress_bar=False).run(jax.random.PRNGKey(0), NUM_CLIENTS, *DATA),
+    "DADMMS": lambda: _mcmc(
+        nf.DADMMS(logistic_regression), num_warmup=20, num_samples=25, num_chains=4, chain_method="vectorized"
+    ),
+    "DSVGD": lambda: nf.DSVGD(
+        logistic_regression, num_particles=40, num_local_steps=20, num_distill_steps=20, progress_bar=False
+    ).run(jax.random.PRNGKey(0), NUM_CLIENTS, *DATA),
     "DPPVI": lambda: nf.DPPVI(logistic_regression, num_local_steps=50, progress_bar=False).run(
-        jax.random.PRNGKey(0), 3, *DATA),
+        jax.random.PRNGKey(0), 3, *DATA
+    ),
 }
 
 

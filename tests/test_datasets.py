@@ -99,9 +99,7 @@ def test_load_adult_real_files():
     assert len(data.feature_names) == 108
     assert data.y_mean is None and data.name == "adult"
     # positives counted straight from the raw text, independently of the parser
-    raw_positives = sum(
-        line.count(">50K") for name in ("adult.data", "adult.test") for line in open(folder / name)
-    )
+    raw_positives = sum(line.count(">50K") for name in ("adult.data", "adult.test") for line in open(folder / name))
     y = np.concatenate([data.y_train, data.y_test])
     assert y.sum() == raw_positives == 11687
     assert y.mean() == pytest.approx(0.239, abs=0.001)
@@ -208,6 +206,7 @@ def test_fed_pdmc_logistic_follows_the_model():
     assert set(np.unique(problem.y)) <= {0.0, 1.0}
     assert problem.prior_variance == 1.0 and problem.owner is None
     big = datasets.fed_pdmc_logistic(1, n=50_000, d=4)
+
     # maximum likelihood on a large sample recovers the generating coefficients
     def negative_log_likelihood(coef):
         logits = big.X @ coef
@@ -236,17 +235,15 @@ def test_fed_pdmc_lgcp_precision_and_spatial_owners():
     g = 4
     assert problem.counts.shape == (16,) and problem.precision.shape == (16, 16)
     for k in range(16):
-        for l in range(16):
-            (i, j), (a, b) = problem.coords[k], problem.coords[l]
+        for n in range(16):
+            (i, j), (a, b) = problem.coords[k], problem.coords[n]
             neighbours = abs(i - a) + abs(j - b) == 1
-            assert problem.adjacency[k, l] == float(neighbours)
-            expected = 2.0 if k == l else (-0.2 if neighbours else 0.0)
-            assert problem.precision[k, l] == pytest.approx(expected)
+            assert problem.adjacency[k, n] == float(neighbours)
+            expected = 2.0 if k == n else (-0.2 if neighbours else 0.0)
+            assert problem.precision[k, n] == pytest.approx(expected)
     np.testing.assert_array_equal(problem.coords[:, 0] * g + problem.coords[:, 1], np.arange(16))
     # four 2 x 2 blocks of neighbouring cells, one client each
-    np.testing.assert_array_equal(
-        problem.owner.reshape(g, g), [[0, 0, 1, 1], [0, 0, 1, 1], [2, 2, 3, 3], [2, 2, 3, 3]]
-    )
+    np.testing.assert_array_equal(problem.owner.reshape(g, g), [[0, 0, 1, 1], [0, 0, 1, 1], [2, 2, 3, 3], [2, 2, 3, 3]])
     nine = datasets.fed_pdmc_lgcp(0, grid_size=6, blocks_per_side=3)
     assert np.bincount(nine.owner).tolist() == [4] * 9
     assert np.all(problem.counts >= 0) and np.all(problem.counts == np.round(problem.counts))

@@ -112,9 +112,9 @@ def test_run_notebooks_keeps_the_tqdm_widget_warning_out_of_outputs(tmp_path):
     spec.loader.exec_module(runner)
 
     notebook = nbformat.v4.new_notebook()
-    notebook.cells = [nbformat.v4.new_code_cell(
-        "import warnings\nimport numpyro\nwarnings.warn('other warnings are kept')"
-    )]
+    notebook.cells = [
+        nbformat.v4.new_code_cell("import warnings\nimport numpyro\nwarnings.warn('other warnings are kept')")
+    ]
     path = tmp_path / "tiny.ipynb"
     nbformat.write(notebook, path)
     runner.run_notebook(path, timeout=120, kernel_name="python3")
@@ -133,14 +133,19 @@ def test_run_notebooks_stores_repository_paths_relative():
     spec.loader.exec_module(runner)
     notebook = nbformat.v4.new_notebook()
     cell = nbformat.v4.new_code_cell("")
-    cell.outputs = [nbformat.v4.new_output(
-        "stream", name="stderr",
-        text=f"{ROOT.resolve()}/notebooks/../benchmarks/x.py:3: RuntimeWarning: w\n"
-             f"see {ROOT.resolve()}/docs and /usr/lib/python3/x.py\n")]
+    cell.outputs = [
+        nbformat.v4.new_output(
+            "stream",
+            name="stderr",
+            text=f"{ROOT.resolve()}/notebooks/../benchmarks/x.py:3: RuntimeWarning: w\n"
+            f"see {ROOT.resolve()}/docs and /usr/lib/python3/x.py\n",
+        )
+    ]
     notebook.cells = [cell]
     runner.relative_paths(notebook, ROOT.resolve() / "notebooks")
     assert cell.outputs[0]["text"] == (
-        "../benchmarks/x.py:3: RuntimeWarning: w\nsee ../docs and /usr/lib/python3/x.py\n")
+        "../benchmarks/x.py:3: RuntimeWarning: w\nsee ../docs and /usr/lib/python3/x.py\n"
+    )
 
 
 def test_site_builds_strict_renders_every_reexport_and_loads_nothing_from_outside(tmp_path):
@@ -153,7 +158,11 @@ def test_site_builds_strict_renders_every_reexport_and_loads_nothing_from_outsid
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     build = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "-d", str(site)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert build.returncode == 0, build.stderr[-3000:]
     api = (site / "api" / "index.html").read_text()
@@ -178,8 +187,12 @@ def page_examples(page, *, float32):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "page, float32",
-    [("index.md", False), ("guide/federated-models.md", False), ("guide/federated-models.md", True),
-     ("guide/algorithms.md", True)],
+    [
+        ("index.md", False),
+        ("guide/federated-models.md", False),
+        ("guide/federated-models.md", True),
+        ("guide/algorithms.md", True),
+    ],
 )
 def test_page_examples_run_without_warnings(page, float32):
     """A new user's check: the examples of the page, run one after the other in a fresh
@@ -193,7 +206,10 @@ def test_page_examples_run_without_warnings(page, float32):
     """)
     run = subprocess.run(
         [sys.executable, "-c", prelude + page_examples(page, float32=float32)],
-        cwd=ROOT, capture_output=True, text=True, timeout=1800,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1800,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stderr.strip() == "", run.stderr[-3000:]

@@ -142,9 +142,7 @@ def test_kl_1d_matches_gaussian_closed_form(m1, s1, m2, s2):
     from_callables = metrics.kl_1d(stats.norm(m1, s1).logpdf, stats.norm(m2, s2).logpdf, grid)
     assert from_callables == pytest.approx(expected, rel=1e-6, abs=1e-9)
     # values on the grid, unnormalised by arbitrary constants: same answer
-    from_values = metrics.kl_1d(
-        stats.norm(m1, s1).logpdf(grid) + 3.0, stats.norm(m2, s2).logpdf(grid) - 7.0, grid
-    )
+    from_values = metrics.kl_1d(stats.norm(m1, s1).logpdf(grid) + 3.0, stats.norm(m2, s2).logpdf(grid) - 7.0, grid)
     assert from_values == pytest.approx(expected, rel=1e-6, abs=1e-9)
 
 

@@ -43,8 +43,9 @@ def _closed_form_posterior(X, y):
 
 
 def _run(kernel, *args, init_params=None, num_chains=1, **kwargs):
-    mcmc = MCMC(kernel, num_warmup=500, num_samples=2000, num_chains=num_chains,
-                progress_bar=False, chain_method="sequential")
+    mcmc = MCMC(
+        kernel, num_warmup=500, num_samples=2000, num_chains=num_chains, progress_bar=False, chain_method="sequential"
+    )
     mcmc.run(jax.random.PRNGKey(11), *args, init_params=init_params, **kwargs)
     return mcmc
 

@@ -3,9 +3,10 @@
 import os
 import re
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import jax.numpy as jnp
 
 README = os.path.join(os.path.dirname(__file__), os.pardir, "README.md")
 
@@ -17,8 +18,9 @@ def test_readme_example_runs_and_the_split_matches_numpyro():
     exec(compile(code, "README.md", "exec"), namespace)
     fp, z, mcmc, idata = (namespace[k] for k in ("fp", "z", "mcmc", "idata"))
 
-    from numpyro.infer.util import initialize_model
     import jax
+
+    from numpyro.infer.util import initialize_model
 
     reference = initialize_model(
         jax.random.PRNGKey(0), namespace["model"], model_args=(namespace["X"], namespace["y"])
@@ -59,10 +61,12 @@ def test_readme_example_runs_without_a_warning_in_float32():
         "print(json.dumps({'z': (np.abs(a.mean(0) - b.mean(0)) / error).tolist(), 'dtype': str(a.dtype),\n"
         "                  'attempts': fed.sampler.mode_search.attempts}))\n"
     )
-    env = dict(os.environ, JAX_ENABLE_X64="0",
-               PYTHONPATH=os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
-    out = subprocess.run([sys.executable, "-W", "error", "-c", code], env=env, capture_output=True,
-                         text=True, timeout=1200)
+    env = dict(
+        os.environ, JAX_ENABLE_X64="0", PYTHONPATH=os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
+    )
+    out = subprocess.run(
+        [sys.executable, "-W", "error", "-c", code], env=env, capture_output=True, text=True, timeout=1200
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["dtype"] == "float32" and result["attempts"] == 1

@@ -70,7 +70,9 @@ def test_plate_size_must_match_the_data():
         with nf.federated_plate("data", 12, clients=2):
             numpyro.sample("y", dist.Bernoulli(logits=(X @ w)[:12]), obs=y)
 
-    with pytest.raises(ValueError, match="observed site 'y' has 11 rows along federated plate 'data', but the plate has size 12"):
+    with pytest.raises(
+        ValueError, match="observed site 'y' has 11 rows along federated plate 'data', but the plate has size 12"
+    ):
         nf.split_potential(model, (X, Y[:11]))
 
 
@@ -97,10 +99,14 @@ def test_global_discrete_latent():
 
 def test_non_finite_data():
     bad_y = Y.at[5].set(jnp.nan)
-    with pytest.raises(ValueError, match=r"model argument \['model_args'\]\[1\] holds non-finite values \(first at index \[5\]\)"):
+    with pytest.raises(
+        ValueError, match=r"model argument \['model_args'\]\[1\] holds non-finite values \(first at index \[5\]\)"
+    ):
         split(2, args=(X, bad_y))
     bad_X = X.at[7, 1].set(jnp.inf)
-    with pytest.raises(ValueError, match=r"model argument \['model_args'\]\[0\] holds non-finite values \(first at index \[7, 1\]\)"):
+    with pytest.raises(
+        ValueError, match=r"model argument \['model_args'\]\[0\] holds non-finite values \(first at index \[7, 1\]\)"
+    ):
         split(2, args=(bad_X, Y))
 
 

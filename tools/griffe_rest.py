@@ -37,9 +37,7 @@ _FIELD_NAMES = (
     "raises|raise|except|exception|return|returns|rtype|yield|yields"
 )
 _FIELD_RE = re.compile(rf"^:(?:{_FIELD_NAMES})(?:\s[^:]*)?:")
-_ROLE_RE = re.compile(
-    r":(?:py:)?(?P<role>func|class|meth|mod|attr|data|exc|obj|const|math):`(?P<body>[^`]+)`"
-)
+_ROLE_RE = re.compile(r":(?:py:)?(?P<role>func|class|meth|mod|attr|data|exc|obj|const|math):`(?P<body>[^`]+)`")
 _DIRECTIVE_RE = re.compile(r"^(?P<indent>\s*)\.\. (?P<name>[a-z-]+)::\s*(?P<arg>.*)$")
 _ADMONITIONS = {"note", "warning", "tip", "important", "caution", "danger", "hint", "seealso"}
 _CODE_DIRECTIVES = {"doctest", "testcode", "code-block", "code", "sourcecode"}
@@ -64,7 +62,7 @@ def _resolve(name: str, context: griffe.Object, package: griffe.Object) -> str:
         if not candidate.startswith(package.path + "."):
             continue
         try:
-            obj = package[candidate[len(package.path) + 1:]]
+            obj = package[candidate[len(package.path) + 1 :]]
         except (KeyError, ValueError, griffe.AliasResolutionError, griffe.CyclicAliasError):
             continue
         if obj.is_alias:
@@ -89,10 +87,7 @@ def _replace_roles(text: str, context: griffe.Object, package: griffe.Object) ->
             title = body.lstrip("~").split(".")[-1] if body.startswith("~") else body
         target = target.lstrip("~")
         identifier = _resolve(target, context, package)
-        return (
-            f'<autoref identifier="{html.escape(identifier)}" optional>'
-            f"<code>{html.escape(title)}</code></autoref>"
-        )
+        return f'<autoref identifier="{html.escape(identifier)}" optional><code>{html.escape(title)}</code></autoref>'
 
     return _ROLE_RE.sub(replace, text)
 
@@ -211,7 +206,7 @@ def _split_fields(lines: list[str]) -> tuple[list[str], list[str], list[str]]:
         if in_field and (not line.strip() or _indent_of(line) > 0 or fence_open):
             # a blank line ends the field unless the field's body continues (indented) after it
             if not line.strip():
-                following = next((x for x in lines[index + 1:] if x.strip()), "")
+                following = next((x for x in lines[index + 1 :] if x.strip()), "")
                 if not (_indent_of(following) > 0 or _FIELD_RE.match(following)):
                     in_field = False
                     continue

@@ -33,7 +33,6 @@ import nbformat
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
-
 # -W syntax: action:message:category; the message matches at its start, case-insensitively.
 TQDM_WIDGET_WARNING_FILTER = "ignore:IProgress not found"
 
@@ -105,8 +104,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ok     {path} ({seconds:.1f} s)", flush=True)
 
     if failed:
-        print(f"{len(failed)} of {len(args.notebooks)} notebook(s) failed: "
-              + ", ".join(map(str, failed)), file=sys.stderr)
+        print(
+            f"{len(failed)} of {len(args.notebooks)} notebook(s) failed: " + ", ".join(map(str, failed)),
+            file=sys.stderr,
+        )
         return 1
     return 0
 

@@ -62,8 +62,17 @@ def reclassify(run):
     case = models.get_case(run["case"])
     needs_ref = not (case.local_sites and run["algorithm"] in harness.GLOBAL_ONLY)
     ref = harness.reference(run["case"]) if needs_ref else None
-    outcome = harness.classify(run["case"], run["algorithm"], run["dtype"], raw["record"], raw["seconds"],
-                               raw["timed_out"], raw["stderr"], raw["budget"], ref)
+    outcome = harness.classify(
+        run["case"],
+        run["algorithm"],
+        run["dtype"],
+        raw["record"],
+        raw["seconds"],
+        raw["timed_out"],
+        raw["stderr"],
+        raw["budget"],
+        ref,
+    )
     return dict(dataclasses.asdict(outcome), commit=run.get("commit"))
 
 
@@ -91,8 +100,10 @@ class _Checkout:
 
 def table(record) -> str:
     runs = {(r["case"], r["algorithm"], r["dtype"]): r for r in record["runs"]}
-    lines = ["| model | what it stresses | reference | " + " | ".join(ALGORITHMS) + " |",
-             "|---|---|---|" + "---|" * len(ALGORITHMS)]
+    lines = [
+        "| model | what it stresses | reference | " + " | ".join(ALGORITHMS) + " |",
+        "|---|---|---|" + "---|" * len(ALGORITHMS),
+    ]
     notes = []
     for case in models.CASES.values():
         for dtype in ("float32", "float64") if case.float64 else ("float32",):
@@ -124,9 +135,11 @@ def table(record) -> str:
     for r in record["runs"]:
         commits.setdefault(r.get("commit", record["commit"]), set()).add(r["algorithm"])
     where = "; ".join(f"{', '.join(a for a in ALGORITHMS if a in algs)} at `{c}`" for c, algs in commits.items())
-    out += (f"\nGenerated ({where}) on {record['date']} by "
-            "`.venv/bin/python tools/zoo_table.py` (run times on a shared 2-core machine, in the "
-            "child process, compilation included).\n")
+    out += (
+        f"\nGenerated ({where}) on {record['date']} by "
+        "`.venv/bin/python tools/zoo_table.py` (run times on a shared 2-core machine, in the "
+        "child process, compilation included).\n"
+    )
     return out
 
 
@@ -155,9 +168,13 @@ def main():
             json.dump(record, f, indent=1)
         write_page(record)
         return
-    selection = [(c, a, d) for c, a, d in harness.all_runs()
-                 if (not args.case or c in args.case) and (not args.algorithm or a in args.algorithm)
-                 and (not args.dtype or d in args.dtype)]
+    selection = [
+        (c, a, d)
+        for c, a, d in harness.all_runs()
+        if (not args.case or c in args.case)
+        and (not args.algorithm or a in args.algorithm)
+        and (not args.dtype or d in args.dtype)
+    ]
     old = []
     if (args.case or args.algorithm or args.dtype) and os.path.exists(RESULTS):
         with open(RESULTS) as f:
@@ -169,10 +186,12 @@ def main():
         for r in results:
             r.setdefault("commit", commit)
         keys = {(r["case"], r["algorithm"], r["dtype"]) for r in results}
-        record = {"commit": commit,
-                  "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                  "run_lengths": RUN_LENGTHS,
-                  "runs": [r for r in old if (r["case"], r["algorithm"], r["dtype"]) not in keys] + results}
+        record = {
+            "commit": commit,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "run_lengths": RUN_LENGTHS,
+            "runs": [r for r in old if (r["case"], r["algorithm"], r["dtype"]) not in keys] + results,
+        }
         os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
         with open(RESULTS, "w") as f:
             json.dump(record, f, indent=1)
@@ -186,8 +205,10 @@ def main():
             print(f"testing numpyro_fed at {commit} ({checkout.path})", flush=True)
             results = run_all(selection, args.jobs, save)
     failures = [r for r in results if r["outcome"] == "FAILS"]
-    print(f"{len(results)} runs: " + ", ".join(f"{k} {sum(r['outcome'] == k for r in results)}"
-                                               for k in ("agrees", "warns", "refuses", "FAILS")))
+    print(
+        f"{len(results)} runs: "
+        + ", ".join(f"{k} {sum(r['outcome'] == k for r in results)}" for k in ("agrees", "warns", "refuses", "FAILS"))
+    )
     sys.exit(1 if failures else 0)
 
 

@@ -85,8 +85,13 @@ def main(argv=None) -> dict:
 
     work = tempfile.mkdtemp(prefix="numpyro_fed_flower_")
     out = os.path.abspath(args.out or os.path.join(work, "results"))
-    env = dict(os.environ, FLWR_HOME=os.path.join(work, "flwr-home"), FLWR_TELEMETRY_ENABLED="0",
-               FLWR_DISABLE_UPDATE_CHECK="1", RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO="0")
+    env = dict(
+        os.environ,
+        FLWR_HOME=os.path.join(work, "flwr-home"),
+        FLWR_TELEMETRY_ENABLED="0",
+        FLWR_DISABLE_UPDATE_CHECK="1",
+        RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO="0",
+    )
     # the package and the app's modules from this checkout (a silo would pip install them)
     root = os.path.dirname(os.path.dirname(HERE))
     env["PYTHONPATH"] = os.pathsep.join([root, HERE] + [p for p in [os.environ.get("PYTHONPATH")] if p])
@@ -96,8 +101,10 @@ def main(argv=None) -> dict:
     os.makedirs(env["FLWR_HOME"])
     link_port = free_port()
     with open(os.path.join(env["FLWR_HOME"], "config.toml"), "w") as f:
-        f.write(f'[superlink]\ndefault = "localhost"\n\n[superlink.localhost]\n'
-                f'address = "127.0.0.1:{link_port}"\ninsecure = true\n')
+        f.write(
+            f'[superlink]\ndefault = "localhost"\n\n[superlink.localhost]\n'
+            f'address = "127.0.0.1:{link_port}"\ninsecure = true\n'
+        )
     processes = []
 
     def start(argv_, log_name):
@@ -110,8 +117,15 @@ def main(argv=None) -> dict:
     started = time.monotonic()
     try:
         # The app's dependencies are this environment's: no `uv sync` of the app at run time.
-        link = [command("flower-superlink"), "--insecure", "--disable-runtime-dependency-installation",
-                "--host", "127.0.0.1", "--port", str(link_port)]
+        link = [
+            command("flower-superlink"),
+            "--insecure",
+            "--disable-runtime-dependency-installation",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(link_port),
+        ]
         if args.simulation:
             link.append("--simulation")
         superlink = start(link, "superlink.log")
@@ -119,11 +133,25 @@ def main(argv=None) -> dict:
         if not args.simulation:
             for m, path in enumerate(write_shards(work, args.num_nodes)):
                 config = f"partition-id={m} num-partitions={args.num_nodes} data-path={json.dumps(path)}"
-                start([command("flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{link_port}",
-                       "--host", "127.0.0.1", "--port", str(free_port()), "--node-config", config],
-                      f"supernode{m}.log")
-        run_config = (f"num-rounds={args.num_rounds} methods={json.dumps(args.methods)} "
-                      f"num-clients={args.num_nodes} result-dir={json.dumps(out)}")
+                start(
+                    [
+                        command("flower-supernode"),
+                        "--insecure",
+                        "--superlink",
+                        f"127.0.0.1:{link_port}",
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(free_port()),
+                        "--node-config",
+                        config,
+                    ],
+                    f"supernode{m}.log",
+                )
+        run_config = (
+            f"num-rounds={args.num_rounds} methods={json.dumps(args.methods)} "
+            f"num-clients={args.num_nodes} result-dir={json.dumps(out)}"
+        )
         run = [command("flwr"), "run", HERE, "localhost", "--stream", "--run-config", run_config]
         if args.simulation:
             run += ["--federation-config", f"num-supernodes={args.num_nodes}"]
@@ -135,8 +163,9 @@ def main(argv=None) -> dict:
         for name in args.methods.split(","):
             path = os.path.join(out, f"{name.strip()}.json")
             if not os.path.exists(path):
-                logs = "".join(open(os.path.join(work, n)).read()[-3000:] for n in sorted(os.listdir(work))
-                               if n.endswith(".log"))
+                logs = "".join(
+                    open(os.path.join(work, n)).read()[-3000:] for n in sorted(os.listdir(work)) if n.endswith(".log")
+                )
                 raise RuntimeError(f"the run wrote no {path} (flwr run exited {completed.returncode}); logs:\n{logs}")
             with open(path) as f:
                 results[name.strip()] = json.load(f)

@@ -1,4 +1,5 @@
-"""Data loaders (:mod:`~numpyro_fed.datasets.uci`) and the synthetic problems (:mod:`~numpyro_fed.datasets.synthetic`) of the papers this package reproduces.
+"""Data loaders (:mod:`~numpyro_fed.datasets.uci`) and the synthetic problems
+(:mod:`~numpyro_fed.datasets.synthetic`) of the papers this package reproduces.
 
 Loaders of real data take the path of the files: the package never assumes
 where data lives. They return a frozen :class:`Dataset` of numpy float arrays.

@@ -22,9 +22,11 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-
-from numpyro_fed._checks import check_int as _check_int, check_positive as _check_positive, check_real as _check_real
 from scipy import special, stats
+
+from numpyro_fed._checks import check_int as _check_int
+from numpyro_fed._checks import check_positive as _check_positive
+from numpyro_fed._checks import check_real as _check_real
 
 __all__ = [
     "AR1Problem",
@@ -58,6 +60,7 @@ class GaussianMeanProblem:
     posterior_mean: np.ndarray
     posterior_cov: np.ndarray
 
+
 @dataclass(frozen=True, eq=False)
 class LogisticProblem:
     """Bayesian logistic regression data: ``P(y=1 | X) = sigmoid(X @ true_coef)``.
@@ -72,6 +75,7 @@ class LogisticProblem:
     true_coef: np.ndarray
     prior_variance: float
     owner: np.ndarray | None = None
+
 
 @dataclass(frozen=True, eq=False)
 class LinearGaussianProblem:
@@ -89,6 +93,7 @@ class LinearGaussianProblem:
     prior_variance: float
     posterior_mean: np.ndarray
     posterior_cov: np.ndarray
+
 
 @dataclass(frozen=True, eq=False)
 class AR1Problem:
@@ -113,6 +118,7 @@ class AR1Problem:
         """``Y_k`` for ``k = 1..K``, shape ``(num_series, num_steps)``."""
         return self.series[:, 1:]
 
+
 @dataclass(frozen=True, eq=False)
 class LGCPProblem:
     """Counts on a ``g x g`` grid, ``y_k ~ Poisson(exp(x_k))``, latent ``x ~ N(0, precision^-1)``.
@@ -131,6 +137,7 @@ class LGCPProblem:
     coords: np.ndarray
     alpha: float
     beta: float
+
 
 @dataclass(frozen=True, eq=False)
 class GaussianMixture1D:
@@ -159,12 +166,8 @@ class GaussianMixture1D:
     def log_pdf(self, theta) -> np.ndarray:
         """Normalised log density at ``theta`` (``-inf`` outside ``[lower, upper]``)."""
         theta = np.asarray(theta, dtype=float)
-        log_terms = np.log(self.weights) + stats.norm.logpdf(
-            theta[..., None], self.means, np.sqrt(self.variances)
-        )
-        log_density = special.logsumexp(log_terms, axis=-1) - np.log(
-            np.sum(self.weights * self._component_masses())
-        )
+        log_terms = np.log(self.weights) + stats.norm.logpdf(theta[..., None], self.means, np.sqrt(self.variances))
+        log_density = special.logsumexp(log_terms, axis=-1) - np.log(np.sum(self.weights * self._component_masses()))
         inside = (theta >= self.lower) & (theta <= self.upper)
         return np.where(inside, log_density, -np.inf)
 
@@ -184,9 +187,14 @@ class GaussianMixture1D:
         scale = np.sqrt(self.variances)[component]
         loc = self.means[component]
         return stats.truncnorm.rvs(
-            (self.lower - loc) / scale, (self.upper - loc) / scale, loc=loc, scale=scale,
-            size=num_samples, random_state=rng,
+            (self.lower - loc) / scale,
+            (self.upper - loc) / scale,
+            loc=loc,
+            scale=scale,
+            size=num_samples,
+            random_state=rng,
         )
+
 
 @dataclass(frozen=True, eq=False)
 class MixtureToy1D:
@@ -228,6 +236,7 @@ class MixtureToy1D:
         """Exact, normalised ``log q_opt(theta)``."""
         return self.posterior.log_pdf(theta)
 
+
 def fed_pdmc_gaussian(
     seed, n: int = 50, d: int = 10, *, noise_std: float = 1.0, true_mean: float = 0.5
 ) -> GaussianMeanProblem:
@@ -259,6 +268,7 @@ def fed_pdmc_gaussian(
         posterior_cov=noise_cov / n,
     )
 
+
 def fed_pdmc_logistic(
     seed, n: int = 1000, d: int = 6, *, prior_std: float = 1.0, covariate_std: float = 1.0
 ) -> LogisticProblem:
@@ -285,6 +295,7 @@ def fed_pdmc_logistic(
     X = np.concatenate([np.ones((n, 1)), covariate_std * rng.standard_normal((n, d - 1))], axis=1)
     y = (rng.uniform(size=n) < special.expit(X @ true_coef)).astype(float)
     return LogisticProblem(X=X, y=y, true_coef=true_coef, prior_variance=prior_std**2)
+
 
 def student_t_ar1(
     seed,
@@ -324,6 +335,7 @@ def student_t_ar1(
         series[:, k + 1] = intercept + coef * series[:, k] + innovations[:, k]
     return AR1Problem(series=series, true_intercept=intercept, true_coef=coef, df=df)
 
+
 def _grid_adjacency(grid_size: int) -> np.ndarray:
     """Adjacency matrix of the 4-neighbour ``grid_size x grid_size`` grid, nodes row-major."""
     grid_size = _check_int(grid_size, "grid_size", minimum=1)
@@ -332,6 +344,7 @@ def _grid_adjacency(grid_size: int) -> np.ndarray:
     for a, b in ((index[:, :-1], index[:, 1:]), (index[:-1, :], index[1:, :])):
         adjacency[a.ravel(), b.ravel()] = adjacency[b.ravel(), a.ravel()] = 1.0
     return adjacency
+
 
 def fed_pdmc_lgcp(
     seed, grid_size: int = 4, *, alpha: float = 0.1, beta: float = 1.0, blocks_per_side: int = 2
@@ -354,9 +367,7 @@ def fed_pdmc_lgcp(
     grid_size = _check_int(grid_size, "grid_size", minimum=1)
     blocks_per_side = _check_int(blocks_per_side, "blocks_per_side", minimum=1)
     if grid_size % blocks_per_side:
-        raise ValueError(
-            f"blocks_per_side={blocks_per_side} must divide grid_size={grid_size} (square blocks)"
-        )
+        raise ValueError(f"blocks_per_side={blocks_per_side} must divide grid_size={grid_size} (square blocks)")
     alpha = _check_real(alpha, "alpha")
     beta = _check_positive(beta, "beta")
     adjacency = _grid_adjacency(grid_size)
@@ -376,9 +387,16 @@ def fed_pdmc_lgcp(
     block = grid_size // blocks_per_side
     owner = (i // block) * blocks_per_side + j // block
     return LGCPProblem(
-        counts=counts, latent=latent, precision=precision, adjacency=adjacency, owner=owner,
-        coords=np.stack([i, j], axis=1), alpha=alpha, beta=beta,
+        counts=counts,
+        latent=latent,
+        precision=precision,
+        adjacency=adjacency,
+        owner=owner,
+        coords=np.stack([i, j], axis=1),
+        alpha=alpha,
+        beta=beta,
     )
+
 
 def dadmms_linear(
     seed,
@@ -429,6 +447,7 @@ def dadmms_linear(
         posterior_cov=posterior_cov,
     )
 
+
 def dadmms_logistic(
     seed,
     num_agents: int = 20,
@@ -469,6 +488,7 @@ def dadmms_logistic(
         owner=np.repeat(np.arange(num_agents), n_per_agent),
     )
 
+
 def _gaussian_product(means, variances) -> tuple[float, float, float]:
     """``prod_i N(theta | m_i, v_i) = exp(log_scale) * N(theta | mean, variance)``."""
     means = np.asarray(means, dtype=float)
@@ -481,6 +501,7 @@ def _gaussian_product(means, variances) -> tuple[float, float, float]:
         - 0.5 * (np.sum(means**2 / variances) - precision * mean**2)
     )
     return float(mean), float(1.0 / precision), float(log_scale)
+
 
 def dsvgd_mixture_1d(prior: str = "gaussian") -> MixtureToy1D:
     """DSVGD's 1-D Gaussian mixture toy (Sec. 7, Figs. 2-3; App. B.1, Fig. 9a).

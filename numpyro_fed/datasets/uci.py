@@ -47,11 +47,13 @@ class Dataset:
     def num_features(self) -> int:
         return self.X_train.shape[1]
 
+
 def _check_test_fraction(test_fraction) -> float:
     test_fraction = _check_real(test_fraction, "test_fraction")
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must lie strictly between 0 and 1, got {test_fraction}")
     return test_fraction
+
 
 def _train_test_rows(n: int, test_fraction: float, seed) -> tuple[np.ndarray, np.ndarray]:
     num_test = int(round(test_fraction * n))
@@ -60,6 +62,7 @@ def _train_test_rows(n: int, test_fraction: float, seed) -> tuple[np.ndarray, np
     perm = np.random.default_rng(seed).permutation(n)
     return np.sort(perm[num_test:]), np.sort(perm[:num_test])
 
+
 def _standardise(train: np.ndarray, test: np.ndarray):
     mean = train.mean(axis=0)
     std = train.std(axis=0)
@@ -67,11 +70,13 @@ def _standardise(train: np.ndarray, test: np.ndarray):
     std = np.where(std > 0, std, 1.0)
     return (train - mean) / std, (test - mean) / std, mean, std
 
+
 def _require_file(path) -> str:
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"data file not found: {path!r}")
     return path
+
 
 def _resolve_file(path, filename: str) -> str:
     """``path`` is the file itself or the folder holding ``filename``."""
@@ -79,6 +84,7 @@ def _resolve_file(path, filename: str) -> str:
     if os.path.isdir(path):
         path = os.path.join(path, filename)
     return _require_file(path)
+
 
 #: Numeric Adult columns (index in the raw file, name); standardised.
 ADULT_NUMERIC_COLUMNS: tuple[tuple[int, str], ...] = (
@@ -104,6 +110,7 @@ ADULT_CATEGORICAL_COLUMNS: tuple[tuple[int, str], ...] = (
 
 _ADULT_NUM_FIELDS = 15
 
+
 def _read_adult_rows(path: str) -> list[list[str]]:
     rows = []
     with open(path, newline="") as handle:
@@ -115,11 +122,11 @@ def _read_adult_rows(path: str) -> list[list[str]]:
             fields = [value.strip() for value in line.split(",")]
             if len(fields) != _ADULT_NUM_FIELDS:
                 raise ValueError(
-                    f"{path}:{line_number}: expected {_ADULT_NUM_FIELDS} comma-separated "
-                    f"fields, got {len(fields)}"
+                    f"{path}:{line_number}: expected {_ADULT_NUM_FIELDS} comma-separated fields, got {len(fields)}"
                 )
             rows.append(fields)
     return rows
+
 
 def load_adult(path, *, test_fraction: float = 0.2, seed=0) -> Dataset:
     """UCI Adult ("Census Income"), the usual federated-VI preprocessing.
@@ -197,13 +204,13 @@ def load_adult(path, *, test_fraction: float = 0.2, seed=0) -> Dataset:
         name="adult",
     )
 
+
 def _load_regression(path, filename, num_columns, feature_names, name, test_fraction, seed) -> Dataset:
     test_fraction = _check_test_fraction(test_fraction)
     table = np.loadtxt(_resolve_file(path, filename), dtype=float, ndmin=2)
     if table.shape[1] != num_columns:
         raise ValueError(
-            f"{name}: expected {num_columns} whitespace-separated columns "
-            f"(features then target), got {table.shape[1]}"
+            f"{name}: expected {num_columns} whitespace-separated columns (features then target), got {table.shape[1]}"
         )
     X, y = table[:, :-1], table[:, -1]
     train, test = _train_test_rows(len(table), test_fraction, seed)
@@ -219,6 +226,7 @@ def _load_regression(path, filename, num_columns, feature_names, name, test_frac
         y_std=float(y_std),
         name=name,
     )
+
 
 def load_kin8nm(path, *, test_fraction: float = 0.1, seed=0) -> Dataset:
     """kin8nm robot-arm kinematics regression (DELVE), 8,192 rows.
@@ -240,6 +248,7 @@ def load_kin8nm(path, *, test_fraction: float = 0.1, seed=0) -> Dataset:
     """
     names = [f"theta{i}" for i in range(1, 9)]
     return _load_regression(path, "kin8nm.txt", 9, names, "kin8nm", test_fraction, seed)
+
 
 def load_protein(path, *, test_fraction: float = 0.1, seed=0) -> Dataset:
     """UCI protein tertiary structure (CASP) regression, 45,730 rows.

@@ -66,5 +66,13 @@ from numpyro_fed.federation.inprocess import InProcess
 from numpyro_fed.federation.ledger import MessageLedger
 from numpyro_fed.federation.ray_backend import RayFederation
 
-__all__ = ["ClientError", "ClientProgram", "ClientState", "Federation", "InProcess", "MessageLedger", "NetworkError",
-           "RayFederation"]
+__all__ = [
+    "ClientError",
+    "ClientProgram",
+    "ClientState",
+    "Federation",
+    "InProcess",
+    "MessageLedger",
+    "NetworkError",
+    "RayFederation",
+]

@@ -17,8 +17,17 @@ import jax.numpy as jnp
 
 from numpyro_fed.federation.ledger import MessageLedger
 
-__all__ = ["ClientError", "ClientProgram", "ClientState", "Federation", "NetworkError", "block_spec", "check_block",
-           "describe_arguments", "tree_nbytes"]
+__all__ = [
+    "ClientError",
+    "ClientProgram",
+    "ClientState",
+    "Federation",
+    "NetworkError",
+    "block_spec",
+    "check_block",
+    "describe_arguments",
+    "tree_nbytes",
+]
 
 
 class ClientError(RuntimeError):
@@ -116,14 +125,14 @@ def tree_nbytes(tree) -> int:
 def block_spec(block):
     """The ``jax.ShapeDtypeStruct`` tree of a client block: what a worker reports to the
     server (shapes and dtypes, never values)."""
-    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)),
-                                  block)
+    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), block)
 
 
 def describe_arguments(tree):
     """What a worker tells the server about its model arguments: a ``ShapeDtypeStruct`` for
     every array leaf with at least one axis (rows; never their values), the value of every
     scalar leaf (a setting such as a number of classes, not a row)."""
+
     def describe(leaf):
         if isinstance(leaf, (str, bytes)) or np.ndim(leaf) == 0:
             return leaf.item() if hasattr(leaf, "item") else leaf
@@ -142,8 +151,7 @@ def check_block(block, client: int, spec=None, *, rows_axis_free: bool = True) -
         spec_leaves, spec_def = jax.tree_util.tree_flatten(spec)
         if jax.tree_util.tree_structure(block) != spec_def:
             raise ValueError(
-                f"client {client}: its data has structure {jax.tree_util.tree_structure(block)}, "
-                f"expected {spec_def}"
+                f"client {client}: its data has structure {jax.tree_util.tree_structure(block)}, expected {spec_def}"
             )
     for i, (path, leaf) in enumerate(leaves):
         where = jax.tree_util.keystr(path) or "block"
@@ -151,8 +159,11 @@ def check_block(block, client: int, spec=None, *, rows_axis_free: bool = True) -
         if spec is not None:
             want = spec_leaves[i]
             shape, wshape = array.shape, tuple(want.shape)
-            same = (shape[1:] == wshape[1:] and len(shape) == len(wshape)) if rows_axis_free and \
-                len(wshape) > 0 else shape == wshape
+            same = (
+                (shape[1:] == wshape[1:] and len(shape) == len(wshape))
+                if rows_axis_free and len(wshape) > 0
+                else shape == wshape
+            )
             if not same:
                 raise ValueError(
                     f"client {client}: {where} has shape {shape}, expected {wshape}"
@@ -364,8 +375,10 @@ class Federation(abc.ABC):
             raise ValueError("init_state needs a pytree of arrays with a leading axis of one row per client")
         for leaf in leaves:
             if np.shape(leaf)[:1] != (self.num_clients,):
-                raise ValueError(f"init_state: every array needs a leading axis of {self.num_clients} clients, "
-                                 f"got shape {np.shape(leaf)}")
+                raise ValueError(
+                    f"init_state: every array needs a leading axis of {self.num_clients} clients, "
+                    f"got shape {np.shape(leaf)}"
+                )
         return jax.tree_util.tree_map(jnp.asarray, initial)
 
     def _record_init_state(self, initial) -> None:
@@ -441,24 +454,28 @@ class Federation(abc.ABC):
         raise self._no_agents()
 
     def _no_agents(self):
-        return TypeError(f"{type(self).__name__} cannot run decentralized agents: a decentralized algorithm's "
-                         "agents message their neighbours every iteration, and this backend's clients talk to "
-                         "the server only. Use InProcess() or RayFederation()")
+        return TypeError(
+            f"{type(self).__name__} cannot run decentralized agents: a decentralized algorithm's "
+            "agents message their neighbours every iteration, and this backend's clients talk to "
+            "the server only. Use InProcess() or RayFederation()"
+        )
 
     # -- shared helpers --------------------------------------------------------------------
     def _function(self, name: str) -> Callable:
         try:
             return self.program.functions[name]
         except KeyError:
-            raise KeyError(f"the client program has no function '{name}' "
-                           f"(functions: {sorted(self.program.functions)})") from None
+            raise KeyError(
+                f"the client program has no function '{name}' (functions: {sorted(self.program.functions)})"
+            ) from None
 
     def _stateful_function(self, name: str) -> Callable:
         try:
             return self.program.stateful[name]
         except KeyError:
-            raise KeyError(f"the client program has no stateful function '{name}' "
-                           f"(stateful: {sorted(self.program.stateful)})") from None
+            raise KeyError(
+                f"the client program has no stateful function '{name}' (stateful: {sorted(self.program.stateful)})"
+            ) from None
 
     def reply_shape(self, name: str, *args, client: int = 0):
         """``jax.eval_shape`` of ``functions[name]`` on client ``client``'s block spec: the

@@ -120,8 +120,8 @@ def neighbors(adjacency):
     valid = np.zeros((linked.shape[0], width), dtype=bool)
     for m, row in enumerate(linked):
         k = np.flatnonzero(row)
-        index[m, :len(k)] = k
-        valid[m, :len(k)] = True
+        index[m, : len(k)] = k
+        valid[m, : len(k)] = True
     return index, valid
 
 
@@ -173,8 +173,7 @@ def attached_struct(program: AgentProgram, block_struct):
     """The ``ShapeDtypeStruct`` tree of the agents' stacked locals in deployment, from the
     stacked shapes of their blocks (what the agents report) and ``program.local``."""
     if program.attach is None:
-        return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)),
-                                      program.local)
+        return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), program.local)
     return jax.eval_shape(jax.vmap(program.attach), block_struct, program.local)
 
 
@@ -213,8 +212,10 @@ class InProcessNetwork:
 
     def __init__(self, program: AgentProgram, adjacency, *, name: str = "agents"):
         if program.attach is not None:
-            raise ValueError("an agent program with attach= runs on agents that loaded their own rows where they "
-                             "live; in this process, build it from the clients' blocks")
+            raise ValueError(
+                "an agent program with attach= runs on agents that loaded their own rows where they "
+                "live; in this process, build it from the clients' blocks"
+            )
         self.program = program
         self.adjacency = np.asarray(adjacency) != 0
         self.num_agents = self.adjacency.shape[0]
@@ -243,7 +244,10 @@ class InProcessNetwork:
         def one(rng_key, i, state, sent):
             state, info = self.step(rng_key, i, state)
             message_bytes = tree_nbytes(jax.eval_shape(jax.vmap(self.program.message), state.own)) // self.num_agents
-            return state, info, sent._replace(messages=sent.messages + degrees,
-                                              bytes=sent.bytes + degrees * message_bytes)
+            return (
+                state,
+                info,
+                sent._replace(messages=sent.messages + degrees, bytes=sent.bytes + degrees * message_bytes),
+            )
 
         return jax.vmap(one) if batched else one

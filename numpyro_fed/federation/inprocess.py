@@ -110,8 +110,10 @@ class InProcess(Federation):
     def record_calls(self, name: str, calls) -> None:
         sizes = self._shared.sizes.get(name)
         if sizes is None:
-            raise KeyError(f"call '{name}' has not been traced on this federation: its message "
-                           f"sizes are unknown (traced: {sorted(self._shared.sizes)})")
+            raise KeyError(
+                f"call '{name}' has not been traced on this federation: its message "
+                f"sizes are unknown (traced: {sorted(self._shared.sizes)})"
+            )
         _, down, up = sizes
         calls = np.broadcast_to(np.asarray(calls, dtype=np.int64), (self.num_clients,))
         self.ledger.add(name, "to_client", None, messages=calls, nbytes=calls * down, rounds=calls)
@@ -133,17 +135,24 @@ class InProcess(Federation):
         per_client = tuple(per_client)
         replies = jax.vmap(lambda block, own: fn(block, *broadcast, *own))(self._blocks, per_client)
         m = self.num_clients
-        self._shared.sizes[name] = ("map", tree_nbytes(broadcast) + _slice_bytes(per_client, m),
-                                    _slice_bytes(replies, m))
+        self._shared.sizes[name] = (
+            "map",
+            tree_nbytes(broadcast) + _slice_bytes(per_client, m),
+            _slice_bytes(replies, m),
+        )
         return replies
 
     def _map_stateful(self, name, broadcast, per_client, state):
         fn = self._stateful_function(name)
         values, replies = jax.vmap(lambda block, st, own: fn(block, st, *broadcast, *own))(
-            self._blocks, state.values, per_client)
+            self._blocks, state.values, per_client
+        )
         m = self.num_clients
-        self._shared.sizes[name] = ("map", tree_nbytes(broadcast) + _slice_bytes(per_client, m),
-                                    _slice_bytes(replies, m))
+        self._shared.sizes[name] = (
+            "map",
+            tree_nbytes(broadcast) + _slice_bytes(per_client, m),
+            _slice_bytes(replies, m),
+        )
         return ClientState(values, state.version + 1), replies
 
     def _one_stateful(self, name, client, broadcast, own, state):
@@ -161,8 +170,7 @@ class InProcess(Federation):
             own_c = jax.tree_util.tree_map(lambda a: a[0], own_c)
             reply_bytes = _slice_bytes(reply, client.shape[0])
         else:
-            raise ValueError(f"call '{name}': client must be an index or a 1-d array of them, "
-                             f"got shape {client.shape}")
+            raise ValueError(f"call '{name}': client must be an index or a 1-d array of them, got shape {client.shape}")
         values = jax.tree_util.tree_map(lambda a, n: a.at[client].set(n), state.values, new)
         self._shared.sizes[name] = ("one", tree_nbytes(broadcast) + tree_nbytes(own_c), reply_bytes)
         return ClientState(values, state.version.at[client].add(1)), reply
@@ -188,10 +196,11 @@ class InProcess(Federation):
         return InProcessNetwork(program, adjacency, name=name)
 
     def agent_hosts(self, loader, adjacency, *, name="agents", previous=None):
-        raise TypeError("InProcess loads the clients' blocks in this process (start(program) runs the loader): "
-                        "build the agents' program from its blocks and run it with agent_network")
+        raise TypeError(
+            "InProcess loads the clients' blocks in this process (start(program) runs the loader): "
+            "build the agents' program from its blocks and run it with agent_network"
+        )
 
     def __repr__(self) -> str:
         state = "not started" if self._shared is None else f"num_clients={self.num_clients}"
         return f"InProcess({state}{self._loader_repr()})"
-

@@ -31,9 +31,11 @@ from numpyro_fed.federation.decentralized import (
     NetworkState,
     attached_struct,
     deliver,
-    info_struct as info_struct_of,
     neighbors,
     start_network,
+)
+from numpyro_fed.federation.decentralized import (
+    info_struct as info_struct_of,
 )
 
 __all__ = ["RayNetwork"]
@@ -177,8 +179,10 @@ class _AgentWorker:
                 return ("aborted",)
             self.inbox = inbox
         elif run != self.run_id or t0 != self.t:
-            raise RuntimeError(f"agent {self.agent}: asked to continue run {run} at iteration {t0}, "
-                               f"but it is at run {self.run_id}, iteration {self.t}")
+            raise RuntimeError(
+                f"agent {self.agent}: asked to continue run {run} at iteration {t0}, "
+                f"but it is at run {self.run_id}, iteration {self.t}"
+            )
         owns, infos, sent_messages, sent_bytes = [], [], [], []
         for t in range(t0, t0 + num_iterations):
             pending, message = fns["send"](self.local, self.keys, np.uint32(t), self.own, self.inbox, mask)
@@ -222,8 +226,16 @@ class RayNetwork:
     diagnostics per iteration: what the driver collects).
     """
 
-    def __init__(self, federation, program: AgentProgram | None, adjacency, *, name: str = "agents",
-                 max_chunk: int = 64, loader=None):
+    def __init__(
+        self,
+        federation,
+        program: AgentProgram | None,
+        adjacency,
+        *,
+        name: str = "agents",
+        max_chunk: int = 64,
+        loader=None,
+    ):
 
         self.federation = federation
         self.program = program
@@ -235,12 +247,12 @@ class RayNetwork:
         #: deployment: ``m -> agent m's block``, run on agent ``m``'s actor (else ``None``)
         self.loader = loader
         if (program is None) != (loader is not None):
-            raise ValueError("RayNetwork takes a program (simulation) or a loader (deployment; install() "
-                             "gives the program later)")
+            raise ValueError(
+                "RayNetwork takes a program (simulation) or a loader (deployment; install() gives the program later)"
+            )
         self.locals = None
         if program is not None:
-            self.locals = [jax.tree_util.tree_map(lambda a, m=m: np.asarray(a[m]), program.local)
-                           for m in range(n)]
+            self.locals = [jax.tree_util.tree_map(lambda a, m=m: np.asarray(a[m]), program.local) for m in range(n)]
         self._remote = None
         # the workers of another algorithm's run, or those that described the clients' data,
         # make way for the agents (a later run of a server-based algorithm replaces them in turn);
@@ -251,8 +263,12 @@ class RayNetwork:
             hosted = ClientProgram({}, loader=loader, num_clients=n)
         actors = federation.host_agents(self, hosted, self._new_actor)
         try:
-            specs = federation.gather("setup", {m: a.setup.remote() for m, a in enumerate(actors)},
-                                      refuse=True, timeout=federation.start_timeout)
+            specs = federation.gather(
+                "setup",
+                {m: a.setup.remote() for m, a in enumerate(actors)},
+                refuse=True,
+                timeout=federation.start_timeout,
+            )
             self._connect()
         except BaseException:
             federation.close()
@@ -261,17 +277,19 @@ class RayNetwork:
         self.block_specs = None
         if loader is not None:
             self.block_specs = [
-                jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s[0], np.dtype(s[1])), specs[m],
-                                       is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2
-                                       and isinstance(x[1], str))
+                jax.tree_util.tree_map(
+                    lambda s: jax.ShapeDtypeStruct(s[0], np.dtype(s[1])),
+                    specs[m],
+                    is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], str),
+                )
                 for m in range(n)
             ]
             federation.set_block_specs(self.block_specs)
         self.run_id = 0
-        self.buffer = []          # collected iterations not yet handed out: (own, info, messages, bytes)
-        self.expected = None      # (i, own, keys) of the last iteration handed out
+        self.buffer = []  # collected iterations not yet handed out: (own, info, messages, bytes)
+        self.expected = None  # (i, own, keys) of the last iteration handed out
         self.chunk = 4
-        self.handed = []          # every iteration handed out since the last (re)start: (i, own, info)
+        self.handed = []  # every iteration handed out since the last (re)start: (i, own, info)
         self.restarts = 0
         self._sent = None
         #: ``(resume, history) -> (state, draws)``: what a :class:`NetworkError` reports (set by
@@ -285,7 +303,8 @@ class RayNetwork:
         leaves = jax.tree_util.tree_leaves(program.local)
         mine = jax.tree_util.tree_leaves(self.program.local)
         return len(leaves) == len(mine) and all(
-            np.shape(a) == np.shape(b) and np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(leaves, mine))
+            np.shape(a) == np.shape(b) and np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(leaves, mine)
+        )
 
     # -- deployment ------------------------------------------------------------------------
     @property
@@ -299,10 +318,13 @@ class RayNetwork:
         specs = self.block_specs
         for m, spec in enumerate(specs[1:], 1):
             if spec != specs[0]:
-                raise ValueError(f"agent {m}'s block has shapes {spec}, agent 0's {specs[0]}: the "
-                                 "agents' blocks must have a common shape (rows padded and masked)")
-        return jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct((self.num_agents,) + tuple(s.shape), s.dtype),
-                                      specs[0])
+                raise ValueError(
+                    f"agent {m}'s block has shapes {spec}, agent 0's {specs[0]}: the "
+                    "agents' blocks must have a common shape (rows padded and masked)"
+                )
+        return jax.tree_util.tree_map(
+            lambda s: jax.ShapeDtypeStruct((self.num_agents,) + tuple(s.shape), s.dtype), specs[0]
+        )
 
     def ask(self, name, fn, *broadcast, per_agent=()):
         """``(N, ...)``: every agent's ``fn(block, *broadcast, *own)`` (``own``: its row of each
@@ -316,13 +338,21 @@ class RayNetwork:
         for m, actor in enumerate(actors):
             own = jax.tree_util.tree_map(lambda a, m=m: a[m], per_agent)
             refs[m] = actor.ask.remote(fn, broadcast + own)
-            ledger.add(f"{self.name}/{name}", "to_client", m, messages=1,
-                       nbytes=tree_nbytes(broadcast) + tree_nbytes(own), rounds=1)
+            ledger.add(
+                f"{self.name}/{name}",
+                "to_client",
+                m,
+                messages=1,
+                nbytes=tree_nbytes(broadcast) + tree_nbytes(own),
+                rounds=1,
+            )
         replies = self.federation.gather(f"{self.name}/{name}", refs)
         for m in range(self.num_agents):
             ledger.add(f"{self.name}/{name}", "from_client", m, messages=1, nbytes=tree_nbytes(replies[m]))
         ledger.round_trips += 1
-        return jax.tree_util.tree_map(lambda *a: jnp.asarray(np.stack(a)), *[replies[m] for m in range(self.num_agents)])
+        return jax.tree_util.tree_map(
+            lambda *a: jnp.asarray(np.stack(a)), *[replies[m] for m in range(self.num_agents)]
+        )
 
     def agent_ask(self, prior_weights):
         """:attr:`~numpyro_fed.infer.admm.AgentPotentials.ask`: ``(name, fn, *broadcast) ->``
@@ -341,8 +371,12 @@ class RayNetwork:
         agent loaded). A program equal to the installed one is not sent again."""
         n = self.num_agents
         locals_ = [jax.tree_util.tree_map(lambda a, m=m: np.asarray(a[m]), program.local) for m in range(n)]
-        if (self.program is not None and settings is not None and settings == self.settings
-                and _same_leaves(locals_, self.locals)):
+        if (
+            self.program is not None
+            and settings is not None
+            and settings == self.settings
+            and _same_leaves(locals_, self.locals)
+        ):
             self.program = program
             return
         self.program, self.locals, self.settings = program, locals_, settings
@@ -363,13 +397,16 @@ class RayNetwork:
         if self.program is not None:
             agent_program = self.program._replace(local=self.locals[m])  # agent m's data only
         index, valid = neighbors(self.adjacency)
-        return self._remote.options(**options).remote(m, agent_program, index[m][valid[m]], valid[m],
-                                                      bool(jax.config.jax_enable_x64), self.loader)
+        return self._remote.options(**options).remote(
+            m, agent_program, index[m][valid[m]], valid[m], bool(jax.config.jax_enable_x64), self.loader
+        )
 
     def _connect(self):
         actors = self.federation.actors
-        refs = {m: actors[m].connect.remote({int(k): actors[int(k)] for k in np.flatnonzero(self.adjacency[m])})
-                for m in range(self.num_agents)}
+        refs = {
+            m: actors[m].connect.remote({int(k): actors[int(k)] for k in np.flatnonzero(self.adjacency[m])})
+            for m in range(self.num_agents)
+        }
         self.federation.gather("connect", refs)
 
     def _revive(self):
@@ -387,8 +424,12 @@ class RayNetwork:
         if not dead:
             return
         replaced = {m: self.federation.replace_agent(m, self._new_actor) for m in dead}
-        self.federation.gather("setup", {m: actor.setup.remote() for m, actor in replaced.items()}, refuse=True,
-                               timeout=self.federation.start_timeout)
+        self.federation.gather(
+            "setup",
+            {m: actor.setup.remote() for m, actor in replaced.items()},
+            refuse=True,
+            timeout=self.federation.start_timeout,
+        )
         self._connect()
 
     # -- running ---------------------------------------------------------------------------
@@ -407,8 +448,13 @@ class RayNetwork:
             if own is not None:
                 own_m = jax.tree_util.tree_map(lambda a, m=m: np.ascontiguousarray(a[:, m]), own)
                 keys_m = keys
-                ledger.add(f"{self.name}/state", "to_client", m, messages=keys.shape[0],
-                           nbytes=tree_nbytes(own_m) + tree_nbytes(keys_m))
+                ledger.add(
+                    f"{self.name}/state",
+                    "to_client",
+                    m,
+                    messages=keys.shape[0],
+                    nbytes=tree_nbytes(own_m) + tree_nbytes(keys_m),
+                )
             refs[m] = actor.run.remote(self.run_id, t0, num_iterations, own_m, keys_m, timeout)
         # a generous deadline for the whole chunk: each iteration waits at most `timeout` for a neighbour
         deadline = timeout * (num_iterations + 2)
@@ -435,8 +481,9 @@ class RayNetwork:
                 for k, actor in enumerate(actors):  # stop the others' loops: the network is broken
                     if k not in results:
                         actor.abort.options(concurrency_group="inbox").remote(self.run_id)
-        not_answered = [m for m, r in refs.items() if m not in results and m not in dead and
-                        m not in [f for f, _ in failed]]
+        not_answered = [
+            m for m, r in refs.items() if m not in results and m not in dead and m not in [f for f, _ in failed]
+        ]
         if not (dead or failed or silent) and not_answered:
             silent.update(not_answered)
         if dead or failed or silent:
@@ -447,20 +494,40 @@ class RayNetwork:
             if quiet:
                 parts.append(f"agent(s) {quiet} sent nothing within {timeout} s")
             culprits = list(dict.fromkeys(dead + [m for m, _ in failed] + quiet))
-            raise NetworkError(f"{self.name}: " + "; ".join(parts) + f" (in the iterations after {t0}; "
-                               f"the run is resumable from iteration {t0}: see NetworkError)",
-                               clients=culprits, call=f"{self.name}/iterate")
+            raise NetworkError(
+                f"{self.name}: " + "; ".join(parts) + f" (in the iterations after {t0}; "
+                f"the run is resumable from iteration {t0}: see NetworkError)",
+                clients=culprits,
+                call=f"{self.name}/iterate",
+            )
         for m in range(self.num_agents):
             _, _, _, messages, nbytes = results[m]
             chains = keys.shape[0] if keys is not None else self._chains
             if own is not None:
                 degree = int(self.adjacency[m].sum())
-                ledger.add(f"{self.name}/start", "to_peer", m, messages=degree * chains,
-                           nbytes=int(nbytes[0]) * chains if len(nbytes) else 0, rounds=1)
-            ledger.add(f"{self.name}/iterate", "to_peer", m, messages=int(messages.sum()) * chains,
-                       nbytes=int(nbytes.sum()) * chains, rounds=num_iterations)
-            ledger.add(f"{self.name}/state", "from_client", m, messages=num_iterations * chains,
-                       nbytes=tree_nbytes(results[m][1]) + tree_nbytes(results[m][2]))
+                ledger.add(
+                    f"{self.name}/start",
+                    "to_peer",
+                    m,
+                    messages=degree * chains,
+                    nbytes=int(nbytes[0]) * chains if len(nbytes) else 0,
+                    rounds=1,
+                )
+            ledger.add(
+                f"{self.name}/iterate",
+                "to_peer",
+                m,
+                messages=int(messages.sum()) * chains,
+                nbytes=int(nbytes.sum()) * chains,
+                rounds=num_iterations,
+            )
+            ledger.add(
+                f"{self.name}/state",
+                "from_client",
+                m,
+                messages=num_iterations * chains,
+                nbytes=tree_nbytes(results[m][1]) + tree_nbytes(results[m][2]),
+            )
         ledger.round_trips += 1
         return [results[m][1:] for m in range(self.num_agents)]
 
@@ -471,9 +538,15 @@ class RayNetwork:
         keys = np.asarray(keys)
         own = jax.tree_util.tree_map(np.asarray, own)
         self._chains = keys.shape[0]
-        follows = (self.expected is not None and self.expected[0] == i and np.array_equal(self.expected[2], keys)
-                   and all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(self.expected[1]),
-                                                                 jax.tree_util.tree_leaves(own))))
+        follows = (
+            self.expected is not None
+            and self.expected[0] == i
+            and np.array_equal(self.expected[2], keys)
+            and all(
+                np.array_equal(a, b)
+                for a, b in zip(jax.tree_util.tree_leaves(self.expected[1]), jax.tree_util.tree_leaves(own))
+            )
+        )
         self._sent = np.asarray(sent)
         if not follows:  # a new chain, or a resumed run: restart the network from these states
             self.buffer, self.handed, self.chunk = [], [], 4
@@ -510,10 +583,12 @@ class RayNetwork:
             raise
         self.chunk = min(2 * self.chunk, self.max_chunk)
         for k in range(len(per_agent[0][2])):
-            own_k = jax.tree_util.tree_map(lambda *a: np.stack(a, axis=1),
-                                           *[jax.tree_util.tree_map(lambda v: v[k], r[0]) for r in per_agent])
-            info_k = jax.tree_util.tree_map(lambda *a: np.stack(a, axis=1),
-                                            *[jax.tree_util.tree_map(lambda v: v[k], r[1]) for r in per_agent])
+            own_k = jax.tree_util.tree_map(
+                lambda *a: np.stack(a, axis=1), *[jax.tree_util.tree_map(lambda v: v[k], r[0]) for r in per_agent]
+            )
+            info_k = jax.tree_util.tree_map(
+                lambda *a: np.stack(a, axis=1), *[jax.tree_util.tree_map(lambda v: v[k], r[1]) for r in per_agent]
+            )
             messages = np.asarray([r[2][k] for r in per_agent])
             nbytes = np.asarray([r[3][k] for r in per_agent])
             self.buffer.append((own_k, info_k, messages, nbytes))
@@ -546,9 +621,11 @@ class RayNetwork:
             first = jax.eval_shape(lambda o: NetworkState(o, deliver(self.adjacency, o.x)), one)
             info_struct = info_struct_of(self.program, self.adjacency, self.local_struct(), first)
             struct = lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))  # noqa: E731
-            out = (jax.tree_util.tree_map(struct, own),
-                   jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct((chains,) + s.shape, s.dtype), info_struct),
-                   struct(sent_array))
+            out = (
+                jax.tree_util.tree_map(struct, own),
+                jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct((chains,) + s.shape, s.dtype), info_struct),
+                struct(sent_array),
+            )
             own, info, sent_array = io_callback(self.advance, out, i, own, keys, sent_array, ordered=True)
             sent = sent._replace(messages=sent_array[:, 0], bytes=sent_array[:, 1])
             state = NetworkState(own, jax.vmap(lambda x: deliver(self.adjacency, x))(own.x))

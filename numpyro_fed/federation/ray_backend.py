@@ -17,8 +17,8 @@ import pickle
 import shutil
 import sys
 import tempfile
-import uuid
 import time
+import uuid
 import warnings
 from collections import defaultdict
 
@@ -76,8 +76,11 @@ class _ClientWorker:
         self.block = None
         self.compiled = {}
         self.states = {}  # version -> this client's state (numpy leaves)
-        self.state_file = (None if federation_id is None else
-                           os.path.join(_state_folder(state_dir, federation_id), f"client{self.client}.pkl"))
+        self.state_file = (
+            None
+            if federation_id is None
+            else os.path.join(_state_folder(state_dir, federation_id), f"client{self.client}.pkl")
+        )
         self.busy = defaultdict(lambda: [0, 0.0])  # name -> [calls, seconds computing]
 
     def describe(self, loader):
@@ -266,10 +269,20 @@ class RayFederation(RemoteFederation):
             ...
     """
 
-    def __init__(self, address: str | None = None, timeout: float = 60.0, *, threads: int | None = 1,
-                 actor_options=None, env_vars: dict | None = None, init_kwargs: dict | None = None,
-                 start_timeout: float = 180.0, loader=None, num_clients: int | None = None,
-                 state_dir: str | None = None):
+    def __init__(
+        self,
+        address: str | None = None,
+        timeout: float = 60.0,
+        *,
+        threads: int | None = 1,
+        actor_options=None,
+        env_vars: dict | None = None,
+        init_kwargs: dict | None = None,
+        start_timeout: float = 180.0,
+        loader=None,
+        num_clients: int | None = None,
+        state_dir: str | None = None,
+    ):
         super().__init__(loader=loader, num_clients=num_clients)
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0, not {timeout}")
@@ -336,8 +349,10 @@ class RayFederation(RemoteFederation):
         ray = self._ensure_ray()
         remote = ray.remote(_ClientWorker)
         x64 = bool(jax.config.jax_enable_x64)
-        self._actors = [remote.options(**self._options(m)).remote(m, x64, self.state_dir, self.federation_id)
-                        for m in range(num_clients)]
+        self._actors = [
+            remote.options(**self._options(m)).remote(m, x64, self.state_dir, self.federation_id)
+            for m in range(num_clients)
+        ]
         return self._actors
 
     def start(self, program: ClientProgram) -> "RayFederation":
@@ -358,9 +373,11 @@ class RayFederation(RemoteFederation):
             self.close()
             raise
         return [
-            jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s[0], np.dtype(s[1])), specs[m],
-                                   is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2
-                                   and isinstance(x[1], str))
+            jax.tree_util.tree_map(
+                lambda s: jax.ShapeDtypeStruct(s[0], np.dtype(s[1])),
+                specs[m],
+                is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], str),
+            )
             for m in range(program.num_clients)
         ]
 
@@ -368,8 +385,9 @@ class RayFederation(RemoteFederation):
         if program.blocks is None:
             return program
         # only client m's block goes to worker m
-        return ClientProgram(program.functions, blocks=[program.blocks[m]], spec=program.spec,
-                             stateful=program.stateful)
+        return ClientProgram(
+            program.functions, blocks=[program.blocks[m]], spec=program.spec, stateful=program.stateful
+        )
 
     def restart(self, clients=None) -> "RayFederation":
         """Replaces the actors of ``clients`` (default: those that do not answer a ping within
@@ -406,8 +424,12 @@ class RayFederation(RemoteFederation):
         """Runs ``loader(m)`` on client ``m``'s actor (started here if needed, and reused by
         :meth:`start`); returns the shapes, dtypes and scalar settings it loaded, never rows."""
         actors = self._spawn(int(num_clients))
-        out = self._gather("describe", {m: a.describe.remote(loader) for m, a in enumerate(actors)},
-                           refuse=True, timeout=self.start_timeout)
+        out = self._gather(
+            "describe",
+            {m: a.describe.remote(loader) for m, a in enumerate(actors)},
+            refuse=True,
+            timeout=self.start_timeout,
+        )
         return [out[m] for m in range(int(num_clients))]
 
     def _kill_actors(self):
@@ -416,8 +438,11 @@ class RayFederation(RemoteFederation):
             return
         ray = _import_ray()
         with contextlib.suppress(Exception):  # the live workers remove their saved states
-            ray.wait([a.clear_state.remote() for a in self._actors], num_returns=len(self._actors),
-                     timeout=min(self.timeout, 10.0))
+            ray.wait(
+                [a.clear_state.remote() for a in self._actors],
+                num_returns=len(self._actors),
+                timeout=min(self.timeout, 10.0),
+            )
         for actor in self._actors:
             with contextlib.suppress(Exception):
                 ray.kill(actor)
@@ -479,8 +504,9 @@ class RayFederation(RemoteFederation):
             parts = [f"client {c} {why}" for c, why in failures]
             if silent:
                 parts.append(f"client(s) {silent} did not answer within {timeout} s")
-            error = ClientError(f"call '{call}': " + "; ".join(parts),
-                                clients=[c for c, _ in failures] + silent, call=call)
+            error = ClientError(
+                f"call '{call}': " + "; ".join(parts), clients=[c for c, _ in failures] + silent, call=call
+            )
             self._error = error
             raise error
         return results
@@ -489,8 +515,9 @@ class RayFederation(RemoteFederation):
         """Client ``m``'s call, sent as one pickled buffer when it is small."""
         actor = self._actors[m]
         if nbytes < self.pack_limit:
-            return actor.call_packed.remote(pickle.dumps((name, args, in_axes, version),
-                                                         protocol=pickle.HIGHEST_PROTOCOL))
+            return actor.call_packed.remote(
+                pickle.dumps((name, args, in_axes, version), protocol=pickle.HIGHEST_PROTOCOL)
+            )
         return actor.call.remote(name, args, in_axes, version)
 
     def _replies(self, call, refs):
@@ -506,8 +533,10 @@ class RayFederation(RemoteFederation):
 
     # -- transport hooks (see RemoteFederation) ------------------------------------------------
     def send_calls(self, name, calls):
-        refs = {m: self._submit(m, name, call.args, call.in_axes, call.nbytes, version=call.version)
-                for m, call in calls.items()}
+        refs = {
+            m: self._submit(m, name, call.args, call.in_axes, call.nbytes, version=call.version)
+            for m, call in calls.items()
+        }
         return self._replies(name, refs)  # a stateful call's worker answers (reply, its new version)
 
     send_stateful_calls = send_calls
@@ -541,8 +570,13 @@ class RayFederation(RemoteFederation):
         load their own blocks with ``loader`` on their actors; ``previous``, the network this
         federation gave the same sampler on the same graph, is kept (its agents keep their
         blocks)."""
-        if (previous is not None and previous is self._network and self.started and previous.deployed
-                and np.array_equal(np.asarray(adjacency) != 0, previous.adjacency)):
+        if (
+            previous is not None
+            and previous is self._network
+            and self.started
+            and previous.deployed
+            and np.array_equal(np.asarray(adjacency) != 0, previous.adjacency)
+        ):
             return previous
         return RayNetwork(self, None, adjacency, name=name, loader=loader)
 

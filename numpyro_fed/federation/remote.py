@@ -214,8 +214,10 @@ class RemoteFederation(Federation):
         :class:`~numpyro_fed.federation.ClientState` holds the versions only (its ``values``
         are ``()``: the states live with the clients)."""
         initial = jax.tree_util.tree_map(np.asarray, self._check_initial_state(initial))
-        self._transport(self.send_initial_state,
-                        {m: jax.tree_util.tree_map(lambda a, m=m: a[m], initial) for m in range(self.num_clients)})
+        self._transport(
+            self.send_initial_state,
+            {m: jax.tree_util.tree_map(lambda a, m=m: a[m], initial) for m in range(self.num_clients)},
+        )
         self._record_init_state(initial)
         self.ledger.round_trips += 1
         self._state_struct = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), initial)
@@ -245,8 +247,10 @@ class RemoteFederation(Federation):
     def _check_same_replies(self, name, shapes):
         for m, s in enumerate(shapes[1:], 1):
             if s != shapes[0]:
-                raise ValueError(f"call '{name}': client {m}'s reply has shape {s}, client 0's "
-                                 f"{shapes[0]}; replies must not depend on the number of rows")
+                raise ValueError(
+                    f"call '{name}': client {m}'s reply has shape {s}, client 0's "
+                    f"{shapes[0]}; replies must not depend on the number of rows"
+                )
         return shapes[0]
 
     def _reply_struct(self, name, arg_structs):
@@ -256,46 +260,58 @@ class RemoteFederation(Federation):
         if key not in self._reply_cache:
             fn = self._function(name)
             self._reply_cache[key] = self._check_same_replies(
-                name, [jax.eval_shape(fn, spec, *arg_structs) for spec in self.block_specs])
+                name, [jax.eval_shape(fn, spec, *arg_structs) for spec in self.block_specs]
+            )
         return self._reply_cache[key]
 
     def _stateful_reply_struct(self, name, arg_structs):
         if self._state_struct is None:
-            raise RuntimeError(f"call '{name}' with a client state: call init_state(initial) on this "
-                               "federation first")
-        key = ("stateful", name, tuple(jax.tree_util.tree_leaves(arg_structs)),
-               jax.tree_util.tree_structure(arg_structs))
+            raise RuntimeError(f"call '{name}' with a client state: call init_state(initial) on this federation first")
+        key = (
+            "stateful",
+            name,
+            tuple(jax.tree_util.tree_leaves(arg_structs)),
+            jax.tree_util.tree_structure(arg_structs),
+        )
         if key not in self._reply_cache:
             fn = self._stateful_function(name)
             shapes = [jax.eval_shape(fn, spec, self._state_struct, *arg_structs) for spec in self.block_specs]
             for new_state, _ in shapes:
                 if new_state != self._state_struct:
-                    raise ValueError(f"stateful function '{name}' returns a state of structure {new_state}, "
-                                     f"the clients' state has {self._state_struct}")
+                    raise ValueError(
+                        f"stateful function '{name}' returns a state of structure {new_state}, "
+                        f"the clients' state has {self._state_struct}"
+                    )
             self._reply_cache[key] = self._check_same_replies(name, [reply for _, reply in shapes])
         return self._reply_cache[key]
 
     def _reply(self, name, broadcast, own, stateful):
         """The shape of one client's reply to ``name`` with these arguments (``own``: arrays
         with a leading client axis)."""
-        arg_structs = (tuple(jax.tree_util.tree_map(_struct, broadcast))
-                       + tuple(jax.tree_util.tree_map(_row_struct, own)))
+        arg_structs = tuple(jax.tree_util.tree_map(_struct, broadcast)) + tuple(
+            jax.tree_util.tree_map(_row_struct, own)
+        )
         return (self._stateful_reply_struct if stateful else self._reply_struct)(name, arg_structs)
 
     def _check_remote_state(self, name, state):
         if not isinstance(state, ClientState):
-            raise TypeError(f"call '{name}': state must be a ClientState (from init_state), "
-                            f"got {type(state).__name__}")
+            raise TypeError(f"call '{name}': state must be a ClientState (from init_state), got {type(state).__name__}")
         if jax.tree_util.tree_leaves(state.values):
-            raise ValueError(f"call '{name}': this ClientState holds its values in this process (an "
-                             f"InProcess federation's); on a {type(self).__name__} the clients hold them: "
-                             "create it with this federation's init_state")
+            raise ValueError(
+                f"call '{name}': this ClientState holds its values in this process (an "
+                f"InProcess federation's); on a {type(self).__name__} the clients hold them: "
+                "create it with this federation's init_state"
+            )
 
     def _unbatched(self, name, host_leaves, ndims):
         batch, flat, _ = _unbatch([np.asarray(x) for x in host_leaves], ndims)
         if batch:
-            self._fail(ValueError(f"call '{name}' with a client state cannot be batched (vmap) over chains on "
-                                  f"{type(self).__name__}: each client holds one state"))
+            self._fail(
+                ValueError(
+                    f"call '{name}' with a client state cannot be batched (vmap) over chains on "
+                    f"{type(self).__name__}: each client holds one state"
+                )
+            )
         return flat
 
     # -- traceable side ------------------------------------------------------------------------
@@ -306,11 +322,14 @@ class RemoteFederation(Federation):
         m_clients = self.num_clients
         for leaf in jax.tree_util.tree_leaves(per_client):
             if jnp.shape(leaf)[:1] != (m_clients,):
-                raise ValueError(f"call '{name}': per_client arrays need a leading axis of {m_clients} "
-                                 f"clients, got shape {jnp.shape(leaf)}")
+                raise ValueError(
+                    f"call '{name}': per_client arrays need a leading axis of {m_clients} "
+                    f"clients, got shape {jnp.shape(leaf)}"
+                )
         reply = self._reply(name, broadcast, per_client, state is not None)
-        out_struct = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct((m_clients,) + tuple(s.shape), s.dtype),
-                                            reply)
+        out_struct = jax.tree_util.tree_map(
+            lambda s: jax.ShapeDtypeStruct((m_clients,) + tuple(s.shape), s.dtype), reply
+        )
         leaves, treedef = jax.tree_util.tree_flatten((broadcast, per_client))
         ndims = [jnp.ndim(x) for x in leaves]
         num_broadcast = len(jax.tree_util.tree_leaves(broadcast))
@@ -343,8 +362,9 @@ class RemoteFederation(Federation):
                     if batch and value.ndim == want.ndim:  # no batched argument: one reply for all
                         value = np.broadcast_to(value, (size,) + value.shape)
                     per.append(value)
-                out.append(np.stack(per, axis=1 if batch else 0)
-                           .reshape(tuple(batch) + (m_clients,) + tuple(want.shape)))
+                out.append(
+                    np.stack(per, axis=1 if batch else 0).reshape(tuple(batch) + (m_clients,) + tuple(want.shape))
+                )
             self._count(name, calls, replies, size)
             return jax.tree_util.tree_unflatten(reply_def, out)
 
@@ -367,14 +387,19 @@ class RemoteFederation(Federation):
             answers = self._transport(self.send_stateful_calls, name, calls)
             replies = {m: answers[m][0] for m in range(m_clients)}
             parts = {m: jax.tree_util.tree_leaves(replies[m]) for m in range(m_clients)}
-            out = [np.stack([np.asarray(parts[m][j], dtype=want.dtype) for m in range(m_clients)])
-                   .reshape((m_clients,) + tuple(want.shape)) for j, want in enumerate(reply_leaves)]
+            out = [
+                np.stack([np.asarray(parts[m][j], dtype=want.dtype) for m in range(m_clients)]).reshape(
+                    (m_clients,) + tuple(want.shape)
+                )
+                for j, want in enumerate(reply_leaves)
+            ]
             self._count(name, calls, replies, 1)
             new_version = np.asarray([answers[m][1] for m in range(m_clients)], np.int32)
             return new_version, jax.tree_util.tree_unflatten(reply_def, out)
 
-        new_version, replies = jax.pure_callback(host, out_struct, jnp.asarray(state.version, jnp.int32), *leaves,
-                                                 vmap_method="expand_dims")
+        new_version, replies = jax.pure_callback(
+            host, out_struct, jnp.asarray(state.version, jnp.int32), *leaves, vmap_method="expand_dims"
+        )
         return ClientState((), new_version), replies
 
     def one(self, name, client, *broadcast, own=(), state=None):
@@ -399,8 +424,9 @@ class RemoteFederation(Federation):
             for c in np.unique(chosen):
                 c = int(c)
                 if not 0 <= c < m_clients:
-                    self._fail(ClientError(f"call '{name}': no client {c} (there are {m_clients})",
-                                           clients=[c], call=name))
+                    self._fail(
+                        ClientError(f"call '{name}': no client {c} (there are {m_clients})", clients=[c], call=name)
+                    )
                 idx = np.flatnonzero(chosen == c)
                 members[c] = idx
                 args, args_axes = [], []
@@ -437,8 +463,10 @@ class RemoteFederation(Federation):
         if client.ndim > 1:
             raise ValueError(f"call '{name}': client must be an index or a 1-d array of them, got shape {client.shape}")
         lead = tuple(client.shape)
-        out_struct = (jax.ShapeDtypeStruct((m_clients,), jnp.int32),
-                      jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(lead + tuple(s.shape), s.dtype), reply))
+        out_struct = (
+            jax.ShapeDtypeStruct((m_clients,), jnp.int32),
+            jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(lead + tuple(s.shape), s.dtype), reply),
+        )
         leaves, treedef = jax.tree_util.tree_flatten((broadcast, own))
         ndims = [client.ndim, 1] + [jnp.ndim(x) for x in leaves]
         num_broadcast = len(jax.tree_util.tree_leaves(broadcast))
@@ -449,8 +477,13 @@ class RemoteFederation(Federation):
             chosen, version, flat = np.asarray(flat[0]).reshape(-1), np.array(flat[1], np.int32), flat[2:]
             bad = [int(c) for c in chosen if not 0 <= c < m_clients]
             if bad or len(set(chosen.tolist())) != chosen.size:
-                self._fail(ClientError(f"call '{name}': clients {chosen.tolist()} must be distinct clients among "
-                                       f"0..{m_clients - 1}", clients=bad, call=name))
+                self._fail(
+                    ClientError(
+                        f"call '{name}': clients {chosen.tolist()} must be distinct clients among 0..{m_clients - 1}",
+                        clients=bad,
+                        call=name,
+                    )
+                )
             calls = {}
             for c in chosen.tolist():
                 args = [leaf[c] if i >= num_broadcast else leaf for i, leaf in enumerate(flat)]
@@ -459,13 +492,18 @@ class RemoteFederation(Federation):
             answers = self._transport(self.send_stateful_calls, name, calls)
             replies = {c: answers[c][0] for c in calls}
             parts = {c: jax.tree_util.tree_leaves(r) for c, r in replies.items()}
-            out = [np.stack([np.asarray(parts[c][j], dtype=want.dtype) for c in chosen.tolist()])
-                   .reshape(lead + tuple(want.shape)) for j, want in enumerate(reply_leaves)]
+            out = [
+                np.stack([np.asarray(parts[c][j], dtype=want.dtype) for c in chosen.tolist()]).reshape(
+                    lead + tuple(want.shape)
+                )
+                for j, want in enumerate(reply_leaves)
+            ]
             for c in calls:
                 version[c] = answers[c][1]
             self._count(name, calls, replies, 1)
             return version, jax.tree_util.tree_unflatten(reply_def, out)
 
-        new_version, reply_out = jax.pure_callback(host, out_struct, client, jnp.asarray(state.version, jnp.int32),
-                                                   *leaves, vmap_method="expand_dims")
+        new_version, reply_out = jax.pure_callback(
+            host, out_struct, client, jnp.asarray(state.version, jnp.int32), *leaves, vmap_method="expand_dims"
+        )
         return ClientState((), new_version), reply_out

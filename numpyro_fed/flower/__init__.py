@@ -102,15 +102,16 @@ def check_method(method):
         raise ValueError(
             "FedZigZag cannot run on Flower: every proposal of its Zig-Zag process is one round trip to "
             "the clients (thousands per effective sample), and a Flower round costs about 0.1 s in "
-            "simulation and seconds deployed. Run it on nf.RayFederation (a few ms per round).")
+            "simulation and seconds deployed. Run it on nf.RayFederation (a few ms per round)."
+        )
     if isinstance(sampler, MCMCKernel):
         raise ValueError(
             f"{name} cannot run on Flower: its agents exchange messages with their neighbours every "
             "iteration and Flower is hub and spoke (every message would go through the server, a round "
-            "each). Run it on nf.RayFederation, whose agents message each other directly.")
+            "each). Run it on nf.RayFederation, whose agents message each other directly."
+        )
     if not isinstance(sampler, VariationalMethod):
-        raise TypeError(f"numpyro_fed.flower runs numpyro_fed's variational methods (DPPVI, DSVGD, ...), "
-                        f"not {name}")
+        raise TypeError(f"numpyro_fed.flower runs numpyro_fed's variational methods (DPPVI, DSVGD, ...), not {name}")
     return sampler
 
 
@@ -124,8 +125,18 @@ def _as_methods(methods) -> dict:
     return out
 
 
-def run(method, grid, rng_key, num_rounds, *, name: str = "method", init_state=None,
-        num_clients: int | None = None, timeout: float = 120.0, start_timeout: float = 600.0):
+def run(
+    method,
+    grid,
+    rng_key,
+    num_rounds,
+    *,
+    name: str = "method",
+    init_state=None,
+    num_clients: int | None = None,
+    timeout: float = 120.0,
+    start_timeout: float = 600.0,
+):
     """Runs ``method`` (not yet given a federation) on the Flower nodes of ``grid``: its
     ``run(rng_key, num_rounds, init_state=init_state)`` on a :class:`FlowerFederation`,
     without data arguments (each node loads its rows). Call it inside a ``ServerApp``'s main
@@ -146,9 +157,17 @@ def run(method, grid, rng_key, num_rounds, *, name: str = "method", init_state=N
     return clone.run(jax.numpy.asarray(key), num_rounds, init_state=init_state)
 
 
-def server_app(methods, num_rounds: int | Mapping[str, int], *, seed: int = 0,
-               on_result: Callable | None = None, resume_attempts: int = 1, num_clients: int | None = None,
-               timeout: float = 120.0, start_timeout: float = 600.0):
+def server_app(
+    methods,
+    num_rounds: int | Mapping[str, int],
+    *,
+    seed: int = 0,
+    on_result: Callable | None = None,
+    resume_attempts: int = 1,
+    num_clients: int | None = None,
+    timeout: float = 120.0,
+    start_timeout: float = 600.0,
+):
     """A Flower ``ServerApp`` that runs ``methods`` (a method, or a dict name -> method, run
     in turn) for ``num_rounds`` (an int, or a dict by name) with the key ``PRNGKey(seed)``.
 
@@ -179,9 +198,17 @@ def server_app(methods, num_rounds: int | Mapping[str, int], *, seed: int = 0,
             method = methods[name]
             rounds = num_rounds[name] if isinstance(num_rounds, Mapping) else num_rounds
             rounds = int(config.get("num-rounds", rounds))
-            result = _run_with_resumption(method, grid, key, rounds, name=name, attempts=resume_attempts,
-                                          num_clients=None if wanted is None else int(wanted), timeout=timeout,
-                                          start_timeout=start_timeout)
+            result = _run_with_resumption(
+                method,
+                grid,
+                key,
+                rounds,
+                name=name,
+                attempts=resume_attempts,
+                num_clients=None if wanted is None else int(wanted),
+                timeout=timeout,
+                start_timeout=start_timeout,
+            )
             results[name] = result
             if on_result is not None:
                 on_result(name, result, context)
@@ -223,8 +250,9 @@ def client_app(methods, load: Callable, *, mods=None):
         try:
             config, arrays = fn(msg, context)
         except Exception as exc:  # the node's own message reaches the server
-            return flwr.app.Message(flwr.app.Error(code=0, reason=f"numpyro_fed node error: "
-                                                   f"{type(exc).__name__}: {exc}"), reply_to=msg)
+            return flwr.app.Message(
+                flwr.app.Error(code=0, reason=f"numpyro_fed node error: {type(exc).__name__}: {exc}"), reply_to=msg
+            )
         content = flwr.app.RecordDict()
         if config is not None:
             content["numpyro_fed"] = flwr.app.ConfigRecord(config)
@@ -233,6 +261,7 @@ def client_app(methods, load: Callable, *, mods=None):
         return flwr.app.Message(content, reply_to=msg)
 
     for action in ("describe", "start", "call", "state"):  # the message types of FlowerFederation
+
         def answer(msg, context, fn=getattr(handler, action)):
             return reply(msg, context, fn)
 
@@ -275,9 +304,9 @@ def simulate(server, client, num_nodes: int, *, num_workers: int = 1, backend_co
     (the default) serves every node in turn and compiles each client function once; more run
     the nodes of a synchronous round in parallel, each compiling for itself.
     """
-    flwr = _import_flwr()
-    import flwr.simulation
+    _import_flwr()  # Flower, or an ImportError saying how to install it
     import ray
+    from flwr.simulation import run_simulation
 
     num_workers = int(num_workers)
     if num_workers < 1:
@@ -301,6 +330,6 @@ def simulate(server, client, num_nodes: int, *, num_workers: int = 1, backend_co
         warnings.filterwarnings("ignore", category=DeprecationWarning)
         warnings.filterwarnings("ignore", ".*RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", FutureWarning)
         start = time.perf_counter()
-        flwr.simulation.run_simulation(server, client, int(num_nodes), backend_config=config)
+        run_simulation(server, client, int(num_nodes), backend_config=config)
         _logger.info("numpyro_fed: the simulation took %.1f s", time.perf_counter() - start)
     return dict(results or {})

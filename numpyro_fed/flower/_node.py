@@ -84,8 +84,10 @@ class NodeHandler:
         from numpyro_fed.flower._wire import encode_description
 
         args = self.load(context.node_config)
-        return {"partition_id": _partition_id(context.node_config),
-                "description": encode_description(describe_arguments(args))}, None
+        return {
+            "partition_id": _partition_id(context.node_config),
+            "description": encode_description(describe_arguments(args)),
+        }, None
 
     def start(self, msg, context):
         from numpyro_fed.flower import _import_flwr
@@ -101,8 +103,10 @@ class NodeHandler:
         program = entry["program"]
         mine = sorted(program.functions) + sorted(f"stateful:{n}" for n in program.stateful)
         if mine != functions:
-            raise RuntimeError(f"the node's program has functions {mine}, the server's {functions}: the server "
-                               "and the nodes must run the same app")
+            raise RuntimeError(
+                f"the node's program has functions {mine}, the server's {functions}: the server "
+                "and the nodes must run the same app"
+            )
         stored = {k: config[k] for k in recipe.to_config()}
         stored["client"] = client
         context.state[_STATE_KEY] = flwr.app.ConfigRecord(stored)
@@ -139,9 +143,11 @@ class NodeHandler:
         else:
             version = int(config["version"])
             if version not in versions:
-                raise LookupError(f"client {client} holds no client state of version {version} (it holds "
-                                  f"{'versions ' + str(versions) if versions else 'none'}): its SuperNode lost it "
-                                  "(restarted), or the state is of another run")
+                raise LookupError(
+                    f"client {client} holds no client state of version {version} (it holds "
+                    f"{'versions ' + str(versions) if versions else 'none'}): its SuperNode lost it "
+                    "(restarted), or the state is of another run"
+                )
             state = decode_tree(str(kept["structure"]), context.state[_VERSION.format(version)].to_numpy_ndarrays())
             entry = self._entry(recipe, client, context.node_config)
             fn = self._compiled(entry, name, None, table="stateful")
@@ -154,7 +160,8 @@ class NodeHandler:
             if old not in keep and _VERSION.format(old) in context.state:
                 del context.state[_VERSION.format(old)]
         context.state[_CLIENT_STATE] = flwr.app.ConfigRecord(
-            {"run": recipe.digest, "structure": structure, "versions": [int(v) for v in keep]})
+            {"run": recipe.digest, "structure": structure, "versions": [int(v) for v in keep]}
+        )
         if name == "init_state":
             return {"version": 0}, []
         return {"version": version}, [np.asarray(x) for x in jax.tree_util.tree_leaves(reply)]
@@ -166,8 +173,10 @@ class NodeHandler:
         from numpyro_fed.flower._wire import decode_tree
 
         if _STATE_KEY not in context.state:
-            raise RuntimeError("this node has not been started for the run (no recipe in its state): the "
-                               "server must send 'start' first")
+            raise RuntimeError(
+                "this node has not been started for the run (no recipe in its state): the "
+                "server must send 'start' first"
+            )
         stored = context.state[_STATE_KEY]
         config = msg.content["numpyro_fed"]
         args = decode_tree(str(config["structure"]), msg.content["args"].to_numpy_ndarrays())
@@ -185,16 +194,22 @@ class NodeHandler:
         if entry is None:
             method = self.methods.get(recipe.name)
             if method is None:
-                raise KeyError(f"the server runs method '{recipe.name}', which this node's app does not have "
-                               f"(it has {sorted(self.methods)}): the server and the nodes must run the same app")
+                raise KeyError(
+                    f"the server runs method '{recipe.name}', which this node's app does not have "
+                    f"(it has {sorted(self.methods)}): the server and the nodes must run the same app"
+                )
             _configure_compilation_cache(node_config)
             load, node_configs = self.load, {}
 
             def loader(m):  # client m's rows, with the config of the node that is client m here
                 return load(node_configs[int(m)])
 
-            entry = {"program": rebuild_program(method, recipe, loader), "blocks": {}, "compiled": {},
-                     "node_configs": node_configs}
+            entry = {
+                "program": rebuild_program(method, recipe, loader),
+                "blocks": {},
+                "compiled": {},
+                "node_configs": node_configs,
+            }
             _CACHE.put(digest, entry)
         if client not in entry["blocks"]:
             # a process may serve several nodes (Flower's simulation): the program is theirs in

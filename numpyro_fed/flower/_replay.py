@@ -56,16 +56,28 @@ class Recipe:
 
     def to_config(self) -> dict:
         """As a Flower ``ConfigRecord``'s values (and the key as an array)."""
-        return {"method": self.name, "num_rounds": -1 if self.num_rounds is None else self.num_rounds,
-                "x64": self.x64, "descriptions": json.dumps(self.descriptions), "num_clients": self.num_clients,
-                "key_dtype": self.rng_key.dtype.str, "key": json.dumps(self.rng_key.tolist())}
+        return {
+            "method": self.name,
+            "num_rounds": -1 if self.num_rounds is None else self.num_rounds,
+            "x64": self.x64,
+            "descriptions": json.dumps(self.descriptions),
+            "num_clients": self.num_clients,
+            "key_dtype": self.rng_key.dtype.str,
+            "key": json.dumps(self.rng_key.tolist()),
+        }
 
     @classmethod
     def from_config(cls, config) -> "Recipe":
         num_rounds = int(config["num_rounds"])
         key = np.asarray(json.loads(config["key"]), dtype=np.dtype(config["key_dtype"]))
-        return cls(config["method"], key, None if num_rounds < 0 else num_rounds, bool(config["x64"]),
-                   json.loads(config["descriptions"]), int(config["num_clients"]))
+        return cls(
+            config["method"],
+            key,
+            None if num_rounds < 0 else num_rounds,
+            bool(config["x64"]),
+            json.loads(config["descriptions"]),
+            int(config["num_clients"]),
+        )
 
     @property
     def digest(self) -> str:
@@ -89,8 +101,9 @@ class _Replay(Federation):
 
     def describe(self, loader, num_clients):
         if int(num_clients) != len(self._descriptions):
-            raise ValueError(f"the recipe describes {len(self._descriptions)} clients, the method asks for "
-                             f"{num_clients}")
+            raise ValueError(
+                f"the recipe describes {len(self._descriptions)} clients, the method asks for {num_clients}"
+            )
         return list(self._descriptions)
 
     def start(self, program):
@@ -125,5 +138,7 @@ def rebuild_program(method, recipe: Recipe, loader):
             clone.run(jax.numpy.asarray(recipe.rng_key), recipe.num_rounds)
     except _ProgramBuilt as built:
         return built.program
-    raise RuntimeError(f"{type(method).__name__}.run finished without starting its clients: it does not "
-                       "run through a federation, so it cannot run on Flower")
+    raise RuntimeError(
+        f"{type(method).__name__}.run finished without starting its clients: it does not "
+        "run through a federation, so it cannot run on Flower"
+    )

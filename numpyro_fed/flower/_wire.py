@@ -65,8 +65,9 @@ def _check_plain(obj):
         for x in obj.values():
             _check_plain(x)
         return
-    raise TypeError(f"a {type(obj).__name__} does not cross Flower's wire: send tuples, lists, dicts and "
-                    "NamedTuples of arrays")
+    raise TypeError(
+        f"a {type(obj).__name__} does not cross Flower's wire: send tuples, lists, dicts and NamedTuples of arrays"
+    )
 
 
 def _resolve(name: str):
@@ -76,8 +77,10 @@ def _resolve(name: str):
     for part in qualname.split("."):
         obj = getattr(obj, part, None) if obj is not None else None
     if not (isinstance(obj, type) and issubclass(obj, tuple) and hasattr(obj, "_fields")):
-        raise ValueError(f"a message names the NamedTuple {name!r}, which this process has not imported "
-                         "(the server and the nodes must run the same app)")
+        raise ValueError(
+            f"a message names the NamedTuple {name!r}, which this process has not imported "
+            "(the server and the nodes must run the same app)"
+        )
     return obj
 
 
@@ -127,13 +130,17 @@ def encode_description(described) -> str:
         elif isinstance(leaf, (bool, int, float, str)):
             items.append({"value": leaf})
         else:
-            raise TypeError(f"a loader's setting of type {type(leaf).__name__} cannot be described: "
-                            "give settings as bool, int, float or str")
+            raise TypeError(
+                f"a loader's setting of type {type(leaf).__name__} cannot be described: "
+                "give settings as bool, int, float or str"
+            )
     return json.dumps({"structure": _structure(marked), "leaves": items})
 
 
 def decode_description(text: str):
     data = json.loads(text)
-    leaves = [jax.ShapeDtypeStruct(tuple(item["shape"]), np.dtype(item["dtype"])) if "shape" in item
-              else item["value"] for item in data["leaves"]]
+    leaves = [
+        jax.ShapeDtypeStruct(tuple(item["shape"]), np.dtype(item["dtype"])) if "shape" in item else item["value"]
+        for item in data["leaves"]
+    ]
     return _build(data["structure"], iter(leaves))

@@ -67,8 +67,7 @@ class FlowerFederation(RemoteFederation):
         call of each function may take ``timeout`` more).
     """
 
-    def __init__(self, grid, *, num_clients: int | None = None, timeout: float = 120.0,
-                 start_timeout: float = 600.0):
+    def __init__(self, grid, *, num_clients: int | None = None, timeout: float = 120.0, start_timeout: float = 600.0):
         if not timeout > 0 or not start_timeout > 0:
             raise ValueError(f"timeout and start_timeout must be > 0, not {timeout}, {start_timeout}")
         self.grid = grid
@@ -89,13 +88,17 @@ class FlowerFederation(RemoteFederation):
             nodes = sorted(int(n) for n in self.grid.get_node_ids())
             if len(nodes) >= want:
                 if num_clients is not None and len(nodes) > want:
-                    raise ValueError(f"{len(nodes)} Flower nodes are connected but num_clients={num_clients}: "
-                                     "run one node per client")
+                    raise ValueError(
+                        f"{len(nodes)} Flower nodes are connected but num_clients={num_clients}: "
+                        "run one node per client"
+                    )
                 return nodes
             if time.monotonic() > deadline:
-                raise ClientError(f"{len(nodes)} Flower node(s) connected within {self.start_timeout} s; "
-                                  f"the run needs {want} (start the SuperNodes, or lower num_clients)",
-                                  call="connect")
+                raise ClientError(
+                    f"{len(nodes)} Flower node(s) connected within {self.start_timeout} s; "
+                    f"the run needs {want} (start the SuperNodes, or lower num_clients)",
+                    call="connect",
+                )
             time.sleep(0.2)
 
     @property
@@ -110,8 +113,7 @@ class FlowerFederation(RemoteFederation):
         flwr = _import_flwr()
         messages, owner = [], {}
         for m, content in contents.items():
-            message = flwr.app.Message(content, dst_node_id=self._nodes[m], message_type=kind,
-                                       ttl=max(timeout, 60.0))
+            message = flwr.app.Message(content, dst_node_id=self._nodes[m], message_type=kind, ttl=max(timeout, 60.0))
             messages.append(message)
             owner[self._nodes[m]] = m
         replies = self.grid.send_and_receive(messages, timeout=timeout)
@@ -131,8 +133,7 @@ class FlowerFederation(RemoteFederation):
             if silent:
                 nodes = [self._nodes[m] for m in silent]
                 parts.append(f"client(s) {silent} (Flower node(s) {nodes}) did not answer within {timeout} s")
-            error = ClientError(f"call '{call}': " + "; ".join(parts),
-                                clients=sorted(failed) + silent, call=call)
+            error = ClientError(f"call '{call}': " + "; ".join(parts), clients=sorted(failed) + silent, call=call)
             self._error = error
             raise error
         return results
@@ -145,20 +146,26 @@ class FlowerFederation(RemoteFederation):
         flwr = _import_flwr()
         if int(num_clients) != len(self._nodes):
             raise ValueError(f"num_clients={num_clients}, but {len(self._nodes)} Flower nodes are connected")
-        contents = {m: flwr.app.RecordDict({"numpyro_fed": flwr.app.ConfigRecord({"call": "describe"})})
-                    for m in range(len(self._nodes))}
+        contents = {
+            m: flwr.app.RecordDict({"numpyro_fed": flwr.app.ConfigRecord({"call": "describe"})})
+            for m in range(len(self._nodes))
+        }
         replies = self._send(DESCRIBE, contents, timeout=self.start_timeout, call="describe")
         partition = {m: int(r["numpyro_fed"]["partition_id"]) for m, r in replies.items()}
         descriptions = {m: str(r["numpyro_fed"]["description"]) for m, r in replies.items()}
         ids = sorted(partition.values())
         if all(p >= 0 for p in ids):
             if ids != list(range(len(ids))):
-                raise ValueError(f"the nodes' partition-id values are {ids}; they must be 0, ..., {len(ids) - 1} "
-                                 "(one node per client)")
+                raise ValueError(
+                    f"the nodes' partition-id values are {ids}; they must be 0, ..., {len(ids) - 1} "
+                    "(one node per client)"
+                )
             order = sorted(partition, key=partition.get)
         elif any(p >= 0 for p in ids):
-            raise ValueError("some nodes have a partition-id in their node config and some do not: give every "
-                             "node one, or none (then clients are ordered by node id)")
+            raise ValueError(
+                "some nodes have a partition-id in their node config and some do not: give every "
+                "node one, or none (then clients are ordered by node id)"
+            )
         else:
             order = list(range(len(self._nodes)))
         self._nodes = [self._nodes[m] for m in order]
@@ -176,19 +183,33 @@ class FlowerFederation(RemoteFederation):
 
         flwr = _import_flwr()
         if program.blocks is not None:
-            raise ValueError("FlowerFederation ships no rows: each node loads its own (run the method without "
-                             "data arguments; the federation's nodes give the rows)")
+            raise ValueError(
+                "FlowerFederation ships no rows: each node loads its own (run the method without "
+                "data arguments; the federation's nodes give the rows)"
+            )
         if self.recipe is None or self._descriptions is None:
-            raise RuntimeError("FlowerFederation runs methods through numpyro_fed.flower.run (it tells the "
-                               "nodes which method and call to rebuild)")
+            raise RuntimeError(
+                "FlowerFederation runs methods through numpyro_fed.flower.run (it tells the "
+                "nodes which method and call to rebuild)"
+            )
         if program.num_clients != len(self._nodes):
             raise ValueError(f"the program has {program.num_clients} clients, {len(self._nodes)} nodes are connected")
-        recipe = Recipe(self.recipe["name"], self.recipe["rng_key"], self.recipe["num_rounds"],
-                        bool(jax.config.jax_enable_x64), self._descriptions, len(self._nodes))
+        recipe = Recipe(
+            self.recipe["name"],
+            self.recipe["rng_key"],
+            self.recipe["num_rounds"],
+            bool(jax.config.jax_enable_x64),
+            self._descriptions,
+            len(self._nodes),
+        )
         config = recipe.to_config()
         functions = sorted(program.functions) + sorted(f"stateful:{n}" for n in program.stateful)
-        contents = {m: flwr.app.RecordDict({"numpyro_fed": flwr.app.ConfigRecord(
-            {**config, "client": m, "functions": json_list(functions)})}) for m in range(len(self._nodes))}
+        contents = {
+            m: flwr.app.RecordDict(
+                {"numpyro_fed": flwr.app.ConfigRecord({**config, "client": m, "functions": json_list(functions)})}
+            )
+            for m in range(len(self._nodes))
+        }
         self._state_struct = None
         replies = self._send(START, contents, timeout=self.start_timeout, call="start")
         self._recipe_digest = recipe.digest
@@ -204,11 +225,14 @@ class FlowerFederation(RemoteFederation):
             if len(nodes) >= len(self._nodes):
                 break
             if time.monotonic() > deadline:
-                raise ClientError(f"{len(nodes)} Flower node(s) connected within {self.start_timeout} s; the run "
-                                  f"needs {len(self._nodes)}", call="restart")
+                raise ClientError(
+                    f"{len(nodes)} Flower node(s) connected within {self.start_timeout} s; the run "
+                    f"needs {len(self._nodes)}",
+                    call="restart",
+                )
             time.sleep(0.2)
         if set(self._nodes) - set(nodes):  # a node came back under a new id: ask them all
-            self._nodes = nodes[:len(self._nodes)]
+            self._nodes = nodes[: len(self._nodes)]
             self.describe(self.loader, len(self._nodes))
         return self
 
@@ -219,21 +243,33 @@ class FlowerFederation(RemoteFederation):
         ``config``, and ``tree``'s arrays."""
         flwr = _import_flwr()
         structure, leaves = encode_tree(tree)
-        return flwr.app.RecordDict({
-            "numpyro_fed": flwr.app.ConfigRecord({"call": name, "structure": structure, **config}),
-            "args": flwr.app.ArrayRecord(leaves)})
+        return flwr.app.RecordDict(
+            {
+                "numpyro_fed": flwr.app.ConfigRecord({"call": name, "structure": structure, **config}),
+                "args": flwr.app.ArrayRecord(leaves),
+            }
+        )
 
     def send_initial_state(self, slices):
         """Each node keeps its slice in Flower's ``context.state``."""
-        self._send(STATE, {m: self._message("init_state", value) for m, value in slices.items()},
-                   timeout=self.timeout, call="init_state")
+        self._send(
+            STATE,
+            {m: self._message("init_state", value) for m, value in slices.items()},
+            timeout=self.timeout,
+            call="init_state",
+        )
 
     def send_calls(self, name, calls):
         contents = {}
         for m, call in calls.items():
             args = tuple(call.args)
-            axes = [] if call.in_axes is None else [
-                -1 if a is None else int(a) for a in jax.tree_util.tree_structure(args).flatten_up_to(call.in_axes)]
+            axes = (
+                []
+                if call.in_axes is None
+                else [
+                    -1 if a is None else int(a) for a in jax.tree_util.tree_structure(args).flatten_up_to(call.in_axes)
+                ]
+            )
             contents[m] = self._message(name, args, batched=call.in_axes is not None, in_axes=axes)
         replies = self._send(CALL, contents, timeout=self.timeout, call=name)
         return {m: replies[m]["reply"].to_numpy_ndarrays() for m in calls}
@@ -241,8 +277,7 @@ class FlowerFederation(RemoteFederation):
     def send_stateful_calls(self, name, calls):
         contents = {m: self._message(name, tuple(call.args), version=int(call.version)) for m, call in calls.items()}
         replies = self._send(STATE, contents, timeout=self.timeout, call=name)
-        return {m: (replies[m]["reply"].to_numpy_ndarrays(), int(replies[m]["numpyro_fed"]["version"]))
-                for m in calls}
+        return {m: (replies[m]["reply"].to_numpy_ndarrays(), int(replies[m]["numpyro_fed"]["version"])) for m in calls}
 
     def __repr__(self) -> str:
         state = f"num_clients={self.num_clients}" if self._program is not None else f"{len(self._nodes)} nodes"

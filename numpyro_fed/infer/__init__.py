@@ -1,11 +1,20 @@
 """The federated inference algorithms."""
 
-from numpyro_fed.infer.admm import ADMM, DADMMS, DSGHMC, DSGLD, DULA
+from numpyro_fed.infer.admm import (
+    ADMM,
+    DADMMS,
+    DSGHMC,
+    DSGLD,
+    DULA,
+    DisconnectedTopologyWarning,
+    Topology,
+    make_topology,
+    metropolis_weights,
+)
 from numpyro_fed.infer.base import RunCheckpoint, RunResult, VariationalMethod
 from numpyro_fed.infer.kernel import FederatedMCMCKernel
 from numpyro_fed.infer.pvi import BCM, DPPVI, GaussianPVI, GlobalVI
 from numpyro_fed.infer.stein import DSVGD, PDSVGD, SVGD, UDSVGD, DistributedSGLD, FedAvg
-from numpyro_fed.infer.admm import DisconnectedTopologyWarning, Topology, make_topology, metropolis_weights
 from numpyro_fed.infer.zigzag import FedZigZag, GradientBound, HessianBound, RowHessianBound
 
 __all__ = [

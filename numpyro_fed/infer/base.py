@@ -49,8 +49,7 @@ __all__ = [
 def check_global_latents(potential: FederatedPotential, method: str, advice: str = "") -> None:
     """Raises a ``ValueError`` naming the client-local latent sites of ``potential``, for a
     ``method`` that infers global latent variables only (``advice`` is appended)."""
-    local = [name for name, owner in potential.coordinate_owner_tree.items()
-             if (np.asarray(owner) >= 0).any()]
+    local = [name for name, owner in potential.coordinate_owner_tree.items() if (np.asarray(owner) >= 0).any()]
     if local:
         raise ValueError(
             f"{method} infers global latent variables only; site(s) {local} are client-local "
@@ -86,12 +85,19 @@ def build_potential(
                 "own rows), so run the algorithm without data arguments (the model's arguments "
                 "come from the loaders)"
             )
-        potential = split_potential(model, partition=partition, init_strategy=init_strategy,
-                                    rng_key=rng_key, loader=federation.loader,
-                                    num_clients=federation.loader_num_clients, federation=federation)
+        potential = split_potential(
+            model,
+            partition=partition,
+            init_strategy=init_strategy,
+            rng_key=rng_key,
+            loader=federation.loader,
+            num_clients=federation.loader_num_clients,
+            federation=federation,
+        )
     else:
-        potential = split_potential(model, tuple(args), dict(kwargs or {}), partition=partition,
-                                    init_strategy=init_strategy, rng_key=rng_key)
+        potential = split_potential(
+            model, tuple(args), dict(kwargs or {}), partition=partition, init_strategy=init_strategy, rng_key=rng_key
+        )
     if global_latents_only is not None:
         check_global_latents(potential, global_latents_only, advice)
     return potential
@@ -106,8 +112,10 @@ def check_federation(federation):
     if federation is None:
         return InProcess()
     if not isinstance(federation, Federation):
-        raise TypeError(f"federation must be a numpyro_fed Federation (e.g. nf.InProcess() or "
-                        f"nf.RayFederation()), got {type(federation).__name__}")
+        raise TypeError(
+            f"federation must be a numpyro_fed Federation (e.g. nf.InProcess() or "
+            f"nf.RayFederation()), got {type(federation).__name__}"
+        )
     return federation
 
 
@@ -122,8 +130,10 @@ def adopt_client_state(federation, clients):
     has_values = bool(jax.tree_util.tree_leaves(clients.values))
     if federation.in_process:
         if not has_values:
-            raise ValueError("init_state's client state is held by the workers of the federation that ran it "
-                             "(an engine backend): continue the run on that federation")
+            raise ValueError(
+                "init_state's client state is held by the workers of the federation that ran it "
+                "(an engine backend): continue the run on that federation"
+            )
         return clients
     return federation.init_state(clients.values) if has_values else clients
 
@@ -162,8 +172,7 @@ class jit_round:
 
 
 def _all_finite(tree) -> bool:
-    leaves = [x for x in jax.tree_util.tree_leaves(tree)
-              if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)]
+    leaves = [x for x in jax.tree_util.tree_leaves(tree) if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)]
     return all(bool(jnp.all(jnp.isfinite(x))) for x in leaves)
 
 
@@ -247,11 +256,13 @@ def run_rounds(
 
     num_rounds = check_int(num_rounds, "num_rounds", minimum=0)
     if record is None:
+
         def record(state, info):
             if info is None:
                 return {}
             items = info._asdict() if hasattr(info, "_asdict") else dict(info)
             return {k: v for k, v in items.items() if v is not None}
+
     is_finite = _all_finite if is_finite is None else is_finite
     guard = contextlib.nullcontext if guard is None else guard
     keys = jax.random.split(rng_key, num_rounds) if num_rounds else []
@@ -260,15 +271,18 @@ def run_rounds(
     first, offset = 0, 0.0
     if resume is not None:
         if resume.num_rounds != num_rounds:
-            raise ValueError(f"the checkpoint is of a run of {resume.num_rounds} rounds: resume it with "
-                             f"num_rounds={resume.num_rounds} (and the run's rng_key), not {num_rounds}")
+            raise ValueError(
+                f"the checkpoint is of a run of {resume.num_rounds} rounds: resume it with "
+                f"num_rounds={resume.num_rounds} (and the run's rng_key), not {num_rounds}"
+            )
         first = resume.rounds_done
         records = {name: list(values) for name, values in resume.metrics.items() if name != "wall_time"}
         wall_time = list(resume.metrics.get("wall_time", []))
         offset = wall_time[-1] if wall_time else 0.0
     start = time.perf_counter()
-    bar = tqdm(range(first, num_rounds), desc=desc, unit="round", disable=not progress_bar,
-               initial=first, total=num_rounds)
+    bar = tqdm(
+        range(first, num_rounds), desc=desc, unit="round", disable=not progress_bar, initial=first, total=num_rounds
+    )
     try:
         for r in bar:
             try:
@@ -343,8 +357,9 @@ class VariationalMethod:
     #: what to change when a run diverges (in the ``FloatingPointError``).
     divergence_advice: str = ""
 
-    def __init__(self, model, *, partition=None, init_strategy=init_to_uniform, progress_bar: bool = True,
-                 federation=None):
+    def __init__(
+        self, model, *, partition=None, init_strategy=init_to_uniform, progress_bar: bool = True, federation=None
+    ):
         if not callable(model):
             raise TypeError(f"model must be a callable NumPyro model, got {type(model).__name__}")
         self.model = model
@@ -359,8 +374,13 @@ class VariationalMethod:
         """Splits the model on these arguments (:func:`build_potential` with this method's
         ``partition`` and ``init_strategy``) and keeps it as :attr:`federated_potential`."""
         self.federated_potential = build_potential(
-            self.model, args, kwargs, partition=self.partition, init_strategy=self.init_strategy,
-            global_latents_only=type(self).__name__ if global_latents_only else None, advice=advice,
+            self.model,
+            args,
+            kwargs,
+            partition=self.partition,
+            init_strategy=self.init_strategy,
+            global_latents_only=type(self).__name__ if global_latents_only else None,
+            advice=advice,
             federation=self.federation,
         )
         return self.federated_potential
@@ -401,8 +421,11 @@ class VariationalMethod:
         an interruption)."""
         # the initial client state (public values, sent once as "init_state" when the run
         # set up) is in the federation's ledger, not in the run's messages
-        out = {k: np.asarray(v) - np.asarray((baseline or {}).get(k, 0))
-               for k, v in federation.ledger.summary().items() if not k.startswith("init_state/")}
+        out = {
+            k: np.asarray(v) - np.asarray((baseline or {}).get(k, 0))
+            for k, v in federation.ledger.summary().items()
+            if not k.startswith("init_state/")
+        }
         for key, value in (previous or {}).items():
             out[key] = out.get(key, 0) + np.asarray(value)
         return out
@@ -437,8 +460,9 @@ class VariationalMethod:
         return {"posterior": posterior, "sample_stats": sample_stats, "coords": coords, "attrs": attrs}
 
     # -- the driver --------------------------------------------------------------------------
-    def start_clients(self, functions: dict, blocks=None, *, transform: Callable | None = None,
-                      stateful: dict | None = None):
+    def start_clients(
+        self, functions: dict, blocks=None, *, transform: Callable | None = None, stateful: dict | None = None
+    ):
         """Starts :attr:`federation` for this run on ``functions`` (and ``stateful``
         functions of the clients' own state, see
         :class:`~numpyro_fed.federation.ClientState`) and returns it. The clients'
@@ -457,9 +481,19 @@ class VariationalMethod:
             self._active_federation = self.federation.start(program)
         return self._active_federation
 
-    def drive(self, update: Callable, rng_key, state, num_rounds: int, *, resume=None, privacy=None,
-              is_finite: Callable | None = None, desc: str | None = None,
-              context: dict | None = None) -> RunResult:
+    def drive(
+        self,
+        update: Callable,
+        rng_key,
+        state,
+        num_rounds: int,
+        *,
+        resume=None,
+        privacy=None,
+        is_finite: Callable | None = None,
+        desc: str | None = None,
+        context: dict | None = None,
+    ) -> RunResult:
         """:func:`run_rounds` with this method's settings, its federation's guard and ledger:
         the :class:`RunResult` before :meth:`finish`. ``resume``: a :class:`RunCheckpoint` to
         continue. A :class:`~numpyro_fed.federation.ClientError` gets ``error.state`` (the
@@ -473,9 +507,17 @@ class VariationalMethod:
         context = dict(resume.context if resume is not None else (context or {}))
         try:
             state, metrics = run_rounds(
-                update, rng_key, state, num_rounds, record=self.record, is_finite=is_finite,
-                progress_bar=self.progress_bar, desc=desc or type(self).__name__,
-                divergence_advice=self.divergence_advice, resume=resume, context=context,
+                update,
+                rng_key,
+                state,
+                num_rounds,
+                record=self.record,
+                is_finite=is_finite,
+                progress_bar=self.progress_bar,
+                desc=desc or type(self).__name__,
+                divergence_advice=self.divergence_advice,
+                resume=resume,
+                context=context,
                 guard=None if federation is None else federation.guard,
             )
         except ClientError as error:
@@ -511,8 +553,9 @@ class VariationalMethod:
             clients = getattr(state, "clients", None)
             if resume is None and federation is not None and clients is not None:
                 state = state._replace(clients=adopt_client_state(federation, clients))
-        result = self.drive(lambda key, s: self.update(key, s, *args, **kwargs), key_run, state, num_rounds,
-                            resume=resume)
+        result = self.drive(
+            lambda key, s: self.update(key, s, *args, **kwargs), key_run, state, num_rounds, resume=resume
+        )
         return self.finish(result)
 
     def __repr__(self) -> str:
@@ -524,8 +567,7 @@ class VariationalMethod:
 def ledger_stats(ledger: dict | None) -> dict:
     """``sample_stats`` entries of a :attr:`RunResult.ledger`: ``ledger.<call>.<count>`` (or
     ``ledger.<count>`` over all calls), each ``(M,)`` with dim ``client``."""
-    return {"ledger." + key.replace("/", "."): (np.asarray(value), ["client"])
-            for key, value in (ledger or {}).items()}
+    return {"ledger." + key.replace("/", "."): (np.asarray(value), ["client"]) for key, value in (ledger or {}).items()}
 
 
 def _attr(value):

@@ -75,8 +75,8 @@ RuntimeError: RandomWalk: it is a random walk, not a sampler
 from __future__ import annotations
 
 import inspect
-from typing import Any, NamedTuple
 import warnings
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -144,8 +144,9 @@ class FederatedMCMCKernel(MCMCKernel):
         self._sample_fn = None  # NumPyro's MCMC calls init() again while this is None
 
     # -- set-up -----------------------------------------------------------------------------
-    def init_potential(self, rng_key, model_args, model_kwargs, *, global_latents_only: str | None = None,
-                       advice: str = "") -> FederatedPotential:
+    def init_potential(
+        self, rng_key, model_args, model_kwargs, *, global_latents_only: str | None = None, advice: str = ""
+    ) -> FederatedPotential:
         """Splits the model's potential with this kernel's ``partition`` and
         ``init_strategy`` (through :func:`~numpyro_fed.infer.base.build_potential`, as every
         algorithm does) and keeps it as :attr:`federated_potential`.
@@ -157,10 +158,17 @@ class FederatedMCMCKernel(MCMCKernel):
         """
         if not is_prng_key(rng_key):
             rng_key = rng_key[0]
-        potential = build_potential(self._model, model_args, model_kwargs, partition=self.partition,
-                                    init_strategy=self.init_strategy, rng_key=rng_key,
-                                    global_latents_only=global_latents_only, advice=advice,
-                                    federation=getattr(self, "federation", None))
+        potential = build_potential(
+            self._model,
+            model_args,
+            model_kwargs,
+            partition=self.partition,
+            init_strategy=self.init_strategy,
+            rng_key=rng_key,
+            global_latents_only=global_latents_only,
+            advice=advice,
+            federation=getattr(self, "federation", None),
+        )
         self.federated_potential = potential
         return potential
 
@@ -243,8 +251,12 @@ class FederatedMCMCKernel(MCMCKernel):
             if "__init__" not in cls.__dict__ or cls in (FederatedMCMCKernel, MCMCKernel, object):
                 continue
             for name, parameter in inspect.signature(cls.__init__).parameters.items():
-                if name in ("self", "model") or name in values or parameter.kind in (
-                        parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD) or not hasattr(self, name):
+                if (
+                    name in ("self", "model")
+                    or name in values
+                    or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)
+                    or not hasattr(self, name)
+                ):
                     continue
                 values[name] = (getattr(self, name), parameter.default)
         for name in ("partition", "init_strategy"):

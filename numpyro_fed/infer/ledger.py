@@ -40,8 +40,10 @@ def message_ledger(run) -> dict:
 
     if isinstance(run, MCMC):
         if not isinstance(run.sampler, FederatedMCMCKernel):
-            raise TypeError(f"message_ledger: the MCMC run's kernel is a {type(run.sampler).__name__}, not one of "
-                            "numpyro_fed's samplers (it sends no messages)")
+            raise TypeError(
+                f"message_ledger: the MCMC run's kernel is a {type(run.sampler).__name__}, not one of "
+                "numpyro_fed's samplers (it sends no messages)"
+            )
         return run.sampler.message_ledger(run)
     if isinstance(run, RunResult):
         if run.ledger is None:

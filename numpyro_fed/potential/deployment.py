@@ -22,8 +22,10 @@ def as_arguments(loaded, client):
         return (), dict(loaded)
     if isinstance(loaded, (tuple, list)):
         return tuple(loaded), {}
-    raise TypeError(f"client {client}: the loader must return a tuple of positional model "
-                    f"arguments or a dict of keyword arguments, not {type(loaded).__name__}")
+    raise TypeError(
+        f"client {client}: the loader must return a tuple of positional model "
+        f"arguments or a dict of keyword arguments, not {type(loaded).__name__}"
+    )
 
 
 def stand_in_arguments(descriptions, loader):
@@ -41,7 +43,8 @@ def stand_in_arguments(descriptions, loader):
         if len(rows) != 1:
             raise ValueError(
                 f"client {m}'s array arguments have different numbers of rows {sorted(rows)}: in "
-                "deployment every array argument holds the client's rows, rows first")
+                "deployment every array argument holds the client's rows, rows first"
+            )
         counts.append(rows.pop())
     stand_in = []
     for i, leaf in enumerate(flat[0][0]):
@@ -51,13 +54,16 @@ def stand_in_arguments(descriptions, loader):
                 if other.shape[1:] != leaf.shape[1:] or other.dtype != leaf.dtype:
                     raise ValueError(
                         f"model argument {i}: client {m} has rows of shape {other.shape[1:]} and dtype "
-                        f"{other.dtype}, client 0 {leaf.shape[1:]} and {leaf.dtype}")
+                        f"{other.dtype}, client 0 {leaf.shape[1:]} and {leaf.dtype}"
+                    )
             stand_in.append(np.zeros((sum(counts),) + tuple(leaf.shape[1:]), leaf.dtype))
         else:
             for m, other in enumerate(others):
                 if not np.array_equal(np.asarray(other), np.asarray(leaf)):
-                    raise ValueError(f"model argument {i} (a setting, not rows) differs between "
-                                     f"client 0 ({leaf!r}) and client {m} ({other!r})")
+                    raise ValueError(
+                        f"model argument {i} (a setting, not rows) differs between "
+                        f"client 0 ({leaf!r}) and client {m} ({other!r})"
+                    )
             stand_in.append(leaf)
     args, kwargs = jax.tree_util.tree_unflatten(treedef, stand_in)
     return args, kwargs, Deployment(loader, np.asarray(counts, dtype=np.int64))
@@ -79,7 +85,8 @@ class Deployment:
             raise ValueError(
                 "split_potential(loader=...) (deployment) supports models with global latent "
                 "variables and one federated data plate; this model has federated plates "
-                f"{sorted(plates)}" + (f", client-local latent sites {local}" if local else "")
+                f"{sorted(plates)}"
+                + (f", client-local latent sites {local}" if local else "")
                 + (", enumerated discrete latents" if enumerated else "")
                 + ". Use model_args (simulation) for it."
             )
@@ -88,7 +95,8 @@ class Deployment:
         if declared != len(self.counts):
             raise ValueError(
                 f"federated plate '{plate.name}' declares {declared} clients, but there are "
-                f"{len(self.counts)} loaders (num_clients)")
+                f"{len(self.counts)} loaders (num_clients)"
+            )
         if (self.counts == 0).any():
             raise ValueError(f"client(s) {np.flatnonzero(self.counts == 0).tolist()} loaded no rows")
         owner = np.repeat(np.arange(len(self.counts)), self.counts)
@@ -97,7 +105,11 @@ class Deployment:
     def block_loader(self, treedef, row_leaves, stand_in_data):
         plate = next(iter(stand_in_data["index"]))
         return DeployedBlockLoader(
-            self.loader, treedef, tuple(row_leaves), self.counts, plate,
+            self.loader,
+            treedef,
+            tuple(row_leaves),
+            self.counts,
+            plate,
             index_dtype=np.dtype(stand_in_data["index"][plate].dtype).str,
             client_dtype=np.dtype(stand_in_data["client"].dtype).str,
         )
@@ -134,13 +146,13 @@ class DeployedBlockLoader:
         args = as_arguments(self.loader(m), m)
         leaves, treedef = jax.tree_util.tree_flatten(args)
         if treedef != self.treedef:
-            raise ValueError(f"client {m}: the loader's arguments have structure {treedef}, "
-                             f"expected {self.treedef}")
+            raise ValueError(f"client {m}: the loader's arguments have structure {treedef}, expected {self.treedef}")
         n = int(self.counts[m])
         for i in self.row_leaves:
             if np.shape(leaves[i])[0] != n:
-                raise ValueError(f"client {m}: model argument {i} has {np.shape(leaves[i])[0]} rows; "
-                                 f"the client reported {n}")
+                raise ValueError(
+                    f"client {m}: model argument {i} has {np.shape(leaves[i])[0]} rows; the client reported {n}"
+                )
         max_rows = int(self.counts.max())
         own = np.resize(np.arange(n), max_rows)
         offset = int(self.counts[:m].sum())

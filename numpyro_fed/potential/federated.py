@@ -139,9 +139,7 @@ class FederatedPotential:
         self._jit_prior_grad = jax.jit(jax.value_and_grad(self.prior_potential_fn))
         vmapped = jax.vmap(self.client_potential_fn, in_axes=(None, 0))
         self._jit_clients = jax.jit(vmapped)
-        self._jit_client_grads = jax.jit(
-            jax.vmap(jax.value_and_grad(self.client_potential_fn), in_axes=(None, 0))
-        )
+        self._jit_client_grads = jax.jit(jax.vmap(jax.value_and_grad(self.client_potential_fn), in_axes=(None, 0)))
 
         def total(z, client_data):
             return self.prior_potential_fn(z) + jnp.sum(vmapped(z, client_data))
@@ -338,8 +336,9 @@ def split_potential(
     deployment = None
     if loader is not None:
         if model_args or model_kwargs:
-            raise ValueError("split_potential takes model_args/model_kwargs (simulation) or loader= "
-                             "(deployment), not both")
+            raise ValueError(
+                "split_potential takes model_args/model_kwargs (simulation) or loader= (deployment), not both"
+            )
         if num_clients is None:
             raise ValueError("split_potential(loader=...) needs num_clients")
         if federation is None:
@@ -363,10 +362,7 @@ def split_potential(
     # Deterministic sites computed from client data stay with the clients.
     server_outputs = data_free_outputs(views.server_values, z0, views.placeholders)
     views.check_row_local_values_data_free(z0, client_data)
-    owner_tree = {
-        name: owner_of_coordinates(site, plates, jnp.shape(z0[name]))
-        for name, site in latent_sites.items()
-    }
+    owner_tree = {name: owner_of_coordinates(site, plates, jnp.shape(z0[name])) for name, site in latent_sites.items()}
     coordinate_owner = np.concatenate(
         [np.ravel(v) for v in jax.tree_util.tree_leaves(owner_tree)] or [np.zeros(0, np.int64)]
     )
@@ -399,7 +395,14 @@ def split_potential(
     )
     if validate:
         validate_split(
-            potential, model, model_args, model_kwargs, model_trace, enumerated,
-            views.prior_site_log_probs, views.placeholders, pooled=deployment is None,
+            potential,
+            model,
+            model_args,
+            model_kwargs,
+            model_trace,
+            enumerated,
+            views.prior_site_log_probs,
+            views.placeholders,
+            pooled=deployment is None,
         )
     return potential

@@ -11,6 +11,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from numpyro.handlers import substitute
+
 # Private NumPyro helper, for want of a public one: _unconstrain_reparam is what NumPyro's own
 # potential_energy uses to map unconstrained values to sites (with the Jacobian terms);
 # re-implementing it would let the split drift from NumPyro's potential, which the split must

@@ -98,9 +98,7 @@ def analyse_trace(model_trace, partition):
             value = np.asarray(site["value"])
             if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
                 bad = np.argwhere(~np.isfinite(value))[0].tolist()
-                raise ValueError(
-                    f"observed site '{site['name']}' holds non-finite data (first at index {bad})"
-                )
+                raise ValueError(f"observed site '{site['name']}' holds non-finite data (first at index {bad})")
     latent_sites, enumerated = _latent_sites(sample_sites, plates)
     return plates, latent_sites, enumerated
 
@@ -114,8 +112,7 @@ def _federated_frames(sample_sites, partition):
         for name, clients in (site.get("infer") or {}).get(FEDERATED_KEY, {}).items():
             if name in partition:
                 raise ValueError(
-                    f"plate '{name}' is already a federated_plate in the model; "
-                    "do not also name it in `partition`"
+                    f"plate '{name}' is already a federated_plate in the model; do not also name it in `partition`"
                 )
             specs.setdefault(name, []).append(clients)
     if not specs:
@@ -192,15 +189,13 @@ def _latent_sites(sample_sites, plates):
                 )
             if not site["fn"].has_enumerate_support:
                 raise ValueError(
-                    f"discrete latent site '{site['name']}' has no enumerable support, so it "
-                    "cannot be marginalised"
+                    f"discrete latent site '{site['name']}' has no enumerable support, so it cannot be marginalised"
                 )
             enumerated = True
             continue
         if isinstance(site["fn"], dist.Delta):
             raise ValueError(
-                f"sample site '{site['name']}' has a Delta distribution; use "
-                "numpyro.deterministic instead"
+                f"sample site '{site['name']}' has a Delta distribution; use numpyro.deterministic instead"
             )
         axis = plate_axis(site, fed[0].dim, constrained=False) if fed else None
         latent_sites[site["name"]] = LatentSite(site["name"], fed[0].name if fed else None, axis)
@@ -265,8 +260,7 @@ def check_finite_arguments(model_args, model_kwargs):
         if np.issubdtype(array.dtype, np.floating) and not np.isfinite(array).all():
             first = np.argwhere(~np.isfinite(array))[0].tolist()
             raise ValueError(
-                f"model argument {jax.tree_util.keystr(path)} holds non-finite values "
-                f"(first at index {first})"
+                f"model argument {jax.tree_util.keystr(path)} holds non-finite values (first at index {first})"
             )
 
 
@@ -317,7 +311,7 @@ def _tainted_outputs(fn, args, taint_argnum):
     jaxpr = closed.jaxpr
     arg_leaves = [jax.tree_util.tree_leaves(a) for a in args]
     offset = sum(len(leaves) for leaves in arg_leaves[:taint_argnum])
-    tainted = set(jaxpr.invars[offset: offset + len(arg_leaves[taint_argnum])])
+    tainted = set(jaxpr.invars[offset : offset + len(arg_leaves[taint_argnum])])
 
     def is_tainted(var):
         return not isinstance(var, Literal) and var in tainted
@@ -334,8 +328,9 @@ def data_free_outputs(server_values, z0, placeholders):
     return {name for name, tainted in flags.items() if not tainted}
 
 
-def validate_split(potential, model, model_args, model_kwargs, model_trace, enumerated,
-                    prior_site_log_probs, placeholders, pooled=True):
+def validate_split(
+    potential, model, model_args, model_kwargs, model_trace, enumerated, prior_site_log_probs, placeholders, pooled=True
+):
     z0 = potential.init_params
     flags = _tainted_outputs(prior_site_log_probs, (z0, placeholders), 1)
     dependent = sorted(name for name, tainted in flags.items() if tainted)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from numpyro.distributions.distribution import validation_enabled
 from numpyro.handlers import seed, substitute, trace
+
 # Private NumPyro helper, for want of a public one: _guess_max_plate_nesting is what NumPyro's
 # MCMC uses to size enumeration; the split must enumerate as NumPyro's potential does.
 from numpyro.infer.util import _guess_max_plate_nesting
@@ -34,12 +35,9 @@ def client_blocks(leaves, row_leaves: dict, plates: dict, num_clients: int) -> d
     rows), ``index`` (the plate rows each block row is) and ``valid`` (the padding mask), the
     last two by data plate."""
     data_plates = [p for p in plates.values() if p.holds_data]
-    client_rows = {
-        p.name: [np.flatnonzero(p.owner == m) for m in range(num_clients)] for p in data_plates
-    }
+    client_rows = {p.name: [np.flatnonzero(p.owner == m) for m in range(num_clients)] for p in data_plates}
     client_index = {
-        name: np.stack([np.resize(r, plates[name].max_rows) for r in rows])
-        for name, rows in client_rows.items()
+        name: np.stack([np.resize(r, plates[name].max_rows) for r in rows]) for name, rows in client_rows.items()
     }
     client_valid = {
         name: np.arange(plates[name].max_rows)[None, :] < np.array([len(r) for r in rows])[:, None]
@@ -128,9 +126,7 @@ class ModelViews:
         with override_plate_sizes({name: jnp.shape(v)[0] for name, v in block["valid"].items()}):
             tr = trace(view).get_trace(*args, **kwargs)
         return {
-            name: tr[name]["value"]
-            for name, site in self.latent_sites.items()
-            if site.plate in self.data_plate_names
+            name: tr[name]["value"] for name, site in self.latent_sites.items() if site.plate in self.data_plate_names
         }
 
     def row_log_likelihood(self, z, rows):
@@ -232,8 +228,7 @@ class ModelViews:
         plates = self.plates
         row_local = {name: s for name, s in self.latent_sites.items() if s.plate in self.data_plate_names}
         constrained_axes = {
-            name: plate_axis(model_trace[name], plates[s.plate].dim, constrained=True)
-            for name, s in row_local.items()
+            name: plate_axis(model_trace[name], plates[s.plate].dim, constrained=True) for name, s in row_local.items()
         }
         row_shapes = [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in client_data["rows"]] if client_data else []
         layout = {k: client_data[k] for k in ("client", "index", "valid")} if client_data else None
@@ -266,8 +261,11 @@ class ModelViews:
         stand_in = dict(client_data, rows=[jnp.zeros_like(r) for r in client_data["rows"]])
         real = jax.vmap(self.client_row_values, in_axes=(None, 0))(z0, client_data)
         fake = jax.vmap(self.client_row_values, in_axes=(None, 0))(z0, stand_in)
-        dependent = sorted(name for name in row_local
-                           if not np.allclose(np.asarray(real[name]), np.asarray(fake[name]), equal_nan=True))
+        dependent = sorted(
+            name
+            for name in row_local
+            if not np.allclose(np.asarray(real[name]), np.asarray(fake[name]), equal_nan=True)
+        )
         if dependent:
             raise ValueError(
                 f"the constrained values of the client-local latent site(s) {dependent} depend on "

@@ -27,7 +27,6 @@ import dp_accounting
 from dp_accounting import dp_event
 from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
-
 from scipy.optimize import brentq
 
 from numpyro_fed._checks import check_int, check_positive, check_real
@@ -204,8 +203,7 @@ def _resolve_accountant(event, accountant: str | None, neighbouring: str) -> str
     return accountant
 
 
-def make_accountant(accountant: str, neighbouring: str = "replace_one", *,
-                    value_discretization_interval: float = 1e-4):
+def make_accountant(accountant: str, neighbouring: str = "replace_one", *, value_discretization_interval: float = 1e-4):
     """A fresh ``dp-accounting`` accountant: ``"pld"`` or ``"rdp"``."""
     relation = _RELATIONS[_check_relation(neighbouring)]
     if accountant == "pld":
@@ -280,7 +278,9 @@ def calibrate_noise_multiplier(
         sigma above it, in steps of ``tol``, that spends at most the target."""
         root = brentq(
             lambda log_sigma: epsilon_of(math.exp(log_sigma), interval) - target_epsilon,
-            math.log(low), math.log(high), xtol=tol / 4,
+            math.log(low),
+            math.log(high),
+            xtol=tol / 4,
         )
         sigma = math.exp(root)
         while epsilon_of(sigma, interval) > target_epsilon:
@@ -308,9 +308,7 @@ def calibrate_noise_multiplier(
     return refine(low, high, rtol, 1e-4)
 
 
-def privacy_guarantee(
-    epsilon: float, delta: float, *, scope: str, neighbouring: str, method: str
-) -> PrivacyGuarantee:
+def privacy_guarantee(epsilon: float, delta: float, *, scope: str, neighbouring: str, method: str) -> PrivacyGuarantee:
     """A :class:`PrivacyGuarantee` with the relation written out in words."""
     return PrivacyGuarantee(
         epsilon=float(epsilon),

@@ -86,8 +86,9 @@ def calibrate_excess_rate(sensitivity: float, epsilon: float, delta: float) -> f
     return sensitivity * (1 + math.log(1 / delta)) / epsilon
 
 
-def switching_time_guarantee(sensitivity: float, excess_rate: float, delta: float, *,
-                             epsilon: float | None = None) -> tuple[float, PrivacyGuarantee]:
+def switching_time_guarantee(
+    sensitivity: float, excess_rate: float, delta: float, *, epsilon: float | None = None
+) -> tuple[float, PrivacyGuarantee]:
     """The excess rate a federated PDMP runs with and the guarantee of Theorem 5.1 for each
     switching time a client sends.
 
@@ -120,7 +121,6 @@ def switching_time_guarantee(sensitivity: float, excess_rate: float, delta: floa
         delta=float(delta),
         scope="each switching time a client sends (per message, not composed over the run)",
         neighbouring=f"one row of one client changed, moving its intensity by at most K={sensitivity}",
-        method="Theorem 5.1 of Bierkens & Duncan (2022), excess rate "
-               f"rho={excess_rate:.6g} per client",
+        method=f"Theorem 5.1 of Bierkens & Duncan (2022), excess rate rho={excess_rate:.6g} per client",
     )
     return excess_rate, guarantee

@@ -1,12 +1,15 @@
 """One accessor, one shape: nf.message_ledger of a sampler's MCMC run and of a variational run."""
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import jax
+import jax.numpy as jnp
+
 from numpyro.infer import MCMC, NUTS
 
 import numpyro_fed as nf
+
 from models import NUM_CLIENTS, logistic_regression, make_data
 
 TOTALS = {"messages_to_client", "bytes_to_client", "messages_from_client", "bytes_from_client", "rounds"}
@@ -29,7 +32,9 @@ def test_a_variational_run_and_a_decentralized_run_have_ledgers_of_one_shape(dat
     admm = nf.message_ledger(mcmc)
     same = mcmc.sampler.message_ledger(mcmc)
     assert set(admm) == set(same) and all(np.array_equal(admm[k], v) for k, v in same.items())
-    assert {"messages_to_peer", "bytes_to_peer"} <= set(admm) and all(np.shape(v) == (NUM_CLIENTS,) for v in admm.values())
+    assert {"messages_to_peer", "bytes_to_peer"} <= set(admm) and all(
+        np.shape(v) == (NUM_CLIENTS,) for v in admm.values()
+    )
     # a ring: every agent sends to its two neighbours once to start and once per iteration
     assert admm["messages_to_peer"].tolist() == [2 * 16] * NUM_CLIENTS
 

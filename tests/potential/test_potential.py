@@ -19,10 +19,7 @@ TOL = 1e-10
 
 def _random_points(init_params, num=3, seed=0):
     keys = jax.random.split(jax.random.PRNGKey(seed), num)
-    return [
-        jax.tree.map(lambda a, k=k: a + 0.7 * jax.random.normal(k, jnp.shape(a)), init_params)
-        for k in keys
-    ]
+    return [jax.tree.map(lambda a, k=k: a + 0.7 * jax.random.normal(k, jnp.shape(a)), init_params) for k in keys]
 
 
 def _model_and_args(name, form):
@@ -35,9 +32,7 @@ def _model_and_args(name, form):
 
 def _assert_split_matches_numpyro(model, args, kwargs, **split_options):
     fp = nf.split_potential(model, args, kwargs, **split_options)
-    reference = initialize_model(
-        jax.random.PRNGKey(0), model, model_args=args, model_kwargs=kwargs
-    ).potential_fn
+    reference = initialize_model(jax.random.PRNGKey(0), model, model_args=args, model_kwargs=kwargs).potential_fn
     ref_value_and_grad = jax.jit(jax.value_and_grad(reference))
     for z in _random_points(fp.init_params):
         ref_value, ref_grad = ref_value_and_grad(z)

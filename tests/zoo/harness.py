@@ -75,8 +75,13 @@ GLOBAL_ONLY = {"DSVGD", "DPPVI"}
 # Worded errors a package raises on purpose; anything else from its code (NameError, KeyError,
 # IndexError, ...) is a crash.
 REFUSALS = {"ValueError", "TypeError", "NotImplementedError", "RuntimeError", "FloatingPointError"}
-IGNORED_WARNINGS = {"DeprecationWarning", "PendingDeprecationWarning", "FutureWarning", "TqdmWarning",
-                    "TqdmExperimentalWarning"}
+IGNORED_WARNINGS = {
+    "DeprecationWarning",
+    "PendingDeprecationWarning",
+    "FutureWarning",
+    "TqdmWarning",
+    "TqdmExperimentalWarning",
+}
 # Warnings that say nothing about the answer: ArviZ's guess at the layout of many short chains,
 # JAX's note that float64 data were cast to float32.
 IGNORED_MESSAGES = ("More chains (", "Explicitly requested dtype")
@@ -116,9 +121,14 @@ def _run_child(argv, out_path, x64, budget):
     try:
         env = _child_env(x64)
         # ``-m`` puts the working directory first on the path: the package's checkout
-        proc = subprocess.run([sys.executable, "-m", "zoo.worker", *argv], env=env,
-                              cwd=env.get("ZOO_PACKAGE_PATH", REPO_DIR), capture_output=True, text=True,
-                              timeout=budget)
+        proc = subprocess.run(
+            [sys.executable, "-m", "zoo.worker", *argv],
+            env=env,
+            cwd=env.get("ZOO_PACKAGE_PATH", REPO_DIR),
+            capture_output=True,
+            text=True,
+            timeout=budget,
+        )
     except subprocess.TimeoutExpired:
         return None, time.perf_counter() - start, True, ""
     seconds = time.perf_counter() - start
@@ -149,17 +159,23 @@ def reference(case_name: str) -> dict:
     if case.closed_form is not None:
         mean, sd = (np.asarray(v, dtype=np.float64) for v in case.closed_form())
         inf = np.full(mean.shape, np.inf)
-        return {"kind": "closed form", "mean": mean, "sd": sd, "ess_mean": inf, "ess_sd": inf,
-                "kurtosis": np.full(mean.shape, 3.0),
-                "mean_field": None if case.mean_field is None else case.mean_field()}
+        return {
+            "kind": "closed form",
+            "mean": mean,
+            "sd": sd,
+            "ess_mean": inf,
+            "ess_sd": inf,
+            "kurtosis": np.full(mean.shape, 3.0),
+            "mean_field": None if case.mean_field is None else case.mean_field(),
+        }
     os.makedirs(CACHE_DIR, exist_ok=True)
     path = os.path.join(CACHE_DIR, f"reference-{case_name}-{_case_fingerprint(case)}.json")
     if not os.path.exists(path):
-        record, seconds, timed_out, stderr = _run_child(["reference", case_name, path], path, True,
-                                                        REFERENCE_BUDGET)
+        record, seconds, timed_out, stderr = _run_child(["reference", case_name, path], path, True, REFERENCE_BUDGET)
         if record is None:
-            raise RuntimeError(f"the NUTS reference of {case_name} did not finish "
-                               f"({'timeout' if timed_out else 'crash'}): {stderr}")
+            raise RuntimeError(
+                f"the NUTS reference of {case_name} did not finish ({'timeout' if timed_out else 'crash'}): {stderr}"
+            )
     with open(path) as f:
         record = json.load(f)
     summary = record["summary"]
@@ -189,9 +205,11 @@ def compare_mean_field(q: dict, mean_field, ref_sd):
     z = statistics.NormalDist().inv_cdf(0.5 * (1.0 + 0.99 ** (1.0 / loc.size)))
     mean_tol = max(MEAN_FIELD_MEAN_SD, MEAN_FIELD_NOISE_SD * z)
     agrees = mean_err.max() <= mean_tol and np.abs(np.log(ratio)).max() <= math.log(MEAN_FIELD_SD_RATIO)
-    return bool(agrees), (f"q vs the best mean-field Gaussian: means {mean_err.max():.3f} posterior sd off "
-                          f"(tolerance {mean_tol:.2g}), sd ratios {ratio.min():.3f}-{ratio.max():.3f} "
-                          f"(tolerance x/÷ {MEAN_FIELD_SD_RATIO})")
+    return bool(agrees), (
+        f"q vs the best mean-field Gaussian: means {mean_err.max():.3f} posterior sd off "
+        f"(tolerance {mean_tol:.2g}), sd ratios {ratio.min():.3f}-{ratio.max():.3f} "
+        f"(tolerance x/÷ {MEAN_FIELD_SD_RATIO})"
+    )
 
 
 def compare(summary: dict, ref: dict, algorithm: str, q: dict | None = None):
@@ -217,11 +235,13 @@ def compare(summary: dict, ref: dict, algorithm: str, q: dict | None = None):
     mean_excess = mean_err / mean_tol
     sd_excess = np.abs(log_ratio) / log_tol
     worst_mean, worst_sd = int(mean_excess.argmax()), int(sd_excess.argmax())
-    detail = (f"worst mean {names[worst_mean]}: {mean[worst_mean]:.4g} vs {ref['mean'][worst_mean]:.4g} "
-              f"({mean_err[worst_mean] / ref_sd[worst_mean]:.2f} ref sd, tolerance "
-              f"{mean_tol[worst_mean] / ref_sd[worst_mean]:.2f}); worst sd {names[worst_sd]}: ratio "
-              f"{math.exp(log_ratio[worst_sd]):.3g} (tolerance x/÷ {math.exp(log_tol[worst_sd]):.3g}); "
-              f"min ESS {ess.min():.0f}")
+    detail = (
+        f"worst mean {names[worst_mean]}: {mean[worst_mean]:.4g} vs {ref['mean'][worst_mean]:.4g} "
+        f"({mean_err[worst_mean] / ref_sd[worst_mean]:.2f} ref sd, tolerance "
+        f"{mean_tol[worst_mean] / ref_sd[worst_mean]:.2f}); worst sd {names[worst_sd]}: ratio "
+        f"{math.exp(log_ratio[worst_sd]):.3g} (tolerance x/÷ {math.exp(log_tol[worst_sd]):.3g}); "
+        f"min ESS {ess.min():.0f}"
+    )
     agrees = bool(mean_excess.max() <= 1.0 and sd_excess.max() <= 1.0)
     if algorithm == "DPPVI" and q is not None and ref.get("mean_field") is not None:
         mf_agrees, mf_detail = compare_mean_field(q, ref["mean_field"], ref_sd)
@@ -249,12 +269,11 @@ def _relevant_warnings(record):
 
 def classify(case_name, algorithm, dtype, record, seconds, timed_out, stderr, budget, ref) -> Outcome:
     """The outcome of one run (``record``: the worker's JSON, ``None`` if it died)."""
-    case = models.get_case(case_name)
-    make = lambda outcome, detail, warns=(): Outcome(case_name, algorithm, dtype, outcome, detail,
-                                                     None if seconds is None else round(seconds, 1), list(warns))
+    make = lambda outcome, detail, warns=(): Outcome(
+        case_name, algorithm, dtype, outcome, detail, None if seconds is None else round(seconds, 1), list(warns)
+    )
     outcome = _classify(case_name, algorithm, record, timed_out, stderr, budget, ref, make)
-    outcome.raw = {"record": record, "seconds": seconds, "timed_out": timed_out, "stderr": stderr,
-                   "budget": budget}
+    outcome.raw = {"record": record, "seconds": seconds, "timed_out": timed_out, "stderr": stderr, "budget": budget}
     return outcome
 
 
@@ -274,8 +293,9 @@ def _classify(case_name, algorithm, record, timed_out, stderr, budget, ref, make
         if err["type"] not in REFUSALS:
             return make("FAILS", f"the package crashed: {text}", warns)
         if must_refuse and not _names_a_site(err["message"], case.local_sites):
-            return make("FAILS", f"refused without naming the client-local site(s) {list(case.local_sites)}: {text}",
-                        warns)
+            return make(
+                "FAILS", f"refused without naming the client-local site(s) {list(case.local_sites)}: {text}", warns
+            )
         return make("refuses", text, warns)
     if must_refuse:
         return make("FAILS", f"ran although its latents {list(case.local_sites)} are client-local", warns)
@@ -293,8 +313,9 @@ def _classify(case_name, algorithm, record, timed_out, stderr, budget, ref, make
     return make("FAILS", "disagrees without a warning: " + detail, warns)
 
 
-def run_case(case_name: str, algorithm: str, dtype: str = "float32", *, budget: float = DEFAULT_BUDGET,
-             ref: dict | None = None) -> Outcome:
+def run_case(
+    case_name: str, algorithm: str, dtype: str = "float32", *, budget: float = DEFAULT_BUDGET, ref: dict | None = None
+) -> Outcome:
     """Runs one (model, algorithm, dtype) in a child process and classifies it."""
     if algorithm not in ALGORITHMS and algorithm != "_hang":
         raise KeyError(algorithm)
@@ -306,8 +327,9 @@ def run_case(case_name: str, algorithm: str, dtype: str = "float32", *, budget: 
         ref = reference(case_name)
     with tempfile.TemporaryDirectory(prefix="zoo-") as tmp:
         out = os.path.join(tmp, "run.json")
-        record, seconds, timed_out, stderr = _run_child(["run", case_name, algorithm, dtype, out], out,
-                                                        dtype == "float64", budget)
+        record, seconds, timed_out, stderr = _run_child(
+            ["run", case_name, algorithm, dtype, out], out, dtype == "float64", budget
+        )
     if record is not None:
         seconds = record["seconds"]  # the algorithm's own time, without imports and set-up
     return classify(case_name, algorithm, dtype, record, seconds, timed_out, stderr, budget, ref)

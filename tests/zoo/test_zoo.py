@@ -85,15 +85,26 @@ def test_closed_forms_match_the_model_they_describe():
 
 def _ref(mean, sd, ess=np.inf):
     mean, sd = np.atleast_1d(mean).astype(float), np.atleast_1d(sd).astype(float)
-    return {"mean": mean, "sd": sd, "ess_mean": np.full(mean.shape, ess), "ess_sd": np.full(mean.shape, ess),
-            "kurtosis": np.full(mean.shape, 3.0)}
+    return {
+        "mean": mean,
+        "sd": sd,
+        "ess_mean": np.full(mean.shape, ess),
+        "ess_sd": np.full(mean.shape, ess),
+        "kurtosis": np.full(mean.shape, 3.0),
+    }
 
 
 def _summary(mean, sd, ess):
     mean, sd = np.atleast_1d(mean).astype(float), np.atleast_1d(sd).astype(float)
-    return {"coordinates": [f"x[{i}]" for i in range(mean.size)], "num_nonfinite": 0, "mean": mean, "sd": sd,
-            "ess_mean": np.full(mean.shape, float(ess)), "ess_sd": np.full(mean.shape, float(ess)),
-            "kurtosis": np.full(mean.shape, 3.0)}
+    return {
+        "coordinates": [f"x[{i}]" for i in range(mean.size)],
+        "num_nonfinite": 0,
+        "mean": mean,
+        "sd": sd,
+        "ess_mean": np.full(mean.shape, float(ess)),
+        "ess_sd": np.full(mean.shape, float(ess)),
+        "kurtosis": np.full(mean.shape, 3.0),
+    }
 
 
 def test_compare_tolerances_follow_the_monte_carlo_error():
@@ -119,14 +130,20 @@ def test_dppvi_on_a_gaussian_posterior_must_reach_the_mean_field_optimum():
 
 
 def _record(status="completed", summary=None, error=None, warnings=()):
-    return {"status": status, "phase": "run", "summary": summary, "error": error,
-            "warnings": [{"category": "UserWarning", "message": m, "filename": "x"} for m in warnings]}
+    return {
+        "status": status,
+        "phase": "run",
+        "summary": summary,
+        "error": error,
+        "warnings": [{"category": "UserWarning", "message": m, "filename": "x"} for m in warnings],
+    }
 
 
 def test_classify_outcomes():
     ref = _ref(0.0, 1.0)
-    run = lambda record, case="gaussian_mean", algorithm="DSVGD", **kw: classify(
-        case, algorithm, "float32", record, 1.0, kw.get("timed_out", False), "", 10.0, ref).outcome
+    run = lambda record, case="gaussian_mean", algorithm="DSVGD", **kw: (
+        classify(case, algorithm, "float32", record, 1.0, kw.get("timed_out", False), "", 10.0, ref).outcome
+    )
     good, bad = _summary(0.1, 1.0, 10_000), _summary(3.0, 1.0, 10_000)
     assert run(_record(summary=good)) == "agrees"
     assert run(_record(summary=bad)) == "FAILS"

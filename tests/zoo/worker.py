@@ -50,6 +50,7 @@ def _draws_from_idata(idata, sites):
 def _run_algorithm(algorithm, case, model, args, rng_key, record, sites):
     """Constrained draws ``{site: (chains, draws, *shape)}``."""
     import jax
+
     from numpyro.infer import MCMC
 
     import numpyro_fed as nf
@@ -59,8 +60,7 @@ def _run_algorithm(algorithm, case, model, args, rng_key, record, sites):
         _phase(record, "construct")
         kernel = nf.FedZigZag(model)
         _phase(record, "run")
-        mcmc = MCMC(kernel, num_warmup=lengths["num_warmup"], num_samples=lengths["num_samples"],
-                    progress_bar=False)
+        mcmc = MCMC(kernel, num_warmup=lengths["num_warmup"], num_samples=lengths["num_samples"], progress_bar=False)
         mcmc.run(rng_key, *args)
         _phase(record, "results")
         return _draws_from_idata(nf.to_inference_data(mcmc), sites)
@@ -68,8 +68,14 @@ def _run_algorithm(algorithm, case, model, args, rng_key, record, sites):
         _phase(record, "construct")
         kernel = nf.DADMMS(model)
         _phase(record, "run")
-        mcmc = MCMC(kernel, num_warmup=lengths["num_warmup"], num_samples=lengths["num_samples"],
-                    num_chains=lengths["num_chains"], chain_method="vectorized", progress_bar=False)
+        mcmc = MCMC(
+            kernel,
+            num_warmup=lengths["num_warmup"],
+            num_samples=lengths["num_samples"],
+            num_chains=lengths["num_chains"],
+            chain_method="vectorized",
+            progress_bar=False,
+        )
         mcmc.run(rng_key, *args)
         _phase(record, "results")
         return _draws_from_idata(nf.to_inference_data(mcmc), sites)
@@ -90,8 +96,10 @@ def _run_algorithm(algorithm, case, model, args, rng_key, record, sites):
     _phase(record, "results")
     if algorithm == "DPPVI":  # the fitted q itself, flat in the order of ``sites``
         params = method.get_params(result.state)
-        record["q"] = {k: np.concatenate([np.asarray(params[k][name], np.float64).ravel()
-                                          for name in sites]).tolist() for k in ("loc", "scale")}
+        record["q"] = {
+            k: np.concatenate([np.asarray(params[k][name], np.float64).ravel() for name in sites]).tolist()
+            for k in ("loc", "scale")
+        }
     draws = method.get_samples(draw_key, result, lengths["num_samples"])
     return {name: np.asarray(draws[name])[None] for name in sites}
 
@@ -102,27 +110,29 @@ def _run_hang(model, args, record):
     import jax.numpy as jnp
 
     _phase(record, "run")
-    x = jax.jit(lambda x: jax.lax.while_loop(lambda c: c > 0.0, lambda c: jnp.abs(jnp.sin(c)) + 0.5, x))(
-        jnp.ones(())
-    )
+    x = jax.jit(lambda x: jax.lax.while_loop(lambda c: c > 0.0, lambda c: jnp.abs(jnp.sin(c)) + 0.5, x))(jnp.ones(()))
     float(x)
 
 
 def latent_sites(model, args):
     """``{site: support}`` of the latent sample sites, in the order the model samples them."""
     import jax
+
     from numpyro import handlers
 
     tr = handlers.trace(handlers.seed(model, jax.random.PRNGKey(0))).get_trace(*args)
-    return {name: site["fn"].support for name, site in tr.items()
-            if site["type"] == "sample" and not site["is_observed"]
-            and not site.get("infer", {}).get("is_auxiliary")}
+    return {
+        name: site["fn"].support
+        for name, site in tr.items()
+        if site["type"] == "sample" and not site["is_observed"] and not site.get("infer", {}).get("is_auxiliary")
+    }
 
 
 def summarise(draws, supports):
     """Per-coordinate moments of the flat unconstrained draws (``draws[site]``: ``(chains,
     draws, *shape)``), ESS with each chain split in two halves (so a drifting chain lowers it)."""
     import jax.numpy as jnp
+
     from numpyro.diagnostics import effective_sample_size
     from numpyro.distributions.transforms import biject_to
 
@@ -144,7 +154,7 @@ def summarise(draws, supports):
     chains, num, _ = x.shape
     if num >= 4:
         half = num // 2
-        split = np.concatenate([x[:, :half], x[:, half:2 * half]], axis=0)
+        split = np.concatenate([x[:, :half], x[:, half : 2 * half]], axis=0)
     else:
         split = x
     flat = x.reshape(-1, x.shape[-1])
@@ -152,8 +162,12 @@ def summarise(draws, supports):
     centred = flat - mean
     with np.errstate(all="ignore"):
         kurtosis = (centred**4).mean(0) / np.maximum(sd, 1e-300) ** 4
-    out.update(mean=mean.tolist(), sd=sd.tolist(), kurtosis=np.nan_to_num(kurtosis, nan=3.0).tolist(),
-               max_abs=float(np.abs(flat).max()))
+    out.update(
+        mean=mean.tolist(),
+        sd=sd.tolist(),
+        kurtosis=np.nan_to_num(kurtosis, nan=3.0).tolist(),
+        max_abs=float(np.abs(flat).max()),
+    )
     if split.shape[1] >= 2 and np.all(sd > 0):
         ess = np.asarray(effective_sample_size(split))
         ess_sq = np.asarray(effective_sample_size((split - mean) ** 2))
@@ -174,24 +188,30 @@ def _raised_by_package(exc) -> bool:
 def _cast(args, dtype):
     import jax.numpy as jnp
 
-    return tuple(jnp.asarray(a, dtype) if np.issubdtype(np.asarray(a).dtype, np.floating) else jnp.asarray(a)
-                 for a in args)
+    return tuple(
+        jnp.asarray(a, dtype) if np.issubdtype(np.asarray(a).dtype, np.floating) else jnp.asarray(a) for a in args
+    )
 
 
 def run(case_name, algorithm, dtype, out_path, seed=0):
     import jax
 
-    from zoo.models import get_case
-
     import numpyro_fed
 
-    record = {"case": case_name, "algorithm": algorithm, "dtype": dtype, "phase": "setup",
-              "x64": bool(jax.config.jax_enable_x64), "package": os.path.dirname(numpyro_fed.__file__)}
+    from zoo.models import get_case
+
+    record = {
+        "case": case_name,
+        "algorithm": algorithm,
+        "dtype": dtype,
+        "phase": "setup",
+        "x64": bool(jax.config.jax_enable_x64),
+        "package": os.path.dirname(numpyro_fed.__file__),
+    }
     case = get_case(case_name)
     model, args = case.build()
     args = _cast(args, dtype)
     supports = latent_sites(model, args)
-    caught = []
     start = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -204,14 +224,16 @@ def run(case_name, algorithm, dtype, out_path, seed=0):
             record["status"] = "completed"
         except Exception as exc:  # classified by the parent
             record["status"] = "error"
-            record["error"] = {"type": type(exc).__name__, "message": str(exc)[:2000],
-                               "by_package": _raised_by_package(exc),
-                               "traceback": traceback.format_exc()[-3000:]}
+            record["error"] = {
+                "type": type(exc).__name__,
+                "message": str(exc)[:2000],
+                "by_package": _raised_by_package(exc),
+                "traceback": traceback.format_exc()[-3000:],
+            }
             draws = None
     record["seconds"] = time.perf_counter() - start
     record["warnings"] = [
-        {"category": w.category.__name__, "message": str(w.message)[:1000], "filename": w.filename}
-        for w in caught
+        {"category": w.category.__name__, "message": str(w.message)[:1000], "filename": w.filename} for w in caught
     ]
     if draws is not None:
         record["summary"] = summarise(draws, supports)
@@ -221,6 +243,7 @@ def run(case_name, algorithm, dtype, out_path, seed=0):
 def reference(case_name, out_path):
     """NUTS on the pooled reference model, float64, 2 chains x 3000 draws after 1000 of warmup."""
     import jax
+
     from numpyro.infer import MCMC, NUTS
 
     from zoo.models import get_case
@@ -230,14 +253,28 @@ def reference(case_name, out_path):
     args = _cast(args, np.float64)
     supports = latent_sites(*case.build()[:1], _cast(case.build()[1], np.float64))
     start = time.perf_counter()
-    mcmc = MCMC(NUTS(model, **case.nuts), num_warmup=1000, num_samples=3000, num_chains=2,
-                chain_method="sequential", progress_bar=False)
+    mcmc = MCMC(
+        NUTS(model, **case.nuts),
+        num_warmup=1000,
+        num_samples=3000,
+        num_chains=2,
+        chain_method="sequential",
+        progress_bar=False,
+    )
     mcmc.run(jax.random.PRNGKey(12), *args)
     draws = {k: np.asarray(v) for k, v in mcmc.get_samples(group_by_chain=True).items()}
     divergences = int(np.asarray(mcmc.get_extra_fields()["diverging"]).sum())
     summary = summarise(draws, supports)
-    _write(out_path, {"case": case_name, "kind": "nuts", "seconds": time.perf_counter() - start,
-                      "divergences": divergences, "summary": summary})
+    _write(
+        out_path,
+        {
+            "case": case_name,
+            "kind": "nuts",
+            "seconds": time.perf_counter() - start,
+            "divergences": divergences,
+            "summary": summary,
+        },
+    )
 
 
 def _write(path, record):

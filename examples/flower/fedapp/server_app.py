@@ -9,9 +9,8 @@ import numpy as np
 
 import jax
 
-from numpyro_fed import flower
-
 from fedapp.task import METHODS
+from numpyro_fed import flower
 
 
 def save(name, result, context):
@@ -23,8 +22,9 @@ def save(name, result, context):
         "rounds": int(len(result.metrics["wall_time"])),
         "round_seconds": np.diff(np.concatenate([[0.0], result.metrics["wall_time"]])).tolist(),
         "posterior_mean": {k: np.asarray(v).mean(axis=0).tolist() for k, v in draws.items()},
-        "privacy": None if result.privacy is None else {"epsilon": result.privacy.epsilon,
-                                                       "delta": result.privacy.delta},
+        "privacy": None
+        if result.privacy is None
+        else {"epsilon": result.privacy.epsilon, "delta": result.privacy.delta},
         "bytes_to_clients": int(result.ledger["bytes_to_client"].sum()),
         "bytes_from_clients": int(result.ledger["bytes_from_client"].sum()),
     }

@@ -49,7 +49,15 @@ def load(node_config):
 # round trip per node, and a deployed round trip costs seconds).
 METHODS = {
     "dppvi": nf.DPPVI(model, schedule="synchronous", num_local_steps=100, progress_bar=False),
-    "dppvi-dpsgd": nf.DPPVI(model, dp="dpsgd", schedule="synchronous", noise_multiplier=1.0, sampling_rate=0.25,
-                            clip_norm=2.0, num_local_steps=50, progress_bar=False),
+    "dppvi-dpsgd": nf.DPPVI(
+        model,
+        dp="dpsgd",
+        schedule="synchronous",
+        noise_multiplier=1.0,
+        sampling_rate=0.25,
+        clip_norm=2.0,
+        num_local_steps=50,
+        progress_bar=False,
+    ),
     "dsvgd": nf.DSVGD(model, num_particles=20, num_local_steps=100, num_distill_steps=100, progress_bar=False),
 }

@@ -140,4 +140,3 @@ def attach_block(block, local):
     ('rows', 0.5)
     """
     return (block,) + tuple(local[1:])
-

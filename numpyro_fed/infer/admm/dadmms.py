@@ -35,10 +35,10 @@ agent ``vmap``-ped in this process, or one Ray actor per agent) and
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import partial
 from typing import Any, NamedTuple
-import math
 
 import jax
 import jax.numpy as jnp
@@ -405,8 +405,15 @@ def build_program(
     >>> state.own.x.ravel().round(6).tolist()
     [0.5, 0.5]
     """
-    agent = build_agent(potentials, degrees, rho, noise_scale=noise_scale, quadratic=quadratic,
-                        tolerance=tolerance, max_iterations=max_iterations)
+    agent = build_agent(
+        potentials,
+        degrees,
+        rho,
+        noise_scale=noise_scale,
+        quadratic=quadratic,
+        tolerance=tolerance,
+        max_iterations=max_iterations,
+    )
     # the functions only: `agent.local` holds every agent's data, and each agent gets its own
     primal, dual = agent.primal, agent.dual
     rho = float(rho)

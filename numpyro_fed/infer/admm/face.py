@@ -142,12 +142,23 @@ class DecentralizedKernel(FederatedMCMCKernel):
     spread_tolerance = 2.0
     offset_tolerance = 1.0
     #: what to change when the draws are off (named in :meth:`check_spread`'s message)
-    spread_advice = ("Treat the draws as approximate; for calibrated uncertainty use FedZigZag (exact), "
-                     "and reparametrize hierarchical models non-centered (numpyro.infer.reparam."
-                     "LocScaleReparam) where the draws collapse a scale")
+    spread_advice = (
+        "Treat the draws as approximate; for calibrated uncertainty use FedZigZag (exact), "
+        "and reparametrize hierarchical models non-centered (numpyro.infer.reparam."
+        "LocScaleReparam) where the draws collapse a scale"
+    )
 
-    def __init__(self, model, *, topology="ring", prior_weights=None, init_scale: float = 1.0,
-                 partition=None, agent: int = 0, federation=None):
+    def __init__(
+        self,
+        model,
+        *,
+        topology="ring",
+        prior_weights=None,
+        init_scale: float = 1.0,
+        partition=None,
+        agent: int = 0,
+        federation=None,
+    ):
         super().__init__(model, partition=partition)
         #: where the agents run: ``None`` (this process) or a
         #: :class:`~numpyro_fed.federation.Federation`
@@ -182,8 +193,11 @@ class DecentralizedKernel(FederatedMCMCKernel):
     # -- MCMCKernel -------------------------------------------------------------------------
     @property
     def default_fields(self):
-        return (("z", "agents", "network_average") + tuple("info." + name for name in self.info_names)
-                + ("sent.messages", "sent.bytes"))
+        return (
+            ("z", "agents", "network_average")
+            + tuple("info." + name for name in self.info_names)
+            + ("sent.messages", "sent.bytes")
+        )
 
     def sample_stats(self, extra_fields) -> dict:
         """The core's diagnostics (see :meth:`~numpyro_fed.infer.kernel.FederatedMCMCKernel.sample_stats`)
@@ -213,10 +227,10 @@ class DecentralizedKernel(FederatedMCMCKernel):
         n, d = potentials.num_agents, potentials.dim
         base = potential.ravel(potential.init_params)
         init_fn, program = self.build_core(potentials, self.graph, base)
-        network = self._network = federation.agent_network(program, adjacency, name=type(self).__name__,
-                                                           settings=self._settings(), previous=self._network)
-        network.describe = lambda resume, history: self._describe_failure(program, adjacency, batched,
-                                                                          resume, history)
+        network = self._network = federation.agent_network(
+            program, adjacency, name=type(self).__name__, settings=self._settings(), previous=self._network
+        )
+        network.describe = lambda resume, history: self._describe_failure(program, adjacency, batched, resume, history)
         step = network.sampler_step(batched)
         start_core = lambda x0: network.start(init_fn(x0))  # noqa: E731
         state_struct = jax.eval_shape(start_core, jax.ShapeDtypeStruct((n, d), base.dtype))
@@ -258,8 +272,9 @@ class DecentralizedKernel(FederatedMCMCKernel):
         if federation.in_process:
             federation.start(potential.client_program({}))
             return agent_potentials(potential, self.prior_weights, data=federation.blocks)
-        hosts = self._network = federation.agent_hosts(potential.block_loader, adjacency, name=type(self).__name__,
-                                                       previous=self._network)
+        hosts = self._network = federation.agent_hosts(
+            potential.block_loader, adjacency, name=type(self).__name__, previous=self._network
+        )
         pots = agent_potentials(potential, self.prior_weights)
         return pots._replace(ask=hosts.agent_ask(pots.prior_weights))
 
@@ -333,8 +348,9 @@ class DecentralizedKernel(FederatedMCMCKernel):
         bad, total = self._count_nonfinite(mcmc)
         problems = []
         if bad:
-            problems.append(f"{bad} of {total} agent iterates are not finite (the run diverged); "
-                            f"{self.divergence_advice}")
+            problems.append(
+                f"{bad} of {total} agent iterates are not finite (the run diverged); {self.divergence_advice}"
+            )
         else:
             message, _ = self._spread(mcmc)
             if message:
@@ -385,15 +401,16 @@ class DecentralizedKernel(FederatedMCMCKernel):
             per_agent = potentials.per_agent("diagnostics", partial(_grads_at, potentials.fn), draws)
             grads = np.asarray(jax.device_get(per_agent), dtype=np.float64).sum(0)
         else:
-            grads = np.asarray(jax.device_get(jax.lax.map(jax.grad(potentials.total), draws,
-                                                           batch_size=256)), dtype=np.float64)
+            grads = np.asarray(
+                jax.device_get(jax.lax.map(jax.grad(potentials.total), draws, batch_size=256)), dtype=np.float64
+            )
         x = np.asarray(jax.device_get(draws), dtype=np.float64)
         deviation = x - x.mean(0)
         stein_scale = np.mean(deviation * grads, axis=0)
         stein_mean = np.mean(grads, axis=0) * x.std(0)
         with np.errstate(divide="ignore", invalid="ignore"):
             offset = np.abs(stein_mean) / np.sqrt(np.maximum(stein_scale, 1e-300))
-            bad_scale = ~((stein_scale >= self.spread_tolerance ** -2) & (stein_scale <= self.spread_tolerance ** 2))
+            bad_scale = ~((stein_scale >= self.spread_tolerance**-2) & (stein_scale <= self.spread_tolerance**2))
         bad = bad_scale | ~(offset <= self.offset_tolerance)
         message = None
         if bad.any():
@@ -426,10 +443,8 @@ class DecentralizedKernel(FederatedMCMCKernel):
         holds ``mcmc.get_samples()``, the reporting agent's draws): ``{group: (values,
         leading_dims)}`` with every agent's draws in ``agents`` (an ``agent`` dim before the
         sites' own dims) and the network average in ``network_average``."""
-        agents = {k: np.asarray(v) for k, v in
-                  jax.device_get(self.agent_draws(mcmc, group_by_chain=True)).items()}
-        average = {k: np.asarray(v) for k, v in
-                   jax.device_get(self.network_average(mcmc, group_by_chain=True)).items()}
+        agents = {k: np.asarray(v) for k, v in jax.device_get(self.agent_draws(mcmc, group_by_chain=True)).items()}
+        average = {k: np.asarray(v) for k, v in jax.device_get(self.network_average(mcmc, group_by_chain=True)).items()}
         return {"agents": (agents, ["agent"]), "network_average": (average, [])}
 
     def message_ledger(self, mcmc) -> dict:
@@ -455,10 +470,17 @@ class DecentralizedKernel(FederatedMCMCKernel):
         per_message = nbytes // np.maximum(messages, 1)
         name = type(kernel).__name__
         ledger = MessageLedger(kernel.graph.num_agents)
-        ledger.add(f"{name}/start", "to_peer", None, messages=degrees * chains,
-                   nbytes=(degrees * per_message).sum(0), rounds=1)
-        ledger.add(f"{name}/iterate", "to_peer", None, messages=messages.sum(0) - degrees * chains,
-                   nbytes=nbytes.sum(0) - (degrees * per_message).sum(0), rounds=int(iterations.max()))
+        ledger.add(
+            f"{name}/start", "to_peer", None, messages=degrees * chains, nbytes=(degrees * per_message).sum(0), rounds=1
+        )
+        ledger.add(
+            f"{name}/iterate",
+            "to_peer",
+            None,
+            messages=messages.sum(0) - degrees * chains,
+            nbytes=nbytes.sum(0) - (degrees * per_message).sum(0),
+            rounds=int(iterations.max()),
+        )
         return ledger.summary()
 
     @staticmethod

@@ -29,11 +29,11 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
+
 import jax
 import jax.numpy as jnp
 from jax import lax
-
-import numpy as np
 
 from numpyro_fed._checks import check_positive, check_real
 from numpyro_fed.federation.decentralized import AgentProgram, neighbors
@@ -155,8 +155,12 @@ def _mixing_local(potentials: AgentPotentials, mixing):
     block, its share of the prior, its own weight and its row of ``S``'s neighbor weights."""
     own_weight, neighbor_weights = _mixing_rows(mixing)
     dtype = potentials.prior_weights.dtype
-    local = (potentials.data, potentials.prior_weights, jnp.asarray(own_weight, dtype),
-             jnp.asarray(neighbor_weights, dtype))
+    local = (
+        potentials.data,
+        potentials.prior_weights,
+        jnp.asarray(own_weight, dtype),
+        jnp.asarray(neighbor_weights, dtype),
+    )
     return jax.grad(potentials.fn), local
 
 
@@ -217,8 +221,11 @@ def build_dsghmc_program(potentials: AgentPotentials, mixing, step_size: float, 
     def send(local, key, own, inbox, mask):
         block, prior_weight, self_weight, weights = local
         w = jax.random.normal(key, own.x.shape, dtype=own.x.dtype)
-        v_new = (own.v - step_size * (friction * own.v + grad(own.x, block, prior_weight))
-                 + jnp.sqrt(2.0 * friction * step_size) * w)
+        v_new = (
+            own.v
+            - step_size * (friction * own.v + grad(own.x, block, prior_weight))
+            + jnp.sqrt(2.0 * friction * step_size) * w
+        )
         x_new = self_weight * own.x + weights @ inbox + step_size * v_new
         return SGHMCState(x_new, v_new), x_new
 
@@ -228,8 +235,9 @@ def build_dsghmc_program(potentials: AgentPotentials, mixing, step_size: float, 
     return AgentProgram(lambda own: own.x, send, receive, local, attach_block if potentials.deployed else None)
 
 
-def build_dula_program(potentials: AgentPotentials, *, alpha0: float, zeta0: float, chi1: float, chi2: float,
-                       offset: float = 230.0) -> AgentProgram:
+def build_dula_program(
+    potentials: AgentPotentials, *, alpha0: float, zeta0: float, chi1: float, chi2: float, offset: float = 230.0
+) -> AgentProgram:
     """D-ULA, Eq. (25), as an agent program (see :func:`build_dsgld_program`); own state
     :class:`ULAState` (:func:`init_dula`) with one iteration counter per agent.
 
@@ -251,8 +259,12 @@ def build_dula_program(potentials: AgentPotentials, *, alpha0: float, zeta0: flo
         alpha = alpha0 / (offset + k) ** chi2
         zeta = zeta0 / (offset + k) ** chi1
         w = jnp.sqrt(n) * jax.random.normal(key, x.shape, dtype=x.dtype)  # w ~ N(0, N I)
-        x_new = (x - zeta * (degree * x - jnp.sum(inbox, axis=0)) - alpha * n * grad(x, block, prior_weight)
-                 + jnp.sqrt(2.0 * alpha) * w)
+        x_new = (
+            x
+            - zeta * (degree * x - jnp.sum(inbox, axis=0))
+            - alpha * n * grad(x, block, prior_weight)
+            + jnp.sqrt(2.0 * alpha) * w
+        )
         return ULAState(x_new, k + 1), x_new
 
     def receive(local, pending, inbox, previous_inbox, mask):

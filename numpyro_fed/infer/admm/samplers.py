@@ -132,8 +132,10 @@ class DADMMS(DecentralizedKernel):
     """
 
     info_names = ADMMInfo._fields
-    divergence_advice = ("the proximal steps have no step size to lower: look for a potential that is not "
-                         "finite at the iterates (e.g. an improper or non-convex model), or raise rho")
+    divergence_advice = (
+        "the proximal steps have no step size to lower: look for a potential that is not "
+        "finite at the iterates (e.g. an improper or non-convex model), or raise rho"
+    )
 
     def __init__(
         self,
@@ -151,8 +153,15 @@ class DADMMS(DecentralizedKernel):
         agent: int = 0,
         federation=None,
     ):
-        super().__init__(model, topology=topology, prior_weights=prior_weights, init_scale=init_scale,
-                         partition=partition, agent=agent, federation=federation)
+        super().__init__(
+            model,
+            topology=topology,
+            prior_weights=prior_weights,
+            init_scale=init_scale,
+            partition=partition,
+            agent=agent,
+            federation=federation,
+        )
         self.rho = check_positive(rho, "rho")
         if solver not in _SOLVERS:
             raise ValueError(f"solver must be one of {_SOLVERS}, got {solver!r}")
@@ -184,8 +193,13 @@ class DADMMS(DecentralizedKernel):
                 )
         self.solver_used = "quadratic" if quadratic is not None else "newton"
         program = build_program(
-            potentials, topology.degrees, self.rho, noise_scale=self.noise_scale, quadratic=quadratic,
-            tolerance=self.tolerance, max_iterations=self.max_inner_iterations,
+            potentials,
+            topology.degrees,
+            self.rho,
+            noise_scale=self.noise_scale,
+            quadratic=quadratic,
+            tolerance=self.tolerance,
+            max_iterations=self.max_inner_iterations,
         )
         return init, program
 
@@ -270,7 +284,6 @@ def _warn_unstable(name, potentials, x0, gain, advice):
         )
 
 
-
 class DSGLD(DecentralizedKernel):
     """Decentralized SGLD (Eq. (22)) with Metropolis weights, as an ``MCMCKernel``.
 
@@ -300,10 +313,27 @@ class DSGLD(DecentralizedKernel):
 
     info_names = GradientInfo._fields
 
-    def __init__(self, model, *, topology="ring", step_size: float = 0.009, prior_weights=None,
-                 init_scale: float = 1.0, partition=None, agent: int = 0, federation=None):
-        super().__init__(model, topology=topology, prior_weights=prior_weights, init_scale=init_scale,
-                         partition=partition, agent=agent, federation=federation)
+    def __init__(
+        self,
+        model,
+        *,
+        topology="ring",
+        step_size: float = 0.009,
+        prior_weights=None,
+        init_scale: float = 1.0,
+        partition=None,
+        agent: int = 0,
+        federation=None,
+    ):
+        super().__init__(
+            model,
+            topology=topology,
+            prior_weights=prior_weights,
+            init_scale=init_scale,
+            partition=partition,
+            agent=agent,
+            federation=federation,
+        )
         self.step_size = check_positive(step_size, "step_size")
 
     @property
@@ -312,8 +342,13 @@ class DSGLD(DecentralizedKernel):
 
     def build_core(self, potentials, topology, x0):
         # x' = x - eta f''(x) x on the consensus direction: stable for eta * curvature < 2
-        _warn_unstable("DSGLD", potentials, x0, lambda c: self.step_size * c / 2.0,
-                       lambda c: f"use step_size below {2.0 / c:.2g} (now {self.step_size:g}), e.g. {0.2 / c:.2g}")
+        _warn_unstable(
+            "DSGLD",
+            potentials,
+            x0,
+            lambda c: self.step_size * c / 2.0,
+            lambda c: f"use step_size below {2.0 / c:.2g} (now {self.step_size:g}), e.g. {0.2 / c:.2g}",
+        )
         program = build_dsgld_program(potentials, metropolis_weights(topology.adjacency), self.step_size)
         return init_dsgld, program
 
@@ -330,10 +365,28 @@ class DSGHMC(DecentralizedKernel):
 
     info_names = GradientInfo._fields
 
-    def __init__(self, model, *, topology="ring", step_size: float = 0.1, friction: float = 7.0,
-                 prior_weights=None, init_scale: float = 1.0, partition=None, agent: int = 0, federation=None):
-        super().__init__(model, topology=topology, prior_weights=prior_weights, init_scale=init_scale,
-                         partition=partition, agent=agent, federation=federation)
+    def __init__(
+        self,
+        model,
+        *,
+        topology="ring",
+        step_size: float = 0.1,
+        friction: float = 7.0,
+        prior_weights=None,
+        init_scale: float = 1.0,
+        partition=None,
+        agent: int = 0,
+        federation=None,
+    ):
+        super().__init__(
+            model,
+            topology=topology,
+            prior_weights=prior_weights,
+            init_scale=init_scale,
+            partition=partition,
+            agent=agent,
+            federation=federation,
+        )
         self.step_size = check_positive(step_size, "step_size")
         self.friction = check_positive(friction, "friction")
 
@@ -345,12 +398,19 @@ class DSGHMC(DecentralizedKernel):
         # the scalar linearization (v, x) -> ((1 - eta gamma) v - eta c x, x + eta v') is stable
         # iff eta gamma < 2 and eta^2 c < 2 (2 - eta gamma) (Jury's conditions)
         eta, gamma = self.step_size, self.friction
-        _warn_unstable("DSGHMC", potentials, x0,
-                       lambda c: max(eta * gamma / 2.0, eta**2 * c / max(2.0 * (2.0 - eta * gamma), 1e-300)),
-                       lambda c: f"lower step_size (now {eta:g}) so that step_size * friction < 2 and "
-                                 f"step_size^2 * {c:.3g} < 2 (2 - step_size * friction)")
-        program = build_dsghmc_program(potentials, metropolis_weights(topology.adjacency), self.step_size,
-                                       self.friction)
+        _warn_unstable(
+            "DSGHMC",
+            potentials,
+            x0,
+            lambda c: max(eta * gamma / 2.0, eta**2 * c / max(2.0 * (2.0 - eta * gamma), 1e-300)),
+            lambda c: (
+                f"lower step_size (now {eta:g}) so that step_size * friction < 2 and "
+                f"step_size^2 * {c:.3g} < 2 (2 - step_size * friction)"
+            ),
+        )
+        program = build_dsghmc_program(
+            potentials, metropolis_weights(topology.adjacency), self.step_size, self.friction
+        )
         return init_dsghmc, program
 
 
@@ -372,11 +432,30 @@ class DULA(DecentralizedKernel):
     info_names = GradientInfo._fields
     divergence_advice = "lower alpha0 or zeta0"
 
-    def __init__(self, model, *, topology="ring", alpha0: float = 0.00082, zeta0: float = 0.48,
-                 chi1: float | None = None, chi2: float = 0.05, prior_weights=None, init_scale: float = 1.0,
-                 partition=None, agent: int = 0, federation=None):
-        super().__init__(model, topology=topology, prior_weights=prior_weights, init_scale=init_scale,
-                         partition=partition, agent=agent, federation=federation)
+    def __init__(
+        self,
+        model,
+        *,
+        topology="ring",
+        alpha0: float = 0.00082,
+        zeta0: float = 0.48,
+        chi1: float | None = None,
+        chi2: float = 0.05,
+        prior_weights=None,
+        init_scale: float = 1.0,
+        partition=None,
+        agent: int = 0,
+        federation=None,
+    ):
+        super().__init__(
+            model,
+            topology=topology,
+            prior_weights=prior_weights,
+            init_scale=init_scale,
+            partition=partition,
+            agent=agent,
+            federation=federation,
+        )
         self.alpha0 = check_positive(alpha0, "alpha0")
         self.zeta0 = check_real(zeta0, "zeta0")
         if self.zeta0 < 0:
@@ -387,7 +466,12 @@ class DULA(DecentralizedKernel):
     def build_core(self, potentials, topology, x0):
         chi1 = self.chi1
         if chi1 is None:
-            chi1 = 0.55 if topology.num_edges == topology.num_agents * (topology.num_agents - 1) // 2 and topology.num_agents > 2 else 0.05
+            chi1 = (
+                0.55
+                if topology.num_edges == topology.num_agents * (topology.num_agents - 1) // 2
+                and topology.num_agents > 2
+                else 0.05
+            )
         laplacian = np.diag(topology.degrees) - topology.adjacency
         zeta = self.zeta0 / 230.0**chi1
         if topology.num_edges and zeta * np.linalg.eigvalsh(laplacian).max() >= 2.0:
@@ -400,8 +484,14 @@ class DULA(DecentralizedKernel):
             )
         # the first gradient step alpha_0 / 230^chi2 * N * f'': stable below 2
         first = self.alpha0 / 230.0**self.chi2 * topology.num_agents
-        _warn_unstable("DULA", potentials, x0, lambda c: first * c / 2.0,
-                       lambda c: f"lower alpha0 (now {self.alpha0:g}) below "
-                                 f"{2.0 / (c * topology.num_agents) * 230.0**self.chi2:.2g}")
+        _warn_unstable(
+            "DULA",
+            potentials,
+            x0,
+            lambda c: first * c / 2.0,
+            lambda c: (
+                f"lower alpha0 (now {self.alpha0:g}) below {2.0 / (c * topology.num_agents) * 230.0**self.chi2:.2g}"
+            ),
+        )
         program = build_dula_program(potentials, alpha0=self.alpha0, zeta0=self.zeta0, chi1=chi1, chi2=self.chi2)
         return init_dula, program

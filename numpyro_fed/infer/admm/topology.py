@@ -14,8 +14,8 @@ baselines (D-SGLD, D-SGHMC) average with.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 import warnings
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -185,7 +185,9 @@ def make_topology(topology, num_agents: int | None = None, *, warn_disconnected:
         name, adjacency = topology.name, topology.adjacency
     elif isinstance(topology, str):
         if topology not in TOPOLOGY_NAMES:
-            raise ValueError(f"topology must be one of {TOPOLOGY_NAMES}, an adjacency matrix or a graph; got {topology!r}")
+            raise ValueError(
+                f"topology must be one of {TOPOLOGY_NAMES}, an adjacency matrix or a graph; got {topology!r}"
+            )
         if num_agents is None:
             raise ValueError(f"topology={topology!r} needs num_agents")
         name, adjacency = topology, _named(topology, num_agents)

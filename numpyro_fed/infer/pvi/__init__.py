@@ -15,8 +15,16 @@ and their baselines.
 """
 
 from numpyro_fed.infer.pvi.baselines import BCM, GlobalVI
-from numpyro_fed.infer.pvi.core import (ClientFactor, PVIInfo, PVIState, build_client_step, build_step, client_factors,
-                                       client_functions, init)
+from numpyro_fed.infer.pvi.core import (
+    ClientFactor,
+    PVIInfo,
+    PVIState,
+    build_client_step,
+    build_step,
+    client_factors,
+    client_functions,
+    init,
+)
 from numpyro_fed.infer.pvi.dppvi import DPPVI
 from numpyro_fed.infer.pvi.gaussian import GaussianNatural
 from numpyro_fed.infer.pvi.gaussian_pvi import GaussianPVI, GaussianPVIInfo

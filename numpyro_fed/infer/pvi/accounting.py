@@ -46,8 +46,11 @@ class PrivacyAccounting:
         key = (repr(make_event(1.0)), self.target_epsilon, self.delta, self.accountant, self.neighboring)
         if key not in cache:
             cache[key] = calibrate_noise_multiplier(
-                make_event, self.target_epsilon, self._accounting_delta(),
-                accountant=self.accountant, neighbouring=self.neighboring,
+                make_event,
+                self.target_epsilon,
+                self._accounting_delta(),
+                accountant=self.accountant,
+                neighbouring=self.neighboring,
             )
         return cache[key]
 
@@ -151,8 +154,12 @@ class PrivacyAccounting:
             batch_sizes = self._batch_sizes(sizes)
             return [
                 dpsgd_event(
-                    float(s), steps, dataset_size=int(n), batch_size=int(b),
-                    sampling_rate=self.sampling_rate, sampling=self.sampling,
+                    float(s),
+                    steps,
+                    dataset_size=int(n),
+                    batch_size=int(b),
+                    sampling_rate=self.sampling_rate,
+                    sampling=self.sampling,
                 )
                 for s, n, b in zip(sigmas, sizes, batch_sizes)
             ]
@@ -170,13 +177,18 @@ class PrivacyAccounting:
         if self.dp != "dpsgd":
             # One Gaussian per round, whatever the client's size.
             sigma = calibrate_noise_multiplier(
-                lambda s: gaussian_event(s, num_rounds), self.target_epsilon, self.delta,
-                accountant=self.accountant, neighbouring=self.neighboring,
+                lambda s: gaussian_event(s, num_rounds),
+                self.target_epsilon,
+                self.delta,
+                accountant=self.accountant,
+                neighbouring=self.neighboring,
             )
             return np.full(sizes.size, sigma)
         out = np.zeros(sizes.size)
-        keys = [(int(n), int(b)) if self.sampling == "without_replacement" else 0
-                for n, b in zip(sizes, self._batch_sizes(sizes))]
+        keys = [
+            (int(n), int(b)) if self.sampling == "without_replacement" else 0
+            for n, b in zip(sizes, self._batch_sizes(sizes))
+        ]
         for key in dict.fromkeys(keys):
             m = keys.index(key)
             n = int(sizes[m])
@@ -290,16 +302,21 @@ class PrivacyAccounting:
                 else "the whole run: every row, through all the client holding it sends"
             )
         return privacy_guarantee(
-            max(epsilons), self.delta, scope=scope, neighbouring=self.neighboring,
+            max(epsilons),
+            self.delta,
+            scope=scope,
+            neighbouring=self.neighboring,
             method=f"dp-accounting {accountant.upper()} accountant; {mechanism}",
         )
-
 
     def _noise_dominates(self, dp_error, num_rounds, sizes):
         """Refuses (automatic settings) or warns (the user's settings): the privacy noise
         would dominate the answer."""
-        budget = (f"target_epsilon={self.target_epsilon}" if self.target_epsilon is not None
-                  else f"noise_multiplier={self.noise_multiplier}")
+        budget = (
+            f"target_epsilon={self.target_epsilon}"
+            if self.target_epsilon is not None
+            else f"noise_multiplier={self.noise_multiplier}"
+        )
         message = (
             f"DPPVI(dp='dpsgd'): with {budget}, {num_rounds} round(s) of {self.num_local_steps} "
             f"local steps, {sizes.size} clients and {int(np.sum(sizes))} rows, the privacy noise "
@@ -313,4 +330,3 @@ class PrivacyAccounting:
         if self.auto_sampling and self.auto_clip:
             raise ValueError(message + "; or set sampling, sampling_rate and clip_norm yourself to run anyway")
         warnings.warn(message, RuntimeWarning, stacklevel=4)  # run -> init -> here
-

@@ -14,8 +14,9 @@ from numpyro_fed.infer.pvi.gaussian import GaussianNatural
 __all__ = ["committee_init", "committee_posterior", "pooled_client_data"]
 
 
-def committee_init(prior: GaussianNatural, num_clients: int, prior_share: str = "same", *,
-                   federation=None) -> core.PVIState:
+def committee_init(
+    prior: GaussianNatural, num_clients: int, prior_share: str = "same", *, federation=None
+) -> core.PVIState:
     """BCM's initial state: with ``prior_share="same"`` every client fits its local posterior
     from the prior (factors zero); with ``"split"`` from ``p^(1/M)``, its factor starting at
     ``(1 - 1/M) eta_prior`` (public values). ``federation`` as :func:`~numpyro_fed.infer.pvi.core.init`'s."""
@@ -44,6 +45,12 @@ def pooled_client_data(client_data: dict, layout: core.BlockLayout) -> core.Clie
     valid = client_data["valid"][layout.plate]
     rows = [r.reshape((1, -1) + r.shape[2:]) for r in client_data["rows"]]
     as_jax = lambda a: None if a is None else jnp.asarray(a)  # noqa: E731
-    return core.ClientData(rows=rows, valid=valid.reshape(1, -1), shard_index=as_jax(layout.shard_index),
-                           shard_valid=as_jax(layout.shard_valid), noise_multiplier=as_jax(layout.noise_multiplier),
-                           clip_first=as_jax(layout.clip_first), clip_later=as_jax(layout.clip_later))
+    return core.ClientData(
+        rows=rows,
+        valid=valid.reshape(1, -1),
+        shard_index=as_jax(layout.shard_index),
+        shard_valid=as_jax(layout.shard_valid),
+        noise_multiplier=as_jax(layout.noise_multiplier),
+        clip_first=as_jax(layout.clip_first),
+        clip_later=as_jax(layout.clip_later),
+    )

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 
-
 from numpyro_fed._checks import check_int
 from numpyro_fed.infer.base import RunResult
 from numpyro_fed.infer.pvi.baseline_core import committee_init, committee_posterior, pooled_client_data
@@ -62,7 +61,9 @@ class BCM(DPPVI):
     def run(self, rng_key, num_rounds: int, *args, **kwargs) -> RunResult:
         """As :meth:`DPPVI.run <numpyro_fed.DPPVI.run>`; ``num_rounds`` must be 1."""
         if check_int(num_rounds, "num_rounds", minimum=1) != 1:
-            raise ValueError(f"BCM runs one round (the server multiplies the local posteriors once), got num_rounds={num_rounds}")
+            raise ValueError(
+                f"BCM runs one round (the server multiplies the local posteriors once), got num_rounds={num_rounds}"
+            )
         if kwargs.get("init_state") is not None:
             raise ValueError("BCM runs one round from the prior: init_state does not apply")
         return super().run(rng_key, 1, *args, **kwargs)

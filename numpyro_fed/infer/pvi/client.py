@@ -22,9 +22,8 @@ import numpy as np
 
 import jax
 import jax.numpy as jnp
-from jax import lax
-
 import optax
+from jax import lax
 
 from numpyro_fed.infer.pvi.gaussian import GaussianNatural, flatten, loc_scale, natural, tree_add, tree_sub, unflatten
 
@@ -37,6 +36,7 @@ __all__ = [
     "optimize_local",
     "per_example_grads",
 ]
+
 
 class LocalParams(NamedTuple):
     """The local optimization's parameters of ``q``: ``N(loc, exp(log_scale)^2)``.
@@ -312,8 +312,16 @@ def client_update(
     if dp in (None, "dpsgd"):
         cavity = tree_sub(q, factor)
         new_q, clipped, residual = optimize_local(
-            rng_key, row_log_lik, q, cavity, rows, valid, config,
-            noise_multiplier=noise_multiplier, batch_cap=batch_cap, with_residual=True,
+            rng_key,
+            row_log_lik,
+            q,
+            cavity,
+            rows,
+            valid,
+            config,
+            noise_multiplier=noise_multiplier,
+            batch_cap=batch_cap,
+            with_residual=True,
             clip_norm=clip_norm,
         )
         delta = tree_sub(new_q, q)
@@ -327,8 +335,9 @@ def client_update(
     if dp == "local_avg":
         cavity = tree_sub(q, factor)
         new_qs, _, residuals = jax.vmap(
-            lambda k, r, v: optimize_local(k, row_log_lik, q, cavity, r, v, config,
-                                           likelihood_weight=num_shards, with_residual=True),
+            lambda k, r, v: optimize_local(
+                k, row_log_lik, q, cavity, r, v, config, likelihood_weight=num_shards, with_residual=True
+            ),
         )(keys, shard_rows, shard_valid)
     elif dp == "virtual":
         cavities = jax.tree_util.tree_map(lambda a, b: a[None] - b, q, virtual)
@@ -350,4 +359,3 @@ def client_update(
         virtual_delta = unflatten(changes + noise[None] / num_shards)
     out = (delta, virtual_delta, jnp.mean(was_clipped.astype(changes.dtype)))
     return out + (jnp.max(residuals),) if with_residual else out
-

@@ -189,17 +189,23 @@ class BlockLayout:
     def __call__(self, block) -> "ClientData":
         m = int(block["client"])
         pick = lambda a: None if a is None else a[m]  # noqa: E731
-        return ClientData(rows=list(block["rows"]), valid=block["valid"][self.plate],
-                          shard_index=pick(self.shard_index), shard_valid=pick(self.shard_valid),
-                          noise_multiplier=pick(self.noise_multiplier), clip_first=pick(self.clip_first),
-                          clip_later=pick(self.clip_later))
+        return ClientData(
+            rows=list(block["rows"]),
+            valid=block["valid"][self.plate],
+            shard_index=pick(self.shard_index),
+            shard_valid=pick(self.shard_valid),
+            noise_multiplier=pick(self.noise_multiplier),
+            clip_first=pick(self.clip_first),
+            clip_later=pick(self.clip_later),
+        )
 
     def __repr__(self):
         return f"BlockLayout(plate={self.plate!r}, num_clients={len(self.noise_multiplier)})"
 
 
-def _initial_client_state(prior: GaussianNatural, num_clients: int, num_virtual: int | None = None,
-                          factors: GaussianNatural | None = None) -> ClientFactor:
+def _initial_client_state(
+    prior: GaussianNatural, num_clients: int, num_virtual: int | None = None, factors: GaussianNatural | None = None
+) -> ClientFactor:
     """Every client's initial :class:`ClientFactor`, stacked: its factor ``factors[m]``
     (default zero; public values) or, with ``num_virtual`` (``dp="virtual"``), that many
     virtual factors at zero; nothing pending."""
@@ -211,8 +217,14 @@ def _initial_client_state(prior: GaussianNatural, num_clients: int, num_virtual:
     return ClientFactor(zeros, zeros)
 
 
-def init(prior: GaussianNatural, num_clients: int, num_virtual: int | None = None, *,
-         factors: GaussianNatural | None = None, federation=None) -> PVIState:
+def init(
+    prior: GaussianNatural,
+    num_clients: int,
+    num_virtual: int | None = None,
+    *,
+    factors: GaussianNatural | None = None,
+    federation=None,
+) -> PVIState:
     """``q`` is the prior; the factors are ``factors`` (default zero) and, with
     ``num_virtual`` (``dp="virtual"``), each client's virtual factors are zero. With a started
     ``federation`` the clients receive their initial :class:`ClientFactor` through its
@@ -228,8 +240,7 @@ def init(prior: GaussianNatural, num_clients: int, num_virtual: int | None = Non
     zeros = jnp.zeros((num_clients, d), prior.eta1.dtype)
     factors = GaussianNatural(zeros, zeros) if factors is None else factors
     own = _initial_client_state(prior, num_clients, num_virtual, factors)
-    clients = (ClientState(own, jnp.zeros(num_clients, jnp.int32)) if federation is None
-               else federation.init_state(own))
+    clients = ClientState(own, jnp.zeros(num_clients, jnp.int32)) if federation is None else federation.init_state(own)
     return PVIState(
         q=prior,
         prior=prior,
@@ -252,8 +263,9 @@ def client_factors(state: PVIState) -> GaussianNatural:
     (:class:`~numpyro_fed.federation.InProcess`; with an engine backend they are on the
     workers and a ``ValueError`` says so). A diagnostic: the server never reads them."""
     if not jax.tree_util.tree_leaves(state.clients.values):
-        raise ValueError("the clients' factors are held by the clients (an engine backend's workers): "
-                         "this state has no copy of them")
+        raise ValueError(
+            "the clients' factors are held by the clients (an engine backend's workers): this state has no copy of them"
+        )
     return jax.vmap(_resolve)(state.clients.values, state.applied)
 
 
@@ -266,9 +278,7 @@ def shard_layout(client_sizes, num_shards: int, seed=0):
     rng = np.random.default_rng(seed)
     client_sizes = [int(n) for n in client_sizes]
     if min(client_sizes) < num_shards:
-        raise ValueError(
-            f"num_shards={num_shards} exceeds the rows of the smallest client ({min(client_sizes)})"
-        )
+        raise ValueError(f"num_shards={num_shards} exceeds the rows of the smallest client ({min(client_sizes)})")
     rows_per_shard = -(-max(client_sizes) // num_shards)
     index = np.zeros((len(client_sizes), num_shards, rows_per_shard), np.int32)
     valid = np.zeros_like(index, dtype=bool)
@@ -305,8 +315,9 @@ def expected_log_lik(row_log_lik: Callable, thetas, rows, valid):
     return jnp.sum(jnp.where(valid, jnp.mean(per_draw, axis=0), 0.0))
 
 
-def negative_elbo(rng_key, row_log_lik: Callable, q: GaussianNatural, prior: GaussianNatural,
-                  data: ClientData, num_samples: int):
+def negative_elbo(
+    rng_key, row_log_lik: Callable, q: GaussianNatural, prior: GaussianNatural, data: ClientData, num_samples: int
+):
     """``-ELBO(q) = KL(q || prior) - sum_m sum_i E_q[log p(x_{m,i} | theta)]``, the
     expectation estimated with ``num_samples`` draws of ``q`` shared by every client.
 
@@ -379,12 +390,27 @@ def client_functions(
             factor_arg, virtual_arg = None, factor
         else:
             factor_arg = factor
-            virtual_arg = GaussianNatural(jnp.zeros((1,) + factor.eta1.shape, factor.eta1.dtype),
-                                          jnp.zeros((1,) + factor.eta2.shape, factor.eta2.dtype))
+            virtual_arg = GaussianNatural(
+                jnp.zeros((1,) + factor.eta1.shape, factor.eta1.dtype),
+                jnp.zeros((1,) + factor.eta2.shape, factor.eta2.dtype),
+            )
         delta, virtual_delta, clipped, residual = client_update(
-            key, row_log_lik, q, factor_arg, virtual_arg, block.rows, block.valid, block.shard_index,
-            block.shard_valid, config, dp=dp, noise_multiplier=block.noise_multiplier,
-            noise_divisor=noise_divisor, batch_cap=batch_cap, with_residual=True, clip_norm=clip_norm,
+            key,
+            row_log_lik,
+            q,
+            factor_arg,
+            virtual_arg,
+            block.rows,
+            block.valid,
+            block.shard_index,
+            block.shard_valid,
+            config,
+            dp=dp,
+            noise_multiplier=block.noise_multiplier,
+            noise_divisor=noise_divisor,
+            batch_cap=batch_cap,
+            with_residual=True,
+            clip_norm=clip_norm,
         )
         change = virtual_delta if dp == "virtual" else delta
         pending = jax.tree_util.tree_map(lambda d: damping * d, change)
@@ -396,8 +422,7 @@ def client_functions(
     return {"expected_log_lik": client_expected_log_lik}, {"update": update}
 
 
-def federated_negative_elbo(rng_key, federation, q: GaussianNatural, prior: GaussianNatural,
-                            num_samples: int):
+def federated_negative_elbo(rng_key, federation, q: GaussianNatural, prior: GaussianNatural, num_samples: int):
     """:func:`negative_elbo` with every client's term computed by the client
     (``federation.map("expected_log_lik", thetas)``): the server draws ``thetas`` from ``q``
     and sends them; each client returns one number."""
@@ -444,8 +469,9 @@ def build_visit(*, damping: float = 1.0, auto_clip: bool = False) -> Callable:
 def _end_round(rng_key, state: PVIState, federation, num_mc_samples: int, rejected, clipped, residual):
     """Counts the round and computes the loss of the new ``q`` through the clients."""
     state = state._replace(round=state.round + 1)
-    loss = federated_negative_elbo(jax.random.fold_in(rng_key, LOSS_STREAM), federation, state.q, state.prior,
-                                   num_mc_samples)
+    loss = federated_negative_elbo(
+        jax.random.fold_in(rng_key, LOSS_STREAM), federation, state.q, state.prior, num_mc_samples
+    )
     return state, PVIInfo(rejected=rejected, clipped=clipped, residual=residual, loss=loss)
 
 

@@ -52,7 +52,8 @@ def judge_run(dp, metrics: dict, *, private: bool, clip_norm, stacklevel: int = 
             f"errors have been up to 5 times that), and q's scales do not include that noise: "
             "read the answer as approximate. For a closer one raise target_epsilon, run "
             "fewer rounds, or give the clients more rows",
-            RuntimeWarning, stacklevel=level - 1,
+            RuntimeWarning,
+            stacklevel=level - 1,
         )
 
 
@@ -66,7 +67,8 @@ def _warn_unconverged(metrics, stacklevel):
             f"(metrics['residual']; above {MAX_RESIDUAL}): raise num_local_steps or run more "
             "rounds (or, with your own optim, a larger or decaying rate; num_mc_samples if "
             "the model is noisy)",
-            RuntimeWarning, stacklevel=stacklevel,
+            RuntimeWarning,
+            stacklevel=stacklevel,
         )
     num_rounds = residual.shape[0]
     if num_rounds < 2:
@@ -85,15 +87,19 @@ def _warn_unconverged(metrics, stacklevel):
             f"{moved[j]:.2g} of its scale per round (coordinate {j}; metrics['last_move'], above "
             f"{MAX_LAST_MOVE}), so it is still on its way (a strongly correlated posterior "
             "converges slowly with one mean-field factor per client): run more rounds",
-            RuntimeWarning, stacklevel=stacklevel,
+            RuntimeWarning,
+            stacklevel=stacklevel,
         )
 
 
 def _warn_update_perturbation(dp, dp_error, clipped, clip_norm, stacklevel):
     """Update perturbation: ``q``'s scale is known only after the run, so the noise's error
     (``DPPVI.update_noise_error``) and the clipping are judged then."""
-    shards = ("num_shards (the noise is divided by it)" if dp == "local_avg"
-              else "num_shards (more virtual clients, each with fewer rows, are clipped less)")
+    shards = (
+        "num_shards (the noise is divided by it)"
+        if dp == "local_avg"
+        else "num_shards (more virtual clients, each with fewer rows, are clipped less)"
+    )
     if dp_error > WARN_DP_ERROR:
         verdict = "the answer is mostly noise" if dp_error > MAX_DP_ERROR else "read the answer as approximate"
         warnings.warn(
@@ -103,7 +109,8 @@ def _warn_update_perturbation(dp, dp_error, clipped, clip_norm, stacklevel):
             f"that noise: {verdict}. Raise target_epsilon, run fewer rounds, use damping "
             f"below 1 over several rounds, raise {shards}, or use dp='dpsgd' (its noise "
             "shrinks with the clients' rows)",
-            RuntimeWarning, stacklevel=stacklevel,
+            RuntimeWarning,
+            stacklevel=stacklevel,
         )
     if clipped >= MOSTLY_CLIPPED:
         warnings.warn(
@@ -112,5 +119,6 @@ def _warn_update_perturbation(dp, dp_error, clipped, clip_norm, stacklevel):
             "norm bounds each round's move of q's natural parameters, so q may not have "
             f"reached its fixed point (too wide, pulled toward the prior). Raise {shards}, "
             "run more rounds, or raise clip_norm (the noise grows with it)",
-            RuntimeWarning, stacklevel=stacklevel,
+            RuntimeWarning,
+            stacklevel=stacklevel,
         )

@@ -18,12 +18,17 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-
 from numpyro.infer.initialization import init_to_uniform
 
 from numpyro_fed._checks import check_int, check_positive
-from numpyro_fed.infer.base import (RunCheckpoint, RunResult, VariationalMethod, adopt_client_state, build_potential,
-                                   jit_round)
+from numpyro_fed.infer.base import (
+    RunCheckpoint,
+    RunResult,
+    VariationalMethod,
+    adopt_client_state,
+    build_potential,
+    jit_round,
+)
 from numpyro_fed.infer.pvi import core
 from numpyro_fed.infer.pvi.accounting import AVERAGE_FROM, MAX_DP_ERROR, PrivacyAccounting
 from numpyro_fed.infer.pvi.client import LocalConfig
@@ -213,8 +218,9 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         check_aggregation(dp, schedule, num_shards, trusted_aggregator)
         # DP-SGD without a clip norm: the automatic one (auto_clip_norms, see the guide).
         self.auto_clip = dp == "dpsgd" and clip_norm is None
-        super().__init__(model, partition=partition, init_strategy=init_strategy, progress_bar=progress_bar,
-                         federation=federation)
+        super().__init__(
+            model, partition=partition, init_strategy=init_strategy, progress_bar=progress_bar, federation=federation
+        )
         self.dp = dp
         self.schedule = schedule
         self.num_local_steps = check_int(num_local_steps, "num_local_steps", minimum=1)
@@ -248,7 +254,9 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
     # -- the model -----------------------------------------------------------------------------
     def _setup(self, args, kwargs):
         potential = self.build_potential(
-            args, kwargs, advice="a client's factor t_m cannot hold latents of its own. Use "
+            args,
+            kwargs,
+            advice="a client's factor t_m cannot hold latents of its own. Use "
             "FedZigZag, which samples client-local latents",
         )
         return (potential,) + self._check_plates(potential)
@@ -300,10 +308,16 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         shard_seed = int(jax.random.randint(rng_key, (), 0, 2**31 - 1))
         shard_index, shard_valid = core.shard_layout(sizes, self.num_shards, seed=shard_seed)
         config = LocalConfig(
-            optim=self.optim, num_steps=self.num_local_steps, num_mc_samples=self.num_mc_samples,
-            sampling=self.sampling, sampling_rate=self.sampling_rate, dpsgd=self.dp == "dpsgd",
-            clip_norm=1.0 if self.auto_clip else self.clip_norm, standardize=self.default_optim,
-            average_from=AVERAGE_FROM if self.default_optim else 1.0, clip_scaled=self.auto_clip,
+            optim=self.optim,
+            num_steps=self.num_local_steps,
+            num_mc_samples=self.num_mc_samples,
+            sampling=self.sampling,
+            sampling_rate=self.sampling_rate,
+            dpsgd=self.dp == "dpsgd",
+            clip_norm=1.0 if self.auto_clip else self.clip_norm,
+            standardize=self.default_optim,
+            average_from=AVERAGE_FROM if self.default_optim else 1.0,
+            clip_scaled=self.auto_clip,
         )
         dtype = jnp.zeros(()).dtype
         clip_first = clip_later = None
@@ -314,15 +328,30 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         noise = jnp.broadcast_to(jnp.asarray(sigmas, dtype=dtype), (num_clients,))
         layout = core.BlockLayout(plate, shard_index, shard_valid, noise, clip_first, clip_later)
         programs = core.client_functions(
-            potential.flat().row_log_likelihood, config, dp=self.dp, trusted_aggregator=self.trusted_aggregator,
-            num_clients=num_clients, auto_clip=self.auto_clip,
-            batch_cap=self.batch_cap(privacy, num_rounds, sizes, num_rows), damping=self.damping,
+            potential.flat().row_log_likelihood,
+            config,
+            dp=self.dp,
+            trusted_aggregator=self.trusted_aggregator,
+            num_clients=num_clients,
+            auto_clip=self.auto_clip,
+            batch_cap=self.batch_cap(privacy, num_rounds, sizes, num_rows),
+            damping=self.damping,
         )
         federation = self._start(programs, potential, layout)
-        step = core.build_step(config, num_clients=num_clients, schedule=self.schedule,
-                               damping=self.damping, auto_clip=self.auto_clip)
-        self._plan = _RunPlan(num_rounds, sizes, sigmas, privacy, dp_error, layout, jit_round(step),
-                              jit_round(core.build_loss(self.num_mc_samples)), federation)
+        step = core.build_step(
+            config, num_clients=num_clients, schedule=self.schedule, damping=self.damping, auto_clip=self.auto_clip
+        )
+        self._plan = _RunPlan(
+            num_rounds,
+            sizes,
+            sigmas,
+            privacy,
+            dp_error,
+            layout,
+            jit_round(step),
+            jit_round(core.build_loss(self.num_mc_samples)),
+            federation,
+        )
         return self._initial_state(prior, sizes.size)
 
     def update(self, rng_key, state: PVIState, *args, **kwargs):
@@ -338,8 +367,7 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         plan.federation.record_calls("expected_log_lik", 1)
         return out
 
-    def run(self, rng_key, num_rounds: int | None, *args, init_state: PVIState | None = None,
-            **kwargs) -> RunResult:
+    def run(self, rng_key, num_rounds: int | None, *args, init_state: PVIState | None = None, **kwargs) -> RunResult:
         """Runs ``num_rounds`` rounds (each visits every client once).
 
         :param rng_key: a JAX PRNG key (split into :meth:`init`'s and the rounds').
@@ -363,7 +391,8 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
                 "DPPVI(dp='dpsgd') with the automatic clip norm and one round: the first round "
                 "clips heavily while q is still as wide as the prior, which biases it; run at "
                 "least 2 rounds (the budget is calibrated for all of them)",
-                RuntimeWarning, stacklevel=2,
+                RuntimeWarning,
+                stacklevel=2,
             )
         resume = init_state if isinstance(init_state, RunCheckpoint) else None
         if resume is not None:
@@ -374,9 +403,15 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
                 state = init_state._replace(clients=adopt_client_state(plan.federation, init_state.clients))
             start_loc = np.asarray(loc_scale(self._final_state(state).q)[0])
         result = self.drive(
-            self.update, key_run, state, plan.num_rounds, resume=resume, privacy=plan.privacy,
+            self.update,
+            key_run,
+            state,
+            plan.num_rounds,
+            resume=resume,
+            privacy=plan.privacy,
             is_finite=lambda s: bool(jnp.all(jnp.isfinite(s.q.eta1)) & jnp.all(jnp.isfinite(s.q.eta2))),
-            desc=f"{type(self).__name__} ({self.dp or 'non-private'})", context={"start_loc": start_loc},
+            desc=f"{type(self).__name__} ({self.dp or 'non-private'})",
+            context={"start_loc": start_loc},
         )
         if self.dp is None:
             result.metrics["last_move"] = last_move(start_loc, result.metrics["loc"], result.metrics["scale"])
@@ -389,8 +424,9 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         loc, scale = loc_scale(final.q)
         dp_error = plan.predicted_dp_error
         if self.dp in ("local_avg", "virtual") and plan.privacy is not None:
-            dp_error = self.update_noise_error(plan.noise_multiplier, plan.num_rounds,
-                                               plan.client_sizes.size, np.asarray(scale))
+            dp_error = self.update_noise_error(
+                plan.noise_multiplier, plan.num_rounds, plan.client_sizes.size, np.asarray(scale)
+            )
         return {
             "loss": info.loss if final is state else self.evaluate(final),
             "loc": loc,
@@ -438,12 +474,14 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         privacy guarantee covers it."""
         rng_key = jax.random.PRNGKey(0) if rng_key is None else rng_key
         if args or kwargs:
-            potential = build_potential(self.model, args, kwargs, partition=self.partition,
-                                        init_strategy=self.init_strategy)
+            potential = build_potential(
+                self.model, args, kwargs, partition=self.partition, init_strategy=self.init_strategy
+            )
             plate, _ = self._check_plates(potential)
             data = core.ClientData(potential.client_data["rows"], potential.client_data["valid"][plate], None, None)
-            return core.negative_elbo(rng_key, potential.flat().row_log_likelihood, state.q, state.prior, data,
-                                      self.num_mc_samples)
+            return core.negative_elbo(
+                rng_key, potential.flat().row_log_likelihood, state.q, state.prior, data, self.num_mc_samples
+            )
         plan = self._require_plan()
         with plan.federation.guard():
             loss = plan.loss_fn(rng_key, state.q, state.prior, plan.federation)
@@ -490,12 +528,12 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         return self.start_clients(functions, transform=layout, stateful=stateful)
 
     def _initial_state(self, prior, num_clients):
-        return core.init(prior, num_clients, self.num_shards if self.dp == "virtual" else None,
-                         federation=self._plan.federation)
+        return core.init(
+            prior, num_clients, self.num_shards if self.dp == "virtual" else None, federation=self._plan.federation
+        )
 
     def _final_state(self, state):
         return state
 
     def _communications_per_round(self):
         return self.federated_potential.num_clients
-

@@ -10,7 +10,6 @@ import numpy as np
 
 import jax
 import jax.numpy as jnp
-
 import optax
 
 from numpyro.infer.initialization import init_to_uniform
@@ -96,11 +95,23 @@ class GaussianPVI(VariationalMethod):
     repr_fields = ("num_local_steps", "num_mc_samples", "damping", "client_order")
     divergence_advice = "lower the optimizer's learning rate (optim) or the damping"
 
-    def __init__(self, model, *, num_local_steps: int = 200, optim=None, num_mc_samples: int = 10,
-                 damping: float = 1.0, client_order="round_robin", partition=None,
-                 init_strategy=init_to_uniform, progress_bar: bool = True, federation=None):
-        super().__init__(model, partition=partition, init_strategy=init_strategy, progress_bar=progress_bar,
-                         federation=federation)
+    def __init__(
+        self,
+        model,
+        *,
+        num_local_steps: int = 200,
+        optim=None,
+        num_mc_samples: int = 10,
+        damping: float = 1.0,
+        client_order="round_robin",
+        partition=None,
+        init_strategy=init_to_uniform,
+        progress_bar: bool = True,
+        federation=None,
+    ):
+        super().__init__(
+            model, partition=partition, init_strategy=init_strategy, progress_bar=progress_bar, federation=federation
+        )
         self.num_local_steps = check_int(num_local_steps, "num_local_steps", minimum=1)
         self.optim = optax.adam(1e-2) if optim is None else optim
         self.num_mc_samples = check_int(num_mc_samples, "num_mc_samples", minimum=1)
@@ -129,8 +140,15 @@ class GaussianPVI(VariationalMethod):
         shard_index, shard_valid = core.shard_layout(np.asarray(fp.client_sizes), 1)
         # each client builds its block in PVI's layout from its own rows, where it lives
         layout = core.BlockLayout(plates[0], shard_index, shard_valid, jnp.zeros(fp.num_clients, prior.eta1.dtype))
-        config = LocalConfig(optim=self.optim, num_steps=self.num_local_steps, num_mc_samples=self.num_mc_samples,
-                             sampling="full", sampling_rate=1.0, dpsgd=False, clip_norm=1.0)
+        config = LocalConfig(
+            optim=self.optim,
+            num_steps=self.num_local_steps,
+            num_mc_samples=self.num_mc_samples,
+            sampling="full",
+            sampling_rate=1.0,
+            dpsgd=False,
+            clip_norm=1.0,
+        )
         functions, stateful = core.client_functions(flat.row_log_likelihood, config, damping=self.damping)
         self.start_clients(functions, transform=layout, stateful=stateful)
         self._data = layout

@@ -11,8 +11,7 @@ from numpyro_fed._checks import check_real
 from numpyro_fed.infer.pvi.core import SCHEDULES
 from numpyro_fed.privacy.accounting import check_sampling_rate
 
-__all__ = ["DP_VARIANTS", "SAMPLING", "check_aggregation", "check_noise",
-           "default_optimizer", "resolve_sampling"]
+__all__ = ["DP_VARIANTS", "SAMPLING", "check_aggregation", "check_noise", "default_optimizer", "resolve_sampling"]
 
 DP_VARIANTS = (None, "dpsgd", "local_avg", "virtual")
 SAMPLING = ("poisson", "without_replacement", "full")

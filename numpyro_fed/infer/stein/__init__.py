@@ -34,8 +34,8 @@ from numpyro_fed.infer.stein.kde import kde_grad_log_density, kde_log_density, s
 from numpyro_fed.infer.stein.kernels import median_bandwidth, rbf_kernel, svgd_direction, wide_median_bandwidth
 from numpyro_fed.infer.stein.methods import DSVGD, PDSVGD, UDSVGD
 from numpyro_fed.infer.stein.optim import adagrad_momentum, scale_by_adagrad_momentum
-from numpyro_fed.infer.stein.svgd import staged_svgd, svgd_run
 from numpyro_fed.infer.stein.pdsvgd import PDSVGDState
+from numpyro_fed.infer.stein.svgd import staged_svgd, svgd_run
 from numpyro_fed.infer.stein.udsvgd import Buffer, UDSVGDState
 from numpyro_fed.infer.stein.whitening import Whitening, whitening
 

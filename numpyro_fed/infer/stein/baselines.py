@@ -62,14 +62,34 @@ class SVGD(ParticleMethod):
     repr_fields = ("num_particles", "steps_per_round", "temperature", "batch_size")
     deployable = False
 
-    def __init__(self, model, *, num_particles: int = 20, steps_per_round: int = 200,
-                 learning_rate: float = 0.05, optim=None, svgd_bandwidth=None,
-                 temperature: float = 1.0, metrics=None, partition=None,
-                 init_strategy=init_to_uniform, progress_bar: bool = True,
-                 batch_size: int | None = None, federation=None):
-        super().__init__(model, num_particles=num_particles, metrics=metrics, partition=partition,
-                         init_strategy=init_strategy, progress_bar=progress_bar,
-                         temperature=temperature, batch_size=batch_size, federation=federation)
+    def __init__(
+        self,
+        model,
+        *,
+        num_particles: int = 20,
+        steps_per_round: int = 200,
+        learning_rate: float = 0.05,
+        optim=None,
+        svgd_bandwidth=None,
+        temperature: float = 1.0,
+        metrics=None,
+        partition=None,
+        init_strategy=init_to_uniform,
+        progress_bar: bool = True,
+        batch_size: int | None = None,
+        federation=None,
+    ):
+        super().__init__(
+            model,
+            num_particles=num_particles,
+            metrics=metrics,
+            partition=partition,
+            init_strategy=init_strategy,
+            progress_bar=progress_bar,
+            temperature=temperature,
+            batch_size=batch_size,
+            federation=federation,
+        )
         self.steps_per_round = check_int(steps_per_round, "steps_per_round", minimum=1)
         self.learning_rate = check_positive(learning_rate, "learning_rate")
         self.optim = adagrad_momentum(self.learning_rate) if optim is None else check_optim(optim, "optim")
@@ -92,14 +112,20 @@ class SVGD(ParticleMethod):
 
     def client_functions(self):
         fp = self.federated_potential
-        stochastic = (None if self.batch_size is None
-                      else minibatch_client_grad(fp, math.ceil(self.batch_size / fp.num_clients)))
+        stochastic = (
+            None if self.batch_size is None else minibatch_client_grad(fp, math.ceil(self.batch_size / fp.num_clients))
+        )
         return pooled_core.client_functions(self.gradients.client_grad, stochastic)
 
     def build_round(self):
-        step = pooled_core.build_kernel(self.gradients.prior_grad, self.optim, num_steps=self.steps_per_round,
-                                        temperature=self.temperature, bandwidth=self.svgd_bandwidth,
-                                        stochastic=self.batch_size is not None)
+        step = pooled_core.build_kernel(
+            self.gradients.prior_grad,
+            self.optim,
+            num_steps=self.steps_per_round,
+            temperature=self.temperature,
+            bandwidth=self.svgd_bandwidth,
+            stochastic=self.batch_size is not None,
+        )
         return lambda rng_key, state, federation, client: step(rng_key, state, federation)
 
     def round_calls(self, client):
@@ -140,13 +166,32 @@ class FedAvg(ParticleMethod):
     repr_fields = ("num_local_steps", "client_order", "batch_size")
     deployable = False
 
-    def __init__(self, model, *, num_local_steps: int = 200, learning_rate: float = 0.05,
-                 optim=None, client_order="round_robin", metrics=None, partition=None,
-                 init_strategy=init_to_uniform, progress_bar: bool = True,
-                 batch_size: int | None = None, federation=None):
-        super().__init__(model, num_particles=1, metrics=metrics, partition=partition,
-                         init_strategy=init_strategy, progress_bar=progress_bar, temperature=1.0,
-                         batch_size=batch_size, federation=federation)
+    def __init__(
+        self,
+        model,
+        *,
+        num_local_steps: int = 200,
+        learning_rate: float = 0.05,
+        optim=None,
+        client_order="round_robin",
+        metrics=None,
+        partition=None,
+        init_strategy=init_to_uniform,
+        progress_bar: bool = True,
+        batch_size: int | None = None,
+        federation=None,
+    ):
+        super().__init__(
+            model,
+            num_particles=1,
+            metrics=metrics,
+            partition=partition,
+            init_strategy=init_strategy,
+            progress_bar=progress_bar,
+            temperature=1.0,
+            batch_size=batch_size,
+            federation=federation,
+        )
         self.num_local_steps = check_int(num_local_steps, "num_local_steps", minimum=1)
         self.learning_rate = check_positive(learning_rate, "learning_rate")
         self.optim = adagrad_momentum(self.learning_rate) if optim is None else check_optim(optim, "optim")
@@ -162,9 +207,13 @@ class FedAvg(ParticleMethod):
         return rng_key
 
     def client_functions(self):
-        return fedavg_core.client_functions(*self.gradients, num_clients=self.federated_potential.num_clients,
-                                            num_local_steps=self.num_local_steps, optim=self.optim,
-                                            stochastic_client_grad=self.stochastic_client_grad)
+        return fedavg_core.client_functions(
+            *self.gradients,
+            num_clients=self.federated_potential.num_clients,
+            num_local_steps=self.num_local_steps,
+            optim=self.optim,
+            stochastic_client_grad=self.stochastic_client_grad,
+        )
 
     def build_round(self):
         return fedavg_core.build_kernel()
@@ -224,13 +273,33 @@ class DistributedSGLD(ParticleMethod):
     deployable = False
     divergence_advice = "lower a0"
 
-    def __init__(self, model, *, num_particles: int = 20, num_local_steps: int = 200, a0: float = 0.01,
-                 temperature: float = 1.0, client_order="round_robin", metrics=None, partition=None,
-                 init_strategy=init_to_uniform, progress_bar: bool = True,
-                 batch_size: int | None = None, federation=None):
-        super().__init__(model, num_particles=num_particles, metrics=metrics, partition=partition,
-                         init_strategy=init_strategy, progress_bar=progress_bar,
-                         temperature=temperature, batch_size=batch_size, federation=federation)
+    def __init__(
+        self,
+        model,
+        *,
+        num_particles: int = 20,
+        num_local_steps: int = 200,
+        a0: float = 0.01,
+        temperature: float = 1.0,
+        client_order="round_robin",
+        metrics=None,
+        partition=None,
+        init_strategy=init_to_uniform,
+        progress_bar: bool = True,
+        batch_size: int | None = None,
+        federation=None,
+    ):
+        super().__init__(
+            model,
+            num_particles=num_particles,
+            metrics=metrics,
+            partition=partition,
+            init_strategy=init_strategy,
+            progress_bar=progress_bar,
+            temperature=temperature,
+            batch_size=batch_size,
+            federation=federation,
+        )
         self.num_local_steps = check_int(num_local_steps, "num_local_steps", minimum=1)
         self.a0 = check_positive(a0, "a0")
         self.client_order = check_client_order(client_order)
@@ -248,9 +317,14 @@ class DistributedSGLD(ParticleMethod):
         return tuple(jax.random.split(rng_key, 3))  # k_init, k_order, k_noise
 
     def client_functions(self):
-        return sgld_core.client_functions(*self.gradients, num_local_steps=self.num_local_steps, a0=self.a0,
-                                          stochastic_client_grad=self.stochastic_client_grad)
+        return sgld_core.client_functions(
+            *self.gradients,
+            num_local_steps=self.num_local_steps,
+            a0=self.a0,
+            stochastic_client_grad=self.stochastic_client_grad,
+        )
 
     def build_round(self):
-        return sgld_core.build_kernel(self.federated_potential.client_sizes, num_local_steps=self.num_local_steps,
-                                      temperature=self.temperature)
+        return sgld_core.build_kernel(
+            self.federated_potential.client_sizes, num_local_steps=self.num_local_steps, temperature=self.temperature
+        )

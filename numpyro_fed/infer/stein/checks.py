@@ -54,11 +54,11 @@ def runaway_problems(start, end, stein_mean, stein_scale, *, from_prior: bool, a
     distance = np.where(start_sd > 0, np.abs(end.mean(axis=0) - start.mean(axis=0)) / safe_sd, 0.0)
     problems = []
     if np.max(spread) > 1e3:
-        problems.append(f"their spread grew {np.max(spread):.3g}-fold from the prior draws "
-                        f"(coordinate {int(np.argmax(spread))})")
+        problems.append(
+            f"their spread grew {np.max(spread):.3g}-fold from the prior draws (coordinate {int(np.argmax(spread))})"
+        )
     if np.max(distance) > 1e3:
-        problems.append(f"their mean moved {np.max(distance):.3g} prior sds "
-                        f"(coordinate {int(np.argmax(distance))})")
+        problems.append(f"their mean moved {np.max(distance):.3g} prior sds (coordinate {int(np.argmax(distance))})")
     if all_visited:
         # float64: in float32 the floor 1e-300 below would underflow to 0 (log of 0)
         m, v = np.asarray(stein_mean, dtype=float), np.asarray(stein_scale, dtype=float)
@@ -67,14 +67,18 @@ def runaway_problems(start, end, stein_mean, stein_scale, *, from_prior: bool, a
         offset = np.where(v > 0, np.abs(m) / np.sqrt(np.where(v > 0, v, 1.0)), np.inf)
         if np.max(offset) > 3:
             j = int(np.argmax(offset))
-            problems.append(f"the target's score at the particles does not average 0 "
-                            f"(stein_mean {m[j]:.3g}, stein_scale {v[j]:.3g} in coordinate {j}: "
-                            f"for a Gaussian posterior, a mean {offset[j]:.3g} posterior sds off)")
+            problems.append(
+                f"the target's score at the particles does not average 0 "
+                f"(stein_mean {m[j]:.3g}, stein_scale {v[j]:.3g} in coordinate {j}: "
+                f"for a Gaussian posterior, a mean {offset[j]:.3g} posterior sds off)"
+            )
         if np.max(v) > 4 or np.min(v) < 0.25:
             j = int(np.argmax(np.abs(np.log(np.maximum(v, 1e-300)))))
-            problems.append(f"their spread does not match the target's score (stein_scale "
-                            f"{v[j]:.3g} in coordinate {j}, 1 expected; for a Gaussian posterior, "
-                            f"the particles' variance over the posterior's)")
+            problems.append(
+                f"their spread does not match the target's score (stein_scale "
+                f"{v[j]:.3g} in coordinate {j}, 1 expected; for a Gaussian posterior, "
+                f"the particles' variance over the posterior's)"
+            )
     return problems
 
 
@@ -85,7 +89,10 @@ def warn_runaway(method_name: str, num_rounds: int, problems: list[str], *, fixe
     remedy = "use kde_bandwidth='auto' (the default), which adapts to the particles' scale, " if fixed_kde else ""
     warnings.warn(
         f"{method_name}'s particles ran away or did not converge after {num_rounds} rounds: "
-        + "; ".join(problems) + ". Change the settings: " + remedy
+        + "; ".join(problems)
+        + ". Change the settings: "
+        + remedy
         + "lower learning_rate, use more num_particles, num_local_steps or rounds",
-        RuntimeWarning, stacklevel=stacklevel,
+        RuntimeWarning,
+        stacklevel=stacklevel,
     )

@@ -19,13 +19,15 @@ def check_client_order(client_order):
     'random'
     """
     if isinstance(client_order, str) and client_order not in _NAMES:
-        raise ValueError(f"client_order must be 'round_robin', 'random' or a sequence of client "
-                         f"indices, got {client_order!r}")
+        raise ValueError(
+            f"client_order must be 'round_robin', 'random' or a sequence of client indices, got {client_order!r}"
+        )
     return client_order
 
 
-def make_client_order(client_order, num_rounds: int, num_clients: int, rng_key,
-                      per_round: int | None = None) -> np.ndarray:
+def make_client_order(
+    client_order, num_rounds: int, num_clients: int, rng_key, per_round: int | None = None
+) -> np.ndarray:
     """``(num_rounds,)`` (or ``(num_rounds, per_round)``) client indices, one row per round.
 
     ``"round_robin"``: clients ``0, 1, ..., K - 1, 0, ...``; ``"random"``: uniformly random
@@ -60,8 +62,9 @@ def make_client_order(client_order, num_rounds: int, num_clients: int, rng_key,
         raise ValueError(f"client_order gives {array.shape[0]} rounds, but num_rounds={num_rounds}")
     bad = array[(array < 0) | (array >= num_clients)]
     if bad.size:
-        raise ValueError(f"client_order names unknown client(s) {sorted(set(bad.tolist()))}: "
-                         f"clients are 0..{num_clients - 1}")
+        raise ValueError(
+            f"client_order names unknown client(s) {sorted(set(bad.tolist()))}: clients are 0..{num_clients - 1}"
+        )
     if per_round is not None:
         for i, row in enumerate(array[:num_rounds]):
             if len(set(row.tolist())) != row.size:

@@ -140,8 +140,9 @@ class ClientUpdate(NamedTuple):
 def local_particles_of(clients: ClientState) -> jax.Array:
     """The clients' local particles from an in-process :class:`~numpyro_fed.federation.ClientState`."""
     if not jax.tree_util.tree_leaves(clients.values):
-        raise ValueError("the clients keep their local particles on their workers (an engine backend): "
-                         "the server's state holds none")
+        raise ValueError(
+            "the clients keep their local particles on their workers (an engine backend): the server's state holds none"
+        )
     return clients.values.local_particles
 
 
@@ -190,9 +191,25 @@ def check_key(rng_key, stochastic_client_grad):
         raise ValueError("a round with stochastic_client_grad needs a key: step(rng_key, state, federation, client)")
 
 
-def update_particles(global_particles, local_particles, block, *, prior_score, client_grad, kde_score,
-                     temperature, num_local_steps, num_distill_steps, optim, distill_optim,
-                     svgd_bandwidth, rng_key=None, visited=True, first=False, stages=1) -> ClientUpdate:
+def update_particles(
+    global_particles,
+    local_particles,
+    block,
+    *,
+    prior_score,
+    client_grad,
+    kde_score,
+    temperature,
+    num_local_steps,
+    num_distill_steps,
+    optim,
+    distill_optim,
+    svgd_bandwidth,
+    rng_key=None,
+    visited=True,
+    first=False,
+    stages=1,
+) -> ClientUpdate:
     """Lines 4-7 of Algorithm 1 at one client, in the coordinates the scores are given in.
 
     The local particles encode ``p_0 t_k`` (a proper density), so that
@@ -211,11 +228,9 @@ def update_particles(global_particles, local_particles, block, *, prior_score, c
         return jnp.where(visited, kde_score(x, local_particles), prior_score(x))
 
     def tilted_score(x, step_key=None):  # Eq. (14)
-        return (score_previous(x) - score_local(x) + prior_score(x)
-                - client_grad(x, block, step_key) / temperature)
+        return score_previous(x) - score_local(x) + prior_score(x) - client_grad(x, block, step_key) / temperature
 
-    new_global = staged_svgd(global_particles, tilted_score, num_local_steps, optim, svgd_bandwidth,
-                             rng_key, stages)
+    new_global = staged_svgd(global_particles, tilted_score, num_local_steps, optim, svgd_bandwidth, rng_key, stages)
 
     def factor_score(x):  # grad log p_0 t_k^(i), t_k^(i) = t_k^(i-1) q^(i) / q^(i-1)  (Eq. (17))
         return kde_score(x, new_global) + score_local(x) - score_previous(x)
@@ -225,8 +240,7 @@ def update_particles(global_particles, local_particles, block, *, prior_score, c
     # (t_k^(0) = 1 exactly) and may lie many whitened units from the target, further than
     # the distillation's steps travel. (The paper's variant starts from them.)
     start = local_particles if stages <= 1 else jnp.where(visited, local_particles, new_global)
-    new_local = staged_svgd(start, factor_score, num_distill_steps, distill_optim, svgd_bandwidth,
-                            stages=stages)
+    new_local = staged_svgd(start, factor_score, num_distill_steps, distill_optim, svgd_bandwidth, stages=stages)
     return ClientUpdate(new_global, new_local)
 
 
@@ -256,8 +270,13 @@ def round_config(prior_grad, client_grad, stochastic_client_grad, kde_bandwidth,
     kde_bandwidth = check_kde_bandwidth(kde_bandwidth)
     if kde_bandwidth == "auto" and svgd_bandwidth is None:
         svgd_bandwidth = wide_median_bandwidth
-    return RoundConfig(kde_bandwidth, svgd_bandwidth, AUTO_STAGES if kde_bandwidth == "auto" else 1,
-                       jax.vmap(lambda x: -prior_grad(x)), batched_client_grad(client_grad, stochastic_client_grad))
+    return RoundConfig(
+        kde_bandwidth,
+        svgd_bandwidth,
+        AUTO_STAGES if kde_bandwidth == "auto" else 1,
+        jax.vmap(lambda x: -prior_grad(x)),
+        batched_client_grad(client_grad, stochastic_client_grad),
+    )
 
 
 def build_client(
@@ -309,15 +328,24 @@ def build_client(
     def client(rng_key, message: ClientMessage, local_particles, visited, block) -> ClientUpdate:
         check_key(rng_key, stochastic_client_grad)
         key = rng_key if stochastic_client_grad is not None else None
-        frame = round_frame(config.kde_bandwidth, message.global_particles, config.prior_score,
-                            config.client_grad)
+        frame = round_frame(config.kde_bandwidth, message.global_particles, config.prior_score, config.client_grad)
         update = update_particles(
-            frame.to_z(message.global_particles), frame.to_z(local_particles), block,
-            prior_score=frame.prior_score, client_grad=frame.client_grad, kde_score=kde_score,
-            temperature=temperature, num_local_steps=num_local_steps,
-            num_distill_steps=num_distill_steps, optim=optim, distill_optim=distill_optim,
-            svgd_bandwidth=config.svgd_bandwidth, rng_key=key, visited=visited,
-            first=message.first, stages=config.stages,
+            frame.to_z(message.global_particles),
+            frame.to_z(local_particles),
+            block,
+            prior_score=frame.prior_score,
+            client_grad=frame.client_grad,
+            kde_score=kde_score,
+            temperature=temperature,
+            num_local_steps=num_local_steps,
+            num_distill_steps=num_distill_steps,
+            optim=optim,
+            distill_optim=distill_optim,
+            svgd_bandwidth=config.svgd_bandwidth,
+            rng_key=key,
+            visited=visited,
+            first=message.first,
+            stages=config.stages,
         )
         return ClientUpdate(frame.from_z(update.global_particles), frame.from_z(update.local_particles))
 
@@ -353,8 +381,9 @@ def client_functions(prior_grad: Callable, client_grad: Callable, **options) -> 
         return LocalState(new.local_particles, jnp.ones_like(local.visited)), new.global_particles
 
     if options.get("stochastic_client_grad") is None:
-        return {}, {"update": lambda block, local, global_particles, first: update(block, local, global_particles,
-                                                                                  first)}
+        return {}, {
+            "update": lambda block, local, global_particles, first: update(block, local, global_particles, first)
+        }
     return {}, {"update": update}
 
 
@@ -370,8 +399,7 @@ def build_kernel(stochastic: bool = False) -> Callable:
     def step(rng_key, state: DSVGDState, federation, client):
         first = ~jnp.any(state.visited)
         key = (rng_key,) if stochastic else ()
-        clients, new_global = federation.one("update", client, state.global_particles, first, *key,
-                                             state=state.clients)
+        clients, new_global = federation.one("update", client, state.global_particles, first, *key, state=state.clients)
         return server_update(state, client, new_global, clients)
 
     return step

@@ -91,11 +91,22 @@ class ParticleMethod(VariationalMethod):
     _per_round: int | None = None  # clients per round (P-DSVGD), None: one
     _from_prior = True  # whether the current run started from prior draws
 
-    def __init__(self, model, *, num_particles: int, metrics: Mapping[str, Callable] | None,
-                 partition, init_strategy=init_to_uniform, progress_bar: bool = True,
-                 temperature: float = 1.0, batch_size: int | None = None, federation=None):
-        super().__init__(model, partition=partition, init_strategy=init_strategy, progress_bar=progress_bar,
-                         federation=federation)
+    def __init__(
+        self,
+        model,
+        *,
+        num_particles: int,
+        metrics: Mapping[str, Callable] | None,
+        partition,
+        init_strategy=init_to_uniform,
+        progress_bar: bool = True,
+        temperature: float = 1.0,
+        batch_size: int | None = None,
+        federation=None,
+    ):
+        super().__init__(
+            model, partition=partition, init_strategy=init_strategy, progress_bar=progress_bar, federation=federation
+        )
         self.num_particles = check_int(num_particles, "num_particles", minimum=1)
         self.batch_size = None if batch_size is None else check_int(batch_size, "batch_size", minimum=1)
         self.temperature = check_positive(temperature, "temperature")
@@ -122,12 +133,12 @@ class ParticleMethod(VariationalMethod):
                 "PDSVGD or UDSVGD, which run in deployment"
             )
         if not (self.federation.in_process or self.deployable):
-            raise ValueError(f"{name} runs its clients in this process only: "
-                             f"federation={self.federation!r} does not apply")
+            raise ValueError(
+                f"{name} runs its clients in this process only: federation={self.federation!r} does not apply"
+            )
         fp = self.build_potential(args, kwargs)
         self.gradients = flat_gradients(fp)
-        self.stochastic_client_grad = (None if self.batch_size is None
-                                       else minibatch_client_grad(fp, self.batch_size))
+        self.stochastic_client_grad = None if self.batch_size is None else minibatch_client_grad(fp, self.batch_size)
         self._postprocess = jax.jit(jax.vmap(fp.flat().postprocess))
         self._setup_key = key
         self._step = None
@@ -142,8 +153,9 @@ class ParticleMethod(VariationalMethod):
         d = self.federated_potential.num_latent
         particles = jnp.asarray(particles)
         if particles.shape != (self.num_particles, d):
-            raise ValueError(f"{name} must have shape (num_particles, d) = ({self.num_particles}, {d}), "
-                             f"got {particles.shape}")
+            raise ValueError(
+                f"{name} must have shape (num_particles, d) = ({self.num_particles}, {d}), got {particles.shape}"
+            )
         return particles
 
     def _start(self):
@@ -224,8 +236,7 @@ class ParticleMethod(VariationalMethod):
         ``kwargs`` (the clients' data)."""
         self._setup(args, kwargs)
         if init_particles is None:
-            particles = prior_draws(self.model, self.federated_potential, rng_key, args, kwargs,
-                                    self.num_particles)
+            particles = prior_draws(self.model, self.federated_potential, rng_key, args, kwargs, self.num_particles)
         else:
             particles = self._check_particles(init_particles, "init_particles")
         return self.initial_state(particles, num_rounds)
@@ -280,8 +291,7 @@ class ParticleMethod(VariationalMethod):
         score = self._target_score()
         return jnp.asarray(self._through_clients(lambda: kernel_stein_discrepancy(x, score(x))))
 
-    def get_samples(self, rng_key, result: RunResult, num_samples: int | None = None, *,
-                    smooth: bool = False) -> dict:
+    def get_samples(self, rng_key, result: RunResult, num_samples: int | None = None, *, smooth: bool = False) -> dict:
         """Constrained posterior draws by site.
 
         :param rng_key: key for the draws (unused with ``num_samples=None``).
@@ -393,7 +403,11 @@ class ParticleMethod(VariationalMethod):
             return self._round(self._round_key(key), s, order[self._rounds_done(s) - start])
 
         result = self.drive(
-            update, k_rounds, state, num_rounds, resume=resume,
+            update,
+            k_rounds,
+            state,
+            num_rounds,
+            resume=resume,
             is_finite=lambda s: bool(jnp.all(jnp.isfinite(self.particles(s)))),
             context={"from_prior": self._from_prior, "initial_particles": self._initial_particles, "start": start},
         )

@@ -75,8 +75,15 @@ def descend(rng_key, params, grad_fn: Callable, num_steps: int, optim):
     return x
 
 
-def client_functions(prior_grad: Callable, client_grad: Callable, *, num_clients: int, num_local_steps: int,
-                     optim, stochastic_client_grad: Callable | None = None) -> tuple[dict, dict]:
+def client_functions(
+    prior_grad: Callable,
+    client_grad: Callable,
+    *,
+    num_clients: int,
+    num_local_steps: int,
+    optim,
+    stochastic_client_grad: Callable | None = None,
+) -> tuple[dict, dict]:
     """What a FedAvg client runs, ``(functions, stateful)``: ``"update"``, ``(block, point,
     key) -> point'``, ``num_local_steps`` steps of ``optim`` on its objective ``L_k + (1/K)
     (-log p_0)`` (its loss plus its share of the prior, so that the clients' objectives add

@@ -117,6 +117,7 @@ def kde_score_fn(kde_bandwidth) -> Callable:
     [[-4.0]]
     """
     if kde_bandwidth == "auto":
+
         def score(x, centers):
             shrunk, bandwidth = shrunk_kde(centers, AUTO_KDE_FACTOR)
             return kde_grad_log_density(x, shrunk, bandwidth)

@@ -129,8 +129,15 @@ class DSVGD(ParticleMethod):
     True
     """
 
-    repr_fields = ("num_particles", "num_local_steps", "num_distill_steps", "kde_bandwidth", "temperature",
-                   "client_order", "batch_size")
+    repr_fields = (
+        "num_particles",
+        "num_local_steps",
+        "num_distill_steps",
+        "kde_bandwidth",
+        "temperature",
+        "client_order",
+        "batch_size",
+    )
 
     def __init__(
         self,
@@ -153,9 +160,17 @@ class DSVGD(ParticleMethod):
         batch_size: int | None = None,
         federation=None,
     ):
-        super().__init__(model, num_particles=num_particles, metrics=metrics, partition=partition,
-                         init_strategy=init_strategy, progress_bar=progress_bar,
-                         temperature=temperature, batch_size=batch_size, federation=federation)
+        super().__init__(
+            model,
+            num_particles=num_particles,
+            metrics=metrics,
+            partition=partition,
+            init_strategy=init_strategy,
+            progress_bar=progress_bar,
+            temperature=temperature,
+            batch_size=batch_size,
+            federation=federation,
+        )
         self.num_local_steps = check_int(num_local_steps, "num_local_steps", minimum=1)
         self.num_distill_steps = check_int(num_distill_steps, "num_distill_steps", minimum=0)
         self.learning_rate = check_positive(learning_rate, "learning_rate")
@@ -172,10 +187,16 @@ class DSVGD(ParticleMethod):
         return dsvgd_core.init(particles, self._active_federation)
 
     def _core_options(self) -> dict:
-        return dict(num_local_steps=self.num_local_steps, num_distill_steps=self.num_distill_steps,
-                    optim=self.optim, distill_optim=self.distill_optim, kde_bandwidth=self.kde_bandwidth,
-                    svgd_bandwidth=self.svgd_bandwidth, temperature=self.temperature,
-                    stochastic_client_grad=self.stochastic_client_grad)
+        return dict(
+            num_local_steps=self.num_local_steps,
+            num_distill_steps=self.num_distill_steps,
+            optim=self.optim,
+            distill_optim=self.distill_optim,
+            kde_bandwidth=self.kde_bandwidth,
+            svgd_bandwidth=self.svgd_bandwidth,
+            temperature=self.temperature,
+            stochastic_client_grad=self.stochastic_client_grad,
+        )
 
     def client_functions(self):
         return dsvgd_core.client_functions(*self.gradients, **self._core_options())
@@ -199,10 +220,17 @@ class DSVGD(ParticleMethod):
         stein_mean, stein_scale = self._stein_metrics(particles, result.ledger)
         result.metrics["stein_mean"], result.metrics["stein_scale"] = stein_mean, stein_scale
         all_visited = len(np.unique(result.metrics["client"])) == self.federated_potential.num_clients
-        problems = runaway_problems(self._initial_particles, particles[-1], stein_mean[-1], stein_scale[-1],
-                                    from_prior=self._from_prior, all_visited=all_visited)
-        warn_runaway(type(self).__name__, particles.shape[0], problems,
-                     fixed_kde=self.kde_bandwidth != "auto", stacklevel=4)
+        problems = runaway_problems(
+            self._initial_particles,
+            particles[-1],
+            stein_mean[-1],
+            stein_scale[-1],
+            from_prior=self._from_prior,
+            all_visited=all_visited,
+        )
+        warn_runaway(
+            type(self).__name__, particles.shape[0], problems, fixed_kde=self.kde_bandwidth != "auto", stacklevel=4
+        )
         return result
 
 
@@ -236,10 +264,20 @@ class PDSVGD(DSVGD):
     (2, 2)
     """
 
-    def __init__(self, model, *, clients_per_round=1, num_server_steps: int | None = None,
-                 server_optim=None, client_order="random", **kwargs):
+    def __init__(
+        self,
+        model,
+        *,
+        clients_per_round=1,
+        num_server_steps: int | None = None,
+        server_optim=None,
+        client_order="random",
+        **kwargs,
+    ):
         super().__init__(model, client_order=client_order, **kwargs)
-        if isinstance(clients_per_round, bool) or not isinstance(clients_per_round, (int, float, np.integer, np.floating)):
+        if isinstance(clients_per_round, bool) or not isinstance(
+            clients_per_round, (int, float, np.integer, np.floating)
+        ):
             raise TypeError(f"clients_per_round must be an int or a fraction, got {clients_per_round!r}")
         if isinstance(clients_per_round, (float, np.floating)) and not float(clients_per_round).is_integer():
             if not 0.0 < clients_per_round <= 1.0:
@@ -247,8 +285,11 @@ class PDSVGD(DSVGD):
         elif clients_per_round < 1:
             raise ValueError(f"clients_per_round must be >= 1 (or a fraction in (0, 1]), got {clients_per_round}")
         self.clients_per_round = clients_per_round
-        self.num_server_steps = (self.num_local_steps if num_server_steps is None
-                                 else check_int(num_server_steps, "num_server_steps", minimum=1))
+        self.num_server_steps = (
+            self.num_local_steps
+            if num_server_steps is None
+            else check_int(num_server_steps, "num_server_steps", minimum=1)
+        )
         self.server_optim = self.optim if server_optim is None else check_optim(server_optim, "server_optim")
 
     repr_fields = DSVGD.repr_fields + ("clients_per_round", "num_server_steps")
@@ -267,9 +308,13 @@ class PDSVGD(DSVGD):
         return pdsvgd_core.client_functions(*self.gradients, **self._core_options())
 
     def build_round(self):
-        server = pdsvgd_core.build_server(self.gradients.prior_grad, num_server_steps=self.num_server_steps,
-                                          server_optim=self.server_optim, kde_bandwidth=self.kde_bandwidth,
-                                          svgd_bandwidth=self.svgd_bandwidth)
+        server = pdsvgd_core.build_server(
+            self.gradients.prior_grad,
+            num_server_steps=self.num_server_steps,
+            server_optim=self.server_optim,
+            kde_bandwidth=self.kde_bandwidth,
+            svgd_bandwidth=self.svgd_bandwidth,
+        )
         return pdsvgd_core.build_kernel(server, self.stochastic_client_grad is not None)
 
     def initial_state(self, particles, num_rounds=None):
@@ -299,8 +344,7 @@ class UDSVGD(DSVGD):
     (2, 4, 20, 1)
     """
 
-    repr_fields = ("num_particles", "num_local_steps", "kde_bandwidth", "temperature", "client_order",
-                   "batch_size")
+    repr_fields = ("num_particles", "num_local_steps", "kde_bandwidth", "temperature", "client_order", "batch_size")
 
     def _udsvgd_options(self):
         options = self._core_options()

@@ -38,7 +38,8 @@ def _adagrad_momentum(momentum, eps, factor) -> optax.GradientTransformation:
         first = state.count == 0
         accumulator = jax.tree.map(
             lambda a, g: jnp.where(first, a + g * g, momentum * a + (1.0 - momentum) * g * g),
-            state.accumulator, updates,
+            state.accumulator,
+            updates,
         )
         updates = jax.tree.map(lambda g, a: factor * g / (eps + jnp.sqrt(a)), updates, accumulator)
         return updates, ScaleByAdagradMomentumState(state.count + 1, accumulator)
@@ -63,8 +64,9 @@ def scale_by_adagrad_momentum(momentum: float = 0.9, eps: float = 1e-6) -> optax
     return _adagrad_momentum(momentum, eps, 1.0)
 
 
-def adagrad_momentum(learning_rate: float = 0.05, momentum: float = 0.9,
-                     eps: float = 1e-6) -> optax.GradientTransformation:
+def adagrad_momentum(
+    learning_rate: float = 0.05, momentum: float = 0.9, eps: float = 1e-6
+) -> optax.GradientTransformation:
     """AdaGrad with momentum, the default ``optim`` of the SVGD family.
 
     The step is ``-learning_rate g / (eps + sqrt(a))``: ``optax.chain(
@@ -96,6 +98,7 @@ def check_optim(optim, name: str = "optim"):
     True
     """
     if not (hasattr(optim, "init") and hasattr(optim, "update")):
-        raise TypeError(f"{name} must be an optax GradientTransformation (with init and update), "
-                        f"got {type(optim).__name__}")
+        raise TypeError(
+            f"{name} must be an optax GradientTransformation (with init and update), got {type(optim).__name__}"
+        )
     return optim

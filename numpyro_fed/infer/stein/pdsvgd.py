@@ -76,12 +76,23 @@ def init(particles, federation) -> PDSVGDState:
     particles = jnp.asarray(particles)
     num_clients = federation.num_clients
     local = initial_local_states(particles, num_clients)
-    return PDSVGDState(particles, local.local_particles, federation.init_state(local),
-                       jnp.zeros(num_clients, bool), jnp.zeros((), jnp.int32))
+    return PDSVGDState(
+        particles,
+        local.local_particles,
+        federation.init_state(local),
+        jnp.zeros(num_clients, bool),
+        jnp.zeros((), jnp.int32),
+    )
 
 
-def build_server(prior_grad: Callable, *, num_server_steps: int, server_optim,
-                 kde_bandwidth: float | str = "auto", svgd_bandwidth=None) -> Callable:
+def build_server(
+    prior_grad: Callable,
+    *,
+    num_server_steps: int,
+    server_optim,
+    kde_bandwidth: float | str = "auto",
+    svgd_bandwidth=None,
+) -> Callable:
     """The P-DSVGD server: ``server(state, clients, uploads) -> (state, info)``.
 
     ``clients``: ``(C,)`` distinct indices of the round's clients; ``uploads``: their new
@@ -105,13 +116,23 @@ def build_server(prior_grad: Callable, *, num_server_steps: int, server_optim,
             factors = jnp.where(visited[:, None, None], factors, 0.0)
             return prior + jnp.sum(factors, axis=0)
 
-        new_global = frame.from_z(staged_svgd(frame.to_z(state.global_particles), server_score,
-                                              num_server_steps, server_optim, config.svgd_bandwidth,
-                                              stages=config.stages))
+        new_global = frame.from_z(
+            staged_svgd(
+                frame.to_z(state.global_particles),
+                server_score,
+                num_server_steps,
+                server_optim,
+                config.svgd_bandwidth,
+                stages=config.stages,
+            )
+        )
         move = jnp.sqrt(jnp.mean(jnp.sum((new_global - state.global_particles) ** 2, axis=-1)))
-        return (state._replace(global_particles=new_global, uploads=local_particles, visited=visited,
-                               round=state.round + 1),
-                DSVGDInfo(jnp.asarray(clients), move))
+        return (
+            state._replace(
+                global_particles=new_global, uploads=local_particles, visited=visited, round=state.round + 1
+            ),
+            DSVGDInfo(jnp.asarray(clients), move),
+        )
 
     return server
 
@@ -146,8 +167,9 @@ def build_kernel(server_fn: Callable, stochastic: bool = False) -> Callable:
             keys = jax.random.split(rng_key, clients.shape[0])
             # each scheduled client's key in its row (the others are not sent)
             own = (jnp.zeros((state.visited.shape[0],) + keys.shape[1:], keys.dtype).at[clients].set(keys),)
-        client_states, uploads = federation.one("update", clients, state.global_particles, first, own=own,
-                                                state=state.clients)
+        client_states, uploads = federation.one(
+            "update", clients, state.global_particles, first, own=own, state=state.clients
+        )
         return server_fn(state._replace(clients=client_states), clients, uploads)
 
     return step

@@ -50,8 +50,9 @@ def client_functions(client_grad: Callable, stochastic_client_grad: Callable | N
     return {"grad": lambda block, x, key: grad(x, block, key)}, {}
 
 
-def build_kernel(prior_grad: Callable, optim, *, num_steps: int, temperature: float = 1.0, bandwidth=None,
-                 stochastic: bool = False) -> Callable:
+def build_kernel(
+    prior_grad: Callable, optim, *, num_steps: int, temperature: float = 1.0, bandwidth=None, stochastic: bool = False
+) -> Callable:
     """A round of centralized SVGD, ``num_steps`` SVGD steps
     (:func:`numpyro_fed.infer.stein.svgd.build_kernel`): ``step(rng_key, state, federation)
     -> (state, info)``. Each step's score is ``grad log p_0 - (1/temperature) sum_k grad L_k``,

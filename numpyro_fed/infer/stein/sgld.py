@@ -51,8 +51,14 @@ def step_size(a0: float) -> Callable:
     return lambda t: a0 * (0.5 + t) ** -0.55
 
 
-def client_functions(prior_grad: Callable, client_grad: Callable, *, num_local_steps: int, a0: float,
-                     stochastic_client_grad: Callable | None = None) -> tuple[dict, dict]:
+def client_functions(
+    prior_grad: Callable,
+    client_grad: Callable,
+    *,
+    num_local_steps: int,
+    a0: float,
+    stochastic_client_grad: Callable | None = None,
+) -> tuple[dict, dict]:
     """What a distributed SGLD client runs, ``(functions, stateful)``: ``"update"``,
     ``(block, chains, scale, first_step, key) -> chains'``, ``num_local_steps`` Langevin steps
     on ``grad U ≈ grad(-log p_0) + scale grad L_k`` (``scale``: ``n / n_k / alpha``, from the

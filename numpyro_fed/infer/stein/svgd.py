@@ -91,8 +91,7 @@ def svgd_run(particles, score_fn: Callable, num_steps: int, optim, bandwidth=Non
     return state.particles
 
 
-def staged_svgd(particles, score_fn: Callable, num_steps: int, optim, bandwidth=None, rng_key=None,
-                stages: int = 1):
+def staged_svgd(particles, score_fn: Callable, num_steps: int, optim, bandwidth=None, rng_key=None, stages: int = 1):
     """:func:`svgd_run` in ``stages`` stages of equal length (and one for the remainder).
 
     Each stage runs in the coordinates that whiten the particles it starts from
@@ -114,11 +113,14 @@ def staged_svgd(particles, score_fn: Callable, num_steps: int, optim, bandwidth=
     def stage(x, size, stage_key):
         w = whitening(x)
         if stage_key is None:
+
             def stage_score(u):
                 return w.score_to_z(score_fn(w.from_z(u)))
         else:
+
             def stage_score(u, k):
                 return w.score_to_z(score_fn(w.from_z(u), k))
+
         return w.from_z(svgd_run(w.to_z(x), stage_score, size, optim, bandwidth, stage_key))
 
     length, remainder = divmod(num_steps, stages)

@@ -68,15 +68,26 @@ def init(particles, num_rounds: int, federation) -> UDSVGDState:
     """
     particles = jnp.asarray(particles)
     num_clients = federation.num_clients
-    buffers = Buffer(jnp.zeros((num_clients, num_rounds + 1) + particles.shape, particles.dtype),
-                     jnp.zeros((num_clients, num_rounds), bool))
-    return UDSVGDState(particles, federation.init_state(buffers), jnp.full(num_rounds, -1, jnp.int32),
-                       jnp.zeros((), jnp.int32))
+    buffers = Buffer(
+        jnp.zeros((num_clients, num_rounds + 1) + particles.shape, particles.dtype),
+        jnp.zeros((num_clients, num_rounds), bool),
+    )
+    return UDSVGDState(
+        particles, federation.init_state(buffers), jnp.full(num_rounds, -1, jnp.int32), jnp.zeros((), jnp.int32)
+    )
 
 
-def build_client(prior_grad: Callable, client_grad: Callable, *, num_local_steps: int, optim,
-                 kde_bandwidth: float | str = "auto", svgd_bandwidth=None, temperature: float = 1.0,
-                 stochastic_client_grad: Callable | None = None) -> Callable:
+def build_client(
+    prior_grad: Callable,
+    client_grad: Callable,
+    *,
+    num_local_steps: int,
+    optim,
+    kde_bandwidth: float | str = "auto",
+    svgd_bandwidth=None,
+    temperature: float = 1.0,
+    stochastic_client_grad: Callable | None = None,
+) -> Callable:
     """A U-DSVGD client: ``client(rng_key, global_particles, history, mine, round, block) -> (N, d)``.
 
     ``global_particles`` is what the server sends (``q^(i-1)``'s particles, equal to
@@ -103,8 +114,17 @@ def build_client(prior_grad: Callable, client_grad: Callable, *, num_local_steps
             factor = jnp.sum(jnp.where(mine[:, None, None], scores[1:] - scores[:-1], 0.0), axis=0)
             return scores[round_] - factor - frame.client_grad(x, block, step_key) / temperature
 
-        return frame.from_z(staged_svgd(frame.to_z(global_particles), tilted_score, num_local_steps, optim,
-                                        config.svgd_bandwidth, key, config.stages))
+        return frame.from_z(
+            staged_svgd(
+                frame.to_z(global_particles),
+                tilted_score,
+                num_local_steps,
+                optim,
+                config.svgd_bandwidth,
+                key,
+                config.stages,
+            )
+        )
 
     return client
 
@@ -123,8 +143,9 @@ def client_functions(prior_grad: Callable, client_grad: Callable, **options) -> 
         return Buffer(history.at[round_ + 1].set(new_global), buffer.mine.at[round_].set(True)), new_global
 
     if options.get("stochastic_client_grad") is None:
-        return {}, {"update": lambda block, buffer, global_particles, round_: update(block, buffer, global_particles,
-                                                                                    round_)}
+        return {}, {
+            "update": lambda block, buffer, global_particles, round_: update(block, buffer, global_particles, round_)
+        }
     return {}, {"update": update}
 
 
@@ -137,8 +158,9 @@ def build_kernel(stochastic: bool = False) -> Callable:
 
     def step(rng_key, state: UDSVGDState, federation, client):
         key = (rng_key,) if stochastic else ()
-        clients, new_global = federation.one("update", client, state.global_particles, state.round, *key,
-                                             state=state.clients)
+        clients, new_global = federation.one(
+            "update", client, state.global_particles, state.round, *key, state=state.clients
+        )
         move = jnp.sqrt(jnp.mean(jnp.sum((new_global - state.global_particles) ** 2, axis=-1)))
         state = UDSVGDState(
             new_global,

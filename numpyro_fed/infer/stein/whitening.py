@@ -98,13 +98,15 @@ def round_frame(kde_bandwidth, global_particles, prior_score, client_grad) -> Fr
     [[1.0]]
     """
     if kde_bandwidth != "auto":
+
         def identity(x):
             return x
 
         return Frame(identity, identity, prior_score, client_grad)
     w = whitening(global_particles)
     return Frame(
-        w.to_z, w.from_z,
+        w.to_z,
+        w.from_z,
         lambda z: w.score_to_z(prior_score(w.from_z(z))),
         lambda z, block, key=None: w.score_to_z(client_grad(w.from_z(z), block, key)),
     )

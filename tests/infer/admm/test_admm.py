@@ -42,8 +42,14 @@ def logistic_model(X, y=None, clients=LOGISTIC.owner):
 
 
 def _run(kernel, data, *, num_samples=50, num_chains=1, seed=0, **kwargs):
-    mcmc = MCMC(kernel, num_warmup=0, num_samples=num_samples, num_chains=num_chains,
-                chain_method="vectorized", progress_bar=False)
+    mcmc = MCMC(
+        kernel,
+        num_warmup=0,
+        num_samples=num_samples,
+        num_chains=num_chains,
+        chain_method="vectorized",
+        progress_bar=False,
+    )
     mcmc.run(jax.random.PRNGKey(seed), data.X, data.y, **kwargs)
     return mcmc
 
@@ -57,8 +63,12 @@ def _w2_per_iteration(draws):
     """W2 between the Gaussian fitted across chains and the exact posterior, per iteration.
     ``draws``: (chains, iterations, d)."""
     draws = np.asarray(draws)
-    return np.array([gaussian_w2_from_samples(draws[:, k], LINEAR.posterior_mean, LINEAR.posterior_cov)
-                     for k in range(draws.shape[1])])
+    return np.array(
+        [
+            gaussian_w2_from_samples(draws[:, k], LINEAR.posterior_mean, LINEAR.posterior_cov)
+            for k in range(draws.shape[1])
+        ]
+    )
 
 
 # -- the tests issue 4 asks for ------------------------------------------------------------------
@@ -224,8 +234,9 @@ def test_output_layout_and_inference_data():
     np.testing.assert_allclose(idata.posterior["x"].values, np.asarray(mcmc.get_samples(True)["x"]))
     assert idata.agents["x"].dims == ("chain", "draw", "agent", "x_dim_0")
     np.testing.assert_allclose(idata.agents["x"].values, _agents(mcmc, group_by_chain=True))
-    np.testing.assert_allclose(idata.network_average["x"].values,
-                               nf.DADMMS.network_average(mcmc, group_by_chain=True)["x"])
+    np.testing.assert_allclose(
+        idata.network_average["x"].values, nf.DADMMS.network_average(mcmc, group_by_chain=True)["x"]
+    )
     for name in ("primal_residual", "dual_residual", "inner_iterations", "converged"):
         assert idata.sample_stats[name].dims == ("chain", "draw", "agent")
     assert idata.attrs["algorithm"] == "DADMMS" and idata.attrs["num_clients"] == 5
@@ -286,8 +297,9 @@ def _stationary_dadmms(rho=5.0):
     laplacian = np.kron(np.diag(deg) - adjacency, np.eye(d))
     mean_of_edges = np.kron((np.diag(deg) + adjacency) / (2 * deg[:, None]), np.eye(d))
     c = np.kron(np.diag(2 * rho * deg), np.eye(d))
-    inverse = scipy.linalg.block_diag(*[np.linalg.inv(h + 2 * rho * k * np.eye(d))
-                                        for h, k in zip(_agent_hessians(), deg)])
+    inverse = scipy.linalg.block_diag(
+        *[np.linalg.inv(h + 2 * rho * k * np.eye(d)) for h, k in zip(_agent_hessians(), deg)]
+    )
     basis = np.kron(scipy.linalg.null_space(np.ones((1, n))), np.eye(d))
     k1, k2, e = inverse @ c @ mean_of_edges, inverse @ basis, -(np.sqrt(2) / (2 * rho)) * inverse @ c
     t = np.block([[k1, -k2], [rho * basis.T @ laplacian @ k1, np.eye(basis.shape[1]) - rho * basis.T @ laplacian @ k2]])
@@ -314,14 +326,12 @@ def _stationary_dsgld(step_size=0.009):
 
 
 def _conjugate_run(kernel, seed=0):
-    mcmc = MCMC(kernel, num_warmup=100, num_samples=500, num_chains=8, chain_method="vectorized",
-                progress_bar=False)
+    mcmc = MCMC(kernel, num_warmup=100, num_samples=500, num_chains=8, chain_method="vectorized", progress_bar=False)
     mcmc.run(jax.random.PRNGKey(seed), jnp.asarray(CONJUGATE_X), jnp.asarray(CONJUGATE_Y))
     return mcmc
 
 
-@pytest.mark.parametrize("kernel_class, stationary", [(nf.DADMMS, _stationary_dadmms),
-                                                      (nf.DSGLD, _stationary_dsgld)])
+@pytest.mark.parametrize("kernel_class, stationary", [(nf.DADMMS, _stationary_dadmms), (nf.DSGLD, _stationary_dsgld)])
 def test_posterior_group_holds_draws_with_the_iterates_law(kernel_class, stationary):
     import arviz as az
 
@@ -375,14 +385,26 @@ def test_vectorized_and_sequential_chains_agree_and_warmup_continues():
     kernel = nf.DADMMS(linear_model, topology="ring")
     vec = MCMC(kernel, num_warmup=0, num_samples=5, num_chains=2, chain_method="vectorized", progress_bar=False)
     vec.run(jax.random.PRNGKey(3), LINEAR.X, LINEAR.y)
-    seq = MCMC(nf.DADMMS(linear_model, topology="ring"), num_warmup=0, num_samples=5, num_chains=2,
-               chain_method="sequential", progress_bar=False)
+    seq = MCMC(
+        nf.DADMMS(linear_model, topology="ring"),
+        num_warmup=0,
+        num_samples=5,
+        num_chains=2,
+        chain_method="sequential",
+        progress_bar=False,
+    )
     seq.run(jax.random.PRNGKey(3), LINEAR.X, LINEAR.y)
     np.testing.assert_allclose(_agents(vec), _agents(seq), atol=1e-12)
     np.testing.assert_allclose(vec.get_samples()["x"], seq.get_samples()["x"], atol=1e-12)
     # warmup() then run() continues from the post-warmup state (iterations discarded)
-    mcmc = MCMC(nf.DADMMS(linear_model), num_warmup=20, num_samples=5, num_chains=2,
-                chain_method="vectorized", progress_bar=False)
+    mcmc = MCMC(
+        nf.DADMMS(linear_model),
+        num_warmup=20,
+        num_samples=5,
+        num_chains=2,
+        chain_method="vectorized",
+        progress_bar=False,
+    )
     mcmc.warmup(jax.random.PRNGKey(0), LINEAR.X, LINEAR.y)
     assert mcmc.post_warmup_state.i.tolist() == [20, 20]
     mcmc.run(mcmc.post_warmup_state.rng_key, LINEAR.X, LINEAR.y)
@@ -408,8 +430,9 @@ def test_no_edges_warns_and_noise_vanishes():
         b = _run(nf.ADMM(linear_model, topology="none"), LINEAR, num_samples=3, num_chains=2)
     np.testing.assert_allclose(_agents(a), _agents(b), atol=1e-12)
     rows = LINEAR.owner == 0
-    local_map = np.linalg.solve(LINEAR.X[rows].T @ LINEAR.X[rows] / 16 + np.eye(2) / 50,
-                                LINEAR.X[rows].T @ LINEAR.y[rows] / 16)
+    local_map = np.linalg.solve(
+        LINEAR.X[rows].T @ LINEAR.X[rows] / 16 + np.eye(2) / 50, LINEAR.X[rows].T @ LINEAR.y[rows] / 16
+    )
     np.testing.assert_allclose(a.get_samples()["x"], np.broadcast_to(local_map, (6, 2)), atol=1e-10)
 
 
@@ -442,8 +465,7 @@ def test_newton_proximal_steps_under_vectorized_chains():
     # Newton's solve is a while_loop under vmap over the agents and over 300 chains (1500 solves
     # per iteration); a nested loop there once never ended, so this runs in a child process with
     # a time limit.
-    done = subprocess.run([sys.executable, "-c", _NEWTON_VECTORIZED], capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run([sys.executable, "-c", _NEWTON_VECTORIZED], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["shape"] == [300, 4, 5, 3]
@@ -507,8 +529,9 @@ def test_gradient_baselines_approach_the_posterior(kernel_class):
 
 def test_dsghmc_agents_follow_eqs_23_24():
     # one iteration of the agents' program (each agent's own key) against the equations by hand
-    pots = admm.AgentPotentials(lambda x, b, w: jnp.sum((x - b) ** 2) / 2,
-                                jnp.arange(5.0)[:, None] * jnp.ones((5, 2)), jnp.full(5, 0.2), 5, 2)
+    pots = admm.AgentPotentials(
+        lambda x, b, w: jnp.sum((x - b) ** 2) / 2, jnp.arange(5.0)[:, None] * jnp.ones((5, 2)), jnp.full(5, 0.2), 5, 2
+    )
     adjacency = admm.make_topology("ring", 5).adjacency
     mixing = admm.metropolis_weights(adjacency)
     program = admm.build_dsghmc_program(pots, mixing, 0.1, 7.0)
@@ -537,8 +560,9 @@ def test_gradient_baselines_mix_with_metropolis_weights():
 
 def test_dula_agents_follow_eq_25():
     # one D-ULA iteration from init_dula (every agent at k = 0) against Eq. (25) by hand
-    pots = admm.AgentPotentials(lambda x, b, w: jnp.sum((x - b) ** 2) / 2,
-                                jnp.arange(5.0)[:, None] * jnp.ones((5, 2)), jnp.full(5, 0.2), 5, 2)
+    pots = admm.AgentPotentials(
+        lambda x, b, w: jnp.sum((x - b) ** 2) / 2, jnp.arange(5.0)[:, None] * jnp.ones((5, 2)), jnp.full(5, 0.2), 5, 2
+    )
     adjacency = admm.make_topology("ring", 5).adjacency
     program = admm.build_dula_program(pots, alpha0=0.01, zeta0=0.4, chi1=0.05, chi2=0.05)
     network = nf.InProcess().agent_network(program, adjacency)
@@ -546,8 +570,12 @@ def test_dula_agents_follow_eq_25():
     state, _ = network.step(jax.random.PRNGKey(9), 0, network.start(admm.init_dula(x)))
     w = np.sqrt(5) * jax.vmap(lambda k: jax.random.normal(k, (2,)))(agent_keys(jax.random.PRNGKey(9), 5, 0))
     alpha, zeta = 0.01 / 230.0**0.05, 0.4 / 230.0**0.05
-    expected = x - zeta * (adjacency.sum(1)[:, None] * x - adjacency @ x) - alpha * 5 * (x - pots.data) \
+    expected = (
+        x
+        - zeta * (adjacency.sum(1)[:, None] * x - adjacency @ x)
+        - alpha * 5 * (x - pots.data)
         + np.sqrt(2 * alpha) * w
+    )
     np.testing.assert_allclose(state.own.x, expected, atol=1e-13)
     np.testing.assert_array_equal(state.own.k, np.ones(5))
 
@@ -587,7 +615,9 @@ def test_unstable_step_sizes_warn_and_diverged_runs_are_reported():
     with pytest.warns(RuntimeWarning, match="largest curvature"):
         kernel = nf.DSGLD(conjugate_model, step_size=10.0)
         mcmc = _conjugate_run(kernel)
-    with pytest.warns(RuntimeWarning, match=r"agent iterates are not finite \(the run diverged\); lower step_size \(now 10\)"):
+    with pytest.warns(
+        RuntimeWarning, match=r"agent iterates are not finite \(the run diverged\); lower step_size \(now 10\)"
+    ):
         nf.to_inference_data(mcmc)
     with pytest.raises(RuntimeError, match="not finite"):
         kernel.check_run(mcmc, strict=True)
@@ -609,8 +639,14 @@ def test_draws_far_from_the_posterior_warn():
 
     def run(kernel, n):
         y = jax.random.normal(jax.random.PRNGKey(0), (n,)) + 0.5
-        mcmc = MCMC(kernel(one_mean), num_warmup=100, num_samples=200, num_chains=4,
-                    chain_method="vectorized", progress_bar=False)
+        mcmc = MCMC(
+            kernel(one_mean),
+            num_warmup=100,
+            num_samples=200,
+            num_chains=4,
+            chain_method="vectorized",
+            progress_bar=False,
+        )
         mcmc.run(jax.random.PRNGKey(1), y)
         return mcmc, y
 
@@ -638,6 +674,7 @@ def test_draws_far_from_the_posterior_warn():
 def test_draws_that_collapse_a_funnel_warn():
     """The centred eight schools: D-ADMMS's agents collapse the scale tau (a funnel has no
     mode, so no Laplace width exists to compare with); Stein's identity needs none and warns."""
+
     def schools(school, sd, y):
         mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
         tau = numpyro.sample("tau", dist.HalfCauchy(5.0))
@@ -648,8 +685,9 @@ def test_draws_that_collapse_a_funnel_warn():
 
     sd = jnp.array([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0])
     y = jnp.array([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0])
-    mcmc = MCMC(nf.DADMMS(schools), num_warmup=50, num_samples=50, num_chains=20,
-                chain_method="vectorized", progress_bar=False)
+    mcmc = MCMC(
+        nf.DADMMS(schools), num_warmup=50, num_samples=50, num_chains=20, chain_method="vectorized", progress_bar=False
+    )
     mcmc.run(jax.random.PRNGKey(0), jnp.arange(8), sd, y)
     with pytest.warns(RuntimeWarning, match="do not match the posterior's score.*LocScaleReparam"):
         nf.to_inference_data(mcmc)
@@ -658,6 +696,7 @@ def test_draws_that_collapse_a_funnel_warn():
 def test_one_agent_is_refused():
     """With one client D-ADMMS has no neighbor terms, hence no noise: its 'draws' would
     collapse on the MAP (the zoo saw a spread of 0). It refuses, naming the alternatives."""
+
     def one_client(y):
         mu = numpyro.sample("mu", dist.Normal(0, 1))
         with nf.federated_plate("data", y.shape[0], clients=1):
@@ -671,7 +710,9 @@ def test_one_agent_is_refused():
 def test_repr_names_the_model_and_the_arguments_set():
     assert repr(nf.DADMMS(linear_model)) == "DADMMS(model=linear_model)"
     assert repr(nf.DADMMS(linear_model, topology="star", rho=1.0, agent=2)) == (
-        "DADMMS(model=linear_model, topology='star', rho=1.0, agent=2)")
+        "DADMMS(model=linear_model, topology='star', rho=1.0, agent=2)"
+    )
     assert repr(nf.ADMM(linear_model, rho=2.0)) == "ADMM(model=linear_model, rho=2.0)"
     assert repr(nf.DSGHMC(linear_model, topology=np.ones((5, 5)) - np.eye(5), friction=3.0)) == (
-        "DSGHMC(model=linear_model, topology=<array (5, 5)>, friction=3.0)")
+        "DSGHMC(model=linear_model, topology=<array (5, 5)>, friction=3.0)"
+    )

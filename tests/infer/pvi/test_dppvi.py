@@ -3,17 +3,16 @@ virtual clients vs parameter perturbation, argument errors, InferenceData."""
 
 import warnings
 
+import dp_accounting
 import numpy as np
 import pytest
+from dp_accounting import dp_event
+from dp_accounting.pld import PLDAccountant
+from dp_accounting.rdp import RdpAccountant
 
 import jax
 import jax.numpy as jnp
 import optax
-
-import dp_accounting
-from dp_accounting import dp_event
-from dp_accounting.pld import PLDAccountant
-from dp_accounting.rdp import RdpAccountant
 
 import numpyro
 import numpyro.distributions as dist
@@ -26,10 +25,10 @@ from numpyro_fed.privacy import calibrate_noise_multiplier, gaussian_event
 REPLACE = dp_accounting.NeighboringRelation.REPLACE_ONE
 NUM_ROWS, NUM_CLIENTS = 120, 3
 
+
 def params(result):
     """``q``'s ``loc`` and ``scale`` by site after a run."""
     return result.method.get_params(result.state)
-
 
 
 def model(X, y=None):
@@ -76,13 +75,22 @@ def test_poisson_cap_changes_nothing_when_the_batch_fits(data):
     valid = fp.client_data["valid"]["data"][0]
     d = fp.num_latent
     start = pvi.gaussian.natural(jnp.zeros(d), jnp.ones(d))
-    config = pvi.client.LocalConfig(optim=optax.adam(0.1), num_steps=3, num_mc_samples=2, sampling="poisson",
-                             sampling_rate=0.1, dpsgd=True, clip_norm=1.0)
+    config = pvi.client.LocalConfig(
+        optim=optax.adam(0.1),
+        num_steps=3,
+        num_mc_samples=2,
+        sampling="poisson",
+        sampling_rate=0.1,
+        dpsgd=True,
+        clip_norm=1.0,
+    )
     row_log_lik = lambda t, r: fp.row_log_likelihood_fn(fp.unravel(t), r)
-    full, _ = pvi.client.optimize_local(jax.random.PRNGKey(0), row_log_lik, start, start, rows, valid, config,
-                                 noise_multiplier=1.0)
-    capped, _ = pvi.client.optimize_local(jax.random.PRNGKey(0), row_log_lik, start, start, rows, valid, config,
-                                   noise_multiplier=1.0, batch_cap=20)
+    full, _ = pvi.client.optimize_local(
+        jax.random.PRNGKey(0), row_log_lik, start, start, rows, valid, config, noise_multiplier=1.0
+    )
+    capped, _ = pvi.client.optimize_local(
+        jax.random.PRNGKey(0), row_log_lik, start, start, rows, valid, config, noise_multiplier=1.0, batch_cap=20
+    )
     np.testing.assert_allclose(capped.eta1, full.eta1, rtol=1e-10)
     # The cap the class picks keeps the overflow probability within its share of delta.
     from scipy.stats import binom
@@ -99,8 +107,7 @@ SIZES = np.array([40, 40, 30])
 
 
 def test_dpsgd_without_replacement_epsilon_equals_direct_accounting():
-    method = DPPVI(model, dp="dpsgd", noise_multiplier=3.0, sampling="without_replacement",
-                   sampling_rate=0.1, **FAST)
+    method = DPPVI(model, dp="dpsgd", noise_multiplier=3.0, sampling="without_replacement", sampling_rate=0.1, **FAST)
     guarantee = method.privacy(np.full(3, 3.0), 2, SIZES)
     # dp-accounting's RDP noise is relative to the substitution sensitivity 2C; the run's
     # epsilon is the largest client's: the one with the largest sampling fraction.
@@ -127,16 +134,23 @@ def test_update_perturbation_epsilon_equals_direct_accounting(dp):
 
 
 def test_calibrated_run_spends_at_most_the_target(data):
-    method = DPPVI(model, target_epsilon=1.0, delta=1e-5, dp="dpsgd", sampling="poisson",
-                   sampling_rate=0.2, **FAST)
+    method = DPPVI(model, target_epsilon=1.0, delta=1e-5, dp="dpsgd", sampling="poisson", sampling_rate=0.2, **FAST)
     result = method.run(jax.random.PRNGKey(3), 2, *data)
     assert 0.99 <= result.privacy.epsilon <= 1.0
     assert np.all(result.metrics["noise_multiplier"][-1] > 0)
 
 
 def test_calibration_of_update_perturbation():
-    method = DPPVI(model, target_epsilon=0.5, delta=1e-6, dp="virtual", num_shards=2,
-                   schedule="synchronous", trusted_aggregator=True, **FAST)
+    method = DPPVI(
+        model,
+        target_epsilon=0.5,
+        delta=1e-6,
+        dp="virtual",
+        num_shards=2,
+        schedule="synchronous",
+        trusted_aggregator=True,
+        **FAST,
+    )
     sigmas = method.noise_multipliers(7, SIZES)
     assert 0.495 <= method.privacy(sigmas, 7, SIZES).epsilon <= 0.5
     assert method.privacy(sigmas * 0.99, 7, SIZES).epsilon > 0.5
@@ -186,12 +200,27 @@ def test_dpsgd_noise_has_the_stated_scale():
     d, sigma, clip, rate = 3, 2.0, 0.7, 0.25
     start = pvi.gaussian.natural(jnp.zeros(d), jnp.ones(d))
     rows = [jnp.zeros((4, 1))]
-    config = pvi.client.LocalConfig(optim=optax.sgd(1.0), num_steps=1, num_mc_samples=1, sampling="poisson",
-                             sampling_rate=rate, dpsgd=True, clip_norm=clip)
+    config = pvi.client.LocalConfig(
+        optim=optax.sgd(1.0),
+        num_steps=1,
+        num_mc_samples=1,
+        sampling="poisson",
+        sampling_rate=rate,
+        dpsgd=True,
+        clip_norm=clip,
+    )
 
     def moved(key):
-        new, _ = pvi.client.optimize_local(key, lambda t, r: jnp.zeros(r[0].shape[0]), start, start,
-                                    rows, jnp.zeros(4, bool), config, noise_multiplier=sigma)
+        new, _ = pvi.client.optimize_local(
+            key,
+            lambda t, r: jnp.zeros(r[0].shape[0]),
+            start,
+            start,
+            rows,
+            jnp.zeros(4, bool),
+            config,
+            noise_multiplier=sigma,
+        )
         loc, scale = pvi.gaussian.loc_scale(new)
         return jnp.concatenate([loc, jnp.log(scale)])
 
@@ -208,14 +237,31 @@ def test_update_noise_has_the_stated_scale(dp, trusted):
     virtual = pvi.GaussianNatural(jnp.zeros((shards, d)), jnp.zeros((shards, d)))
     rows = [jnp.zeros((8, 1))]
     index = jnp.arange(8).reshape(shards, 2)
-    config = pvi.client.LocalConfig(optim=optax.sgd(0.1), num_steps=2, num_mc_samples=1, sampling="full",
-                             sampling_rate=1.0, dpsgd=False, clip_norm=clip)
+    config = pvi.client.LocalConfig(
+        optim=optax.sgd(0.1),
+        num_steps=2,
+        num_mc_samples=1,
+        sampling="full",
+        sampling_rate=1.0,
+        dpsgd=False,
+        clip_norm=clip,
+    )
     divisor = np.sqrt(clients) if trusted else 1.0
 
     def delta(key):
         out, _, _ = pvi.client.client_update(
-            key, lambda t, r: jnp.zeros(r[0].shape[0]), q, zero, virtual, rows, jnp.zeros(8, bool),
-            index, jnp.zeros((shards, 2), bool), config, dp=dp, noise_multiplier=sigma,
+            key,
+            lambda t, r: jnp.zeros(r[0].shape[0]),
+            q,
+            zero,
+            virtual,
+            rows,
+            jnp.zeros(8, bool),
+            index,
+            jnp.zeros((shards, 2), bool),
+            config,
+            dp=dp,
+            noise_multiplier=sigma,
             noise_divisor=divisor,
         )
         return jnp.concatenate([out.eta1, out.eta2])
@@ -237,11 +283,28 @@ def test_clipped_updates_have_norm_at_most_C(data, dp):
     zero = pvi.GaussianNatural(jnp.zeros(d), jnp.zeros(d))
     virtual = pvi.GaussianNatural(jnp.zeros((shards, d)), jnp.zeros((shards, d)))
     clip = 0.3  # far below the unclipped changes (several units): clipping is active
-    config = pvi.client.LocalConfig(optim=optax.adam(0.1), num_steps=20, num_mc_samples=2, sampling="full",
-                             sampling_rate=1.0, dpsgd=False, clip_norm=clip)
+    config = pvi.client.LocalConfig(
+        optim=optax.adam(0.1),
+        num_steps=20,
+        num_mc_samples=2,
+        sampling="full",
+        sampling_rate=1.0,
+        dpsgd=False,
+        clip_norm=clip,
+    )
     delta, virtual_delta, clipped = pvi.client.client_update(
-        jax.random.PRNGKey(6), lambda t, r: fp.row_log_likelihood_fn(fp.unravel(t), r), q, zero,
-        virtual, rows, valid, index[0], shard_valid[0], config, dp=dp, noise_multiplier=0.0,
+        jax.random.PRNGKey(6),
+        lambda t, r: fp.row_log_likelihood_fn(fp.unravel(t), r),
+        q,
+        zero,
+        virtual,
+        rows,
+        valid,
+        index[0],
+        shard_valid[0],
+        config,
+        dp=dp,
+        noise_multiplier=0.0,
     )
     assert clipped == 1.0
     delta = jnp.concatenate([delta.eta1, delta.eta2])
@@ -299,12 +362,29 @@ def test_one_virtual_client_equals_naive_parameter_perturbation_by_hand(data, no
     factor = pvi.GaussianNatural(jnp.array([0.1, 0.2]), jnp.array([-0.05, -0.1]))
     index, shard_valid = pvi.core.shard_layout([int(valid.sum())], 1, seed=0)
     clip = 0.4
-    config = pvi.client.LocalConfig(optim=optax.adam(0.1), num_steps=20, num_mc_samples=2, sampling="full",
-                             sampling_rate=1.0, dpsgd=False, clip_norm=clip)
+    config = pvi.client.LocalConfig(
+        optim=optax.adam(0.1),
+        num_steps=20,
+        num_mc_samples=2,
+        sampling="full",
+        sampling_rate=1.0,
+        dpsgd=False,
+        clip_norm=clip,
+    )
     key = jax.random.PRNGKey(11)
     delta, _, _ = pvi.client.client_update(
-        key, row_log_lik, q, factor, jax.tree_util.tree_map(lambda x: x[None], factor), rows, valid,
-        index[0], shard_valid[0], config, dp="virtual", noise_multiplier=noise_multiplier,
+        key,
+        row_log_lik,
+        q,
+        factor,
+        jax.tree_util.tree_map(lambda x: x[None], factor),
+        rows,
+        valid,
+        index[0],
+        shard_valid[0],
+        config,
+        dp="virtual",
+        noise_multiplier=noise_multiplier,
     )
     # by hand
     key_opt, key_noise = jax.random.split(key)
@@ -347,16 +427,16 @@ def test_bad_arguments(kwargs, match):
 
 def test_too_many_shards(data):
     with pytest.raises(ValueError, match="num_shards"):
-        DPPVI(model, dp="virtual", noise_multiplier=1.0, num_shards=1000, **FAST).run(
-            jax.random.PRNGKey(0), 1, *data
-        )
+        DPPVI(model, dp="virtual", noise_multiplier=1.0, num_shards=1000, **FAST).run(jax.random.PRNGKey(0), 1, *data)
 
 
 def test_samples_and_inference_data(dpsgd_run):
     method, result = dpsgd_run
     draws = method.get_samples(jax.random.PRNGKey(10), result, 4000)
     assert draws["w"].shape == (4000, 2)
-    np.testing.assert_allclose(draws["w"].mean(0), params(result)["loc"]["w"], atol=5 * params(result)["scale"]["w"].max() / 60)
+    np.testing.assert_allclose(
+        draws["w"].mean(0), params(result)["loc"]["w"], atol=5 * params(result)["scale"]["w"].max() / 60
+    )
     np.testing.assert_allclose(draws["w"].std(0), params(result)["scale"]["w"], rtol=0.05)
     idata = nf.to_inference_data(result, num_samples=50, rng_key=jax.random.PRNGKey(0))
     assert idata.posterior["w"].shape[:2] == (1, 50)
@@ -377,11 +457,18 @@ def test_bcm_is_exact_on_a_conjugate_model(prior):
     y = jnp.linspace(-1.0, 3.0, 12)
     precision = 1 / 4 + 12
     mean = (0.5 / 4 + y.sum()) / precision
-    bcm = BCM(gaussian, prior=prior, dp=None, optim=optax.adam(optax.exponential_decay(5e-2, 400, 0.05)),
-              num_local_steps=400, num_mc_samples=64, progress_bar=False)
+    bcm = BCM(
+        gaussian,
+        prior=prior,
+        dp=None,
+        optim=optax.adam(optax.exponential_decay(5e-2, 400, 0.05)),
+        num_local_steps=400,
+        num_mc_samples=64,
+        progress_bar=False,
+    )
     result = bcm.run(jax.random.PRNGKey(0), 1, y)
-    assert abs(params(result)["loc"]["mu"] - mean) < 0.05 * precision ** -0.5
-    np.testing.assert_allclose(params(result)["scale"]["mu"], precision ** -0.5, rtol=0.03)
+    assert abs(params(result)["loc"]["mu"] - mean) < 0.05 * precision**-0.5
+    np.testing.assert_allclose(params(result)["scale"]["mu"], precision**-0.5, rtol=0.03)
 
 
 def test_global_vi_accounts_the_pooled_rows(data):
@@ -462,7 +549,9 @@ def test_default_optimiser_is_invariant_to_the_units():
             numpyro.sample("y", dist.Normal(X @ w / 1000.0, 1.0), obs=y)
 
     big = DPPVI(scaled, progress_bar=False).run(jax.random.PRNGKey(3), 3, X, y)
-    np.testing.assert_allclose(params(big)["loc"]["w"] / 1000.0, params(fit)["loc"]["w"], rtol=1e-6, atol=1e-6 * sd.max())
+    np.testing.assert_allclose(
+        params(big)["loc"]["w"] / 1000.0, params(fit)["loc"]["w"], rtol=1e-6, atol=1e-6 * sd.max()
+    )
     np.testing.assert_allclose(params(big)["scale"]["w"] / 1000.0, params(fit)["scale"]["w"], rtol=1e-6)
 
 
@@ -530,7 +619,9 @@ def test_budget_only_dpsgd_is_useful_where_the_data_allow():
     assert np.all((scale / sd > 1 / 1.5) & (scale / sd < 1.5))
     assert result.metrics["predicted_dp_error"][-1] < 0.5
     event = dp_event.SelfComposedDpEvent(
-        dp_event.PoissonSampledDpEvent(method.sampling_rate, dp_event.GaussianDpEvent(result.metrics["noise_multiplier"][-1][0])),
+        dp_event.PoissonSampledDpEvent(
+            method.sampling_rate, dp_event.GaussianDpEvent(result.metrics["noise_multiplier"][-1][0])
+        ),
         2 * method.num_local_steps,
     )
     direct = _direct_epsilon(PLDAccountant(REPLACE), event, delta=1e-5 * (1 - 1e-6))
@@ -547,6 +638,7 @@ def test_a_negligible_noise_multiplier_is_refused_before_accounting():
 def test_client_local_latents_are_refused_by_name():
     """Per-client effects and per-row latents are refused, naming the sites (before, the
     message listed plates, or complained of a prior that is not a proper Gaussian)."""
+
     def per_client(g, y):
         mu = numpyro.sample("mu", dist.Normal(0, 1))
         with nf.federated_plate("clients", 4, clients=4):

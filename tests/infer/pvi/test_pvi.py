@@ -10,15 +10,16 @@ import optax
 import numpyro
 import numpyro.distributions as dist
 
-import models
 import numpyro_fed as nf
 from numpyro_fed.infer import pvi
 from numpyro_fed.infer.pvi import DPPVI
 
+import models
+
+
 def params(result):
     """``q``'s ``loc`` and ``scale`` by site after a run."""
     return result.method.get_params(result.state)
-
 
 
 def _regression_data(n=37, p=3, seed=0):
@@ -92,9 +93,10 @@ def test_per_example_grads_match_single_row_gradients():
     eps = jax.random.normal(jax.random.PRNGKey(2), (5, d))
     grads = pvi.client.per_example_grads(row_log_lik, params, eps, rows)
     for i in range(rows[0].shape[0]):
+
         def term(p):
             thetas = p.loc + jnp.exp(p.log_scale) * eps
-            return jnp.mean(jax.vmap(lambda t: row_log_lik(t, [r[i:i + 1] for r in rows])[0])(thetas))
+            return jnp.mean(jax.vmap(lambda t: row_log_lik(t, [r[i : i + 1] for r in rows])[0])(thetas))
 
         g = jax.jit(jax.grad(term))(params)
         np.testing.assert_allclose(grads[i], jnp.concatenate([g.loc, g.log_scale]), rtol=1e-10)
@@ -118,11 +120,10 @@ def test_conjugate_gaussian_reaches_exact_posterior(schedule):
     noise_precision = 1 / jnp.array([1.0, 3.0]) ** 2
     precision = prior_precision + n * noise_precision
     mean = (prior_precision * jnp.array([0.5, -1.0]) + noise_precision * y.sum(0)) / precision
-    sd = precision ** -0.5
+    sd = precision**-0.5
 
     optim = optax.adam(optax.exponential_decay(5e-2, 300, 0.05))
-    method = DPPVI(model, schedule=schedule, optim=optim, num_local_steps=300,
-                   num_mc_samples=64, progress_bar=False)
+    method = DPPVI(model, schedule=schedule, optim=optim, num_local_steps=300, num_mc_samples=64, progress_bar=False)
     result = method.run(jax.random.PRNGKey(1), 6, y)
     loc, scale = params(result)["loc"]["mu"], params(result)["scale"]["mu"]
     # The prior alone is far off: these tolerances are a small fraction of the gap.
@@ -205,17 +206,25 @@ def test_dppvi_loss_is_the_negative_elbo_and_update_continues_run():
     the rounds of run."""
     from scipy import stats
 
-    method = DPPVI(gaussian_mean, optim=optax.adam(optax.exponential_decay(5e-2, 300, 0.05)),
-                   num_local_steps=300, num_mc_samples=64, progress_bar=False)
+    method = DPPVI(
+        gaussian_mean,
+        optim=optax.adam(optax.exponential_decay(5e-2, 300, 0.05)),
+        num_local_steps=300,
+        num_mc_samples=64,
+        progress_bar=False,
+    )
     result = method.run(jax.random.PRNGKey(1), 3, Y)
     assert result.metrics["loss"].shape == (3,)
     assert result.metrics["loss"][0] > result.metrics["loss"][-1]
     loc, scale = result.metrics["loc"][-1, 0], result.metrics["scale"][-1, 0]
     exact = _exact_negative_elbo(loc, scale)
-    estimates = np.array([float(method.evaluate(result.state, rng_key=k))
-                          for k in jax.random.split(jax.random.PRNGKey(5), 40)])
+    estimates = np.array(
+        [float(method.evaluate(result.state, rng_key=k)) for k in jax.random.split(jax.random.PRNGKey(5), 40)]
+    )
     assert abs(estimates.mean() - exact) < 4 * estimates.std() / np.sqrt(40)
-    evidence = stats.multivariate_normal(np.zeros(Y.size), NOISE_SD**2 * np.eye(Y.size) + PRIOR_SD**2).logpdf(np.asarray(Y))
+    evidence = stats.multivariate_normal(np.zeros(Y.size), NOISE_SD**2 * np.eye(Y.size) + PRIOR_SD**2).logpdf(
+        np.asarray(Y)
+    )
     assert exact == pytest.approx(-evidence, abs=1e-3)  # q is the posterior: the ELBO is the evidence
     # evaluate on other data: the same q against the rows doubled costs more
     assert float(method.evaluate(result.state, jnp.concatenate([Y, Y]))) > estimates.max()

@@ -59,10 +59,15 @@ def test_each_round_runs_svgd_towards_the_clients_local_posterior(local_posterio
     # round 2 (client 1): svgd_run from the round-1 particles towards p_0 exp(-L_1), with the
     # model's own gradients (the median heuristic makes 200 steps sensitive to rounding)
     gradients, block = method.gradients, method.federated_potential.client_block(1)
-    expected = stein.svgd_run(jnp.asarray(result.metrics["particles"][0]),
-                              lambda x: (jax.vmap(lambda x_n: -gradients.prior_grad(x_n))(x)
-                                         - jax.vmap(gradients.client_grad, in_axes=(0, None))(x, block)),
-                              OPTIONS["num_local_steps"], stein.adagrad_momentum(0.05))
+    expected = stein.svgd_run(
+        jnp.asarray(result.metrics["particles"][0]),
+        lambda x: (
+            jax.vmap(lambda x_n: -gradients.prior_grad(x_n))(x)
+            - jax.vmap(gradients.client_grad, in_axes=(0, None))(x, block)
+        ),
+        OPTIONS["num_local_steps"],
+        stein.adagrad_momentum(0.05),
+    )
     np.testing.assert_allclose(particles[1], np.asarray(expected)[:, 0], rtol=1e-9, atol=1e-9)
     # after each round the particles' mean is the scheduled client's local posterior mean
     assert abs(particles[0].mean() - local_posterior_mean(Y[:4])) < 0.05

@@ -51,8 +51,7 @@ def mixture_toy(y, shifts, log_scales):
     theta = numpyro.sample("theta", dist.Normal(0, 1))
     with nf.federated_plate("agents", 2, clients=2):
         components = dist.Normal(theta + shifts, jnp.exp(log_scales))
-        numpyro.sample("obs", dist.MixtureSameFamily(dist.Categorical(probs=jnp.full(2, 0.5)), components),
-                       obs=y)
+        numpyro.sample("obs", dist.MixtureSameFamily(dist.Categorical(probs=jnp.full(2, 0.5)), components), obs=y)
 
 
 def moments(particles):
@@ -128,8 +127,7 @@ def test_svgd_reaches_a_gaussian_target():
 
 def test_dsvgd_conjugate_gaussian_moments():
     n = 100
-    dsvgd = nf.DSVGD(gaussian_mean, num_particles=n, num_local_steps=200, num_distill_steps=200,
-                     progress_bar=False)
+    dsvgd = nf.DSVGD(gaussian_mean, num_particles=n, num_local_steps=200, num_distill_steps=200, progress_bar=False)
     result = dsvgd.run(jax.random.PRNGKey(0), 6, Y)
     mean, var = moments(final(result))
     # Tolerances of N = 100 independent draws (3 standard errors): mean 3 sqrt(v / N),
@@ -161,8 +159,14 @@ def test_dsvgd_global_posterior_is_a_fixed_point(kde_bandwidth):
     # the clients' local particles, kept in this process (InProcess, the default federation)
     clients = ClientState(stein.LocalState(local, jnp.ones(3, bool)), jnp.zeros(3, jnp.int32))
     state = stein.DSVGDState(global_particles, clients, jnp.ones(3, bool), jnp.zeros((), jnp.int32))
-    dsvgd = nf.DSVGD(gaussian_mean, num_particles=n, num_local_steps=100, num_distill_steps=100,
-                     kde_bandwidth=kde_bandwidth, progress_bar=False)
+    dsvgd = nf.DSVGD(
+        gaussian_mean,
+        num_particles=n,
+        num_local_steps=100,
+        num_distill_steps=100,
+        kde_bandwidth=kde_bandwidth,
+        progress_bar=False,
+    )
     result = dsvgd.run(jax.random.PRNGKey(1), 3, Y, init_state=state)
     tolerance_mean = 3 * math.sqrt(POST_VAR / n)
     # Theorem 1 is about exact densities. With the paper's fixed bandwidth each round passes
@@ -185,8 +189,9 @@ def test_first_round_uses_the_exact_prior_and_unit_factors():
     fp = nf.split_potential(gaussian_mean, (Y,))
     prior_grad, client_grad_one = flat_gradients(fp)
     optim = stein.adagrad_momentum(0.05)
-    functions, stateful = dsvgd_core.client_functions(prior_grad, client_grad_one, num_local_steps=30,
-                                                      num_distill_steps=30, optim=optim, kde_bandwidth=0.55)
+    functions, stateful = dsvgd_core.client_functions(
+        prior_grad, client_grad_one, num_local_steps=30, num_distill_steps=30, optim=optim, kde_bandwidth=0.55
+    )
     federation = InProcess().start(fp.client_program(functions, stateful=stateful))
     step = jax.jit(dsvgd_core.build_kernel())
     x0 = jax.random.normal(jax.random.PRNGKey(0), (5, 1)) * 3.0
@@ -194,14 +199,16 @@ def test_first_round_uses_the_exact_prior_and_unit_factors():
     prior_score = jax.vmap(lambda x: -prior_grad(x))
     client_grad = jax.vmap(client_grad_one, in_axes=(0, None))
     after, info = step(None, state, federation, 0)
-    expected = stein.svgd_run(state.global_particles,
-                              lambda x: prior_score(x) - client_grad(x, fp.client_block(0)), 30, optim)
+    expected = stein.svgd_run(
+        state.global_particles, lambda x: prior_score(x) - client_grad(x, fp.client_block(0)), 30, optim
+    )
     np.testing.assert_allclose(after.global_particles, expected, rtol=1e-10)
     assert int(info.client) == 0 and float(info.move) > 0
     second, _ = step(None, after, federation, 1)
     g = after.global_particles
     expected = stein.svgd_run(
-        g, lambda x: stein.kde_grad_log_density(x, g, 0.55) - client_grad(x, fp.client_block(1)), 30, optim)
+        g, lambda x: stein.kde_grad_log_density(x, g, 0.55) - client_grad(x, fp.client_block(1)), 30, optim
+    )
     np.testing.assert_allclose(second.global_particles, expected, rtol=1e-10)
 
 
@@ -213,8 +220,7 @@ def test_dsvgd_away_from_the_fixed_point_moves():
     wrong_local = jnp.broadcast_to(global_particles, (3, n, 1))  # claims p_0 t_k = q
     clients = ClientState(stein.LocalState(wrong_local, jnp.ones(3, bool)), jnp.zeros(3, jnp.int32))
     state = stein.DSVGDState(global_particles, clients, jnp.ones(3, bool), jnp.zeros((), jnp.int32))
-    dsvgd = nf.DSVGD(gaussian_mean, num_particles=n, num_local_steps=100, num_distill_steps=100,
-                     progress_bar=False)
+    dsvgd = nf.DSVGD(gaussian_mean, num_particles=n, num_local_steps=100, num_distill_steps=100, progress_bar=False)
     result = dsvgd.run(jax.random.PRNGKey(1), 1, Y, init_state=state)
     _, var = moments(final(result))
     assert abs(var - POST_VAR) > 3 * POST_VAR * math.sqrt(2 / n)
@@ -227,8 +233,14 @@ def test_udsvgd_and_pdsvgd_conjugate_moments():
     mean, var = moments(final(udsvgd.run(jax.random.PRNGKey(0), 6, Y)))
     assert abs(mean - POST_MEAN) < tolerance_mean
     assert abs(var - POST_VAR) < 3 * POST_VAR * math.sqrt(2 / n) + 0.3  # + a KDE's blur
-    pdsvgd = stein.PDSVGD(gaussian_mean, num_particles=n, clients_per_round=3, num_local_steps=200,
-                         num_distill_steps=200, progress_bar=False)
+    pdsvgd = stein.PDSVGD(
+        gaussian_mean,
+        num_particles=n,
+        clients_per_round=3,
+        num_local_steps=200,
+        num_distill_steps=200,
+        progress_bar=False,
+    )
     result = pdsvgd.run(jax.random.PRNGKey(0), 3, Y)
     assert result.metrics["client"].shape == (3, 3)
     mean, var = moments(final(result))
@@ -249,13 +261,15 @@ def mixture_kls():
     # The paper's settings, its KDE bandwidth included (the default's near-Gaussian KDEs end
     # at the best Gaussian's KL here: docs/guide/dsvgd.md).
     dsvgd = nf.DSVGD(mixture_toy, num_local_steps=200, num_distill_steps=200, kde_bandwidth=0.55, **common).run(
-        jax.random.PRNGKey(0), 5, *args)
+        jax.random.PRNGKey(0), 5, *args
+    )
     central = stein.SVGD(mixture_toy, steps_per_round=200, **common).run(jax.random.PRNGKey(0), 5, *args)
     # Gaussian PVI, one agent per round as DSVGD; its KL is that of the Gaussian q itself.
-    pvi = nf.GaussianPVI(mixture_toy, num_local_steps=1000, progress_bar=False).run(
-        jax.random.PRNGKey(0), 5, *args)
-    pvi_kl = [metrics.kl_1d(toy.log_posterior, stats.norm(loc[0], scale[0]).logpdf, grid)
-              for loc, scale in zip(pvi.metrics["loc"], pvi.metrics["scale"])]
+    pvi = nf.GaussianPVI(mixture_toy, num_local_steps=1000, progress_bar=False).run(jax.random.PRNGKey(0), 5, *args)
+    pvi_kl = [
+        metrics.kl_1d(toy.log_posterior, stats.norm(loc[0], scale[0]).logpdf, grid)
+        for loc, scale in zip(pvi.metrics["loc"], pvi.metrics["scale"])
+    ]
     # The best Gaussian in KL(q_opt || q) matches q_opt's moments: a lower bound for Gaussian PVI.
     draws = toy.posterior.sample(400_000, seed=0)
     gaussian = metrics.kl_1d(toy.log_posterior, stats.norm(draws.mean(), draws.std()).logpdf, grid)
@@ -279,7 +293,8 @@ def test_mixture_kl_beats_gaussian_pvi_and_approaches_svgd(mixture_kls):
 
 def test_fedavg_reaches_the_map_and_dsgld_the_posterior():
     result = stein.FedAvg(gaussian_mean, num_local_steps=300, learning_rate=0.1, progress_bar=False).run(
-        jax.random.PRNGKey(0), 9, Y)
+        jax.random.PRNGKey(0), 9, Y
+    )
     # MAP of the conjugate model equals the posterior mean; FedAvg with one client per round
     # lands near the last client's local optimum, so the check is loose: within one posterior sd.
     assert abs(float(final(result)[0, 0]) - POST_MEAN) < math.sqrt(POST_VAR)
@@ -287,8 +302,9 @@ def test_fedavg_reaches_the_map_and_dsgld_the_posterior():
     point = fedavg.run(jax.random.PRNGKey(0), 2, Y)
     assert fedavg.get_samples(jax.random.PRNGKey(0), point, 5)["mu"].shape == (5,)
     n = 100
-    sgld = stein.DistributedSGLD(gaussian_mean, num_particles=n, num_local_steps=300, a0=0.5,
-                                progress_bar=False).run(jax.random.PRNGKey(0), 6, Y)
+    sgld = stein.DistributedSGLD(gaussian_mean, num_particles=n, num_local_steps=300, a0=0.5, progress_bar=False).run(
+        jax.random.PRNGKey(0), 6, Y
+    )
     mean, var = moments(final(sgld))
     assert abs(mean - POST_MEAN) < 0.5
     assert 0.3 * POST_VAR < var < 3 * POST_VAR
@@ -297,25 +313,29 @@ def test_fedavg_reaches_the_map_and_dsgld_the_posterior():
 def test_baselines_reach_their_clients_through_the_seam_and_the_ledger_counts_it():
     n, steps, rounds, f64, key = 4, 3, 4, 8, 8  # a PRNGKey: two uint32
     svgd = stein.SVGD(gaussian_mean, num_particles=n, steps_per_round=steps, progress_bar=False).run(
-        jax.random.PRNGKey(0), rounds, Y)
+        jax.random.PRNGKey(0), rounds, Y
+    )
     # every client's gradient at every step: the particles down, their gradients up
     np.testing.assert_array_equal(svgd.ledger["grad/rounds"], [rounds * steps] * 3)
     np.testing.assert_array_equal(svgd.ledger["grad/bytes_to_client"], [rounds * steps * n * f64] * 3)
     np.testing.assert_array_equal(svgd.ledger["grad/bytes_from_client"], [rounds * steps * n * f64] * 3)
     fedavg = stein.FedAvg(gaussian_mean, num_local_steps=steps, progress_bar=False).run(
-        jax.random.PRNGKey(0), rounds, Y)
+        jax.random.PRNGKey(0), rounds, Y
+    )
     visits = np.bincount(fedavg.metrics["client"], minlength=3)  # round robin: 2, 1, 1
     # the point and the round's key down, the client's new point up
     np.testing.assert_array_equal(fedavg.ledger["update/bytes_to_client"], visits * (f64 + key))
     np.testing.assert_array_equal(fedavg.ledger["update/bytes_from_client"], visits * f64)
-    sgld = stein.DistributedSGLD(gaussian_mean, num_particles=n, num_local_steps=steps, a0=0.1,
-                                 progress_bar=False).run(jax.random.PRNGKey(0), rounds, Y)
+    sgld = stein.DistributedSGLD(gaussian_mean, num_particles=n, num_local_steps=steps, a0=0.1, progress_bar=False).run(
+        jax.random.PRNGKey(0), rounds, Y
+    )
     # the chains, the gradient's scale n / n_k, the global step count and the key down; the chains up
     np.testing.assert_array_equal(sgld.ledger["update/bytes_to_client"], visits * (n * f64 + f64 + 4 + key))
     np.testing.assert_array_equal(sgld.ledger["update/bytes_from_client"], visits * n * f64)
     # the same run on an InProcess given explicitly
     again = stein.FedAvg(gaussian_mean, num_local_steps=steps, progress_bar=False, federation=nf.InProcess()).run(
-        jax.random.PRNGKey(0), rounds, Y)
+        jax.random.PRNGKey(0), rounds, Y
+    )
     np.testing.assert_array_equal(final(again), final(fedavg))
 
 
@@ -327,8 +347,7 @@ def test_baselines_run_in_this_process_only(baseline):
 
 
 def test_dsgld_divergence_is_an_error_naming_the_step_size():
-    sgld = stein.DistributedSGLD(gaussian_mean, num_particles=4, num_local_steps=300, a0=1e3,
-                                progress_bar=False)
+    sgld = stein.DistributedSGLD(gaussian_mean, num_particles=4, num_local_steps=300, a0=1e3, progress_bar=False)
     with pytest.raises(FloatingPointError, match="DistributedSGLD diverged.*lower a0"):
         sgld.run(jax.random.PRNGKey(0), 3, Y)
 
@@ -375,26 +394,40 @@ def test_minibatch_runs_reach_the_posterior():
     sd = np.sqrt(np.diag(np.linalg.inv(precision)))
     assert np.all(np.abs(mean) > 2.5 * sd)  # the prior mean is far: the checks below can fail
     n = 50
-    for method in (nf.DSVGD(linear, num_particles=n, num_local_steps=300, num_distill_steps=200,
-                            learning_rate=0.05, batch_size=10, progress_bar=False),
-                   stein.SVGD(linear, num_particles=n, steps_per_round=300, learning_rate=0.05,
-                             batch_size=10, progress_bar=False)):
+    for method in (
+        nf.DSVGD(
+            linear,
+            num_particles=n,
+            num_local_steps=300,
+            num_distill_steps=200,
+            learning_rate=0.05,
+            batch_size=10,
+            progress_bar=False,
+        ),
+        stein.SVGD(linear, num_particles=n, steps_per_round=300, learning_rate=0.05, batch_size=10, progress_bar=False),
+    ):
         particles = final(method.run(jax.random.PRNGKey(0), 4, LIN_X, LIN_Y))
         # Stochastic steps at a fixed step size leave a noise floor (measured: up to 0.5 sd
         # off), and the KDE widens DSVGD's particles: within one posterior sd, not to Monte
         # Carlo precision; the spread within a factor 2.
         assert np.all(np.abs(particles.mean(axis=0) - mean) < sd), type(method)
         assert np.all((0.5 * sd < particles.std(axis=0)) & (particles.std(axis=0) < 2 * sd)), type(method)
-    point = stein.FedAvg(linear, num_local_steps=300, learning_rate=0.05, batch_size=10,
-                        progress_bar=False).run(jax.random.PRNGKey(0), 4, LIN_X, LIN_Y)
+    point = stein.FedAvg(linear, num_local_steps=300, learning_rate=0.05, batch_size=10, progress_bar=False).run(
+        jax.random.PRNGKey(0), 4, LIN_X, LIN_Y
+    )
     # FedAvg ends at the last client's optimum (0.9 sd off with full batches).
     assert np.all(np.abs(final(point)[0] - mean) < 2 * sd)
 
 
 def test_round_with_stochastic_gradients_needs_a_key():
-    functions, stateful = dsvgd_core.client_functions(lambda x: x, lambda x, b: x, num_local_steps=1,
-                                                      num_distill_steps=1, optim=optax.sgd(0.1),
-                                                      stochastic_client_grad=lambda x, b, k: x)
+    functions, stateful = dsvgd_core.client_functions(
+        lambda x: x,
+        lambda x, b: x,
+        num_local_steps=1,
+        num_distill_steps=1,
+        optim=optax.sgd(0.1),
+        stochastic_client_grad=lambda x, b, k: x,
+    )
     federation = InProcess().start(ClientProgram.stacked(functions, jnp.zeros((1, 1)), stateful=stateful))
     state = dsvgd_core.init(jnp.zeros((2, 1)), federation)
     with pytest.raises(ValueError, match="needs a key"):
@@ -405,8 +438,14 @@ def test_round_with_stochastic_gradients_needs_a_key():
 
 
 def test_get_samples_and_inference_data():
-    dsvgd = nf.DSVGD(gaussian_mean, num_particles=10, num_local_steps=20, num_distill_steps=20,
-                     metrics={"mean": lambda draws: float(draws["mu"].mean())}, progress_bar=False)
+    dsvgd = nf.DSVGD(
+        gaussian_mean,
+        num_particles=10,
+        num_local_steps=20,
+        num_distill_steps=20,
+        metrics={"mean": lambda draws: float(draws["mu"].mean())},
+        progress_bar=False,
+    )
     result = dsvgd.run(jax.random.PRNGKey(0), 3, Y)
     assert dsvgd.get_samples(jax.random.PRNGKey(1), result)["mu"].shape == (10,)
     draws = dsvgd.get_samples(jax.random.PRNGKey(1), result, 50)
@@ -422,8 +461,14 @@ def test_get_samples_and_inference_data():
 
 
 def test_same_key_same_result():
-    dsvgd = nf.DSVGD(gaussian_mean, num_particles=8, num_local_steps=10, num_distill_steps=10,
-                     client_order="random", progress_bar=False)
+    dsvgd = nf.DSVGD(
+        gaussian_mean,
+        num_particles=8,
+        num_local_steps=10,
+        num_distill_steps=10,
+        client_order="random",
+        progress_bar=False,
+    )
     a = dsvgd.run(jax.random.PRNGKey(3), 4, Y)
     b = dsvgd.run(jax.random.PRNGKey(3), 4, Y)
     np.testing.assert_array_equal(final(a), final(b))
@@ -431,8 +476,14 @@ def test_same_key_same_result():
 
 
 def test_user_client_order_is_followed():
-    dsvgd = nf.DSVGD(gaussian_mean, num_particles=8, num_local_steps=5, num_distill_steps=5,
-                     client_order=[2, 2, 0], progress_bar=False)
+    dsvgd = nf.DSVGD(
+        gaussian_mean,
+        num_particles=8,
+        num_local_steps=5,
+        num_distill_steps=5,
+        client_order=[2, 2, 0],
+        progress_bar=False,
+    )
     result = dsvgd.run(jax.random.PRNGKey(0), 3, Y)
     assert result.metrics["client"].tolist() == [2, 2, 0]
     assert np.asarray(result.state.visited).tolist() == [True, False, True]
@@ -461,16 +512,20 @@ def test_invalid_arguments(kwargs, error, match):
 def test_client_order_naming_unknown_clients():
     with pytest.raises(ValueError, match=r"unknown client\(s\) \[3\]"):
         nf.DSVGD(gaussian_mean, num_particles=4, client_order=[0, 3, 1], progress_bar=False).run(
-            jax.random.PRNGKey(0), 3, Y)
+            jax.random.PRNGKey(0), 3, Y
+        )
     with pytest.raises(ValueError, match="gives 2 rounds"):
         nf.DSVGD(gaussian_mean, num_particles=4, client_order=[0, 1], progress_bar=False).run(
-            jax.random.PRNGKey(0), 3, Y)
+            jax.random.PRNGKey(0), 3, Y
+        )
     with pytest.raises(ValueError, match="names a client twice"):
-        stein.PDSVGD(gaussian_mean, num_particles=4, clients_per_round=2, client_order=[[0, 0]],
-                    progress_bar=False).run(jax.random.PRNGKey(0), 1, Y)
+        stein.PDSVGD(
+            gaussian_mean, num_particles=4, clients_per_round=2, client_order=[[0, 0]], progress_bar=False
+        ).run(jax.random.PRNGKey(0), 1, Y)
     with pytest.raises(ValueError, match="clients_per_round"):
         stein.PDSVGD(gaussian_mean, num_particles=4, clients_per_round=5, progress_bar=False).run(
-            jax.random.PRNGKey(0), 1, Y)
+            jax.random.PRNGKey(0), 1, Y
+        )
 
 
 def test_client_local_latents_are_rejected():
@@ -483,7 +538,8 @@ def test_client_local_latents_are_rejected():
 def test_init_particles_shape_is_checked():
     with pytest.raises(ValueError, match="init_particles"):
         nf.DSVGD(gaussian_mean, num_particles=4, progress_bar=False).run(
-            jax.random.PRNGKey(0), 1, Y, init_particles=jnp.zeros((3, 1)))
+            jax.random.PRNGKey(0), 1, Y, init_particles=jnp.zeros((3, 1))
+        )
 
 
 def test_adagrad_momentum_follows_its_rule():
@@ -504,8 +560,7 @@ def test_adagrad_momentum_follows_its_rule():
 
 
 def test_update_continues_run_and_evaluate_measures_stein_discrepancy():
-    dsvgd = nf.DSVGD(gaussian_mean, num_particles=20, num_local_steps=50, num_distill_steps=50,
-                     progress_bar=False)
+    dsvgd = nf.DSVGD(gaussian_mean, num_particles=20, num_local_steps=50, num_distill_steps=50, progress_bar=False)
     assert repr(dsvgd).startswith("DSVGD(gaussian_mean, num_particles=20, num_local_steps=50")
     state = dsvgd.init(jax.random.PRNGKey(0), Y)
     before = float(dsvgd.evaluate(state, Y))

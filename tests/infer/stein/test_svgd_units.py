@@ -81,8 +81,7 @@ def test_conjugate_gaussian_mean_with_default_settings():
 
 def _standardized_run(scale, shift, **kwargs):
     model, y, mean, sd = gaussian_problem(scale, shift)
-    method = nf.DSVGD(model, num_particles=20, num_local_steps=60, num_distill_steps=60,
-                      progress_bar=False, **kwargs)
+    method = nf.DSVGD(model, num_particles=20, num_local_steps=60, num_distill_steps=60, progress_bar=False, **kwargs)
     result = method.run(jax.random.PRNGKey(1), 4, y)
     return (np.asarray(result.metrics["particles"])[:, :, 0] - mean) / sd
 
@@ -124,8 +123,15 @@ def test_spread_grown_by_orders_of_magnitude_warns():
     # A runaway seen from the prior draws (one round: Stein's check waits for every client):
     # steps far too long throw the particles thousands of prior sds out, finite.
     model, y, mean, sd = gaussian_problem()
-    method = nf.DSVGD(model, num_particles=20, num_local_steps=20, num_distill_steps=20, learning_rate=1e6,
-                      kde_bandwidth=0.55, progress_bar=False)
+    method = nf.DSVGD(
+        model,
+        num_particles=20,
+        num_local_steps=20,
+        num_distill_steps=20,
+        learning_rate=1e6,
+        kde_bandwidth=0.55,
+        progress_bar=False,
+    )
     with pytest.warns(RuntimeWarning, match="spread grew .*-fold from the prior draws.*lower learning_rate"):
         result = method.run(jax.random.PRNGKey(0), 1, y)
     assert np.all(np.isfinite(final(result)))
@@ -133,12 +139,15 @@ def test_spread_grown_by_orders_of_magnitude_warns():
     start = mean + sd * 1e-4 * jax.random.normal(jax.random.PRNGKey(2), (20, 1))
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*spread grew")
-        nf.DSVGD(model, num_particles=20, num_local_steps=20, num_distill_steps=20, kde_bandwidth=0.55,
-                 progress_bar=False).run(jax.random.PRNGKey(0), 1, y, init_particles=start)
+        nf.DSVGD(
+            model, num_particles=20, num_local_steps=20, num_distill_steps=20, kde_bandwidth=0.55, progress_bar=False
+        ).run(jax.random.PRNGKey(0), 1, y, init_particles=start)
 
 
 def test_whitening_is_exact_for_a_change_of_units():
-    x = jax.random.normal(jax.random.PRNGKey(3), (30, 3)) @ jnp.array([[1.0, 0.5, 0.0], [0.0, 1.0, 0.3], [0.0, 0.0, 2.0]])
+    x = jax.random.normal(jax.random.PRNGKey(3), (30, 3)) @ jnp.array(
+        [[1.0, 0.5, 0.0], [0.0, 1.0, 0.3], [0.0, 0.0, 2.0]]
+    )
     units = jnp.array([1000.0, 0.001, 3.0])
     for full in (True, False):
         z = stein.whitening(x, full=full).to_z(x)
@@ -163,8 +172,9 @@ def test_shrunk_kde_keeps_the_particles_moments():
 
 D = 4
 LOGIT_X = jax.random.normal(jax.random.PRNGKey(42), (2000, D))
-LOGIT_Y = jax.random.bernoulli(jax.random.PRNGKey(43), jax.nn.sigmoid(
-    LOGIT_X @ jnp.array([1.0, -0.5, 0.0, 0.25]) + 0.3)).astype(jnp.float64)
+LOGIT_Y = jax.random.bernoulli(
+    jax.random.PRNGKey(43), jax.nn.sigmoid(LOGIT_X @ jnp.array([1.0, -0.5, 0.0, 0.25]) + 0.3)
+).astype(jnp.float64)
 
 
 def logistic(X, y, federated=True):
@@ -208,8 +218,13 @@ def _run_float32(code: str, timeout: float = 600):
     """Runs ``code`` in a fresh interpreter (the tests enable float64; users get float32) with
     every warning an error, and returns what it printed as JSON on its last line."""
     env = dict(os.environ, JAX_ENABLE_X64="0", PYTHONPATH=os.path.abspath(ROOT))
-    out = subprocess.run([sys.executable, "-W", "error", "-W", "ignore::DeprecationWarning", "-c",
-                          textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run(
+        [sys.executable, "-W", "error", "-W", "ignore::DeprecationWarning", "-c", textwrap.dedent(code)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -231,7 +246,8 @@ def test_float32_conjugate_gaussian_mean_in_two_units():
             mean = (shift / (10 * scale) ** 2 + float(np.sum(y0 * scale + shift)) / scale**2) / precision
             r = nf.DSVGD(model, num_particles=50, progress_bar=False).run(jax.random.PRNGKey(0), 8, y)
             x = np.asarray(r.method.particles(r.state), dtype=float)[:, 0]
-            out.append([str(r.method.particles(r.state).dtype), (x.mean() - mean) * math.sqrt(precision), x.var() * precision])
+            dtype = str(r.method.particles(r.state).dtype)
+            out.append([dtype, (x.mean() - mean) * math.sqrt(precision), x.var() * precision])
         print(json.dumps(out))
     """)
     for dtype, offset, variance_ratio in result:
@@ -246,8 +262,10 @@ def test_float32_conjugate_gaussian_mean_in_two_units():
 def test_udsvgd_and_pdsvgd_defaults_in_two_units(scale, shift):
     model, y, mean, sd = gaussian_problem(scale, shift)
     n = 50
-    for method in (stein.UDSVGD(model, num_particles=n, progress_bar=False),
-                   stein.PDSVGD(model, num_particles=n, clients_per_round=2, progress_bar=False)):
+    for method in (
+        stein.UDSVGD(model, num_particles=n, progress_bar=False),
+        stein.PDSVGD(model, num_particles=n, clients_per_round=2, progress_bar=False),
+    ):
         context = _no_runaway_warning()
         try:
             x = final(method.run(jax.random.PRNGKey(0), 8, y))[:, 0]
