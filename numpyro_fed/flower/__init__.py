@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -50,27 +49,11 @@ import jax
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 
-from numpyro_fed.flower.federation import FlowerFederation  # noqa: E402
+from numpyro_fed.flower.federation import FlowerFederation, import_flwr  # noqa: E402
 
 __all__ = ["FlowerFederation", "apps", "check_method", "client_app", "run", "server_app", "simulate"]
 
 _logger = logging.getLogger("numpyro_fed.flower")
-
-
-def _import_flwr():
-    """``flwr`` with its app, server and client modules, or an ``ImportError`` saying how to
-    install it."""
-    try:
-        import flwr
-        import flwr.app
-        import flwr.clientapp
-        import flwr.serverapp
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError("numpyro_fed.flower needs Flower: pip install 'numpyro_fed[flower]'") from exc
-    telemetry = sys.modules.get("flwr.supercore.telemetry")
-    if telemetry is not None and os.environ.get("FLWR_TELEMETRY_ENABLED") == "0":
-        telemetry.FLWR_TELEMETRY_ENABLED = "0"  # flwr read the variable before we set it
-    return flwr
 
 
 def check_method(method):
@@ -147,7 +130,7 @@ def run(
         ``state`` resumes the run: ``run(method, grid, rng_key, num_rounds,
         init_state=error.state)``.
     """
-    from numpyro_fed.flower._replay import fresh_method
+    from numpyro_fed.flower.recipe import fresh_method
 
     check_method(method)
     federation = FlowerFederation(grid, num_clients=num_clients, timeout=timeout, start_timeout=start_timeout)
@@ -178,7 +161,7 @@ def server_app(
     (a node failed or was silent) is resumed from its checkpoint up to ``resume_attempts``
     times (once the node is back), then re-raised.
     """
-    flwr = _import_flwr()
+    flwr = import_flwr()
     methods = _as_methods(methods)
     app = flwr.serverapp.ServerApp()
     results = {}
@@ -240,7 +223,7 @@ def client_app(methods, load: Callable, *, mods=None):
     ``mods``: Flower mods of the app."""
     from numpyro_fed.flower._node import NodeHandler
 
-    flwr = _import_flwr()
+    flwr = import_flwr()
     if not callable(load):
         raise TypeError(f"load must be a function node_config -> model arguments, got {type(load).__name__}")
     handler = NodeHandler(_as_methods(methods), load)
@@ -304,7 +287,7 @@ def simulate(server, client, num_nodes: int, *, num_workers: int = 1, backend_co
     (the default) serves every node in turn and compiles each client function once; more run
     the nodes of a synchronous round in parallel, each compiling for itself.
     """
-    _import_flwr()  # Flower, or an ImportError saying how to install it
+    import_flwr()  # Flower, or an ImportError saying how to install it
     import ray
     from flwr.simulation import run_simulation
 

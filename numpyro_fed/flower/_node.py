@@ -3,7 +3,7 @@ does with each message.
 
 * ``describe``: runs the app's loader on the node config; replies shapes, dtypes, row counts
   and scalar settings, and the node's ``partition-id``.
-* ``start``: rebuilds the client program from the recipe (:mod:`._replay`), loads the
+* ``start``: rebuilds the client program from the recipe (:mod:`.recipe`), loads the
   node's block and replies its shapes; keeps the recipe in ``context.state`` so that later
   messages (a new process per message in a deployed SuperNode) rebuild the same program.
 * ``call``: runs one function of the program on the block; replies its arrays.
@@ -90,11 +90,11 @@ class NodeHandler:
         }, None
 
     def start(self, msg, context):
-        from numpyro_fed.flower import _import_flwr
-        from numpyro_fed.flower._replay import Recipe
         from numpyro_fed.flower._wire import encode_description
+        from numpyro_fed.flower.federation import import_flwr
+        from numpyro_fed.flower.recipe import Recipe
 
-        flwr = _import_flwr()
+        flwr = import_flwr()
         config = msg.content["numpyro_fed"]
         recipe = Recipe.from_config(config)
         client = int(config["client"])
@@ -131,10 +131,10 @@ class NodeHandler:
         ``context.state`` (the last two versions, so that a call is a pure function of the
         version and its arguments: a retried call, or a run resumed from its last completed
         round, finds the version it starts from); only the reply goes back."""
-        from numpyro_fed.flower import _import_flwr
         from numpyro_fed.flower._wire import decode_tree, encode_tree
+        from numpyro_fed.flower.federation import import_flwr
 
-        flwr = _import_flwr()
+        flwr = import_flwr()
         recipe, client, name, config, args = self._request(msg, context)
         kept = context.state[_CLIENT_STATE] if _CLIENT_STATE in context.state else None
         versions = [] if kept is None or kept["run"] != recipe.digest else [int(v) for v in kept["versions"]]
@@ -169,8 +169,8 @@ class NodeHandler:
     @staticmethod
     def _request(msg, context):
         """``(recipe, client, name, config, args)`` of a call to a started node."""
-        from numpyro_fed.flower._replay import Recipe
         from numpyro_fed.flower._wire import decode_tree
+        from numpyro_fed.flower.recipe import Recipe
 
         if _STATE_KEY not in context.state:
             raise RuntimeError(
@@ -185,7 +185,7 @@ class NodeHandler:
     # -- the program -----------------------------------------------------------------------
     def _entry(self, recipe, client, node_config):
         from numpyro_fed.federation.base import check_block
-        from numpyro_fed.flower._replay import rebuild_program
+        from numpyro_fed.flower.recipe import rebuild_program
 
         if bool(jax.config.jax_enable_x64) != recipe.x64:
             jax.config.update("jax_enable_x64", recipe.x64)

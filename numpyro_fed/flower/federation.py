@@ -11,6 +11,8 @@ and received.
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 
 import jax
@@ -19,7 +21,7 @@ from numpyro_fed.federation.base import ClientError, ClientProgram
 from numpyro_fed.federation.remote import RemoteFederation
 from numpyro_fed.flower._wire import decode_description, encode_tree
 
-__all__ = ["FlowerFederation", "NODE_LOADER"]
+__all__ = ["FlowerFederation", "NODE_LOADER", "import_flwr"]
 
 #: message types (Flower's ``query`` category; the action names the request)
 DESCRIBE, START, CALL = "query.numpyro_fed_describe", "query.numpyro_fed_start", "query.numpyro_fed_call"
@@ -42,10 +44,20 @@ class _NodeLoader:
 NODE_LOADER = _NodeLoader()
 
 
-def _import_flwr():
-    from numpyro_fed.flower import _import_flwr as imp
-
-    return imp()
+def import_flwr():
+    """``flwr`` with its app, server and client modules, or an ``ImportError`` saying how to
+    install it."""
+    try:
+        import flwr
+        import flwr.app
+        import flwr.clientapp
+        import flwr.serverapp
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError("numpyro_fed.flower needs Flower: pip install 'numpyro_fed[flower]'") from exc
+    telemetry = sys.modules.get("flwr.supercore.telemetry")
+    if telemetry is not None and os.environ.get("FLWR_TELEMETRY_ENABLED") == "0":
+        telemetry.FLWR_TELEMETRY_ENABLED = "0"  # flwr read the variable before we set it
+    return flwr
 
 
 @jax.tree_util.register_pytree_node_class
@@ -110,7 +122,7 @@ class FlowerFederation(RemoteFederation):
         """Sends ``{client: RecordDict}`` as messages of type ``kind``; returns ``{client:
         reply content}``, or raises a :class:`ClientError` naming the clients that failed
         (with the node's own message) or did not answer within ``timeout``."""
-        flwr = _import_flwr()
+        flwr = import_flwr()
         messages, owner = [], {}
         for m, content in contents.items():
             message = flwr.app.Message(content, dst_node_id=self._nodes[m], message_type=kind, ttl=max(timeout, 60.0))
@@ -143,7 +155,7 @@ class FlowerFederation(RemoteFederation):
         """Each node runs the app's loader on its node config and reports shapes, dtypes,
         row counts and scalar settings (never rows); orders the nodes by their
         ``partition-id``."""
-        flwr = _import_flwr()
+        flwr = import_flwr()
         if int(num_clients) != len(self._nodes):
             raise ValueError(f"num_clients={num_clients}, but {len(self._nodes)} Flower nodes are connected")
         contents = {
@@ -179,9 +191,9 @@ class FlowerFederation(RemoteFederation):
         return super().start(program)
 
     def start_clients(self, program: ClientProgram) -> list:
-        from numpyro_fed.flower._replay import Recipe
+        from numpyro_fed.flower.recipe import Recipe
 
-        flwr = _import_flwr()
+        flwr = import_flwr()
         if program.blocks is not None:
             raise ValueError(
                 "FlowerFederation ships no rows: each node loads its own (run the method without "
@@ -241,7 +253,7 @@ class FlowerFederation(RemoteFederation):
     def _message(name, tree, **config):
         """A request's content: the call's name and the structure of ``tree`` (JSON) with
         ``config``, and ``tree``'s arrays."""
-        flwr = _import_flwr()
+        flwr = import_flwr()
         structure, leaves = encode_tree(tree)
         return flwr.app.RecordDict(
             {

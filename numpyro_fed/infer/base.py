@@ -33,6 +33,7 @@ from numpyro_fed.arviz import register_converter
 from numpyro_fed.potential import FederatedPotential, split_potential
 
 __all__ = [
+    "ClientSpec",
     "RunCheckpoint",
     "adopt_client_state",
     "RunResult",
@@ -42,7 +43,6 @@ __all__ = [
     "check_global_latents",
     "jit_round",
     "run_rounds",
-    "start_federation",
 ]
 
 
@@ -136,16 +136,6 @@ def adopt_client_state(federation, clients):
             )
         return clients
     return federation.init_state(clients.values) if has_values else clients
-
-
-def start_federation(federation, functions: dict, blocks, stateful: dict | None = None):
-    """Starts ``federation`` on a :class:`~numpyro_fed.federation.ClientProgram` of
-    ``functions`` (name -> ``fn(block, *args)``), ``stateful`` functions (name ->
-    ``fn(block, state, *args) -> (state, reply)``) and ``blocks`` (a pytree with a leading
-    client axis: client ``m``'s slice goes to client ``m`` only) and returns it."""
-    from numpyro_fed.federation import ClientProgram
-
-    return federation.start(ClientProgram.stacked(functions, blocks, stateful=dict(stateful or {})))
 
 
 class jit_round:
@@ -335,6 +325,24 @@ class RunResult(NamedTuple):
     ledger: dict | None = None
 
 
+class ClientSpec(NamedTuple):
+    """What a method's clients run (:meth:`VariationalMethod.plan_clients`).
+
+    :ivar dict functions: name -> ``f(block, *args)``, what a client answers.
+    :ivar blocks: simulation-only methods: the clients' stacked blocks, cut in this process
+        (``None``: each client's block is its own rows, built where it lives in deployment).
+    :ivar transform: a picklable ``block -> block`` run where the client lives (the method's
+        own layout of the rows), or ``None``.
+    :ivar dict stateful: name -> ``f(block, state, *args) -> (state, reply)``, the calls of the
+        client's own state (see :class:`~numpyro_fed.federation.ClientState`).
+    """
+
+    functions: dict
+    blocks: Any = None
+    transform: Callable | None = None
+    stateful: dict | None = None
+
+
 class VariationalMethod:
     """The face of a variational method, as :class:`numpyro.infer.SVI`: ``init``,
     ``update`` (one round), ``run``, ``get_samples``, ``evaluate``.
@@ -460,25 +468,53 @@ class VariationalMethod:
         return {"posterior": posterior, "sample_stats": sample_stats, "coords": coords, "attrs": attrs}
 
     # -- the driver --------------------------------------------------------------------------
+    def plan_clients(self, rng_key, args, kwargs, *, num_rounds: int | None = None) -> ClientSpec:
+        """What this method's clients run in a run of ``num_rounds`` rounds on the model's
+        arguments ``args``, ``kwargs`` (the data; none in deployment): splits the model and
+        returns a :class:`ClientSpec`. ``init`` starts the clients on it; a Flower node builds
+        the same program from it with the app's own code (:meth:`client_program`), so no
+        code crosses the wire. ``rng_key`` is :meth:`init`'s key. Every method implements it."""
+        raise NotImplementedError(f"{type(self).__name__} does not declare its clients' program (plan_clients)")
+
+    def init_key(self, rng_key):
+        """The key :meth:`run` gives :meth:`init` (and :meth:`plan_clients`)."""
+        return jax.random.split(rng_key)[0]
+
+    def client_program(self, rng_key, num_rounds: int | None, *args, **kwargs):
+        """The :class:`~numpyro_fed.federation.ClientProgram` that ``run(rng_key, num_rounds,
+        *args, **kwargs)`` starts its clients on: the functions every client runs and where
+        its rows come from (its block, or a loader run where it lives in deployment). An
+        engine starts it on its workers; a Flower node builds it with the app's code from the
+        shapes the nodes described. No client is started."""
+        spec = self.plan_clients(self.init_key(rng_key), args, kwargs, num_rounds=num_rounds)
+        return self.program_of(spec)
+
+    def program_of(self, spec: ClientSpec):
+        """The :class:`~numpyro_fed.federation.ClientProgram` of ``spec`` on
+        :attr:`federated_potential`'s clients."""
+        from numpyro_fed.federation import ClientProgram
+
+        stateful = dict(spec.stateful or {})
+        if spec.blocks is not None:
+            if self.federation.deployed:
+                raise ValueError(
+                    f"{type(self).__name__} gives its clients blocks cut in this process: it runs in "
+                    "simulation only, not in deployment"
+                )
+            return ClientProgram.stacked(spec.functions, spec.blocks, stateful=stateful)
+        return self.federated_potential.client_program(spec.functions, transform=spec.transform, stateful=stateful)
+
     def start_clients(
-        self, functions: dict, blocks=None, *, transform: Callable | None = None, stateful: dict | None = None
+        self, functions: dict, blocks=None, transform: Callable | None = None, stateful: dict | None = None
     ):
-        """Starts :attr:`federation` for this run on ``functions`` (and ``stateful``
-        functions of the clients' own state, see
-        :class:`~numpyro_fed.federation.ClientState`) and returns it. The clients'
-        blocks are :attr:`federated_potential`'s (``potential.client_program``: built on each
-        worker from its own rows in deployment), each passed through ``transform`` (a
-        picklable ``block -> block``, run where the client lives) if given; or, in simulation
-        only, the stacked ``blocks`` given here (see :func:`start_federation`). In a
-        federation already started (by a previous run, possibly stopped by a fault), the
+        """Starts :attr:`federation` for this run on the program of :class:`ClientSpec`
+        ``(functions, blocks, transform, stateful)`` (see :meth:`program_of`) and returns it.
+        In a federation already started (by a previous run, possibly stopped by a fault), the
         workers that do not answer are first replaced (its ``restart()``)."""
         if self.federation.started:
             self.federation.restart()
-        if blocks is not None:
-            self._active_federation = start_federation(self.federation, functions, blocks, stateful)
-        else:
-            program = self.federated_potential.client_program(functions, transform=transform, stateful=stateful)
-            self._active_federation = self.federation.start(program)
+        program = self.program_of(ClientSpec(functions, blocks, transform, stateful))
+        self._active_federation = self.federation.start(program)
         return self._active_federation
 
     def drive(

@@ -86,7 +86,7 @@ from numpyro.infer.initialization import init_to_uniform
 from numpyro.infer.mcmc import MCMCKernel
 from numpyro.util import is_prng_key
 
-from numpyro_fed.infer.base import build_potential
+from numpyro_fed.infer.base import build_potential, check_federation
 from numpyro_fed.potential import FederatedPotential
 
 __all__ = ["FederatedMCMCKernel", "RunCheck", "warn_or_raise"]
@@ -125,6 +125,8 @@ class FederatedMCMCKernel(MCMCKernel):
     :param dict partition: as for :func:`~numpyro_fed.split_potential`.
     :param init_strategy: NumPyro init strategy of the potential's initial point
         (:attr:`FederatedPotential.init_params`).
+    :param federation: where the clients run (``None``: :class:`~numpyro_fed.federation.InProcess`,
+        every client in this process), as for every algorithm.
     """
 
     #: names of the fields of the core's info namedtuple; the face records them as extra
@@ -135,10 +137,14 @@ class FederatedMCMCKernel(MCMCKernel):
     #: the run's privacy guarantee (a :class:`~numpyro_fed.privacy.PrivacyGuarantee`), if any
     privacy = None
 
-    def __init__(self, model, *, partition=None, init_strategy=init_to_uniform):
+    def __init__(self, model, *, partition=None, init_strategy=init_to_uniform, federation=None):
         self._model = model
         self.partition = partition
         self.init_strategy = init_strategy
+        #: where the clients run: a :class:`~numpyro_fed.federation.Federation`; ``None``
+        #: gives :class:`~numpyro_fed.federation.InProcess` (every algorithm's meaning of ``None``)
+        self.federation = check_federation(federation)
+        self._default_federation = federation is None
         #: the :class:`~numpyro_fed.FederatedPotential` of the last ``init`` (``None`` before)
         self.federated_potential: FederatedPotential | None = None
         self._sample_fn = None  # NumPyro's MCMC calls init() again while this is None
@@ -261,6 +267,8 @@ class FederatedMCMCKernel(MCMCKernel):
                 values[name] = (getattr(self, name), parameter.default)
         for name in ("partition", "init_strategy"):
             values.setdefault(name, (getattr(self, name), None if name == "partition" else init_to_uniform))
+        if getattr(self, "_default_federation", False):
+            values.pop("federation", None)  # None was given: the InProcess it means is the default
         return {name: value for name, (value, default) in values.items() if not _same(value, default)}
 
     def __repr__(self) -> str:

@@ -26,6 +26,7 @@ pytest.importorskip("flwr", reason="Flower is not installed (pip install 'numpyr
 
 from numpyro_fed.federation import ClientError, InProcess  # noqa: E402
 from numpyro_fed.infer import VariationalMethod  # noqa: E402
+from numpyro_fed.infer.base import ClientSpec  # noqa: E402
 
 from helpers import SENTINEL  # noqa: E402
 from runs import assert_same_run  # noqa: E402
@@ -229,9 +230,12 @@ class RunningMoments(VariationalMethod):
     in the nodes' ``context.state``: the replies equal the in-process ones only if each node
     found its totals of the previous round."""
 
-    def init(self, rng_key, *args, num_rounds=None, **kwargs):
+    def plan_clients(self, rng_key, args, kwargs, *, num_rounds=None):
         self.build_potential(args, kwargs)
-        federation = self.start_clients({}, stateful={"add": _add_to_totals})
+        return ClientSpec({}, stateful={"add": _add_to_totals})
+
+    def init(self, rng_key, *args, num_rounds=None, **kwargs):
+        federation = self.start_clients(*self.plan_clients(rng_key, args, kwargs))
         clients = federation.init_state(jnp.zeros((federation.num_clients, 2)))
         return (jnp.zeros(()), clients)
 

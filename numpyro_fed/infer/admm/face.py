@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from numpyro.util import is_prng_key
 
 from numpyro_fed._checks import check_int, check_positive
-from numpyro_fed.federation import InProcess, MessageLedger
+from numpyro_fed.federation import MessageLedger
 from numpyro_fed.federation.decentralized import NetworkState, deliver, info_struct
 from numpyro_fed.infer.admm.agents import AgentPotentials, agent_potentials
 from numpyro_fed.infer.admm.topology import make_topology
@@ -159,10 +159,7 @@ class DecentralizedKernel(FederatedMCMCKernel):
         agent: int = 0,
         federation=None,
     ):
-        super().__init__(model, partition=partition)
-        #: where the agents run: ``None`` (this process) or a
-        #: :class:`~numpyro_fed.federation.Federation`
-        self.federation = federation
+        super().__init__(model, partition=partition, federation=federation)  # the agents run on it
         self._network = None
         if isinstance(topology, str):  # fail early on an unknown name
             make_topology(topology, 1, warn_disconnected=False)
@@ -220,7 +217,7 @@ class DecentralizedKernel(FederatedMCMCKernel):
                 f"0 .. {potential.num_clients - 1}); choose one of them as the reporting agent"
             )
         # the backend runs the agents (it refuses if it cannot: a hub-and-spoke engine)
-        federation = InProcess() if self.federation is None else self.federation
+        federation = self.federation
         self.graph = make_topology(self.topology, potential.num_clients)
         adjacency = np.asarray(self.graph.adjacency)
         potentials = self.agent_potentials = self._agent_potentials(federation, potential, adjacency)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from numpyro_fed._checks import check_int
-from numpyro_fed.infer.base import RunResult
+from numpyro_fed.infer.base import ClientSpec, RunResult
 from numpyro_fed.infer.pvi.baseline_core import committee_init, committee_posterior, pooled_client_data
 from numpyro_fed.infer.pvi.dppvi import DPPVI
 
@@ -103,10 +103,10 @@ class GlobalVI(DPPVI):
         valid = potential.client_data["valid"][plate]
         return np.array([int(np.sum(valid))]), int(valid.size)
 
-    def _start(self, programs, potential, layout):
+    def _client_spec(self, programs, potential, layout):
         # one party holding the pooled rows (simulation only, see _layout)
         functions, stateful = programs
-        return self.start_clients(functions, pooled_client_data(potential.client_data, layout), stateful=stateful)
+        return ClientSpec(functions, pooled_client_data(potential.client_data, layout), stateful=stateful)
 
     def _communications_per_round(self):
         return self.federated_potential.num_clients * self.num_local_steps

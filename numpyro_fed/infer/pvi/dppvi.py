@@ -22,6 +22,7 @@ from numpyro.infer.initialization import init_to_uniform
 
 from numpyro_fed._checks import check_int, check_positive
 from numpyro_fed.infer.base import (
+    ClientSpec,
     RunCheckpoint,
     RunResult,
     VariationalMethod,
@@ -272,19 +273,11 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         return data_plates[0].name, prior
 
     # -- the face ------------------------------------------------------------------------------
-    def init(self, rng_key, *args, num_rounds: int | None = 1, **kwargs) -> PVIState:
-        """Prepares a run of ``num_rounds`` rounds on the model's arguments ``args``,
-        ``kwargs`` and returns its initial state (``q`` the prior).
-
-        It splits the model, chooses the automatic DP-SGD settings, calibrates the noise,
-        accounts the run's privacy (refusing a run whose noise would dominate, see the class
-        docstring) and draws each client's shards with ``rng_key``. :meth:`update` then runs
-        rounds of that plan; :meth:`run` calls ``init`` itself.
-
-        :param int num_rounds: the rounds the noise and the guarantee are planned for;
-            ``None`` (with both ``noise_multiplier`` and ``target_epsilon``): the most that
-            fit the budget (:meth:`max_rounds`).
-        """
+    def plan_clients(self, rng_key, args, kwargs, *, num_rounds: int | None = 1) -> ClientSpec:
+        """Splits the model, chooses the automatic DP-SGD settings, calibrates the noise,
+        accounts the run's privacy and draws each client's shards with ``rng_key`` (see
+        :meth:`init`); returns what the clients run: PVI's client functions on their blocks
+        in PVI's layout, built from their own rows where they live."""
         potential, plate, prior = self._setup(args, kwargs)
         sizes, num_rows = self._layout(potential, plate)
         fixed_noise_budget = self.noise_multiplier is not None and self.target_epsilon is not None
@@ -337,7 +330,26 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
             batch_cap=self.batch_cap(privacy, num_rounds, sizes, num_rows),
             damping=self.damping,
         )
-        federation = self._start(programs, potential, layout)
+        self._client_plan = (num_rounds, sizes, sigmas, privacy, dp_error, layout, config, prior)
+        return self._client_spec(programs, potential, layout)
+
+    def init(self, rng_key, *args, num_rounds: int | None = 1, **kwargs) -> PVIState:
+        """Prepares a run of ``num_rounds`` rounds on the model's arguments ``args``,
+        ``kwargs`` and returns its initial state (``q`` the prior).
+
+        It splits the model, chooses the automatic DP-SGD settings, calibrates the noise,
+        accounts the run's privacy (refusing a run whose noise would dominate, see the class
+        docstring) and draws each client's shards with ``rng_key``. :meth:`update` then runs
+        rounds of that plan; :meth:`run` calls ``init`` itself.
+
+        :param int num_rounds: the rounds the noise and the guarantee are planned for;
+            ``None`` (with both ``noise_multiplier`` and ``target_epsilon``): the most that
+            fit the budget (:meth:`max_rounds`).
+        """
+        spec = self.plan_clients(rng_key, args, kwargs, num_rounds=num_rounds)
+        num_rounds, sizes, sigmas, privacy, dp_error, layout, config, prior = self._client_plan
+        num_clients = int(sizes.size)
+        federation = self.start_clients(**spec._asdict())
         step = core.build_step(
             config, num_clients=num_clients, schedule=self.schedule, damping=self.damping, auto_clip=self.auto_clip
         )
@@ -520,12 +532,12 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         counts only, which the server knows in deployment too)."""
         return np.asarray(potential.client_sizes), int(potential.plates[plate].max_rows)
 
-    def _start(self, programs, potential, layout: core.BlockLayout):
-        """Starts the clients on ``programs``, ``(functions, stateful)`` of
+    def _client_spec(self, programs, potential, layout: core.BlockLayout) -> ClientSpec:
+        """The clients run ``programs``, ``(functions, stateful)`` of
         :func:`~numpyro_fed.infer.pvi.core.client_functions`: each builds its block in PVI's
         layout (``layout``) from its own rows, where it lives."""
         functions, stateful = programs
-        return self.start_clients(functions, transform=layout, stateful=stateful)
+        return ClientSpec(functions, transform=layout, stateful=stateful)
 
     def _initial_state(self, prior, num_clients):
         return core.init(

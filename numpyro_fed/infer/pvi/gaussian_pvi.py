@@ -15,7 +15,7 @@ import optax
 from numpyro.infer.initialization import init_to_uniform
 
 from numpyro_fed._checks import check_int, check_positive
-from numpyro_fed.infer.base import RunResult, VariationalMethod, jit_round
+from numpyro_fed.infer.base import ClientSpec, RunResult, VariationalMethod, jit_round
 from numpyro_fed.infer.pvi import core
 from numpyro_fed.infer.pvi.client import LocalConfig
 from numpyro_fed.infer.pvi.gaussian import gaussian_prior, loc_scale
@@ -127,8 +127,9 @@ class GaussianPVI(VariationalMethod):
         self.client_order = client_order
         self._round_fn = self._data = None
 
-    def init(self, rng_key, *args, **kwargs) -> core.PVIState:
-        """Splits the model and returns the initial state (``q`` the prior)."""
+    def plan_clients(self, rng_key, args, kwargs, *, num_rounds=None) -> ClientSpec:
+        """Splits the model and returns what the clients run: PVI's client functions on their
+        blocks in PVI's layout, built from their own rows where they live."""
         fp = self.build_potential(args, kwargs)
         plates = [p.name for p in fp.plates.values() if p.holds_data]
         if len(plates) != 1:
@@ -150,7 +151,14 @@ class GaussianPVI(VariationalMethod):
             clip_norm=1.0,
         )
         functions, stateful = core.client_functions(flat.row_log_likelihood, config, damping=self.damping)
-        self.start_clients(functions, transform=layout, stateful=stateful)
+        self._prior = prior
+        return ClientSpec(functions, transform=layout, stateful=stateful)
+
+    def init(self, rng_key, *args, **kwargs) -> core.PVIState:
+        """Splits the model and returns the initial state (``q`` the prior)."""
+        spec = self.plan_clients(rng_key, args, kwargs)
+        self.start_clients(**spec._asdict())
+        fp, prior, layout = self.federated_potential, self._prior, spec.transform
         self._data = layout
         self._loss_fn = jit_round(core.build_loss(self.num_mc_samples))
         step = core.build_client_step(self.num_mc_samples, damping=self.damping)

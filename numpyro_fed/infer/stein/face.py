@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from numpyro.infer.initialization import init_to_uniform
 
 from numpyro_fed._checks import check_int, check_positive
-from numpyro_fed.infer.base import RunCheckpoint, RunResult, VariationalMethod, jit_round
+from numpyro_fed.infer.base import ClientSpec, RunCheckpoint, RunResult, VariationalMethod, jit_round
 from numpyro_fed.infer.stein.checks import stein_statistics
 from numpyro_fed.infer.stein.client_order import make_client_order
 from numpyro_fed.infer.stein.kde import AUTO_KDE_FACTOR, shrunk_kde
@@ -120,10 +120,22 @@ class ParticleMethod(VariationalMethod):
 
     # -- model plumbing ------------------------------------------------------------------
     def _setup(self, args, kwargs):
-        """Splits the model (once per set of arguments) and builds what the core takes."""
+        """Splits the model, builds what the core takes and starts the clients (once per set
+        of arguments)."""
         key = (tuple(map(id, args)), tuple((k, id(v)) for k, v in sorted(kwargs.items())))
         if self.federated_potential is not None and key == self._setup_key:
             return self.federated_potential
+        self._client_spec = self.plan_clients(None, args, kwargs)
+        self._setup_key = key
+        self.start_clients(**self._client_spec._asdict())
+        return self.federated_potential
+
+    def plan_clients(self, rng_key, args, kwargs, *, num_rounds=None) -> ClientSpec:
+        """Splits the model and returns what the clients run: :meth:`client_functions` and
+        ``"potential_grad"``, ``(block, x (K, d)) -> (K, d)``, the gradient of the client's
+        term at each point (the diagnostics' full-batch score, :meth:`_target_score`; not one
+        of the algorithm's messages). Each client's block is its own rows (built on its
+        worker in deployment). The program depends on neither the key nor the rounds."""
         name = type(self).__name__
         if self.federation.deployed and not self.deployable:
             raise ValueError(
@@ -140,11 +152,11 @@ class ParticleMethod(VariationalMethod):
         self.gradients = flat_gradients(fp)
         self.stochastic_client_grad = None if self.batch_size is None else minibatch_client_grad(fp, self.batch_size)
         self._postprocess = jax.jit(jax.vmap(fp.flat().postprocess))
-        self._setup_key = key
         self._step = None
         self._configure(fp)
-        self._start()
-        return fp
+        functions, stateful = self.client_functions()
+        client_grad = jax.vmap(self.gradients.client_grad, in_axes=(0, None))
+        return ClientSpec({"potential_grad": lambda block, x: client_grad(x, block), **functions}, stateful=stateful)
 
     def _configure(self, fp):
         """Checks that need the potential (e.g. the number of clients)."""
@@ -157,17 +169,6 @@ class ParticleMethod(VariationalMethod):
                 f"{name} must have shape (num_particles, d) = ({self.num_particles}, {d}), got {particles.shape}"
             )
         return particles
-
-    def _start(self):
-        """Starts the clients on :meth:`client_functions` and ``"potential_grad"``,
-        ``(block, x (K, d)) -> (K, d)``: the gradient of the client's term at each point (the
-        diagnostics' full-batch score, :meth:`_target_score`; not one of the algorithm's
-        messages). Each client's block is its own rows (built on its worker in deployment)."""
-        functions, stateful = self.client_functions()
-        client_grad = jax.vmap(self.gradients.client_grad, in_axes=(0, None))
-        functions = {"potential_grad": lambda block, x: client_grad(x, block), **functions}
-        self._step = None
-        return self.start_clients(functions, stateful=stateful)
 
     def _target_score(self) -> Callable:
         """``(N, d) -> (N, d)``: the full-batch score of the tempered posterior, for
@@ -240,6 +241,9 @@ class ParticleMethod(VariationalMethod):
         else:
             particles = self._check_particles(init_particles, "init_particles")
         return self.initial_state(particles, num_rounds)
+
+    def init_key(self, rng_key):
+        return self._run_keys(rng_key)[0]
 
     def _round(self, rng_key, state, client):
         federation = self._active_federation
@@ -385,7 +389,7 @@ class ParticleMethod(VariationalMethod):
             state = self.init(k_init, *args, init_particles=init_particles, num_rounds=num_rounds, **kwargs)
         elif isinstance(init_state, RunCheckpoint):
             state = self._check_state(init_state.state)
-            self._start()  # the run stopped on a client's fault: fresh clients
+            self.start_clients(**self._client_spec._asdict())  # the run stopped on a client's fault: fresh clients
         else:
             state = self._check_state(init_state)
         resume = init_state if isinstance(init_state, RunCheckpoint) else None

@@ -1,15 +1,14 @@
-"""How a node rebuilds the server's client program from the app's own code.
+"""How a node builds the server's client program from the app's own code.
 
 The server runs ``method.run(rng_key, num_rounds)`` on a
 :class:`~numpyro_fed.flower.FlowerFederation`; when the method starts its clients it sends
 each node the *recipe* of that call: the method's name in the app, the key, the number of
 rounds, the precision and what every node reported of its model arguments (shapes, dtypes,
-row counts, scalar settings; never values). The node makes the same call on its own copy of
-the method with a :class:`_Replay` federation, which answers ``describe`` with those reports
-and stops the call when the method starts its clients, keeping the
-:class:`~numpyro_fed.federation.ClientProgram` it was given: the same functions the server
-built, and a loader that builds this node's block from its own rows. No code crosses the
-wire.
+row counts, scalar settings; never values). The node asks its own copy of the method for the
+program of that run, :meth:`~numpyro_fed.infer.VariationalMethod.client_program` (the
+artefact every variational method declares with ``plan_clients``), on a federation that
+answers ``describe`` with those reports: the same functions the server built, and a loader
+that builds this node's block from its own rows. No code crosses the wire.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from numpyro_fed.federation.base import Federation
 __all__ = ["Recipe", "fresh_method", "rebuild_program"]
 
 # per-run caches of a method's face, reset on a copy so that it splits the model anew
-_RUN_CACHES = ("federated_potential", "_plan", "_setup_key", "_step", "_active_federation")
+_RUN_CACHES = ("federated_potential", "_plan", "_setup_key", "_step", "_active_federation", "_client_spec")
 
 
 def fresh_method(method, federation):
@@ -43,7 +42,7 @@ def fresh_method(method, federation):
 
 
 class Recipe:
-    """The call a node replays: ``methods[name].run(rng_key, num_rounds)`` with the nodes'
+    """The run whose client program a node builds: ``methods[name].run(rng_key, num_rounds)`` with the nodes'
     reports, in float64 or not."""
 
     def __init__(self, name: str, rng_key, num_rounds, x64: bool, descriptions: list[str], num_clients: int):
@@ -85,15 +84,10 @@ class Recipe:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-class _ProgramBuilt(Exception):
-    def __init__(self, program):
-        super().__init__("the client program was built")
-        self.program = program
-
-
-class _Replay(Federation):
-    """The node's side of a recipe: ``describe`` answers with the reports the server
-    gathered; ``start`` stops the replayed call with the program it received."""
+class _Described(Federation):
+    """The node's stand-in for the server's federation: ``describe`` answers with the reports
+    the server gathered (shapes, never rows), so that the method splits the model as the
+    server did and builds the same client program; it is never started."""
 
     def __init__(self, descriptions, loader, num_clients):
         super().__init__(loader=loader, num_clients=num_clients)
@@ -107,38 +101,30 @@ class _Replay(Federation):
         return list(self._descriptions)
 
     def start(self, program):
-        raise _ProgramBuilt(program)
+        raise RuntimeError("the node builds the client program; it starts no federation")
 
     @property
     def block_specs(self):  # pragma: no cover - never started
-        raise RuntimeError("a replay federation is never started")
+        raise RuntimeError("the node builds the client program; it starts no federation")
 
-    def map(self, name, *broadcast, per_client=()):  # pragma: no cover - never started
-        raise RuntimeError("a replay federation is never started")
+    def map(self, name, *broadcast, per_client=(), state=None):  # pragma: no cover - never started
+        raise RuntimeError("the node builds the client program; it starts no federation")
 
-    def one(self, name, client, *broadcast, own=()):  # pragma: no cover - never started
-        raise RuntimeError("a replay federation is never started")
+    def one(self, name, client, *broadcast, own=(), state=None):  # pragma: no cover - never started
+        raise RuntimeError("the node builds the client program; it starts no federation")
 
 
 def rebuild_program(method, recipe: Recipe, loader):
     """The :class:`~numpyro_fed.federation.ClientProgram` that ``method.run(recipe's key,
-    recipe's rounds)`` starts its clients on, built here with ``loader`` (``m -> this
-    node's model arguments``) as the clients' loader."""
+    recipe's rounds)`` starts its clients on (:meth:`~numpyro_fed.infer.VariationalMethod.client_program`),
+    built here with ``loader`` (``m -> this node's model arguments``) as the clients' loader."""
     from numpyro_fed.flower._wire import decode_description
 
     if bool(jax.config.jax_enable_x64) != recipe.x64:
         jax.config.update("jax_enable_x64", recipe.x64)
     descriptions = [decode_description(d) for d in recipe.descriptions]
-    replay = _Replay(descriptions, loader, recipe.num_clients)
-    clone = fresh_method(method, replay)
+    clone = fresh_method(method, _Described(descriptions, loader, recipe.num_clients))
     clone.progress_bar = False
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the server warns about the run; the replay stops early
-            clone.run(jax.numpy.asarray(recipe.rng_key), recipe.num_rounds)
-    except _ProgramBuilt as built:
-        return built.program
-    raise RuntimeError(
-        f"{type(method).__name__}.run finished without starting its clients: it does not "
-        "run through a federation, so it cannot run on Flower"
-    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the server warns about the run (e.g. its privacy); the node builds
+        return clone.client_program(jax.numpy.asarray(recipe.rng_key), recipe.num_rounds)
