@@ -24,7 +24,7 @@ STAMP := $(VENV)/.installed-stamp
 COMPAT_VENV := .venv-compat
 DATA ?= ../shared/data
 
-.PHONY: demo test test-slow test-compat zoo docs notebooks bench clean
+.PHONY: demo test lint test-slow test-ci-slow test-compat zoo docs notebooks bench clean
 
 $(STAMP): pyproject.toml
 	@test -n "$(PYTHON)" || { echo "make: no Python >= 3.12 found (tried python3.12, python3.13," \
@@ -40,11 +40,25 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) examples/demo.py --data $(DATA)
 
-test: $(STAMP)
+test: $(STAMP) lint
 	$(PY) -m pytest -q -n 2 -m "not slow" --durations=25
+
+# ruff: pyflakes, pycodestyle, import order and the format (pyproject.toml's [tool.ruff])
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m slow
+
+# The slow tests CI runs (the whole slow tier, the zoo's 76 runs above all, would take CI past
+# its hour): the Flower deployment on localhost and `flwr run`'s simulation, the Ray example,
+# the README's example in float32 and the "Run across machines" page. One at a time: each
+# starts its own Ray or Flower. 8 minutes measured on a loaded 2-core machine.
+SLOW_CI := tests/flower/test_flower_deployment.py tests/test_examples.py tests/test_readme.py \
+	tests/federation/test_federation.py
+test-ci-slow: $(STAMP)
+	$(PY) -m pytest -q -n 0 -m slow --durations=10 $(SLOW_CI)
 
 # The conversion to ArviZ 0.2x (with JAX 0.10) on Python 3.10/3.11, the stack users of
 # those Pythons get; in $(COMPAT_VENV). Without the ray extra: the tests that need Ray skip.
