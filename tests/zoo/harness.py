@@ -4,7 +4,8 @@ A jitted loop cannot be interrupted by a Python signal, so every run is a child 
 (:mod:`zoo.worker`) killed when its budget is spent. Outcomes per (model, algorithm, dtype):
 
 * ``agrees``: the run finished within its budget and matches the reference (:func:`compare`);
-* ``warns``: it finished, does not match, and said so with a warning;
+* ``warns``: it finished, does not match, and said so with a warning (an approximate
+  algorithm only: an exact sampler, FedZigZag, that does not match FAILS, warning or not);
 * ``refuses``: the package raised a worded error of its own (at construction, or a run
   stopped with the reason); on a model with client-local latents that an algorithm cannot
   handle by design, the message must name the site;
@@ -308,6 +309,8 @@ def _classify(case_name, algorithm, record, timed_out, stderr, budget, ref, make
     agrees, detail = compare(summary, ref, algorithm, record.get("q"))
     if agrees:
         return make("agrees", detail, warns)
+    if algorithm not in APPROXIMATE:  # an exact sampler must agree: a warning does not excuse it
+        return make("FAILS", "an exact sampler disagrees" + (" (it warned)" if warns else "") + ": " + detail, warns)
     if warns:
         return make("warns", detail, warns)
     return make("FAILS", "disagrees without a warning: " + detail, warns)

@@ -148,6 +148,8 @@ def test_classify_outcomes():
     assert run(_record(summary=good)) == "agrees"
     assert run(_record(summary=bad)) == "FAILS"
     assert run(_record(summary=bad, warnings=["lower the learning_rate"])) == "warns"
+    # an exact sampler must agree: its warning does not excuse a wrong answer
+    assert run(_record(summary=bad, warnings=["few effective draws"]), algorithm="FedZigZag") == "FAILS"
     assert run(None, timed_out=True) == "FAILS"
     assert run(None) == "FAILS"
     nonfinite = dict(good, num_nonfinite=3)
