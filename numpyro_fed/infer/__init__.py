@@ -11,9 +11,10 @@ from numpyro_fed.infer.admm import (
     make_topology,
     metropolis_weights,
 )
-from numpyro_fed.infer.base import RunCheckpoint, RunResult, VariationalMethod
+from numpyro_fed.infer.base import RunResult, VariationalMethod
 from numpyro_fed.infer.kernel import FederatedMCMCKernel
 from numpyro_fed.infer.pvi import BCM, DPPVI, GaussianPVI, GlobalVI
+from numpyro_fed.infer.rounds import RunCheckpoint
 from numpyro_fed.infer.stein import DSVGD, PDSVGD, SVGD, UDSVGD, DistributedSGLD, FedAvg
 from numpyro_fed.infer.zigzag import FedZigZag, GradientBound, HessianBound, RowHessianBound
 

@@ -12,7 +12,8 @@ import numpyro
 import numpyro.distributions as dist
 
 import numpyro_fed as nf
-from numpyro_fed.infer.base import RunResult, VariationalMethod, build_potential, check_global_latents, run_rounds
+from numpyro_fed.infer.base import RunResult, VariationalMethod, build_potential, check_global_latents
+from numpyro_fed.infer.rounds import run_rounds
 
 
 def normal_mean(y):

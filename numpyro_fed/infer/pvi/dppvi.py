@@ -389,7 +389,7 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         :param args, kwargs: the model's arguments (the data).
         :param init_state: continue from a previous run's state (its privacy is not added),
             or resume a run stopped by a :class:`~numpyro_fed.federation.ClientError` from its
-            ``error.state`` (a :class:`~numpyro_fed.infer.base.RunCheckpoint`; same
+            ``error.state`` (a :class:`~numpyro_fed.infer.rounds.RunCheckpoint`; same
             ``rng_key`` and ``num_rounds``): the result is that of the uninterrupted run.
         :return: a :class:`~numpyro_fed.infer.RunResult` (see *Running* above).
         :raises ValueError: if ``noise_multiplier`` and ``target_epsilon`` are both given and

@@ -1,7 +1,7 @@
 """The shared face of the SVGD family over :class:`~numpyro_fed.infer.base.VariationalMethod`.
 
 Every method here mirrors :class:`numpyro.infer.SVI`: ``init``, ``update`` (one round),
-``run`` (the rounds, by :func:`~numpyro_fed.infer.base.run_rounds`), ``get_samples``,
+``run`` (the rounds, by :func:`~numpyro_fed.infer.rounds.run_rounds`), ``get_samples``,
 ``evaluate``. A subclass says how to start (:meth:`ParticleMethod.initial_state`), what its
 clients run (:meth:`ParticleMethod.client_functions`), how the server runs one round through
 them (:meth:`ParticleMethod.build_round`, the core's step) and where the particles are in its
@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from numpyro.infer.initialization import init_to_uniform
 
 from numpyro_fed._checks import check_int, check_positive
-from numpyro_fed.infer.base import ClientSpec, RunCheckpoint, RunResult, VariationalMethod, jit_round
+from numpyro_fed.infer.base import ClientSpec, RunResult, VariationalMethod, jit_round
+from numpyro_fed.infer.rounds import RunCheckpoint
 from numpyro_fed.infer.stein.checks import stein_statistics
 from numpyro_fed.infer.stein.client_order import make_client_order
 from numpyro_fed.infer.stein.kde import AUTO_KDE_FACTOR, shrunk_kde
@@ -375,7 +376,7 @@ class ParticleMethod(VariationalMethod):
         :param int num_rounds: ``I``.
         :param args: the model's positional arguments (the clients' data).
         :param init_state: a state to continue from (e.g. ``result.state``), or the
-            :class:`~numpyro_fed.infer.base.RunCheckpoint` of a run stopped by a
+            :class:`~numpyro_fed.infer.rounds.RunCheckpoint` of a run stopped by a
             :class:`~numpyro_fed.federation.ClientError` (``error.state``) to resume it: with
             the run's ``rng_key`` and ``num_rounds``, the result is the uninterrupted run's.
         :param init_particles: ``(N, d)`` flat unconstrained initial particles instead of
