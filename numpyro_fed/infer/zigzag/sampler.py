@@ -194,6 +194,9 @@ class FedZigZag(FederatedMCMCKernel):
             private_randomness=private_randomness, subsample_size=subsample_size, thinning=thinning)
         # each checked setting under its argument's name (what repr shows); ``privacy`` too
         vars(self).update(options._asdict())
+        # repr shows what was asked for: not None's InProcess() nor "auto"'s choice
+        self._defaulted = {name for name, default in (("federation", federation is None),
+                                                      ("thinning", thinning == "auto")) if default}
         #: with a federation: the bytes of one round's message to a client and of its reply
         self.message_sizes = {}
         #: with an engine backend: the state after the last completed draw and every completed
@@ -219,6 +222,10 @@ class FedZigZag(FederatedMCMCKernel):
         #: found a curvature that grows away from the posterior (violations possible)
         self.subsample_bounds = None
         self.unbounded_curvature = False
+
+    def hyperparameters(self) -> dict:
+        values = super().hyperparameters()
+        return {name: value for name, value in values.items() if name not in self._defaulted}
 
     # -- what a run reports ------------------------------------------------------------------
 
