@@ -208,8 +208,10 @@ def term_ledger(grad_evals, num_proposals, num_clients: int, d: int, itemsize: i
     out = {}
     for name, messages, down, up in (("grad_and_slope", np.full(num_clients, lines.sum()), 2 * d, 2 * d),
                                      ("grad", checks, d, d)):
-        out.update({f"{name}/messages_to_client": messages, f"{name}/bytes_to_client": messages * down * itemsize,
-                    f"{name}/messages_from_client": messages.copy(), f"{name}/bytes_from_client": messages * up * itemsize,
+        out.update({f"{name}/messages_to_client": messages,
+                    f"{name}/bytes_to_client": messages * down * itemsize,
+                    f"{name}/messages_from_client": messages.copy(),
+                    f"{name}/bytes_from_client": messages * up * itemsize,
                     f"{name}/rounds": messages.copy()})
     return out
 

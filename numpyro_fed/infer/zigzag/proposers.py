@@ -28,6 +28,7 @@ __all__ = [
     "client_functions",
     "federation_proposers",
     "in_process_proposers",
+    "initial_prior_weights",
     "proposers_from_potential",
 ]
 
@@ -143,10 +144,24 @@ def in_process_proposers(clients: ClientFunctions, data: Any, num_clients: int, 
             return clients.grad(x, block)
         return lax.cond(j == num_clients, lambda: jnp.zeros_like(x), lambda: clients.grad(x, block))
 
-    num = num_clients + on_server
-    weights = jnp.zeros(num).at[-1].set(1.0) if on_server else jnp.full(num, 1.0 / num)
-    proposers = Proposers(term_grads_and_slopes, term_grads, term_grad_of, clients.prior_grad_and_slope, num)
+    weights = initial_prior_weights(num_clients, prior)
+    proposers = Proposers(term_grads_and_slopes, term_grads, term_grad_of, clients.prior_grad_and_slope,
+                          weights.shape[0])
     return proposers, weights
+
+
+def initial_prior_weights(num_clients: int, prior: str = "server") -> jax.Array:
+    """The proposers' initial shares of the prior, ``(P,)``: all of it to the server's own
+    proposer (index ``M``) for ``prior="server"``, else an even share per client.
+
+    >>> initial_prior_weights(2).tolist(), initial_prior_weights(2, "clients").tolist()
+    ([0.0, 0.0, 1.0], [0.5, 0.5])
+    """
+    if prior not in PRIOR_MODES:
+        raise ValueError(f"prior must be one of {PRIOR_MODES}, got {prior!r}")
+    on_server = prior == "server"
+    num = num_clients + on_server
+    return jnp.zeros(num).at[-1].set(1.0) if on_server else jnp.full(num, 1.0 / num)
 
 
 #: the clients' calls the server's thinning makes (``FedZigZag(thinning="server")``): a client's

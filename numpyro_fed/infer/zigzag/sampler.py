@@ -52,7 +52,7 @@ from numpyro_fed.infer.zigzag.preconditioning import (
     user_preconditioner,
 )
 from numpyro_fed.infer.zigzag.program import ProgramCache, client_calls, program_key
-from numpyro_fed.infer.zigzag.proposers import client_functions, federation_proposers, proposers_from_potential
+from numpyro_fed.infer.zigzag.proposers import client_functions, federation_proposers, initial_prior_weights
 from numpyro_fed.infer.zigzag.setup import ClientTerms, SetupTally, federated_reference
 from numpyro_fed.infer.zigzag.subsample import rows_per_estimate, subsample_layout, subsampled_proposers
 from numpyro_fed.infer.zigzag.subsample_setup import SubsampleBoundSetup, grow_bound, subsample_bounds, subsample_order
@@ -197,14 +197,14 @@ class FedZigZag(FederatedMCMCKernel):
         # repr shows what was asked for: not None's InProcess() nor "auto"'s choice
         self._defaulted = {name for name, default in (("federation", federation is None),
                                                       ("thinning", thinning == "auto")) if default}
-        #: with a federation: the bytes of one round's message to a client and of its reply
+        #: with the clients' thinning: the bytes of one round's message to a client and of its reply
         self.message_sizes = {}
         #: with an engine backend: the state after the last completed draw and every completed
         #: draw's ``z``, kept on the host (a worker can fail mid-run; see the user guide)
         self.last_completed_state = None
         self.completed_draws = []
         self._programs = ProgramCache()
-        #: with a federation: the set-up calls of the last ``init``
+        #: after ``init``: the set-up calls it made
         #: (a :class:`~numpyro_fed.infer.zigzag.setup.SetupTally`)
         self.setup_tally = None
         #: after ``init``: the :class:`~numpyro_fed.infer.zigzag.Preconditioner` (or ``None``),
@@ -216,7 +216,7 @@ class FedZigZag(FederatedMCMCKernel):
         #: ``init``): its rows, or with ``subsample_size`` the rows one estimate evaluates
         self.rows_per_gradient = None
         #: with ``subsample_size``, after ``init``: the clients' curvature bounds, laid out per
-        #: proposer (through a federation a :class:`HessianBound`; in process a
+        #: proposer (with the clients' thinning a :class:`HessianBound`; with the server's a
         #: :class:`~numpyro_fed.infer.zigzag.bounds.SampledRowBound`, whose ``sup`` are the
         #: importance-sampled rows' summed curvatures), and whether the automatic bound
         #: found a curvature that grows away from the posterior (violations possible)
@@ -361,14 +361,13 @@ class FedZigZag(FederatedMCMCKernel):
         potential = self.init_potential(jax.random.fold_in(first_key, 0), model_args, model_kwargs)
         server_thinning = self.thinning == "server"
         num_warmup = int(num_warmup)
-        # in deployment this builds closures only: with a federation the clients are asked
-        proposers, prior_weights = proposers_from_potential(potential, prior=self.prior)
+        prior_weights = initial_prior_weights(potential.num_clients, self.prior)
         ravel = jax.vmap(potential.ravel) if vectorized else potential.ravel
         start = potential.ravel(potential.init_params)
-        plan = self._plan(potential, proposers.num, start)
+        plan = self._plan(potential, prior_weights.shape[0], start)
         bounds = plan.bounds
         # the set-up asks the clients, whoever thins
-        clients, terms, proposers, plan = self._federated_set_up(potential, plan, proposers, start)
+        clients, terms, proposers, plan = self._set_up(potential, plan, prior_weights.shape[0], start)
         flat_potential, hessian = terms.potential, terms.hessian
         if server_thinning:  # the core's proposers: every client's term through the federation's calls
             proposers = federation_proposers(self.federation, clients.prior_grad_and_slope, potential.num_clients,
@@ -457,7 +456,7 @@ class FedZigZag(FederatedMCMCKernel):
         redistribution_rate = self.redistribution_rate if self.prior == "redistribute" else 0.0
         return _Plan(layout, use_cv, order, redistribution_rate, bounds)
 
-    def _federated_set_up(self, potential, plan, proposers, start):
+    def _set_up(self, potential, plan, num_proposers, start):
         """Starts the federation on the clients' program (with the proposals when they are known
         before the set-up) and returns ``(clients, terms, proposers, plan)``: the clients'
         functions, the :class:`~numpyro_fed.infer.zigzag.setup.ClientTerms` that reach them by
@@ -471,7 +470,7 @@ class FedZigZag(FederatedMCMCKernel):
             if self.thinning == "server":  # the clients' terms, and the set-up calls
                 functions, key = self._client_calls(potential, clients, plan, None, False, terms=True), None
             elif self.preconditioner is None:  # the proposals' program is known before the set-up
-                placeholder = ControlVariates(start, jnp.zeros((proposers.num, d), start.dtype), start) \
+                placeholder = ControlVariates(start, jnp.zeros((num_proposers, d), start.dtype), start) \
                     if plan.use_cv else None
                 _, functions, key = self._federated_program(potential, clients, plan, plan.bounds, placeholder, None)
             else:

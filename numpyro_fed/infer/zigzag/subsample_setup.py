@@ -196,9 +196,9 @@ def _prior_bound(setup: SubsampleBoundSetup, prior):
 def subsample_bounds(setup: SubsampleBoundSetup, potential, layout, reference, hessian, row_grad, num_proposers,
                      order=1):
     """``(bound, weights, unbounded_curvature)``: the clients' bounds on their rate estimates
-    (a :class:`HessianBound` laid out per proposer through a federation, in process a
+    (a :class:`HessianBound` laid out per proposer with the clients' thinning, with the server's a
     :class:`~numpyro_fed.infer.zigzag.bounds.SampledRowBound`), the rows' importance weights
-    in process (``None`` through a federation, whose batches are uniform), and whether the
+    with the server's thinning (``None`` with the clients', whose batches are uniform), and whether the
     automatic bound found a curvature that grows away from the posterior (then it warns: the
     bound is local). Each client's row comes from its own rows (in a federation: one
     ``"row_curvature"`` call), the prior's from the server.
@@ -225,7 +225,7 @@ def _first_order_bounds(setup: SubsampleBoundSetup, potential, layout, row_grad,
     if setup.federation is not None:
         curvature = setup.federation.map("row_curvature", bound_points, probe_points)
         setup.setup_tally.add("row_curvature")
-    else:  # in process: every row's weight too, for the importance sampling
+    else:  # the server's thinning, in process: every row's weight too, for the importance sampling
         curvature, level, weights = jax.jit(jax.vmap(partial(
             row_weights, row_grad, layout, bound_points=bound_points, probe_points=probe_points,
             row_bound=row_bound)))(setup.blocks)

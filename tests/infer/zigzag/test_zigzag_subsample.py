@@ -420,7 +420,8 @@ def test_user_row_bound_is_exact_for_logistic_regression(third):
 @pytest.mark.slow
 def test_through_a_federation_and_in_deployment():
     """Algorithm 2 as messages (InProcess, each client thinning its own proposals): the
-    posterior of NUTS, the clients' curvature in one set-up call each; deployment (each client loads its rows) gives the same draws."""
+    posterior of NUTS, the clients' curvature in one set-up call each; deployment (each client
+    loads its rows) gives the same draws."""
     X, y, owner = logistic_data(200, seed=2)
     fed_kernel, fed_mcmc = run_zigzag(logistic, (X, y, owner), subsample_size=2, federation=InProcess(),
                                       thinning="clients", num_samples=600, sample_interval=0.2)
