@@ -23,6 +23,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
+from numpyro_fed.federation import ClientProgram
 from numpyro_fed.federation.ledger import DIRECTIONS
 from numpyro_fed.infer.zigzag.proposers import term_functions
 from numpyro_fed.infer.zigzag.setup import setup_functions
@@ -146,7 +147,10 @@ class ProgramCache:
         if federation.started and federation.program is self.program and key == self.key:
             return
         previous = federation.ledger if federation.started and federation.program is self.program else None
-        program = potential.client_program(functions, transform=PrivateSeed() if private_randomness else None)
+        if potential.deployed or private_randomness:
+            program = potential.client_program(functions, transform=PrivateSeed() if private_randomness else None)
+        else:  # cut on the host: each client's slice of a host copy of the rows compiles nothing
+            program = ClientProgram.stacked(functions, jax.device_get(potential.client_data))
         federation.start(program)
         if previous is not None:
             carry_ledger(previous, federation.ledger)
