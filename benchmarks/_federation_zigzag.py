@@ -5,9 +5,10 @@ Target: Bayesian logistic regression, ``ROWS`` synthetic rows per client, ``DIM`
 prior N(0, I), float64, ``ctx.num_clients`` clients, control variates on (the default).
 Backends:
 
-* ``federation=None``: the default: every client in this process, the server thins the
-  proposals (no messages);
-* ``InProcess()``: Algorithm 2 as messages, simulated in this process (``vmap`` over clients);
+* ``federation=None``: the default: ``InProcess()`` with the server thinning the
+  superposition of the clients' proposals (``thinning="auto"``);
+* ``InProcess(), thinning="clients"``: Algorithm 2 as messages, simulated in this process
+  (``vmap`` over clients);
 * ``RayFederation``: the same messages, one actor per client.
 
 Each configuration runs through ``MCMC`` with the same kernel (``SHORT`` draws to compile,
@@ -59,10 +60,10 @@ def make_data(num_clients, seed=0):
     return X, y
 
 
-def measure(federation, X, y, num_clients, *, seed=0):
-    kernel = nf.FedZigZag(logistic, sample_interval=SAMPLE_INTERVAL, federation=federation)
+def measure(federation, X, y, num_clients, *, thinning="auto", seed=0):
+    kernel = nf.FedZigZag(logistic, sample_interval=SAMPLE_INTERVAL, federation=federation, thinning=thinning)
     out = {}
-    on_ray = federation is not None and not isinstance(federation, InProcess)
+    on_ray = not kernel.federation.in_process
     for draws in (SHORT, SHORT, LONG):  # the first run compiles what the others reuse
         busy_before = _busy(federation) if on_ray and federation.started else 0.0
         mcmc = MCMC(kernel, num_warmup=50, num_samples=draws, progress_bar=False)
@@ -90,8 +91,8 @@ def measure(federation, X, y, num_clients, *, seed=0):
     ess = float(np.min(effective_sample_size(long["samples"])))
     row = dict(wall_s=wall, switches_per_s=switches / wall, ess_per_s=ess * (LONG - SHORT) / LONG / wall,
                min_ess=ess, draws=LONG - SHORT, switches=switches)
-    if federation is not None:
-        trips = long["round_trips"] - short["round_trips"] if not isinstance(federation, InProcess) else rounds
+    if kernel.thinning == "clients":
+        trips = long["round_trips"] - short["round_trips"] if on_ray else rounds
         row.update(rounds=rounds, rounds_per_switch=rounds / max(switches, 1),
                    round_trips_per_switch=trips / max(switches, 1),
                    ms_per_round=1e3 * wall / max(rounds, 1), rounds_per_s=rounds / wall,
@@ -115,7 +116,7 @@ def rows(ctx):
     out.append(dict(what=what + " (federation=None: server thins, no messages)", backend="in-process",
                     **measure(None, X, y, M)))
     out.append(dict(what=what + " (Algorithm 2 messages)", backend="in-process",
-                    **measure(InProcess(), X, y, M)))
+                    **measure(InProcess(), X, y, M, thinning="clients")))
     federation = ctx.ray()
     try:
         before = ctx.bare()

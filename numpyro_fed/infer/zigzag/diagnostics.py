@@ -24,6 +24,7 @@ __all__ = [
     "run_ledger",
     "rate_problems",
     "skeleton_of",
+    "term_ledger",
     "trajectory_moments_of",
 ]
 
@@ -187,14 +188,46 @@ def round_ledger(rounds, num_clients: int, message_sizes: dict) -> dict:
     }
 
 
+def term_ledger(grad_evals, num_proposals, num_clients: int, d: int, itemsize: int) -> dict:
+    """The ledger of the server's thinning's calls, ``{"<name>/<count>": (M,)}``, from the
+    draws' ``grad_evals_by_proposer`` ``(..., P)`` and ``num_proposals`` ``(...)``. Every
+    evaluation of a line's bound asks every client for its gradient and slope
+    (``"grad_and_slope"``: ``x`` and ``v`` down, ``2 d`` numbers up; the same number for all
+    proposers), and every proposal asks its winner alone for its gradient (``"grad"``: ``x``
+    down, ``d`` numbers up): a draw's evaluations are its line evaluations, the same for every
+    proposer, plus one per proposal for its winner.
+
+    >>> ledger = term_ledger(np.array([[3, 2, 2]]), np.array([1]), 2, d=1, itemsize=8)
+    >>> ledger["grad_and_slope/messages_to_client"].tolist(), ledger["grad/messages_to_client"].tolist()
+    ([2, 2], [1, 0])
+    """
+    evals = np.asarray(grad_evals, np.int64).reshape(-1, np.shape(grad_evals)[-1])
+    proposals = np.asarray(num_proposals, np.int64).reshape(-1)
+    lines = (evals.sum(-1) - proposals) // evals.shape[-1]  # per draw
+    checks = (evals - lines[:, None])[:, :num_clients].sum(0)
+    out = {}
+    for name, messages, down, up in (("grad_and_slope", np.full(num_clients, lines.sum()), 2 * d, 2 * d),
+                                     ("grad", checks, d, d)):
+        out.update({f"{name}/messages_to_client": messages,
+                    f"{name}/bytes_to_client": messages * down * itemsize,
+                    f"{name}/messages_from_client": messages.copy(),
+                    f"{name}/bytes_from_client": messages * up * itemsize,
+                    f"{name}/rounds": messages.copy()})
+    return out
+
+
 def run_ledger(rounds, num_clients: int, message_sizes: dict, setup: dict | None = None) -> dict:
     """A run's ledger per client, ``{name: (M,) int array}``: the rounds' totals (prefixed
-    ``"propose/"``, ``"propose/rounds"`` included) and the set-up calls' (``setup``, as
+    ``"propose/"``, ``"propose/rounds"`` included; or, given as ``rounds``, the server's
+    thinning's calls of :func:`term_ledger`) and the set-up calls' (``setup``, as
     :meth:`SetupTally.summary <numpyro_fed.infer.zigzag.setup.SetupTally.summary>` gives them),
     then their sums without the prefix."""
-    ledger = {"propose/" + name: value.reshape(-1, value.shape[-1]).sum(0)
-              for name, value in round_ledger(rounds, num_clients, message_sizes).items()}
-    ledger["propose/rounds"] = ledger["propose/messages_from_client"].copy()
+    if isinstance(rounds, dict):  # the server's thinning's calls, as term_ledger gives them
+        ledger = dict(rounds)
+    else:
+        ledger = {"propose/" + name: value.reshape(-1, value.shape[-1]).sum(0)
+                  for name, value in round_ledger(rounds, num_clients, message_sizes).items()}
+        ledger["propose/rounds"] = ledger["propose/messages_from_client"].copy()
     ledger.update(setup or {})
     totals = {}
     for key, value in ledger.items():

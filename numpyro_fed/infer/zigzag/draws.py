@@ -1,7 +1,7 @@
 """One FedZigZag draw: the state NumPyro carries from draw to draw
 (:class:`FedZigZagState`) and the functions that make the first draw and the next, around
-the core's kernel (in process :func:`~numpyro_fed.infer.zigzag.build_kernel`, through a
-federation :func:`~numpyro_fed.infer.zigzag.federated.build_federated_kernel`).
+the core's kernel (the server thinning: :func:`~numpyro_fed.infer.zigzag.build_kernel`; the
+clients thinning: :func:`~numpyro_fed.infer.zigzag.federated.build_federated_kernel`).
 
 A draw runs the process for the warmup's current interval of process time, then lets the
 warmup adapt (:mod:`~numpyro_fed.infer.zigzag.warmup`); with subsampling a warmup draw with

@@ -15,19 +15,30 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from numpyro_fed._checks import check_int, check_positive, check_real
-from numpyro_fed.federation import Federation
+from numpyro_fed.federation import Federation, InProcess
 from numpyro_fed.infer.zigzag.bounds import bound_kind
 from numpyro_fed.infer.zigzag.proposers import PRIOR_MODES
 from numpyro_fed.infer.zigzag.subsample import RowHessianBound
 from numpyro_fed.privacy import switching_time_guarantee
 
-__all__ = ["ZigZagOptions", "check_options", "privacy_guarantee"]
+__all__ = ["THINNING", "ZigZagOptions", "check_options", "privacy_guarantee"]
+
+#: who thins the proposals (``FedZigZag(thinning=...)``): ``"server"``, the superposition of
+#: the clients' rates thinned by the server (their terms evaluated through the federation's
+#: calls, for a backend whose clients run inside the server's program); ``"clients"``, every
+#: client thinning its own proposals (one round of messages per switch); ``"auto"``, the first
+#: where the federation runs in process (and the clients need no private randomness), else the
+#: second. Both give the same process.
+THINNING = ("auto", "server", "clients")
 
 
 class ZigZagOptions(NamedTuple):
     """FedZigZag's checked settings, each under its constructor argument's name (see
     :class:`~numpyro_fed.infer.zigzag.FedZigZag`). ``excess_rate`` and ``control_variates``
     are those the run uses: with a privacy guarantee the calibrated rate and ``False``.
+
+    ``federation`` is the one given, or a new :class:`~numpyro_fed.federation.InProcess` for
+    ``None``; ``thinning`` is ``"server"`` or ``"clients"`` (``"auto"`` resolved, see :data:`THINNING`).
 
     :ivar privacy: the :class:`~numpyro_fed.privacy.PrivacyGuarantee` of ``dp_*``, or ``None``.
     """
@@ -45,9 +56,10 @@ class ZigZagOptions(NamedTuple):
     skeleton_size: int
     full_covariance: bool
     preconditioner: Any
-    federation: Federation | None
+    federation: Federation
     private_randomness: bool
     subsample_size: int | None
+    thinning: str
     privacy: Any
 
 
@@ -55,15 +67,15 @@ def check_options(*, sample_interval=None, control_variates=None, prior="server"
                   excess_rate=0.0, bounds="grid", grid_size=2, safety_factor=1.0, initial_horizon=0.1,
                   max_proposals=1_000_000, dp_sensitivity=None, dp_epsilon=None, dp_delta=None, skeleton_size=0,
                   full_covariance=False, preconditioner=None, federation=None, private_randomness=False,
-                  subsample_size=None) -> ZigZagOptions:
+                  subsample_size=None, thinning="auto") -> ZigZagOptions:
     """FedZigZag's arguments checked (in the order a user reads them in an error) and
     resolved: :class:`ZigZagOptions`."""
-    if federation is not None and not isinstance(federation, Federation):
+    if federation is None:  # one meaning of None: the clients in this process
+        federation = InProcess()
+    if not isinstance(federation, Federation):
         raise TypeError(f"federation must be a Federation (e.g. nf.RayFederation()) or None, "
                         f"got {type(federation).__name__}")
-    if private_randomness and federation is None:
-        raise ValueError("private_randomness=True needs a federation (the clients draw their own "
-                         "randomness when they answer rounds; federation=None has no rounds)")
+    thinning = resolve_thinning(thinning, federation, private_randomness)
     if isinstance(preconditioner, str) and preconditioner not in ("laplace", "diagonal"):
         raise ValueError(f"preconditioner must be None, 'laplace', 'diagonal' or an array, got {preconditioner!r}")
     skeleton_size = check_int(skeleton_size, "skeleton_size", minimum=0)
@@ -77,7 +89,7 @@ def check_options(*, sample_interval=None, control_variates=None, prior="server"
                              "pass subsample_size (e.g. subsample_size=1) with it")
         bound_kind(bounds)
     else:
-        _check_subsampling(subsample_size, bounds, control_variates, preconditioner, federation,
+        _check_subsampling(subsample_size, bounds, control_variates, preconditioner, thinning == "server",
                            dp_sensitivity is not None or dp_epsilon is not None or dp_delta is not None)
     grid_size = check_int(grid_size, "grid_size", minimum=2)
     safety = check_real(safety_factor, "safety_factor")
@@ -110,13 +122,30 @@ def check_options(*, sample_interval=None, control_variates=None, prior="server"
         safety_factor=safety, initial_horizon=initial_horizon, max_proposals=max_proposals,
         skeleton_size=skeleton_size, full_covariance=bool(full_covariance), preconditioner=preconditioner,
         federation=federation, private_randomness=bool(private_randomness), subsample_size=subsample_size,
-        privacy=privacy,
+        thinning=thinning, privacy=privacy,
     )
 
 
-def _check_subsampling(subsample_size, bounds, control_variates, preconditioner, federation, private):
-    """Refuses, by name, what ``subsample_size`` does not support (``private``: a privacy
-    guarantee is asked for)."""
+def resolve_thinning(thinning, federation, private_randomness) -> str:
+    """``"server"`` or ``"clients"``: who thins the proposals (see :data:`THINNING`), checked
+    against what the federation can do."""
+    if thinning not in THINNING:
+        raise ValueError(f"thinning must be one of {THINNING}, got {thinning!r}")
+    if thinning == "auto":
+        return "server" if federation.in_process and not private_randomness else "clients"
+    if thinning == "server" and not federation.in_process:
+        raise ValueError(f"thinning='server' evaluates every client's rate at every proposal, inside the "
+                         f"server's program: {type(federation).__name__} runs its clients elsewhere; pass "
+                         "thinning='clients' (or 'auto')")
+    if thinning == "server" and private_randomness:
+        raise ValueError("private_randomness=True: each client draws its own proposals from a key the "
+                         "server does not know, which needs thinning='clients' (or 'auto')")
+    return thinning
+
+
+def _check_subsampling(subsample_size, bounds, control_variates, preconditioner, server_thinning, private):
+    """Refuses, by name, what ``subsample_size`` does not support (``server_thinning``: the
+    server thins the superposition in process; ``private``: a privacy guarantee is asked for)."""
     if not (isinstance(bounds, RowHessianBound) or bounds == "grid"):
         raise ValueError(
             f"subsample_size={subsample_size} thins against bounds on every row's curvature: "
@@ -130,11 +159,12 @@ def _check_subsampling(subsample_size, bounds, control_variates, preconditioner,
             f"subsample_size={subsample_size} estimates each rate around the control "
             "variates' reference point: control_variates=False is not supported with it "
             "(leave it at None, True or 'second_order')")
-    if control_variates == "second_order" and federation is not None:
+    if control_variates == "second_order" and not server_thinning:
         raise ValueError(
             f"subsample_size={subsample_size} with control_variates='second_order' is "
-            "supported in process (federation=None), not through a federation (its batches are "
-            "drawn uniformly, around first-order control variates): pass control_variates=None")
+            "supported with the server's thinning in process (federation=None or InProcess()), not with the "
+            "clients' thinning (their batches are drawn uniformly, around first-order control variates): "
+            "pass control_variates=None")
     user_third = not isinstance(bounds, RowHessianBound) or bounds.third is not None
     if control_variates == "second_order" and not user_third:
         raise ValueError(
@@ -144,10 +174,10 @@ def _check_subsampling(subsample_size, bounds, control_variates, preconditioner,
     if isinstance(bounds, RowHessianBound) and bounds.third is not None and not callable(bounds.third):
         raise TypeError(f"RowHessianBound.third must be a function of one row's model arguments, "
                         f"got {type(bounds.third).__name__}")
-    if preconditioner is not None and federation is not None:
+    if preconditioner is not None and not server_thinning:
         raise ValueError(f"subsample_size={subsample_size} with preconditioner={preconditioner!r} "
-                         "is supported in process (federation=None), not through a federation: "
-                         "pass preconditioner=None or federation=None")
+                         "is supported with the server's thinning in process (federation=None or InProcess()), "
+                         "not with the clients' thinning: pass preconditioner=None or federation=None")
     if private:
         raise ValueError(
             f"subsample_size={subsample_size} with a privacy guarantee (dp_sensitivity/"

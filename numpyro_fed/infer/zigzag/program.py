@@ -23,7 +23,9 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
+from numpyro_fed.federation import ClientProgram
 from numpyro_fed.federation.ledger import DIRECTIONS
+from numpyro_fed.infer.zigzag.proposers import term_functions
 from numpyro_fed.infer.zigzag.setup import setup_functions
 from numpyro_fed.infer.zigzag.subsample import RowHessianBound, row_curvature
 
@@ -73,7 +75,7 @@ def _row_curvature_call(grad, layout, row_bound, block, bound_points, probe_poin
 
 
 def client_calls(potential, clients, *, layout=None, bounds=None, propose=None, use_reference=False,
-                 private_randomness=False) -> dict:
+                 private_randomness=False, terms=False) -> dict:
     """The clients' calls by name, ``name -> f(block, *args)``, for
     :meth:`FederatedPotential.client_program <numpyro_fed.FederatedPotential.client_program>`:
     the set-up calls, ``"row_curvature"`` with subsampling (``layout``; a
@@ -84,8 +86,12 @@ def client_calls(potential, clients, *, layout=None, bounds=None, propose=None, 
         gradient (they come before the client's key in a round's arguments).
     :param bool private_randomness: each block carries the client's private seed
         (:class:`PrivateSeed`), folded into its key in every round.
+    :param bool terms: the calls of the server's thinning too
+        (:data:`~numpyro_fed.infer.zigzag.proposers.TERM_CALLS`).
     """
     functions = setup_functions(potential.flat().client_potential)
+    if terms:
+        functions.update(term_functions(clients))
     if layout is not None:
         row_bound = bounds.rows if isinstance(bounds, RowHessianBound) else None
         functions["row_curvature"] = partial(_row_curvature_call, clients.grad, layout, row_bound)
@@ -141,7 +147,10 @@ class ProgramCache:
         if federation.started and federation.program is self.program and key == self.key:
             return
         previous = federation.ledger if federation.started and federation.program is self.program else None
-        program = potential.client_program(functions, transform=PrivateSeed() if private_randomness else None)
+        if potential.deployed or private_randomness:
+            program = potential.client_program(functions, transform=PrivateSeed() if private_randomness else None)
+        else:  # cut on the host: each client's slice of a host copy of the rows compiles nothing
+            program = ClientProgram.stacked(functions, jax.device_get(potential.client_data))
         federation.start(program)
         if previous is not None:
             carry_ledger(previous, federation.ledger)

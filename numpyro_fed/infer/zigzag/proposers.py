@@ -26,7 +26,9 @@ __all__ = [
     "ClientFunctions",
     "Proposers",
     "client_functions",
+    "federation_proposers",
     "in_process_proposers",
+    "initial_prior_weights",
     "proposers_from_potential",
 ]
 
@@ -142,10 +144,68 @@ def in_process_proposers(clients: ClientFunctions, data: Any, num_clients: int, 
             return clients.grad(x, block)
         return lax.cond(j == num_clients, lambda: jnp.zeros_like(x), lambda: clients.grad(x, block))
 
-    num = num_clients + on_server
-    weights = jnp.zeros(num).at[-1].set(1.0) if on_server else jnp.full(num, 1.0 / num)
-    proposers = Proposers(term_grads_and_slopes, term_grads, term_grad_of, clients.prior_grad_and_slope, num)
+    weights = initial_prior_weights(num_clients, prior)
+    proposers = Proposers(term_grads_and_slopes, term_grads, term_grad_of, clients.prior_grad_and_slope,
+                          weights.shape[0])
     return proposers, weights
+
+
+def initial_prior_weights(num_clients: int, prior: str = "server") -> jax.Array:
+    """The proposers' initial shares of the prior, ``(P,)``: all of it to the server's own
+    proposer (index ``M``) for ``prior="server"``, else an even share per client.
+
+    >>> initial_prior_weights(2).tolist(), initial_prior_weights(2, "clients").tolist()
+    ([0.0, 0.0, 1.0], [0.5, 0.5])
+    """
+    if prior not in PRIOR_MODES:
+        raise ValueError(f"prior must be one of {PRIOR_MODES}, got {prior!r}")
+    on_server = prior == "server"
+    num = num_clients + on_server
+    return jnp.zeros(num).at[-1].set(1.0) if on_server else jnp.full(num, 1.0 / num)
+
+
+#: the clients' calls the server's thinning makes (``FedZigZag(thinning="server")``): a client's
+#: gradient, and its gradient and slope, at the point the server sends
+TERM_CALLS = ("grad", "grad_and_slope")
+
+
+def term_functions(clients: ClientFunctions) -> dict:
+    """The clients' :data:`TERM_CALLS`, ``name -> f(block, *args)``, for the
+    :class:`~numpyro_fed.federation.ClientProgram`."""
+    return {"grad": lambda block, x: clients.grad(x, block),
+            "grad_and_slope": lambda block, x, v: clients.grad_and_slope(x, v, block)}
+
+
+def federation_proposers(federation, prior_grad_and_slope, num_clients: int, *, prior: str = "server") -> Proposers:
+    """The server's :class:`Proposers` whose own terms are the clients', reached through
+    ``federation`` (started on a program with the :func:`term_functions`): the line bounds
+    ask every client (``federation.map``), the winner's check asks the winner alone
+    (``federation.one``). On :class:`~numpyro_fed.federation.InProcess` this is a ``vmap``
+    over the stacked blocks inside the server's compiled program (what
+    :func:`in_process_proposers` computes, the same arithmetic).
+
+    :param prior_grad_and_slope: the server's ``(x, v) -> (grad, slope)`` of the prior.
+    :param str prior: one of :data:`PRIOR_MODES` (as for :func:`in_process_proposers`).
+    """
+    on_server = prior == "server"
+
+    def with_server_row(values):
+        return jnp.concatenate([values, jnp.zeros_like(values[:1])]) if on_server else values
+
+    def term_grads_and_slopes(x, v):
+        grads, slopes = federation.map("grad_and_slope", x, v)
+        return with_server_row(grads), with_server_row(slopes)
+
+    def term_grads(x):
+        return with_server_row(federation.map("grad", x))
+
+    def term_grad_of(x, j):
+        client = jnp.minimum(j, num_clients - 1)
+        if not on_server:
+            return federation.one("grad", client, x)
+        return lax.cond(j == num_clients, lambda: jnp.zeros_like(x), lambda: federation.one("grad", client, x))
+
+    return Proposers(term_grads_and_slopes, term_grads, term_grad_of, prior_grad_and_slope, num_clients + on_server)
 
 
 def proposers_from_potential(potential, *, prior: str = "server") -> tuple[Proposers, jax.Array]:

@@ -23,10 +23,9 @@ from numpyro.infer.initialization import init_to_uniform
 from numpyro.util import is_prng_key
 
 from numpyro_fed._checks import user_origin, warn_user
-from numpyro_fed.federation import InProcess
 from numpyro_fed.infer.kernel import FederatedMCMCKernel, RunCheck
 from numpyro_fed.infer.zigzag.bounds import HessianBound, bound_kind, per_proposer_bound
-from numpyro_fed.infer.zigzag.control_variates import ControlVariates, control_variate_reference
+from numpyro_fed.infer.zigzag.control_variates import ControlVariates
 from numpyro_fed.infer.zigzag.diagnostics import (
     DIAGNOSTICS,
     SKELETON,
@@ -37,6 +36,7 @@ from numpyro_fed.infer.zigzag.diagnostics import (
     round_ledger,
     run_ledger,
     skeleton_of,
+    term_ledger,
     trajectory_moments_of,
 )
 from numpyro_fed.infer.zigzag.draws import DrawSettings, FirstDraw, first_draw, next_draw
@@ -52,7 +52,7 @@ from numpyro_fed.infer.zigzag.preconditioning import (
     user_preconditioner,
 )
 from numpyro_fed.infer.zigzag.program import ProgramCache, client_calls, program_key
-from numpyro_fed.infer.zigzag.proposers import client_functions, proposers_from_potential
+from numpyro_fed.infer.zigzag.proposers import client_functions, federation_proposers, initial_prior_weights
 from numpyro_fed.infer.zigzag.setup import ClientTerms, SetupTally, federated_reference
 from numpyro_fed.infer.zigzag.subsample import rows_per_estimate, subsample_layout, subsampled_proposers
 from numpyro_fed.infer.zigzag.subsample_setup import SubsampleBoundSetup, grow_bound, subsample_bounds, subsample_order
@@ -109,11 +109,18 @@ class FedZigZag(FederatedMCMCKernel):
     :param bool full_covariance: integrate ``x x^T`` in full for :meth:`trajectory_moments`.
     :param preconditioner: ``None``, ``"laplace"``, ``"diagonal"`` or a scale
         ("Preconditioning").
-    :param federation: ``None`` (default: clients vectorized in this process) or a
-        :class:`~numpyro_fed.federation.Federation`: Algorithm 2 as messages, one round per
-        switch, counted in :meth:`message_ledger` (the federation guide, "FedZigZag").
-    :param bool private_randomness: with a federation, each client draws its proposals from
-        a key the server does not know.
+    :param federation: the :class:`~numpyro_fed.federation.Federation` the clients answer
+        through; ``None`` (default): a new :class:`~numpyro_fed.federation.InProcess` (the
+        clients vectorized in this process). What crossed it is counted in
+        :meth:`message_ledger` (the federation guide, "FedZigZag").
+    :param str thinning: who thins the proposals: ``"server"`` (the superposition of the
+        clients' rates, each line's bound asking every client and the check the winner alone:
+        for a federation that runs in process), ``"clients"`` (Algorithm 2 as messages: every
+        client thins its own proposals, one round per switch) or ``"auto"`` (default: the
+        first in process, else the second). Both give the same process ("One algorithm, two
+        ways to thin").
+    :param bool private_randomness: each client draws its proposals from a key the server
+        does not know (needs the clients' thinning).
     :param int subsample_size: ``b``: each client checks a proposal against an estimate of
         its rate from ``b`` of its rows ("Subsampling: ``subsample_size``").
 
@@ -133,11 +140,11 @@ class FedZigZag(FederatedMCMCKernel):
     >>> abs(float(mcmc.get_samples()["mu"].mean() - y.sum() / (100 + 0.01))) < 0.05
     True
 
-    The same through a federation (here in process; ``nf.RayFederation()`` for workers):
-    one round of messages per switch.
+    The same with every client thinning its own proposals (here in process; given
+    ``nf.RayFederation()``, on workers): one round of messages per switch.
 
     >>> from numpyro_fed.federation import InProcess
-    >>> sampler = nf.FedZigZag(model, sample_interval=0.2, federation=InProcess())
+    >>> sampler = nf.FedZigZag(model, sample_interval=0.2, federation=InProcess(), thinning="clients")
     >>> mcmc = MCMC(sampler, num_warmup=50, num_samples=200, progress_bar=False)
     >>> mcmc.run(jax.random.PRNGKey(1), y)
     >>> fields = mcmc.get_extra_fields()
@@ -175,6 +182,7 @@ class FedZigZag(FederatedMCMCKernel):
         federation=None,
         private_randomness: bool = False,
         subsample_size: int | None = None,
+        thinning: str = "auto",
     ):
         super().__init__(model, partition=partition, init_strategy=init_strategy)
         options = check_options(
@@ -183,17 +191,20 @@ class FedZigZag(FederatedMCMCKernel):
             safety_factor=safety_factor, initial_horizon=initial_horizon, max_proposals=max_proposals,
             dp_sensitivity=dp_sensitivity, dp_epsilon=dp_epsilon, dp_delta=dp_delta, skeleton_size=skeleton_size,
             full_covariance=full_covariance, preconditioner=preconditioner, federation=federation,
-            private_randomness=private_randomness, subsample_size=subsample_size)
+            private_randomness=private_randomness, subsample_size=subsample_size, thinning=thinning)
         # each checked setting under its argument's name (what repr shows); ``privacy`` too
         vars(self).update(options._asdict())
-        #: with a federation: the bytes of one round's message to a client and of its reply
+        # repr shows what was asked for: not None's InProcess() nor "auto"'s choice
+        self._defaulted = {name for name, default in (("federation", federation is None),
+                                                      ("thinning", thinning == "auto")) if default}
+        #: with the clients' thinning: the bytes of one round's message to a client and of its reply
         self.message_sizes = {}
         #: with an engine backend: the state after the last completed draw and every completed
         #: draw's ``z``, kept on the host (a worker can fail mid-run; see the user guide)
         self.last_completed_state = None
         self.completed_draws = []
         self._programs = ProgramCache()
-        #: with a federation: the set-up calls of the last ``init``
+        #: after ``init``: the set-up calls it made
         #: (a :class:`~numpyro_fed.infer.zigzag.setup.SetupTally`)
         self.setup_tally = None
         #: after ``init``: the :class:`~numpyro_fed.infer.zigzag.Preconditioner` (or ``None``),
@@ -205,12 +216,16 @@ class FedZigZag(FederatedMCMCKernel):
         #: ``init``): its rows, or with ``subsample_size`` the rows one estimate evaluates
         self.rows_per_gradient = None
         #: with ``subsample_size``, after ``init``: the clients' curvature bounds, laid out per
-        #: proposer (through a federation a :class:`HessianBound`; in process a
+        #: proposer (with the clients' thinning a :class:`HessianBound`; with the server's a
         #: :class:`~numpyro_fed.infer.zigzag.bounds.SampledRowBound`, whose ``sup`` are the
         #: importance-sampled rows' summed curvatures), and whether the automatic bound
         #: found a curvature that grows away from the posterior (violations possible)
         self.subsample_bounds = None
         self.unbounded_curvature = False
+
+    def hyperparameters(self) -> dict:
+        values = super().hyperparameters()
+        return {name: value for name, value in values.items() if name not in self._defaulted}
 
     # -- what a run reports ------------------------------------------------------------------
 
@@ -280,7 +295,7 @@ class FedZigZag(FederatedMCMCKernel):
             rows = np.asarray(jax.device_get(evals))[..., :num_clients].astype(np.int64) * self.rows_per_gradient
             stats["grad_row_evals_by_client"] = (rows, ["client"])
             stats["grad_row_evals"] = (rows.sum(-1), [])
-        if self.federation is not None and "info.rounds" in extra_fields:
+        if self.thinning == "clients" and "info.rounds" in extra_fields:
             rounds = np.asarray(jax.device_get(extra_fields["info.rounds"]))
             stats.update({name: (value, ["client"])
                           for name, value in round_ledger(rounds, num_clients, self.message_sizes).items()})
@@ -302,12 +317,21 @@ class FedZigZag(FederatedMCMCKernel):
         (:mod:`~numpyro_fed.infer.zigzag.setup`: the mode search, the control variates'
         reference, a Laplace preconditioner, the warmup's re-centering and comparison) are
         always included: ``d`` numbers down per message, ``d + 1`` up for
-        ``"value_and_grad"``, ``d^2`` for ``"hessian"``."""
-        if self.federation is None:
-            raise ValueError("message_ledger: this FedZigZag has no federation (federation=None: "
-                             "the clients are vectorized in this process and send no messages)")
+        ``"value_and_grad"``, ``d^2`` for ``"hessian"``.
+
+        With the server's thinning (``thinning="server"``) there are no rounds: the calls are
+        ``"grad_and_slope"`` (every line's bound asks every client, once per evaluation) and
+        ``"grad"`` (each proposal's winner alone), counted from the draws' gradient
+        evaluations (:func:`~numpyro_fed.infer.zigzag.diagnostics.term_ledger`)."""
         num_clients = self.federated_potential.num_clients
-        rounds = np.asarray(jax.device_get(mcmc.get_extra_fields()["info.rounds"]))
+        fields = mcmc.get_extra_fields()
+        if self.thinning == "server":
+            d = self.setup_tally.d
+            rounds = term_ledger(jax.device_get(fields["info.grad_evals_by_proposer"]),
+                                 jax.device_get(fields["info.num_proposals"]), num_clients, d,
+                                 self.setup_tally.itemsize)
+        else:
+            rounds = np.asarray(jax.device_get(fields["info.rounds"]))
         setup = None
         if self.setup_tally is not None:
             warmup = {}
@@ -335,21 +359,19 @@ class FedZigZag(FederatedMCMCKernel):
         vectorized = not is_prng_key(rng_key)
         first_key = rng_key[0] if vectorized else rng_key
         potential = self.init_potential(jax.random.fold_in(first_key, 0), model_args, model_kwargs)
-        federated = self.federation is not None
+        server_thinning = self.thinning == "server"
         num_warmup = int(num_warmup)
-        # in deployment this builds closures only: with a federation the clients are asked
-        proposers, prior_weights = proposers_from_potential(potential, prior=self.prior)
+        prior_weights = initial_prior_weights(potential.num_clients, self.prior)
         ravel = jax.vmap(potential.ravel) if vectorized else potential.ravel
         start = potential.ravel(potential.init_params)
-        plan = self._plan(potential, proposers.num, start)
+        plan = self._plan(potential, prior_weights.shape[0], start)
         bounds = plan.bounds
-        hessian = terms = clients = None
-        self.setup_tally = None
-        if federated:
-            clients, terms, proposers, plan = self._federated_set_up(potential, plan, proposers, start)
-            flat_potential, hessian = terms.potential, terms.hessian
-        else:
-            flat_potential = jax.jit(potential.flat().potential)
+        # the set-up asks the clients, whoever thins
+        clients, terms, proposers, plan = self._set_up(potential, plan, prior_weights.shape[0], start)
+        flat_potential, hessian = terms.potential, terms.hessian
+        if server_thinning:  # the core's proposers: every client's term through the federation's calls
+            proposers = federation_proposers(self.federation, clients.prior_grad_and_slope, potential.num_clients,
+                                             prior=self.prior)
         self.reference_point = None
         self.mode_search = None
         use_cv, recenter = plan.use_cv, False  # recenter: the control variates on the warmup trajectory
@@ -370,14 +392,11 @@ class FedZigZag(FederatedMCMCKernel):
             if not isinstance(bounds, str):
                 bounds = preconditioned_bound(bounds, self.preconditioning)
             start = self.preconditioning.to_u(start)
-        reference_fn = None
-        if federated:
-            reference_fn = partial(federated_reference, terms, proposers.prior_grad_and_slope, order=plan.order,
-                                   preconditioner=self.preconditioning)
-        reference = self._reference(proposers, plan, start, reference_fn) if use_cv else None
+        reference_fn = partial(federated_reference, terms, proposers.prior_grad_and_slope, order=plan.order,
+                               preconditioner=self.preconditioning)
+        reference = self._reference(plan, start, reference_fn) if use_cv else None
         if plan.layout is not None:
-            bounds, proposers = self._subsampling(potential, plan, reference, flat_potential, hessian, clients,
-                                                  proposers)
+            bounds, proposers = self._subsampling(potential, plan, reference, hessian, clients, proposers)
         kernel = self._kernel(potential, plan, clients, proposers, bounds, reference, vectorized)
         draws = DrawSettings(
             kernel=kernel, use_cv=use_cv, unravel=potential.unravel,
@@ -390,16 +409,15 @@ class FedZigZag(FederatedMCMCKernel):
             grow_bound=None if plan.layout is None else partial(
                 grow_bound, num_warmup=num_warmup, subsample_size=self.subsample_size, origin=user_origin()),
             # on an engine a worker can fail mid-run: keep every completed draw on the host
-            keep_completed=self._keep_completed if federated and not isinstance(self.federation, InProcess)
-            else None,
+            keep_completed=None if self.federation.in_process else self._keep_completed,
         )
         self.last_completed_state = None
         self.completed_draws = []
-        if federated:
-            init_core = partial(federated_init, prior_weights=prior_weights, scale=self.initial_horizon)
-        else:
+        if server_thinning:
             init_core = partial(init, prior_weights=prior_weights, horizon=self.initial_horizon, bounds=bounds,
                                 grid_size=self.grid_size)
+        else:
+            init_core = partial(federated_init, prior_weights=prior_weights, scale=self.initial_horizon)
         if self.sample_interval is not None:
             first_interval = self.sample_interval
         else:
@@ -427,7 +445,7 @@ class FedZigZag(FederatedMCMCKernel):
             use_cv = True
             self.rows_per_gradient = np.full(potential.num_clients, rows_per_estimate(layout), np.int64)
         order = 2 if self.control_variates == "second_order" or (
-            layout is not None and subsample_order(self.control_variates, self.bounds, self.federation is not None) == 2
+            layout is not None and subsample_order(self.control_variates, self.bounds, self.thinning == "clients") == 2
         ) else 1
         d, dtype = start.shape[-1], start.dtype
         bounds = self.bounds
@@ -438,7 +456,7 @@ class FedZigZag(FederatedMCMCKernel):
         redistribution_rate = self.redistribution_rate if self.prior == "redistribute" else 0.0
         return _Plan(layout, use_cv, order, redistribution_rate, bounds)
 
-    def _federated_set_up(self, potential, plan, proposers, start):
+    def _set_up(self, potential, plan, num_proposers, start):
         """Starts the federation on the clients' program (with the proposals when they are known
         before the set-up) and returns ``(clients, terms, proposers, plan)``: the clients'
         functions, the :class:`~numpyro_fed.infer.zigzag.setup.ClientTerms` that reach them by
@@ -449,8 +467,10 @@ class FedZigZag(FederatedMCMCKernel):
         plan = plan._replace(data_key=ProgramCache.data_key_of(potential, self.private_randomness))
         fed = self.federation
         if not self._programs.runs_data(fed, plan.data_key):
-            if self.preconditioner is None:  # the proposals' program is known before the set-up
-                placeholder = ControlVariates(start, jnp.zeros((proposers.num, d), start.dtype), start) \
+            if self.thinning == "server":  # the clients' terms, and the set-up calls
+                functions, key = self._client_calls(potential, clients, plan, None, False, terms=True), None
+            elif self.preconditioner is None:  # the proposals' program is known before the set-up
+                placeholder = ControlVariates(start, jnp.zeros((num_proposers, d), start.dtype), start) \
                     if plan.use_cv else None
                 _, functions, key = self._federated_program(potential, clients, plan, plan.bounds, placeholder, None)
             else:
@@ -460,9 +480,9 @@ class FedZigZag(FederatedMCMCKernel):
         terms = ClientTerms(fed, potential.flat().prior_potential, potential.num_clients, self.prior == "server")
         return clients, terms, terms.proposers(clients.prior_grad_and_slope), plan
 
-    def _client_calls(self, potential, clients, plan, propose, use_reference):
+    def _client_calls(self, potential, clients, plan, propose, use_reference, terms=False):
         return client_calls(potential, clients, layout=plan.layout, bounds=self.bounds, propose=propose,
-                            use_reference=use_reference, private_randomness=self.private_randomness)
+                            use_reference=use_reference, private_randomness=self.private_randomness, terms=terms)
 
     def _federated_program(self, potential, clients, plan, bounds, reference, preconditioning):
         """``(kernel, functions, key)``: the server's kernel through the federation, the
@@ -484,44 +504,44 @@ class FedZigZag(FederatedMCMCKernel):
                           preconditioning, self.excess_rate, self.grid_size, self.safety_factor)
         return kernel, self._client_calls(potential, clients, plan, propose, reference is not None), key
 
-    def _reference(self, proposers, plan, start, reference_fn):
+    def _reference(self, plan, start, reference_fn):
         """The control variates' :class:`~numpyro_fed.infer.zigzag.ControlVariates` at the mode
         (in the process's space); without a mode a placeholder at the start, inactive until
         the warmup's first re-centering."""
         point = self.reference_point if self.reference_point is not None else (start[0] if start.ndim == 2 else start)
         if self.preconditioning is not None and self.reference_point is not None:
             point = self.preconditioning.to_u(point)
-        if reference_fn is not None:  # through the federation
-            reference = reference_fn(point)
-            self.setup_tally.add("value_and_grad")
-            if plan.order == 2:
-                self.setup_tally.add("hessian")
-            return reference
         # one compiled call (eagerly, each operation over the clients' rows compiles on its own)
-        return jax.jit(partial(control_variate_reference, proposers, order=plan.order))(point)
+        reference = jax.jit(reference_fn)(point)
+        self.setup_tally.add("value_and_grad")
+        if plan.order == 2:
+            self.setup_tally.add("hessian")
+        return reference
 
-    def _subsampling(self, potential, plan, reference, flat_potential, hessian, clients, proposers):
+    def _subsampling(self, potential, plan, reference, hessian, clients, proposers):
         """``(bounds, proposers)`` with subsampling: the clients' bounds on their rate
-        estimates (:attr:`subsample_bounds`) and, in process, the proposers that estimate."""
-        federated = self.federation is not None
-        row_grad = (clients if federated else client_functions(potential)).grad
-        if self.preconditioning is not None:  # in process only: the process's space is u
+        estimates (:attr:`subsample_bounds`) and, with the server's thinning (in process), the
+        proposers that estimate from the blocks the federation holds in this process."""
+        server_thinning = self.thinning == "server"
+        row_grad = clients.grad
+        if self.preconditioning is not None:  # the server's thinning only: the process's space is u
             row_grad = preconditioned_row_grad(row_grad, self.preconditioning)
-        setup = SubsampleBoundSetup(self.bounds, self.subsample_size, self.preconditioning, self.federation,
-                                    self.setup_tally)
+        setup = SubsampleBoundSetup(self.bounds, self.subsample_size, self.preconditioning,
+                                    None if server_thinning else self.federation, self.setup_tally,
+                                    self.federation.blocks if server_thinning else None)
         bounds, weights, self.unbounded_curvature = subsample_bounds(
-            setup, potential, plan.layout, reference, flat_potential, hessian, row_grad, proposers.num,
+            setup, potential, plan.layout, reference, hessian, row_grad, proposers.num,
             order=plan.order)
         self.subsample_bounds = bounds
-        if not federated:
-            proposers = subsampled_proposers(proposers, row_grad, potential.client_data,
+        if server_thinning:
+            proposers = subsampled_proposers(proposers, row_grad, self.federation.blocks,
                                              potential.num_clients, plan.layout, weights)
         return bounds, proposers
 
     def _kernel(self, potential, plan, clients, proposers, bounds, reference, vectorized):
-        """The core's compiled kernel: through the federation (started on its program), or in
-        process."""
-        if self.federation is not None:
+        """The core's compiled kernel: the server thinning the superposition of the clients'
+        proposals, or every client thinning its own (the federation started on its program)."""
+        if self.thinning == "clients":
             kernel, functions, key = self._federated_program(potential, clients, plan, bounds, reference,
                                                              self.preconditioning)
             self._programs.start(self.federation, potential, functions, key, plan.data_key,

@@ -30,7 +30,7 @@ The bounds ``H`` come from the clients, each from its own rows (:func:`row_curva
 * from the user (:class:`RowHessianBound`): a function of one row's model arguments giving a
   bound valid everywhere, for exactness.
 
-**Importance sampling** (in process, without a federation): the batch for a proposal of
+**Importance sampling** (the server's thinning, in process): the batch for a proposal of
 coordinate ``i`` draws row ``J`` with probability ``p_Ji`` proportional to ``c_Ji = sum_k
 H_Jik``, the row's own curvature bound, and weighs it by ``1 / (b p_Ji)``; since
 ``|d_i U_J(x) - d_i U_J(x*)| <= c_Ji max_k |x_k - x*_k|`` the estimate moves from ``g_i`` by at
@@ -78,8 +78,8 @@ weights and bounds are those of the potential of ``u``.
 
 Everything a client computes here receives its own block only; through a federation what it
 sends the server is its ``(d, d)`` bound (once, at set-up) and, in every round, the proposal
-Algorithm 2 sends. Second order and the rows' weights are in process only: through a
-federation the batches are uniform and the estimate first order.
+Algorithm 2 sends. Second order and the rows' weights need the server's thinning (in
+process): with the clients' thinning the batches are uniform and the estimate first order.
 """
 
 from __future__ import annotations

@@ -40,9 +40,12 @@ class SubsampleBoundSetup(NamedTuple):
     :ivar bounds: the ``bounds`` given (``"grid"``: automatic, or a :class:`RowHessianBound`).
     :ivar subsample_size: ``b`` (named in the warnings and errors).
     :ivar preconditioner: the run's :class:`~numpyro_fed.infer.zigzag.Preconditioner` or ``None``.
-    :ivar federation: the federation the clients answer through, or ``None`` (in process).
+    :ivar federation: the federation whose clients answer a ``"row_curvature"`` call (each
+        client thinning its own proposals), or ``None`` (the server's thinning, in process).
     :ivar setup_tally: the :class:`~numpyro_fed.infer.zigzag.setup.SetupTally` counting the
         set-up calls (with a federation).
+    :ivar blocks: with the server's thinning: the clients' stacked blocks, held in this process
+        by the federation (every row's importance weight is computed from them).
     """
 
     bounds: Any
@@ -50,6 +53,7 @@ class SubsampleBoundSetup(NamedTuple):
     preconditioner: Any = None
     federation: Any = None
     setup_tally: Any = None
+    blocks: Any = None
 
     @property
     def user_bound(self):
@@ -126,7 +130,7 @@ def _at_x(fn, preconditioner, u):
     return fn(preconditioner.to_x(u))
 
 
-def _curvature_points(setup: SubsampleBoundSetup, reference, flat_potential, hessian, order):
+def _curvature_points(setup: SubsampleBoundSetup, reference, hessian, order):
     """``(bound_points, probe_points, sd)``: the points the bounds hold over (the reference,
     the origin of ``x`` and 2.5 posterior sds around the reference), those one unit of ``x``
     away where a growing curvature shows itself, and the posterior sds (from the Hessian at
@@ -138,12 +142,8 @@ def _curvature_points(setup: SubsampleBoundSetup, reference, flat_potential, hes
     if order == 2:  # the second-order control variates hold it, in the process's space
         total = np.asarray(reference.term_hessians.sum(0) + reference.prior_hessian, np.float64)
     else:
-        if hessian is not None:  # through the federation: one "hessian" call
-            total = hessian(x_point)
-            setup.setup_tally.add("hessian")
-        else:
-            total = jax.jit(jax.hessian(flat_potential))(x_point)
-        total = np.asarray(total, np.float64)
+        total = np.asarray(hessian(x_point), np.float64)  # through the federation: one "hessian" call
+        setup.setup_tally.add("hessian")
         if pre is not None:
             scale = np.asarray(pre.matrix(), np.float64)
             total = scale.T @ total @ scale
@@ -193,12 +193,12 @@ def _prior_bound(setup: SubsampleBoundSetup, prior):
     return prior_bound
 
 
-def subsample_bounds(setup: SubsampleBoundSetup, potential, layout, reference, flat_potential, hessian, row_grad,
-                     num_proposers, order=1):
+def subsample_bounds(setup: SubsampleBoundSetup, potential, layout, reference, hessian, row_grad, num_proposers,
+                     order=1):
     """``(bound, weights, unbounded_curvature)``: the clients' bounds on their rate estimates
-    (a :class:`HessianBound` laid out per proposer through a federation, in process a
+    (a :class:`HessianBound` laid out per proposer with the clients' thinning, with the server's a
     :class:`~numpyro_fed.infer.zigzag.bounds.SampledRowBound`), the rows' importance weights
-    in process (``None`` through a federation, whose batches are uniform), and whether the
+    with the server's thinning (``None`` with the clients', whose batches are uniform), and whether the
     automatic bound found a curvature that grows away from the posterior (then it warns: the
     bound is local). Each client's row comes from its own rows (in a federation: one
     ``"row_curvature"`` call), the prior's from the server.
@@ -206,7 +206,7 @@ def subsample_bounds(setup: SubsampleBoundSetup, potential, layout, reference, f
     With a preconditioner (in process) everything is in ``u``: the reference point is there,
     ``row_grad`` a row's gradient in ``u`` (:func:`preconditioned_row_grad`), and the
     curvatures are those of the potential of ``u``."""
-    bound_points, probe_points, sd = _curvature_points(setup, reference, flat_potential, hessian, order)
+    bound_points, probe_points, sd = _curvature_points(setup, reference, hessian, order)
     if order == 2:
         return _second_order_bounds(setup, potential, layout, row_grad, num_proposers, bound_points,
                                     probe_points, horizon=float(np.min(sd)))
@@ -225,10 +225,10 @@ def _first_order_bounds(setup: SubsampleBoundSetup, potential, layout, row_grad,
     if setup.federation is not None:
         curvature = setup.federation.map("row_curvature", bound_points, probe_points)
         setup.setup_tally.add("row_curvature")
-    else:  # in process: every row's weight too, for the importance sampling
+    else:  # the server's thinning, in process: every row's weight too, for the importance sampling
         curvature, level, weights = jax.jit(jax.vmap(partial(
             row_weights, row_grad, layout, bound_points=bound_points, probe_points=probe_points,
-            row_bound=row_bound)))(potential.client_data)
+            row_bound=row_bound)))(setup.blocks)
         weights = jnp.swapaxes(weights, 1, 2)  # (M, d, n_max)
         level = np.asarray(level, np.float64)[:, 0]
     curvature = np.asarray(curvature, np.float64)  # (M, 2, d, d)
@@ -297,7 +297,7 @@ def _second_order_bounds(setup: SubsampleBoundSetup, potential, layout, row_grad
         row_third = partial(_preconditioned_row_third, row_third, pre)
     level, kappa, spread = jax.jit(jax.vmap(partial(
         third_weights, row_grad, layout, bound_points=bound_points, probe_points=probe_points,
-        row_third=row_third)))(potential.client_data)
+        row_third=row_third)))(setup.blocks)
     level, spread = np.asarray(level, np.float64), np.asarray(spread, np.float64)
     prior = _prior_curvature(setup, potential, bound_points, probe_points)
     if not (np.isfinite(np.asarray(kappa)).all() and np.isfinite(level[:, 0]).all()
@@ -309,7 +309,7 @@ def _second_order_bounds(setup: SubsampleBoundSetup, potential, layout, row_grad
     margin = 1.0 if row_third is not None else AUTOMATIC_MARGIN
     floor = 0.0 if row_third is not None else THIRD_FLOOR
     weights = jax.jit(partial(_remainder_weights, margin=margin, floor=floor))(
-        kappa, potential.client_data["valid"][layout.plate])
+        kappa, setup.blocks["valid"][layout.plate])
     prior_bound = _prior_bound(setup, prior)
     # |H(y) - H(x*)| <= 2 max |H| for the terms computed exactly
     variation = HessianBound(2 * AUTOMATIC_MARGIN * level[:, 0], 2 * np.maximum(prior_bound, 0.0))

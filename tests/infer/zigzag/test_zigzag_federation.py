@@ -1,4 +1,5 @@
-"""FedZigZag through a federation: Algorithm 2 as messages, in process and on a local Ray."""
+"""FedZigZag through a federation: Algorithm 2 as messages (every client thinning its own
+proposals), in process and on a local Ray; and the server's thinning, the same process."""
 
 import threading
 import time
@@ -32,6 +33,9 @@ def data():
 
 
 def run(federation, data, *, num_warmup=20, num_samples=100, seed=0, **options):
+    """A short run; given a federation, of Algorithm 2 as messages (``thinning="clients"``)."""
+    if federation is not None:
+        options = {"thinning": "clients", **options}
     kernel = nf.FedZigZag(logistic, sample_interval=0.5, federation=federation, **options)
     mcmc = MCMC(kernel, num_warmup=num_warmup, num_samples=num_samples, progress_bar=False)
     with (federation.guard() if federation is not None else _nothing()):
@@ -49,7 +53,8 @@ class _nothing:
 
 def test_one_round_per_switch_and_same_posterior_as_in_process_thinning(data):
     """Algorithm 2 as messages (clients thin their own proposals) samples the same posterior
-    as the server-side thinning of federation=None, with one round per switch."""
+    as the server-side thinning of federation=None (InProcess, thinning "auto"), with one
+    round per switch."""
     _, reference = run(None, data, num_samples=1500)
     kernel, mcmc = run(InProcess(), data, num_samples=1500, seed=1)
     fields = mcmc.get_extra_fields()
@@ -202,7 +207,7 @@ class _Loader:
 
 
 def deployed_run(federation, *, num_warmup=20, num_samples=30, seed=0, **options):
-    kernel = nf.FedZigZag(logistic, sample_interval=0.5, federation=federation, **options)
+    kernel = nf.FedZigZag(logistic, sample_interval=0.5, federation=federation, **{"thinning": "clients", **options})
     mcmc = MCMC(kernel, num_warmup=num_warmup, num_samples=num_samples, progress_bar=False)
     with federation.guard():
         mcmc.run(jax.random.PRNGKey(seed))
@@ -213,25 +218,41 @@ def deployed_run(federation, *, num_warmup=20, num_samples=30, seed=0, **options
     {}, pytest.param({"preconditioner": "laplace", "control_variates": "second_order"}, marks=pytest.mark.slow)],
     ids=["default", "laplace-second-order"])
 def test_the_set_up_through_a_federation_equals_the_pooled_one(data, options):
-    """With a federation the mode search, the gradients at the reference and the Laplace
-    preconditioner come from the clients' replies; they equal what the pooled blocks give
-    (federation=None) to round-off."""
+    """The mode search, the gradients at the reference and the Laplace preconditioner come
+    from the clients' replies, whoever thins; they equal what the pooled blocks give to
+    round-off."""
+    from numpyro_fed.infer import zigzag
+    from numpyro_fed.infer.zigzag.mode import find_mode
+    from numpyro_fed.infer.zigzag.preconditioning import laplace_preconditioner
+
     key = jax.random.PRNGKey(0)
     found = {}
-    for name, federation in (("pooled", None), ("asked", InProcess())):
-        kernel = nf.FedZigZag(logistic, federation=federation, **options)
+    for thinning in ("server", "clients"):
+        kernel = nf.FedZigZag(logistic, federation=InProcess(), thinning=thinning, **options)
         state = kernel.init(key, 0, None, data, {})  # the set-up only: nothing is sampled
-        found[name] = kernel, state.adapt.reference
-    (pooled, a), (asked, b) = found["pooled"], found["asked"]
-    assert pooled.mode_search.is_mode and asked.mode_search.is_mode
-    np.testing.assert_allclose(asked.reference_point, pooled.reference_point, rtol=1e-6, atol=1e-8)
+        found[thinning] = kernel, state.adapt.reference
+    (server, a), (asked, b) = found["server"], found["clients"]
+    potential = asked.federated_potential
+    pooled_potential = jax.jit(potential.flat().potential)
+    pooled = find_mode(pooled_potential, asked.reference_point + 0.1)
+    assert pooled.is_mode and asked.mode_search.is_mode and server.mode_search.is_mode
+    np.testing.assert_allclose(asked.reference_point, pooled.point, rtol=1e-6, atol=1e-8)
+    np.testing.assert_array_equal(server.reference_point, asked.reference_point)  # the same calls
     second = bool(options)
+    proposers, _ = zigzag.proposers_from_potential(potential)
+    pooled_pre = None
     if second:
-        np.testing.assert_allclose(asked.preconditioning.scale, pooled.preconditioning.scale, rtol=1e-6, atol=1e-8)
+        pooled_pre = laplace_preconditioner(pooled_potential, asked.reference_point, diagonal=False)
+        np.testing.assert_allclose(asked.preconditioning.scale, pooled_pre.scale, rtol=1e-6, atol=1e-8)
+        proposers = zigzag.precondition(proposers, pooled_pre)
+    point = b.point
+    pooled_reference = zigzag.control_variate_reference(proposers, point, order=1 + second)
     for name in ("term_grads", "prior_grad") + (("term_hessians", "prior_hessian") if second else ()):
-        np.testing.assert_allclose(getattr(b, name), getattr(a, name), rtol=1e-6, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(getattr(b, name), getattr(pooled_reference, name), rtol=1e-6, atol=1e-6,
+                                   err_msg=name)
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
     # a Hessian per Newton check, one for the Laplace preconditioner and one for the second order
-    assert asked.setup_tally.messages["hessian"] >= 1 + 2 * second and pooled.setup_tally is None
+    assert asked.setup_tally.messages["hessian"] >= 1 + 2 * second
 
 
 @pytest.mark.parametrize("options", [
@@ -324,8 +345,9 @@ def test_private_randomness_the_server_cannot_reproduce(data, tmp_path):
     """private_randomness=True: each client folds the server's key with a seed it drew where
     it loaded its rows, so the same rng_key gives other draws (the price: no reproducibility),
     while nothing else changes (the messages, the set-up)."""
-    with pytest.raises(ValueError, match="needs a federation"):
-        nf.FedZigZag(logistic, private_randomness=True)
+    with pytest.raises(ValueError, match="needs thinning='clients'"):
+        nf.FedZigZag(logistic, private_randomness=True, thinning="server")
+    assert nf.FedZigZag(logistic, private_randomness=True).thinning == "clients"
     loader = per_client_loader(tmp_path, data)
     draws, ledgers = [], []
     for _ in range(2):
@@ -345,17 +367,19 @@ def gaussian_mean(y, clients=3):
         numpyro.sample("y", dist.Normal(mu, 1.0).to_event(1), obs=y)
 
 
-@pytest.mark.parametrize("federation", [None, InProcess()], ids=["server_thins", "clients_thin"])
-def test_server_thinning_and_clients_thinning_sample_the_closed_form(federation):
-    """The superposition of the clients' proposals thinned by the server (``federation=None``)
-    and every client thinning its own proposals (Algorithm 2 as messages) are the same
+@pytest.mark.parametrize("thinning", ["auto", "clients"], ids=["server_thins", "clients_thin"])
+def test_server_thinning_and_clients_thinning_sample_the_closed_form(thinning):
+    """The superposition of the clients' proposals thinned by the server (``federation=None``:
+    InProcess, thinning "auto") and every client thinning its own proposals (Algorithm 2 as
+    messages, ``thinning="clients"``) are the same
     process: each run's means and sds agree with the conjugate posterior within 4.5 Monte
     Carlo standard errors (ESS-based; all six checks of a run fail together with probability
     below 1e-4)."""
     y = 0.5 + jax.random.normal(jax.random.PRNGKey(3), (60, 3))
     precision = 60 + 10.0 ** -2
     mean, sd = np.asarray(y.sum(0)) / precision, 1 / np.sqrt(precision)
-    kernel = nf.FedZigZag(gaussian_mean, federation=federation)
+    kernel = nf.FedZigZag(gaussian_mean, thinning=thinning)
+    assert kernel.thinning == ("server" if thinning == "auto" else "clients")
     mcmc = MCMC(kernel, num_warmup=200, num_samples=3000, progress_bar=False)
     mcmc.run(jax.random.PRNGKey(4), y)
     draws = np.asarray(mcmc.get_samples()["mu"])
@@ -363,3 +387,44 @@ def test_server_thinning_and_clients_thinning_sample_the_closed_form(federation)
     assert np.all(ess > 300), ess
     assert np.all(np.abs(draws.mean(0) - mean) < 4.5 * sd / np.sqrt(ess)), (draws.mean(0) - mean) / sd
     assert np.all(np.abs(draws.std(0) / sd - 1) < 4.5 / np.sqrt(2 * ess)), draws.std(0) / sd
+
+
+class _Elsewhere(InProcess):
+    """A backend whose clients do not run inside the server's program (as an engine's)."""
+
+    in_process = False
+
+
+def test_thinning_follows_the_federation_s_capability():
+    """``federation=None`` is ``InProcess()``; ``thinning="auto"`` is the server's thinning
+    where the federation runs in process, the clients' elsewhere, and the server's thinning
+    is refused where the clients run elsewhere."""
+    default = nf.FedZigZag(logistic)
+    assert isinstance(default.federation, InProcess) and default.thinning == "server"
+    assert nf.FedZigZag(logistic, federation=_Elsewhere()).thinning == "clients"
+    with pytest.raises(ValueError, match="thinning='server'.*_Elsewhere runs its clients elsewhere"):
+        nf.FedZigZag(logistic, federation=_Elsewhere(), thinning="server")
+    with pytest.raises(ValueError, match="thinning must be one of"):
+        nf.FedZigZag(logistic, thinning="nobody")
+
+
+def test_the_server_s_thinning_ledger(data):
+    """The server's thinning asks every client for its gradient and slope at every
+    evaluation of a line's bound, and the winner of each proposal alone for its gradient:
+    together the clients' gradient evaluations; the set-up calls as with the clients'
+    thinning."""
+    kernel, mcmc = run(None, data, num_warmup=0, num_samples=50)
+    d, f64 = 3, 8
+    ledger = kernel.message_ledger(mcmc)
+    fields = mcmc.get_extra_fields()
+    evals = np.asarray(fields["info.grad_evals_by_proposer"]).sum(0)
+    lines, checks = ledger["grad_and_slope/messages_to_client"], ledger["grad/messages_to_client"]
+    assert lines[0] == lines[1] > 0 and (lines + checks).tolist() == evals[:2].tolist()
+    # the server's prior proposer makes the other proposals: every proposal has one winner
+    assert checks.sum() + evals[2] - lines[0] == int(fields["info.num_proposals"].sum())
+    assert ledger["grad_and_slope/bytes_from_client"].tolist() == (lines * 2 * d * f64).tolist()
+    assert ledger["grad/bytes_to_client"].tolist() == (checks * d * f64).tolist()
+    setup = kernel.setup_tally.messages
+    assert ledger["value_and_grad/messages_from_client"].tolist() == [setup["value_and_grad"]] * 2
+    assert ledger["messages_from_client"].tolist() == (lines + checks + setup["value_and_grad"]
+                                                       + setup["hessian"]).tolist()

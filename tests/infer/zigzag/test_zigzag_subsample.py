@@ -419,11 +419,12 @@ def test_user_row_bound_is_exact_for_logistic_regression(third):
 
 @pytest.mark.slow
 def test_through_a_federation_and_in_deployment():
-    """Algorithm 2 as messages (InProcess): the posterior of NUTS, the clients' curvature in
-    one set-up call each; deployment (each client loads its rows) gives the same draws."""
+    """Algorithm 2 as messages (InProcess, each client thinning its own proposals): the
+    posterior of NUTS, the clients' curvature in one set-up call each; deployment (each client
+    loads its rows) gives the same draws."""
     X, y, owner = logistic_data(200, seed=2)
     fed_kernel, fed_mcmc = run_zigzag(logistic, (X, y, owner), subsample_size=2, federation=InProcess(),
-                                      num_samples=600, sample_interval=0.2)
+                                      thinning="clients", num_samples=600, sample_interval=0.2)
     ledger = fed_kernel.message_ledger(fed_mcmc)
     np.testing.assert_array_equal(ledger["row_curvature/messages_from_client"], [1, 1, 1, 1])
     assert int(fed_mcmc.get_extra_fields()["info.num_violations"].sum()) == 0
@@ -441,10 +442,10 @@ def test_through_a_federation_and_in_deployment():
         return logistic(X, y, clients=np.repeat(np.arange(4), sizes))
 
     sim_kernel, simulated = run_zigzag(deployed_model, (X[order], y[order]), subsample_size=2,
-                                       federation=InProcess(), num_samples=50, num_warmup=10)
+                                       federation=InProcess(), thinning="clients", num_samples=50, num_warmup=10)
     dep_kernel, deployed = run_zigzag(deployed_model, (), subsample_size=2,
-                                      federation=InProcess(loader=load, num_clients=4), num_samples=50,
-                                      num_warmup=10)
+                                      federation=InProcess(loader=load, num_clients=4), thinning="clients",
+                                      num_samples=50, num_warmup=10)
     assert dep_kernel.federated_potential.deployed
     np.testing.assert_array_equal(np.asarray(deployed.get_samples()["w"]), np.asarray(simulated.get_samples()["w"]))
 
@@ -454,8 +455,8 @@ def test_on_ray_agrees_with_in_process(ray_session):
     """The same run on Ray workers (each holding its rows) gives the in-process draws."""
     ray_federation = nf.RayFederation(timeout=120.0)
     X, y, owner = logistic_data(200, seed=6)
-    _, local = run_zigzag(logistic, (X, y, owner), subsample_size=2, federation=InProcess(), num_samples=100,
-                          num_warmup=10)
+    _, local = run_zigzag(logistic, (X, y, owner), subsample_size=2, federation=InProcess(), thinning="clients",
+                          num_samples=100, num_warmup=10)
     _, remote = run_zigzag(logistic, (X, y, owner), subsample_size=2, federation=ray_federation, num_samples=100,
                            num_warmup=10)
     ray_federation.close()
@@ -506,11 +507,11 @@ def test_subsample_larger_than_a_client_is_refused():
 @pytest.mark.parametrize("options, match", [
     ({"dp_sensitivity": 2.0, "dp_epsilon": 1.0, "dp_delta": 1e-3}, "privacy guarantee"),
     ({"control_variates": False}, "control_variates=False"),
-    ({"control_variates": "second_order", "federation": InProcess()}, "not through a federation"),
+    ({"control_variates": "second_order", "thinning": "clients"}, "not with the clients' thinning"),
     ({"control_variates": "second_order", "bounds": nf.RowHessianBound(lambda x, y: jnp.eye(3))}, "third="),
     ({"bounds": "affine"}, "bounds at its default"),
     ({"bounds": nf.HessianBound(1.0)}, "bounds at its default"),
-    ({"preconditioner": "laplace", "federation": InProcess()}, "not through a federation"),
+    ({"preconditioner": "laplace", "thinning": "clients"}, "not with the clients' thinning"),
 ])
 def test_refused_combinations(options, match):
     """Subsampling with a DP guarantee (Theorem 5.1 does not cover estimated rates) and

@@ -116,7 +116,7 @@ def test_vectorized_chains_adapt_their_own_interval_through_a_federation():
     from numpyro_fed.federation import InProcess
 
     y, _, sd = _gaussian(400)
-    kernel = nf.FedZigZag(gaussian_mean, federation=InProcess())
+    kernel = nf.FedZigZag(gaussian_mean, federation=InProcess(), thinning="clients")
     mcmc = MCMC(kernel, num_warmup=200, num_samples=5, num_chains=2, chain_method="vectorized",
                 progress_bar=False)
     mcmc.run(jax.random.PRNGKey(0), y, extra_fields=("adapt.interval",))
