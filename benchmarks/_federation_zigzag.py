@@ -11,11 +11,11 @@ Backends:
   (``vmap`` over clients);
 * ``RayFederation``: the same messages, one actor per client.
 
-Each configuration runs through ``MCMC`` with the same kernel (``SHORT`` draws to compile,
-then ``SHORT`` and ``LONG`` draws); the rows report the difference of the last two runs (the marginal cost of ``LONG - SHORT``
-draws), which leaves out tracing, compilation and the workers' start. ESS is NumPyro's over the
-long run's draws (minimum over coefficients). Round trips are the Ray ledger's; a switch is an
-accepted event.
+Each configuration runs through ``MCMC`` with the same kernel (``SHORT`` draws to compile, then
+``SHORT`` and ``LONG`` draws); the rows report the difference of the last two runs (the marginal
+cost of ``LONG - SHORT`` draws), which leaves out tracing, compilation and the workers' start.
+ESS is NumPyro's over the long run's draws (minimum over coefficients). Round trips are the Ray
+ledger's; a switch is an accepted event.
 
 On Ray the row also gives, for the same draws, the clients' compute per round (the slowest
 client's time in its function, from ``RayFederation.compute_time``), Ray's bare round trip
@@ -78,7 +78,9 @@ def measure(federation, X, y, num_clients, *, thinning="auto", seed=0):
         wall = time.perf_counter() - start
         fields = mcmc.get_extra_fields()
         out[draws] = dict(
-            wall=wall, switches=int(fields["info.num_events"].sum()), rounds=int(fields["info.rounds"].sum()),
+            wall=wall,
+            switches=int(fields["info.num_events"].sum()),
+            rounds=int(fields["info.rounds"].sum()),
             round_trips=(federation.ledger.round_trips - trips_before) if federation is not None else 0,
             samples=np.asarray(mcmc.get_samples(group_by_chain=True)["w"]),
         )
@@ -89,14 +91,24 @@ def measure(federation, X, y, num_clients, *, thinning="auto", seed=0):
     switches = long["switches"] - short["switches"]
     rounds = long["rounds"] - short["rounds"]
     ess = float(np.min(effective_sample_size(long["samples"])))
-    row = dict(wall_s=wall, switches_per_s=switches / wall, ess_per_s=ess * (LONG - SHORT) / LONG / wall,
-               min_ess=ess, draws=LONG - SHORT, switches=switches)
+    row = dict(
+        wall_s=wall,
+        switches_per_s=switches / wall,
+        ess_per_s=ess * (LONG - SHORT) / LONG / wall,
+        min_ess=ess,
+        draws=LONG - SHORT,
+        switches=switches,
+    )
     if kernel.thinning == "clients":
         trips = long["round_trips"] - short["round_trips"] if on_ray else rounds
-        row.update(rounds=rounds, rounds_per_switch=rounds / max(switches, 1),
-                   round_trips_per_switch=trips / max(switches, 1),
-                   ms_per_round=1e3 * wall / max(rounds, 1), rounds_per_s=rounds / wall,
-                   bytes_per_round=num_clients * (kernel.message_sizes["to_client"] + kernel.message_sizes["from_client"]))
+        row.update(
+            rounds=rounds,
+            rounds_per_switch=rounds / max(switches, 1),
+            round_trips_per_switch=trips / max(switches, 1),
+            ms_per_round=1e3 * wall / max(rounds, 1),
+            rounds_per_s=rounds / wall,
+            bytes_per_round=num_clients * (kernel.message_sizes["to_client"] + kernel.message_sizes["from_client"]),
+        )
     if on_ray:
         busy = long["busy"] - short["busy"]
         row["client_compute_ms_per_round"] = float(1e3 * busy.max() / max(trips, 1))
@@ -113,17 +125,28 @@ def rows(ctx):
     X, y = make_data(M)
     out = []
     what = f"FedZigZag, logistic d={DIM}, {M} x {ROWS} rows, 1 chain"
-    out.append(dict(what=what + " (federation=None: server thins, no messages)", backend="in-process",
-                    **measure(None, X, y, M)))
-    out.append(dict(what=what + " (Algorithm 2 messages)", backend="in-process",
-                    **measure(InProcess(), X, y, M, thinning="clients")))
+    out.append(
+        dict(
+            what=what + " (federation=None: server thins, no messages)", backend="in-process", **measure(None, X, y, M)
+        )
+    )
+    out.append(
+        dict(
+            what=what + " (Algorithm 2 messages)",
+            backend="in-process",
+            **measure(InProcess(), X, y, M, thinning="clients"),
+        )
+    )
     federation = ctx.ray()
     try:
         before = ctx.bare()
         row = measure(federation, X, y, M)
         bare = (before + ctx.bare()) / 2
-        row.update(bare_ms=bare, ms_per_round_over_bare=row["ms_per_round"] / bare,
-                   x_bare_plus_compute=row["ms_per_round"] / (bare + row["client_compute_ms_per_round"]))
+        row.update(
+            bare_ms=bare,
+            ms_per_round_over_bare=row["ms_per_round"] / bare,
+            x_bare_plus_compute=row["ms_per_round"] / (bare + row["client_compute_ms_per_round"]),
+        )
         out.append(dict(what=what + " (Algorithm 2 messages)", backend="ray", **row))
     finally:
         federation.close()

@@ -17,15 +17,15 @@ N(0, I / d), prior N(0, I)), d in {6, 20}, M = 8 clients (even split), N in {1e3
   from a start at zero, then as many per draw, from which the draws are read at equal times.
 
 Each sampler runs ``MCMC.warmup`` then ``MCMC.run`` (``--warmup`` and ``--samples`` draws, one
-chain) and reports the smallest ESS over the coordinates (NumPyro's estimator) per second,
-with compilation included (the wall time of both calls, as a user sees it on a first run) and
+chain) and reports the smallest ESS over the coordinates (NumPyro's estimator) per second, with
+compilation included (the wall time of both calls, as a user sees it on a first run) and
 excluded (minus the time JAX reports spending on tracing, lowering and compiling inside them),
 the effective samples per CPU-second of this process (compilation included: less sensitive to
-the load of a shared machine than wall time), the gradient-row evaluations per effective sample (one row's gradient is one unit: NUTS's
-leapfrog steps times N; FedZigZag's clients' gradient evaluations times their rows, warmup
-included for both), and the peak memory: the largest growth of the process's resident set
-during the run over its size before (polled every 5 ms). Ratios are against NUTS in the same
-(d, N).
+the load of a shared machine than wall time), the gradient-row evaluations per effective sample
+(one row's gradient is one unit: NUTS's leapfrog steps times N; FedZigZag's clients' gradient
+evaluations times their rows, warmup included for both), and the peak memory: the largest growth
+of the process's resident set during the run over its size before (polled every 5 ms). Ratios
+are against NUTS in the same (d, N).
 
 A configuration whose projected time (from the same sampler at the previous N, scaled by its
 cost per row) exceeds ``--budget`` seconds is skipped with a printed reason; FedZigZag with full
@@ -170,7 +170,7 @@ class Stopwatch:
         self.peak = max(self.peak, _rss())
         self.memory = self.peak - self._base
         merged, cur = 0.0, None
-        for s, e in sorted(_SPANS[self._first:]):
+        for s, e in sorted(_SPANS[self._first :]):
             s, e = max(s, self.start), min(e, self.end)
             if e <= s:
                 continue
@@ -229,13 +229,17 @@ def run_fedzigzag(X, y, *, num_warmup, num_samples, seed, sample_interval=None, 
         draws = np.asarray(mcmc.get_samples()["w"])
     post = mcmc.get_extra_fields()
     rows = fedzigzag_rows(kernel, warm) + fedzigzag_rows(kernel, post)
-    return draws, sw, {
-        "gradient_rows": rows,
-        "events": int(np.sum(warm["info.num_events"]) + np.sum(post["info.num_events"])),
-        "proposals": int(np.sum(warm["info.num_proposals"]) + np.sum(post["info.num_proposals"])),
-        "violations": int(np.sum(warm["info.num_violations"]) + np.sum(post["info.num_violations"])),
-        "sample_interval": float(np.asarray(post["adapt.interval"])[-1]),
-    }
+    return (
+        draws,
+        sw,
+        {
+            "gradient_rows": rows,
+            "events": int(np.sum(warm["info.num_events"]) + np.sum(post["info.num_events"])),
+            "proposals": int(np.sum(warm["info.num_proposals"]) + np.sum(post["info.num_proposals"])),
+            "violations": int(np.sum(warm["info.num_violations"]) + np.sum(post["info.num_violations"])),
+            "sample_interval": float(np.asarray(post["adapt.interval"])[-1]),
+        },
+    )
 
 
 def run_pdmp_jax(X, y, *, num_warmup, num_samples, seed, grid_size=10):
@@ -269,8 +273,14 @@ def run_pdmp_jax(X, y, *, num_warmup, num_samples, seed, grid_size=10):
         x0, v0 = warm.x[-1], warm.v[-1]
         out = sampler.sample_skeleton(EVENTS_PER_DRAW * num_samples, x0, v0, seed + 1, verbose=False)
         draws = np.asarray(sampler.sample_from_skeleton(num_samples, out))
-    return draws, sw, {"gradient_rows": (grads(warm) + grads(out)) * X.shape[0],
-                       "events": int(out.t.shape[0] - 1 + warm.t.shape[0] - 1)}
+    return (
+        draws,
+        sw,
+        {
+            "gradient_rows": (grads(warm) + grads(out)) * X.shape[0],
+            "events": int(out.t.shape[0] - 1 + warm.t.shape[0] - 1),
+        },
+    )
 
 
 SAMPLERS = {
@@ -279,7 +289,8 @@ SAMPLERS = {
     "FedZigZag(subsample_size=1)": lambda X, y, **kw: run_fedzigzag(X, y, subsample_size=1, **kw),
     # the estimate of the first release of subsampling, kept for comparison (not run by default)
     "FedZigZag(subsample_size=1, first order)": lambda X, y, **kw: run_fedzigzag(
-        X, y, subsample_size=1, control_variates="first_order", **kw),
+        X, y, subsample_size=1, control_variates="first_order", **kw
+    ),
     "pdmp-jax ZigZag": run_pdmp_jax,
 }
 #: run when --samplers is not given (if available)
@@ -291,13 +302,25 @@ def measure(name, X, y, *, num_warmup, num_samples, seed, **options):
     ess = min_ess(draws)
     finite = bool(np.all(np.isfinite(draws)))
     return {
-        "sampler": name, "N": int(X.shape[0]), "d": int(X.shape[1]), "num_warmup": num_warmup,
-        "num_samples": num_samples, "ess": ess, "finite": finite,
-        "wall_s": sw.wall, "compile_s": sw.compile, "net_s": sw.net,
-        "ess_per_s": ess / sw.net, "ess_per_s_with_compile": ess / sw.wall,
-        "cpu_s": sw.cpu, "ess_per_cpu_s_with_compile": ess / sw.cpu,
-        "rows_per_ess": counts["gradient_rows"] / max(ess, 1e-9), "peak_memory_mb": sw.memory / 2**20,
-        "posterior_mean": draws.mean(0).tolist(), "posterior_sd": draws.std(0).tolist(), **counts,
+        "sampler": name,
+        "N": int(X.shape[0]),
+        "d": int(X.shape[1]),
+        "num_warmup": num_warmup,
+        "num_samples": num_samples,
+        "ess": ess,
+        "finite": finite,
+        "wall_s": sw.wall,
+        "compile_s": sw.compile,
+        "net_s": sw.net,
+        "ess_per_s": ess / sw.net,
+        "ess_per_s_with_compile": ess / sw.wall,
+        "cpu_s": sw.cpu,
+        "ess_per_cpu_s_with_compile": ess / sw.cpu,
+        "rows_per_ess": counts["gradient_rows"] / max(ess, 1e-9),
+        "peak_memory_mb": sw.memory / 2**20,
+        "posterior_mean": draws.mean(0).tolist(),
+        "posterior_sd": draws.std(0).tolist(),
+        **counts,
     }
 
 
@@ -321,8 +344,10 @@ def scale_table(sizes, dims, samplers, *, num_warmup, num_samples, budget, seed)
                     if projected > budget:
                         reason = f"projected {projected:.0f} s from N={last_n} exceeds --budget {budget:.0f} s"
                 if limit is not None and n > limit and reason is None and budget < 10_000:
-                    reason = (f"N={n} is above {limit} for {name} (every proposal is a pass over all "
-                              "rows: about 10x the time of the previous N); --budget 10000 runs it")
+                    reason = (
+                        f"N={n} is above {limit} for {name} (every proposal is a pass over all "
+                        "rows: about 10x the time of the previous N); --budget 10000 runs it"
+                    )
                 if reason:
                     print(f"[skip] d={d} N={n} {name}: {reason}", flush=True)
                     rows.append({"sampler": name, "N": n, "d": d, "skipped": reason})
@@ -330,18 +355,22 @@ def scale_table(sizes, dims, samplers, *, num_warmup, num_samples, budget, seed)
                 row = measure(name, X, y, num_warmup=num_warmup, num_samples=num_samples, seed=seed)
                 previous[name] = (n, row["compile_s"], row["net_s"])
                 rows.append(row)
-                print(f"[d={d} N={n}] {name}: min-ESS {row['ess']:.0f}, {row['ess_per_s']:.1f} ESS/s "
-                      f"({row['ess_per_s_with_compile']:.1f} with compilation), "
-                      f"{row['rows_per_ess']:.3g} gradient rows per ESS, {row['peak_memory_mb']:.0f} MB",
-                      flush=True)
+                print(
+                    f"[d={d} N={n}] {name}: min-ESS {row['ess']:.0f}, {row['ess_per_s']:.1f} ESS/s "
+                    f"({row['ess_per_s_with_compile']:.1f} with compilation), "
+                    f"{row['rows_per_ess']:.3g} gradient rows per ESS, {row['peak_memory_mb']:.0f} MB",
+                    flush=True,
+                )
             del X, y
     return rows
 
 
 def print_scale(rows):
     print()
-    print("| d | N | sampler | min-ESS | ESS/s | ESS/s with compilation | vs NUTS | ESS per CPU-s | vs NUTS "
-          "| gradient rows / ESS | vs NUTS | peak memory (MB) | wall (s) |")
+    print(
+        "| d | N | sampler | min-ESS | ESS/s | ESS/s with compilation | vs NUTS | ESS per CPU-s | vs NUTS "
+        "| gradient rows / ESS | vs NUTS | peak memory (MB) | wall (s) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     nuts = {(r["d"], r["N"]): r for r in rows if r["sampler"] == "NUTS" and "skipped" not in r}
     for r in rows:
@@ -353,9 +382,12 @@ def print_scale(rows):
         cost = f"{r['rows_per_ess'] / ref['rows_per_ess']:.3g}" if ref else "-"
         cpu = r.get("ess_per_cpu_s_with_compile", float("nan"))
         cpu_ratio = f"{cpu / ref.get('ess_per_cpu_s_with_compile', float('nan')):.2f}" if ref else "-"
-        print(f"| {r['d']} | {r['N']:,} | {r['sampler']} | {r['ess']:.0f} | {r['ess_per_s']:.1f} | "
-              f"{r['ess_per_s_with_compile']:.1f} | {speed} | {cpu:.1f} | {cpu_ratio} | {r['rows_per_ess']:.3g} | {cost} | "
-              f"{r['peak_memory_mb']:.0f} | {r['wall_s']:.1f} |")
+        print(
+            f"| {r['d']} | {r['N']:,} | {r['sampler']} | {r['ess']:.0f} | {r['ess_per_s']:.1f} | "
+            f"{r['ess_per_s_with_compile']:.1f} | {speed} | {cpu:.1f} | {cpu_ratio} | "
+            f"{r['rows_per_ess']:.3g} | {cost} | "
+            f"{r['peak_memory_mb']:.0f} | {r['wall_s']:.1f} |"
+        )
     print()
     for d in sorted({r["d"] for r in rows}):
         for name in sorted({r["sampler"] for r in rows}):
@@ -365,9 +397,13 @@ def print_scale(rows):
                 print(f"d={d} {name}: gradient rows per ESS grow {growth:.3g}x from N=1e4 to N=1e6")
 
 
-STYLE = {"NUTS": ("black", "o"), "FedZigZag": ("tab:blue", "s"),
-         "FedZigZag(subsample_size=1)": ("tab:red", "^"),
-         "FedZigZag(subsample_size=1, first order)": ("tab:orange", "v"), "pdmp-jax ZigZag": ("tab:green", "D")}
+STYLE = {
+    "NUTS": ("black", "o"),
+    "FedZigZag": ("tab:blue", "s"),
+    "FedZigZag(subsample_size=1)": ("tab:red", "^"),
+    "FedZigZag(subsample_size=1, first order)": ("tab:orange", "v"),
+    "pdmp-jax ZigZag": ("tab:green", "D"),
+}
 
 
 def plot_scale(rows, path=None):
@@ -388,23 +424,37 @@ def plot_scale(rows, path=None):
             color, marker = STYLE[name]
             n = [r["N"] for r in these]
             ax.loglog(n, [r["ess_per_s"] for r in these], color=color, marker=marker, label=name)
-            ax.loglog(n, [r["ess_per_s_with_compile"] for r in these], color=color, marker=marker,
-                      linestyle=":", alpha=0.6)
+            ax.loglog(
+                n, [r["ess_per_s_with_compile"] for r in these], color=color, marker=marker, linestyle=":", alpha=0.6
+            )
         ax.set_title(f"logistic regression, d = {d}, M = {NUM_CLIENTS}")
         ax.set_xlabel("rows N")
         ax.set_ylabel("min-ESS per second")
         ax.grid(True, which="both", alpha=0.3)
-    axes[0].legend(title="solid: compilation excluded\ndotted: included", fontsize=7, title_fontsize=7,
-                   loc="lower left")
+    axes[0].legend(
+        title="solid: compilation excluded\ndotted: included", fontsize=7, title_fontsize=7, loc="lower left"
+    )
     ax = axes[-1]
     for name in samplers:
         color, marker = STYLE[name]
         for d, style in zip(dims, ("-", "--", "-.")):
-            these = sorted((r for r in rows if r["d"] == d and r["sampler"] == name
-                            and np.isfinite(r.get("rows_per_ess", np.nan))), key=lambda r: r["N"])
+            these = sorted(
+                (
+                    r
+                    for r in rows
+                    if r["d"] == d and r["sampler"] == name and np.isfinite(r.get("rows_per_ess", np.nan))
+                ),
+                key=lambda r: r["N"],
+            )
             if these:
-                ax.loglog([r["N"] for r in these], [r["rows_per_ess"] for r in these], color=color,
-                          marker=marker, linestyle=style, label=f"{name}, d = {d}")
+                ax.loglog(
+                    [r["N"] for r in these],
+                    [r["rows_per_ess"] for r in these],
+                    color=color,
+                    marker=marker,
+                    linestyle=style,
+                    label=f"{name}, d = {d}",
+                )
     ax.set_title("cost per effective sample")
     ax.set_xlabel("rows N")
     ax.set_ylabel("gradient-row evaluations per effective sample")
@@ -429,36 +479,44 @@ def sweep(sizes, factors, *, d, num_warmup, num_samples, seed):
         print(f"[sweep N={n}] NUTS: smallest posterior sd {sd_min:.4g}", flush=True)
         runs = [("adaptive", None)] + [(c, c * sd_min) for c in factors]
         for label, h in runs:
-            row = measure("FedZigZag", X, y, num_warmup=num_warmup, num_samples=num_samples, seed=seed,
-                          sample_interval=h)
+            row = measure(
+                "FedZigZag", X, y, num_warmup=num_warmup, num_samples=num_samples, seed=seed, sample_interval=h
+            )
             row.update({"factor": label, "sd_min": sd_min})
             rows.append(row)
-            print(f"[sweep N={n}] interval {label}: h = {row['sample_interval']:.4g} "
-                  f"({row['sample_interval'] / sd_min:.2f} sd), min-ESS {row['ess']:.0f}, "
-                  f"{row['ess_per_s']:.1f} ESS/s ({row['ess_per_s_with_compile']:.1f} with compilation), "
-                  f"{row['rows_per_ess']:.3g} gradient rows per ESS", flush=True)
+            print(
+                f"[sweep N={n}] interval {label}: h = {row['sample_interval']:.4g} "
+                f"({row['sample_interval'] / sd_min:.2f} sd), min-ESS {row['ess']:.0f}, "
+                f"{row['ess_per_s']:.1f} ESS/s ({row['ess_per_s_with_compile']:.1f} with compilation), "
+                f"{row['rows_per_ess']:.3g} gradient rows per ESS",
+                flush=True,
+            )
     return rows
 
 
 def print_sweep(rows):
     print()
     sizes = sorted({r["N"] for r in rows})
-    print("| N | " + " | ".join(f"{r['factor']}" for r in rows if r["N"] == sizes[0])
-          + " | adaptive / best fixed |")
+    print("| N | " + " | ".join(f"{r['factor']}" for r in rows if r["N"] == sizes[0]) + " | adaptive / best fixed |")
     print("|---|" + "---|" * (sum(r["N"] == sizes[0] for r in rows) + 1))
     for n in sizes:
         these = [r for r in rows if r["N"] == n]
         fixed = [r for r in these if r["factor"] != "adaptive"]
         adaptive = next(r for r in these if r["factor"] == "adaptive")
-        cells = [f"{r['ess_per_s']:.1f}" + (f" (h={r['sample_interval'] / r['sd_min']:.2f} sd)"
-                                             if r["factor"] == "adaptive" else "") for r in these]
+        cells = [
+            f"{r['ess_per_s']:.1f}"
+            + (f" (h={r['sample_interval'] / r['sd_min']:.2f} sd)" if r["factor"] == "adaptive" else "")
+            for r in these
+        ]
         ratio = "-"
         if fixed:
             best = max(fixed, key=lambda r: r["ess_per_s"])
             ratio = f"{adaptive['ess_per_s'] / best['ess_per_s']:.2f} (best: {best['factor']} sd)"
         print(f"| {n:,} | " + " | ".join(cells) + f" | {ratio} |")
-    print("\n(ESS/s, compilation excluded; columns: the adaptive default, then sample_interval = c x "
-          "the smallest posterior sd)\n")
+    print(
+        "\n(ESS/s, compilation excluded; columns: the adaptive default, then sample_interval = c x "
+        "the smallest posterior sd)\n"
+    )
     print("| N | " + " | ".join(f"{r['factor']}" for r in rows if r["N"] == sizes[0]) + " |")
     print("|---|" + "---|" * sum(r["N"] == sizes[0] for r in rows))
     for n in sizes:
@@ -470,23 +528,37 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=None, help="N values (default 1e3..1e6)")
     parser.add_argument("--dims", type=int, nargs="+", default=None, help="d values (default 6 20)")
-    parser.add_argument("--samplers", nargs="+", default=None, choices=tuple(SAMPLERS),
-                        help="default: all (the subsampled one if FedZigZag has subsample_size, "
-                             "pdmp-jax's if pdmp_jax is importable)")
-    parser.add_argument("--quick", action="store_true",
-                        help="d=6, N in {1e3, 1e4, 1e5}, 500 warmup and 1000 draws (a few minutes)")
+    parser.add_argument(
+        "--samplers",
+        nargs="+",
+        default=None,
+        choices=tuple(SAMPLERS),
+        help="default: all (the subsampled one if FedZigZag has subsample_size, pdmp-jax's if pdmp_jax is importable)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="d=6, N in {1e3, 1e4, 1e5}, 500 warmup and 1000 draws (a few minutes)"
+    )
     parser.add_argument("--warmup", type=int, default=1000)
     parser.add_argument("--samples", type=int, default=2000)
-    parser.add_argument("--budget", type=float, default=600.0,
-                        help="skip a run projected to take longer (seconds)")
+    parser.add_argument("--budget", type=float, default=600.0, help="skip a run projected to take longer (seconds)")
     parser.add_argument("--sweep", action="store_true", help="the sample_interval sweep (d=6, M=8)")
-    parser.add_argument("--factors", type=float, nargs="*", default=FACTORS,
-                        help="fixed intervals in smallest posterior sds (none: the adaptive run only)")
+    parser.add_argument(
+        "--factors",
+        type=float,
+        nargs="*",
+        default=FACTORS,
+        help="fixed intervals in smallest posterior sds (none: the adaptive run only)",
+    )
     parser.add_argument("--x64", action="store_true", help="float64 (default: NumPyro's float32)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--plot", type=Path, default=None, metavar="PNG",
-                        help="draw the scale table stored in --out to this file, run nothing")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="PNG",
+        help="draw the scale table stored in --out to this file, run nothing",
+    )
     args = parser.parse_args(argv)
     if args.plot:
         import matplotlib
@@ -496,27 +568,40 @@ def main(argv=None):
         return
     num_warmup, num_samples = (500, 1000) if args.quick else (args.warmup, args.samples)
     dims = args.dims or ((6,) if args.quick or args.sweep else (6, 20))
-    meta = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "argv": sys.argv[1:], "jax": jax.__version__, "numpyro": numpyro.__version__,
-            "python": platform.python_version(), "loadavg": os.getloadavg(), "x64": bool(args.x64),
-            "subsampling_available": HAS_SUBSAMPLING}
-    print(f"JAX {jax.__version__}, NumPyro {numpyro.__version__}, load average {os.getloadavg()[0]:.1f} "
-          f"(a shared machine: times vary), {'float64' if args.x64 else 'float32'}", flush=True)
+    meta = {
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "argv": sys.argv[1:],
+        "jax": jax.__version__,
+        "numpyro": numpyro.__version__,
+        "python": platform.python_version(),
+        "loadavg": os.getloadavg(),
+        "x64": bool(args.x64),
+        "subsampling_available": HAS_SUBSAMPLING,
+    }
+    print(
+        f"JAX {jax.__version__}, NumPyro {numpyro.__version__}, load average {os.getloadavg()[0]:.1f} "
+        f"(a shared machine: times vary), {'float64' if args.x64 else 'float32'}",
+        flush=True,
+    )
     if args.sweep:
         sizes = args.sizes or ((1_000, 10_000) if args.quick else SWEEP_SIZES)
-        rows = sweep(sizes, args.factors, d=dims[0], num_warmup=num_warmup, num_samples=num_samples,
-                     seed=args.seed)
+        rows = sweep(sizes, args.factors, d=dims[0], num_warmup=num_warmup, num_samples=num_samples, seed=args.seed)
         print_sweep(rows)
         out = {"sweep_meta": meta, "sweep": rows}
     else:
         sizes = args.sizes or ((1_000, 10_000, 100_000) if args.quick else SIZES)
-        samplers = args.samplers or [s for s in DEFAULT_SAMPLERS if (HAS_SUBSAMPLING or "subsample" not in s)
-                                     and (HAS_PDMP_JAX or s != "pdmp-jax ZigZag")]
+        samplers = args.samplers or [
+            s
+            for s in DEFAULT_SAMPLERS
+            if (HAS_SUBSAMPLING or "subsample" not in s) and (HAS_PDMP_JAX or s != "pdmp-jax ZigZag")
+        ]
         if not HAS_SUBSAMPLING:
             print("[skip] FedZigZag(subsample_size=1): this FedZigZag has no subsample_size", flush=True)
         if not HAS_PDMP_JAX:
             print("[skip] pdmp-jax ZigZag: pdmp_jax is not importable (see benchmarks/README.md)", flush=True)
-        rows = scale_table(sizes, dims, samplers, num_warmup=num_warmup, num_samples=num_samples,
-                           budget=args.budget, seed=args.seed)
+        rows = scale_table(
+            sizes, dims, samplers, num_warmup=num_warmup, num_samples=num_samples, budget=args.budget, seed=args.seed
+        )
         print_scale(rows)
         out = {"scale_meta": meta, "scale": rows}
     meta["loadavg_end"] = os.getloadavg()

@@ -12,8 +12,9 @@ import os
 import numpy as np
 import pytest
 
-#: planted in client 1's rows only: exact in float32 and float64, and a plausible covariate
-SENTINEL = 777.125
+#: planted in client 1's rows only: distinctive bytes (in float64 and rounded to float32) and a
+#: plausible covariate, so that a fit on the planted rows behaves as on the others
+SENTINEL = 1.2345678901234567
 
 
 def holds_value(value, *objects) -> bool:

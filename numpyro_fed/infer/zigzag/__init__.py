@@ -43,8 +43,8 @@ from numpyro_fed.infer.zigzag.proposers import (
     proposers_from_potential,
 )
 from numpyro_fed.infer.zigzag.sampler import FedZigZag
-from numpyro_fed.infer.zigzag.subsample import RowHessianBound
 from numpyro_fed.infer.zigzag.state import KernelConfig, SampleInfo, StepInfo, ZigZagState
+from numpyro_fed.infer.zigzag.subsample import RowHessianBound
 from numpyro_fed.infer.zigzag.warmup import WarmupState
 
 __all__ = [

@@ -147,9 +147,7 @@ def bound_kind(bounds) -> str:
         return "hessian"
     if isinstance(bounds, str) and bounds in ("grid", "affine"):
         return bounds
-    raise ValueError(
-        f"bounds must be 'grid', 'affine', a GradientBound or a HessianBound, got {bounds!r}"
-    )
+    raise ValueError(f"bounds must be 'grid', 'affine', a GradientBound or a HessianBound, got {bounds!r}")
 
 
 def per_proposer_bound(bound, num_clients: int, num_proposers: int, d: int, dtype):
@@ -185,9 +183,13 @@ def empty_line(kind: str, grid_size: int, num: int, d: int, dtype) -> LineBound:
     """A :class:`LineBound` of the right shapes that holds no bound yet."""
     rows = grid_size - 1 if kind == "grid" else 2
     return LineBound(
-        valid=jnp.zeros((), bool), position=jnp.zeros((), dtype), reuse=jnp.zeros((), bool),
-        bound=jnp.zeros((rows, num, d), dtype), times=jnp.zeros(grid_size, dtype),
-        end_grads=jnp.zeros((num, d), dtype), end_slopes=jnp.zeros((num, d), dtype),
+        valid=jnp.zeros((), bool),
+        position=jnp.zeros((), dtype),
+        reuse=jnp.zeros((), bool),
+        bound=jnp.zeros((rows, num, d), dtype),
+        times=jnp.zeros(grid_size, dtype),
+        end_grads=jnp.zeros((num, d), dtype),
+        end_slopes=jnp.zeros((num, d), dtype),
     )
 
 
@@ -253,12 +255,14 @@ def line_coefficients(config: KernelConfig, state: ZigZagState, shift: Shift):
         d = x.shape[0]
         # the rate's Taylor part is computed as a sum of terms that cancel (each proposer's gradient
         # and shift): their rounding, exact terms' scale times a few ulps, is part of the bound
-        magnitude = (jnp.abs(reference.term_grads) + jnp.abs(mean_gradient)
-                     + (jnp.abs(reference.term_hessians) + jnp.abs(mean_hessian)) @ distance
-                     + weights[:, None] * (jnp.abs(reference.prior_grad) + jnp.abs(reference.prior_hessian) @ distance))
+        magnitude = (
+            jnp.abs(reference.term_grads)
+            + jnp.abs(mean_gradient)
+            + (jnp.abs(reference.term_hessians) + jnp.abs(mean_hessian)) @ distance
+            + weights[:, None] * (jnp.abs(reference.prior_grad) + jnp.abs(reference.prior_hessian) @ distance)
+        )
         rounding = ROUNDING_ULPS * jnp.finfo(x.dtype).eps * magnitude
-        a = (v * (mean_gradient + mean_hessian @ step) + hessian @ distance + second * (step @ step)
-             + rounding)
+        a = v * (mean_gradient + mean_hessian @ step) + hessian @ distance + second * (step @ step) + rounding
         b = v * (mean_hessian @ v) + growth + second * (2 * (step @ v) + d * bounds.horizon)
         return a, b
     a = v * mean_gradient + hessian @ distance
@@ -271,8 +275,12 @@ def build_line(config: KernelConfig, state: ZigZagState, shift: Shift) -> LineBo
     """The bound ``max(0, a + b t)`` of the current line (every bound kind but the grid)."""
     a, b = line_coefficients(config, state, shift)
     dtype = state.x.dtype
-    return state.line._replace(valid=jnp.ones((), bool), position=jnp.zeros((), dtype),
-                               reuse=jnp.zeros((), bool), bound=config.safety_factor * jnp.stack([a, b]))
+    return state.line._replace(
+        valid=jnp.ones((), bool),
+        position=jnp.zeros((), dtype),
+        reuse=jnp.zeros((), bool),
+        bound=config.safety_factor * jnp.stack([a, b]),
+    )
 
 
 def build_grid(config: KernelConfig, state: ZigZagState, shift: Shift) -> LineBound:
@@ -290,8 +298,7 @@ def build_grid(config: KernelConfig, state: ZigZagState, shift: Shift) -> LineBo
 
     def reusing():
         grads, slopes = at(times[1:])
-        return (jnp.concatenate([line.end_grads[None], grads]),
-                jnp.concatenate([line.end_slopes[None], slopes]))
+        return (jnp.concatenate([line.end_grads[None], grads]), jnp.concatenate([line.end_slopes[None], slopes]))
 
     grads, slopes = at(times) if config.batched else lax.cond(line.reuse, reusing, lambda: at(times))
     shifts = shift_at(shift, state.x)
@@ -300,8 +307,15 @@ def build_grid(config: KernelConfig, state: ZigZagState, shift: Shift) -> LineBo
         shifts = shifts + times[:, None, None] * shift_slopes
     signed = state.v * (grads - shifts)
     bound = config.safety_factor * segment_bounds(times, signed, state.v * (slopes - shift_slopes)) + excess[:, None]
-    return line._replace(valid=jnp.ones((), bool), position=jnp.zeros((), dtype), reuse=jnp.zeros((), bool),
-                         bound=bound, times=times, end_grads=grads[-1], end_slopes=slopes[-1])
+    return line._replace(
+        valid=jnp.ones((), bool),
+        position=jnp.zeros((), dtype),
+        reuse=jnp.zeros((), bool),
+        bound=bound,
+        times=times,
+        end_grads=grads[-1],
+        end_slopes=slopes[-1],
+    )
 
 
 def _evaluations_per_line(config: KernelConfig, shift: Shift) -> int:
@@ -320,11 +334,16 @@ def current_line(config: KernelConfig, state: ZigZagState, shift: Shift):
     line = state.line
     count = lambda n: jnp.asarray(n, dtype=jnp.int32)  # noqa: E731
     if config.kind != "grid":
-        return lax.cond(line.valid, lambda: (line, count(0)),
-                        lambda: (build_line(config, state, shift), count(_evaluations_per_line(config, shift))))
+        return lax.cond(
+            line.valid,
+            lambda: (line, count(0)),
+            lambda: (build_line(config, state, shift), count(_evaluations_per_line(config, shift))),
+        )
     return lax.cond(
         line.valid & (line.position < line.times[-1]),
         lambda: (line, count(0)),
-        lambda: (build_grid(config, state, shift),
-                 count(jnp.where(line.reuse, config.grid_size - 1, config.grid_size))),
+        lambda: (
+            build_grid(config, state, shift),
+            count(jnp.where(line.reuse, config.grid_size - 1, config.grid_size)),
+        ),
     )

@@ -73,8 +73,7 @@ def _linear_part(reference: ControlVariates, weights, y):
     """``(P, d)``: ``A_j y`` for every proposer, without forming the ``A_j``."""
     num = reference.term_hessians.shape[0]
     mean_hessian = (reference.term_hessians.sum(0) + reference.prior_hessian) / num
-    return (reference.term_hessians @ y + weights[:, None] * (reference.prior_hessian @ y)
-            - mean_hessian @ y)
+    return reference.term_hessians @ y + weights[:, None] * (reference.prior_hessian @ y) - mean_hessian @ y
 
 
 def shift_for(reference: ControlVariates | None, weights, num: int, d: int, dtype) -> Shift:
@@ -155,9 +154,14 @@ def switched(reference: ControlVariates, on) -> ControlVariates:
     return reference._replace(
         term_grads=jnp.where(on, reference.term_grads, 0.0),
         prior_grad=jnp.where(on, reference.prior_grad, 0.0),
-        **({} if reference.term_hessians is None else dict(
-            term_hessians=jnp.where(on, reference.term_hessians, 0.0),
-            prior_hessian=jnp.where(on, reference.prior_hessian, 0.0))),
+        **(
+            {}
+            if reference.term_hessians is None
+            else dict(
+                term_hessians=jnp.where(on, reference.term_hessians, 0.0),
+                prior_hessian=jnp.where(on, reference.prior_hessian, 0.0),
+            )
+        ),
     )
 
 

@@ -46,15 +46,15 @@ SKELETON = ("skeleton_times", "skeleton_x", "skeleton_v", "skeleton_count")
 _VIOLATION_REMEDY = {
     "grid": "automatic bound (the chain is then slightly biased): raise safety_factor or grid_size",
     "affine": "affine extrapolation (the potential is not quadratic along lines; the "
-              "chain is biased): use bounds='grid' or a user-supplied bound",
+    "chain is biased): use bounds='grid' or a user-supplied bound",
     "gradient": "GradientBound: it is not a bound for this model (the chain is biased); "
-                "check each client's bound on |d_i U_m|",
+    "check each client's bound on |d_i U_m|",
     "hessian": "HessianBound: it is not a bound for this model (the chain is biased); "
-               "check each client's bound on |d_i d_k U_m|",
+    "check each client's bound on |d_i d_k U_m|",
     "subsample": "bound on the rows' curvature (the chain is then slightly biased): the curvature is "
-                 "not bounded where the process went (see the warning at set-up); pass a longer "
-                 "num_warmup (violations in warmup grow the bound), bounds=RowHessianBound(...) valid "
-                 "everywhere, or subsample_size=None",
+    "not bounded where the process went (see the warning at set-up); pass a longer "
+    "num_warmup (violations in warmup grow the bound), bounds=RowHessianBound(...) valid "
+    "everywhere, or subsample_size=None",
 }
 
 
@@ -79,8 +79,11 @@ def few_effective_draws(samples_by_chain: dict, min_ess: float, *, preconditione
                 f"{where} has {ess[j]:.3g} effective draws (fewer than {min_ess:g}): its summaries "
                 "carry a large Monte Carlo error; run more num_samples (or chains), a longer "
                 "num_warmup, or a larger sample_interval"
-                + ("" if preconditioned else ", or pass preconditioner='laplace' (parameters that are "
-                   "correlated or on unequal scales)")
+                + (
+                    ""
+                    if preconditioned
+                    else ", or pass preconditioner='laplace' (parameters that are correlated or on unequal scales)"
+                )
             )
     return problems
 
@@ -93,8 +96,7 @@ def rate_problems(fields: dict, *, kind: str, max_proposals: int, sample_interva
     capped = int(jnp.sum(fields["info.hit_event_cap"]))
     problems = []
     if violations:
-        problems.append(f"{violations} of {proposals} proposals had an exact rate above its "
-                        f"{_VIOLATION_REMEDY[kind]}")
+        problems.append(f"{violations} of {proposals} proposals had an exact rate above its {_VIOLATION_REMEDY[kind]}")
     if capped:
         problems.append(
             f"{capped} samples stopped at max_proposals={max_proposals} before "
@@ -206,13 +208,19 @@ def term_ledger(grad_evals, num_proposals, num_clients: int, d: int, itemsize: i
     lines = (evals.sum(-1) - proposals) // evals.shape[-1]  # per draw
     checks = (evals - lines[:, None])[:, :num_clients].sum(0)
     out = {}
-    for name, messages, down, up in (("grad_and_slope", np.full(num_clients, lines.sum()), 2 * d, 2 * d),
-                                     ("grad", checks, d, d)):
-        out.update({f"{name}/messages_to_client": messages,
-                    f"{name}/bytes_to_client": messages * down * itemsize,
-                    f"{name}/messages_from_client": messages.copy(),
-                    f"{name}/bytes_from_client": messages * up * itemsize,
-                    f"{name}/rounds": messages.copy()})
+    for name, messages, down, up in (
+        ("grad_and_slope", np.full(num_clients, lines.sum()), 2 * d, 2 * d),
+        ("grad", checks, d, d),
+    ):
+        out.update(
+            {
+                f"{name}/messages_to_client": messages,
+                f"{name}/bytes_to_client": messages * down * itemsize,
+                f"{name}/messages_from_client": messages.copy(),
+                f"{name}/bytes_from_client": messages * up * itemsize,
+                f"{name}/rounds": messages.copy(),
+            }
+        )
     return out
 
 
@@ -225,8 +233,10 @@ def run_ledger(rounds, num_clients: int, message_sizes: dict, setup: dict | None
     if isinstance(rounds, dict):  # the server's thinning's calls, as term_ledger gives them
         ledger = dict(rounds)
     else:
-        ledger = {"propose/" + name: value.reshape(-1, value.shape[-1]).sum(0)
-                  for name, value in round_ledger(rounds, num_clients, message_sizes).items()}
+        ledger = {
+            "propose/" + name: value.reshape(-1, value.shape[-1]).sum(0)
+            for name, value in round_ledger(rounds, num_clients, message_sizes).items()
+        }
         ledger["propose/rounds"] = ledger["propose/messages_from_client"].copy()
     ledger.update(setup or {})
     totals = {}

@@ -84,8 +84,9 @@ def next_draw(settings: DrawSettings, state: FedZigZagState) -> FedZigZagState:
     adapt = settings.adapt_update(adapt, core, info, state.i)
     new = FedZigZagState(state.i + 1, settings.unravel(settings.to_x(core.x)), core, info, key, adapt, bound_scale)
     if settings.keep_completed is not None:  # the draw is complete: the host keeps it (a worker may fail next)
-        done = jax.pure_callback(settings.keep_completed, jax.ShapeDtypeStruct((), jnp.int32), new,
-                                 vmap_method="expand_dims")
+        done = jax.pure_callback(
+            settings.keep_completed, jax.ShapeDtypeStruct((), jnp.int32), new, vmap_method="expand_dims"
+        )
         new = new._replace(i=new.i + done)
     return new
 
@@ -117,9 +118,15 @@ def first_draw(settings: FirstDraw, key, u) -> FedZigZagState:
     """The state before the first draw, the process at ``u`` with a random velocity."""
     k_velocity, key = jax.random.split(key)
     core = settings.init_core(u, k_velocity)
-    info = SampleInfo.zeros(settings.num_proposers, u.shape[-1], u.dtype, skeleton_size=settings.skeleton_size,
-                            full_covariance=settings.full_covariance)
+    info = SampleInfo.zeros(
+        settings.num_proposers,
+        u.shape[-1],
+        u.dtype,
+        skeleton_size=settings.skeleton_size,
+        full_covariance=settings.full_covariance,
+    )
     adapt = init_warmup(settings.reference, settings.active, u, settings.interval)
     bound_scale = jnp.ones((), u.dtype) if settings.subsampled else None
-    return FedZigZagState(jnp.zeros((), jnp.int32), settings.unravel(settings.to_x(core.x)), core, info, key, adapt,
-                          bound_scale)
+    return FedZigZagState(
+        jnp.zeros((), jnp.int32), settings.unravel(settings.to_x(core.x)), core, info, key, adapt, bound_scale
+    )

@@ -125,7 +125,9 @@ def _single(own_grad_and_slope, prior_grad_and_slope, own_estimate=None) -> Prop
         term_grad_of=lambda x, j: own_grad_and_slope(x, jnp.zeros_like(x))[0],
         prior_grad_and_slope=prior_grad_and_slope,
         num=1,
-        term_grad_estimate=None if own_estimate is None else (lambda x, j, key, reference, coordinate: own_estimate(x, key)),
+        term_grad_estimate=None
+        if own_estimate is None
+        else (lambda x, j, key, reference, coordinate: own_estimate(x, key)),
     )
 
 
@@ -143,9 +145,26 @@ def _own_shift(point, mean_grad, constant, linear) -> Shift | None:
     return Shift(constant[None], reference, jnp.zeros(1, point.dtype))
 
 
-def client_proposal(own_grad_and_slope, prior_grad_and_slope, x, v, window, key, horizon, weight, *,
-                    kind: str, bounds=None, excess=0.0, grid_size: int = 2, safety_factor: float = 1.0,
-                    shift: Shift | None = None, preconditioner=None, counts: bool = True, own_estimate=None):
+def client_proposal(
+    own_grad_and_slope,
+    prior_grad_and_slope,
+    x,
+    v,
+    window,
+    key,
+    horizon,
+    weight,
+    *,
+    kind: str,
+    bounds=None,
+    excess=0.0,
+    grid_size: int = 2,
+    safety_factor: float = 1.0,
+    shift: Shift | None = None,
+    preconditioner=None,
+    counts: bool = True,
+    own_estimate=None,
+):
     """A client's (or the server's prior proposer's) round: the first switching time of its
     own rate along ``x + t v`` within ``window``, by thinning against its exact rate.
 
@@ -159,13 +178,24 @@ def client_proposal(own_grad_and_slope, prior_grad_and_slope, x, v, window, key,
     proposers = _single(own_grad_and_slope, prior_grad_and_slope, own_estimate)
     if preconditioner is not None:
         proposers = precondition(proposers, preconditioner)
-    config = kernel_config(proposers, excess_rates=jnp.reshape(excess, (1,)), bounds=kind if bounds is None else bounds,
-                           grid_size=grid_size, safety_factor=safety_factor, batched=True)
+    config = kernel_config(
+        proposers,
+        excess_rates=jnp.reshape(excess, (1,)),
+        bounds=kind if bounds is None else bounds,
+        grid_size=grid_size,
+        safety_factor=safety_factor,
+        batched=True,
+    )
     d, dtype = x.shape[0], x.dtype
     if shift is None:
         shift = shift_for(None, None, 1, d, dtype)
-    state = ZigZagState(x=x, v=v, horizon=jnp.asarray(horizon, dtype), prior_weights=jnp.reshape(weight, (1,)).astype(dtype),
-                        line=empty_line(config.kind, grid_size, 1, d, dtype))
+    state = ZigZagState(
+        x=x,
+        v=v,
+        horizon=jnp.asarray(horizon, dtype),
+        prior_weights=jnp.reshape(weight, (1,)).astype(dtype),
+        line=empty_line(config.kind, grid_size, 1, d, dtype),
+    )
     zero = jnp.zeros((), jnp.int32)
 
     def searching(carry):
@@ -176,12 +206,18 @@ def client_proposal(own_grad_and_slope, prior_grad_and_slope, x, v, window, key,
         key, state, elapsed, _, steps, tally = carry
         key, k_step = jax.random.split(key)
         state, info = step(config, k_step, state, window - elapsed, shift=shift)
-        tally = ClientCounts(tally.proposals + info.proposed, tally.grad_evals + info.grad_evals_by_proposer[0],
-                             tally.violations + info.violated)
+        tally = ClientCounts(
+            tally.proposals + info.proposed,
+            tally.grad_evals + info.grad_evals_by_proposer[0],
+            tally.violations + info.violated,
+        )
         return key, state, elapsed + info.elapsed, info.accepted, steps + 1, tally
 
     _, final, elapsed, found, _, tally = lax.while_loop(
-        searching, one_step, (key, state, jnp.zeros((), dtype), jnp.zeros((), bool), zero, ClientCounts(zero, zero, zero)))
+        searching,
+        one_step,
+        (key, state, jnp.zeros((), dtype), jnp.zeros((), bool), zero, ClientCounts(zero, zero, zero)),
+    )
     coordinate = jnp.where(found, jnp.argmax(final.v != v), -1).astype(jnp.int32)
     proposal = Proposal(elapsed, coordinate)
     return (proposal, tally) if counts else proposal
@@ -220,31 +256,83 @@ def client_function(clients, settings: _Settings, preconditioner=None):
         estimate = None
         if settings.subsample is not None:
             reference_grad = rest.pop(0)
-            estimate = partial(gradient_estimate, clients.grad, settings.subsample, block=block, point=point,
-                               reference_grad=reference_grad)
+            estimate = partial(
+                gradient_estimate,
+                clients.grad,
+                settings.subsample,
+                block=block,
+                point=point,
+                reference_grad=reference_grad,
+            )
         bounds = None
         if settings.kind in ("gradient", "hessian"):
             row, prior = rest.pop(0), rest.pop(0)
             bounds = (row, prior)
         own = lambda y, u: jax.jvp(lambda z: clients.grad(z, block), (y,), (u,))  # noqa: E731
-        return _propose(own, clients.prior_grad_and_slope, settings, x, v, window, key, horizon, weight,
-                        point, mean_grad, constant, linear, bounds, preconditioner, estimate)
+        return _propose(
+            own,
+            clients.prior_grad_and_slope,
+            settings,
+            x,
+            v,
+            window,
+            key,
+            horizon,
+            weight,
+            point,
+            mean_grad,
+            constant,
+            linear,
+            bounds,
+            preconditioner,
+            estimate,
+        )
 
     return propose
 
 
-def _propose(own, prior, settings, x, v, window, key, horizon, weight, point, mean_grad, constant, linear,
-             bounds, preconditioner, own_estimate=None):
+def _propose(
+    own,
+    prior,
+    settings,
+    x,
+    v,
+    window,
+    key,
+    horizon,
+    weight,
+    point,
+    mean_grad,
+    constant,
+    linear,
+    bounds,
+    preconditioner,
+    own_estimate=None,
+):
     from numpyro_fed.infer.zigzag.bounds import GradientBound, HessianBound
 
     if bounds is not None:
         cls = GradientBound if settings.kind == "gradient" else HessianBound
         bounds = cls(bounds[0][None], bounds[1])
-    return client_proposal(own, prior, x, v, window, key, horizon, weight, kind=settings.kind, bounds=bounds,
-                           excess=settings.excess, grid_size=settings.grid_size,
-                           safety_factor=settings.safety_factor,
-                           shift=_own_shift(point, mean_grad, constant, linear), preconditioner=preconditioner,
-                           counts=settings.counts, own_estimate=own_estimate)
+    return client_proposal(
+        own,
+        prior,
+        x,
+        v,
+        window,
+        key,
+        horizon,
+        weight,
+        kind=settings.kind,
+        bounds=bounds,
+        excess=settings.excess,
+        grid_size=settings.grid_size,
+        safety_factor=settings.safety_factor,
+        shift=_own_shift(point, mean_grad, constant, linear),
+        preconditioner=preconditioner,
+        counts=settings.counts,
+        own_estimate=own_estimate,
+    )
 
 
 def federated_init(x, rng_key, prior_weights, *, scale: float = 0.1, v=None) -> FederatedZigZagState:
@@ -255,8 +343,9 @@ def federated_init(x, rng_key, prior_weights, *, scale: float = 0.1, v=None) -> 
         v = jnp.where(jax.random.bernoulli(rng_key, 0.5, x.shape), 1.0, -1.0)
     num = prior_weights.shape[0]
     pending = Pending(jnp.zeros(num, x.dtype), jnp.full(num, -1, jnp.int32), jnp.zeros((), bool))
-    return FederatedZigZagState(x, jnp.asarray(v, x.dtype), jnp.asarray(prior_weights, x.dtype),
-                                jnp.asarray(scale, x.dtype), pending)
+    return FederatedZigZagState(
+        x, jnp.asarray(v, x.dtype), jnp.asarray(prior_weights, x.dtype), jnp.asarray(scale, x.dtype), pending
+    )
 
 
 class FederatedConfig(NamedTuple):
@@ -305,8 +394,10 @@ def _round(config: FederatedConfig, key, state: FederatedZigZagState, reference)
     client_own = [a[:m] for a in own]
     replies = config.federation.map("propose", *broadcast, per_client=client_own)
     if config.sizes is not None:  # per client and round, known from the shapes at trace time
-        config.sizes.update(to_client=tree_nbytes(broadcast) + tree_nbytes([a[0] for a in client_own]),
-                            from_client=tree_nbytes(jax.tree.map(lambda a: a[0], replies)))
+        config.sizes.update(
+            to_client=tree_nbytes(broadcast) + tree_nbytes([a[0] for a in client_own]),
+            from_client=tree_nbytes(jax.tree.map(lambda a: a[0], replies)),
+        )
     if num > m:  # the prior's own proposer, on the server: no rows, zero own term
         zero_term = lambda y, u: (jnp.zeros_like(y), jnp.zeros_like(y))  # noqa: E731
         own_s = [a[m] for a in own]
@@ -319,9 +410,24 @@ def _round(config: FederatedConfig, key, state: FederatedZigZagState, reference)
             rest.pop(0)
             estimate_s = lambda y, key: jnp.zeros_like(y)  # noqa: E731
         bounds_s = (rest.pop(0), rest.pop(0)) if settings.kind in ("gradient", "hessian") else None
-        server = _propose(zero_term, config.clients.prior_grad_and_slope, settings, x, v, window, key_s, horizon_s,
-                          weight_s, point, mean_grad, constant_s, linear_s, bounds_s, config.preconditioner,
-                          estimate_s)
+        server = _propose(
+            zero_term,
+            config.clients.prior_grad_and_slope,
+            settings,
+            x,
+            v,
+            window,
+            key_s,
+            horizon_s,
+            weight_s,
+            point,
+            mean_grad,
+            constant_s,
+            linear_s,
+            bounds_s,
+            config.preconditioner,
+            estimate_s,
+        )
         replies = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), replies, server)
     return replies
 
@@ -375,20 +481,35 @@ def federated_step(config: FederatedConfig, rng_key, state: FederatedZigZagState
     valid = ~switch & ~redistribute & ~exhausted
     moved = Pending(pending.time - tau, pending.coordinate, valid)
     # the running time between switches: only times the server received
-    scale = jnp.where(switch, 0.95 * state.scale + 0.05 * event,
-                      jnp.where(exhausted & (limit >= WINDOW_FACTOR * state.scale * 0.999), 2.0 * state.scale,
-                                state.scale))
+    scale = jnp.where(
+        switch,
+        0.95 * state.scale + 0.05 * event,
+        jnp.where(exhausted & (limit >= WINDOW_FACTOR * state.scale * 0.999), 2.0 * state.scale, state.scale),
+    )
     one_hot = zeros.at[winner].set(1)
     info = StepInfo(
-        elapsed=tau, proposed=switch, accepted=switch, violated=jnp.zeros((), bool),
-        events_by_proposer=one_hot * switch, grad_evals_by_proposer=tally.grad_evals,
-        path_integral=path, path_square_integral=square,
+        elapsed=tau,
+        proposed=switch,
+        accepted=switch,
+        violated=jnp.zeros((), bool),
+        events_by_proposer=one_hot * switch,
+        grad_evals_by_proposer=tally.grad_evals,
+        path_integral=path,
+        path_square_integral=square,
     )
     return FederatedZigZagState(x, v, weights, scale, moved), info, rounds, tally
 
 
-def federated_advance(config: FederatedConfig, rng_key, state: FederatedZigZagState, duration, reference=None, *,
-                      default_reference=None, bound_scale=None):
+def federated_advance(
+    config: FederatedConfig,
+    rng_key,
+    state: FederatedZigZagState,
+    duration,
+    reference=None,
+    *,
+    default_reference=None,
+    bound_scale=None,
+):
     """Runs the server for ``duration`` of process time (at most ``config.max_proposals``
     rounds; the loop is the core's, :func:`~numpyro_fed.infer.zigzag.kernel.run_for`):
     ``(state, info)``, a :class:`~numpyro_fed.infer.zigzag.SampleInfo` whose
@@ -397,8 +518,7 @@ def federated_advance(config: FederatedConfig, rng_key, state: FederatedZigZagSt
     reference = default_reference if reference is None else reference
     config = scaled_bounds(config, bound_scale)
     num, d, dtype = config.num, state.x.shape[0], state.x.dtype
-    empty = SampleInfo.zeros(num, d, dtype, skeleton_size=config.skeleton_size,
-                             full_covariance=config.full_covariance)
+    empty = SampleInfo.zeros(num, d, dtype, skeleton_size=config.skeleton_size, full_covariance=config.full_covariance)
 
     def one_step(key, state, remaining, total):
         state, info, made, tally = federated_step(config, key, state, remaining, reference)
@@ -407,20 +527,36 @@ def federated_advance(config: FederatedConfig, rng_key, state: FederatedZigZagSt
         total = total._replace(
             num_proposals=(total.num_proposals - info.proposed + tally.proposals.sum()).astype(jnp.int32),
             num_violations=(total.num_violations + tally.violations.sum()).astype(jnp.int32),
-            rounds=total.rounds + made)
+            rounds=total.rounds + made,
+        )
         return state, total, info.elapsed
 
-    return run_for(one_step, rng_key, state, duration, empty,
-                   within_budget=lambda total: total.rounds < config.max_proposals)
+    return run_for(
+        one_step, rng_key, state, duration, empty, within_budget=lambda total: total.rounds < config.max_proposals
+    )
 
 
-def build_federated_kernel(federation, clients, *, num_clients: int, prior_on_server: bool,
-                           reference: ControlVariates | None = None, excess_rate: float = 0.0,
-                           redistribution_rate: float = 0.0, bounds="grid", grid_size: int = 2,
-                           safety_factor: float = 1.0, max_proposals: int = 1_000_000,
-                           full_covariance: bool = False, skeleton_size: int = 0, preconditioner=None,
-                           counts: bool = True, second_order: bool = False, sizes: dict | None = None,
-                           subsample=None):
+def build_federated_kernel(
+    federation,
+    clients,
+    *,
+    num_clients: int,
+    prior_on_server: bool,
+    reference: ControlVariates | None = None,
+    excess_rate: float = 0.0,
+    redistribution_rate: float = 0.0,
+    bounds="grid",
+    grid_size: int = 2,
+    safety_factor: float = 1.0,
+    max_proposals: int = 1_000_000,
+    full_covariance: bool = False,
+    skeleton_size: int = 0,
+    preconditioner=None,
+    counts: bool = True,
+    second_order: bool = False,
+    sizes: dict | None = None,
+    subsample=None,
+):
     """``(kernel, client_fn)``: the server's ``kernel(rng_key, state, duration, reference=None)
     -> (state, info)`` (a :class:`FederatedZigZagState` and a
     :class:`~numpyro_fed.infer.zigzag.SampleInfo`), reaching the clients only through
@@ -441,14 +577,31 @@ def build_federated_kernel(federation, clients, *, num_clients: int, prior_on_se
     from numpyro_fed.infer.zigzag.bounds import bound_kind
 
     kind = bound_kind(bounds)
-    settings = _Settings(kind, int(grid_size), float(safety_factor), float(excess_rate), bool(counts),
-                         bool(second_order), reference is not None, subsample)
+    settings = _Settings(
+        kind,
+        int(grid_size),
+        float(safety_factor),
+        float(excess_rate),
+        bool(counts),
+        bool(second_order),
+        reference is not None,
+        subsample,
+    )
     config = FederatedConfig(
-        federation=federation, clients=clients, settings=settings, num_clients=int(num_clients),
-        num=int(num_clients) + bool(prior_on_server), bounds=None if isinstance(bounds, str) else bounds,
-        redistribution_rate=float(redistribution_rate), max_proposals=int(max_proposals),
-        full_covariance=bool(full_covariance), skeleton_size=int(skeleton_size), preconditioner=preconditioner,
+        federation=federation,
+        clients=clients,
+        settings=settings,
+        num_clients=int(num_clients),
+        num=int(num_clients) + bool(prior_on_server),
+        bounds=None if isinstance(bounds, str) else bounds,
+        redistribution_rate=float(redistribution_rate),
+        max_proposals=int(max_proposals),
+        full_covariance=bool(full_covariance),
+        skeleton_size=int(skeleton_size),
+        preconditioner=preconditioner,
         sizes=sizes,
     )
-    return (partial(federated_advance, config, default_reference=reference),
-            client_function(clients, settings, preconditioner))
+    return (
+        partial(federated_advance, config, default_reference=reference),
+        client_function(clients, settings, preconditioner),
+    )

@@ -48,8 +48,7 @@ __all__ = [
 ]
 
 
-def init(x, rng_key, prior_weights, *, horizon: float = 1.0, v=None, bounds="grid",
-         grid_size: int = 2) -> ZigZagState:
+def init(x, rng_key, prior_weights, *, horizon: float = 1.0, v=None, bounds="grid", grid_size: int = 2) -> ZigZagState:
     """Initial state at ``x`` with a uniformly random velocity (unless ``v`` is given).
 
     :param prior_weights: ``(P,)`` initial shares of the prior (summing to one).
@@ -66,7 +65,9 @@ def init(x, rng_key, prior_weights, *, horizon: float = 1.0, v=None, bounds="gri
         v = jnp.where(jax.random.bernoulli(rng_key, 0.5, x.shape), 1.0, -1.0)
     prior_weights = jnp.asarray(prior_weights, x.dtype)
     return ZigZagState(
-        x=x, v=jnp.asarray(v, x.dtype), horizon=jnp.asarray(horizon, x.dtype),
+        x=x,
+        v=jnp.asarray(v, x.dtype),
+        horizon=jnp.asarray(horizon, x.dtype),
         prior_weights=prior_weights,
         line=empty_line(bound_kind(bounds), grid_size, prior_weights.shape[0], x.shape[0], x.dtype),
     )
@@ -91,8 +92,10 @@ def kernel_config(
     kind = bound_kind(bounds)
     if isinstance(bounds, SampledRowBound):
         if reference is not None and reference.second_order != (bounds.second is not None):
-            raise ValueError("a SampledRowBound with second-order remainders needs second-order control "
-                             "variates, and first-order control variates one without")
+            raise ValueError(
+                "a SampledRowBound with second-order remainders needs second-order control "
+                "variates, and first-order control variates one without"
+            )
     elif reference is not None and reference.second_order and kind in ("gradient", "hessian"):
         raise ValueError(
             "second-order control variates need the automatic bounds ('grid' or 'affine'): "
@@ -100,10 +103,17 @@ def kernel_config(
         )
     excess = jnp.zeros(proposers.num) if excess_rates is None else jnp.asarray(excess_rates)
     return KernelConfig(
-        proposers=proposers, kind=kind, bounds=None if isinstance(bounds, str) else bounds,
-        excess=excess, redistribution_rate=float(redistribution_rate), grid_size=int(grid_size),
-        safety_factor=float(safety_factor), max_proposals=int(max_proposals), batched=bool(batched),
-        full_covariance=bool(full_covariance), skeleton_size=int(skeleton_size),
+        proposers=proposers,
+        kind=kind,
+        bounds=None if isinstance(bounds, str) else bounds,
+        excess=excess,
+        redistribution_rate=float(redistribution_rate),
+        grid_size=int(grid_size),
+        safety_factor=float(safety_factor),
+        max_proposals=int(max_proposals),
+        batched=bool(batched),
+        full_covariance=bool(full_covariance),
+        skeleton_size=int(skeleton_size),
     )
 
 
@@ -216,13 +226,26 @@ def _moved(state: ZigZagState, tau, full_covariance: bool, num: int):
     zeros = jnp.zeros(num, jnp.int32)
     no = jnp.zeros((), bool)
     return state.x + tau * state.v, StepInfo(
-        elapsed=tau, proposed=no, accepted=no, violated=no, events_by_proposer=zeros,
-        grad_evals_by_proposer=zeros, path_integral=path, path_square_integral=square,
+        elapsed=tau,
+        proposed=no,
+        accepted=no,
+        violated=no,
+        events_by_proposer=zeros,
+        grad_evals_by_proposer=zeros,
+        path_integral=path,
+        path_square_integral=square,
     )
 
 
-def step(config: KernelConfig, rng_key, state: ZigZagState, max_time,
-         reference: ControlVariates | None = None, *, shift: Shift | None = None) -> tuple[ZigZagState, StepInfo]:
+def step(
+    config: KernelConfig,
+    rng_key,
+    state: ZigZagState,
+    max_time,
+    reference: ControlVariates | None = None,
+    *,
+    shift: Shift | None = None,
+) -> tuple[ZigZagState, StepInfo]:
     """One step of the process, at most ``max_time`` long: to the earliest proposal (checked
     by its proposer, decided by the server), the end of the current line's bound, a
     redistribution of the prior, or ``max_time``, whichever comes first.
@@ -265,21 +288,25 @@ def step(config: KernelConfig, rng_key, state: ZigZagState, max_time,
         # subsampling draws its batch from a key of its own (the other draws stay as they were)
         k_batch = jax.random.fold_in(k_accept, 1) if config.proposers.term_grad_estimate is not None else None
         rate = exact_rate(config, state, x, winner, coordinate, shift, k_batch)
-        accept, violated = thinning_decision(rate, proposals.bound[winner], proposals.certain[winner],
-                                             jax.random.uniform(k_accept, (), dtype))
+        accept, violated = thinning_decision(
+            rate, proposals.bound[winner], proposals.certain[winner], jax.random.uniform(k_accept, (), dtype)
+        )
         v = jnp.where(accept, state.v.at[coordinate].multiply(-1.0), state.v)
-        horizon = jnp.where(violated, state.horizon / 2,
-                            jnp.where(accept, state.horizon, state.horizon / 1.04))
+        horizon = jnp.where(violated, state.horizon / 2, jnp.where(accept, state.horizon, state.horizon / 1.04))
         # a rejection leaves the line, hence its bound, as it was; with subsampling the bound
         # costs no gradient and is tighter from the new point: it is rebuilt there
         keep = ~(accept | violated)
         if config.proposers.term_grad_estimate is not None:
             keep = jnp.zeros((), bool)
-        kept = line._replace(valid=keep, reuse=jnp.zeros((), bool),
-                             position=line.position + tau_win)
+        kept = line._replace(valid=keep, reuse=jnp.zeros((), bool), position=line.position + tau_win)
         one_hot = jnp.zeros(num, jnp.int32).at[winner].set(1)
-        info = info._replace(proposed=jnp.ones((), bool), accepted=accept, violated=violated,
-                             events_by_proposer=one_hot * accept, grad_evals_by_proposer=one_hot)
+        info = info._replace(
+            proposed=jnp.ones((), bool),
+            accepted=accept,
+            violated=violated,
+            events_by_proposer=one_hot * accept,
+            grad_evals_by_proposer=one_hot,
+        )
         return state._replace(x=x, v=v, horizon=horizon, line=kept), info
 
     branches = [no_event, proposal]
@@ -332,9 +359,15 @@ def scaled_bounds(config, bound_scale):
     if bound_scale is None or config.bounds is None:
         return config
     bounds = config.bounds
-    return config._replace(bounds=bounds._replace(**{name: getattr(bounds, name) * bound_scale
-                                                      for name in bounds._fields
-                                                      if name != "horizon" and getattr(bounds, name) is not None}))
+    return config._replace(
+        bounds=bounds._replace(
+            **{
+                name: getattr(bounds, name) * bound_scale
+                for name in bounds._fields
+                if name != "horizon" and getattr(bounds, name) is not None
+            }
+        )
+    )
 
 
 def run_for(one_step, rng_key, state, duration, total: SampleInfo, *, within_budget):
@@ -360,13 +393,21 @@ def run_for(one_step, rng_key, state, duration, total: SampleInfo, *, within_bud
         return key, state, total, remaining - elapsed
 
     _, state, total, remaining = lax.while_loop(
-        not_done, body, (rng_key, state, total, jnp.asarray(duration, state.x.dtype)))
+        not_done, body, (rng_key, state, total, jnp.asarray(duration, state.x.dtype))
+    )
     return state, total._replace(hit_event_cap=remaining > 0)
 
 
-def advance(config: KernelConfig, rng_key, state: ZigZagState, duration,
-            reference: ControlVariates | None = None, *,
-            default_reference: ControlVariates | None = None, bound_scale=None) -> tuple[ZigZagState, SampleInfo]:
+def advance(
+    config: KernelConfig,
+    rng_key,
+    state: ZigZagState,
+    duration,
+    reference: ControlVariates | None = None,
+    *,
+    default_reference: ControlVariates | None = None,
+    bound_scale=None,
+) -> tuple[ZigZagState, SampleInfo]:
     """Runs the process for ``duration`` (at most ``config.max_proposals`` proposals): one
     :func:`step` after another, each with its own key, their infos accumulated
     (:func:`run_for`).
@@ -377,12 +418,17 @@ def advance(config: KernelConfig, rng_key, state: ZigZagState, duration,
     reference = default_reference if reference is None else reference
     config = scaled_bounds(config, bound_scale)
     num, d, dtype = config.proposers.num, state.x.shape[0], state.x.dtype
-    empty = SampleInfo.zeros(num, d, dtype, skeleton_size=config.skeleton_size,
-                             full_covariance=config.full_covariance)
+    empty = SampleInfo.zeros(num, d, dtype, skeleton_size=config.skeleton_size, full_covariance=config.full_covariance)
 
     def one_step(key, state, remaining, total):
         state, info = step(config, key, state, remaining, reference)
         return state, accumulate(total, state, info), info.elapsed
 
-    return run_for(one_step, rng_key, state, duration, empty,
-                   within_budget=lambda total: total.num_proposals < config.max_proposals)
+    return run_for(
+        one_step,
+        rng_key,
+        state,
+        duration,
+        empty,
+        within_budget=lambda total: total.num_proposals < config.max_proposals,
+    )

@@ -33,8 +33,17 @@ class ModeSearch(NamedTuple):
     attempts: int
 
 
-def find_mode(fn, x0, *, num_steps: int = 200, max_attempts: int = 5, max_newton_steps: int = 20,
-              newton_tolerance: float = 0.05, hessian=None, tally=None) -> ModeSearch:
+def find_mode(
+    fn,
+    x0,
+    *,
+    num_steps: int = 200,
+    max_attempts: int = 5,
+    max_newton_steps: int = 20,
+    newton_tolerance: float = 0.05,
+    hessian=None,
+    tally=None,
+) -> ModeSearch:
     """The MAP of the aggregated potential, or the report that there is none.
 
     The test of convergence is statistical, hence independent of the float type and of the
@@ -133,6 +142,9 @@ def find_mode(fn, x0, *, num_steps: int = 200, max_attempts: int = 5, max_newton
 
 def describe_no_mode(search: ModeSearch) -> str:
     """Why ``search`` found no mode, for messages."""
-    reason = ("the Hessian is not positive definite" if not math.isfinite(search.newton_step)
-              else f"a Newton step is still {search.newton_step:.3g} posterior sds long")
+    reason = (
+        "the Hessian is not positive definite"
+        if not math.isfinite(search.newton_step)
+        else f"a Newton step is still {search.newton_step:.3g} posterior sds long"
+    )
     return f"after {search.attempts} BFGS runs max |grad U| = {search.max_grad:.3g} and {reason}"

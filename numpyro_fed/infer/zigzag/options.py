@@ -63,18 +63,37 @@ class ZigZagOptions(NamedTuple):
     privacy: Any
 
 
-def check_options(*, sample_interval=None, control_variates=None, prior="server", redistribution_rate=0.1,
-                  excess_rate=0.0, bounds="grid", grid_size=2, safety_factor=1.0, initial_horizon=0.1,
-                  max_proposals=1_000_000, dp_sensitivity=None, dp_epsilon=None, dp_delta=None, skeleton_size=0,
-                  full_covariance=False, preconditioner=None, federation=None, private_randomness=False,
-                  subsample_size=None, thinning="auto") -> ZigZagOptions:
+def check_options(
+    *,
+    sample_interval=None,
+    control_variates=None,
+    prior="server",
+    redistribution_rate=0.1,
+    excess_rate=0.0,
+    bounds="grid",
+    grid_size=2,
+    safety_factor=1.0,
+    initial_horizon=0.1,
+    max_proposals=1_000_000,
+    dp_sensitivity=None,
+    dp_epsilon=None,
+    dp_delta=None,
+    skeleton_size=0,
+    full_covariance=False,
+    preconditioner=None,
+    federation=None,
+    private_randomness=False,
+    subsample_size=None,
+    thinning="auto",
+) -> ZigZagOptions:
     """FedZigZag's arguments checked (in the order a user reads them in an error) and
     resolved: :class:`ZigZagOptions`."""
     if federation is None:  # one meaning of None: the clients in this process
         federation = InProcess()
     if not isinstance(federation, Federation):
-        raise TypeError(f"federation must be a Federation (e.g. nf.RayFederation()) or None, "
-                        f"got {type(federation).__name__}")
+        raise TypeError(
+            f"federation must be a Federation (e.g. nf.RayFederation()) or None, got {type(federation).__name__}"
+        )
     thinning = resolve_thinning(thinning, federation, private_randomness)
     if isinstance(preconditioner, str) and preconditioner not in ("laplace", "diagonal"):
         raise ValueError(f"preconditioner must be None, 'laplace', 'diagonal' or an array, got {preconditioner!r}")
@@ -85,12 +104,20 @@ def check_options(*, sample_interval=None, control_variates=None, prior="server"
     subsample_size = None if subsample_size is None else check_int(subsample_size, "subsample_size", minimum=1)
     if subsample_size is None:
         if isinstance(bounds, RowHessianBound):
-            raise ValueError("bounds=RowHessianBound(...) bounds each row's curvature for subsampling: "
-                             "pass subsample_size (e.g. subsample_size=1) with it")
+            raise ValueError(
+                "bounds=RowHessianBound(...) bounds each row's curvature for subsampling: "
+                "pass subsample_size (e.g. subsample_size=1) with it"
+            )
         bound_kind(bounds)
     else:
-        _check_subsampling(subsample_size, bounds, control_variates, preconditioner, thinning == "server",
-                           dp_sensitivity is not None or dp_epsilon is not None or dp_delta is not None)
+        _check_subsampling(
+            subsample_size,
+            bounds,
+            control_variates,
+            preconditioner,
+            thinning == "server",
+            dp_sensitivity is not None or dp_epsilon is not None or dp_delta is not None,
+        )
     grid_size = check_int(grid_size, "grid_size", minimum=2)
     safety = check_real(safety_factor, "safety_factor")
     if safety < 1:
@@ -101,28 +128,48 @@ def check_options(*, sample_interval=None, control_variates=None, prior="server"
         raise ValueError(f"prior must be one of {PRIOR_MODES}, got {prior!r}")
     if prior == "redistribute":
         redistribution_rate = check_positive(redistribution_rate, "redistribution_rate")
-    if not (control_variates is None or isinstance(control_variates, (bool, np.bool_))
-            or control_variates in ("first_order", "second_order")):
+    if not (
+        control_variates is None
+        or isinstance(control_variates, (bool, np.bool_))
+        or control_variates in ("first_order", "second_order")
+    ):
         raise ValueError(
-            f"control_variates must be None, True, False, 'first_order' or 'second_order', got "
-            f"{control_variates!r}"
+            f"control_variates must be None, True, False, 'first_order' or 'second_order', got {control_variates!r}"
         )
     if control_variates == "second_order" and not isinstance(bounds, str) and subsample_size is None:
         raise ValueError(
             "control_variates='second_order' needs the automatic bounds ('grid' or 'affine'): "
             f"a {type(bounds).__name__} does not bound the linear part of the shift"
         )
-    privacy, excess_rate = privacy_guarantee(dp_sensitivity, dp_epsilon, dp_delta, control_variates=control_variates,
-                                             preconditioner=preconditioner, excess_rate=float(excess_rate))
+    privacy, excess_rate = privacy_guarantee(
+        dp_sensitivity,
+        dp_epsilon,
+        dp_delta,
+        control_variates=control_variates,
+        preconditioner=preconditioner,
+        excess_rate=float(excess_rate),
+    )
     if privacy is not None:  # the control variates' set-up rounds are not covered by the theorem
         control_variates = False
     return ZigZagOptions(
-        sample_interval=sample_interval, control_variates=control_variates, prior=prior,
-        redistribution_rate=redistribution_rate, excess_rate=excess_rate, bounds=bounds, grid_size=grid_size,
-        safety_factor=safety, initial_horizon=initial_horizon, max_proposals=max_proposals,
-        skeleton_size=skeleton_size, full_covariance=bool(full_covariance), preconditioner=preconditioner,
-        federation=federation, private_randomness=bool(private_randomness), subsample_size=subsample_size,
-        thinning=thinning, privacy=privacy,
+        sample_interval=sample_interval,
+        control_variates=control_variates,
+        prior=prior,
+        redistribution_rate=redistribution_rate,
+        excess_rate=excess_rate,
+        bounds=bounds,
+        grid_size=grid_size,
+        safety_factor=safety,
+        initial_horizon=initial_horizon,
+        max_proposals=max_proposals,
+        skeleton_size=skeleton_size,
+        full_covariance=bool(full_covariance),
+        preconditioner=preconditioner,
+        federation=federation,
+        private_randomness=bool(private_randomness),
+        subsample_size=subsample_size,
+        thinning=thinning,
+        privacy=privacy,
     )
 
 
@@ -134,12 +181,16 @@ def resolve_thinning(thinning, federation, private_randomness) -> str:
     if thinning == "auto":
         return "server" if federation.in_process and not private_randomness else "clients"
     if thinning == "server" and not federation.in_process:
-        raise ValueError(f"thinning='server' evaluates every client's rate at every proposal, inside the "
-                         f"server's program: {type(federation).__name__} runs its clients elsewhere; pass "
-                         "thinning='clients' (or 'auto')")
+        raise ValueError(
+            f"thinning='server' evaluates every client's rate at every proposal, inside the "
+            f"server's program: {type(federation).__name__} runs its clients elsewhere; pass "
+            "thinning='clients' (or 'auto')"
+        )
     if thinning == "server" and private_randomness:
-        raise ValueError("private_randomness=True: each client draws its own proposals from a key the "
-                         "server does not know, which needs thinning='clients' (or 'auto')")
+        raise ValueError(
+            "private_randomness=True: each client draws its own proposals from a key the "
+            "server does not know, which needs thinning='clients' (or 'auto')"
+        )
     return thinning
 
 
@@ -150,41 +201,50 @@ def _check_subsampling(subsample_size, bounds, control_variates, preconditioner,
         raise ValueError(
             f"subsample_size={subsample_size} thins against bounds on every row's curvature: "
             "leave bounds at its default (automatic, computed by each client from its rows) or "
-            f"pass a RowHessianBound, not {bounds!r}")
+            f"pass a RowHessianBound, not {bounds!r}"
+        )
     if isinstance(bounds, RowHessianBound) and not callable(bounds.rows):
-        raise TypeError(f"RowHessianBound.rows must be a function of one row's model arguments, "
-                        f"got {type(bounds.rows).__name__}")
+        raise TypeError(
+            f"RowHessianBound.rows must be a function of one row's model arguments, got {type(bounds.rows).__name__}"
+        )
     if control_variates is False:
         raise ValueError(
             f"subsample_size={subsample_size} estimates each rate around the control "
             "variates' reference point: control_variates=False is not supported with it "
-            "(leave it at None, True or 'second_order')")
+            "(leave it at None, True or 'second_order')"
+        )
     if control_variates == "second_order" and not server_thinning:
         raise ValueError(
             f"subsample_size={subsample_size} with control_variates='second_order' is "
             "supported with the server's thinning in process (federation=None or InProcess()), not with the "
             "clients' thinning (their batches are drawn uniformly, around first-order control variates): "
-            "pass control_variates=None")
+            "pass control_variates=None"
+        )
     user_third = not isinstance(bounds, RowHessianBound) or bounds.third is not None
     if control_variates == "second_order" and not user_third:
         raise ValueError(
             "control_variates='second_order' with subsampling bounds the rows' remainders after "
             "their Taylor term: a RowHessianBound needs third=... for it (or pass "
-            "control_variates=None for first order against its curvature bound)")
+            "control_variates=None for first order against its curvature bound)"
+        )
     if isinstance(bounds, RowHessianBound) and bounds.third is not None and not callable(bounds.third):
-        raise TypeError(f"RowHessianBound.third must be a function of one row's model arguments, "
-                        f"got {type(bounds.third).__name__}")
+        raise TypeError(
+            f"RowHessianBound.third must be a function of one row's model arguments, got {type(bounds.third).__name__}"
+        )
     if preconditioner is not None and not server_thinning:
-        raise ValueError(f"subsample_size={subsample_size} with preconditioner={preconditioner!r} "
-                         "is supported with the server's thinning in process (federation=None or InProcess()), "
-                         "not with the clients' thinning: pass preconditioner=None or federation=None")
+        raise ValueError(
+            f"subsample_size={subsample_size} with preconditioner={preconditioner!r} "
+            "is supported with the server's thinning in process (federation=None or InProcess()), "
+            "not with the clients' thinning: pass preconditioner=None or federation=None"
+        )
     if private:
         raise ValueError(
             f"subsample_size={subsample_size} with a privacy guarantee (dp_sensitivity/"
             "dp_epsilon/dp_delta): Theorem 5.1 covers switching times thinned against a "
             "client's exact rate with refreshment; a rate estimated from random rows around "
             "a reference point (and the set-up rounds it needs) is not covered. Pass "
-            "subsample_size=None for the guarantee")
+            "subsample_size=None for the guarantee"
+        )
 
 
 def privacy_guarantee(sensitivity, epsilon, delta, *, control_variates, preconditioner, excess_rate: float):

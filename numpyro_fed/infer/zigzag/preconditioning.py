@@ -14,8 +14,14 @@ import jax.numpy as jnp
 from numpyro_fed.infer.zigzag.bounds import GradientBound, HessianBound
 from numpyro_fed.infer.zigzag.proposers import Proposers
 
-__all__ = ["Preconditioner", "laplace_preconditioner", "precondition", "preconditioned_bound",
-           "preconditioned_row_grad", "user_preconditioner"]
+__all__ = [
+    "Preconditioner",
+    "laplace_preconditioner",
+    "precondition",
+    "preconditioned_bound",
+    "preconditioned_row_grad",
+    "user_preconditioner",
+]
 
 
 class Preconditioner(NamedTuple):
@@ -129,13 +135,16 @@ def laplace_preconditioner(flat_potential, mode, *, diagonal: bool = False, hess
     if diagonal:
         curvature = jnp.diag(hessian)
         if not bool(jnp.all(curvature > 0)):
-            raise ValueError("preconditioner='diagonal': the Hessian at the mode has a "
-                             "non-positive diagonal entry; pass a scale instead")
+            raise ValueError(
+                "preconditioner='diagonal': the Hessian at the mode has a "
+                "non-positive diagonal entry; pass a scale instead"
+            )
         return Preconditioner(mode, 1 / jnp.sqrt(curvature))
     scale = jnp.linalg.cholesky(jnp.linalg.inv(hessian))
     if not bool(jnp.all(jnp.isfinite(scale))):
-        raise ValueError("preconditioner='laplace': the Hessian at the mode is not positive "
-                         "definite; use 'diagonal' or pass a scale")
+        raise ValueError(
+            "preconditioner='laplace': the Hessian at the mode is not positive definite; use 'diagonal' or pass a scale"
+        )
     return Preconditioner(mode, scale)
 
 
@@ -143,8 +152,10 @@ def user_preconditioner(scale, center, d: int, dtype) -> Preconditioner:
     """A user's ``scale``, ``(d,)`` or ``(d, d)``, checked (finite, positive or invertible)."""
     scale = jnp.asarray(scale, dtype)
     if scale.shape not in ((d,), (d, d)):
-        raise ValueError(f"preconditioner must have shape ({d},) or ({d}, {d}) (the flat "
-                         f"unconstrained coordinates), got {scale.shape}")
+        raise ValueError(
+            f"preconditioner must have shape ({d},) or ({d}, {d}) (the flat "
+            f"unconstrained coordinates), got {scale.shape}"
+        )
     if not bool(jnp.all(jnp.isfinite(scale))):
         raise ValueError("preconditioner must be finite")
     if scale.ndim == 1 and not bool(jnp.all(scale > 0)):

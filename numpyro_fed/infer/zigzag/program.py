@@ -15,8 +15,8 @@ server cannot know the key a client draws its proposals from.
 from __future__ import annotations
 
 import hashlib
-from functools import partial
 import secrets
+from functools import partial
 
 import numpy as np
 
@@ -59,11 +59,14 @@ def _with_private_key(propose, key_index, block, *args):
     (``args[key_index]``), and cannot know the one the client draws its proposals from."""
     args = list(args)
     key = args[key_index]
-    if not (jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
-            or (key.dtype == jnp.uint32 and key.shape[-1:] == (2,))):
-        raise RuntimeError(f"FedZigZag(private_randomness=True): argument {key_index} of the clients' "
-                           f"round is not its key (dtype {key.dtype}, shape {key.shape}): the round's "
-                           "arguments changed order")
+    if not (
+        jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) or (key.dtype == jnp.uint32 and key.shape[-1:] == (2,))
+    ):
+        raise RuntimeError(
+            f"FedZigZag(private_randomness=True): argument {key_index} of the clients' "
+            f"round is not its key (dtype {key.dtype}, shape {key.shape}): the round's "
+            "arguments changed order"
+        )
     args[key_index] = jax.random.fold_in(key, block["seed"])
     return propose(block["rows"], *args)
 
@@ -74,8 +77,17 @@ def _row_curvature_call(grad, layout, row_bound, block, bound_points, probe_poin
     return row_curvature(grad, layout, block, bound_points, probe_points, row_bound)
 
 
-def client_calls(potential, clients, *, layout=None, bounds=None, propose=None, use_reference=False,
-                 private_randomness=False, terms=False) -> dict:
+def client_calls(
+    potential,
+    clients,
+    *,
+    layout=None,
+    bounds=None,
+    propose=None,
+    use_reference=False,
+    private_randomness=False,
+    terms=False,
+) -> dict:
     """The clients' calls by name, ``name -> f(block, *args)``, for
     :meth:`FederatedPotential.client_program <numpyro_fed.FederatedPotential.client_program>`:
     the set-up calls, ``"row_curvature"`` with subsampling (``layout``; a
@@ -102,8 +114,10 @@ def client_calls(potential, clients, *, layout=None, bounds=None, propose=None, 
     # the round's arguments: x, v, window (and the reference point and mean gradient), then
     # the client's own: its key first
     key_index = 3 + 2 * bool(use_reference)
-    return {name: partial(_with_private_key, fn, key_index) if name == "propose" else partial(_on_rows, fn)
-            for name, fn in functions.items()}
+    return {
+        name: partial(_with_private_key, fn, key_index) if name == "propose" else partial(_on_rows, fn)
+        for name, fn in functions.items()
+    }
 
 
 def carry_ledger(previous, ledger):

@@ -72,8 +72,11 @@ def grid_proposals(line: LineBound, k_clock, k_coordinate) -> Proposals:
     segment = jnp.minimum(segment, num_segments - 1)
     before = jnp.where(segment > 0, jnp.take_along_axis(cumulative, jnp.maximum(segment - 1, 0)[None], 0)[0], 0.0)
     rate_in_segment = jnp.take_along_axis(totals, segment[None], 0)[0]
-    tau = (jnp.maximum(edges[segment], position) - position
-           + (exponentials - before) / jnp.where(rate_in_segment > 0, rate_in_segment, 1.0))
+    tau = (
+        jnp.maximum(edges[segment], position)
+        - position
+        + (exponentials - before) / jnp.where(rate_in_segment > 0, rate_in_segment, 1.0)
+    )
     tau = jnp.where(has_event, tau, jnp.inf)
     coordinate_bounds = line.bound[segment, jnp.arange(num)]  # (P, d)
     cumulative_bounds = jnp.cumsum(coordinate_bounds, -1)
@@ -96,9 +99,9 @@ def line_proposals(line: LineBound, excess, k_clock, k_coordinate, k_coordinate_
     bound_values = jnp.maximum(a + b * tau[:, None], 0.0)[jnp.arange(num), coordinates]
     # excess clocks: rate d * excess per proposer, a uniformly chosen coordinate
     total_excess = excess * d
-    tau_excess = jnp.where(total_excess > 0,
-                           exponential(k_clock, (num,), dtype) / jnp.where(total_excess > 0, total_excess, 1.0),
-                           jnp.inf)
+    tau_excess = jnp.where(
+        total_excess > 0, exponential(k_clock, (num,), dtype) / jnp.where(total_excess > 0, total_excess, 1.0), jnp.inf
+    )
     excess_coordinate = jnp.minimum((jax.random.uniform(k_coordinate, (num,), dtype) * d).astype(jnp.int32), d - 1)
     from_excess = tau_excess < tau
     return Proposals(

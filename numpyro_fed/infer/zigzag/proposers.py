@@ -111,8 +111,9 @@ def client_functions(potential) -> ClientFunctions:
     return ClientFunctions(grad, grad_and_slope, prior_grad_and_slope)
 
 
-def in_process_proposers(clients: ClientFunctions, data: Any, num_clients: int, *,
-                         prior: str = "server") -> tuple[Proposers, jax.Array]:
+def in_process_proposers(
+    clients: ClientFunctions, data: Any, num_clients: int, *, prior: str = "server"
+) -> tuple[Proposers, jax.Array]:
     """The server's :class:`Proposers` when every client runs in this process (``vmap`` over
     the stacked data blocks), and the initial prior weights ``(P,)``.
 
@@ -145,8 +146,9 @@ def in_process_proposers(clients: ClientFunctions, data: Any, num_clients: int, 
         return lax.cond(j == num_clients, lambda: jnp.zeros_like(x), lambda: clients.grad(x, block))
 
     weights = initial_prior_weights(num_clients, prior)
-    proposers = Proposers(term_grads_and_slopes, term_grads, term_grad_of, clients.prior_grad_and_slope,
-                          weights.shape[0])
+    proposers = Proposers(
+        term_grads_and_slopes, term_grads, term_grad_of, clients.prior_grad_and_slope, weights.shape[0]
+    )
     return proposers, weights
 
 
@@ -172,8 +174,10 @@ TERM_CALLS = ("grad", "grad_and_slope")
 def term_functions(clients: ClientFunctions) -> dict:
     """The clients' :data:`TERM_CALLS`, ``name -> f(block, *args)``, for the
     :class:`~numpyro_fed.federation.ClientProgram`."""
-    return {"grad": lambda block, x: clients.grad(x, block),
-            "grad_and_slope": lambda block, x, v: clients.grad_and_slope(x, v, block)}
+    return {
+        "grad": lambda block, x: clients.grad(x, block),
+        "grad_and_slope": lambda block, x, v: clients.grad_and_slope(x, v, block),
+    }
 
 
 def federation_proposers(federation, prior_grad_and_slope, num_clients: int, *, prior: str = "server") -> Proposers:
@@ -233,5 +237,4 @@ def proposers_from_potential(potential, *, prior: str = "server") -> tuple[Propo
     >>> proposers.term_grads(jnp.zeros(1))[:, 0].tolist()
     [-1.0, -5.0, 0.0]
     """
-    return in_process_proposers(client_functions(potential), potential.client_data,
-                                potential.num_clients, prior=prior)
+    return in_process_proposers(client_functions(potential), potential.client_data, potential.num_clients, prior=prior)

@@ -184,19 +184,35 @@ class FedZigZag(FederatedMCMCKernel):
         subsample_size: int | None = None,
         thinning: str = "auto",
     ):
-        super().__init__(model, partition=partition, init_strategy=init_strategy)
+        super().__init__(model, partition=partition, init_strategy=init_strategy, federation=federation)
         options = check_options(
-            sample_interval=sample_interval, control_variates=control_variates, prior=prior,
-            redistribution_rate=redistribution_rate, excess_rate=excess_rate, bounds=bounds, grid_size=grid_size,
-            safety_factor=safety_factor, initial_horizon=initial_horizon, max_proposals=max_proposals,
-            dp_sensitivity=dp_sensitivity, dp_epsilon=dp_epsilon, dp_delta=dp_delta, skeleton_size=skeleton_size,
-            full_covariance=full_covariance, preconditioner=preconditioner, federation=federation,
-            private_randomness=private_randomness, subsample_size=subsample_size, thinning=thinning)
+            sample_interval=sample_interval,
+            control_variates=control_variates,
+            prior=prior,
+            redistribution_rate=redistribution_rate,
+            excess_rate=excess_rate,
+            bounds=bounds,
+            grid_size=grid_size,
+            safety_factor=safety_factor,
+            initial_horizon=initial_horizon,
+            max_proposals=max_proposals,
+            dp_sensitivity=dp_sensitivity,
+            dp_epsilon=dp_epsilon,
+            dp_delta=dp_delta,
+            skeleton_size=skeleton_size,
+            full_covariance=full_covariance,
+            preconditioner=preconditioner,
+            federation=federation,
+            private_randomness=private_randomness,
+            subsample_size=subsample_size,
+            thinning=thinning,
+        )
         # each checked setting under its argument's name (what repr shows); ``privacy`` too
         vars(self).update(options._asdict())
         # repr shows what was asked for: not None's InProcess() nor "auto"'s choice
-        self._defaulted = {name for name, default in (("federation", federation is None),
-                                                      ("thinning", thinning == "auto")) if default}
+        self._defaulted = {
+            name for name, default in (("federation", federation is None), ("thinning", thinning == "auto")) if default
+        }
         #: with the clients' thinning: the bytes of one round's message to a client and of its reply
         self.message_sizes = {}
         #: with an engine backend: the state after the last completed draw and every completed
@@ -245,15 +261,16 @@ class FedZigZag(FederatedMCMCKernel):
         Its ``result`` (what :meth:`check_run` returns) is ``(num_violations, num_proposals,
         num_capped_samples)``.
         """
-        problems = few_effective_draws(mcmc.get_samples(group_by_chain=True), min_ess,
-                                       preconditioned=self.preconditioner is not None)
+        problems = few_effective_draws(
+            mcmc.get_samples(group_by_chain=True), min_ess, preconditioned=self.preconditioner is not None
+        )
         interval = self.sample_interval
         state = getattr(mcmc, "last_state", None)
         if interval is None and state is not None and hasattr(state, "adapt"):
             interval = float(f"{float(np.max(jax.device_get(state.adapt.interval))):.3g}")
         violations, proposals, capped, rates = rate_problems(
-            mcmc.get_extra_fields(), kind=self._bound_kind(), max_proposals=self.max_proposals,
-            sample_interval=interval)
+            mcmc.get_extra_fields(), kind=self._bound_kind(), max_proposals=self.max_proposals, sample_interval=interval
+        )
         return RunCheck(problems + rates, (violations, proposals, capped))
 
     def _bound_kind(self):
@@ -275,8 +292,7 @@ class FedZigZag(FederatedMCMCKernel):
         unconstrained. The path is the straight line between consecutive points."""
         if not self.skeleton_size:
             raise ValueError("no skeleton was recorded: pass skeleton_size > 0 to FedZigZag")
-        return skeleton_of(mcmc.get_extra_fields(group_by_chain=True), chain, self.skeleton_size,
-                           self.preconditioning)
+        return skeleton_of(mcmc.get_extra_fields(group_by_chain=True), chain, self.skeleton_size, self.preconditioning)
 
     def sample_stats(self, extra_fields):
         """Diagnostics by name from ``MCMC.get_extra_fields(group_by_chain=True)``:
@@ -297,8 +313,12 @@ class FedZigZag(FederatedMCMCKernel):
             stats["grad_row_evals"] = (rows.sum(-1), [])
         if self.thinning == "clients" and "info.rounds" in extra_fields:
             rounds = np.asarray(jax.device_get(extra_fields["info.rounds"]))
-            stats.update({name: (value, ["client"])
-                          for name, value in round_ledger(rounds, num_clients, self.message_sizes).items()})
+            stats.update(
+                {
+                    name: (value, ["client"])
+                    for name, value in round_ledger(rounds, num_clients, self.message_sizes).items()
+                }
+            )
         return stats
 
     def message_ledger(self, mcmc) -> dict:
@@ -327,9 +347,13 @@ class FedZigZag(FederatedMCMCKernel):
         fields = mcmc.get_extra_fields()
         if self.thinning == "server":
             d = self.setup_tally.d
-            rounds = term_ledger(jax.device_get(fields["info.grad_evals_by_proposer"]),
-                                 jax.device_get(fields["info.num_proposals"]), num_clients, d,
-                                 self.setup_tally.itemsize)
+            rounds = term_ledger(
+                jax.device_get(fields["info.grad_evals_by_proposer"]),
+                jax.device_get(fields["info.num_proposals"]),
+                num_clients,
+                d,
+                self.setup_tally.itemsize,
+            )
         else:
             rounds = np.asarray(jax.device_get(fields["info.rounds"]))
         setup = None
@@ -370,20 +394,23 @@ class FedZigZag(FederatedMCMCKernel):
         clients, terms, proposers, plan = self._set_up(potential, plan, prior_weights.shape[0], start)
         flat_potential, hessian = terms.potential, terms.hessian
         if server_thinning:  # the core's proposers: every client's term through the federation's calls
-            proposers = federation_proposers(self.federation, clients.prior_grad_and_slope, potential.num_clients,
-                                             prior=self.prior)
+            proposers = federation_proposers(
+                self.federation, clients.prior_grad_and_slope, potential.num_clients, prior=self.prior
+            )
         self.reference_point = None
         self.mode_search = None
         use_cv, recenter = plan.use_cv, False  # recenter: the control variates on the warmup trajectory
         if use_cv or isinstance(self.preconditioner, str):
-            start, found_cv, recenter = self._search_mode(flat_potential, start, init_params, ravel,
-                                                          vectorized, num_warmup, hessian=hessian)
+            start, found_cv, recenter = self._search_mode(
+                flat_potential, start, init_params, ravel, vectorized, num_warmup, hessian=hessian
+            )
             use_cv = use_cv and found_cv
             if plan.layout is not None and not self.mode_search.is_mode:
                 raise ValueError(
                     f"FedZigZag(subsample_size={self.subsample_size}) estimates the rates around the "
                     f"posterior's mode, and the posterior has none here ({describe_no_mode(self.mode_search)}): "
-                    "reparametrize the model (e.g. non-centered) or pass subsample_size=None")
+                    "reparametrize the model (e.g. non-centered) or pass subsample_size=None"
+                )
         if init_params is not None:
             start = ravel(init_params)
         self.preconditioning = self._preconditioning(flat_potential, start.shape[-1], start.dtype, hessian=hessian)
@@ -392,40 +419,62 @@ class FedZigZag(FederatedMCMCKernel):
             if not isinstance(bounds, str):
                 bounds = preconditioned_bound(bounds, self.preconditioning)
             start = self.preconditioning.to_u(start)
-        reference_fn = partial(federated_reference, terms, proposers.prior_grad_and_slope, order=plan.order,
-                               preconditioner=self.preconditioning)
+        reference_fn = partial(
+            federated_reference,
+            terms,
+            proposers.prior_grad_and_slope,
+            order=plan.order,
+            preconditioner=self.preconditioning,
+        )
         reference = self._reference(plan, start, reference_fn) if use_cv else None
         if plan.layout is not None:
             bounds, proposers = self._subsampling(potential, plan, reference, hessian, clients, proposers)
         kernel = self._kernel(potential, plan, clients, proposers, bounds, reference, vectorized)
         draws = DrawSettings(
-            kernel=kernel, use_cv=use_cv, unravel=potential.unravel,
+            kernel=kernel,
+            use_cv=use_cv,
+            unravel=potential.unravel,
             to_x=self.preconditioning.to_x if self.preconditioning is not None else (lambda u: u),
             adapt_update=warmup_adaptation(
-                proposers, num_warmup=num_warmup if use_cv else 0, recenter=recenter, order=plan.order,
+                proposers,
+                num_warmup=num_warmup if use_cv else 0,
+                recenter=recenter,
+                order=plan.order,
                 can_switch_off=self._bound_kind() not in ("hessian", "subsample"),
-                max_proposals=self.max_proposals, reference_fn=reference_fn,
-                interval_warmup=num_warmup if self.sample_interval is None else 0),
-            grow_bound=None if plan.layout is None else partial(
-                grow_bound, num_warmup=num_warmup, subsample_size=self.subsample_size, origin=user_origin()),
+                max_proposals=self.max_proposals,
+                reference_fn=reference_fn,
+                interval_warmup=num_warmup if self.sample_interval is None else 0,
+            ),
+            grow_bound=None
+            if plan.layout is None
+            else partial(grow_bound, num_warmup=num_warmup, subsample_size=self.subsample_size, origin=user_origin()),
             # on an engine a worker can fail mid-run: keep every completed draw on the host
             keep_completed=None if self.federation.in_process else self._keep_completed,
         )
         self.last_completed_state = None
         self.completed_draws = []
         if server_thinning:
-            init_core = partial(init, prior_weights=prior_weights, horizon=self.initial_horizon, bounds=bounds,
-                                grid_size=self.grid_size)
+            init_core = partial(
+                init, prior_weights=prior_weights, horizon=self.initial_horizon, bounds=bounds, grid_size=self.grid_size
+            )
         else:
             init_core = partial(federated_init, prior_weights=prior_weights, scale=self.initial_horizon)
         if self.sample_interval is not None:
             first_interval = self.sample_interval
         else:
             first_interval = INITIAL_INTERVAL if num_warmup else DEFAULT_INTERVAL
-        first = FirstDraw(init_core=init_core, num_proposers=proposers.num, skeleton_size=self.skeleton_size,
-                          full_covariance=self.full_covariance, reference=reference, active=use_cv and not recenter,
-                          interval=first_interval, subsampled=plan.layout is not None, unravel=potential.unravel,
-                          to_x=draws.to_x)
+        first = FirstDraw(
+            init_core=init_core,
+            num_proposers=proposers.num,
+            skeleton_size=self.skeleton_size,
+            full_covariance=self.full_covariance,
+            reference=reference,
+            active=use_cv and not recenter,
+            interval=first_interval,
+            subsampled=plan.layout is not None,
+            unravel=potential.unravel,
+            to_x=draws.to_x,
+        )
         sample_fn, init_fn = partial(next_draw, draws), partial(first_draw, first)
         if vectorized:
             start = jnp.broadcast_to(start, (rng_key.shape[0],) + start.shape[-1:])
@@ -444,9 +493,15 @@ class FedZigZag(FederatedMCMCKernel):
             layout = subsample_layout(potential, self.subsample_size)
             use_cv = True
             self.rows_per_gradient = np.full(potential.num_clients, rows_per_estimate(layout), np.int64)
-        order = 2 if self.control_variates == "second_order" or (
-            layout is not None and subsample_order(self.control_variates, self.bounds, self.thinning == "clients") == 2
-        ) else 1
+        order = (
+            2
+            if self.control_variates == "second_order"
+            or (
+                layout is not None
+                and subsample_order(self.control_variates, self.bounds, self.thinning == "clients") == 2
+            )
+            else 1
+        )
         d, dtype = start.shape[-1], start.dtype
         bounds = self.bounds
         if layout is not None:  # a placeholder of the right kind until the clients' bounds are in
@@ -470,19 +525,29 @@ class FedZigZag(FederatedMCMCKernel):
             if self.thinning == "server":  # the clients' terms, and the set-up calls
                 functions, key = self._client_calls(potential, clients, plan, None, False, terms=True), None
             elif self.preconditioner is None:  # the proposals' program is known before the set-up
-                placeholder = ControlVariates(start, jnp.zeros((num_proposers, d), start.dtype), start) \
-                    if plan.use_cv else None
+                placeholder = (
+                    ControlVariates(start, jnp.zeros((num_proposers, d), start.dtype), start) if plan.use_cv else None
+                )
                 _, functions, key = self._federated_program(potential, clients, plan, plan.bounds, placeholder, None)
             else:
                 functions, key = self._client_calls(potential, clients, plan, None, False), None
-            self._programs.start(fed, potential, functions, key, plan.data_key,
-                                 private_randomness=self.private_randomness)
+            self._programs.start(
+                fed, potential, functions, key, plan.data_key, private_randomness=self.private_randomness
+            )
         terms = ClientTerms(fed, potential.flat().prior_potential, potential.num_clients, self.prior == "server")
         return clients, terms, terms.proposers(clients.prior_grad_and_slope), plan
 
     def _client_calls(self, potential, clients, plan, propose, use_reference, terms=False):
-        return client_calls(potential, clients, layout=plan.layout, bounds=self.bounds, propose=propose,
-                            use_reference=use_reference, private_randomness=self.private_randomness, terms=terms)
+        return client_calls(
+            potential,
+            clients,
+            layout=plan.layout,
+            bounds=self.bounds,
+            propose=propose,
+            use_reference=use_reference,
+            private_randomness=self.private_randomness,
+            terms=terms,
+        )
 
     def _federated_program(self, potential, clients, plan, bounds, reference, preconditioning):
         """``(kernel, functions, key)``: the server's kernel through the federation, the
@@ -491,17 +556,36 @@ class FedZigZag(FederatedMCMCKernel):
         arguments, not part of the program)."""
         self.message_sizes = {}
         kernel, propose = build_federated_kernel(
-            self.federation, clients, num_clients=potential.num_clients,
-            prior_on_server=self.prior == "server", reference=reference, excess_rate=self.excess_rate,
-            redistribution_rate=plan.redistribution_rate, bounds=bounds, grid_size=self.grid_size,
-            safety_factor=self.safety_factor, max_proposals=self.max_proposals,
-            full_covariance=self.full_covariance, skeleton_size=self.skeleton_size,
-            preconditioner=preconditioning, counts=self.privacy is None, second_order=plan.order == 2,
-            sizes=self.message_sizes, subsample=plan.layout,
+            self.federation,
+            clients,
+            num_clients=potential.num_clients,
+            prior_on_server=self.prior == "server",
+            reference=reference,
+            excess_rate=self.excess_rate,
+            redistribution_rate=plan.redistribution_rate,
+            bounds=bounds,
+            grid_size=self.grid_size,
+            safety_factor=self.safety_factor,
+            max_proposals=self.max_proposals,
+            full_covariance=self.full_covariance,
+            skeleton_size=self.skeleton_size,
+            preconditioner=preconditioning,
+            counts=self.privacy is None,
+            second_order=plan.order == 2,
+            sizes=self.message_sizes,
+            subsample=plan.layout,
         )
-        key = program_key(plan.data_key, self.privacy is None, reference is not None, plan.order,
-                          repr(plan.layout) if plan.layout is not None else bounds,
-                          preconditioning, self.excess_rate, self.grid_size, self.safety_factor)
+        key = program_key(
+            plan.data_key,
+            self.privacy is None,
+            reference is not None,
+            plan.order,
+            repr(plan.layout) if plan.layout is not None else bounds,
+            preconditioning,
+            self.excess_rate,
+            self.grid_size,
+            self.safety_factor,
+        )
         return kernel, self._client_calls(potential, clients, plan, propose, reference is not None), key
 
     def _reference(self, plan, start, reference_fn):
@@ -526,33 +610,50 @@ class FedZigZag(FederatedMCMCKernel):
         row_grad = clients.grad
         if self.preconditioning is not None:  # the server's thinning only: the process's space is u
             row_grad = preconditioned_row_grad(row_grad, self.preconditioning)
-        setup = SubsampleBoundSetup(self.bounds, self.subsample_size, self.preconditioning,
-                                    None if server_thinning else self.federation, self.setup_tally,
-                                    self.federation.blocks if server_thinning else None)
+        setup = SubsampleBoundSetup(
+            self.bounds,
+            self.subsample_size,
+            self.preconditioning,
+            None if server_thinning else self.federation,
+            self.setup_tally,
+            self.federation.blocks if server_thinning else None,
+        )
         bounds, weights, self.unbounded_curvature = subsample_bounds(
-            setup, potential, plan.layout, reference, hessian, row_grad, proposers.num,
-            order=plan.order)
+            setup, potential, plan.layout, reference, hessian, row_grad, proposers.num, order=plan.order
+        )
         self.subsample_bounds = bounds
         if server_thinning:
-            proposers = subsampled_proposers(proposers, row_grad, self.federation.blocks,
-                                             potential.num_clients, plan.layout, weights)
+            proposers = subsampled_proposers(
+                proposers, row_grad, self.federation.blocks, potential.num_clients, plan.layout, weights
+            )
         return bounds, proposers
 
     def _kernel(self, potential, plan, clients, proposers, bounds, reference, vectorized):
         """The core's compiled kernel: the server thinning the superposition of the clients'
         proposals, or every client thinning its own (the federation started on its program)."""
         if self.thinning == "clients":
-            kernel, functions, key = self._federated_program(potential, clients, plan, bounds, reference,
-                                                             self.preconditioning)
-            self._programs.start(self.federation, potential, functions, key, plan.data_key,
-                                 private_randomness=self.private_randomness)
+            kernel, functions, key = self._federated_program(
+                potential, clients, plan, bounds, reference, self.preconditioning
+            )
+            self._programs.start(
+                self.federation, potential, functions, key, plan.data_key, private_randomness=self.private_randomness
+            )
             return jax.jit(kernel)
-        return jax.jit(build_kernel(
-            proposers, reference=reference, excess_rates=jnp.full(proposers.num, self.excess_rate),
-            redistribution_rate=plan.redistribution_rate, bounds=bounds,
-            grid_size=self.grid_size, safety_factor=self.safety_factor, max_proposals=self.max_proposals,
-            batched=vectorized, full_covariance=self.full_covariance, skeleton_size=self.skeleton_size,
-        ))
+        return jax.jit(
+            build_kernel(
+                proposers,
+                reference=reference,
+                excess_rates=jnp.full(proposers.num, self.excess_rate),
+                redistribution_rate=plan.redistribution_rate,
+                bounds=bounds,
+                grid_size=self.grid_size,
+                safety_factor=self.safety_factor,
+                max_proposals=self.max_proposals,
+                batched=vectorized,
+                full_covariance=self.full_covariance,
+                skeleton_size=self.skeleton_size,
+            )
+        )
 
     def _search_mode(self, flat_potential, start, init_params, ravel, vectorized, num_warmup, *, hessian=None):
         """``(start, use_cv, recenter)`` after looking for the mode when the control variates
@@ -595,7 +696,7 @@ class FedZigZag(FederatedMCMCKernel):
         if isinstance(self.preconditioner, str):
             if self.setup_tally is not None:
                 self.setup_tally.add("hessian")
-            return laplace_preconditioner(flat_potential, self.reference_point,
-                                          diagonal=self.preconditioner == "diagonal", hessian=hessian)
+            return laplace_preconditioner(
+                flat_potential, self.reference_point, diagonal=self.preconditioner == "diagonal", hessian=hessian
+            )
         return user_preconditioner(self.preconditioner, self.reference_point, d, dtype)
-

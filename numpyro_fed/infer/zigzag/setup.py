@@ -56,8 +56,10 @@ def setup_functions(client_potential) -> dict:
     :param client_potential: ``(x, block) -> scalar``, a client's term on the flat vector
         (:attr:`FlatPotential.client_potential <numpyro_fed.potential.FlatPotential>`).
     """
-    return {"value_and_grad": partial(_value_and_grad, client_potential),
-            "hessian": partial(_hessian, client_potential)}
+    return {
+        "value_and_grad": partial(_value_and_grad, client_potential),
+        "hessian": partial(_hessian, client_potential),
+    }
 
 
 class SetupTally:
@@ -95,9 +97,15 @@ class SetupTally:
                 continue
             down, up = self.sizes(name)
             count = np.full(num_clients, messages, np.int64)
-            out.update({f"{name}/messages_to_client": count, f"{name}/bytes_to_client": count * down,
-                        f"{name}/messages_from_client": count, f"{name}/bytes_from_client": count * up,
-                        f"{name}/rounds": count.copy()})
+            out.update(
+                {
+                    f"{name}/messages_to_client": count,
+                    f"{name}/bytes_to_client": count * down,
+                    f"{name}/messages_from_client": count,
+                    f"{name}/bytes_from_client": count * up,
+                    f"{name}/rounds": count.copy(),
+                }
+            )
         return out
 
 
@@ -163,8 +171,9 @@ class ClientTerms:
         return Proposers(term_grads_and_slopes, term_grads, term_grad_of, prior_grad_and_slope, num)
 
 
-def federated_reference(terms: ClientTerms, prior_grad_and_slope, point, *, order: int = 1,
-                        preconditioner=None) -> ControlVariates:
+def federated_reference(
+    terms: ClientTerms, prior_grad_and_slope, point, *, order: int = 1, preconditioner=None
+) -> ControlVariates:
     """:class:`~numpyro_fed.infer.zigzag.ControlVariates` at ``point`` (in the space the
     process moves in) from one ``"value_and_grad"`` call (and, with ``order=2``, one
     ``"hessian"`` call): what :func:`~numpyro_fed.infer.zigzag.control_variate_reference`

@@ -120,15 +120,19 @@ class SampleInfo(NamedTuple):
     skeleton_count: jax.Array
 
     @classmethod
-    def zeros(cls, num_proposers: int, d: int, dtype, *, skeleton_size: int = 0,
-              full_covariance: bool = False) -> "SampleInfo":
+    def zeros(
+        cls, num_proposers: int, d: int, dtype, *, skeleton_size: int = 0, full_covariance: bool = False
+    ) -> "SampleInfo":
         """An empty record (nothing has happened yet)."""
         count = jnp.zeros((), jnp.int32)
         return cls(
-            num_events=count, num_proposals=count, num_violations=count,
+            num_events=count,
+            num_proposals=count,
+            num_violations=count,
             events_by_proposer=jnp.zeros(num_proposers, jnp.int32),
             grad_evals_by_proposer=jnp.zeros(num_proposers, jnp.int32),
-            hit_event_cap=jnp.zeros((), bool), elapsed=jnp.zeros((), dtype),
+            hit_event_cap=jnp.zeros((), bool),
+            elapsed=jnp.zeros((), dtype),
             path_integral=jnp.zeros(d, dtype),
             path_square_integral=jnp.zeros((d,) * (2 if full_covariance else 1), dtype),
             rounds=count,

@@ -180,21 +180,25 @@ def subsample_layout(potential, size: int) -> SubsampleLayout:
     if len(data_plates) != 1:
         raise ValueError(
             f"FedZigZag(subsample_size=...) needs exactly one federated data plate, found "
-            f"{[p.name for p in data_plates]}: the batch is drawn from one plate's rows")
+            f"{[p.name for p in data_plates]}: the batch is drawn from one plate's rows"
+        )
     if potential.row_local_sites:
         raise ValueError(
             f"FedZigZag(subsample_size=...): the latent site(s) {list(potential.row_local_sites)} "
             "have one value per data row; a rate estimated from a few rows says nothing about the "
-            "other rows' latents: pass subsample_size=None")
+            "other rows' latents: pass subsample_size=None"
+        )
     if potential.enumerated:
-        raise ValueError("FedZigZag(subsample_size=...) does not support enumerated discrete latents: "
-                         "pass subsample_size=None")
+        raise ValueError(
+            "FedZigZag(subsample_size=...) does not support enumerated discrete latents: pass subsample_size=None"
+        )
     sizes = np.asarray(potential.client_sizes)
     if size > sizes.min():
         m = int(np.argmin(sizes))
         raise ValueError(
             f"subsample_size={size} is larger than client {m}'s {int(sizes[m])} rows: pass "
-            f"subsample_size <= {int(sizes.min())} (the smallest client), or None for full-data rates")
+            f"subsample_size <= {int(sizes.min())} (the smallest client), or None for full-data rates"
+        )
     client_terms = any(not p.holds_data for p in potential.plates.values())
     return SubsampleLayout(data_plates[0].name, bool(client_terms), int(size))
 
@@ -232,8 +236,9 @@ def valid_count(valid):
         more = valid[jnp.minimum(middle, size - 1)] & (low < high)
         return jnp.where(more, middle + 1, low), jnp.where(more | (low >= high), high, middle)
 
-    low, _ = lax.fori_loop(0, int(np.ceil(np.log2(size + 1))) + 1, halve,
-                           (jnp.zeros((), jnp.int32), jnp.asarray(size, jnp.int32)))
+    low, _ = lax.fori_loop(
+        0, int(np.ceil(np.log2(size + 1))) + 1, halve, (jnp.zeros((), jnp.int32), jnp.asarray(size, jnp.int32))
+    )
     return low
 
 
@@ -295,8 +300,7 @@ def _row_chunks(max_rows: int):
     return (jnp.arange(num_chunks * CHUNK) % max_rows).reshape(num_chunks, CHUNK)
 
 
-def _row_terms(grad, layout: SubsampleLayout, block, bound_points, probe_points, row_bound=None,
-               per_row: bool = False):
+def _row_terms(grad, layout: SubsampleLayout, block, bound_points, probe_points, row_bound=None, per_row: bool = False):
     """``(rows, level, weights)``: ``rows`` ``(2, d, d)``, the largest ``|d_i d_k U_J|`` over
     the valid rows (over ``bound_points``, and over ``probe_points``); ``level`` ``(2, d, d)``
     the same for the client-level terms (zero without them); with ``per_row``, ``weights``
@@ -312,10 +316,12 @@ def _row_terms(grad, layout: SubsampleLayout, block, bound_points, probe_points,
     level, empty = _level_terms(grad, layout, block, points, num_bound)
 
     if row_bound is None:
+
         def one_row(j):
             h = _row_only(partial(jax.vmap(hessian, in_axes=(0, None)), points), layout, block, empty, j)
             return _around_and_away(jnp.abs(h), num_bound) * valid[j]
     else:
+
         def one_row(j):
             rows = [a[j] for a in block["rows"]]
             bound = jnp.broadcast_to(jnp.abs(jnp.asarray(row_bound(*rows), dtype)), (d, d))
@@ -403,8 +409,9 @@ def _draw_rows(key, size: int, cumulative_of, max_rows: int, total):
     return low
 
 
-def _weighted_estimate(grad, layout: SubsampleLayout, x, key, take, point, reference_grad, cumulative_of,
-                       max_rows: int, sup, hessian=None):
+def _weighted_estimate(
+    grad, layout: SubsampleLayout, x, key, take, point, reference_grad, cumulative_of, max_rows: int, sup, hessian=None
+):
     """The importance-sampled estimate for one coordinate ``i`` (``cumulative_of``: indices ->
     the cumulative integer weights of :class:`RowWeights` there):
     ``g + (C(x) - C(x*)) + 1 / b sum_J T / q_J (d U_J(x) - d U_J(x*))`` with ``b`` rows
@@ -482,6 +489,7 @@ def third_weights(grad, layout: SubsampleLayout, block, bound_points, probe_poin
     level, empty = _level_terms(grad, layout, block, points, num_bound)
 
     if row_third is None:
+
         def one_row(j):
             third = lambda x, w: _row_only(partial(_row_third, grad, x, w), layout, block, empty, j)  # noqa: E731
             w0 = _unit(_row_only(partial(grad, center), layout, block, empty, j), fixed[0])
@@ -491,6 +499,7 @@ def third_weights(grad, layout: SubsampleLayout, block, bound_points, probe_poin
             values = jax.vmap(lambda x: jax.vmap(lambda w: jnp.abs(third(x, w)))(directions).max(0))(points)
             return _around_and_away(values / 2, num_bound) * valid[j]
     else:
+
         def one_row(j):
             rows = [a[j] for a in block["rows"]]
             bound = jnp.broadcast_to(jnp.abs(jnp.asarray(row_third(*rows), dtype)), (d,)) / 2
@@ -500,8 +509,9 @@ def third_weights(grad, layout: SubsampleLayout, block, bound_points, probe_poin
     return level, kappa[:, 0], kappa.sum(0)
 
 
-def subsampled_proposers(proposers, grad, data, num_clients: int, layout: SubsampleLayout,
-                         weights: RowWeights | None = None):
+def subsampled_proposers(
+    proposers, grad, data, num_clients: int, layout: SubsampleLayout, weights: RowWeights | None = None
+):
     """``proposers`` (in process) with ``term_grad_estimate(x, j, key, reference, coordinate)``:
     proposer ``j``'s estimate from ``layout.size`` of its rows, gathered from the stacked
     blocks without a copy of the client's block (zero for the server's prior proposer, which
@@ -523,14 +533,30 @@ def subsampled_proposers(proposers, grad, data, num_clients: int, layout: Subsam
             }
 
         if weights is None:
-            estimate = lambda: _estimate(grad, layout, x, key, sizes[client], take, reference.point,  # noqa: E731
-                                         reference.term_grads[j])
+            estimate = lambda: _estimate(
+                grad,
+                layout,
+                x,
+                key,
+                sizes[client],
+                take,
+                reference.point,  # noqa: E731
+                reference.term_grads[j],
+            )
         else:
             estimate = lambda: _weighted_estimate(  # noqa: E731
-                grad, layout, x, key, take, reference.point, reference.term_grads[j],
-                lambda index: weights.cumulative[client, coordinate, index], max_rows,
+                grad,
+                layout,
+                x,
+                key,
+                take,
+                reference.point,
+                reference.term_grads[j],
+                lambda index: weights.cumulative[client, coordinate, index],
+                max_rows,
                 weights.sup[client, coordinate],
-                reference.term_hessians[j] if reference.second_order else None)
+                reference.term_hessians[j] if reference.second_order else None,
+            )
         if not on_server:
             return estimate()
         return lax.cond(j == num_clients, lambda: jnp.zeros_like(x), estimate)

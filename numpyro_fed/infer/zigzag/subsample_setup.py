@@ -109,20 +109,25 @@ def _warn_local_bound(subsample_size, subject, undefined, ratio, exact):
     ``subject`` (e.g. "the curvature of client 0") is not finite one unit from the reference
     point for ``undefined`` (a list of names), or is up to ``ratio`` times larger there."""
     if undefined:
-        how = (f"is not finite one unit from the reference point for {', '.join(undefined)} (the "
-               "log-density or its derivatives overflow or are undefined there, e.g. a probability "
-               "that rounds to 0 or 1)")
+        how = (
+            f"is not finite one unit from the reference point for {', '.join(undefined)} (the "
+            "log-density or its derivatives overflow or are undefined there, e.g. a probability "
+            "that rounds to 0 or 1)"
+        )
     else:
-        how = (f"grows away from the posterior (one unit from the reference point it is up to {ratio:.3g} "
-               "times the largest found around the posterior: not bounded globally, e.g. a log link or "
-               "a scale parameter)")
+        how = (
+            f"grows away from the posterior (one unit from the reference point it is up to {ratio:.3g} "
+            "times the largest found around the posterior: not bounded globally, e.g. a log link or "
+            "a scale parameter)"
+        )
     warn_user(
         f"FedZigZag(subsample_size={subsample_size}): {subject} {how}. "
         "The automatic bound holds near the posterior only: proposals whose "
         "estimated rate exceeds it are counted (sample_stats num_violations, check_run), and "
         "each warmup draw with one doubles the bound. For an exact run pass "
         f"bounds={exact} valid everywhere, or subsample_size=None",
-        RuntimeWarning)
+        RuntimeWarning,
+    )
 
 
 def _at_x(fn, preconditioner, u):
@@ -151,8 +156,9 @@ def _curvature_points(setup: SubsampleBoundSetup, reference, hessian, order):
         variances = np.diag(np.linalg.inv(total))
     except np.linalg.LinAlgError:
         variances = np.full(d, np.nan)
-    variances = np.where(np.isfinite(variances) & (variances > 0), variances,
-                         1.0 / np.maximum(np.abs(np.diag(total)), 1e-12))
+    variances = np.where(
+        np.isfinite(variances) & (variances > 0), variances, 1.0 / np.maximum(np.abs(np.diag(total)), 1e-12)
+    )
     sd = np.sqrt(variances)
     # the probe points' signs are part of the bound's definition, not of the chain's randomness:
     # drawn from a fixed key, so a model gets the same bound whatever the run's key and on every
@@ -163,8 +169,7 @@ def _curvature_points(setup: SubsampleBoundSetup, reference, hessian, order):
     # reference, the points where a curvature that grows shows itself
     origin = np.zeros((1, d)) if pre is None else np.asarray(pre.to_u(jnp.zeros((1, d), dtype)), np.float64)
     bound_points = jnp.asarray(np.concatenate([center[None], origin, center + 2.5 * sd * signs]), dtype)
-    probe_points = jnp.asarray(center + signs if pre is None else pre.to_u(x_point + jnp.asarray(signs, dtype)),
-                               dtype)
+    probe_points = jnp.asarray(center + signs if pre is None else pre.to_u(x_point + jnp.asarray(signs, dtype)), dtype)
     return bound_points, probe_points, sd
 
 
@@ -175,8 +180,11 @@ def _prior_curvature(setup: SubsampleBoundSetup, potential, bound_points, probe_
     prior_potential = potential.flat().prior_potential
     if pre is not None:
         prior_potential = partial(_at_x, prior_potential, pre)
-    prior_hessians = np.abs(np.asarray(jax.jit(jax.vmap(jax.hessian(prior_potential)))(
-        jnp.concatenate([bound_points, probe_points])), np.float64))
+    prior_hessians = np.abs(
+        np.asarray(
+            jax.jit(jax.vmap(jax.hessian(prior_potential)))(jnp.concatenate([bound_points, probe_points])), np.float64
+        )
+    )
     num_bound = bound_points.shape[0]
     return np.stack([prior_hessians[:num_bound].max(0), prior_hessians[num_bound:].max(0)])
 
@@ -193,8 +201,9 @@ def _prior_bound(setup: SubsampleBoundSetup, prior):
     return prior_bound
 
 
-def subsample_bounds(setup: SubsampleBoundSetup, potential, layout, reference, hessian, row_grad, num_proposers,
-                     order=1):
+def subsample_bounds(
+    setup: SubsampleBoundSetup, potential, layout, reference, hessian, row_grad, num_proposers, order=1
+):
     """``(bound, weights, unbounded_curvature)``: the clients' bounds on their rate estimates
     (a :class:`HessianBound` laid out per proposer with the clients' thinning, with the server's a
     :class:`~numpyro_fed.infer.zigzag.bounds.SampledRowBound`), the rows' importance weights
@@ -208,13 +217,15 @@ def subsample_bounds(setup: SubsampleBoundSetup, potential, layout, reference, h
     curvatures are those of the potential of ``u``."""
     bound_points, probe_points, sd = _curvature_points(setup, reference, hessian, order)
     if order == 2:
-        return _second_order_bounds(setup, potential, layout, row_grad, num_proposers, bound_points,
-                                    probe_points, horizon=float(np.min(sd)))
+        return _second_order_bounds(
+            setup, potential, layout, row_grad, num_proposers, bound_points, probe_points, horizon=float(np.min(sd))
+        )
     return _first_order_bounds(setup, potential, layout, row_grad, num_proposers, bound_points, probe_points)
 
 
-def _first_order_bounds(setup: SubsampleBoundSetup, potential, layout, row_grad, num_proposers, bound_points,
-                        probe_points):
+def _first_order_bounds(
+    setup: SubsampleBoundSetup, potential, layout, row_grad, num_proposers, bound_points, probe_points
+):
     """:func:`subsample_bounds` of first order: against the rows' curvature."""
     d, dtype = bound_points.shape[-1], bound_points.dtype
     pre = setup.preconditioner
@@ -226,17 +237,28 @@ def _first_order_bounds(setup: SubsampleBoundSetup, potential, layout, row_grad,
         curvature = setup.federation.map("row_curvature", bound_points, probe_points)
         setup.setup_tally.add("row_curvature")
     else:  # the server's thinning, in process: every row's weight too, for the importance sampling
-        curvature, level, weights = jax.jit(jax.vmap(partial(
-            row_weights, row_grad, layout, bound_points=bound_points, probe_points=probe_points,
-            row_bound=row_bound)))(setup.blocks)
+        curvature, level, weights = jax.jit(
+            jax.vmap(
+                partial(
+                    row_weights,
+                    row_grad,
+                    layout,
+                    bound_points=bound_points,
+                    probe_points=probe_points,
+                    row_bound=row_bound,
+                )
+            )
+        )(setup.blocks)
         weights = jnp.swapaxes(weights, 1, 2)  # (M, d, n_max)
         level = np.asarray(level, np.float64)[:, 0]
     curvature = np.asarray(curvature, np.float64)  # (M, 2, d, d)
     prior = _prior_curvature(setup, potential, bound_points, probe_points)
     if not (np.isfinite(curvature[:, 0]).all() and np.isfinite(prior[0]).all()):
-        raise ValueError(f"FedZigZag(subsample_size={setup.subsample_size}): the curvature bound is not "
-                         "finite (a row's Hessian is inf or nan near the posterior: at the reference point, "
-                         "the origin or 2.5 posterior sds around the reference); pass subsample_size=None")
+        raise ValueError(
+            f"FedZigZag(subsample_size={setup.subsample_size}): the curvature bound is not "
+            "finite (a row's Hessian is inf or nan near the posterior: at the reference point, "
+            "the origin or 2.5 posterior sds around the reference); pass subsample_size=None"
+        )
     unbounded = _warn_growing_curvature(setup, curvature, prior)
     margin = 1.0 if row_bound is not None and not layout.client_terms else AUTOMATIC_MARGIN
     prior_bound = _prior_bound(setup, prior)
@@ -246,15 +268,21 @@ def _first_order_bounds(setup: SubsampleBoundSetup, potential, layout, row_grad,
     # rows drawn in proportion to their curvature: the level terms' Hessian bound, and the
     # rows' sum of curvatures against the largest distance to the reference
     weights = jax.jit(importance_weights)(weights)
-    level_bound = per_proposer_bound(HessianBound(np.maximum(AUTOMATIC_MARGIN * level, 0.0),
-                                                  np.maximum(prior_bound, 0.0)),
-                                     potential.num_clients, num_proposers, d, dtype)
+    level_bound = per_proposer_bound(
+        HessianBound(np.maximum(AUTOMATIC_MARGIN * level, 0.0), np.maximum(prior_bound, 0.0)),
+        potential.num_clients,
+        num_proposers,
+        d,
+        dtype,
+    )
     sup = margin * np.asarray(weights.sup, np.float64)
     if num_proposers > potential.num_clients:
         sup = np.concatenate([sup, np.zeros((1, d))])
     if not np.isfinite(sup).all():
-        raise ValueError(f"FedZigZag(subsample_size={setup.subsample_size}): the curvature bound is not "
-                         "finite (a row's Hessian is inf or nan near the posterior); pass subsample_size=None")
+        raise ValueError(
+            f"FedZigZag(subsample_size={setup.subsample_size}): the curvature bound is not "
+            "finite (a row's Hessian is inf or nan near the posterior); pass subsample_size=None"
+        )
     bound = SampledRowBound(level_bound.clients, level_bound.prior, jnp.asarray(sup, dtype))
     return bound, weights, unbounded
 
@@ -277,15 +305,19 @@ def _warn_growing_curvature(setup: SubsampleBoundSetup, curvature, prior) -> boo
         undefined = [f"client {m}" for m in np.flatnonzero(~finite)]
         if not (user_prior or prior_finite):
             undefined.append("the prior")
-        ratio = max(float(np.max(curvature[:, 1] / np.maximum(curvature[:, 0], 1e-300))),
-                    0.0 if user_prior else float(np.max(prior[1] / np.maximum(prior[0], 1e-300))))
-        _warn_local_bound(setup.subsample_size, f"the curvature of {', '.join(grows)}", undefined, ratio,
-                          "RowHessianBound(...)")
+        ratio = max(
+            float(np.max(curvature[:, 1] / np.maximum(curvature[:, 0], 1e-300))),
+            0.0 if user_prior else float(np.max(prior[1] / np.maximum(prior[0], 1e-300))),
+        )
+        _warn_local_bound(
+            setup.subsample_size, f"the curvature of {', '.join(grows)}", undefined, ratio, "RowHessianBound(...)"
+        )
     return bool(grows)
 
 
-def _second_order_bounds(setup: SubsampleBoundSetup, potential, layout, row_grad, num_proposers, bound_points,
-                         probe_points, horizon):
+def _second_order_bounds(
+    setup: SubsampleBoundSetup, potential, layout, row_grad, num_proposers, bound_points, probe_points, horizon
+):
     """In process, second order: ``(SampledRowBound, RowWeights, unbounded)``: the rows drawn
     in proportion to their remainder bounds (:func:`third_weights`), and the bound of the
     exactly computed terms' Hessian variation (twice their largest curvature: the prior's,
@@ -295,21 +327,32 @@ def _second_order_bounds(setup: SubsampleBoundSetup, potential, layout, row_grad
     pre = setup.preconditioner
     if row_third is not None and pre is not None:
         row_third = partial(_preconditioned_row_third, row_third, pre)
-    level, kappa, spread = jax.jit(jax.vmap(partial(
-        third_weights, row_grad, layout, bound_points=bound_points, probe_points=probe_points,
-        row_third=row_third)))(setup.blocks)
+    level, kappa, spread = jax.jit(
+        jax.vmap(
+            partial(
+                third_weights,
+                row_grad,
+                layout,
+                bound_points=bound_points,
+                probe_points=probe_points,
+                row_third=row_third,
+            )
+        )
+    )(setup.blocks)
     level, spread = np.asarray(level, np.float64), np.asarray(spread, np.float64)
     prior = _prior_curvature(setup, potential, bound_points, probe_points)
-    if not (np.isfinite(np.asarray(kappa)).all() and np.isfinite(level[:, 0]).all()
-            and np.isfinite(prior[0]).all()):
-        raise ValueError(f"FedZigZag(subsample_size={setup.subsample_size}): the remainder bound is not "
-                         "finite (a row's third derivative is inf or nan near the posterior); pass "
-                         "subsample_size=None")
+    if not (np.isfinite(np.asarray(kappa)).all() and np.isfinite(level[:, 0]).all() and np.isfinite(prior[0]).all()):
+        raise ValueError(
+            f"FedZigZag(subsample_size={setup.subsample_size}): the remainder bound is not "
+            "finite (a row's third derivative is inf or nan near the posterior); pass "
+            "subsample_size=None"
+        )
     unbounded = _warn_growing_third(setup, potential.num_clients, level, spread, prior, row_third is not None)
     margin = 1.0 if row_third is not None else AUTOMATIC_MARGIN
     floor = 0.0 if row_third is not None else THIRD_FLOOR
     weights = jax.jit(partial(_remainder_weights, margin=margin, floor=floor))(
-        kappa, setup.blocks["valid"][layout.plate])
+        kappa, setup.blocks["valid"][layout.plate]
+    )
     prior_bound = _prior_bound(setup, prior)
     # |H(y) - H(x*)| <= 2 max |H| for the terms computed exactly
     variation = HessianBound(2 * AUTOMATIC_MARGIN * level[:, 0], 2 * np.maximum(prior_bound, 0.0))
@@ -317,8 +360,13 @@ def _second_order_bounds(setup: SubsampleBoundSetup, potential, layout, row_grad
     second = np.asarray(weights.sup, np.float64)
     if num_proposers > potential.num_clients:
         second = np.concatenate([second, np.zeros((1, d))])
-    bound = SampledRowBound(variation.clients, variation.prior, jnp.zeros((num_proposers, d), dtype),
-                            jnp.asarray(second, dtype), jnp.asarray(horizon, dtype))
+    bound = SampledRowBound(
+        variation.clients,
+        variation.prior,
+        jnp.zeros((num_proposers, d), dtype),
+        jnp.asarray(second, dtype),
+        jnp.asarray(horizon, dtype),
+    )
     return bound, weights, unbounded
 
 
@@ -336,22 +384,29 @@ def _warn_growing_third(setup: SubsampleBoundSetup, num_clients, level, spread, 
         prior_larger, prior_finite = np.zeros(1, bool), np.ones(1, bool)
     names = [f"client {m}" for m in range(num_clients)] + ["the prior"]
     rows_grow = [names[m] for m in np.flatnonzero(rows_larger | ~rows_finite)]
-    exact_grow = [names[k] for k in np.flatnonzero(np.concatenate([level_larger | ~level_finite,
-                                                                    prior_larger | ~prior_finite]))]
+    exact_grow = [
+        names[k] for k in np.flatnonzero(np.concatenate([level_larger | ~level_finite, prior_larger | ~prior_finite]))
+    ]
     finite = np.concatenate([rows_finite & level_finite, prior_finite])
     unbounded = bool(rows_grow or exact_grow)
     if unbounded:
         subject = " and ".join(
             ([f"the rows' third derivative of {', '.join(rows_grow)}"] if rows_grow else [])
-            + ([f"the curvature of {', '.join(exact_grow)}"] if exact_grow else []))
+            + ([f"the curvature of {', '.join(exact_grow)}"] if exact_grow else [])
+        )
         ratios = [level[:, 1] / np.maximum(level[:, 0], 1e-300)]
         if not user_third:
             ratios.append(spread[:, 1] / np.maximum(spread[:, 0], 1e-300))
         if not user_prior:
             ratios.append(prior[1] / np.maximum(prior[0], 1e-300))
         ratio = max(float(np.max(np.where(np.isfinite(r), r, 0.0))) for r in ratios)
-        _warn_local_bound(setup.subsample_size, subject, [names[k] for k in np.flatnonzero(~finite)], ratio,
-                          "RowHessianBound(..., third=...)")
+        _warn_local_bound(
+            setup.subsample_size,
+            subject,
+            [names[k] for k in np.flatnonzero(~finite)],
+            ratio,
+            "RowHessianBound(..., third=...)",
+        )
     return unbounded
 
 
@@ -359,9 +414,13 @@ def grow_bound(bound_scale, info, i, *, num_warmup, subsample_size, origin):
     """A warmup draw with a bound violation doubles the subsampling's bound (with a warning)."""
     grow = (i < num_warmup) & (info.num_violations > 0)
     # under vmap (vectorized chains) both branches run: the host checks ``grow`` again
-    jax.lax.cond(grow, lambda: jax.debug.callback(partial(_report_growth, subsample_size=subsample_size,
-                                                          origin=origin), grow, i, bound_scale * 2),
-                 lambda: None)
+    jax.lax.cond(
+        grow,
+        lambda: jax.debug.callback(
+            partial(_report_growth, subsample_size=subsample_size, origin=origin), grow, i, bound_scale * 2
+        ),
+        lambda: None,
+    )
     return jnp.where(grow, bound_scale * 2, bound_scale)
 
 
@@ -373,4 +432,7 @@ def _report_growth(grow, i, scale, *, subsample_size, origin):
     warn_user(
         f"FedZigZag(subsample_size={subsample_size}): warmup draw {int(np.max(i))} had estimated rates "
         f"above their bound; the bound is now {float(np.max(scale)):g} times the clients' (counted in "
-        "num_violations; after warmup it stays fixed)", RuntimeWarning, origin)
+        "num_violations; after warmup it stays fixed)",
+        RuntimeWarning,
+        origin,
+    )

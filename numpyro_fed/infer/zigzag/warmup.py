@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from functools import partial
 from typing import NamedTuple
+
 import numpy as np
 
 import jax
@@ -100,12 +101,18 @@ def init_warmup(reference: ControlVariates | None, active: bool, u, interval=DEF
     """The warmup's state before the first draw, for a chain starting at ``u``, whose first
     draw lasts ``interval``."""
     return WarmupState(
-        reference=reference, active=jnp.asarray(active),
-        window_sum=jnp.zeros_like(u), window_time=jnp.zeros((), u.dtype),
-        buffer=jnp.zeros((BUFFER_SIZE,) + u.shape, u.dtype), stalled=jnp.zeros((), bool),
+        reference=reference,
+        active=jnp.asarray(active),
+        window_sum=jnp.zeros_like(u),
+        window_time=jnp.zeros((), u.dtype),
+        buffer=jnp.zeros((BUFFER_SIZE,) + u.shape, u.dtype),
+        stalled=jnp.zeros((), bool),
         client_calls=jnp.zeros(2, jnp.int32),
-        interval=jnp.asarray(interval, u.dtype), scale_sum=jnp.zeros_like(u), scale_square=jnp.zeros_like(u),
-        scale_time=jnp.zeros((), u.dtype), scale_events=jnp.zeros((), u.dtype),
+        interval=jnp.asarray(interval, u.dtype),
+        scale_sum=jnp.zeros_like(u),
+        scale_square=jnp.zeros_like(u),
+        scale_time=jnp.zeros((), u.dtype),
+        scale_events=jnp.zeros((), u.dtype),
     )
 
 
@@ -127,7 +134,8 @@ def _adapt_interval(adapt: WarmupState, info: SampleInfo, i, ends):
     if square.ndim > info.path_integral.ndim:  # full_covariance: the diagonal
         square = jnp.diagonal(square, axis1=-2, axis2=-1)
     adapt = adapt._replace(
-        scale_sum=adapt.scale_sum + info.path_integral, scale_square=adapt.scale_square + square,
+        scale_sum=adapt.scale_sum + info.path_integral,
+        scale_square=adapt.scale_square + square,
         scale_time=adapt.scale_time + info.elapsed,
         scale_events=adapt.scale_events + info.num_events.astype(dtype),
     )
@@ -149,13 +157,24 @@ def _adapt_interval(adapt: WarmupState, info: SampleInfo, i, ends):
     # the first window (the approach to equilibrium) is forgotten
     restart = i + 1 == ends[0]
     return adapt._replace(
-        scale_sum=jnp.where(restart, 0.0, adapt.scale_sum), scale_square=jnp.where(restart, 0.0, adapt.scale_square),
-        scale_time=jnp.where(restart, 0.0, adapt.scale_time), scale_events=jnp.where(restart, 0.0, adapt.scale_events),
+        scale_sum=jnp.where(restart, 0.0, adapt.scale_sum),
+        scale_square=jnp.where(restart, 0.0, adapt.scale_square),
+        scale_time=jnp.where(restart, 0.0, adapt.scale_time),
+        scale_events=jnp.where(restart, 0.0, adapt.scale_events),
     )
 
 
-def warmup_adaptation(proposers: Proposers, *, num_warmup, recenter, order, can_switch_off,
-                      max_proposals, reference_fn=None, interval_warmup: int = 0):
+def warmup_adaptation(
+    proposers: Proposers,
+    *,
+    num_warmup,
+    recenter,
+    order,
+    can_switch_off,
+    max_proposals,
+    reference_fn=None,
+    interval_warmup: int = 0,
+):
     """``update(adapt, state, info, i) -> adapt`` after draw ``i`` (the process's state and
     its :class:`~numpyro_fed.infer.zigzag.SampleInfo`).
 
@@ -189,15 +208,19 @@ def warmup_adaptation(proposers: Proposers, *, num_warmup, recenter, order, can_
     def update(adapt: WarmupState, state: ZigZagState, info: SampleInfo, i):
         warm = i < num_warmup
         if interval_warmup:
-            adapt = lax.cond(i < interval_warmup, lambda a: _adapt_interval(a, info, i, interval_ends),
-                             lambda a: a, adapt)
+            adapt = lax.cond(
+                i < interval_warmup, lambda a: _adapt_interval(a, info, i, interval_ends), lambda a: a, adapt
+            )
         fallback_possible = can_switch_off and adapt.reference is not None
-        stalled_now = (info.hit_event_cap & (info.num_events == 0) & ~adapt.stalled
-                       & (info.num_proposals >= min(max_proposals, STALL_MIN_PROPOSALS))
-                       & (max_proposals >= STALL_MIN_PROPOSALS))
+        stalled_now = (
+            info.hit_event_cap
+            & (info.num_events == 0)
+            & ~adapt.stalled
+            & (info.num_proposals >= min(max_proposals, STALL_MIN_PROPOSALS))
+            & (max_proposals >= STALL_MIN_PROPOSALS)
+        )
         switch_off = stalled_now & warm & adapt.active if fallback_possible else jnp.zeros((), bool)
-        adapt = adapt._replace(stalled=adapt.stalled | (stalled_now & ~switch_off),
-                               active=adapt.active & ~switch_off)
+        adapt = adapt._replace(stalled=adapt.stalled | (stalled_now & ~switch_off), active=adapt.active & ~switch_off)
         cheaper = jnp.ones((), bool)
         if num_warmup and adapt.reference is not None:
             slot = i % BUFFER_SIZE
@@ -207,6 +230,7 @@ def warmup_adaptation(proposers: Proposers, *, num_warmup, recenter, order, can_
                 buffer=jnp.where(warm, adapt.buffer.at[slot].set(state.x), adapt.buffer),
             )
             if recenter:
+
                 def move(adapt):
                     point = adapt.window_sum / adapt.window_time
                     return adapt._replace(
@@ -220,22 +244,27 @@ def warmup_adaptation(proposers: Proposers, *, num_warmup, recenter, order, can_
                 at_end = warm & jnp.any(i + 1 == window_ends) & (adapt.window_time > 0)
                 adapt = lax.cond(at_end & ~switch_off, move, lambda a: a, adapt)
             if fallback_possible:
+
                 def compare(adapt):
                     filled = jnp.arange(BUFFER_SIZE) < jnp.minimum(i + 1, BUFFER_SIZE)
                     weights = state.prior_weights
-                    with_cv, without = jax.vmap(lambda x: rate_scales(proposers, adapt.reference, weights, x))(adapt.buffer)
+                    with_cv, without = jax.vmap(lambda x: rate_scales(proposers, adapt.reference, weights, x))(
+                        adapt.buffer
+                    )
                     with_cv = jnp.sum(jnp.where(filled, with_cv, 0.0))
                     return with_cv <= (1 + COSTLIER_MARGIN) * jnp.sum(jnp.where(filled, without, 0.0))
 
                 last = (i + 1 == num_warmup) & adapt.active
                 cheaper = lax.cond(last, compare, lambda a: jnp.ones((), bool), adapt)
-                adapt = adapt._replace(active=adapt.active & cheaper,
-                                       client_calls=adapt.client_calls + jnp.where(last, compare_calls, 0))
+                adapt = adapt._replace(
+                    active=adapt.active & cheaper, client_calls=adapt.client_calls + jnp.where(last, compare_calls, 0)
+                )
         report = partial(_report_adaptation, max_proposals=max_proposals, origin=origin)
-        lax.cond(stalled_now | switch_off | ~cheaper,
-                 lambda: jax.debug.callback(report, i, stalled_now & ~switch_off, switch_off, ~cheaper,
-                                            adapt.interval),
-                 lambda: None)
+        lax.cond(
+            stalled_now | switch_off | ~cheaper,
+            lambda: jax.debug.callback(report, i, stalled_now & ~switch_off, switch_off, ~cheaper, adapt.interval),
+            lambda: None,
+        )
         return adapt
 
     return update
@@ -250,13 +279,17 @@ def _report_adaptation(i, stalled, switched_off, costlier, interval, *, max_prop
             f"FedZigZag: control variates turned off at warmup draw {int(np.max(i))}: a draw made "
             f"max_proposals={int(max_proposals)} proposals without a switch with them on (their "
             "reference point is a poor center for this posterior); the chain continues without",
-            RuntimeWarning, origin)
+            RuntimeWarning,
+            origin,
+        )
     if np.any(costlier):
         warn_user(
             "FedZigZag: control variates turned off at the end of the warmup: at the last warmup "
             "positions they made the switching rates larger, not smaller (the posterior is far "
             "from Gaussian around the reference point)",
-            RuntimeWarning, origin)
+            RuntimeWarning,
+            origin,
+        )
     if np.any(stalled):
         warn_user(
             f"FedZigZag: a chain stalled at draw {int(np.max(i))}: max_proposals="
@@ -264,4 +297,6 @@ def _report_adaptation(i, stalled, switched_off, costlier, interval, *, max_prop
             "its last position (marked hit_event_cap). The process is caught where the rates are "
             "huge: reparametrize the model (e.g. non-centered), pass control_variates=False, or "
             f"shorten sample_interval={sample_interval}",
-            RuntimeWarning, origin)
+            RuntimeWarning,
+            origin,
+        )

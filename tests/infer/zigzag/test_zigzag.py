@@ -91,6 +91,7 @@ def test_every_proposer_thins_with_its_own_uniform():
 
 def test_gaussian_target_with_prior_redistribution():
     y, mean, sd = _gaussian_data()
+
     # a visible prior (sd 1) so that its shares matter; rate 2 so that it is redrawn often
     def model(y):
         mu = numpyro.sample("mu", dist.Normal(0, 1.0).expand([D]).to_event(1))
@@ -99,8 +100,9 @@ def test_gaussian_target_with_prior_redistribution():
 
     precision = N + 1.0
     for cv in (False, True):
-        kernel = nf.FedZigZag(model, sample_interval=0.1, prior="redistribute", redistribution_rate=2.0,
-                              control_variates=cv)
+        kernel = nf.FedZigZag(
+            model, sample_interval=0.1, prior="redistribute", redistribution_rate=2.0, control_variates=cv
+        )
         mcmc = _run(kernel, y)
         _assert_gaussian_moments(mcmc.get_samples()["mu"], y.sum(0) / precision, 1 / np.sqrt(precision))
         weights = np.asarray(mcmc.last_state.core.prior_weights)
@@ -164,16 +166,20 @@ def test_second_order_control_variates_match_closed_form_without_spurious_switch
     mean, sd = cov @ np.asarray(X.T @ y), np.sqrt(np.diag(cov))
     events = {}
     for cv in (True, "second_order"):
-        mcmc = _run(nf.FedZigZag(linear_regression, sample_interval=0.1, control_variates=cv), X, y,
-                    num_samples=2000)
+        mcmc = _run(nf.FedZigZag(linear_regression, sample_interval=0.1, control_variates=cv), X, y, num_samples=2000)
         events[cv] = int(mcmc.get_extra_fields()["info.num_events"].sum())
     draws = np.asarray(mcmc.get_samples()["w"])
     ess = effective_sample_size(draws[None])
     assert np.all(np.abs(draws.mean(0) - mean) < 4.5 * sd / np.sqrt(ess))
     assert np.all(np.abs(draws.std(0) / sd - 1) < 4.5 / np.sqrt(2 * ess))
     # one proposer holding the whole potential: the rate no federation can go below
-    single = _run(nf.FedZigZag(linear_regression, sample_interval=0.1, control_variates=False, prior="clients"),
-                  X, y, clients=1, num_samples=2000)
+    single = _run(
+        nf.FedZigZag(linear_regression, sample_interval=0.1, control_variates=False, prior="clients"),
+        X,
+        y,
+        clients=1,
+        num_samples=2000,
+    )
     events["single"] = int(single.get_extra_fields()["info.num_events"].sum())
     # On a quadratic potential, second order gives every proposer exactly grad U / P, so the
     # federated rate is the single proposer's: the same switch count up to Poisson noise
@@ -201,12 +207,26 @@ def test_one_client_agrees_with_many_and_same_key_gives_same_chain():
         ({"bounds": "magic"}, ValueError, "bounds must be 'grid', 'affine', a GradientBound or a HessianBound"),
         ({"safety_factor": 0.5}, ValueError, "safety_factor must be >= 1"),
         ({"prior": "nowhere"}, ValueError, "prior must be one of"),
-        ({"prior": "redistribute", "redistribution_rate": 0.0}, ValueError, "redistribution_rate must be a finite number > 0"),
-        ({"control_variates": "third_order"}, ValueError, "control_variates must be None, True, False, 'first_order' or 'second_order'"),
-        ({"control_variates": "second_order", "bounds": nf.GradientBound(np.ones(10))}, ValueError,
-         "'second_order' needs the automatic bounds"),
-        ({"control_variates": "second_order", "dp_sensitivity": 2.0, "dp_delta": 1e-5, "excess_rate": 1.0},
-         ValueError, "not covered by Theorem 5.1"),
+        (
+            {"prior": "redistribute", "redistribution_rate": 0.0},
+            ValueError,
+            "redistribution_rate must be a finite number > 0",
+        ),
+        (
+            {"control_variates": "third_order"},
+            ValueError,
+            "control_variates must be None, True, False, 'first_order' or 'second_order'",
+        ),
+        (
+            {"control_variates": "second_order", "bounds": nf.GradientBound(np.ones(10))},
+            ValueError,
+            "'second_order' needs the automatic bounds",
+        ),
+        (
+            {"control_variates": "second_order", "dp_sensitivity": 2.0, "dp_delta": 1e-5, "excess_rate": 1.0},
+            ValueError,
+            "not covered by Theorem 5.1",
+        ),
     ],
 )
 def test_bad_hyper_parameters(kwargs, error, message):
@@ -257,7 +277,10 @@ def test_privacy_calibration_reported_per_message():
         ({"dp_sensitivity": 2.0, "dp_delta": 1.5, "excess_rate": 1.0}, r"delta must lie in \(0, 1\)"),
         ({"dp_sensitivity": 2.0, "dp_epsilon": -1.0, "dp_delta": 1e-5}, "dp_epsilon must be a finite number > 0"),
         ({"dp_sensitivity": 2.0, "dp_epsilon": 1.0, "dp_delta": 1e-5, "excess_rate": 1.0}, "above dp_epsilon=1.0"),
-        ({"dp_sensitivity": 2.0, "dp_epsilon": 1.0, "dp_delta": 1e-5, "control_variates": True}, "not covered by Theorem 5.1"),
+        (
+            {"dp_sensitivity": 2.0, "dp_epsilon": 1.0, "dp_delta": 1e-5, "control_variates": True},
+            "not covered by Theorem 5.1",
+        ),
     ],
 )
 def test_bad_privacy_requests(kwargs, message):
@@ -367,8 +390,9 @@ def _gaussian_hessian_bound(y, clients=M):
 @pytest.mark.parametrize("control_variates", [False, True])
 def test_hessian_bound_on_the_gaussian_target_matches_closed_form(control_variates):
     y, mean, sd = _gaussian_data()
-    kernel = nf.FedZigZag(gaussian_mean, sample_interval=0.1, control_variates=control_variates,
-                          bounds=_gaussian_hessian_bound(y))
+    kernel = nf.FedZigZag(
+        gaussian_mean, sample_interval=0.1, control_variates=control_variates, bounds=_gaussian_hessian_bound(y)
+    )
     mcmc = _run(kernel, y, extra_fields=("info.num_proposals", "info.grad_evals_by_proposer"))
     _assert_gaussian_moments(mcmc.get_samples()["mu"], mean, sd)
     fields = mcmc.get_extra_fields()
@@ -423,8 +447,12 @@ def test_hessian_bound_on_logistic_regression_agrees_with_nuts(logistic_nuts, co
     # each client bounds its own Hessian from its own rows: sum_r |x_r| |x_r|^T / 4
     absolute = np.abs(np.asarray(X))
     clients = np.stack([absolute[owner == m].T @ absolute[owner == m] / 4 for m in range(4)])
-    kernel = nf.FedZigZag(logistic, sample_interval=0.2, control_variates=control_variates,
-                          bounds=nf.HessianBound(clients=clients, prior=np.eye(3)))
+    kernel = nf.FedZigZag(
+        logistic,
+        sample_interval=0.2,
+        control_variates=control_variates,
+        bounds=nf.HessianBound(clients=clients, prior=np.eye(3)),
+    )
     mcmc = _run(kernel, X, y, clients=owner, extra_fields=("info.num_proposals",))
     _assert_agrees_with(mcmc.get_samples()["w"], logistic_nuts)
     fields = mcmc.get_extra_fields()
@@ -453,8 +481,11 @@ def test_gradient_bound_agrees_with_nuts_and_too_small_a_bound_is_reported():
     per_row = _student_t_gradient_bound(3.0, 1.0)
     bound = nf.GradientBound(clients=np.full((4, 1), 50 * per_row), prior=_student_t_gradient_bound(3.0, 10.0))
     for cv in (False, True):
-        mcmc = _run(nf.FedZigZag(robust_location, sample_interval=0.2, bounds=bound, control_variates=cv),
-                    y, extra_fields=("info.num_proposals", "info.grad_evals_by_proposer"))
+        mcmc = _run(
+            nf.FedZigZag(robust_location, sample_interval=0.2, bounds=bound, control_variates=cv),
+            y,
+            extra_fields=("info.num_proposals", "info.grad_evals_by_proposer"),
+        )
         _assert_agrees_with(np.asarray(mcmc.get_samples()["mu"])[:, None], reference)
         fields = mcmc.get_extra_fields()
         assert int(fields["info.num_violations"].sum()) == 0
@@ -487,8 +518,7 @@ def test_bad_user_bounds_are_named(bounds, message):
 
 def test_warmup_then_run_and_post_warmup_state_continue_the_chain():
     y, mean, sd = _gaussian_data()
-    mcmc = MCMC(nf.FedZigZag(gaussian_mean, sample_interval=0.1), num_warmup=100, num_samples=2000,
-                progress_bar=False)
+    mcmc = MCMC(nf.FedZigZag(gaussian_mean, sample_interval=0.1), num_warmup=100, num_samples=2000, progress_bar=False)
     mcmc.warmup(jax.random.PRNGKey(0), y)
     warm = mcmc.post_warmup_state
     mcmc.run(warm.rng_key, y)
@@ -504,8 +534,14 @@ def test_warmup_then_run_and_post_warmup_state_continue_the_chain():
 
 def test_vectorized_chains():
     y, mean, sd = _gaussian_data()
-    mcmc = MCMC(nf.FedZigZag(gaussian_mean, sample_interval=0.1), num_warmup=100, num_samples=1000,
-                num_chains=4, chain_method="vectorized", progress_bar=False)
+    mcmc = MCMC(
+        nf.FedZigZag(gaussian_mean, sample_interval=0.1),
+        num_warmup=100,
+        num_samples=1000,
+        num_chains=4,
+        chain_method="vectorized",
+        progress_bar=False,
+    )
     mcmc.run(jax.random.PRNGKey(0), y, extra_fields=("info.num_events",))
     draws = mcmc.get_samples(group_by_chain=True)["mu"]
     assert draws.shape == (4, 1000, D)
@@ -569,8 +605,10 @@ def test_laplace_preconditioning_speeds_up_a_correlated_posterior():
     "kwargs, message",
     [
         ({"preconditioner": "magic"}, "preconditioner must be None, 'laplace', 'diagonal' or an array"),
-        ({"preconditioner": "laplace", "dp_sensitivity": 2.0, "dp_delta": 1e-5, "excess_rate": 1.0},
-         "not covered by Theorem 5.1"),
+        (
+            {"preconditioner": "laplace", "dp_sensitivity": 2.0, "dp_delta": 1e-5, "excess_rate": 1.0},
+            "not covered by Theorem 5.1",
+        ),
     ],
 )
 def test_bad_preconditioner_requests(kwargs, message):
@@ -630,7 +668,7 @@ def test_subsampling_and_deployment_on_the_mean_of_a_normal():
     assert int(mcmc.get_extra_fields()["info.num_violations"].sum()) == 0
 
     def load(m):
-        return (y[25 * m:25 * (m + 1)],)
+        return (y[25 * m : 25 * (m + 1)],)
 
     sampler = nf.FedZigZag(_mean_model, sample_interval=0.2, federation=InProcess(loader=load, num_clients=4))
     mcmc = MCMC(sampler, num_warmup=50, num_samples=200, progress_bar=False)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import jax
+
 import numpyro
 import numpyro.distributions as dist
 from numpyro.diagnostics import effective_sample_size
@@ -16,6 +17,8 @@ from numpyro.infer import MCMC
 
 import numpyro_fed as nf
 from numpyro_fed.federation import ClientError, InProcess
+
+from helpers import SENTINEL, holds_sentinel, save_client_rows
 
 
 def logistic(X, y=None, clients=2):
@@ -38,7 +41,7 @@ def run(federation, data, *, num_warmup=20, num_samples=100, seed=0, **options):
         options = {"thinning": "clients", **options}
     kernel = nf.FedZigZag(logistic, sample_interval=0.5, federation=federation, **options)
     mcmc = MCMC(kernel, num_warmup=num_warmup, num_samples=num_samples, progress_bar=False)
-    with (federation.guard() if federation is not None else _nothing()):
+    with federation.guard() if federation is not None else _nothing():
         mcmc.run(jax.random.PRNGKey(seed), *data)
     return kernel, mcmc
 
@@ -93,21 +96,14 @@ def test_ledger_counts_the_protocol(data):
 
 
 def test_private_replies_carry_only_time_and_coordinate(data):
-    kernel, mcmc = run(InProcess(), data, num_warmup=0, num_samples=20, dp_sensitivity=2.0,
-                       dp_epsilon=5.0, dp_delta=1e-3)
+    kernel, mcmc = run(
+        InProcess(), data, num_warmup=0, num_samples=20, dp_sensitivity=2.0, dp_epsilon=5.0, dp_delta=1e-3
+    )
     assert kernel.message_sizes["from_client"] == 8 + 4
     ledger = kernel.message_ledger(mcmc)
     # no set-up: no control variates under the guarantee, so no mode search
     assert kernel.setup_tally.messages == {"value_and_grad": 0, "hessian": 0}
     assert ledger["messages_from_client"].sum() == 2 * int(mcmc.get_extra_fields()["info.rounds"].sum())
-
-
-@pytest.fixture(scope="module")
-def ray_federation(ray_session):
-    from numpyro_fed.federation.ray_backend import RayFederation
-
-    # the first call compiles the client's function on each worker: allow for a loaded machine
-    return RayFederation(timeout=120.0)
 
 
 def test_ray_agrees_bit_for_bit_and_ledgers_match(ray_federation, data):
@@ -125,8 +121,12 @@ def test_ray_agrees_bit_for_bit_and_ledgers_match(ray_federation, data):
     setup = kernel.setup_tally.messages
     assert setup["value_and_grad"] > 0
     # one round trip per round, per set-up call (the BFGS's evaluations, the checks)
-    assert ray_federation.ledger.round_trips == int(remote.get_extra_fields()["info.rounds"].sum()) + \
-        counted["value_and_grad/rounds"][0] + counted["hessian/rounds"][0]
+    assert (
+        ray_federation.ledger.round_trips
+        == int(remote.get_extra_fields()["info.rounds"].sum())
+        + counted["value_and_grad/rounds"][0]
+        + counted["hessian/rounds"][0]
+    )
 
 
 def test_killed_worker_names_the_client_and_the_run_resumes(ray_federation, ray_session, data):
@@ -166,8 +166,6 @@ def test_killed_worker_names_the_client_and_the_run_resumes(ray_federation, ray_
 
 # -- the set-up through the federation, and deployment (each client loads its own rows) ------
 
-SENTINEL = 1.2345678901234567  # planted in client 1's rows only (a plausible covariate)
-
 
 def planted(data):
     X, y = data
@@ -176,34 +174,15 @@ def planted(data):
     return X, y
 
 
-def holds_sentinel(*objects):
-    cloudpickle = pytest.importorskip("cloudpickle")
-    return np.float64(SENTINEL).tobytes() in cloudpickle.dumps(objects)
-
-
 def per_client_loader(tmp_path, data, dtype=np.float64):
-    """Client m's rows in its own files; the loader records the process that reads them."""
+    """Client m's rows in its own files; the loader records the process that reads them
+    (:func:`loader_pids`)."""
     X, y = data
-    for m in range(2):
-        np.save(tmp_path / f"X{m}.npy", X[60 * m:60 * (m + 1)].astype(dtype))
-        np.save(tmp_path / f"y{m}.npy", y[60 * m:60 * (m + 1)].astype(dtype))
-    return _Loader(str(tmp_path))
+    return save_client_rows(tmp_path, [0, 60, 120], X.astype(dtype), y.astype(dtype), record_pids=True)
 
 
-class _Loader:
-    def __init__(self, folder):
-        self.folder = folder
-
-    def __call__(self, m):
-        import os
-
-        with open(f"{self.folder}/pids", "a") as pids:
-            pids.write(f"{os.getpid()}\n")
-        return np.load(f"{self.folder}/X{m}.npy"), np.load(f"{self.folder}/y{m}.npy")
-
-    def pids(self):
-        with open(f"{self.folder}/pids") as pids:
-            return {int(line) for line in pids}
+def loader_pids(tmp_path):
+    return {int(line) for line in (tmp_path / "pids").read_text().split()}
 
 
 def deployed_run(federation, *, num_warmup=20, num_samples=30, seed=0, **options):
@@ -214,9 +193,11 @@ def deployed_run(federation, *, num_warmup=20, num_samples=30, seed=0, **options
     return kernel, mcmc
 
 
-@pytest.mark.parametrize("options", [
-    {}, pytest.param({"preconditioner": "laplace", "control_variates": "second_order"}, marks=pytest.mark.slow)],
-    ids=["default", "laplace-second-order"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, pytest.param({"preconditioner": "laplace", "control_variates": "second_order"}, marks=pytest.mark.slow)],
+    ids=["default", "laplace-second-order"],
+)
 def test_the_set_up_through_a_federation_equals_the_pooled_one(data, options):
     """The mode search, the gradients at the reference and the Laplace preconditioner come
     from the clients' replies, whoever thins; they equal what the pooled blocks give to
@@ -248,16 +229,19 @@ def test_the_set_up_through_a_federation_equals_the_pooled_one(data, options):
     point = b.point
     pooled_reference = zigzag.control_variate_reference(proposers, point, order=1 + second)
     for name in ("term_grads", "prior_grad") + (("term_hessians", "prior_hessian") if second else ()):
-        np.testing.assert_allclose(getattr(b, name), getattr(pooled_reference, name), rtol=1e-6, atol=1e-6,
-                                   err_msg=name)
+        np.testing.assert_allclose(
+            getattr(b, name), getattr(pooled_reference, name), rtol=1e-6, atol=1e-6, err_msg=name
+        )
         np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
     # a Hessian per Newton check, one for the Laplace preconditioner and one for the second order
     assert asked.setup_tally.messages["hessian"] >= 1 + 2 * second
 
 
-@pytest.mark.parametrize("options", [
-    {}, pytest.param({"dp_sensitivity": 2.0, "dp_epsilon": 5.0, "dp_delta": 1e-3}, marks=pytest.mark.slow)],
-    ids=["default", "private"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, pytest.param({"dp_sensitivity": 2.0, "dp_epsilon": 5.0, "dp_delta": 1e-3}, marks=pytest.mark.slow)],
+    ids=["default", "private"],
+)
 def test_deployment_equals_simulation_bit_for_bit(data, tmp_path, options):
     """Each client loads its own rows (InProcess(loader=...)): the same draws, set-up and
     ledger as the simulation that cuts the pooled rows, for the same key."""
@@ -276,8 +260,9 @@ def test_deployment_in_float32(data, tmp_path):
     try:
         data32 = tuple(a.astype(np.float32) for a in data)
         _, simulated = run(InProcess(), data32, num_samples=20)
-        kernel, deployed = deployed_run(InProcess(loader=per_client_loader(tmp_path, data, np.float32),
-                                                  num_clients=2), num_samples=20)
+        kernel, deployed = deployed_run(
+            InProcess(loader=per_client_loader(tmp_path, data, np.float32), num_clients=2), num_samples=20
+        )
         w = np.asarray(deployed.get_samples()["w"])
         assert w.dtype == np.float32 and np.isfinite(w).all()
         np.testing.assert_array_equal(w, np.asarray(simulated.get_samples()["w"]))
@@ -302,20 +287,30 @@ def test_deployment_on_ray_agrees_and_the_driver_holds_no_row(ray_session, data,
     loader = per_client_loader(tmp_path, rows)
     with RayFederation(loader=loader, num_clients=2, timeout=120.0) as federation:
         kernel, deployed = deployed_run(federation, num_warmup=0, num_samples=30)
-        assert os.getpid() not in loader.pids() and len(loader.pids()) == 2
-        np.testing.assert_allclose(np.asarray(deployed.get_samples()["w"]),
-                                   np.asarray(simulated.get_samples()["w"]), rtol=1e-6, atol=1e-8)
+        assert os.getpid() not in loader_pids(tmp_path) and len(loader_pids(tmp_path)) == 2
+        np.testing.assert_allclose(
+            np.asarray(deployed.get_samples()["w"]), np.asarray(simulated.get_samples()["w"]), rtol=1e-6, atol=1e-8
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # few effective draws: a short run
             idata = nf.to_inference_data(deployed)
         potential = kernel.federated_potential
         assert potential.deployed
-        assert not holds_sentinel(potential.prior_potential_fn, potential.client_potential_fn,
-                                  potential.postprocess_fn, potential.block_loader, potential.init_params,
-                                  federation.program, federation.block_specs, deployed.get_samples(),
-                                  deployed.get_extra_fields(), kernel.message_ledger(deployed),
-                                  kernel.mode_search, kernel.last_state if hasattr(kernel, "last_state") else None,
-                                  deployed.last_state)
+        assert not holds_sentinel(
+            potential.prior_potential_fn,
+            potential.client_potential_fn,
+            potential.postprocess_fn,
+            potential.block_loader,
+            potential.init_params,
+            federation.program,
+            federation.block_specs,
+            deployed.get_samples(),
+            deployed.get_extra_fields(),
+            kernel.message_ledger(deployed),
+            kernel.mode_search,
+            kernel.last_state if hasattr(kernel, "last_state") else None,
+            deployed.last_state,
+        )
         assert not holds_sentinel(idata.to_dict() if hasattr(idata, "to_dict") else idata)
         # (its compiled sample function is left out: its closure reaches pytest's capture files)
         fields = lambda sampler: {k: v for k, v in vars(sampler).items() if k != "_sample_fn"}  # noqa: E731
@@ -333,12 +328,18 @@ def test_deployment_on_ray_loads_on_the_workers_only(ray_session, data, tmp_path
     loader = per_client_loader(tmp_path, planted(data))
     with RayFederation(loader=loader, num_clients=2, timeout=120.0) as federation:
         kernel, mcmc = deployed_run(federation, num_warmup=0, num_samples=5)
-        assert os.getpid() not in loader.pids() and len(loader.pids()) == 2
+        assert os.getpid() not in loader_pids(tmp_path) and len(loader_pids(tmp_path)) == 2
         assert np.isfinite(np.asarray(mcmc.get_samples()["w"])).all() and kernel.mode_search.is_mode
-        assert not holds_sentinel({k: v for k, v in vars(kernel).items() if k != "_sample_fn"},
-                                  federation.program, mcmc.get_samples(), mcmc.last_state)
-        assert federation.ledger.summary()["value_and_grad/messages_from_client"].tolist() == \
-            [kernel.setup_tally.messages["value_and_grad"]] * 2
+        assert not holds_sentinel(
+            {k: v for k, v in vars(kernel).items() if k != "_sample_fn"},
+            federation.program,
+            mcmc.get_samples(),
+            mcmc.last_state,
+        )
+        assert (
+            federation.ledger.summary()["value_and_grad/messages_from_client"].tolist()
+            == [kernel.setup_tally.messages["value_and_grad"]] * 2
+        )
 
 
 def test_private_randomness_the_server_cannot_reproduce(data, tmp_path):
@@ -351,14 +352,17 @@ def test_private_randomness_the_server_cannot_reproduce(data, tmp_path):
     loader = per_client_loader(tmp_path, data)
     draws, ledgers = [], []
     for _ in range(2):
-        kernel, mcmc = deployed_run(InProcess(loader=loader, num_clients=2), num_warmup=0, num_samples=20,
-                                    private_randomness=True)
+        kernel, mcmc = deployed_run(
+            InProcess(loader=loader, num_clients=2), num_warmup=0, num_samples=20, private_randomness=True
+        )
         draws.append(np.asarray(mcmc.get_samples()["w"]))
         ledgers.append(kernel.message_ledger(mcmc))
     assert np.isfinite(draws[0]).all() and not np.array_equal(draws[0], draws[1])
     assert kernel.message_sizes["from_client"] == 8 + 4 + 3 * 4  # the seed never crosses the wire
-    assert ledgers[0]["value_and_grad/messages_from_client"].tolist() == \
-        ledgers[1]["value_and_grad/messages_from_client"].tolist()
+    assert (
+        ledgers[0]["value_and_grad/messages_from_client"].tolist()
+        == ledgers[1]["value_and_grad/messages_from_client"].tolist()
+    )
 
 
 def gaussian_mean(y, clients=3):
@@ -376,7 +380,7 @@ def test_server_thinning_and_clients_thinning_sample_the_closed_form(thinning):
     Carlo standard errors (ESS-based; all six checks of a run fail together with probability
     below 1e-4)."""
     y = 0.5 + jax.random.normal(jax.random.PRNGKey(3), (60, 3))
-    precision = 60 + 10.0 ** -2
+    precision = 60 + 10.0**-2
     mean, sd = np.asarray(y.sum(0)) / precision, 1 / np.sqrt(precision)
     kernel = nf.FedZigZag(gaussian_mean, thinning=thinning)
     assert kernel.thinning == ("server" if thinning == "auto" else "clients")
@@ -426,5 +430,7 @@ def test_the_server_s_thinning_ledger(data):
     assert ledger["grad/bytes_to_client"].tolist() == (checks * d * f64).tolist()
     setup = kernel.setup_tally.messages
     assert ledger["value_and_grad/messages_from_client"].tolist() == [setup["value_and_grad"]] * 2
-    assert ledger["messages_from_client"].tolist() == (lines + checks + setup["value_and_grad"]
-                                                       + setup["hessian"]).tolist()
+    assert (
+        ledger["messages_from_client"].tolist()
+        == (lines + checks + setup["value_and_grad"] + setup["hessian"]).tolist()
+    )

@@ -87,8 +87,14 @@ def test_funnel_default_run_agrees_with_nuts():
     mcmc.run(jax.random.PRNGKey(FUNNEL_KEY), *data, extra_fields=("info.hit_event_cap",))
     assert not bool(mcmc.get_extra_fields()["info.hit_event_cap"].any())
     # NUTS needs the non-centered funnel; the reparametrization leaves the posterior unchanged
-    reference = MCMC(NUTS(reparam(funnel, config={"a": LocScaleReparam(0)})), num_warmup=1000,
-                     num_samples=2000, num_chains=2, chain_method="sequential", progress_bar=False)
+    reference = MCMC(
+        NUTS(reparam(funnel, config={"a": LocScaleReparam(0)})),
+        num_warmup=1000,
+        num_samples=2000,
+        num_chains=2,
+        chain_method="sequential",
+        progress_bar=False,
+    )
     reference.run(jax.random.PRNGKey(0), *data)
     fed, nuts = mcmc.get_samples(), reference.get_samples()
     for name in ("mu", "tau", "b", "a"):
@@ -110,8 +116,9 @@ def test_a_stalled_chain_stops_and_says_so():
     # A (valid but absurdly loose) gradient bound: about one switch per million proposals, so
     # a draw ends at max_proposals without a switch. The chain must not repeat that silently.
     y = jax.random.normal(jax.random.PRNGKey(0), (20, 2))
-    kernel = nf.FedZigZag(_gaussian, bounds=nf.GradientBound(clients=1e7, prior=1e7),
-                          control_variates=False, max_proposals=200)
+    kernel = nf.FedZigZag(
+        _gaussian, bounds=nf.GradientBound(clients=1e7, prior=1e7), control_variates=False, max_proposals=200
+    )
     mcmc = MCMC(kernel, num_warmup=0, num_samples=5, progress_bar=False)
     with pytest.warns(RuntimeWarning, match="stalled at draw 0.*control_variates=False") as caught:
         mcmc.run(jax.random.PRNGKey(1), y, extra_fields=("info.num_proposals", "info.hit_event_cap"))
@@ -147,8 +154,13 @@ def _run_float32(code: str, timeout: float = 600):
     """Runs ``code`` in a fresh interpreter (the tests enable float64; users get float32) with
     every warning an error, and returns what it printed as JSON on its last line."""
     env = dict(os.environ, JAX_ENABLE_X64="0", PYTHONPATH=os.path.abspath(ROOT))
-    out = subprocess.run([sys.executable, "-W", "error", "-c", textwrap.dedent(code)], env=env,
-                         capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run(
+        [sys.executable, "-W", "error", "-c", textwrap.dedent(code)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -229,5 +241,6 @@ def test_mode_search_finishes_with_newton_where_the_value_is_too_coarse_for_bfgs
         jax.config.update("jax_enable_x64", True)
     assert search.is_mode and search.newton_step <= 0.05
     # within 0.05 posterior sds of the mode in every coordinate
-    np.testing.assert_array_less(np.abs(np.asarray(search.point) - np.asarray(mode)),
-                                 0.05 / np.sqrt(np.diag(np.asarray(hessian))))
+    np.testing.assert_array_less(
+        np.abs(np.asarray(search.point) - np.asarray(mode)), 0.05 / np.sqrt(np.diag(np.asarray(hessian)))
+    )

@@ -10,12 +10,12 @@ runs). A standard deviation estimated from ``ESS`` draws has relative error abou
 ``1 / sqrt(2 ESS)``; we allow ``Z`` of those plus 2% for the ESS estimate's own error.
 """
 
-
 import numpy as np
 import pytest
 
 import jax
 import jax.numpy as jnp
+
 import numpyro
 import numpyro.distributions as dist
 from numpyro.diagnostics import effective_sample_size
@@ -155,8 +155,9 @@ def test_automatic_logistic_bound_is_the_supremum_and_never_violated():
     clients look at: each row's automatic bound is the margin times |a_J a_J^T| / 4 (a true
     bound), and a run has no violation."""
     X, y, owner = logistic_data(200)
-    kernel, mcmc = run_zigzag(logistic, (X, y, owner), subsample_size=2, num_samples=300,
-                              control_variates="first_order")
+    kernel, mcmc = run_zigzag(
+        logistic, (X, y, owner), subsample_size=2, num_samples=300, control_variates="first_order"
+    )
     fields = mcmc.get_extra_fields()
     assert int(fields["info.num_violations"].sum()) == 0 and int(fields["info.num_events"].sum()) > 100
     assert not kernel.unbounded_curvature
@@ -224,11 +225,19 @@ def test_second_order_user_third_bound_is_summed_per_coordinate():
     rows of third_J[i] / 2 (no margin, no floor); with a diagonal preconditioner the rows'
     bound in u is |S|^T third_J |S|_2^2; no violation."""
     X, y, owner = logistic_data(200, seed=3)
-    bound = nf.RowHessianBound(lambda x, y, client: jnp.abs(jnp.outer(x, x)) / 4, prior=jnp.eye(3),
-                               third=logistic_third)
+    bound = nf.RowHessianBound(
+        lambda x, y, client: jnp.abs(jnp.outer(x, x)) / 4, prior=jnp.eye(3), third=logistic_third
+    )
     for preconditioner in (None, "diagonal"):
-        kernel, mcmc = run_zigzag(logistic, (X, y, owner), subsample_size=1, bounds=bound, num_samples=200,
-                                  preconditioner=preconditioner, sample_interval=None)
+        kernel, mcmc = run_zigzag(
+            logistic,
+            (X, y, owner),
+            subsample_size=1,
+            bounds=bound,
+            num_samples=200,
+            preconditioner=preconditioner,
+            sample_interval=None,
+        )
         assert int(mcmc.get_extra_fields()["info.num_violations"].sum()) == 0
         scale = np.ones(3) if preconditioner is None else np.abs(np.asarray(kernel.preconditioning.scale))
         second = np.asarray(kernel.subsample_bounds.second)
@@ -266,8 +275,7 @@ def test_preconditioned_on_correlated_covariates_agrees_with_the_closed_form():
     y = X @ np.array([0.5, -0.2, 0.3]) + 0.5 * rng.normal(size=n)
     owner = unequal_owner(n, 5)
     mean, sd = gaussian_posterior(X, y, 0.5)
-    kernel, mcmc = run_zigzag(linear, (X, y, owner), subsample_size=1, sample_interval=None,
-                              preconditioner="laplace")
+    kernel, mcmc = run_zigzag(linear, (X, y, owner), subsample_size=1, sample_interval=None, preconditioner="laplace")
     assert int(mcmc.get_extra_fields()["info.num_violations"].sum()) == 0
     assert not kernel.unbounded_curvature
     draws = np.asarray(mcmc.get_samples()["w"])
@@ -284,8 +292,9 @@ def test_preconditioned_with_user_row_bound_has_no_violation():
     y = X @ np.array([0.5, -0.2, 0.3]) + 0.5 * rng.normal(size=300)
     owner = unequal_owner(300, 6)
     bound = nf.RowHessianBound(lambda x, y, client: jnp.abs(jnp.outer(x, x)) / 0.25, prior=jnp.eye(3))
-    kernel, mcmc = run_zigzag(linear, (X, y, owner), subsample_size=1, sample_interval=None,
-                              preconditioner="diagonal", bounds=bound)
+    kernel, mcmc = run_zigzag(
+        linear, (X, y, owner), subsample_size=1, sample_interval=None, preconditioner="diagonal", bounds=bound
+    )
     assert int(mcmc.get_extra_fields()["info.num_violations"].sum()) == 0
     # the bound is the user's in u: each row's |S| |x x^T| |S| / 0.25 summed along its coordinate
     scale = np.abs(np.asarray(kernel.preconditioning.scale))
@@ -293,8 +302,7 @@ def test_preconditioned_with_user_row_bound_has_no_violation():
     for m in range(4):
         rows = np.abs(X[owner == m]) * scale
         np.testing.assert_allclose(sup[m], np.sum(rows * rows.sum(1, keepdims=True), axis=0) / 0.25, rtol=1e-4)
-    np.testing.assert_allclose(np.asarray(kernel.subsample_bounds.prior), np.outer(scale, scale) * np.eye(3),
-                               rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(kernel.subsample_bounds.prior), np.outer(scale, scale) * np.eye(3), rtol=1e-6)
     mean, sd = gaussian_posterior(X, y, 0.5)
     assert_agree_with_exact(np.asarray(mcmc.get_samples()["w"]), mean, sd)
 
@@ -328,17 +336,23 @@ def test_poisson_regression_is_warned_counted_and_agrees_with_nuts():
     with pytest.warns(RuntimeWarning, match="grows away from the posterior"):
         kernel, mcmc = run_zigzag(poisson, (X, y, owner), subsample_size=2, sample_interval=0.1)
     assert kernel.unbounded_curvature
-    violations, proposals, _ = kernel.check_run(mcmc) if int(
-        mcmc.get_extra_fields()["info.num_violations"].sum()) == 0 else _checked(kernel, mcmc)
+    violations, proposals, _ = (
+        kernel.check_run(mcmc)
+        if int(mcmc.get_extra_fields()["info.num_violations"].sum()) == 0
+        else _checked(kernel, mcmc)
+    )
     assert violations < 1e-3 * proposals
     reference = run_nuts(poisson, (X, y, owner))
     assert_agree_with_draws(flat(mcmc.get_samples(), ["b", "w"]), flat(reference, ["b", "w"]))
 
 
-@pytest.mark.parametrize("order, match", [
-    ("first_order", "the curvature of client 0, client 1, client 2, client 3 grows away"),
-    (None, "the rows' third derivative of client 0, client 1, client 2, client 3 grows away"),
-])
+@pytest.mark.parametrize(
+    "order, match",
+    [
+        ("first_order", "the curvature of client 0, client 1, client 2, client 3 grows away"),
+        (None, "the rows' third derivative of client 0, client 1, client 2, client 3 grows away"),
+    ],
+)
 def test_the_set_up_warning_names_what_grows(order, match):
     """A log link: the rows' curvature (what the first-order estimate's bound holds) and their
     third derivative (the second-order one's) both grow away from the posterior; the set-up
@@ -349,8 +363,9 @@ def test_the_set_up_warning_names_what_grows(order, match):
     y = rng.poisson(np.exp(X @ np.array([0.6, -0.4]) + 0.3)).astype(float)
     owner = unequal_owner(200, 5)
     with pytest.warns(RuntimeWarning, match=match):
-        kernel, _ = run_zigzag(poisson, (X, y, owner), subsample_size=1, num_samples=5, num_warmup=5,
-                               control_variates=order)
+        kernel, _ = run_zigzag(
+            poisson, (X, y, owner), subsample_size=1, num_samples=5, num_warmup=5, control_variates=order
+        )
     assert kernel.unbounded_curvature
 
 
@@ -375,8 +390,9 @@ def test_curvature_not_finite_away_from_the_posterior_is_warned_not_refused():
     y = (rng.uniform(size=400) < jax.scipy.stats.norm.cdf(X @ np.array([0.5, -0.01, 4.0]))).astype(float)
     owner = unequal_owner(400, 8)
     with pytest.warns(RuntimeWarning, match="is not finite one unit from the reference point"):
-        kernel, mcmc = run_zigzag(probit, (X, y, owner), subsample_size=1, sample_interval=None,
-                                  preconditioner="laplace")
+        kernel, mcmc = run_zigzag(
+            probit, (X, y, owner), subsample_size=1, sample_interval=None, preconditioner="laplace"
+        )
     assert kernel.unbounded_curvature
     assert int(mcmc.get_extra_fields()["info.num_violations"].sum()) == 0
     assert_agree_with_draws(np.asarray(mcmc.get_samples()["b"]), np.asarray(run_nuts(probit, (X, y, owner))["b"]))
@@ -388,8 +404,9 @@ def test_a_violation_in_warmup_grows_the_bound():
     X, y, owner = logistic_data(200)
     small = nf.RowHessianBound(lambda x, *rest: jnp.abs(jnp.outer(x, x)) / 400.0, prior=jnp.eye(3))
     with pytest.warns(RuntimeWarning, match="had estimated rates above their bound"):
-        kernel, mcmc = run_zigzag(logistic, (X, y, owner), subsample_size=1, bounds=small, num_warmup=30,
-                                  num_samples=10)
+        kernel, mcmc = run_zigzag(
+            logistic, (X, y, owner), subsample_size=1, bounds=small, num_warmup=30, num_samples=10
+        )
     assert float(mcmc.last_state.bound_scale) >= 4.0
 
 
@@ -410,8 +427,7 @@ def test_user_row_bound_is_exact_for_logistic_regression(third):
     else:  # the prior's term is bounded through twice its curvature
         assert kernel.subsample_bounds.second is not None
         np.testing.assert_allclose(np.asarray(kernel.subsample_bounds.prior), 2 * np.eye(3), atol=1e-12)
-    assert_agree_with_draws(np.asarray(mcmc.get_samples()["w"]),
-                            np.asarray(run_nuts(logistic, (X, y, owner))["w"]))
+    assert_agree_with_draws(np.asarray(mcmc.get_samples()["w"]), np.asarray(run_nuts(logistic, (X, y, owner))["w"]))
 
 
 # -- through a federation ----------------------------------------------------------------------
@@ -423,13 +439,19 @@ def test_through_a_federation_and_in_deployment():
     posterior of NUTS, the clients' curvature in one set-up call each; deployment (each client
     loads its rows) gives the same draws."""
     X, y, owner = logistic_data(200, seed=2)
-    fed_kernel, fed_mcmc = run_zigzag(logistic, (X, y, owner), subsample_size=2, federation=InProcess(),
-                                      thinning="clients", num_samples=600, sample_interval=0.2)
+    fed_kernel, fed_mcmc = run_zigzag(
+        logistic,
+        (X, y, owner),
+        subsample_size=2,
+        federation=InProcess(),
+        thinning="clients",
+        num_samples=600,
+        sample_interval=0.2,
+    )
     ledger = fed_kernel.message_ledger(fed_mcmc)
     np.testing.assert_array_equal(ledger["row_curvature/messages_from_client"], [1, 1, 1, 1])
     assert int(fed_mcmc.get_extra_fields()["info.num_violations"].sum()) == 0
-    assert_agree_with_draws(np.asarray(fed_mcmc.get_samples()["w"]),
-                            np.asarray(run_nuts(logistic, (X, y, owner))["w"]))
+    assert_agree_with_draws(np.asarray(fed_mcmc.get_samples()["w"]), np.asarray(run_nuts(logistic, (X, y, owner))["w"]))
 
     order = np.argsort(owner, kind="stable")
     sizes = np.bincount(owner)
@@ -441,11 +463,24 @@ def test_through_a_federation_and_in_deployment():
     def deployed_model(X, y=None):
         return logistic(X, y, clients=np.repeat(np.arange(4), sizes))
 
-    sim_kernel, simulated = run_zigzag(deployed_model, (X[order], y[order]), subsample_size=2,
-                                       federation=InProcess(), thinning="clients", num_samples=50, num_warmup=10)
-    dep_kernel, deployed = run_zigzag(deployed_model, (), subsample_size=2,
-                                      federation=InProcess(loader=load, num_clients=4), thinning="clients",
-                                      num_samples=50, num_warmup=10)
+    sim_kernel, simulated = run_zigzag(
+        deployed_model,
+        (X[order], y[order]),
+        subsample_size=2,
+        federation=InProcess(),
+        thinning="clients",
+        num_samples=50,
+        num_warmup=10,
+    )
+    dep_kernel, deployed = run_zigzag(
+        deployed_model,
+        (),
+        subsample_size=2,
+        federation=InProcess(loader=load, num_clients=4),
+        thinning="clients",
+        num_samples=50,
+        num_warmup=10,
+    )
     assert dep_kernel.federated_potential.deployed
     np.testing.assert_array_equal(np.asarray(deployed.get_samples()["w"]), np.asarray(simulated.get_samples()["w"]))
 
@@ -455,13 +490,20 @@ def test_on_ray_agrees_with_in_process(ray_session):
     """The same run on Ray workers (each holding its rows) gives the in-process draws."""
     ray_federation = nf.RayFederation(timeout=120.0)
     X, y, owner = logistic_data(200, seed=6)
-    _, local = run_zigzag(logistic, (X, y, owner), subsample_size=2, federation=InProcess(), thinning="clients",
-                          num_samples=100, num_warmup=10)
-    _, remote = run_zigzag(logistic, (X, y, owner), subsample_size=2, federation=ray_federation, num_samples=100,
-                           num_warmup=10)
+    _, local = run_zigzag(
+        logistic,
+        (X, y, owner),
+        subsample_size=2,
+        federation=InProcess(),
+        thinning="clients",
+        num_samples=100,
+        num_warmup=10,
+    )
+    _, remote = run_zigzag(
+        logistic, (X, y, owner), subsample_size=2, federation=ray_federation, num_samples=100, num_warmup=10
+    )
     ray_federation.close()
-    np.testing.assert_allclose(np.asarray(remote.get_samples()["w"]), np.asarray(local.get_samples()["w"]),
-                               rtol=1e-10)
+    np.testing.assert_allclose(np.asarray(remote.get_samples()["w"]), np.asarray(local.get_samples()["w"]), rtol=1e-10)
 
 
 # -- float32 and bad input ---------------------------------------------------------------------
@@ -485,11 +527,14 @@ def test_float32():
         numpyro.enable_x64(True)
 
 
-@pytest.mark.parametrize("size, error, match", [
-    (0, ValueError, "subsample_size must be >= 1"),
-    (-3, ValueError, "subsample_size must be >= 1"),
-    (2.5, TypeError, "subsample_size must be an integer"),
-])
+@pytest.mark.parametrize(
+    "size, error, match",
+    [
+        (0, ValueError, "subsample_size must be >= 1"),
+        (-3, ValueError, "subsample_size must be >= 1"),
+        (2.5, TypeError, "subsample_size must be an integer"),
+    ],
+)
 def test_bad_subsample_size(size, error, match):
     with pytest.raises(error, match=match):
         nf.FedZigZag(logistic, subsample_size=size)
@@ -504,15 +549,18 @@ def test_subsample_larger_than_a_client_is_refused():
         mcmc.run(jax.random.PRNGKey(0), X, y, owner)
 
 
-@pytest.mark.parametrize("options, match", [
-    ({"dp_sensitivity": 2.0, "dp_epsilon": 1.0, "dp_delta": 1e-3}, "privacy guarantee"),
-    ({"control_variates": False}, "control_variates=False"),
-    ({"control_variates": "second_order", "thinning": "clients"}, "not with the clients' thinning"),
-    ({"control_variates": "second_order", "bounds": nf.RowHessianBound(lambda x, y: jnp.eye(3))}, "third="),
-    ({"bounds": "affine"}, "bounds at its default"),
-    ({"bounds": nf.HessianBound(1.0)}, "bounds at its default"),
-    ({"preconditioner": "laplace", "thinning": "clients"}, "not with the clients' thinning"),
-])
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"dp_sensitivity": 2.0, "dp_epsilon": 1.0, "dp_delta": 1e-3}, "privacy guarantee"),
+        ({"control_variates": False}, "control_variates=False"),
+        ({"control_variates": "second_order", "thinning": "clients"}, "not with the clients' thinning"),
+        ({"control_variates": "second_order", "bounds": nf.RowHessianBound(lambda x, y: jnp.eye(3))}, "third="),
+        ({"bounds": "affine"}, "bounds at its default"),
+        ({"bounds": nf.HessianBound(1.0)}, "bounds at its default"),
+        ({"preconditioner": "laplace", "thinning": "clients"}, "not with the clients' thinning"),
+    ],
+)
 def test_refused_combinations(options, match):
     """Subsampling with a DP guarantee (Theorem 5.1 does not cover estimated rates) and
     with settings it does not support: a clear error at construction."""

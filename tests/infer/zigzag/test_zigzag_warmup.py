@@ -37,8 +37,12 @@ def _intervals(mcmc_kernel, *args, num_warmup, num_samples, seed=1, **kwargs):
     mcmc = MCMC(mcmc_kernel, num_warmup=num_warmup, num_samples=num_samples, progress_bar=False)
     mcmc.warmup(jax.random.PRNGKey(seed), *args, collect_warmup=True, extra_fields=("adapt.interval",), **kwargs)
     warm = np.asarray(mcmc.get_extra_fields()["adapt.interval"])
-    mcmc.run(jax.random.PRNGKey(seed + 1), *args,
-             extra_fields=("adapt.interval", "info.elapsed", "info.num_violations", "info.hit_event_cap"), **kwargs)
+    mcmc.run(
+        jax.random.PRNGKey(seed + 1),
+        *args,
+        extra_fields=("adapt.interval", "info.elapsed", "info.num_violations", "info.hit_event_cap"),
+        **kwargs,
+    )
     return warm, np.asarray(mcmc.get_extra_fields()["adapt.interval"]), mcmc
 
 
@@ -117,8 +121,7 @@ def test_vectorized_chains_adapt_their_own_interval_through_a_federation():
 
     y, _, sd = _gaussian(400)
     kernel = nf.FedZigZag(gaussian_mean, federation=InProcess(), thinning="clients")
-    mcmc = MCMC(kernel, num_warmup=200, num_samples=5, num_chains=2, chain_method="vectorized",
-                progress_bar=False)
+    mcmc = MCMC(kernel, num_warmup=200, num_samples=5, num_chains=2, chain_method="vectorized", progress_bar=False)
     mcmc.run(jax.random.PRNGKey(0), y, extra_fields=("adapt.interval",))
     intervals = np.asarray(mcmc.get_extra_fields(group_by_chain=True)["adapt.interval"])[:, -1]
     assert intervals[0] != intervals[1]
