@@ -209,10 +209,9 @@ class FedZigZag(FederatedMCMCKernel):
         )
         # each checked setting under its argument's name (what repr shows); ``privacy`` too
         vars(self).update(options._asdict())
-        # repr shows what was asked for: not None's InProcess() nor "auto"'s choice
-        self._defaulted = {
-            name for name, default in (("federation", federation is None), ("thinning", thinning == "auto")) if default
-        }
+        # repr shows what was asked for: not "auto"'s choice (the shared face already hides the
+        # InProcess() that federation=None means)
+        self._defaulted = {"thinning"} if thinning == "auto" else set()
         #: with the clients' thinning: the bytes of one round's message to a client and of its reply
         self.message_sizes = {}
         #: with an engine backend: the state after the last completed draw and every completed
