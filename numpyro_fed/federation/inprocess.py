@@ -92,7 +92,8 @@ class InProcess(Federation):
                     f"client {m} has {spec}, client 0 has {specs[0]} (pad the rows to a common "
                     "length and mask them)"
                 )
-        self._blocks = jax.tree_util.tree_map(lambda *a: jnp.stack([jnp.asarray(x) for x in a]), *blocks)
+        # stacked on the host: a jnp.stack would compile one program per leaf shape
+        self._blocks = jax.tree_util.tree_map(lambda *a: jnp.asarray(np.stack([np.asarray(x) for x in a])), *blocks)
         self._program = program
         self._ledger = MessageLedger(program.num_clients)
         self._shared = _Shared(program, self._ledger, specs)
