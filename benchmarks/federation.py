@@ -49,7 +49,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import numpyro_fed as nf  # noqa: E402
 from numpyro_fed.federation import ClientProgram, InProcess  # noqa: E402
-from numpyro_fed.federation.ray_backend import thread_limits  # noqa: E402
+from numpyro_fed.federation.ray_worker import thread_limits  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 

@@ -42,8 +42,10 @@ The pieces:
   A hub-and-spoke engine (Flower) refuses them with a ``TypeError``.
 
 * :class:`MessageLedger` (``federation.ledger``): messages, bytes and rounds per client, per
-  call and direction. Engine backends count the payloads they send; :class:`InProcess` counts
-  what the algorithm reports through :meth:`Federation.record_calls` with sizes from shapes.
+  call and direction, counted by the seam: engine backends count the payloads they send,
+  :class:`InProcess` its calls as they run, with sizes from shapes. A sampler whose compiled
+  loop calls the clients at every event counts those calls in its own state instead
+  (:meth:`Federation.counted_by_caller`).
 * :class:`ClientError`: a client died, stopped answering within the timeout, or failed.
   Compiled code that calls a backend's host callbacks should run under
   ``with federation.guard():`` so the error surfaces as itself.

@@ -386,11 +386,14 @@ class Federation(abc.ABC):
         self.ledger.add("init_state", "to_client", None, messages=1, nbytes=nbytes, rounds=1)
         self.ledger.add("init_state", "from_client", None, messages=1, nbytes=0)
 
-    def record_calls(self, name: str, calls) -> None:
-        """Adds ``calls`` calls of ``name`` to the ledger (a count for every client, or an
-        ``(M,)`` array of counts per client), with message sizes from the shapes seen when the
-        call was traced. The algorithm's face calls it with the counts its core reports;
-        backends that count real payloads (Ray) ignore it."""
+    @contextlib.contextmanager
+    def counted_by_caller(self):
+        """Host side: calls traced inside this block are counted by their caller, in its own
+        state, not by this federation (a sampler whose compiled loop calls the clients at
+        every event). Only :class:`~numpyro_fed.federation.InProcess`, which counts a call
+        with a host callback when it runs, stops counting; an engine backend counts every
+        payload it sends."""
+        yield
 
     @contextlib.contextmanager
     def guard(self):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from functools import partial
+
 import numpy as np
 
 import jax
@@ -22,7 +25,16 @@ class _Shared:
         self.program = program
         self.ledger = ledger
         self.specs = specs
-        self.sizes = {}  # call name -> (kind, per-client bytes down, per-client bytes up)
+        self.sizes = {}  # call name -> (per-client bytes down, per-client bytes up)
+        self.counting = True  # False while tracing code whose caller counts its calls
+
+    def count(self, name, calls, _batch) -> None:
+        """Host side, called by the compiled code at every call it makes (``calls``: ``(M,)``
+        messages per client; one call per element of a ``vmap`` whose requests differ)."""
+        down, up = self.sizes[name]
+        calls = np.asarray(calls, dtype=np.int64)
+        self.ledger.add(name, "to_client", None, messages=calls, nbytes=calls * down, rounds=calls)
+        self.ledger.add(name, "from_client", None, messages=calls, nbytes=calls * up)
 
 
 def _slice_bytes(tree, num_clients):
@@ -36,8 +48,11 @@ class InProcess(Federation):
 
     An ``InProcess`` is a pytree whose leaves are the stacked blocks: pass it as an argument
     of a jitted function (rather than closing over it) so the blocks are not baked into the
-    compiled code as constants. Its ledger is filled by :meth:`record_calls` from the counts
-    the algorithm reports, with the message sizes seen when the calls were traced.
+    compiled code as constants. Every call counts itself in the ledger when it runs (a host
+    callback, ``jax.debug.callback``; under a ``vmap`` whose requests differ, one message per
+    element), with the message sizes seen when it was traced: the same counts an engine
+    backend makes from the payloads it sends. Code that calls the clients once per event of
+    a long compiled loop counts its calls itself instead (:meth:`counted_by_caller`).
 
     >>> import jax, jax.numpy as jnp
     >>> from numpyro_fed.federation import ClientProgram, InProcess
@@ -47,7 +62,6 @@ class InProcess(Federation):
     >>> step = jax.jit(lambda fed, w: fed.map("dot", w))
     >>> step(fed, jnp.ones(2, jnp.float32)).tolist()  # one reply per client
     [1.0, 5.0, 9.0]
-    >>> fed.record_calls("dot", 1)
     >>> fed.ledger.summary()["bytes_to_client"].tolist()  # w: 2 float32 per client
     [8, 8, 8]
     """
@@ -108,17 +122,32 @@ class InProcess(Federation):
     def block_specs(self) -> list:
         return list(self._shared.specs)
 
-    def record_calls(self, name: str, calls) -> None:
-        sizes = self._shared.sizes.get(name)
-        if sizes is None:
-            raise KeyError(
-                f"call '{name}' has not been traced on this federation: its message "
-                f"sizes are unknown (traced: {sorted(self._shared.sizes)})"
-            )
-        _, down, up = sizes
-        calls = np.broadcast_to(np.asarray(calls, dtype=np.int64), (self.num_clients,))
-        self.ledger.add(name, "to_client", None, messages=calls, nbytes=calls * down, rounds=calls)
-        self.ledger.add(name, "from_client", None, messages=calls, nbytes=calls * up)
+    @contextlib.contextmanager
+    def counted_by_caller(self):
+        """Host side: calls traced inside this block do not count themselves; their caller
+        counts them in its own state (a sampler whose compiled loop calls the clients at every
+        event, where a host callback per call would cost more than the call) and reports
+        them as part of its run's ledger. Engine backends count every payload they send."""
+        previous, self._shared.counting = self._shared.counting, False
+        try:
+            yield
+        finally:
+            self._shared.counting = previous
+
+    def _counted(self, name, down, up, calls, like) -> None:
+        """Records ``name``'s message sizes and, unless the caller counts, makes the compiled
+        code count ``calls`` (``(M,)``) when it runs; ``like``: the request, whose batching
+        under a ``vmap`` the count follows."""
+        self._shared.sizes[name] = (int(down), int(up))
+        if not self._shared.counting:
+            return
+        leaves = [
+            x
+            for x in jax.tree_util.tree_leaves(like)
+            if hasattr(x, "dtype") and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+        ]
+        batch = jnp.ravel(jnp.asarray(leaves[0]))[:1] if leaves else jnp.zeros(1, jnp.int32)
+        jax.debug.callback(partial(self._shared.count, name), calls, batch)
 
     def init_state(self, initial) -> ClientState:
         """Every client's initial state, stacked (leading axis ``M``), kept in the returned
@@ -136,11 +165,8 @@ class InProcess(Federation):
         per_client = tuple(per_client)
         replies = jax.vmap(lambda block, own: fn(block, *broadcast, *own))(self._blocks, per_client)
         m = self.num_clients
-        self._shared.sizes[name] = (
-            "map",
-            tree_nbytes(broadcast) + _slice_bytes(per_client, m),
-            _slice_bytes(replies, m),
-        )
+        down, up = tree_nbytes(broadcast) + _slice_bytes(per_client, m), _slice_bytes(replies, m)
+        self._counted(name, down, up, np.ones(m, np.int32), (broadcast, per_client))
         return replies
 
     def _map_stateful(self, name, broadcast, per_client, state):
@@ -149,11 +175,8 @@ class InProcess(Federation):
             self._blocks, state.values, per_client
         )
         m = self.num_clients
-        self._shared.sizes[name] = (
-            "map",
-            tree_nbytes(broadcast) + _slice_bytes(per_client, m),
-            _slice_bytes(replies, m),
-        )
+        down, up = tree_nbytes(broadcast) + _slice_bytes(per_client, m), _slice_bytes(replies, m)
+        self._counted(name, down, up, np.ones(m, np.int32), (broadcast, per_client))
         return ClientState(values, state.version + 1), replies
 
     def _one_stateful(self, name, client, broadcast, own, state):
@@ -173,7 +196,8 @@ class InProcess(Federation):
         else:
             raise ValueError(f"call '{name}': client must be an index or a 1-d array of them, got shape {client.shape}")
         values = jax.tree_util.tree_map(lambda a, n: a.at[client].set(n), state.values, new)
-        self._shared.sizes[name] = ("one", tree_nbytes(broadcast) + tree_nbytes(own_c), reply_bytes)
+        calls = jnp.zeros(self.num_clients, jnp.int32).at[client].add(1)
+        self._counted(name, tree_nbytes(broadcast) + tree_nbytes(own_c), reply_bytes, calls, (broadcast, own_c))
         return ClientState(values, state.version.at[client].add(1)), reply
 
     def one(self, name, client, *broadcast, own=(), state=None):
@@ -184,7 +208,8 @@ class InProcess(Federation):
         block = jax.tree_util.tree_map(take, self._blocks)
         own_c = jax.tree_util.tree_map(take, tuple(own))
         reply = fn(block, *broadcast, *own_c)
-        self._shared.sizes[name] = ("one", tree_nbytes(broadcast) + tree_nbytes(own_c), tree_nbytes(reply))
+        calls = jnp.zeros(self.num_clients, jnp.int32).at[client].add(1)
+        self._counted(name, tree_nbytes(broadcast) + tree_nbytes(own_c), tree_nbytes(reply), calls, (broadcast, own_c))
         return reply
 
     # -- decentralized agents ----------------------------------------------------------------

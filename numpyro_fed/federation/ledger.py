@@ -24,9 +24,8 @@ class MessageLedger:
     counted). A *round* of a client is one call it took part in (a request and its reply).
 
     :class:`~numpyro_fed.federation.RayFederation` fills its ledger from the payloads it
-    really sends; :class:`~numpyro_fed.federation.InProcess` from the calls the algorithm
-    reports (:meth:`Federation.record_calls <numpyro_fed.federation.Federation.record_calls>`)
-    and the message sizes known from the shapes.
+    really sends; :class:`~numpyro_fed.federation.InProcess` from its calls as they run (a
+    host callback per call), with the message sizes known from the shapes: the same counts.
 
     :param int num_clients: ``M``.
 

@@ -16,202 +16,28 @@ import os
 import pickle
 import shutil
 import sys
-import tempfile
 import time
 import uuid
 import warnings
-from collections import defaultdict
 
 import numpy as np
 
 import jax
-import jax.numpy as jnp
 
 from numpyro_fed.federation.base import ClientError, ClientProgram
 from numpyro_fed.federation.ledger import MessageLedger
 from numpyro_fed.federation.ray_agents import RayNetwork
+from numpyro_fed.federation.ray_worker import ClientWorker, import_ray, state_folder, thread_limits
 from numpyro_fed.federation.remote import RemoteFederation
 
-__all__ = ["RayFederation", "thread_limits"]
-
-
-def thread_limits(threads: int = 1) -> dict:
-    """Environment variables that limit a JAX process to ``threads`` compute threads (OpenMP,
-    MKL, OpenBLAS; with ``threads=1`` also XLA's multi-threaded Eigen kernels, which XLA can
-    only switch off, not size): what each client actor gets, so that several clients on one
-    machine do not oversubscribe its cores."""
-    n = str(threads)
-    limits = {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "OPENBLAS_NUM_THREADS": n, "TF_NUM_INTRAOP_THREADS": n}
-    if threads == 1:
-        limits["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false"
-    return limits
-
-
-def _import_ray():
-    try:
-        import ray
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError("RayFederation needs Ray: pip install 'numpyro_fed[ray]'") from exc
-    return ray
-
-
-# -- the actor --------------------------------------------------------------------------------
-
-
-def _state_folder(state_dir, federation_id):
-    """Where a federation's workers save their client state: ``state_dir`` (default: the
-    worker's temporary folder) / ``numpyro_fed_state`` / the federation's id."""
-    base = tempfile.gettempdir() if state_dir is None else state_dir
-    return os.path.join(base, "numpyro_fed_state", federation_id)
-
-
-class _ClientWorker:
-    """Client ``m``'s worker: its block, its functions compiled on first use, and its client
-    state (the last two versions, saved to its disk after each stateful call)."""
-
-    def __init__(self, client, x64, state_dir=None, federation_id=None):
-        jax.config.update("jax_enable_x64", bool(x64))
-        self.client = int(client)
-        self.program = None
-        self.block = None
-        self.compiled = {}
-        self.states = {}  # version -> this client's state (numpy leaves)
-        self.state_file = (
-            None
-            if federation_id is None
-            else os.path.join(_state_folder(state_dir, federation_id), f"client{self.client}.pkl")
-        )
-        self.busy = defaultdict(lambda: [0, 0.0])  # name -> [calls, seconds computing]
-
-    def describe(self, loader):
-        """Runs the user's loader here; reports shapes, dtypes and scalar settings only."""
-        from numpyro_fed.federation.base import describe_arguments
-
-        return describe_arguments(loader(self.client))
-
-    def load(self, program):
-        """Takes the program; loads (deployment) and checks the block; reports its shapes
-        and dtypes only."""
-        from numpyro_fed.federation.base import block_spec, check_block
-
-        self.program, self.block, self.compiled = program, None, {}
-        if not self.states:
-            self._restore_state()
-        if program.blocks is not None:
-            block = program.blocks[0]  # the driver sent this client's block only
-        else:
-            block = program.loader(self.client)
-        check_block(block, self.client, program.spec)
-        self.block = jax.tree_util.tree_map(jnp.asarray, block)
-        spec = block_spec(block)
-        return jax.tree_util.tree_map(lambda s: (tuple(s.shape), np.dtype(s.dtype).str), spec)
-
-    def ping(self):
-        return self.client
-
-    def _compiled(self, table, name, in_axes):
-        key = (table, name, repr(in_axes))
-        fn = self.compiled.get(key)
-        if fn is None:
-            raw = getattr(self.program, table)[name]
-            if in_axes is None:
-                fn = jax.jit(raw)
-            else:
-                fn = jax.jit(jax.vmap(raw, in_axes=(None,) + tuple(in_axes)))
-            self.compiled[key] = fn
-        return fn
-
-    def call(self, name, args, in_axes, version=None):
-        """``functions[name](block, *args)``, ``vmap``-ed over ``in_axes`` if not ``None``.
-        With ``version``: ``stateful[name](block, state, *args)`` from the state of that
-        version; keeps the new state as version ``version + 1`` (and the one it started
-        from, so that the same call again gives the same reply) and returns ``(reply,
-        version + 1)``."""
-        if version is not None:
-            return self._call_stateful(name, args, int(version))
-        fn = self._compiled("functions", name, in_axes)
-        start = time.perf_counter()
-        reply = jax.tree_util.tree_map(np.asarray, fn(self.block, *args))
-        busy = self.busy[name]
-        busy[0] += 1
-        busy[1] += time.perf_counter() - start
-        return reply
-
-    def _call_stateful(self, name, args, version):
-        if version not in self.states:
-            held = sorted(self.states)
-            raise LookupError(
-                f"client {self.client} holds no client state of version {version} (it holds "
-                f"{'versions ' + str(held) if held else 'none'}): its worker restarted without its saved "
-                f"state ({self.state_file or 'not saved'}), or the state is from another run or federation"
-            )
-        fn = self._compiled("stateful", name, None)
-        start = time.perf_counter()
-        new_state, reply = fn(self.block, self.states[version], *args)
-        new_state = jax.tree_util.tree_map(np.asarray, new_state)
-        reply = jax.tree_util.tree_map(np.asarray, reply)
-        self.states = {version: self.states[version], version + 1: new_state}
-        self._save_state()
-        busy = self.busy[name]
-        busy[0] += 1
-        busy[1] += time.perf_counter() - start
-        return reply, version + 1
-
-    def set_state(self, initial):
-        """Version 0 of this client's state (the versions a run reached stay until the next
-        stateful call moves past them)."""
-        self.states[0] = jax.tree_util.tree_map(np.asarray, initial)
-        self._save_state()
-        return self.client
-
-    def _save_state(self):
-        if self.state_file is None:
-            return
-        os.makedirs(os.path.dirname(self.state_file), exist_ok=True)
-        partial = f"{self.state_file}.{os.getpid()}.tmp"
-        with open(partial, "wb") as f:
-            pickle.dump(self.states, f, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(partial, self.state_file)  # a crash mid-write leaves the previous file
-
-    def _restore_state(self):
-        if self.state_file is not None and os.path.exists(self.state_file):
-            with open(self.state_file, "rb") as f:
-                self.states = pickle.load(f)
-
-    def clear_state(self):
-        """Forgets this client's state and removes its saved copy."""
-        self.states = {}
-        if self.state_file is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(self.state_file)
-            with contextlib.suppress(OSError):
-                os.rmdir(os.path.dirname(self.state_file))
-        return self.client
-
-    def call_packed(self, payload):
-        """:meth:`call` with its arguments and reply pickled into one ``bytes`` each: Ray
-        serializes every argument and return value on its own (msgpack and pickle framing
-        each time), which costs more than a small call's arrays; one buffer each way costs
-        one."""
-        name, args, in_axes, version = pickle.loads(payload)
-        return pickle.dumps(self.call(name, args, in_axes, version), protocol=pickle.HIGHEST_PROTOCOL)
-
-    def compute_time(self):
-        """``{name: (calls, seconds)}``: the calls this client answered and the time it spent
-        in their functions (not in Ray)."""
-        return {name: (calls, seconds) for name, (calls, seconds) in self.busy.items()}
-
-    def sleep(self, seconds):
-        """For tests and benchmarks: keep the worker busy."""
-        time.sleep(seconds)
-        return self.client
+__all__ = ["RayFederation"]
 
 
 # -- the federation -----------------------------------------------------------------------------
 
 
 #: calls whose arguments are smaller than this many bytes are pickled into one buffer (see
-#: :meth:`_ClientWorker.call_packed`); larger ones go through Ray's own serialization,
+#: :meth:`ClientWorker.call_packed`); larger ones go through Ray's own serialization,
 #: which puts large arrays in its object store without a copy
 PACK_LIMIT = 1 << 16
 
@@ -225,13 +51,14 @@ class RayFederation(RemoteFederation):
     :param float timeout: seconds to wait for a client's reply (and for the clients to start)
         before raising :class:`~numpyro_fed.federation.ClientError` naming it.
     :param int threads: compute threads per client actor (``None``: leave JAX's defaults);
-        see :func:`thread_limits`.
+        see :func:`~numpyro_fed.federation.ray_worker.thread_limits`.
     :param actor_options: Ray options of each client's actor: a dict, or a function
         ``m -> dict`` (e.g. ``lambda m: {"resources": {f"client{m}": 1}}`` pins client ``m``
         to the node started with that custom resource). Default ``{"num_cpus": 0,
         "scheduling_strategy": "SPREAD"}``: a client reserves no CPU (so ``M`` clients fit on
-        a machine with fewer cores; :func:`thread_limits` keeps them from oversubscribing it)
-        and the clients are spread over the cluster's nodes.
+        a machine with fewer cores;
+        :func:`~numpyro_fed.federation.ray_worker.thread_limits` keeps them from
+        oversubscribing it) and the clients are spread over the cluster's nodes.
     :param float start_timeout: seconds to wait for the actors to start and load their blocks
         (a new process imports JAX: several seconds on a loaded machine).
     :param dict env_vars: more environment variables for the actors.
@@ -305,7 +132,7 @@ class RayFederation(RemoteFederation):
 
     # -- host side -------------------------------------------------------------------------
     def _ensure_ray(self):
-        ray = _import_ray()
+        ray = import_ray()
         if not ray.is_initialized():
             kwargs = {"include_dashboard": False, "log_to_driver": False}
             if self.address is None:
@@ -347,7 +174,7 @@ class RayFederation(RemoteFederation):
             return self._actors
         self._kill_actors()
         ray = self._ensure_ray()
-        remote = ray.remote(_ClientWorker)
+        remote = ray.remote(ClientWorker)
         x64 = bool(jax.config.jax_enable_x64)
         self._actors = [
             remote.options(**self._options(m)).remote(m, x64, self.state_dir, self.federation_id)
@@ -409,7 +236,7 @@ class RayFederation(RemoteFederation):
                 except Exception:
                     clients.append(m)
         clients = sorted(int(c) for c in clients)
-        remote = ray.remote(_ClientWorker)
+        remote = ray.remote(ClientWorker)
         x64 = bool(jax.config.jax_enable_x64)
         for m in clients:
             with contextlib.suppress(Exception):
@@ -436,7 +263,7 @@ class RayFederation(RemoteFederation):
         self._network = None  # a decentralized network's agents are among the actors killed
         if not self._actors:
             return
-        ray = _import_ray()
+        ray = import_ray()
         with contextlib.suppress(Exception):  # the live workers remove their saved states
             ray.wait(
                 [a.clear_state.remote() for a in self._actors],
@@ -449,14 +276,14 @@ class RayFederation(RemoteFederation):
         self._actors = []
         self._state_struct = None
         if self.address is None:  # a local Ray: the workers' folder is on this machine
-            shutil.rmtree(_state_folder(self.state_dir, self.federation_id), ignore_errors=True)
+            shutil.rmtree(state_folder(self.state_dir, self.federation_id), ignore_errors=True)
 
     def close(self) -> None:
         """Ends the client actors (and the local Ray this federation started)."""
         self._kill_actors()
         self._program = None
         if self._started_ray:
-            _import_ray().shutdown()
+            import_ray().shutdown()
             self._started_ray = False
 
     @property
@@ -467,7 +294,7 @@ class RayFederation(RemoteFederation):
     def _gather(self, call, refs, *, refuse=False, timeout=None):
         """Waits for ``{client: ref}``; a :class:`ClientError` naming the silent, dead or
         failing clients (a ``ValueError`` for data refused at ``setup``)."""
-        ray = _import_ray()
+        ray = import_ray()
         from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
         timeout = self.timeout if timeout is None else timeout
@@ -528,7 +355,7 @@ class RayFederation(RemoteFederation):
         """Per client, ``{name: (calls, seconds)}``: the calls it answered since it started and
         the time it spent computing them (its function, not Ray): with the ledger's round
         trips, what a round costs on the clients and what it costs in transport."""
-        ray = _import_ray()
+        ray = import_ray()
         return ray.get([a.compute_time.remote() for a in self._actors], timeout=self.timeout)
 
     # -- transport hooks (see RemoteFederation) ------------------------------------------------

@@ -86,17 +86,23 @@ def test_inprocess_ledger_derives_bytes_from_shapes():
     fed = InProcess().start(toy_program())
     theta = jnp.zeros(D)
     jax.jit(lambda f, t, o: f.map("scaled", t, per_client=(o,)))(fed, theta, jnp.ones(M))
-    jax.jit(lambda f, c: f.one("sum", c, theta))(fed, 1)
-    fed.record_calls("scaled", 5)
-    fed.record_calls("sum", [0, 2, 0])
+    one = jax.jit(lambda f, c: f.one("sum", c, theta))
+    one(fed, 1)
+    one(fed, 1)
+    # a vmap over 3 chains whose requests differ: one message per chain
+    jax.jit(jax.vmap(lambda f, t: f.map("scaled", t, per_client=(jnp.ones(M),)), in_axes=(None, 0)))(
+        fed, jnp.zeros((3, D))
+    )
+    # the calls a caller counts itself are not counted
+    with fed.counted_by_caller():
+        jax.jit(lambda f: f.map("scaled", theta, per_client=(jnp.ones(M),)))(fed)
     s = fed.ledger.summary()
     itemsize = theta.dtype.itemsize
-    np.testing.assert_array_equal(s["scaled/bytes_to_client"], 5 * (D + 1) * itemsize)
-    np.testing.assert_array_equal(s["scaled/bytes_from_client"], 5 * D * itemsize)
+    # the seam counts every call it carries when it runs: 1 + 3 "scaled", 2 "sum" to client 1
+    np.testing.assert_array_equal(s["scaled/bytes_to_client"], 4 * (D + 1) * itemsize)
+    np.testing.assert_array_equal(s["scaled/bytes_from_client"], 4 * D * itemsize)
     np.testing.assert_array_equal(s["sum/messages_to_client"], [0, 2, 0])
-    np.testing.assert_array_equal(s["rounds"], [5, 7, 5])
-    with pytest.raises(KeyError, match="not been traced"):
-        fed.record_calls("never", 1)
+    np.testing.assert_array_equal(s["rounds"], [4, 6, 4])
 
 
 def test_inprocess_agent_network_runs_the_agents_against_their_neighbours_only():
@@ -224,11 +230,7 @@ def test_ray_ledger_counts_the_payloads_and_agrees_with_the_inprocess_ledger(ray
     local.ledger.reset()
     run_toy_calls(ray_fed)
     run_toy_calls(local)
-    # what an algorithm reports: its calls per name (per chain; per client for `one`)
-    local.record_calls("sum", 1 + 2)  # "map", and "loop" (2 maps)
-    local.record_calls("sum", [1, 0, 2])  # "one_chains": clients 2, 0, 2
-    local.record_calls("scaled", 3)  # "map_chains": 3 chains
-    local.record_calls("scaled", [0, 0, 1])  # "one": client 2
+    # both count what crossed: the engine from its payloads, InProcess from its calls as they run
     ray_summary, local_summary = ray_fed.ledger.summary(), local.ledger.summary()
     assert ray_summary.keys() == local_summary.keys()
     for key in ray_summary:

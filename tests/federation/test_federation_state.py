@@ -82,7 +82,6 @@ def test_in_process_state_is_kept_per_client_and_never_counted():
     np.testing.assert_allclose(r1, replies[0])
     np.testing.assert_allclose(r2, replies[1][0])
     np.testing.assert_allclose(r3, replies[2])
-    fed.record_calls("accumulate", [2, 1, 3])
     ledger = fed.ledger.summary()
     # down: w (8 bytes, float32 under the test's float64: w is a Python float -> weak type)
     # and the client's own number; up: its reply. The state (3 numbers) never.

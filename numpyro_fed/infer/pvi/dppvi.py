@@ -373,11 +373,7 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         signature)."""
         plan = self._require_plan()
         with plan.federation.guard():
-            out = plan.round_fn(rng_key, state, plan.federation)
-        # one update per client and one term of the loss per client, every round
-        plan.federation.record_calls("update", 1)
-        plan.federation.record_calls("expected_log_lik", 1)
-        return out
+            return plan.round_fn(rng_key, state, plan.federation)
 
     def run(self, rng_key, num_rounds: int | None, *args, init_state: PVIState | None = None, **kwargs) -> RunResult:
         """Runs ``num_rounds`` rounds (each visits every client once).
@@ -496,9 +492,7 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
             )
         plan = self._require_plan()
         with plan.federation.guard():
-            loss = plan.loss_fn(rng_key, state.q, state.prior, plan.federation)
-        plan.federation.record_calls("expected_log_lik", 1)
-        return loss
+            return plan.loss_fn(rng_key, state.q, state.prior, plan.federation)
 
     def arviz_dicts(self, result: RunResult, *, num_samples: int | None = None, rng_key=None) -> dict:
         """Draws of ``q`` as the posterior (one chain), per-round diagnostics as

@@ -189,10 +189,7 @@ class GaussianPVI(VariationalMethod):
         client = self.client_of_round(key_client, int(state.round))
         federation = self._active_federation
         with federation.guard():
-            out = self._round_fn(key_round, state, jnp.asarray(client), federation)
-        federation.record_calls("update", np.arange(federation.num_clients) == client)
-        federation.record_calls("expected_log_lik", 1)
-        return out
+            return self._round_fn(key_round, state, jnp.asarray(client), federation)
 
     def record(self, state, info) -> dict:
         loc, scale = loc_scale(state.q)
@@ -207,9 +204,7 @@ class GaussianPVI(VariationalMethod):
         rng_key = jax.random.PRNGKey(0) if rng_key is None else rng_key
         federation = self._active_federation
         with federation.guard():
-            loss = self._loss_fn(rng_key, state.q, state.prior, federation)
-        federation.record_calls("expected_log_lik", 1)
-        return loss
+            return self._loss_fn(rng_key, state.q, state.prior, federation)
 
     def log_density(self, result: RunResult, particles) -> jax.Array:
         """``log q`` of the final Gaussian at ``(n, d)`` flat unconstrained points."""

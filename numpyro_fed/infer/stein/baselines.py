@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
 
@@ -127,10 +125,6 @@ class SVGD(ParticleMethod):
             stochastic=self.batch_size is not None,
         )
         return lambda rng_key, state, federation, client: step(rng_key, state, federation)
-
-    def round_calls(self, client):
-        """Every client's gradient at every step of the round."""
-        return {"grad": np.full(self.federated_potential.num_clients, self.steps_per_round)}
 
 
 class FedAvg(ParticleMethod):

@@ -184,15 +184,14 @@ class ParticleMethod(VariationalMethod):
 
         return score
 
-    def _through_clients(self, fn: Callable, calls: int = 1, ledger: dict | None = None):
+    def _through_clients(self, fn: Callable, ledger: dict | None = None):
         """``fn()`` (a diagnostic computed with :meth:`_target_score`) with the federation's
-        guard, its ``calls`` calls of ``"potential_grad"`` recorded in the federation's ledger
-        and, given a run's ``ledger`` (:attr:`RunResult.ledger`), added to it."""
+        guard and, given a run's ``ledger`` (:attr:`RunResult.ledger`), its calls (counted by
+        the federation) added to it."""
         federation = self._active_federation
         before = federation.ledger.summary()
         with federation.guard():
             out = jax.tree.map(np.asarray, fn())
-        federation.record_calls("potential_grad", calls)
         if ledger is not None:
             for name, value in federation.ledger.summary().items():
                 if not name.startswith("init_state/"):  # as the run's ledger (see run_ledger)
@@ -225,12 +224,6 @@ class ParticleMethod(VariationalMethod):
         driver, on every backend."""
         raise NotImplementedError
 
-    def round_calls(self, client) -> dict:
-        """The calls of the clients' functions in a round that scheduled ``client`` (an index
-        or an array of them), ``{name: calls}`` (a count per client): what the ledger adds
-        after the round. Default: one ``"update"`` per scheduled client."""
-        return {"update": np.bincount(np.ravel(np.asarray(client)), minlength=self.federated_potential.num_clients)}
-
     # -- SVI's face ------------------------------------------------------------------------------
     def init(self, rng_key, *args, init_particles=None, num_rounds: int | None = None, **kwargs):
         """The initial state: particles drawn from the prior (or ``init_particles``, ``(N, d)``
@@ -254,10 +247,7 @@ class ParticleMethod(VariationalMethod):
             # not baked into the program) and closes over any other
             self._step = jit_round(lambda key, s, c, fed: step(key, s, fed, c))
         with federation.guard():
-            out = self._step(rng_key, state, jnp.asarray(client), federation)
-        for name, calls in self.round_calls(client).items():
-            federation.record_calls(name, calls)
-        return out
+            return self._step(rng_key, state, jnp.asarray(client), federation)
 
     def _round_key(self, rng_key):
         """The key a round passes to the core: used for minibatches only (the cores are
@@ -357,7 +347,7 @@ class ParticleMethod(VariationalMethod):
         ``ledger``)."""
         particles = jnp.asarray(particles)
         statistics = stein_statistics(self._target_score())
-        return self._through_clients(lambda: statistics(particles), particles.shape[0], ledger)
+        return self._through_clients(lambda: statistics(particles), ledger)
 
     def _run_keys(self, rng_key):
         """``(k_init, k_order, k_rounds)`` of a run: the initial particles, a random client

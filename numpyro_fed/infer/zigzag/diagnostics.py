@@ -227,9 +227,9 @@ def term_ledger(grad_evals, num_proposals, num_clients: int, d: int, itemsize: i
 def run_ledger(rounds, num_clients: int, message_sizes: dict, setup: dict | None = None) -> dict:
     """A run's ledger per client, ``{name: (M,) int array}``: the rounds' totals (prefixed
     ``"propose/"``, ``"propose/rounds"`` included; or, given as ``rounds``, the server's
-    thinning's calls of :func:`term_ledger`) and the set-up calls' (``setup``, as
-    :meth:`SetupTally.summary <numpyro_fed.infer.zigzag.setup.SetupTally.summary>` gives them),
-    then their sums without the prefix."""
+    thinning's calls of :func:`term_ledger`) plus the calls the federation counted (``setup``,
+    ``{"<name>/<count>": (M,)}``: the set-up's and the warmup's), then their sums without the
+    prefix."""
     if isinstance(rounds, dict):  # the server's thinning's calls, as term_ledger gives them
         ledger = dict(rounds)
     else:
@@ -238,7 +238,8 @@ def run_ledger(rounds, num_clients: int, message_sizes: dict, setup: dict | None
             for name, value in round_ledger(rounds, num_clients, message_sizes).items()
         }
         ledger["propose/rounds"] = ledger["propose/messages_from_client"].copy()
-    ledger.update(setup or {})
+    for key, value in (setup or {}).items():
+        ledger[key] = ledger.get(key, 0) + value
     totals = {}
     for key, value in ledger.items():
         name = key.split("/", 1)[1]

@@ -42,7 +42,6 @@ def find_mode(
     max_newton_steps: int = 20,
     newton_tolerance: float = 0.05,
     hessian=None,
-    tally=None,
 ) -> ModeSearch:
     """The MAP of the aggregated potential, or the report that there is none.
 
@@ -66,24 +65,20 @@ def find_mode(
     With a federation ``fn`` is ``prior + sum(federation.map("value_and_grad", x))`` and
     ``hessian`` the one that asks the clients for theirs
     (:class:`~numpyro_fed.infer.zigzag.setup.ClientTerms`): every evaluation is one call,
-    counted in ``tally`` (a :class:`~numpyro_fed.infer.zigzag.setup.SetupTally`): the BFGS's
-    evaluations (its ``nfev``), the gradients and values of the checks, one Hessian per
-    Newton check.
+    counted by the federation as it runs: the BFGS's evaluations, the gradients and values of
+    the checks, one Hessian per Newton check.
 
     :param hessian: ``x -> (d, d)`` (default ``jax.hessian(fn)``).
-    :param tally: counts the evaluations of ``fn`` (``"value_and_grad"``) and ``hessian``.
     """
     dtype = x0.dtype
     eps = float(jnp.finfo(dtype).eps)
-    count = tally.add if tally is not None else (lambda name, messages=1: None)
     grad, value = jax.jit(jax.grad(fn)), jax.jit(fn)
-    count("value_and_grad")
     scale = 1.0 + float(jnp.max(jnp.abs(grad(x0))))
     gtol = math.sqrt(eps) * scale if math.isfinite(scale) else 1.0
 
     def minimized(x):
         result = minimize(fn, x, method="BFGS", options={"maxiter": num_steps, "gtol": gtol})
-        return result.x, result.nfev
+        return result.x
 
     run = jax.jit(minimized)
     hessian = jax.jit(jax.hessian(fn) if hessian is None else hessian)
@@ -101,8 +96,6 @@ def find_mode(
         return positive, g, step, jnp.max(jnp.maximum(jnp.abs(step) - floor, 0.0) / sd)
 
     def newton_step(x):
-        count("value_and_grad")
-        count("hessian")
         positive, g, step, size = newton(x)
         if not bool(positive):
             return math.inf, g, None
@@ -113,8 +106,7 @@ def find_mode(
     step, g, direction = newton_step(x)
     while step > newton_tolerance and attempts < max_attempts:
         attempts += 1
-        candidate, evaluations = run(x)
-        count("value_and_grad", int(evaluations) + 2)
+        candidate = run(x)
         if not (bool(jnp.all(jnp.isfinite(candidate))) and float(value(candidate)) <= float(value(x))):
             break
         moved = float(jnp.max(jnp.abs(candidate - x)))

@@ -23,21 +23,11 @@ from numpyro.infer.initialization import init_to_uniform
 from numpyro.util import is_prng_key
 
 from numpyro_fed._checks import user_origin, warn_user
-from numpyro_fed.infer.kernel import FederatedMCMCKernel, RunCheck
-from numpyro_fed.infer.zigzag.bounds import HessianBound, bound_kind, per_proposer_bound
+from numpyro_fed.infer.kernel import FederatedMCMCKernel
+from numpyro_fed.infer.zigzag.bounds import HessianBound, per_proposer_bound
 from numpyro_fed.infer.zigzag.control_variates import ControlVariates
 from numpyro_fed.infer.zigzag.diagnostics import (
     DIAGNOSTICS,
-    SKELETON,
-    TRAJECTORY,
-    few_effective_draws,
-    per_client_stats,
-    rate_problems,
-    round_ledger,
-    run_ledger,
-    skeleton_of,
-    term_ledger,
-    trajectory_moments_of,
 )
 from numpyro_fed.infer.zigzag.draws import DrawSettings, FirstDraw, first_draw, next_draw
 from numpyro_fed.infer.zigzag.federated import build_federated_kernel, federated_init
@@ -53,7 +43,8 @@ from numpyro_fed.infer.zigzag.preconditioning import (
 )
 from numpyro_fed.infer.zigzag.program import ProgramCache, client_calls, program_key
 from numpyro_fed.infer.zigzag.proposers import client_functions, federation_proposers, initial_prior_weights
-from numpyro_fed.infer.zigzag.setup import ClientTerms, SetupTally, federated_reference
+from numpyro_fed.infer.zigzag.reporting import ZigZagReports
+from numpyro_fed.infer.zigzag.setup import ClientTerms, federated_reference
 from numpyro_fed.infer.zigzag.subsample import rows_per_estimate, subsample_layout, subsampled_proposers
 from numpyro_fed.infer.zigzag.subsample_setup import SubsampleBoundSetup, grow_bound, subsample_bounds, subsample_order
 from numpyro_fed.infer.zigzag.warmup import DEFAULT_INTERVAL, INITIAL_INTERVAL, warmup_adaptation
@@ -75,7 +66,7 @@ class _Plan(NamedTuple):
     data_key: Any = None
 
 
-class FedZigZag(FederatedMCMCKernel):
+class FedZigZag(ZigZagReports, FederatedMCMCKernel):
     """Federated Zig-Zag sampler (Bierkens, Duncan et al. 2022, Algorithm 2) as a NumPyro
     :class:`~numpyro.infer.mcmc.MCMCKernel`.
 
@@ -219,9 +210,11 @@ class FedZigZag(FederatedMCMCKernel):
         self.last_completed_state = None
         self.completed_draws = []
         self._programs = ProgramCache()
-        #: after ``init``: the set-up calls it made
-        #: (a :class:`~numpyro_fed.infer.zigzag.setup.SetupTally`)
-        self.setup_tally = None
+        #: after ``init``: the federation's ledger before the set-up (a run's ledger is what
+        #: the federation counted since, plus what the core counted itself) and the sizes of
+        #: the server's thinning's messages, ``(d, itemsize)``
+        self.ledger_baseline = None
+        self.message_dims = None
         #: after ``init``: the :class:`~numpyro_fed.infer.zigzag.Preconditioner` (or ``None``),
         #: the mode (or ``None``) and the search for it (a :class:`ModeSearch`)
         self.preconditioning = None
@@ -242,128 +235,7 @@ class FedZigZag(FederatedMCMCKernel):
         values = super().hyperparameters()
         return {name: value for name, value in values.items() if name not in self._defaulted}
 
-    # -- what a run reports ------------------------------------------------------------------
-
-    @property
-    def default_fields(self):
-        fields = DIAGNOSTICS + TRAJECTORY + (SKELETON if self.skeleton_size else ())
-        return ("z",) + tuple("info." + name for name in fields)
-
-    def diagnose(self, mcmc, *, min_ess: float = 50.0) -> RunCheck:
-        """What went wrong in a run, if anything (:meth:`check_run` warns, or raises with
-        ``strict``; :func:`~numpyro_fed.to_inference_data` calls it): proposals whose exact
-        rate exceeded its bound (each one biases the chain slightly), samples cut short by
-        ``max_proposals``, and draws too few to summarize: a site's element with fewer than
-        ``min_ess`` effective draws (NumPyro's estimator over the chains), whose mean then
-        carries a Monte Carlo error above ``1 / sqrt(min_ess)`` (0.14) of its sd.
-
-        Its ``result`` (what :meth:`check_run` returns) is ``(num_violations, num_proposals,
-        num_capped_samples)``.
-        """
-        problems = few_effective_draws(
-            mcmc.get_samples(group_by_chain=True), min_ess, preconditioned=self.preconditioner is not None
-        )
-        interval = self.sample_interval
-        state = getattr(mcmc, "last_state", None)
-        if interval is None and state is not None and hasattr(state, "adapt"):
-            interval = float(f"{float(np.max(jax.device_get(state.adapt.interval))):.3g}")
-        violations, proposals, capped, rates = rate_problems(
-            mcmc.get_extra_fields(), kind=self._bound_kind(), max_proposals=self.max_proposals, sample_interval=interval
-        )
-        return RunCheck(problems + rates, (violations, proposals, capped))
-
-    def _bound_kind(self):
-        return "subsample" if self.subsample_size is not None else bound_kind(self.bounds)
-
-    def trajectory_moments(self, mcmc):
-        """Mean and covariance (or variance) of the whole sampled path, computed exactly
-        from the piecewise-linear trajectory rather than from the draws; on the flat
-        unconstrained space (see :meth:`FederatedPotential.unravel`).
-
-        :return: ``{"mean": (d,), "cov": (d, d)}`` with ``full_covariance``, else
-            ``{"mean": (d,), "var": (d,)}``.
-        """
-        return trajectory_moments_of(mcmc.get_extra_fields(), self.preconditioning)
-
-    def skeleton(self, mcmc, *, chain: int = 0):
-        """The recorded switches of one chain's sampling phase: ``(times, positions,
-        velocities)`` with times counted from the first sample's start, positions flat
-        unconstrained. The path is the straight line between consecutive points."""
-        if not self.skeleton_size:
-            raise ValueError("no skeleton was recorded: pass skeleton_size > 0 to FedZigZag")
-        return skeleton_of(mcmc.get_extra_fields(group_by_chain=True), chain, self.skeleton_size, self.preconditioning)
-
-    def sample_stats(self, extra_fields):
-        """Diagnostics by name from ``MCMC.get_extra_fields(group_by_chain=True)``:
-        ``{name: (array, dims)}``; per-client counts get a ``client`` dim, the prior's
-        proposer (when it is the server's) its own entries. With a ``federation``, the message
-        ledger of every draw: ``messages_to_client``, ``bytes_to_client``,
-        ``messages_from_client``, ``bytes_from_client`` (``client`` dim; see
-        :meth:`message_ledger`). ``grad_row_evals`` (and ``grad_row_evals_by_client``): the
-        row gradients the clients evaluated in each draw, their gradient evaluations times
-        :attr:`rows_per_gradient` (all their rows, or with ``subsample_size`` the batch at
-        the point and at the reference)."""
-        num_clients = self.federated_potential.num_clients
-        stats = per_client_stats(extra_fields, num_clients, self.prior == "server")
-        evals = extra_fields.get("info.grad_evals_by_proposer")
-        if evals is not None and self.rows_per_gradient is not None:
-            rows = np.asarray(jax.device_get(evals))[..., :num_clients].astype(np.int64) * self.rows_per_gradient
-            stats["grad_row_evals_by_client"] = (rows, ["client"])
-            stats["grad_row_evals"] = (rows.sum(-1), [])
-        if self.thinning == "clients" and "info.rounds" in extra_fields:
-            rounds = np.asarray(jax.device_get(extra_fields["info.rounds"]))
-            stats.update(
-                {
-                    name: (value, ["client"])
-                    for name, value in round_ledger(rounds, num_clients, self.message_sizes).items()
-                }
-            )
-        return stats
-
-    def message_ledger(self, mcmc) -> dict:
-        """What crossed the wire in ``mcmc``'s run, per client: ``{name: (M,) int array}``
-        with the names of :meth:`MessageLedger.summary
-        <numpyro_fed.federation.MessageLedger.summary>`: totals (``messages_to_client``,
-        ``bytes_to_client``, ``messages_from_client``, ``bytes_from_client``, ``rounds``) and
-        the same per call, prefixed ``"propose/"``, ``"value_and_grad/"``, ``"hessian/"``.
-
-        ``propose``: in a round the server sends every client the current point and its
-        settings, and every client answers with one
-        :class:`~numpyro_fed.infer.zigzag.federated.Proposal` (its first switching time and
-        coordinate; plus its :class:`~numpyro_fed.infer.zigzag.federated.ClientCounts` when no
-        privacy guarantee is asked for); the rounds of the warmup's draws are included when
-        ``mcmc`` recorded them (``collect_warmup=True``). The set-up calls
-        (:mod:`~numpyro_fed.infer.zigzag.setup`: the mode search, the control variates'
-        reference, a Laplace preconditioner, the warmup's re-centering and comparison) are
-        always included: ``d`` numbers down per message, ``d + 1`` up for
-        ``"value_and_grad"``, ``d^2`` for ``"hessian"``.
-
-        With the server's thinning (``thinning="server"``) there are no rounds: the calls are
-        ``"grad_and_slope"`` (every line's bound asks every client, once per evaluation) and
-        ``"grad"`` (each proposal's winner alone), counted from the draws' gradient
-        evaluations (:func:`~numpyro_fed.infer.zigzag.diagnostics.term_ledger`)."""
-        num_clients = self.federated_potential.num_clients
-        fields = mcmc.get_extra_fields()
-        if self.thinning == "server":
-            d = self.setup_tally.d
-            rounds = term_ledger(
-                jax.device_get(fields["info.grad_evals_by_proposer"]),
-                jax.device_get(fields["info.num_proposals"]),
-                num_clients,
-                d,
-                self.setup_tally.itemsize,
-            )
-        else:
-            rounds = np.asarray(jax.device_get(fields["info.rounds"]))
-        setup = None
-        if self.setup_tally is not None:
-            warmup = {}
-            state = getattr(mcmc, "last_state", None)
-            if state is not None and hasattr(state, "adapt"):
-                calls = np.asarray(jax.device_get(state.adapt.client_calls)).reshape(-1, 2).sum(0)
-                warmup = {"value_and_grad": int(calls[0]), "hessian": int(calls[1])}
-            setup = self.setup_tally.summary(num_clients, warmup)
-        return run_ledger(rounds, num_clients, self.message_sizes, setup)
+    # -- draws -------------------------------------------------------------------------------
 
     def _keep_completed(self, state):
         """Host side: keeps the state after a completed draw (and its draw)."""
@@ -371,9 +243,6 @@ class FedZigZag(FederatedMCMCKernel):
         self.last_completed_state = state
         self.completed_draws.append(state.z)
         return np.zeros(np.shape(state.i), np.int32)
-
-    def get_diagnostics_str(self, state):
-        return "{} events, {} proposals".format(int(state.info.num_events), int(state.info.num_proposals))
 
     # -- set-up: the mode, the preconditioner, the kernel ------------------------------------
 
@@ -517,7 +386,7 @@ class FedZigZag(FederatedMCMCKernel):
         named calls, the server's view of the proposers, and ``plan`` with the data key."""
         clients = client_functions(potential)
         d = start.shape[-1]
-        self.setup_tally = SetupTally(d, start.dtype.itemsize)
+        self.message_dims = (d, start.dtype.itemsize)
         plan = plan._replace(data_key=ProgramCache.data_key_of(potential, self.private_randomness))
         fed = self.federation
         if not self._programs.runs_data(fed, plan.data_key):
@@ -533,6 +402,7 @@ class FedZigZag(FederatedMCMCKernel):
             self._programs.start(
                 fed, potential, functions, key, plan.data_key, private_randomness=self.private_randomness
             )
+        self.ledger_baseline = fed.ledger.summary()
         terms = ClientTerms(fed, potential.flat().prior_potential, potential.num_clients, self.prior == "server")
         return clients, terms, terms.proposers(clients.prior_grad_and_slope), plan
 
@@ -595,11 +465,7 @@ class FedZigZag(FederatedMCMCKernel):
         if self.preconditioning is not None and self.reference_point is not None:
             point = self.preconditioning.to_u(point)
         # one compiled call (eagerly, each operation over the clients' rows compiles on its own)
-        reference = jax.jit(reference_fn)(point)
-        self.setup_tally.add("value_and_grad")
-        if plan.order == 2:
-            self.setup_tally.add("hessian")
-        return reference
+        return jax.jit(reference_fn)(point)
 
     def _subsampling(self, potential, plan, reference, hessian, clients, proposers):
         """``(bounds, proposers)`` with subsampling: the clients' bounds on their rate
@@ -614,7 +480,6 @@ class FedZigZag(FederatedMCMCKernel):
             self.subsample_size,
             self.preconditioning,
             None if server_thinning else self.federation,
-            self.setup_tally,
             self.federation.blocks if server_thinning else None,
         )
         bounds, weights, self.unbounded_curvature = subsample_bounds(
@@ -637,22 +502,35 @@ class FedZigZag(FederatedMCMCKernel):
             self._programs.start(
                 self.federation, potential, functions, key, plan.data_key, private_randomness=self.private_randomness
             )
-            return jax.jit(kernel)
+            return jax.jit(self._counted_by_kernel(kernel))
         return jax.jit(
-            build_kernel(
-                proposers,
-                reference=reference,
-                excess_rates=jnp.full(proposers.num, self.excess_rate),
-                redistribution_rate=plan.redistribution_rate,
-                bounds=bounds,
-                grid_size=self.grid_size,
-                safety_factor=self.safety_factor,
-                max_proposals=self.max_proposals,
-                batched=vectorized,
-                full_covariance=self.full_covariance,
-                skeleton_size=self.skeleton_size,
+            self._counted_by_kernel(
+                build_kernel(
+                    proposers,
+                    reference=reference,
+                    excess_rates=jnp.full(proposers.num, self.excess_rate),
+                    redistribution_rate=plan.redistribution_rate,
+                    bounds=bounds,
+                    grid_size=self.grid_size,
+                    safety_factor=self.safety_factor,
+                    max_proposals=self.max_proposals,
+                    batched=vectorized,
+                    full_covariance=self.full_covariance,
+                    skeleton_size=self.skeleton_size,
+                )
             )
         )
+
+    def _counted_by_kernel(self, kernel):
+        """``kernel`` traced with its calls of the clients counted by itself (its draws' infos:
+        the rounds, or the proposers' gradient evaluations), not by the federation: they
+        happen at every event, where a counting callback would cost more than the call."""
+
+        def run(*args, **kwargs):
+            with self.federation.counted_by_caller():
+                return kernel(*args, **kwargs)
+
+        return run
 
     def _search_mode(self, flat_potential, start, init_params, ravel, vectorized, num_warmup, *, hessian=None):
         """``(start, use_cv, recenter)`` after looking for the mode when the control variates
@@ -661,7 +539,7 @@ class FedZigZag(FederatedMCMCKernel):
         search_from = start
         if init_params is not None:
             search_from = ravel(init_params)[0] if vectorized else ravel(init_params)
-        search = self.mode_search = find_mode(flat_potential, search_from, hessian=hessian, tally=self.setup_tally)
+        search = self.mode_search = find_mode(flat_potential, search_from, hessian=hessian)
         if search.is_mode:
             self.reference_point = search.point
             return search.point, True, False
@@ -693,8 +571,6 @@ class FedZigZag(FederatedMCMCKernel):
         if self.preconditioner is None:
             return None
         if isinstance(self.preconditioner, str):
-            if self.setup_tally is not None:
-                self.setup_tally.add("hessian")
             return laplace_preconditioner(
                 flat_potential, self.reference_point, diagonal=self.preconditioner == "diagonal", hessian=hessian
             )

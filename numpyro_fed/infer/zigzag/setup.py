@@ -15,15 +15,14 @@ numbers down per client and call):
   search's test (one call per Newton check), a Laplace preconditioner (one call at the mode)
   and second-order control variates (one call at the reference).
 
-:class:`SetupTally` counts these calls on the host (the message ledger's set-up rows); an
-engine backend's own ledger counts the same messages from the real payloads.
+The federation counts these calls as they run (its message ledger; an engine backend from the
+real payloads), and :meth:`FedZigZag.message_ledger
+<numpyro_fed.infer.zigzag.FedZigZag.message_ledger>` reports them.
 """
 
 from __future__ import annotations
 
 from functools import partial
-
-import numpy as np
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +30,7 @@ import jax.numpy as jnp
 from numpyro_fed.infer.zigzag.control_variates import ControlVariates
 from numpyro_fed.infer.zigzag.proposers import Proposers
 
-__all__ = ["SETUP_CALLS", "ClientTerms", "SetupTally", "federated_reference", "setup_functions"]
+__all__ = ["SETUP_CALLS", "ClientTerms", "federated_reference", "setup_functions"]
 
 #: the names of the set-up calls in the clients' program (and in the message ledger);
 #: ``"row_curvature"`` only with ``FedZigZag(subsample_size=...)``
@@ -60,53 +59,6 @@ def setup_functions(client_potential) -> dict:
         "value_and_grad": partial(_value_and_grad, client_potential),
         "hessian": partial(_hessian, client_potential),
     }
-
-
-class SetupTally:
-    """Set-up calls made through the federation, per call name: messages per client (every
-    client takes part in every call), and the bytes of one message each way.
-
-    >>> tally = SetupTally(d=3, itemsize=8)
-    >>> tally.add("value_and_grad", 2)
-    >>> tally.summary(2)["value_and_grad/bytes_from_client"].tolist()  # 2 x (3 + 1) x 8
-    [64, 64]
-    """
-
-    def __init__(self, d: int, itemsize: int):
-        self.d, self.itemsize = int(d), int(itemsize)
-        # "row_curvature" appears once made (only subsampling makes it)
-        self.messages = {name: 0 for name in SETUP_CALLS if name != "row_curvature"}
-
-    def add(self, name: str, messages: int = 1) -> None:
-        self.messages[name] = self.messages.get(name, 0) + int(messages)
-
-    def sizes(self, name: str) -> tuple[int, int]:
-        """``(bytes down, bytes up)`` of one message of call ``name``."""
-        if name == "row_curvature":  # the points down, the bound (and its probe) up
-            return ROW_CURVATURE_POINTS * self.d * self.itemsize, 2 * self.d * self.d * self.itemsize
-        up = self.d + 1 if name == "value_and_grad" else self.d * self.d
-        return self.d * self.itemsize, up * self.itemsize
-
-    def summary(self, num_clients: int, extra=None) -> dict:
-        """``{"<name>/messages_to_client": (M,), ...}`` for every call made (with ``extra``,
-        a ``{name: messages}`` dict of further calls, e.g. the warmup's)."""
-        out = {}
-        for name in SETUP_CALLS:
-            messages = self.messages.get(name, 0) + int((extra or {}).get(name, 0))
-            if not messages:
-                continue
-            down, up = self.sizes(name)
-            count = np.full(num_clients, messages, np.int64)
-            out.update(
-                {
-                    f"{name}/messages_to_client": count,
-                    f"{name}/bytes_to_client": count * down,
-                    f"{name}/messages_from_client": count,
-                    f"{name}/bytes_from_client": count * up,
-                    f"{name}/rounds": count.copy(),
-                }
-            )
-        return out
 
 
 class ClientTerms:

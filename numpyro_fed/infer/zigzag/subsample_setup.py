@@ -42,8 +42,6 @@ class SubsampleBoundSetup(NamedTuple):
     :ivar preconditioner: the run's :class:`~numpyro_fed.infer.zigzag.Preconditioner` or ``None``.
     :ivar federation: the federation whose clients answer a ``"row_curvature"`` call (each
         client thinning its own proposals), or ``None`` (the server's thinning, in process).
-    :ivar setup_tally: the :class:`~numpyro_fed.infer.zigzag.setup.SetupTally` counting the
-        set-up calls (with a federation).
     :ivar blocks: with the server's thinning: the clients' stacked blocks, held in this process
         by the federation (every row's importance weight is computed from them).
     """
@@ -52,7 +50,6 @@ class SubsampleBoundSetup(NamedTuple):
     subsample_size: int
     preconditioner: Any = None
     federation: Any = None
-    setup_tally: Any = None
     blocks: Any = None
 
     @property
@@ -148,7 +145,6 @@ def _curvature_points(setup: SubsampleBoundSetup, reference, hessian, order):
         total = np.asarray(reference.term_hessians.sum(0) + reference.prior_hessian, np.float64)
     else:
         total = np.asarray(hessian(x_point), np.float64)  # through the federation: one "hessian" call
-        setup.setup_tally.add("hessian")
         if pre is not None:
             scale = np.asarray(pre.matrix(), np.float64)
             total = scale.T @ total @ scale
@@ -235,7 +231,6 @@ def _first_order_bounds(
     weights = None
     if setup.federation is not None:
         curvature = setup.federation.map("row_curvature", bound_points, probe_points)
-        setup.setup_tally.add("row_curvature")
     else:  # the server's thinning, in process: every row's weight too, for the importance sampling
         curvature, level, weights = jax.jit(
             jax.vmap(

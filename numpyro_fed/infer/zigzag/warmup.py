@@ -75,9 +75,7 @@ class WarmupState(NamedTuple):
     """The warmup's state, per chain (``FedZigZagState.adapt``): the control variates'
     reference (:class:`~numpyro_fed.infer.zigzag.ControlVariates`, or ``None``), whether they
     are on, the current warmup window's path integral and duration, the last
-    ``BUFFER_SIZE`` warmup positions, whether the chain has stalled, and the set-up calls
-    its decisions made through a federation (``(2,)`` int32: ``"value_and_grad"`` and
-    ``"hessian"`` messages per client; counted with or without one); and the sample
+    ``BUFFER_SIZE`` warmup positions, whether the chain has stalled; and the sample
     interval: ``interval`` (process time between draws, fixed after the warmup), the path's
     integrals of ``x`` and ``x^2`` (its diagonal) and its duration and switches since the
     current estimation window began (``scale_sum``, ``scale_square``, ``scale_time``,
@@ -89,7 +87,6 @@ class WarmupState(NamedTuple):
     window_time: jax.Array
     buffer: jax.Array
     stalled: jax.Array
-    client_calls: jax.Array
     interval: jax.Array
     scale_sum: jax.Array
     scale_square: jax.Array
@@ -107,7 +104,6 @@ def init_warmup(reference: ControlVariates | None, active: bool, u, interval=DEF
         window_time=jnp.zeros((), u.dtype),
         buffer=jnp.zeros((BUFFER_SIZE,) + u.shape, u.dtype),
         stalled=jnp.zeros((), bool),
-        client_calls=jnp.zeros(2, jnp.int32),
         interval=jnp.asarray(interval, u.dtype),
         scale_sum=jnp.zeros_like(u),
         scale_square=jnp.zeros_like(u),
@@ -198,9 +194,6 @@ def warmup_adaptation(
     """
     if reference_fn is None:
         reference_fn = partial(control_variate_reference, proposers, order=order)
-    # messages per client of a re-centering and of the end-of-warmup comparison
-    recenter_calls = jnp.asarray([1, int(order == 2)], jnp.int32)
-    compare_calls = jnp.asarray([BUFFER_SIZE, 0], jnp.int32)
     window_ends = jnp.asarray(interval_windows(num_warmup) if recenter and num_warmup else [0], jnp.int32)
     interval_ends = jnp.asarray(interval_windows(int(interval_warmup)) or [0], jnp.int32)
     origin = user_origin()  # the user's line that started the run, for the callback's warnings
@@ -236,7 +229,6 @@ def warmup_adaptation(
                     return adapt._replace(
                         reference=reference_fn(point),
                         active=adapt.active | ~adapt.stalled,
-                        client_calls=adapt.client_calls + recenter_calls,
                         window_sum=jnp.zeros_like(adapt.window_sum),
                         window_time=jnp.zeros_like(adapt.window_time),
                     )
@@ -256,9 +248,7 @@ def warmup_adaptation(
 
                 last = (i + 1 == num_warmup) & adapt.active
                 cheaper = lax.cond(last, compare, lambda a: jnp.ones((), bool), adapt)
-                adapt = adapt._replace(
-                    active=adapt.active & cheaper, client_calls=adapt.client_calls + jnp.where(last, compare_calls, 0)
-                )
+                adapt = adapt._replace(active=adapt.active & cheaper)
         report = partial(_report_adaptation, max_proposals=max_proposals, origin=origin)
         lax.cond(
             stalled_now | switch_off | ~cheaper,
