@@ -7,7 +7,9 @@ algorithm's pure ``step(rng_key, state, ...) -> (state, info)`` and keeps NumPyr
 
 * :meth:`FederatedMCMCKernel.check_run`, the one path by which a run's problems reach the
   user: the subclass lists them (:meth:`~FederatedMCMCKernel.diagnose`), this method warns
-  (or raises with ``strict``). :func:`~numpyro_fed.to_inference_data` calls it;
+  (or raises with ``strict``). It runs at the end of every ``MCMC.run``, so that a user who
+  stays with ``mcmc.get_samples()`` hears what went wrong, and
+  :func:`~numpyro_fed.to_inference_data` calls it again;
 * the hooks :func:`~numpyro_fed.to_inference_data` reads on an MCMC run:
   :attr:`~FederatedMCMCKernel.federated_potential` (the federation's attributes),
   :meth:`~FederatedMCMCKernel.sample_stats` (the diagnostics of the core's ``info``,
@@ -20,7 +22,8 @@ algorithm's pure ``step(rng_key, state, ...) -> (state, info)`` and keeps NumPyr
   defaults.
 
 **Adding a sampler**: subclass :class:`FederatedMCMCKernel`, set :attr:`info_names` to the
-fields of the core's info namedtuple, write ``init`` (call :meth:`init_potential`, build the
+fields of the core's info namedtuple, write ``init`` (call :meth:`init_potential`, which also
+arms the end-of-run check, build the
 core, set ``self._sample_fn``, return the first state, whose ``info`` field holds the last
 step's info) and, if the run can go wrong in ways the user must hear about,
 :meth:`diagnose`.
@@ -63,7 +66,12 @@ step's info) and, if the run can go wrong in ways the user must hear about,
 >>> kernel
 RandomWalk(model=model, scale=0.5)
 >>> mcmc = MCMC(kernel, num_warmup=0, num_samples=10, progress_bar=False)
->>> mcmc.run(jax.random.PRNGKey(0), jnp.zeros(4), extra_fields=("info.size",))
+>>> import warnings
+>>> with warnings.catch_warnings(record=True) as caught:
+...     warnings.simplefilter("always")
+...     mcmc.run(jax.random.PRNGKey(0), jnp.zeros(4), extra_fields=("info.size",))
+>>> [str(w.message) for w in caught]  # at the end of the run
+['RandomWalk: it is a random walk, not a sampler']
 >>> mcmc.get_samples()["mu"].shape, kernel.sample_stats(mcmc.get_extra_fields(group_by_chain=True))["size"][0].shape
 ((10,), (1, 10))
 >>> kernel.check_run(mcmc, strict=True)
@@ -83,13 +91,14 @@ import numpy as np
 import jax
 
 from numpyro.infer.initialization import init_to_uniform
-from numpyro.infer.mcmc import MCMCKernel
+from numpyro.infer.mcmc import MCMC, MCMCKernel
 from numpyro.util import is_prng_key
 
+from numpyro_fed._checks import warn_user
 from numpyro_fed.infer.base import build_potential, check_federation
 from numpyro_fed.potential import FederatedPotential
 
-__all__ = ["FederatedMCMCKernel", "RunCheck", "warn_or_raise"]
+__all__ = ["FederatedMCMCKernel", "RunCheck", "RunEndCheck", "calling_mcmc", "warn_or_raise"]
 
 
 class RunCheck(NamedTuple):
@@ -116,6 +125,49 @@ def warn_or_raise(message: str, *, strict: bool = False, stacklevel: int = 3) ->
     if strict:
         raise RuntimeError(message)
     warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
+
+
+def calling_mcmc():
+    """The ``MCMC`` whose ``run`` is on the stack (it calls the kernel's ``init``), or ``None``
+    (a kernel used without NumPyro's ``MCMC``)."""
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            candidate = frame.f_locals.get("self")
+            if isinstance(candidate, MCMC):
+                return candidate
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
+
+
+class RunEndCheck:
+    """Runs the kernel's :meth:`~FederatedMCMCKernel.check_run` when an ``MCMC.run`` ends.
+
+    NumPyro's ``MCMC`` has no hook at the end of a run; its ``run`` ends by resetting its
+    collection parameters (``_set_collection_params()``, no arguments), after it has stored the
+    draws. This object stands in for that method on one ``MCMC`` instance (an attribute of the
+    instance, so other runs are untouched; an object, not a closure), calls NumPyro's own,
+    then the check, unless the run was ``MCMC.warmup``'s. A test of the project fails if a
+    NumPyro release changes this."""
+
+    def __init__(self, mcmc, kernel):
+        self.mcmc, self.kernel = mcmc, kernel
+
+    def __call__(self, *args, **kwargs):
+        mcmc = self.mcmc
+        ending = not args and not kwargs and mcmc._collection_params.get("phase") != "warmup"
+        type(mcmc)._set_collection_params(mcmc, *args, **kwargs)
+        if ending and mcmc.sampler is self.kernel and getattr(mcmc, "_states", None) is not None:
+            self.kernel.check_run(mcmc)
+
+    @classmethod
+    def arm(cls, kernel) -> None:
+        """Arms the check on the ``MCMC`` running ``kernel`` (if any; once per instance)."""
+        mcmc = calling_mcmc()
+        if mcmc is not None and not isinstance(vars(mcmc).get("_set_collection_params"), cls):
+            mcmc._set_collection_params = cls(mcmc, kernel)
 
 
 class FederatedMCMCKernel(MCMCKernel):
@@ -176,6 +228,7 @@ class FederatedMCMCKernel(MCMCKernel):
             federation=getattr(self, "federation", None),
         )
         self.federated_potential = potential
+        RunEndCheck.arm(self)
         return potential
 
     # -- MCMCKernel -------------------------------------------------------------------------
@@ -207,9 +260,10 @@ class FederatedMCMCKernel(MCMCKernel):
         return RunCheck([], None)
 
     def check_run(self, mcmc, *, strict: bool = False, **options):
-        """Warns (``RuntimeWarning``), or raises ``RuntimeError`` with ``strict``, when the run
-        of ``mcmc`` went wrong, naming what to change; every problem :meth:`diagnose` finds in
-        one message. :func:`~numpyro_fed.to_inference_data` calls it.
+        """Warns (``RuntimeWarning``, attributed to the user's line), or raises
+        ``RuntimeError`` with ``strict``, when the run of ``mcmc`` went wrong, naming what to
+        change; every problem :meth:`diagnose` finds in one message. Called at the end of
+        every ``MCMC.run`` (:class:`RunEndCheck`) and by :func:`~numpyro_fed.to_inference_data`.
 
         :param options: passed to :meth:`diagnose` (e.g. ``min_ess`` of
             :class:`~numpyro_fed.FedZigZag`).
@@ -217,7 +271,11 @@ class FederatedMCMCKernel(MCMCKernel):
         """
         found = self.diagnose(mcmc, **options)
         if found.problems:
-            warn_or_raise(f"{type(self).__name__}: " + "; ".join(found.problems), strict=strict, stacklevel=3)
+            message = f"{type(self).__name__}: " + "; ".join(found.problems)
+            if strict:
+                warn_or_raise(message, strict=True)
+            else:
+                warn_user(message, RuntimeWarning)
         return found.result
 
     # -- what to_inference_data reads -------------------------------------------------------
