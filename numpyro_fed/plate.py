@@ -47,22 +47,49 @@ def _overridden_size(name: str, size: int) -> int:
 
 
 class _federation(Messenger):
-    """Annotates every sample site inside a federated plate with the plate's client spec."""
+    """Annotates every sample site inside a federated plate with the plate's client spec, and
+    checks, before the plate broadcasts the site, that the site's rows along the plate are as
+    many as the plate has: a plate size that does not match the data is a ``ValueError`` naming
+    both sizes, not a broadcasting error from deep inside JAX."""
 
-    def __init__(self, name: str, clients: Any):
+    def __init__(self, name: str, clients: Any, dim: int, rows: int):
         self.name = name
         self.clients = clients
+        self.dim = dim
+        self.rows = rows
         super().__init__()
 
     def process_message(self, msg):
         if msg["type"] != "sample":
             return
+        self._check_rows(msg)
         # Copy: a user may share one ``infer`` dict between several sites.
         infer = dict(msg.get("infer") or {})
         plates = dict(infer.get(FEDERATED_KEY, {}))
         plates[self.name] = self.clients
         infer[FEDERATED_KEY] = plates
         msg["infer"] = infer
+
+    def _check_rows(self, msg):
+        """Rows of the site's distribution and of its observed value along the plate's
+        dimension: each must be 1 (broadcast) or the plate's size, as NumPyro's plate demands."""
+        fn = msg["fn"]
+        batch_shape = tuple((msg.get("kwargs") or {}).get("sample_shape", ())) + tuple(getattr(fn, "batch_shape", ()))
+        found = []
+        if len(batch_shape) >= -self.dim:
+            found.append(("its distribution's batch shape", batch_shape, batch_shape[self.dim]))
+        if msg["is_observed"] and msg["value"] is not None:
+            value_shape = np.shape(msg["value"])
+            axis = self.dim - len(getattr(fn, "event_shape", ()))
+            if len(value_shape) >= -axis:
+                found.append(("its observed value", value_shape, value_shape[axis]))
+        for what, shape, rows in found:
+            if rows not in (1, self.rows):
+                raise ValueError(
+                    f"federated_plate '{self.name}' has size {self.rows}, but site '{msg['name']}' has "
+                    f"{rows} rows along it ({what} has shape {shape}): give the plate the number of "
+                    "data rows, e.g. `federated_plate(name, X.shape[0], ...)`"
+                )
 
 
 class federated_plate:
@@ -130,7 +157,7 @@ class federated_plate:
         if self.size != size:
             subsample_size = None
         self._plate = numpyro.plate(name, self.size, subsample_size=subsample_size, dim=dim)
-        self._federation = _federation(name, clients)
+        self._federation = _federation(name, clients, self._plate.dim, self._plate.subsample_size)
 
     def __enter__(self):
         indices = self._plate.__enter__()

@@ -32,6 +32,7 @@ from numpyro.infer.initialization import init_to_uniform
 from numpyro_fed.federation.base import ClientProgram
 from numpyro_fed.federation.inprocess import InProcess
 from numpyro_fed.potential.deployment import TransformedLoader, stand_in_arguments
+from numpyro_fed.potential.forgotten import check_observations
 from numpyro_fed.potential.trace import (
     analyse_trace,
     check_finite_arguments,
@@ -348,6 +349,7 @@ def split_potential(
 
     check_finite_arguments(model_args, model_kwargs)
     model_trace = discovery_trace(model, model_args, model_kwargs, rng_key, init_strategy)
+    check_observations(model, model_args, model_kwargs, model_trace, partition)
     plates, latent_sites, enumerated = analyse_trace(model_trace, partition)
     if deployment is not None:
         plates = deployment.fix_plates(plates, latent_sites, enumerated)
