@@ -77,18 +77,18 @@ class _federation(Messenger):
         batch_shape = tuple((msg.get("kwargs") or {}).get("sample_shape", ())) + tuple(getattr(fn, "batch_shape", ()))
         found = []
         if len(batch_shape) >= -self.dim:
-            found.append(("its distribution's batch shape", batch_shape, batch_shape[self.dim]))
+            found.append(("site", f" (its distribution's batch shape is {batch_shape})", batch_shape[self.dim]))
         if msg["is_observed"] and msg["value"] is not None:
             value_shape = np.shape(msg["value"])
             axis = self.dim - len(getattr(fn, "event_shape", ()))
             if len(value_shape) >= -axis:
-                found.append(("its observed value", value_shape, value_shape[axis]))
-        for what, shape, rows in found:
+                found.append(("observed site", "", value_shape[axis]))
+        for what, detail, rows in found:
             if rows not in (1, self.rows):
                 raise ValueError(
-                    f"federated_plate '{self.name}' has size {self.rows}, but site '{msg['name']}' has "
-                    f"{rows} rows along it ({what} has shape {shape}): give the plate the number of "
-                    "data rows, e.g. `federated_plate(name, X.shape[0], ...)`"
+                    f"{what} '{msg['name']}' has {rows} rows along federated plate '{self.name}'{detail}, "
+                    f"but the plate has size {self.rows}: give the plate the number of data rows, "
+                    "e.g. `federated_plate(name, X.shape[0], ...)`"
                 )
 
 

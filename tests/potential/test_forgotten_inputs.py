@@ -79,7 +79,8 @@ def test_every_face_names_both_sizes_of_a_plate_that_does_not_match_the_rows(fac
 
     with _x64(dtype):
         X, y = make_data("logistic_regression")
-        with pytest.raises(ValueError, match=r"federated_plate 'data' has size 30, but site 'y' has 37 rows along it"):
+        mismatch = r"site 'y' has 37 rows along federated plate 'data'.*, but the plate has size 30"
+        with pytest.raises(ValueError, match=mismatch):
             _run_face(face, model, X, y)
 
 
@@ -128,8 +129,15 @@ def test_a_forgotten_observation_in_a_plate_federated_from_outside_is_refused():
     X, y = make_data("linear_regression")
     with pytest.raises(ValueError, match=FORGOTTEN):
         nf.split_potential(plain, (X,), partition={"data": 4})
-    with pytest.raises(ValueError, match=r"federated_plate 'data' has size 30, but site 'y' has 37 rows"):
-        nf.split_potential(linear_regression, (X[:30], y))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_observed_rows_that_do_not_match_the_plate_are_named(dtype):
+    with _x64(dtype):
+        X, y = make_data("linear_regression")
+        mismatch = r"observed site 'y' has 37 rows along federated plate 'data', but the plate has size 30"
+        with pytest.raises(ValueError, match=mismatch):
+            nf.split_potential(linear_regression, (X[:30], y))  # the plate's size is X.shape[0]
 
 
 def _with_replicate(mark):
