@@ -106,6 +106,14 @@ class federated_plate:
     to the model as arguments with the rows on their leading axis, so that
     :func:`~numpyro_fed.split_potential` can hand each client only its own rows.
 
+    What a user forgets is refused before any work, with a ``ValueError``: a site whose rows
+    along the plate are neither 1 nor ``size`` (the plate's size does not match the data),
+    and, in :func:`~numpyro_fed.split_potential`, a latent site inside a federated plate that
+    looks like an observation given ``obs=None`` (nothing in the model depends on it, or it
+    has the name of a model argument that is ``None``: "did you forget to pass ``y``?"). A
+    site of that kind that is meant to be sampled says so with
+    ``infer={"federated_latent": True}``.
+
     :param str name: plate name, as for ``numpyro.plate``.
     :param int size: number of rows.
     :param clients: who owns which row, one of

@@ -32,10 +32,10 @@ from numpyro.infer.initialization import init_to_uniform
 from numpyro_fed.federation.base import ClientProgram
 from numpyro_fed.federation.inprocess import InProcess
 from numpyro_fed.potential.deployment import TransformedLoader, stand_in_arguments
-from numpyro_fed.potential.forgotten import check_observations
 from numpyro_fed.potential.trace import (
     analyse_trace,
     check_finite_arguments,
+    check_observations,
     common_num_clients,
     data_free_outputs,
     describe_leaves,
