@@ -331,15 +331,12 @@ def check_observations(model, model_args, model_kwargs, model_trace, partition) 
     if not candidates:
         return
     unpassed = _arguments_left_none(model, model_args, model_kwargs)
-    for site in candidates:
-        if site["name"] in unpassed:
-            raise ValueError(_message(site, partition, [site["name"]]))
-    children = _children(model, model_args, model_kwargs)
-    if children is None:  # the model's dependencies could not be traced: the name rule only
-        return
-    for site in candidates:
-        if not children.get(site["name"]):
-            raise ValueError(_message(site, partition, unpassed))
+    children = _children(model, model_args, model_kwargs)  # None: not traceable, the name rule only
+    named = [site for site in candidates if site["name"] in unpassed]
+    leaves = [site for site in candidates if children is not None and not children.get(site["name"])]
+    for site in named + leaves:
+        is_leaf = children is not None and not children.get(site["name"])
+        raise ValueError(_message(site, partition, unpassed, is_leaf))
 
 
 def _federated_plate_of(site, partition):
@@ -364,11 +361,7 @@ def _arguments_left_none(model, model_args, model_kwargs) -> list[str]:
     except (TypeError, ValueError):  # no signature, or arguments it does not take (NumPyro says so later)
         return []
     bound.apply_defaults()
-    return [
-        name
-        for name, value in bound.arguments.items()
-        if value is None and bound.signature.parameters[name].kind not in (inspect.Parameter.VAR_POSITIONAL,)
-    ]
+    return [name for name, value in bound.arguments.items() if value is None]
 
 
 def _children(model, model_args, model_kwargs):
@@ -386,12 +379,12 @@ def _children(model, model_args, model_kwargs):
     return children
 
 
-def _message(site, partition, unpassed) -> str:
+def _message(site, partition, unpassed, is_leaf) -> str:
     name = site["name"]
     frame = _federated_plate_of(site, partition)
     if name in unpassed:
-        hint = f"did you forget to pass `{name}`?"
-        why = f"The model's argument `{name}` is None"
+        hint = f"did you forget to pass `{name}`? The model's argument `{name}` is None"
+        hint += " and nothing in the model depends on the site" if is_leaf else ""
     else:
         if len(unpassed) == 1:
             hint = f"did you forget to pass `{unpassed[0]}`?"
@@ -399,13 +392,17 @@ def _message(site, partition, unpassed) -> str:
             hint = "did you forget to pass one of " + ", ".join(f"`{a}`" for a in unpassed) + "?"
         else:
             hint = "did you forget its `obs=`?"
-        why = "Nothing in the model depends on it"
+        hint += " Nothing in the model depends on it"
+    values = f"{frame.size} values, one per row of the plate"
+    if is_leaf:
+        consequence = f"it would be sampled from its prior ({values}) and the run would return the prior"
+    else:
+        consequence = f"it would be sampled as a latent variable ({values}) instead of conditioning on data"
     return (
-        f"site '{name}' inside federated_plate '{frame.name}' has no observed value: {hint} "
-        f"{why}, so it would be sampled from its prior ({frame.size} values, one per row of the "
-        "plate) and the run would return the prior. Pass the data with the model's arguments "
-        "(e.g. `mcmc.run(rng_key, X, y)`); if it is meant to be a latent variable, mark it: "
-        f"`numpyro.sample('{name}', ..., infer={{'{LATENT_KEY}': True}})`."
+        f"site '{name}' inside federated_plate '{frame.name}' has no observed value: {hint}, so "
+        f"{consequence}. Pass the data with the model's arguments (e.g. `mcmc.run(rng_key, X, y)`); if "
+        f"it is meant to be a latent variable, mark it: `numpyro.sample('{name}', ..., "
+        f"infer={{'{LATENT_KEY}': True}})`."
     )
 
 

@@ -221,3 +221,21 @@ def test_a_hierarchical_model_split_by_group_is_accepted_and_its_forgotten_y_ref
         assert not fp.plates["counties"].holds_data
         with pytest.raises(ValueError, match=FORGOTTEN + r" The model's argument"):
             nf.split_potential(_radon_like, (jnp.asarray(county), log_uranium), {"clients": clients})
+
+
+def test_a_forgotten_observation_something_depends_on_is_refused_by_its_argument_name():
+    """A covariate measured with error: ``x`` is observed, ``y`` depends on it. Forgetting
+    ``x`` would leave a per-row latent that ``y`` depends on; its name gives it away."""
+
+    def model(x=None, y=None, clients=4):
+        a = numpyro.sample("a", dist.Normal(0, 1))
+        b = numpyro.sample("b", dist.Normal(0, 1))
+        with nf.federated_plate("data", y.shape[0], clients=clients):
+            x = numpyro.sample("x", dist.Normal(0, 3), obs=x)
+            numpyro.sample("y", dist.Normal(a + b * x, 1.0), obs=y)
+
+    x = jnp.linspace(-2.0, 2.0, 12)
+    message = r"site 'x' .* forget to pass `x`\? The model's argument `x` is None, so .* instead of conditioning"
+    with pytest.raises(ValueError, match=message):
+        nf.split_potential(model, (), {"y": 1.0 + 0.5 * x})
+    nf.split_potential(model, (x, 1.0 + 0.5 * x))
