@@ -239,3 +239,14 @@ def test_a_forgotten_observation_something_depends_on_is_refused_by_its_argument
     with pytest.raises(ValueError, match=message):
         nf.split_potential(model, (), {"y": 1.0 + 0.5 * x})
     nf.split_potential(model, (x, 1.0 + 0.5 * x))
+
+
+def test_a_loader_that_forgets_y_is_refused_in_deployment():
+    X, y = make_data("logistic_regression")
+    parts = np.array_split(np.arange(X.shape[0]), 4)
+    with pytest.raises(ValueError, match=FORGOTTEN):
+        nf.split_potential(logistic_regression, loader=lambda m: (np.asarray(X)[parts[m]],), num_clients=4)
+    fp = nf.split_potential(
+        logistic_regression, loader=lambda m: (np.asarray(X)[parts[m]], np.asarray(y)[parts[m]]), num_clients=4
+    )
+    assert fp.deployed
