@@ -47,22 +47,49 @@ def _overridden_size(name: str, size: int) -> int:
 
 
 class _federation(Messenger):
-    """Annotates every sample site inside a federated plate with the plate's client spec."""
+    """Annotates every sample site inside a federated plate with the plate's client spec, and
+    checks, before the plate broadcasts the site, that the site's rows along the plate are as
+    many as the plate has: a plate size that does not match the data is a ``ValueError`` naming
+    both sizes, not a broadcasting error from deep inside JAX."""
 
-    def __init__(self, name: str, clients: Any):
+    def __init__(self, name: str, clients: Any, dim: int, rows: int):
         self.name = name
         self.clients = clients
+        self.dim = dim
+        self.rows = rows
         super().__init__()
 
     def process_message(self, msg):
         if msg["type"] != "sample":
             return
+        self._check_rows(msg)
         # Copy: a user may share one ``infer`` dict between several sites.
         infer = dict(msg.get("infer") or {})
         plates = dict(infer.get(FEDERATED_KEY, {}))
         plates[self.name] = self.clients
         infer[FEDERATED_KEY] = plates
         msg["infer"] = infer
+
+    def _check_rows(self, msg):
+        """Rows of the site's distribution and of its observed value along the plate's
+        dimension: each must be 1 (broadcast) or the plate's size, as NumPyro's plate demands."""
+        fn = msg["fn"]
+        batch_shape = tuple((msg.get("kwargs") or {}).get("sample_shape", ())) + tuple(getattr(fn, "batch_shape", ()))
+        found = []
+        if len(batch_shape) >= -self.dim:
+            found.append(("site", f" (its distribution's batch shape is {batch_shape})", batch_shape[self.dim]))
+        if msg["is_observed"] and msg["value"] is not None:
+            value_shape = np.shape(msg["value"])
+            axis = self.dim - len(getattr(fn, "event_shape", ()))
+            if len(value_shape) >= -axis:
+                found.append(("observed site", "", value_shape[axis]))
+        for what, detail, rows in found:
+            if rows not in (1, self.rows):
+                raise ValueError(
+                    f"{what} '{msg['name']}' has {rows} rows along federated plate '{self.name}'{detail}, "
+                    f"but the plate has size {self.rows}: give the plate the number of data rows, "
+                    "e.g. `federated_plate(name, X.shape[0], ...)`"
+                )
 
 
 class federated_plate:
@@ -78,6 +105,14 @@ class federated_plate:
     Model arguments indexed by rows (covariates, responses, group indices) must be passed
     to the model as arguments with the rows on their leading axis, so that
     :func:`~numpyro_fed.split_potential` can hand each client only its own rows.
+
+    What a user forgets is refused before any work, with a ``ValueError``: a site whose rows
+    along the plate are neither 1 nor ``size`` (the plate's size does not match the data),
+    and, in :func:`~numpyro_fed.split_potential`, a latent site inside a federated plate that
+    looks like an observation given ``obs=None`` (nothing in the model depends on it, or it
+    has the name of a model argument that is ``None``: "did you forget to pass ``y``?"). A
+    site of that kind that is meant to be sampled says so with
+    ``infer={"federated_latent": True}``.
 
     :param str name: plate name, as for ``numpyro.plate``.
     :param int size: number of rows.
@@ -130,7 +165,7 @@ class federated_plate:
         if self.size != size:
             subsample_size = None
         self._plate = numpyro.plate(name, self.size, subsample_size=subsample_size, dim=dim)
-        self._federation = _federation(name, clients)
+        self._federation = _federation(name, clients, self._plate.dim, self._plate.subsample_size)
 
     def __enter__(self):
         indices = self._plate.__enter__()

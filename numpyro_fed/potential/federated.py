@@ -35,6 +35,7 @@ from numpyro_fed.potential.deployment import TransformedLoader, stand_in_argumen
 from numpyro_fed.potential.trace import (
     analyse_trace,
     check_finite_arguments,
+    check_observations,
     common_num_clients,
     data_free_outputs,
     describe_leaves,
@@ -348,6 +349,7 @@ def split_potential(
 
     check_finite_arguments(model_args, model_kwargs)
     model_trace = discovery_trace(model, model_args, model_kwargs, rng_key, init_strategy)
+    check_observations(model, model_args, model_kwargs, model_trace, partition)
     plates, latent_sites, enumerated = analyse_trace(model_trace, partition)
     if deployment is not None:
         plates = deployment.fix_plates(plates, latent_sites, enumerated)
