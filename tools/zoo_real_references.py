@@ -60,7 +60,7 @@ def compute(name, warmup, samples, target_accept):
     supports = latent_sites(*model_spec.build(1)[:1], args)
     start = time.perf_counter()
     mcmc = MCMC(
-        NUTS(model, target_accept_prob=target_accept),
+        NUTS(model, **{"target_accept_prob": target_accept, **model_spec.nuts}),
         num_warmup=warmup,
         num_samples=samples,
         num_chains=4,
@@ -78,7 +78,13 @@ def compute(name, warmup, samples, target_accept):
         "model": name,
         "source": model_spec.source,
         "fingerprint": real_fingerprint(name),
-        "nuts": {"num_warmup": warmup, "num_samples": samples, "num_chains": 4, "target_accept_prob": target_accept},
+        "nuts": {
+            "num_warmup": warmup,
+            "num_samples": samples,
+            "num_chains": 4,
+            "target_accept_prob": target_accept,
+            **model_spec.nuts,
+        },
         "seconds": round(seconds, 1),
         "divergences": divergences,
         "max_rhat": float(rhat.max()),

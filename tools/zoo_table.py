@@ -125,8 +125,9 @@ def table(record, tier="synthetic") -> str:
         "|---|---|---|" + "---|" * len(ALGORITHMS),
     ]
     notes = []
+    both = ("float64", "float32") if tier == "real" else ("float32", "float64")
     for case in _cases(tier):
-        for dtype in ("float32", "float64") if case.float64 else ("float32",):
+        for dtype in both if case.float64 else ("float32",):
             cells = []
             for algorithm in ALGORITHMS:
                 r = runs.get((case.name, algorithm, dtype))

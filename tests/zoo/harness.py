@@ -439,8 +439,17 @@ def all_runs(tier: str = "synthetic"):
     if tier == "real":
         from zoo.real_models import REAL_CASES
 
-        # both dtypes of a case side by side; float64 first, the issues' setting
-        return [(c, a, d) for c in REAL_CASES for d in ("float64", "float32") for a in ALGORITHMS]
+        # in the order a partial run is most useful: 4 clients in float64 (the issues' setting)
+        # first, then float32, then 8 clients; the quick algorithms first within each
+        cases = sorted(REAL_CASES.values(), key=lambda c: c.num_clients)
+        return [
+            (c.name, a, d)
+            for m in sorted({c.num_clients for c in cases})
+            for d in ("float64", "float32")
+            for a in ("DPPVI", "DSVGD", "DADMMS", "FedZigZag")
+            for c in cases
+            if c.num_clients == m
+        ]
     runs = []
     for case in models.CASES.values():
         for dtype in ("float32", "float64") if case.float64 else ("float32",):

@@ -284,10 +284,11 @@ class RealModel:
     """One published model: ``build(clients) -> (model, args)``; ``pooled()`` the model NUTS runs
     for the reference (the same model on all rows, reparametrised where NUTS needs it)."""
 
-    def __init__(self, name, what, source, build, *, local_sites=(), uci=False, reference_reparam=None):
+    def __init__(self, name, what, source, build, *, local_sites=(), uci=False, reference_reparam=None, nuts=None):
         self.name, self.what, self.source = name, what, source
         self.build, self.local_sites, self.uci = build, tuple(local_sites), uci
         self.reference_reparam = reference_reparam
+        self.nuts = dict(nuts or {})  # NUTS settings of the reference (e.g. a dense mass matrix)
 
     def pooled(self):
         model, args = self.build(1)
@@ -327,6 +328,7 @@ _MODELS = [
         "mpg on all 10 raw covariates of mtcars (strongly correlated), Normal(0, 10); 32 rows",
         "Henderson & Velleman (1981); R datasets::mtcars",
         _rows(_mtcars, _linear(flat_prior=False)),
+        nuts={"dense_mass": True},
     ),
     RealModel(
         "wells",

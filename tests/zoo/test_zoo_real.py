@@ -8,6 +8,7 @@ test``: cells that agree today, one refusal by design, and known failures marked
 ``tools/zoo_table.py --tier real`` writes its table in ``docs/guide/zoo.md``.
 """
 
+import inspect
 import json
 import math
 
@@ -73,9 +74,8 @@ def test_real_tier_has_what_the_issues_ask_for():
     assert len(models) >= (12 if real_models.shared_data_dir() else 9)
     assert any(m.local_sites for m in models.values())
     assert {c.num_clients for c in real_models.REAL_CASES.values()} == set(real_models.SPLITS) == {4, 8}
-    sources = " ".join(
-        __import__("inspect").getsource(m.build(1)[0]) for m in models.values()
-    )  # priors as a statistician writes them
+    # priors as a statistician writes them
+    sources = " ".join(inspect.getsource(m.build(1)[0]) for m in models.values())
     assert "HalfCauchy" in sources and "ImproperUniform" in sources and "offset" in sources
 
 
