@@ -91,7 +91,14 @@ def test_references_are_converged_and_fresh(name):
     assert np.all(ref["sd"] > 0) and len(ref["coordinates"]) == ref["mean"].size
 
 
-@pytest.mark.parametrize("name", sorted(real_models.MODELS))
+# The models with an index, an offset, a mixture or client-local effects in make test; the
+# plain regressions with the slow tests.
+SPLIT_FAST = ("radon", "eight_schools", "ships", "faithful_mixture")
+
+
+@pytest.mark.parametrize(
+    "name", [n if n in SPLIT_FAST else pytest.param(n, marks=pytest.mark.slow) for n in sorted(real_models.MODELS)]
+)
 def test_split_model_is_the_pooled_model(name):
     """Over 8 clients, the federated potential equals NumPyro's potential of the pooled model,
     and a hierarchical model's group effects are client-local."""
