@@ -32,20 +32,29 @@ def _xfail(*cell, reason=KNOWN):
     return pytest.param(*cell, marks=pytest.mark.xfail(strict=True, reason=reason))
 
 
-# One small regression per algorithm (kidiq: 434 rows, flat priors, HalfCauchy noise scale,
-# raw covariates), both dtypes for the samplers, and a refusal by design (client-local latents).
+# Small cells, one per algorithm, both kinds of verdict that pass today (agrees: FedZigZag on
+# eight schools; warns: DADMMS on kidiq's flat priors and HalfCauchy scale), a refusal (DPPVI:
+# a non-Gaussian prior; issue 24 item 1 lifts it, then the cell must agree or warn), a model with
+# client-local latents, and a known failure that a fix of issue 24 item 2 flips.
 FAST = [
-    ("kidiq-m4", "FedZigZag", "float64"),
+    ("eight_schools-m4", "FedZigZag", "float64"),
     ("kidiq-m4", "DADMMS", "float64"),
-    ("kidiq-m4", "DSVGD", "float64"),
+    _xfail(
+        "kidiq-m4",
+        "DSVGD",
+        "float64",
+        reason="issue 24 item 2: DSVGD draws its particles from a flat (ImproperUniform) prior: NumPyro's bare "
+        "NotImplementedError",
+    ),
     ("kidiq-m4", "DPPVI", "float64"),
-    ("eight_schools-m4", "DPPVI", "float32"),
+    ("eight_schools-m4", "DSVGD", "float32"),
 ]
-FULL = [run for run in harness.all_runs("real") if run not in FAST]
+_FAST_CELLS = [tuple(p.values) if hasattr(p, "values") else p for p in FAST]
+FULL = [run for run in harness.all_runs("real") if run not in _FAST_CELLS]
 
 
 def _ids(runs):
-    return ["-".join(run) for run in runs]
+    return ["-".join(tuple(run.values) if hasattr(run, "values") else run) for run in runs]
 
 
 def _check(case, algorithm, dtype):
@@ -91,9 +100,8 @@ def test_references_are_converged_and_fresh(name):
     assert np.all(ref["sd"] > 0) and len(ref["coordinates"]) == ref["mean"].size
 
 
-# The models with an index, an offset, a mixture or client-local effects in make test; the
-# plain regressions with the slow tests.
-SPLIT_FAST = ("radon", "eight_schools", "ships", "faithful_mixture")
+# The models with client-local effects in make test; the others with the slow tests.
+SPLIT_FAST = ("radon", "eight_schools")
 
 
 @pytest.mark.parametrize(
