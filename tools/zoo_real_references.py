@@ -53,6 +53,14 @@ def _flat_unconstrained(draws, supports):
     return np.concatenate(columns, -1)
 
 
+def _describe(value):
+    """A NUTS setting as JSON: itself, or ``init_to_median(num_samples=15)`` for an init strategy."""
+    if isinstance(value, (bool, int, float, str)):
+        return value
+    func, keywords = getattr(value, "func", value), getattr(value, "keywords", {})
+    return f"{func.__name__}(" + ", ".join(f"{k}={v!r}" for k, v in keywords.items()) + ")"
+
+
 def compute(name, warmup, samples, target_accept):
     model_spec = real_models.MODELS[name]
     model, args = model_spec.pooled()
@@ -83,7 +91,7 @@ def compute(name, warmup, samples, target_accept):
             "num_samples": samples,
             "num_chains": 4,
             "target_accept_prob": target_accept,
-            **model_spec.nuts,
+            **{k: _describe(v) for k, v in model_spec.nuts.items()},
         },
         "seconds": round(seconds, 1),
         "divergences": divergences,
