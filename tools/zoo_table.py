@@ -8,8 +8,12 @@ rewritten between its ``<!-- zoo-table -->`` markers.
     .venv/bin/python tools/zoo_table.py                # the full zoo (about 30-60 min on 2 cores)
     .venv/bin/python tools/zoo_table.py --jobs 1 --case gaussian_mean --algorithm DSVGD
     .venv/bin/python tools/zoo_table.py --from-json    # rewrite the page from the last run
+    .venv/bin/python tools/zoo_table.py --tier real    # the real-model tier (tests/zoo/real_models.py)
 
-``--case`` / ``--algorithm`` / ``--dtype`` re-run a selection and merge it into the JSON.
+``--case`` / ``--algorithm`` / ``--dtype`` re-run a selection and merge it into the JSON. The
+real tier (published models on real data, committed NUTS references) writes
+``benchmarks/results/zoo-real.json`` and its own table, between ``<!-- zoo-real-table -->``
+markers of the same page.
 The package under test is a clean ``git worktree`` of ``--commit`` (default ``HEAD``), so
 uncommitted edits never reach the table; ``--commit working-tree`` runs the files as they are.
 """
@@ -28,19 +32,24 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(REPO, "tests"))
 
 from zoo import harness, models  # noqa: E402
-from zoo.worker import ALGORITHMS, RUN_LENGTHS  # noqa: E402
+from zoo.worker import ALGORITHMS, REAL_RUN_LENGTHS, RUN_LENGTHS  # noqa: E402
 
-RESULTS = os.path.join(REPO, "benchmarks", "results", "zoo.json")
+RESULTS = {
+    "synthetic": os.path.join(REPO, "benchmarks", "results", "zoo.json"),
+    "real": os.path.join(REPO, "benchmarks", "results", "zoo-real.json"),
+}
 PAGE = os.path.join(REPO, "docs", "guide", "zoo.md")
-BEGIN, END = "<!-- zoo-table -->", "<!-- /zoo-table -->"
+MARKERS = {
+    "synthetic": ("<!-- zoo-table -->", "<!-- /zoo-table -->"),
+    "real": ("<!-- zoo-real-table -->", "<!-- /zoo-real-table -->"),
+}
 SYMBOL = {"agrees": "agrees", "warns": "**warns**", "refuses": "refuses", "FAILS": "**FAILS**"}
 
 
 def run_all(selection, jobs, save=lambda results: None):
     refs = {}
     for case, algorithm, _ in selection:  # references first, one at a time (NUTS, cached)
-        refused_by_design = models.get_case(case).local_sites and algorithm in harness.GLOBAL_ONLY
-        if case not in refs and not refused_by_design:
+        if case not in refs and _needs_ref(case, algorithm):
             print(f"reference of {case}", flush=True)
             refs[case] = harness.reference(case)
     results = []
@@ -54,14 +63,17 @@ def run_all(selection, jobs, save=lambda results: None):
     return results
 
 
+def _needs_ref(case_name, algorithm):
+    case = models.get_case(case_name)
+    return not (case.local_sites and algorithm in harness.GLOBAL_ONLY and case.tier == "synthetic")
+
+
 def reclassify(run):
     """The run classified again from its stored record (after a change of the harness's rules)."""
     raw = run.get("raw")
     if not raw:
         return run
-    case = models.get_case(run["case"])
-    needs_ref = not (case.local_sites and run["algorithm"] in harness.GLOBAL_ONLY)
-    ref = harness.reference(run["case"]) if needs_ref else None
+    ref = harness.reference(run["case"]) if _needs_ref(run["case"], run["algorithm"]) else None
     outcome = harness.classify(
         run["case"],
         run["algorithm"],
@@ -98,15 +110,24 @@ class _Checkout:
         _git("worktree", "remove", "--force", self.path)
 
 
-def table(record) -> str:
+def _cases(tier):
+    if tier == "real":
+        from zoo.real_models import REAL_CASES
+
+        return list(REAL_CASES.values())
+    return list(models.CASES.values())
+
+
+def table(record, tier="synthetic") -> str:
     runs = {(r["case"], r["algorithm"], r["dtype"]): r for r in record["runs"]}
     lines = [
         "| model | what it stresses | reference | " + " | ".join(ALGORITHMS) + " |",
         "|---|---|---|" + "---|" * len(ALGORITHMS),
     ]
     notes = []
-    for case in models.CASES.values():
-        for dtype in ("float32", "float64") if case.float64 else ("float32",):
+    both = ("float64", "float32") if tier == "real" else ("float32", "float64")
+    for case in _cases(tier):
+        for dtype in both if case.float64 else ("float32",):
             cells = []
             for algorithm in ALGORITHMS:
                 r = runs.get((case.name, algorithm, dtype))
@@ -120,6 +141,8 @@ def table(record) -> str:
                     mark = f" [{len(notes)}]"
                 cells.append(SYMBOL[r["outcome"]] + seconds + mark)
             ref = "closed form" if case.closed_form is not None else "NUTS"
+            if tier == "real" and all(runs.get((case.name, a, dtype)) is None for a in ALGORITHMS):
+                continue  # not run yet: the table says so below
             issue = f" ({case.issue})" if case.issue else ""
             lines.append(f"| `{case.name}` {dtype}{issue} | {case.what} | {ref} | " + " | ".join(cells) + " |")
     out = "\n".join(lines) + "\n"
@@ -135,20 +158,28 @@ def table(record) -> str:
     for r in record["runs"]:
         commits.setdefault(r.get("commit", record["commit"]), set()).add(r["algorithm"])
     where = "; ".join(f"{', '.join(a for a in ALGORITHMS if a in algs)} at `{c}`" for c, algs in commits.items())
+    command = "`.venv/bin/python tools/zoo_table.py" + (" --tier real`" if tier == "real" else "`")
     out += (
-        f"\nGenerated ({where}) on {record['date']} by "
-        "`.venv/bin/python tools/zoo_table.py` (run times on a shared 2-core machine, in the "
-        "child process, compilation included).\n"
+        f"\nGenerated ({where}) on {record['date']} by {command} (run times on a shared 2-core "
+        "machine, in the child process, compilation included).\n"
     )
+    if tier == "real":  # a partial run says how far it got
+        coverage = []
+        for m in sorted({c.num_clients for c in _cases(tier)}):
+            for d in ("float64", "float32"):
+                cells = [(c.name, a, d) for c in _cases(tier) if c.num_clients == m for a in ALGORITHMS]
+                coverage.append(f"{m} clients {d}: {sum(cell in runs for cell in cells)} of {len(cells)}")
+        out += "\nCells run (rows with none are left out): " + "; ".join(coverage) + ".\n"
     return out
 
 
-def write_page(record):
+def write_page(record, tier="synthetic"):
+    begin, end_marker = MARKERS[tier]
     with open(PAGE) as f:
         text = f.read()
-    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+    start, end = text.index(begin) + len(begin), text.index(end_marker)
     with open(PAGE, "w") as f:
-        f.write(text[:start] + "\n" + table(record) + text[end:])
+        f.write(text[:start] + "\n" + table(record, tier) + text[end:])
 
 
 def main():
@@ -159,25 +190,27 @@ def main():
     parser.add_argument("--dtype", action="append", choices=("float32", "float64"))
     parser.add_argument("--from-json", action="store_true", help="only rewrite the page from the last run")
     parser.add_argument("--commit", default="HEAD", help="the commit under test, or 'working-tree'")
+    parser.add_argument("--tier", default="synthetic", choices=("synthetic", "real"))
     args = parser.parse_args()
+    results_path = RESULTS[args.tier]
     if args.from_json:
-        with open(RESULTS) as f:
+        with open(results_path) as f:
             record = json.load(f)
         record["runs"] = [reclassify(r) for r in record["runs"]]
-        with open(RESULTS, "w") as f:
+        with open(results_path, "w") as f:
             json.dump(record, f, indent=1)
-        write_page(record)
+        write_page(record, args.tier)
         return
     selection = [
         (c, a, d)
-        for c, a, d in harness.all_runs()
+        for c, a, d in harness.all_runs(args.tier)
         if (not args.case or c in args.case)
         and (not args.algorithm or a in args.algorithm)
         and (not args.dtype or d in args.dtype)
     ]
     old = []
-    if (args.case or args.algorithm or args.dtype) and os.path.exists(RESULTS):
-        with open(RESULTS) as f:
+    if (args.case or args.algorithm or args.dtype) and os.path.exists(results_path):
+        with open(results_path) as f:
             previous = json.load(f)
         old = [dict(r, commit=r.get("commit", previous["commit"])) for r in previous["runs"]]
     commit = _git("rev-parse", "--short", "HEAD") + " + uncommitted edits"
@@ -189,13 +222,13 @@ def main():
         record = {
             "commit": commit,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "run_lengths": RUN_LENGTHS,
+            "run_lengths": REAL_RUN_LENGTHS if args.tier == "real" else RUN_LENGTHS,
             "runs": [r for r in old if (r["case"], r["algorithm"], r["dtype"]) not in keys] + results,
         }
-        os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-        with open(RESULTS, "w") as f:
+        os.makedirs(os.path.dirname(results_path), exist_ok=True)
+        with open(results_path, "w") as f:
             json.dump(record, f, indent=1)
-        write_page(record)
+        write_page(record, args.tier)
 
     if args.commit == "working-tree":
         results = run_all(selection, args.jobs, save)

@@ -53,6 +53,9 @@ class ZooCase:
     :ivar issue: the issue item whose exact case this is.
     :ivar mean_field: for a Gaussian posterior, ``() -> (mean, sd)`` of the best mean-field
         Gaussian (the minimiser of KL(q || p): the exact mean, and ``1 / sqrt(diag(precision))``).
+    :ivar tier: ``"synthetic"`` (this module) or ``"real"`` (:mod:`zoo.real_models`: published
+        models on real data, their own run lengths and tolerances, a committed NUTS reference).
+    :ivar real_model: the real tier's model (one per split), whose reference the case uses.
     """
 
     name: str
@@ -66,6 +69,8 @@ class ZooCase:
     issue: str = ""
     nuts: dict = dataclasses.field(default_factory=dict)
     mean_field: Callable | None = None
+    tier: str = "synthetic"
+    real_model: str = ""
 
 
 # -- shared model shapes ------------------------------------------------------------------------
@@ -438,4 +443,9 @@ CASES = {case.name: case for case in _cases()}
 
 
 def get_case(name: str) -> ZooCase:
-    return CASES[name]
+    """A case of either tier (the real tier's cases are named ``MODEL-mM``, M clients)."""
+    if name in CASES:
+        return CASES[name]
+    from zoo.real_models import REAL_CASES  # imports this module: not at the top
+
+    return REAL_CASES[name]

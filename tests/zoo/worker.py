@@ -34,6 +34,15 @@ RUN_LENGTHS = {
     # get_samples(key, result, 2000).
     "DPPVI": dict(num_rounds=10, num_samples=2000),
 }
+# The real-model tier (zoo.real_models) runs as its issues measured: 1000 warmup steps and 2000
+# draws (DADMMS: 20 vectorized chains of 100 draws after 1000 warmup steps); DSVGD and DPPVI
+# as above.
+REAL_RUN_LENGTHS = {
+    "FedZigZag": dict(num_warmup=1000, num_samples=2000),
+    "DADMMS": dict(num_warmup=1000, num_samples=100, num_chains=20),
+    "DSVGD": RUN_LENGTHS["DSVGD"],
+    "DPPVI": RUN_LENGTHS["DPPVI"],
+}
 ALGORITHMS = tuple(RUN_LENGTHS)
 PACKAGE_DIR = os.path.join("numpyro_fed", "")
 
@@ -55,7 +64,7 @@ def _run_algorithm(algorithm, case, model, args, rng_key, record, sites):
 
     import numpyro_fed as nf
 
-    lengths = RUN_LENGTHS[algorithm]
+    lengths = (REAL_RUN_LENGTHS if case.tier == "real" else RUN_LENGTHS)[algorithm]
     if algorithm == "FedZigZag":
         _phase(record, "construct")
         kernel = nf.FedZigZag(model)
@@ -94,7 +103,7 @@ def _run_algorithm(algorithm, case, model, args, rng_key, record, sites):
     else:
         raise KeyError(algorithm)
     _phase(record, "results")
-    if algorithm == "DPPVI":  # the fitted q itself, flat in the order of ``sites``
+    if algorithm == "DPPVI" and case.tier == "synthetic":  # the fitted q itself, flat in the order of ``sites``
         params = method.get_params(result.state)
         record["q"] = {
             k: np.concatenate([np.asarray(params[k][name], np.float64).ravel() for name in sites]).tolist()
@@ -119,8 +128,11 @@ def latent_sites(model, args):
     import jax
 
     from numpyro import handlers
+    from numpyro.infer.initialization import init_to_uniform
 
-    tr = handlers.trace(handlers.seed(model, jax.random.PRNGKey(0))).get_trace(*args)
+    # values from an init strategy, not prior draws: an ImproperUniform (flat) prior has none
+    seeded = handlers.substitute(handlers.seed(model, jax.random.PRNGKey(0)), substitute_fn=init_to_uniform)
+    tr = handlers.trace(seeded).get_trace(*args)
     return {
         name: site["fn"].support
         for name, site in tr.items()
