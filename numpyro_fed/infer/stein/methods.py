@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from numpyro.infer.initialization import init_to_uniform
+from numpyro.infer.initialization import init_to_sample
 
 from numpyro_fed._checks import check_int, check_positive
 from numpyro_fed.infer.base import adopt_client_state
@@ -67,8 +67,11 @@ class DSVGD(ParticleMethod):
     :param dict metrics: ``{name: fn}`` evaluated on the global particles after every round
         (see :class:`~numpyro_fed.infer.stein.face.ParticleMethod`).
     :param dict partition: as for :func:`~numpyro_fed.split_potential`.
-    :param init_strategy: NumPyro init strategy used to build the potential (the particles
-        themselves start as prior draws, Algorithm 1 line 1).
+    :param init_strategy: NumPyro init strategy of the initial particles, run once per
+        particle; default ``init_to_sample``: prior draws (Algorithm 1, line 1) and, where the
+        prior cannot be sampled (flat ``ImproperUniform`` priors), NumPyro's uniform ``(-2,
+        2)`` on the unconstrained space. With ``kde_bandwidth="auto"`` the first round
+        starts from the Laplace approximation of its target wherever the particles start.
     :param bool progress_bar: a progress bar over rounds.
     :param int batch_size: rows of the client's data per SVGD step (drawn afresh at every
         step, without replacement, the gradient scaled by ``n_k / batch_size``), as in the
@@ -155,7 +158,7 @@ class DSVGD(ParticleMethod):
         client_order="round_robin",
         metrics: Mapping[str, Callable] | None = None,
         partition=None,
-        init_strategy=init_to_uniform,
+        init_strategy=init_to_sample,
         progress_bar: bool = True,
         batch_size: int | None = None,
         federation=None,
