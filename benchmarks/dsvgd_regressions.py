@@ -203,6 +203,7 @@ def measure(name, cache, num_rounds, options):
     offsets = np.abs(draws.mean(0) - m_ref) / s_ref
     ratios = draws.std(0) / s_ref
     agree = bool(np.all(offsets < 0.3) and np.all((ratios > 1 / 1.5) & (ratios < 1.5)))
+    stein_mean, stein_scale = result.metrics["stein_mean"][-1], result.metrics["stein_scale"][-1]
     return dict(
         model=name,
         max_offset=float(np.nanmax(offsets)),
@@ -211,6 +212,8 @@ def measure(name, cache, num_rounds, options):
         agree=agree,
         warned=warned,
         seconds=seconds,
+        stein=f"{np.max(np.abs(stein_mean) / np.sqrt(np.maximum(stein_scale, 1e-12))):.2f} / "
+        f"{np.min(stein_scale):.2f}-{np.max(stein_scale):.2f}",
     )
 
 
@@ -226,16 +229,19 @@ def main():
 
     options = {k: ast.literal_eval(v) for k, v in (o.split("=", 1) for o in a.option)}
     print(f"DSVGD {options or 'defaults'}, {a.rounds} rounds, {DTYPE}")
-    print(f"| model | max mean error (ref sd) | sd ratios | agrees | warned | s |\n|---|---|---|---|---|---|")
+    print(
+        "| model | max mean error (ref sd) | sd ratios | agrees | warned | Stein offset / scale | s |\n"
+        "|---|---|---|---|---|---|---|"
+    )
     for name in a.models.split(","):
         r = measure(name, a.cache, a.rounds, options)
         if "error" in r:
-            print(f"| {name} | {r['error']} | | no | | {r['seconds']:.0f} |", flush=True)
+            print(f"| {name} | {r['error']} | | no | | | {r['seconds']:.0f} |", flush=True)
             continue
         w = "yes: " + r["warned"][0][:60] if r["warned"] else "no"
         print(
             f"| {name} | {r['max_offset']:.2f} | {r['ratio_min']:.2f}-{r['ratio_max']:.2f} | "
-            f"{'yes' if r['agree'] else 'NO'} | {w} | {r['seconds']:.0f} |",
+            f"{'yes' if r['agree'] else 'NO'} | {w} | {r['stein']} | {r['seconds']:.0f} |",
             flush=True,
         )
 

@@ -18,10 +18,12 @@ def stein_statistics(score_fn: Callable) -> Callable:
     """``history (R, N, d) -> (stein_mean, stein_scale)``, each ``(R, d)``.
 
     Stein's identity holds for any target ``p``: ``E_p[d log p / d x_j] = 0`` and
-    ``E_p[(d log p / d x_j) (x_j - m_j)] = -1``. Per set of particles, ``stein_mean`` is the
-    mean score times the particles' sd (0 expected) and ``stein_scale`` minus the mean of
-    score times deviation (1 expected); for a Gaussian target they are the mean's offset in
-    posterior sds times the sd ratio, and the ratio of the variances.
+    ``E_p[(d log p / d x_j) (x_j - m_j)] = -1``. Per set of particles, ``stein_mean`` is
+    ``(C g)_j / sd_j``, ``g`` the mean score, ``C`` the particles' covariance and ``sd_j``
+    their sd (0 expected), and ``stein_scale`` minus the mean of score times deviation (1
+    expected). For a Gaussian target and particles whose covariance is the target's times
+    ``r``, they are ``sqrt(r)`` times the mean's offset in posterior sds (``-(m - mu) /
+    sd``; with uncorrelated coordinates, ``g_j sd_j``), and ``r``.
 
     :param score_fn: ``(N, d) -> (N, d)``, the target's full ``grad log p``.
 
@@ -35,8 +37,13 @@ def stein_statistics(score_fn: Callable) -> Callable:
     def one(x):
         score = score_fn(x)
         mean = jnp.mean(x, axis=0)
+        centered = x - mean
         sd = jnp.std(x, axis=0)
-        return jnp.mean(score, axis=0) * sd, -jnp.mean(score * (x - mean), axis=0)
+        # C g / sd (C the particles' covariance, g the mean score): for a Gaussian target
+        # N(mu, S) with C = S, g = -S^-1 (m - mu) and C g / sd = -(m - mu) / sd, the mean's
+        # offset in sds, also where the coordinates are correlated (then g_j sd_j is not).
+        covariance_times_g = centered.T @ (centered @ jnp.mean(score, axis=0)) / x.shape[0]
+        return covariance_times_g / jnp.where(sd > 0, sd, 1.0), -jnp.mean(score * centered, axis=0)
 
     return jax.jit(lambda history: lax.map(one, history))
 

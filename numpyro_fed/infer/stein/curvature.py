@@ -107,40 +107,58 @@ def curvature_whitening(particles, score_fn: Callable) -> Affine:
     return Affine(w.mean, jnp.where(ok, matrix, w.chol), jnp.where(ok, inverse, chol_inverse))
 
 
-def newton_mode(score_fn: Callable, start, num_iterations: int = NEWTON_ITERATIONS):
+def newton_mode(score_fn: Callable, starts, num_iterations: int = NEWTON_ITERATIONS):
     """A mode of the target (a root of ``score_fn``, ``(N, d) -> (N, d)``) by damped Newton
-    from ``start`` (``(d,)``): saddle-free steps ``Delta = A^-1 g`` (``A`` the negative
-    Hessian with its eigenvalues made positive: an ascent direction of ``log p``), of the
-    longest length among ``1, 1/2, 1/4, ...`` (evaluated at once) at which ``log p`` still
-    increases along it (``score . Delta > 0``): a line search on slopes, which needs no
-    values of ``log p``. Its iterates do not depend on the units.
+    from each of ``starts`` (``(S, d)``); returns the end point with the smallest Newton
+    decrement ``g^T A^-1 g``.
+
+    Saddle-free steps ``Delta = A^-1 g`` (``A`` the negative Hessian with its eigenvalues made
+    positive: an ascent direction of ``log p``), no longer than a trust radius (4 units at
+    first, doubled after a full step, halved otherwise), of the longest length among ``1,
+    1/2, 1/4, ...`` (evaluated at once) at which ``log p`` still increases along them
+    (``score . Delta > 0``): a line search on slopes, which needs no values of ``log p``.
+    The radius bounds steps where the curvature vanishes (a logistic regression whose
+    logits saturate).
 
     >>> import jax.numpy as jnp
-    >>> mode = newton_mode(lambda x: -(x - 9.5) / 0.04**2 - (x - 9.5) ** 3, jnp.array([0.0]))
+    >>> mode = newton_mode(lambda x: -(x - 9.5) / 0.04**2 - (x - 9.5) ** 3, jnp.array([[0.0]]))
     >>> round(float(mode[0]), 4)
     9.5
     """
-    ts = 0.5 ** jnp.arange(_TRIALS, dtype=start.dtype)
+    dtype = starts.dtype
+    ts = 0.5 ** jnp.arange(_TRIALS, dtype=dtype)
 
-    def body(_, x):
+    def step(_, carry):
+        x, radius = carry
         g = _point_score(score_fn)(x)
         vectors, values = _positive_curvature(score_fn, x, 1e-10)
-
         delta = ((g @ vectors) / values) @ vectors.T
+        length = jnp.linalg.norm(delta)
+        delta = delta * jnp.minimum(1.0, radius / jnp.where(length > 0, length, 1.0))
         candidates = x + ts[:, None] * delta
         slopes = score_fn(candidates) @ delta  # d/dt log p(x + t delta) at each trial t
         ok = (slopes > 0) & jnp.all(jnp.isfinite(candidates), axis=-1) & jnp.isfinite(slopes)
         pick = jnp.where(jnp.any(ok), jnp.argmax(ok), _TRIALS - 1)  # the longest step still going up
         new = candidates[pick]
-        return jnp.where(jnp.all(jnp.isfinite(new)) & jnp.all(jnp.isfinite(delta)), new, x)
+        good = jnp.all(jnp.isfinite(new)) & jnp.all(jnp.isfinite(delta))
+        return jnp.where(good, new, x), jnp.where(good & (pick == 0), 2.0 * radius, radius / 2.0)
 
-    return jax.lax.fori_loop(0, num_iterations, body, start)
+    def run(start):
+        x, _ = jax.lax.fori_loop(0, num_iterations, step, (start, jnp.asarray(4.0, dtype)))
+        g = _point_score(score_fn)(x)
+        vectors, values = _positive_curvature(score_fn, x, 1e-10)
+        decrement = jnp.sum((g @ vectors) ** 2 / values)
+        return x, jnp.where(jnp.isfinite(decrement) & jnp.all(jnp.isfinite(x)), decrement, jnp.inf)
+
+    ends, decrements = jax.vmap(run)(starts)
+    return ends[jnp.argmin(decrements)]
 
 
 def laplace_start(particles, score_fn: Callable):
     """The particles (``(N, d)``) moved to the target's Laplace approximation: their
     standardized positions mapped to ``N(mode, A^-1)``, ``mode`` found by :func:`newton_mode`
-    from their mean and ``A`` the target's negative Hessian there (eigenvalues made positive;
+    from their mean and from the origin of the (unconstrained) space, where e.g. a logistic
+    regression's logits are 0, and ``A`` the target's negative Hessian there (eigenvalues made positive;
     in no direction wider than the particles were). The particles are returned unchanged if
     the search fails (non-finite).
 
@@ -160,7 +178,7 @@ def laplace_start(particles, score_fn: Callable):
     def score_u(v):
         return w.score_to_z(score_fn(w.from_z(v)))
 
-    mode = newton_mode(score_u, jnp.mean(u, axis=0))
+    mode = newton_mode(score_u, jnp.stack([jnp.mean(u, axis=0), w.to_z(jnp.zeros_like(w.mean))]))
     vectors, values = _positive_curvature(score_u, mode, 1e-10)
     values = jnp.maximum(values, 1.0)  # never wider than the particles were
     standard = whitening(u).to_z(u)
