@@ -11,7 +11,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["runaway_problems", "stein_statistics", "warn_runaway"]
+__all__ = ["OFFSET_LIMIT", "SCALE_LIMITS", "runaway_problems", "stein_statistics", "warn_runaway"]
+
+#: Stein's check warns past these: a mean offset (``|stein_mean| / sqrt(stein_scale)``, in
+#: posterior sds for a Gaussian target) and a variance ratio (``stein_scale``) outside these
+#: limits. They are those of agreement with a reference, 0.3 sd and sd ratios within
+#: ``[1/1.5, 1.5]``: a run the check passes is one it cannot tell from such agreement.
+OFFSET_LIMIT = 0.3
+SCALE_LIMITS = (1 / 1.5**2, 1.5**2)
 
 
 def stein_statistics(score_fn: Callable) -> Callable:
@@ -52,8 +59,8 @@ def runaway_problems(start, end, stein_mean, stein_scale, *, from_prior: bool, a
     """What is absurd about the particles ``end`` (``(N, d)``) of a run from ``start``: a
     spread or a move of more than 1000 sds of ``start`` (prior draws only: particles given by
     the user may be as narrow as they like) and, once every client has been visited, the last
-    Stein statistics (``(d,)`` each) more than 3 posterior sds off or a variance ratio
-    outside ``[1/4, 4]``."""
+    Stein statistics (``(d,)`` each) more than :data:`OFFSET_LIMIT` posterior sds off or a
+    variance ratio outside :data:`SCALE_LIMITS`."""
     start, end = np.asarray(start, dtype=float), np.asarray(end, dtype=float)
     start_sd = start.std(axis=0) if from_prior else np.zeros(start.shape[1])
     safe_sd = np.where(start_sd > 0, start_sd, 1.0)
@@ -72,14 +79,14 @@ def runaway_problems(start, end, stein_mean, stein_scale, *, from_prior: bool, a
         # For a Gaussian target, stein_mean / sqrt(stein_scale) is the mean's offset in
         # posterior sds and stein_scale the variance ratio.
         offset = np.where(v > 0, np.abs(m) / np.sqrt(np.where(v > 0, v, 1.0)), np.inf)
-        if np.max(offset) > 3:
+        if np.max(offset) > OFFSET_LIMIT:
             j = int(np.argmax(offset))
             problems.append(
                 f"the target's score at the particles does not average 0 "
                 f"(stein_mean {m[j]:.3g}, stein_scale {v[j]:.3g} in coordinate {j}: "
                 f"for a Gaussian posterior, a mean {offset[j]:.3g} posterior sds off)"
             )
-        if np.max(v) > 4 or np.min(v) < 0.25:
+        if np.max(v) > SCALE_LIMITS[1] or np.min(v) < SCALE_LIMITS[0]:
             j = int(np.argmax(np.abs(np.log(np.maximum(v, 1e-300)))))
             problems.append(
                 f"their spread does not match the target's score (stein_scale "

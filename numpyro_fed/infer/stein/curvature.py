@@ -203,7 +203,8 @@ class Frame(NamedTuple):
 
 def round_frame(kde_bandwidth, global_particles, prior_score, client_grad, local_score=None) -> Frame:
     """With ``kde_bandwidth="auto"`` a round runs in the coordinates that whiten the global
-    particles it starts from (:func:`~numpyro_fed.infer.stein.whitening.whitening`); with a fixed bandwidth, in the model's own.
+    particles it starts from (:func:`~numpyro_fed.infer.stein.whitening.whitening`); with a
+    fixed bandwidth, in the model's own.
     Given ``local_score`` (``(N, d) -> (N, d)``, the score of the client's own posterior
     ``p_0 exp(-L_k)``), ``"auto"`` uses its curvature too
     (:func:`curvature_whitening`): the round's KDEs, one

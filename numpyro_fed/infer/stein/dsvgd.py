@@ -34,10 +34,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from numpyro_fed.federation import ClientState
+from numpyro_fed.infer.stein.curvature import laplace_start, round_frame
 from numpyro_fed.infer.stein.kde import check_kde_bandwidth, kde_score_fn
 from numpyro_fed.infer.stein.kernels import wide_median_bandwidth
 from numpyro_fed.infer.stein.svgd import staged_svgd
-from numpyro_fed.infer.stein.curvature import laplace_start, round_frame
 
 __all__ = [
     "AUTO_STAGES",
