@@ -28,7 +28,12 @@ from numpyro_fed.infer.stein.checks import stein_statistics
 from numpyro_fed.infer.stein.client_order import make_client_order
 from numpyro_fed.infer.stein.kde import AUTO_KDE_FACTOR, shrunk_kde
 from numpyro_fed.infer.stein.kernels import median_bandwidth, squared_distances
-from numpyro_fed.infer.stein.model import flat_gradients, initial_particles, minibatch_client_grad
+from numpyro_fed.infer.stein.model import (
+    flat_gradients,
+    initial_particles,
+    minibatch_client_grad,
+    named_init_strategy,
+)
 
 __all__ = ["ParticleMethod", "kernel_stein_discrepancy"]
 
@@ -109,7 +114,11 @@ class ParticleMethod(VariationalMethod):
         federation=None,
     ):
         super().__init__(
-            model, partition=partition, init_strategy=init_strategy, progress_bar=progress_bar, federation=federation
+            model,
+            partition=partition,
+            init_strategy=named_init_strategy(init_strategy),
+            progress_bar=progress_bar,
+            federation=federation,
         )
         self.num_particles = check_int(num_particles, "num_particles", minimum=1)
         self.batch_size = None if batch_size is None else check_int(batch_size, "batch_size", minimum=1)

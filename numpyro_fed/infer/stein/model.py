@@ -16,7 +16,15 @@ from numpyro.distributions.transforms import biject_to
 from numpyro.handlers import seed, substitute, trace
 from numpyro.infer.initialization import init_to_sample
 
-__all__ = ["FlatGradients", "data_plate", "flat_gradients", "initial_particles", "minibatch_client_grad", "prior_draws"]
+__all__ = [
+    "FlatGradients",
+    "data_plate",
+    "flat_gradients",
+    "initial_particles",
+    "minibatch_client_grad",
+    "named_init_strategy",
+    "prior_draws",
+]
 
 
 class FlatGradients(NamedTuple):
@@ -92,8 +100,11 @@ def prior_draws(model, fp, rng_key, args, kwargs, num: int) -> jax.Array:
     return initial_particles(model, fp, rng_key, args, kwargs, num, init_to_sample)
 
 
-def _site_strategy(init_strategy):
-    """``init_strategy`` that names the site it cannot initialise."""
+def named_init_strategy(init_strategy):
+    """``init_strategy`` that raises a ``ValueError`` naming the site it cannot initialise
+    (rather than, e.g., NumPyro's bare ``NotImplementedError`` of a flat prior's sample)."""
+    if getattr(init_strategy, "names_sites", False):
+        return init_strategy
 
     def strategy(site):
         try:
@@ -111,6 +122,7 @@ def _site_strategy(init_strategy):
             )
         return value
 
+    strategy.names_sites = True
     return strategy
 
 
@@ -121,8 +133,9 @@ def initial_particles(model, fp, rng_key, args, kwargs, num: int, init_strategy=
     sampled, e.g. a flat ``ImproperUniform``; ``init_to_uniform``; ``init_to_median``, ...).
     Coordinates in which every particle comes out equal (e.g. ``init_to_median``,
     ``init_to_value``) are spread by a uniform ``(-1, 1)`` jitter around that value: SVGD
-    cannot separate coinciding particles. A strategy that cannot initialise a site raises a
-    ``ValueError`` naming it.
+    cannot separate coinciding particles; a coordinate that is infinite unconstrained (a
+    float32 draw at the edge of its support) is drawn uniformly in ``(-2, 2)`` instead. A
+    strategy that cannot initialise a site raises a ``ValueError`` naming it.
 
     In deployment (``fp.deployed``: the rows are on the clients; ``args`` and ``kwargs`` are
     empty) the model runs on :attr:`FederatedPotential.stand_in_arguments
@@ -145,7 +158,7 @@ def initial_particles(model, fp, rng_key, args, kwargs, num: int, init_strategy=
     stand_in = getattr(fp, "stand_in_arguments", None)
     if fp.deployed and not (args or kwargs) and stand_in is not None:
         args, kwargs = stand_in
-    strategy = _site_strategy(init_strategy)
+    strategy = named_init_strategy(init_strategy)
 
     # One compiled program, the data arrays as its arguments (not constants; other arguments,
     # e.g. sizes, stay static): run op by op, the model's likelihood would be evaluated, and
@@ -165,6 +178,11 @@ def initial_particles(model, fp, rng_key, args, kwargs, num: int, init_strategy=
     k_draw, k_jitter = jax.random.split(rng_key)
     draw = jax.jit(jax.vmap(one, in_axes=(0, None)))
     particles = draw(jax.random.split(k_draw, num), [leaves[i] for i in dynamic])
+    k_jitter, k_uniform = jax.random.split(k_jitter)
+    # A draw at the edge of its support (e.g. a float32 prior draw of ordered values that
+    # coincide) is infinite unconstrained: NumPyro's uniform (-2, 2) there instead.
+    uniform = jax.random.uniform(k_uniform, particles.shape, particles.dtype, -2.0, 2.0)
+    particles = jnp.where(jnp.isfinite(particles), particles, uniform)
     if num > 1:
         equal = jnp.all(particles == particles[:1], axis=0)
         jitter = jax.random.uniform(k_jitter, particles.shape, particles.dtype, -1.0, 1.0)
