@@ -106,11 +106,13 @@ class DSVGD(ParticleMethod):
     every client has been scheduled, each round also checks the global particles against
     Stein's identity for the target ``p``: ``E_p[d log p / d x_j] = 0`` and
     ``E_p[(d log p / d x_j) (x_j - m_j)] = -1``. With the full-batch score,
-    ``result.metrics`` records per round and coordinate ``stein_mean`` (the mean score times
-    the particles' sd: 0 expected) and ``stein_scale`` (1 expected; for a Gaussian target, the
-    ratio of the particles' variance to the posterior's). After the last round, a mean more
-    than 3 posterior sds off by that measure, ``stein_scale`` outside ``[1/4, 4]``, or (in a
-    run from prior draws) a spread or a distance from the prior draws of more than 1000 of
+    ``result.metrics`` records per round and coordinate ``stein_mean`` (the mean score through
+    the particles' covariance over their sd: 0 expected; see
+    :func:`~numpyro_fed.infer.stein.checks.stein_statistics`) and ``stein_scale`` (1 expected;
+    for a Gaussian target, the ratio of the particles' variance to the posterior's). After
+    the last round, a mean more than 0.3 posterior sds off by that measure, ``stein_scale``
+    outside ``[1/1.5^2, 1.5^2]`` (the limits of agreement with a reference), or (in a run
+    from the init strategy's draws) a spread or a distance from them of more than 1000 of
     their sds, is reported by a :class:`RuntimeWarning` that names what to change.
 
     **Example**
