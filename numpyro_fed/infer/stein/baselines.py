@@ -11,7 +11,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from numpyro.infer.initialization import init_to_uniform
+from numpyro.infer.initialization import init_to_sample
 
 from numpyro_fed._checks import check_int, check_positive
 from numpyro_fed.infer.stein import fedavg as fedavg_core
@@ -72,7 +72,7 @@ class SVGD(ParticleMethod):
         temperature: float = 1.0,
         metrics=None,
         partition=None,
-        init_strategy=init_to_uniform,
+        init_strategy=init_to_sample,
         progress_bar: bool = True,
         batch_size: int | None = None,
         federation=None,
@@ -170,7 +170,7 @@ class FedAvg(ParticleMethod):
         client_order="round_robin",
         metrics=None,
         partition=None,
-        init_strategy=init_to_uniform,
+        init_strategy=init_to_sample,
         progress_bar: bool = True,
         batch_size: int | None = None,
         federation=None,
@@ -278,7 +278,7 @@ class DistributedSGLD(ParticleMethod):
         client_order="round_robin",
         metrics=None,
         partition=None,
-        init_strategy=init_to_uniform,
+        init_strategy=init_to_sample,
         progress_bar: bool = True,
         batch_size: int | None = None,
         federation=None,

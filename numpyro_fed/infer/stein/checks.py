@@ -11,17 +11,26 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["runaway_problems", "stein_statistics", "warn_runaway"]
+__all__ = ["OFFSET_LIMIT", "SCALE_LIMITS", "runaway_problems", "stein_statistics", "warn_runaway"]
+
+#: Stein's check warns past these: a mean offset (``|stein_mean| / sqrt(stein_scale)``, in
+#: posterior sds for a Gaussian target) and a variance ratio (``stein_scale``) outside these
+#: limits. They are those of agreement with a reference, 0.3 sd and sd ratios within
+#: ``[1/1.5, 1.5]``: a run the check passes is one it cannot tell from such agreement.
+OFFSET_LIMIT = 0.3
+SCALE_LIMITS = (1 / 1.5**2, 1.5**2)
 
 
 def stein_statistics(score_fn: Callable) -> Callable:
     """``history (R, N, d) -> (stein_mean, stein_scale)``, each ``(R, d)``.
 
     Stein's identity holds for any target ``p``: ``E_p[d log p / d x_j] = 0`` and
-    ``E_p[(d log p / d x_j) (x_j - m_j)] = -1``. Per set of particles, ``stein_mean`` is the
-    mean score times the particles' sd (0 expected) and ``stein_scale`` minus the mean of
-    score times deviation (1 expected); for a Gaussian target they are the mean's offset in
-    posterior sds times the sd ratio, and the ratio of the variances.
+    ``E_p[(d log p / d x_j) (x_j - m_j)] = -1``. Per set of particles, ``stein_mean`` is
+    ``(C g)_j / sd_j``, ``g`` the mean score, ``C`` the particles' covariance and ``sd_j``
+    their sd (0 expected), and ``stein_scale`` minus the mean of score times deviation (1
+    expected). For a Gaussian target and particles whose covariance is the target's times
+    ``r``, they are ``sqrt(r)`` times the mean's offset in posterior sds (``-(m - mu) /
+    sd``; with uncorrelated coordinates, ``g_j sd_j``), and ``r``.
 
     :param score_fn: ``(N, d) -> (N, d)``, the target's full ``grad log p``.
 
@@ -35,8 +44,13 @@ def stein_statistics(score_fn: Callable) -> Callable:
     def one(x):
         score = score_fn(x)
         mean = jnp.mean(x, axis=0)
+        centered = x - mean
         sd = jnp.std(x, axis=0)
-        return jnp.mean(score, axis=0) * sd, -jnp.mean(score * (x - mean), axis=0)
+        # C g / sd (C the particles' covariance, g the mean score): for a Gaussian target
+        # N(mu, S) with C = S, g = -S^-1 (m - mu) and C g / sd = -(m - mu) / sd, the mean's
+        # offset in sds, also where the coordinates are correlated (then g_j sd_j is not).
+        covariance_times_g = centered.T @ (centered @ jnp.mean(score, axis=0)) / x.shape[0]
+        return covariance_times_g / jnp.where(sd > 0, sd, 1.0), -jnp.mean(score * centered, axis=0)
 
     return jax.jit(lambda history: lax.map(one, history))
 
@@ -45,8 +59,8 @@ def runaway_problems(start, end, stein_mean, stein_scale, *, from_prior: bool, a
     """What is absurd about the particles ``end`` (``(N, d)``) of a run from ``start``: a
     spread or a move of more than 1000 sds of ``start`` (prior draws only: particles given by
     the user may be as narrow as they like) and, once every client has been visited, the last
-    Stein statistics (``(d,)`` each) more than 3 posterior sds off or a variance ratio
-    outside ``[1/4, 4]``."""
+    Stein statistics (``(d,)`` each) more than :data:`OFFSET_LIMIT` posterior sds off or a
+    variance ratio outside :data:`SCALE_LIMITS`."""
     start, end = np.asarray(start, dtype=float), np.asarray(end, dtype=float)
     start_sd = start.std(axis=0) if from_prior else np.zeros(start.shape[1])
     safe_sd = np.where(start_sd > 0, start_sd, 1.0)
@@ -65,14 +79,14 @@ def runaway_problems(start, end, stein_mean, stein_scale, *, from_prior: bool, a
         # For a Gaussian target, stein_mean / sqrt(stein_scale) is the mean's offset in
         # posterior sds and stein_scale the variance ratio.
         offset = np.where(v > 0, np.abs(m) / np.sqrt(np.where(v > 0, v, 1.0)), np.inf)
-        if np.max(offset) > 3:
+        if np.max(offset) > OFFSET_LIMIT:
             j = int(np.argmax(offset))
             problems.append(
                 f"the target's score at the particles does not average 0 "
                 f"(stein_mean {m[j]:.3g}, stein_scale {v[j]:.3g} in coordinate {j}: "
                 f"for a Gaussian posterior, a mean {offset[j]:.3g} posterior sds off)"
             )
-        if np.max(v) > 4 or np.min(v) < 0.25:
+        if np.max(v) > SCALE_LIMITS[1] or np.min(v) < SCALE_LIMITS[0]:
             j = int(np.argmax(np.abs(np.log(np.maximum(v, 1e-300)))))
             problems.append(
                 f"their spread does not match the target's score (stein_scale "

@@ -31,12 +31,13 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from numpyro_fed.federation import ClientState
+from numpyro_fed.infer.stein.curvature import laplace_start, round_frame
 from numpyro_fed.infer.stein.kde import check_kde_bandwidth, kde_score_fn
 from numpyro_fed.infer.stein.kernels import wide_median_bandwidth
 from numpyro_fed.infer.stein.svgd import staged_svgd
-from numpyro_fed.infer.stein.whitening import round_frame
 
 __all__ = [
     "AUTO_STAGES",
@@ -55,6 +56,7 @@ __all__ = [
     "initial_local_states",
     "round_config",
     "server_update",
+    "start_and_frame",
     "update_particles",
 ]
 
@@ -209,6 +211,7 @@ def update_particles(
     visited=True,
     first=False,
     stages=1,
+    curvature=False,
 ) -> ClientUpdate:
     """Lines 4-7 of Algorithm 1 at one client, in the coordinates the scores are given in.
 
@@ -230,7 +233,9 @@ def update_particles(
     def tilted_score(x, step_key=None):  # Eq. (14)
         return score_previous(x) - score_local(x) + prior_score(x) - client_grad(x, block, step_key) / temperature
 
-    new_global = staged_svgd(global_particles, tilted_score, num_local_steps, optim, svgd_bandwidth, rng_key, stages)
+    new_global = staged_svgd(
+        global_particles, tilted_score, num_local_steps, optim, svgd_bandwidth, rng_key, stages, curvature
+    )
 
     def factor_score(x):  # grad log p_0 t_k^(i), t_k^(i) = t_k^(i-1) q^(i) / q^(i-1)  (Eq. (17))
         return kde_score(x, new_global) + score_local(x) - score_previous(x)
@@ -240,7 +245,9 @@ def update_particles(
     # (t_k^(0) = 1 exactly) and may lie many whitened units from the target, further than
     # the distillation's steps travel. (The paper's variant starts from them.)
     start = local_particles if stages <= 1 else jnp.where(visited, local_particles, new_global)
-    new_local = staged_svgd(start, factor_score, num_distill_steps, distill_optim, svgd_bandwidth, stages=stages)
+    new_local = staged_svgd(
+        start, factor_score, num_distill_steps, distill_optim, svgd_bandwidth, stages=stages, curvature=curvature
+    )
     return ClientUpdate(new_global, new_local)
 
 
@@ -254,6 +261,9 @@ class RoundConfig(NamedTuple):
     :ivar stages: SVGD stages per loop (:data:`AUTO_STAGES` with ``"auto"``, else 1).
     :ivar prior_score: ``(N, d) -> (N, d)``, ``grad log p_0`` at every particle.
     :ivar client_grad: ``(x (N, d), block, key) -> (N, d)`` (:func:`batched_client_grad`).
+    :ivar curvature: whether the round's coordinates and its SVGD stages follow the target's
+        curvature, and the first round starts from the Laplace approximation of its target
+        (``"auto"``; see :func:`start_and_frame`).
     """
 
     kde_bandwidth: float | str
@@ -261,6 +271,7 @@ class RoundConfig(NamedTuple):
     stages: int
     prior_score: Callable
     client_grad: Callable
+    curvature: bool
 
 
 def round_config(prior_grad, client_grad, stochastic_client_grad, kde_bandwidth, svgd_bandwidth) -> RoundConfig:
@@ -276,7 +287,30 @@ def round_config(prior_grad, client_grad, stochastic_client_grad, kde_bandwidth,
         AUTO_STAGES if kde_bandwidth == "auto" else 1,
         jax.vmap(lambda x: -prior_grad(x)),
         batched_client_grad(client_grad, stochastic_client_grad),
+        kde_bandwidth == "auto",
     )
+
+
+def start_and_frame(config: RoundConfig, particles, block, temperature, first):
+    """The particles a client's round starts from and the round's coordinates
+    (:func:`~numpyro_fed.infer.stein.curvature.round_frame`).
+
+    With ``config.curvature`` the coordinates follow the curvature of the client's own
+    posterior ``p_0 exp(-L_k / alpha)`` (full batch) at the particles, and in the run's first
+    round (``first``: ``q = p_0`` exactly, and the particles are where the run started, no
+    density) they start from the Laplace approximation of that target
+    (:func:`~numpyro_fed.infer.stein.curvature.laplace_start`): initial particles may lie
+    hundreds of posterior sds from it, or be that much wider, further than SVGD's steps go.
+    """
+
+    def local_score(x):
+        return config.prior_score(x) - config.client_grad(x, block, None) / temperature
+
+    if not config.curvature:
+        return particles, round_frame(config.kde_bandwidth, particles, config.prior_score, config.client_grad)
+    particles = lax.cond(first, lambda x: laplace_start(x, local_score), lambda x: x, particles)
+    frame = round_frame(config.kde_bandwidth, particles, config.prior_score, config.client_grad, local_score)
+    return particles, frame
 
 
 def build_client(
@@ -328,9 +362,9 @@ def build_client(
     def client(rng_key, message: ClientMessage, local_particles, visited, block) -> ClientUpdate:
         check_key(rng_key, stochastic_client_grad)
         key = rng_key if stochastic_client_grad is not None else None
-        frame = round_frame(config.kde_bandwidth, message.global_particles, config.prior_score, config.client_grad)
+        start, frame = start_and_frame(config, message.global_particles, block, temperature, message.first)
         update = update_particles(
-            frame.to_z(message.global_particles),
+            frame.to_z(start),
             frame.to_z(local_particles),
             block,
             prior_score=frame.prior_score,
@@ -346,6 +380,7 @@ def build_client(
             visited=visited,
             first=message.first,
             stages=config.stages,
+            curvature=config.curvature,
         )
         return ClientUpdate(frame.from_z(update.global_particles), frame.from_z(update.local_particles))
 

@@ -19,7 +19,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from numpyro.infer.initialization import init_to_uniform
+from numpyro.infer.initialization import init_to_sample
 
 from numpyro_fed._checks import check_int, check_positive
 from numpyro_fed.infer.base import ClientSpec, RunResult, VariationalMethod, jit_round
@@ -28,7 +28,12 @@ from numpyro_fed.infer.stein.checks import stein_statistics
 from numpyro_fed.infer.stein.client_order import make_client_order
 from numpyro_fed.infer.stein.kde import AUTO_KDE_FACTOR, shrunk_kde
 from numpyro_fed.infer.stein.kernels import median_bandwidth, squared_distances
-from numpyro_fed.infer.stein.model import flat_gradients, minibatch_client_grad, prior_draws
+from numpyro_fed.infer.stein.model import (
+    flat_gradients,
+    initial_particles,
+    minibatch_client_grad,
+    named_init_strategy,
+)
 
 __all__ = ["ParticleMethod", "kernel_stein_discrepancy"]
 
@@ -70,8 +75,11 @@ class ParticleMethod(VariationalMethod):
         :func:`numpyro_fed.metrics.kl_metric_1d`, :func:`numpyro_fed.metrics.classification_metrics`,
         :func:`numpyro_fed.metrics.regression_metrics`).
     :param dict partition: as for :func:`~numpyro_fed.split_potential`.
-    :param init_strategy: as for :func:`~numpyro_fed.split_potential` (the particles
-        themselves start as prior draws).
+    :param init_strategy: a NumPyro init strategy, run once per initial particle
+        (:func:`~numpyro_fed.infer.stein.model.initial_particles`) and passed to
+        :func:`~numpyro_fed.split_potential`; default ``init_to_sample``: prior draws, and
+        NumPyro's uniform ``(-2, 2)`` on the unconstrained space where the prior cannot be
+        sampled (flat ``ImproperUniform`` priors).
     :param bool progress_bar: a progress bar over rounds.
     :param float temperature: ``alpha`` of the free energy (1: Bayes' posterior).
     :param int batch_size: rows of a client's data per step (``None``: all).
@@ -99,14 +107,18 @@ class ParticleMethod(VariationalMethod):
         num_particles: int,
         metrics: Mapping[str, Callable] | None,
         partition,
-        init_strategy=init_to_uniform,
+        init_strategy=init_to_sample,
         progress_bar: bool = True,
         temperature: float = 1.0,
         batch_size: int | None = None,
         federation=None,
     ):
         super().__init__(
-            model, partition=partition, init_strategy=init_strategy, progress_bar=progress_bar, federation=federation
+            model,
+            partition=partition,
+            init_strategy=named_init_strategy(init_strategy),
+            progress_bar=progress_bar,
+            federation=federation,
         )
         self.num_particles = check_int(num_particles, "num_particles", minimum=1)
         self.batch_size = None if batch_size is None else check_int(batch_size, "batch_size", minimum=1)
@@ -226,12 +238,14 @@ class ParticleMethod(VariationalMethod):
 
     # -- SVI's face ------------------------------------------------------------------------------
     def init(self, rng_key, *args, init_particles=None, num_rounds: int | None = None, **kwargs):
-        """The initial state: particles drawn from the prior (or ``init_particles``, ``(N, d)``
+        """The initial state: particles from the init strategy (or ``init_particles``, ``(N, d)``
         flat unconstrained), the potential split on the model's arguments ``args``,
         ``kwargs`` (the clients' data)."""
         self._setup(args, kwargs)
         if init_particles is None:
-            particles = prior_draws(self.model, self.federated_potential, rng_key, args, kwargs, self.num_particles)
+            particles = initial_particles(
+                self.model, self.federated_potential, rng_key, args, kwargs, self.num_particles, self.init_strategy
+            )
         else:
             particles = self._check_particles(init_particles, "init_particles")
         return self.initial_state(particles, num_rounds)

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from numpyro.infer.initialization import init_to_uniform
+from numpyro.infer.initialization import init_to_sample
 
 from numpyro_fed._checks import check_int, check_positive
 from numpyro_fed.infer.base import adopt_client_state
@@ -67,8 +67,11 @@ class DSVGD(ParticleMethod):
     :param dict metrics: ``{name: fn}`` evaluated on the global particles after every round
         (see :class:`~numpyro_fed.infer.stein.face.ParticleMethod`).
     :param dict partition: as for :func:`~numpyro_fed.split_potential`.
-    :param init_strategy: NumPyro init strategy used to build the potential (the particles
-        themselves start as prior draws, Algorithm 1 line 1).
+    :param init_strategy: NumPyro init strategy of the initial particles, run once per
+        particle; default ``init_to_sample``: prior draws (Algorithm 1, line 1) and, where the
+        prior cannot be sampled (flat ``ImproperUniform`` priors), NumPyro's uniform ``(-2,
+        2)`` on the unconstrained space. With ``kde_bandwidth="auto"`` the first round
+        starts from the Laplace approximation of its target wherever the particles start.
     :param bool progress_bar: a progress bar over rounds.
     :param int batch_size: rows of the client's data per SVGD step (drawn afresh at every
         step, without replacement, the gradient scaled by ``n_k / batch_size``), as in the
@@ -103,11 +106,13 @@ class DSVGD(ParticleMethod):
     every client has been scheduled, each round also checks the global particles against
     Stein's identity for the target ``p``: ``E_p[d log p / d x_j] = 0`` and
     ``E_p[(d log p / d x_j) (x_j - m_j)] = -1``. With the full-batch score,
-    ``result.metrics`` records per round and coordinate ``stein_mean`` (the mean score times
-    the particles' sd: 0 expected) and ``stein_scale`` (1 expected; for a Gaussian target, the
-    ratio of the particles' variance to the posterior's). After the last round, a mean more
-    than 3 posterior sds off by that measure, ``stein_scale`` outside ``[1/4, 4]``, or (in a
-    run from prior draws) a spread or a distance from the prior draws of more than 1000 of
+    ``result.metrics`` records per round and coordinate ``stein_mean`` (the mean score through
+    the particles' covariance over their sd: 0 expected; see
+    :func:`~numpyro_fed.infer.stein.checks.stein_statistics`) and ``stein_scale`` (1 expected;
+    for a Gaussian target, the ratio of the particles' variance to the posterior's). After
+    the last round, a mean more than 0.3 posterior sds off by that measure, ``stein_scale``
+    outside ``[1/1.5^2, 1.5^2]`` (the limits of agreement with a reference), or (in a run
+    from the init strategy's draws) a spread or a distance from them of more than 1000 of
     their sds, is reported by a :class:`RuntimeWarning` that names what to change.
 
     **Example**
@@ -155,7 +160,7 @@ class DSVGD(ParticleMethod):
         client_order="round_robin",
         metrics: Mapping[str, Callable] | None = None,
         partition=None,
-        init_strategy=init_to_uniform,
+        init_strategy=init_to_sample,
         progress_bar: bool = True,
         batch_size: int | None = None,
         federation=None,

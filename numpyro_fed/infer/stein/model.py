@@ -13,9 +13,18 @@ import jax.numpy as jnp
 from jax import lax
 
 from numpyro.distributions.transforms import biject_to
-from numpyro.handlers import seed, trace
+from numpyro.handlers import seed, substitute, trace
+from numpyro.infer.initialization import init_to_sample
 
-__all__ = ["FlatGradients", "data_plate", "flat_gradients", "minibatch_client_grad", "prior_draws"]
+__all__ = [
+    "FlatGradients",
+    "data_plate",
+    "flat_gradients",
+    "initial_particles",
+    "minibatch_client_grad",
+    "named_init_strategy",
+    "prior_draws",
+]
 
 
 class FlatGradients(NamedTuple):
@@ -85,17 +94,71 @@ def minibatch_client_grad(fp, batch_size: int) -> Callable:
 
 
 def prior_draws(model, fp, rng_key, args, kwargs, num: int) -> jax.Array:
-    """``(num, d)`` draws of the global latents from the model's prior, flat and unconstrained.
+    """``(num, d)`` draws of the global latents from the model's prior, flat and unconstrained
+    (:func:`initial_particles` with NumPyro's ``init_to_sample``: a site whose prior cannot be
+    sampled, e.g. ``ImproperUniform``, is drawn uniformly in ``(-2, 2)`` unconstrained)."""
+    return initial_particles(model, fp, rng_key, args, kwargs, num, init_to_sample)
+
+
+def named_init_strategy(init_strategy):
+    """``init_strategy`` that raises a ``ValueError`` naming the site it cannot initialise
+    (rather than, e.g., NumPyro's bare ``NotImplementedError`` of a flat prior's sample)."""
+    if getattr(init_strategy, "names_sites", False):
+        return init_strategy
+
+    def strategy(site):
+        try:
+            value = init_strategy(site)
+        except (NotImplementedError, ValueError, TypeError) as e:
+            raise ValueError(
+                f"init_strategy cannot initialise the particles at site '{site['name']}' "
+                f"({type(site['fn']).__name__}): {type(e).__name__} {e}. Pass init_strategy=init_to_uniform, "
+                "or init_particles="
+            ) from e
+        if value is None and site["type"] == "sample" and not site["is_observed"]:
+            raise ValueError(
+                f"init_strategy gives no value at site '{site['name']}' ({type(site['fn']).__name__}): "
+                "pass init_strategy=init_to_uniform, or init_particles="
+            )
+        return value
+
+    strategy.names_sites = True
+    return strategy
+
+
+def initial_particles(model, fp, rng_key, args, kwargs, num: int, init_strategy=init_to_sample) -> jax.Array:
+    """``(num, d)`` initial particles, flat and unconstrained: one run of the NumPyro init
+    strategy ``init_strategy`` per particle (``init_to_sample``: prior draws, and
+    NumPyro's uniform ``(-2, 2)`` on the unconstrained space where the prior cannot be
+    sampled, e.g. a flat ``ImproperUniform``; ``init_to_uniform``; ``init_to_median``, ...).
+    Coordinates in which every particle comes out equal (e.g. ``init_to_median``,
+    ``init_to_value``) are spread by a uniform ``(-1, 1)`` jitter around that value: SVGD
+    cannot separate coinciding particles; a coordinate that is infinite unconstrained (a
+    float32 draw at the edge of its support) is drawn uniformly in ``(-2, 2)`` instead. A
+    strategy that cannot initialise a site raises a ``ValueError`` naming it.
 
     In deployment (``fp.deployed``: the rows are on the clients; ``args`` and ``kwargs`` are
     empty) the model runs on :attr:`FederatedPotential.stand_in_arguments
     <numpyro_fed.FederatedPotential.stand_in_arguments>`, zeros in place of the rows: the prior
     of global latents does not depend on the rows (:func:`~numpyro_fed.split_potential` checks
-    it), and no row crosses."""
+    it), and no row crosses.
+
+    >>> import jax, jax.numpy as jnp, numpyro, numpyro.distributions as dist
+    >>> import numpyro_fed as nf
+    >>> def model(y):
+    ...     mu = numpyro.sample("mu", dist.ImproperUniform(dist.constraints.real, (), ()))
+    ...     with nf.federated_plate("data", y.shape[0], clients=2):
+    ...         numpyro.sample("y", dist.Normal(mu, 1), obs=y)
+    >>> y = jnp.array([1.0, 2.0])
+    >>> x = initial_particles(model, nf.split_potential(model, (y,)), jax.random.PRNGKey(0), (y,), {}, 5)
+    >>> x.shape, bool(jnp.all(jnp.abs(x) < 2))
+    ((5, 1), True)
+    """
     names = list(fp.init_params)
     stand_in = getattr(fp, "stand_in_arguments", None)
     if fp.deployed and not (args or kwargs) and stand_in is not None:
         args, kwargs = stand_in
+    strategy = named_init_strategy(init_strategy)
 
     # One compiled program, the data arrays as its arguments (not constants; other arguments,
     # e.g. sizes, stay static): run op by op, the model's likelihood would be evaluated, and
@@ -108,9 +171,20 @@ def prior_draws(model, fp, rng_key, args, kwargs, num: int) -> jax.Array:
         for i, array in zip(dynamic, arrays):
             full[i] = array
         model_args, model_kwargs = jax.tree_util.tree_unflatten(treedef, full)
-        tr = trace(seed(model, key)).get_trace(*model_args, **model_kwargs)
+        tr = trace(substitute(seed(model, key), substitute_fn=strategy)).get_trace(*model_args, **model_kwargs)
         z = {name: biject_to(tr[name]["fn"].support).inv(tr[name]["value"]) for name in names}
         return fp.ravel(z)
 
+    k_draw, k_jitter = jax.random.split(rng_key)
     draw = jax.jit(jax.vmap(one, in_axes=(0, None)))
-    return draw(jax.random.split(rng_key, num), [leaves[i] for i in dynamic])
+    particles = draw(jax.random.split(k_draw, num), [leaves[i] for i in dynamic])
+    k_jitter, k_uniform = jax.random.split(k_jitter)
+    # A draw at the edge of its support (e.g. a float32 prior draw of ordered values that
+    # coincide) is infinite unconstrained: NumPyro's uniform (-2, 2) there instead.
+    uniform = jax.random.uniform(k_uniform, particles.shape, particles.dtype, -2.0, 2.0)
+    particles = jnp.where(jnp.isfinite(particles), particles, uniform)
+    if num > 1:
+        equal = jnp.all(particles == particles[:1], axis=0)
+        jitter = jax.random.uniform(k_jitter, particles.shape, particles.dtype, -1.0, 1.0)
+        particles = jnp.where(equal, particles + jitter, particles)
+    return particles

@@ -33,11 +33,11 @@ import jax
 import jax.numpy as jnp
 
 from numpyro_fed.federation import ClientState
+from numpyro_fed.infer.stein.curvature import round_frame
 from numpyro_fed.infer.stein.dsvgd import DSVGDInfo, initial_local_states, round_config
 from numpyro_fed.infer.stein.dsvgd import client_functions as dsvgd_client_functions
 from numpyro_fed.infer.stein.kde import kde_score_fn
 from numpyro_fed.infer.stein.svgd import staged_svgd
-from numpyro_fed.infer.stein.whitening import round_frame
 
 __all__ = ["PDSVGDState", "build_kernel", "build_server", "client_functions", "init"]
 
@@ -124,6 +124,7 @@ def build_server(
                 server_optim,
                 config.svgd_bandwidth,
                 stages=config.stages,
+                curvature=config.curvature,
             )
         )
         move = jnp.sqrt(jnp.mean(jnp.sum((new_global - state.global_particles) ** 2, axis=-1)))

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from numpyro_fed.infer.stein.curvature import curvature_whitening
 from numpyro_fed.infer.stein.kernels import svgd_direction
 from numpyro_fed.infer.stein.whitening import whitening
 
@@ -91,14 +92,26 @@ def svgd_run(particles, score_fn: Callable, num_steps: int, optim, bandwidth=Non
     return state.particles
 
 
-def staged_svgd(particles, score_fn: Callable, num_steps: int, optim, bandwidth=None, rng_key=None, stages: int = 1):
+def staged_svgd(
+    particles,
+    score_fn: Callable,
+    num_steps: int,
+    optim,
+    bandwidth=None,
+    rng_key=None,
+    stages: int = 1,
+    curvature: bool = False,
+):
     """:func:`svgd_run` in ``stages`` stages of equal length (and one for the remainder).
 
     Each stage runs in the coordinates that whiten the particles it starts from
     (:func:`~numpyro_fed.infer.stein.whitening.whitening`; the target is the same, only SVGD's
     kernel and the optimizer's steps follow the particles' current scale) with a fresh
     optimizer state. One stage: plain :func:`svgd_run`. ``score_fn`` and ``rng_key`` as
-    there.
+    there. ``curvature``: each stage runs instead in the coordinates of
+    :func:`~numpyro_fed.infer.stein.curvature.curvature_whitening` (the target's curvature at
+    the particles' mean made isotropic, the particles scaled to unit sd per coordinate), which
+    follow the target's correlations whatever the number of particles.
 
     >>> import jax, jax.numpy as jnp
     >>> from numpyro_fed.infer.stein import adagrad_momentum
@@ -111,7 +124,10 @@ def staged_svgd(particles, score_fn: Callable, num_steps: int, optim, bandwidth=
         return svgd_run(particles, score_fn, num_steps, optim, bandwidth, rng_key)
 
     def stage(x, size, stage_key):
-        w = whitening(x)
+        if curvature:
+            w = curvature_whitening(x, score_fn if stage_key is None else (lambda y: score_fn(y, stage_key)))
+        else:
+            w = whitening(x)
         if stage_key is None:
 
             def stage_score(u):

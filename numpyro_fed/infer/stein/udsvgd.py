@@ -18,10 +18,9 @@ import jax
 import jax.numpy as jnp
 
 from numpyro_fed.federation import ClientState
-from numpyro_fed.infer.stein.dsvgd import DSVGDInfo, check_key, round_config
+from numpyro_fed.infer.stein.dsvgd import DSVGDInfo, check_key, round_config, start_and_frame
 from numpyro_fed.infer.stein.kde import kde_score_fn
 from numpyro_fed.infer.stein.svgd import staged_svgd
-from numpyro_fed.infer.stein.whitening import round_frame
 
 __all__ = ["Buffer", "UDSVGDState", "build_client", "build_kernel", "client_functions", "init"]
 
@@ -102,7 +101,7 @@ def build_client(
     def client(rng_key, global_particles, history, mine, round_, block):
         check_key(rng_key, stochastic_client_grad)
         key = rng_key if stochastic_client_grad is not None else None
-        frame = round_frame(config.kde_bandwidth, global_particles, config.prior_score, config.client_grad)
+        start, frame = start_and_frame(config, global_particles, block, temperature, round_ == 0)
         history_z = frame.to_z(history)
 
         def iterate_scores(x):  # grad log q^(j) for j = 0..I, q^(0) the prior
@@ -116,13 +115,14 @@ def build_client(
 
         return frame.from_z(
             staged_svgd(
-                frame.to_z(global_particles),
+                frame.to_z(start),
                 tilted_score,
                 num_local_steps,
                 optim,
                 config.svgd_bandwidth,
                 key,
                 config.stages,
+                config.curvature,
             )
         )
 

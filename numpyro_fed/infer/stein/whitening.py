@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -11,7 +10,7 @@ import jax.numpy as jnp
 
 from numpyro_fed.infer.stein.kde import dtype_eps
 
-__all__ = ["Frame", "Whitening", "round_frame", "whitening"]
+__all__ = ["Whitening", "whitening"]
 
 
 class Whitening(NamedTuple):
@@ -71,42 +70,3 @@ def whitening(particles, full: bool | None = None) -> Whitening:
     cov = jnp.where(degenerate[:, None] | degenerate[None, :], 0.0, cov)
     cov = cov + jnp.diag(jnp.where(degenerate, 1.0, math.sqrt(dtype_eps(particles.dtype)) * var))
     return Whitening(mean, jnp.linalg.cholesky(cov))
-
-
-class Frame(NamedTuple):
-    """The coordinates a round runs in, with the target's scores expressed in them.
-
-    :ivar to_z: points to the round's coordinates.
-    :ivar from_z: back to the model's (flat, unconstrained) coordinates.
-    :ivar prior_score: ``(N, d) -> (N, d)``, ``grad log p_0`` in the round's coordinates.
-    :ivar client_grad: ``((N, d), block, key) -> (N, d)``, ``grad L_k`` in them.
-    """
-
-    to_z: Callable
-    from_z: Callable
-    prior_score: Callable
-    client_grad: Callable
-
-
-def round_frame(kde_bandwidth, global_particles, prior_score, client_grad) -> Frame:
-    """With ``kde_bandwidth="auto"`` a round runs in the coordinates that whiten the global
-    particles it starts from (:func:`whitening`); with a fixed bandwidth, in the model's own.
-
-    >>> import jax.numpy as jnp
-    >>> frame = round_frame(0.55, jnp.zeros((2, 1)), lambda x: -x, lambda x, block, key=None: x)
-    >>> frame.to_z(jnp.ones((1, 1))).tolist()
-    [[1.0]]
-    """
-    if kde_bandwidth != "auto":
-
-        def identity(x):
-            return x
-
-        return Frame(identity, identity, prior_score, client_grad)
-    w = whitening(global_particles)
-    return Frame(
-        w.to_z,
-        w.from_z,
-        lambda z: w.score_to_z(prior_score(w.from_z(z))),
-        lambda z, block, key=None: w.score_to_z(client_grad(w.from_z(z), block, key)),
-    )
