@@ -46,7 +46,14 @@ from jax import lax
 
 from numpyro_fed.federation import ClientState
 from numpyro_fed.infer.pvi.client import LocalConfig, client_update
-from numpyro_fed.infer.pvi.gaussian import GaussianNatural, kl_divergence, loc_scale, tree_add
+from numpyro_fed.infer.pvi.gaussian import (
+    GaussianNatural,
+    entropy,
+    kl_divergence,
+    proper,
+    sample,
+    tree_add,
+)
 
 __all__ = [
     "BlockLayout",
@@ -102,6 +109,9 @@ class PVIState(NamedTuple):
     :ivar applied: ``(M, d)`` bool, the coordinates of each client's last update that the
         server applied (sent with the client's next request).
     :ivar round: rounds run so far (an int array).
+    :ivar prior_factor: the prior factor ``t_0`` the server refines
+        (:mod:`~numpyro_fed.infer.pvi.prior`; ``q = prior x t_0 x prod_m t_m``), or ``None``
+        when ``prior`` is the whole prior (a proper Gaussian).
     """
 
     q: GaussianNatural
@@ -110,6 +120,7 @@ class PVIState(NamedTuple):
     clients: ClientState
     applied: jax.Array
     round: jax.Array = 0
+    prior_factor: GaussianNatural | None = None
 
 
 class PVIInfo(NamedTuple):
@@ -122,12 +133,15 @@ class PVIInfo(NamedTuple):
     :ivar residual: ``(M,)`` each client's local-optimization residual (see
         :func:`~numpyro_fed.infer.pvi.client.optimize_local`; the largest over its shards).
     :ivar loss: the negative ELBO of ``q`` after the round (:func:`negative_elbo`).
+    :ivar prior_residual: the residual of the server's refinement of the prior factor this
+        round (``None`` without one).
     """
 
     rejected: jax.Array
     clipped: jax.Array
     residual: jax.Array
     loss: jax.Array
+    prior_residual: jax.Array | None = None
 
 
 class ClientData(NamedTuple):
@@ -209,9 +223,8 @@ def _initial_client_state(
     """Every client's initial :class:`ClientFactor`, stacked: its factor ``factors[m]``
     (default zero; public values) or, with ``num_virtual`` (``dp="virtual"``), that many
     virtual factors at zero; nothing pending."""
-    d = prior.eta1.shape[-1]
-    shape = (num_clients, d) if num_virtual is None else (num_clients, num_virtual, d)
-    zeros = GaussianNatural(jnp.zeros(shape, prior.eta1.dtype), jnp.zeros(shape, prior.eta1.dtype))
+    lead = (num_clients,) if num_virtual is None else (num_clients, num_virtual)
+    zeros = jax.tree_util.tree_map(lambda x: jnp.zeros(lead + x.shape, x.dtype), prior)
     if factors is not None and num_virtual is None:
         return ClientFactor(factors, zeros)
     return ClientFactor(zeros, zeros)
@@ -224,9 +237,12 @@ def init(
     *,
     factors: GaussianNatural | None = None,
     federation=None,
+    q: GaussianNatural | None = None,
+    prior_factor: GaussianNatural | None = None,
 ) -> PVIState:
-    """``q`` is the prior; the factors are ``factors`` (default zero) and, with
-    ``num_virtual`` (``dp="virtual"``), each client's virtual factors are zero. With a started
+    """``q`` is ``q`` (default the prior); the factors are ``factors`` (default zero) and,
+    with ``num_virtual`` (``dp="virtual"``), each client's virtual factors are zero; the
+    server's prior factor is ``prior_factor`` (``None``: the prior is exact). With a started
     ``federation`` the clients receive their initial :class:`ClientFactor` through its
     ``init_state`` and keep it; otherwise it is kept in this process.
 
@@ -237,17 +253,18 @@ def init(
     ((3, 2), (3, 4, 2))
     """
     d = prior.eta1.shape[-1]
-    zeros = jnp.zeros((num_clients, d), prior.eta1.dtype)
-    factors = GaussianNatural(zeros, zeros) if factors is None else factors
+    if factors is None:
+        factors = jax.tree_util.tree_map(lambda x: jnp.zeros((num_clients,) + x.shape, x.dtype), prior)
     own = _initial_client_state(prior, num_clients, num_virtual, factors)
     clients = ClientState(own, jnp.zeros(num_clients, jnp.int32)) if federation is None else federation.init_state(own)
     return PVIState(
-        q=prior,
+        q=prior if q is None else q,
         prior=prior,
         factors=factors,
         clients=clients,
         applied=jnp.zeros((num_clients, d), bool),
         round=jnp.zeros((), jnp.int32),
+        prior_factor=prior_factor,
     )
 
 
@@ -297,15 +314,22 @@ def server_update(state: PVIState, new_q, new_factors):
     :return: ``(state, ok)``: ``ok`` (``(d,)`` bool) the coordinates applied (the clients
         whose update it was learn it with their next request).
     """
-    ok = (new_q.eta2 < 0) & jnp.isfinite(new_q.eta1) & jnp.isfinite(new_q.eta2)
+    ok = proper(new_q)
     pick = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new, old)
     return state._replace(q=pick(new_q, state.q), factors=pick(new_factors, state.factors)), ok
 
 
 def _draw_q(rng_key, q: GaussianNatural, num_samples: int):
     """``(num_samples, d)`` draws of ``q``: what the server sends the clients for the loss."""
-    loc, scale = loc_scale(q)
-    return loc + scale * jax.random.normal(rng_key, (num_samples,) + loc.shape, loc.dtype)
+    return sample(rng_key, q, num_samples)
+
+
+def _prior_side_of_loss(q: GaussianNatural, prior: GaussianNatural, thetas, prior_potential):
+    """``KL(q || prior)``, or with ``prior_potential`` (a non-Gaussian or improper prior)
+    ``E_q[log q] - E_q[log p]`` up to a constant, estimated at the draws ``thetas``."""
+    if prior_potential is None:
+        return kl_divergence(q, prior)
+    return jnp.mean(jax.vmap(prior_potential)(thetas)) - entropy(q)
 
 
 def expected_log_lik(row_log_lik: Callable, thetas, rows, valid):
@@ -316,10 +340,18 @@ def expected_log_lik(row_log_lik: Callable, thetas, rows, valid):
 
 
 def negative_elbo(
-    rng_key, row_log_lik: Callable, q: GaussianNatural, prior: GaussianNatural, data: ClientData, num_samples: int
+    rng_key,
+    row_log_lik: Callable,
+    q: GaussianNatural,
+    prior: GaussianNatural,
+    data: ClientData,
+    num_samples: int,
+    prior_potential: Callable | None = None,
 ):
     """``-ELBO(q) = KL(q || prior) - sum_m sum_i E_q[log p(x_{m,i} | theta)]``, the
-    expectation estimated with ``num_samples`` draws of ``q`` shared by every client.
+    expectation estimated with ``num_samples`` draws of ``q`` shared by every client (with
+    ``prior_potential``, the prior's potential, ``KL(q || prior)`` is estimated with them
+    too, up to the constant an improper prior leaves).
 
     A diagnostic of the run computed on every client's rows in this process: it is not one of
     the messages the clients send, and no privacy guarantee covers it.
@@ -327,7 +359,7 @@ def negative_elbo(
     thetas = _draw_q(rng_key, q, num_samples)
     client_log_lik = lambda rows, valid: expected_log_lik(row_log_lik, thetas, rows, valid)  # noqa: E731
     expected = jnp.sum(jax.vmap(client_log_lik)(data.rows, data.valid))
-    return kl_divergence(q, prior) - expected
+    return _prior_side_of_loss(q, prior, thetas, prior_potential) - expected
 
 
 #: ``jax.random.fold_in`` stream of a round's key that draws :func:`negative_elbo`'s samples
@@ -419,25 +451,35 @@ def client_functions(
     def client_expected_log_lik(block, thetas):
         return expected_log_lik(row_log_lik, thetas, block.rows, block.valid)
 
-    return {"expected_log_lik": client_expected_log_lik}, {"update": update}
+    def curvature(block, thetas):
+        # minus the Hessian of the client's log-likelihood, averaged over the draws thetas
+        def log_lik(theta):
+            return jnp.sum(jnp.where(block.valid, row_log_lik(theta, block.rows), 0.0))
+
+        return -jnp.mean(jax.vmap(jax.hessian(log_lik))(thetas), axis=0)
+
+    functions = {"expected_log_lik": client_expected_log_lik, "curvature": curvature}
+    return functions, {"update": update}
 
 
-def federated_negative_elbo(rng_key, federation, q: GaussianNatural, prior: GaussianNatural, num_samples: int):
+def federated_negative_elbo(
+    rng_key, federation, q: GaussianNatural, prior: GaussianNatural, num_samples: int, prior_potential=None
+):
     """:func:`negative_elbo` with every client's term computed by the client
     (``federation.map("expected_log_lik", thetas)``): the server draws ``thetas`` from ``q``
     and sends them; each client returns one number."""
-    loc, scale = loc_scale(q)
-    thetas = loc + scale * jax.random.normal(rng_key, (num_samples,) + loc.shape, loc.dtype)
+    thetas = sample(rng_key, q, num_samples)
     expected = jnp.sum(federation.map("expected_log_lik", thetas))
-    return kl_divergence(q, prior) - expected
+    return _prior_side_of_loss(q, prior, thetas, prior_potential) - expected
 
 
-def build_loss(num_mc_samples: int) -> Callable:
+def build_loss(num_mc_samples: int, prior_potential: Callable | None = None) -> Callable:
     """A pure ``loss(rng_key, q, prior, federation)``: :func:`federated_negative_elbo` with
-    ``num_mc_samples`` draws (the loss of a face's ``evaluate``)."""
+    ``num_mc_samples`` draws (the loss of a face's ``evaluate``); ``prior_potential`` for a
+    prior that ``prior`` does not hold whole (see :func:`negative_elbo`)."""
 
     def loss(rng_key, q: GaussianNatural, prior: GaussianNatural, federation):
-        return federated_negative_elbo(rng_key, federation, q, prior, num_mc_samples)
+        return federated_negative_elbo(rng_key, federation, q, prior, num_mc_samples, prior_potential)
 
     return loss
 
@@ -466,13 +508,26 @@ def build_visit(*, damping: float = 1.0, auto_clip: bool = False) -> Callable:
     return visit
 
 
-def _end_round(rng_key, state: PVIState, federation, num_mc_samples: int, rejected, clipped, residual):
+def _end_round(
+    rng_key, state: PVIState, federation, num_mc_samples: int, rejected, clipped, residual, prior_residual, loss_prior
+):
     """Counts the round and computes the loss of the new ``q`` through the clients."""
     state = state._replace(round=state.round + 1)
     loss = federated_negative_elbo(
-        jax.random.fold_in(rng_key, LOSS_STREAM), federation, state.q, state.prior, num_mc_samples
+        jax.random.fold_in(rng_key, LOSS_STREAM), federation, state.q, state.prior, num_mc_samples, loss_prior
     )
-    return state, PVIInfo(rejected=rejected, clipped=clipped, residual=residual, loss=loss)
+    return state, PVIInfo(rejected, clipped, residual, loss, prior_residual)
+
+
+#: ``jax.random.fold_in`` stream of a round's key that the server's prior update uses.
+PRIOR_STREAM = 2
+
+
+def _refine_prior(rng_key, state: PVIState, prior_update):
+    """The server's refinement of the prior factor at the start of a round (if any)."""
+    if prior_update is None:
+        return state, None
+    return prior_update(state, jax.random.fold_in(rng_key, PRIOR_STREAM))
 
 
 def build_step(
@@ -482,6 +537,8 @@ def build_step(
     schedule: str = "sequential",
     damping: float = 1.0,
     auto_clip: bool = False,
+    prior_update: Callable | None = None,
+    prior_potential: Callable | None = None,
 ) -> Callable:
     """A pure ``step(rng_key, state, federation) -> (state, info)``: one round, visiting
     every client once through ``federation`` (a started
@@ -491,7 +548,9 @@ def build_step(
     ``"sequential"``: the clients in turn (:func:`build_visit`, ``federation.one``), each
     from the ``q`` the previous one left; ``"synchronous"``: every client from the same ``q``
     (``federation.map``, the same messages), the server adding the sum of the replies.
-    Client ``m``'s key is ``jax.random.split(rng_key, num_clients)[m]``.
+    Client ``m``'s key is ``jax.random.split(rng_key, num_clients)[m]``. With
+    ``prior_update`` (:func:`~numpyro_fed.infer.pvi.prior.build_prior_update`), the server first refines the prior factor;
+    ``prior_potential`` then enters the loss (see :func:`negative_elbo`).
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -515,21 +574,42 @@ def build_step(
 
     def step(rng_key, state: PVIState, federation):
         keys = jax.random.split(rng_key, num_clients)
+        state, prior_residual = _refine_prior(rng_key, state, prior_update)
         state, (rejected, clipped, residual) = visit_all(keys, state, federation)
-        return _end_round(rng_key, state, federation, config.num_mc_samples, rejected, clipped, residual)
+        return _end_round(
+            rng_key,
+            state,
+            federation,
+            config.num_mc_samples,
+            rejected,
+            clipped,
+            residual,
+            prior_residual,
+            prior_potential,
+        )
 
     return step
 
 
-def build_client_step(num_mc_samples: int, *, damping: float = 1.0) -> Callable:
+def build_client_step(
+    num_mc_samples: int,
+    *,
+    damping: float = 1.0,
+    prior_update: Callable | None = None,
+    prior_potential: Callable | None = None,
+) -> Callable:
     """A pure ``step(rng_key, state, federation, client) -> (state, info)``: a round that
     visits only ``client`` (:func:`build_visit`, with ``rng_key`` as the client's key), as
     :class:`~numpyro_fed.GaussianPVI` schedules them; ``info`` a :class:`PVIInfo` whose
-    ``rejected``, ``clipped`` and ``residual`` are that client's."""
+    ``rejected``, ``clipped`` and ``residual`` are that client's. ``prior_update``,
+    ``prior_potential``: as :func:`build_step`'s."""
     visit = build_visit(damping=damping)
 
     def step(rng_key, state: PVIState, federation, client):
+        state, prior_residual = _refine_prior(rng_key, state, prior_update)
         state, (rejected, clipped, residual) = visit(state, client, rng_key, federation)
-        return _end_round(rng_key, state, federation, num_mc_samples, rejected, clipped, residual)
+        return _end_round(
+            rng_key, state, federation, num_mc_samples, rejected, clipped, residual, prior_residual, prior_potential
+        )
 
     return step
