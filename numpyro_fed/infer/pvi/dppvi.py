@@ -35,8 +35,8 @@ from numpyro_fed.infer.pvi.accounting import AVERAGE_FROM, MAX_DP_ERROR, Privacy
 from numpyro_fed.infer.pvi.client import LocalConfig
 from numpyro_fed.infer.pvi.core import PVIState
 from numpyro_fed.infer.pvi.diagnostics import judge_run, last_move, warn_mean_field
-from numpyro_fed.infer.pvi.gaussian import as_full, loc_scale, sample
-from numpyro_fed.infer.pvi.prior import PriorSplit, build_prior_update, prior_remainder, split_prior
+from numpyro_fed.infer.pvi.gaussian import loc_scale, sample
+from numpyro_fed.infer.pvi.prior import PriorSplit, build_prior_update, initial_state, prior_remainder, split_prior
 from numpyro_fed.infer.pvi.settings import check_aggregation, check_noise, default_optimizer, resolve_sampling
 from numpyro_fed.privacy.accounting import check_delta, check_epsilon
 
@@ -49,7 +49,7 @@ MEAN_FIELD_CHECK_MAX_DIM = 1000
 #: covariance="auto": a full-rank q (non-private runs) up to this many latent coordinates
 FULL_RANK_MAX_DIM = 100
 #: the default local optimization of a full-rank q starts from this many Newton steps
-NEWTON_STEPS = 5
+NEWTON_STEPS = 20
 
 
 class _RunPlan(NamedTuple):
@@ -71,15 +71,31 @@ class _RunPlan(NamedTuple):
 class DPPVI(PrivacyAccounting, VariationalMethod):
     """Differentially private partitioned variational inference.
 
-    A mean-field Gaussian on the unconstrained latents, one factor per client, local ELBOs
-    against the cavity optimized with ``optim``; ``dp`` picks the privacy mechanism.
+    A Gaussian on the unconstrained latents (full-rank or mean-field, ``covariance``), one
+    factor per client, local ELBOs against the cavity optimized with ``optim``; ``dp`` picks
+    the privacy mechanism.
 
     :param model: a NumPyro model with one :func:`~numpyro_fed.federated_plate` over the data
-        rows, global latent variables only and a Gaussian prior on the unconstrained space
-        (e.g. ``Normal`` priors).
+        rows and global continuous latent variables only. Priors as statisticians write them:
+        ``Normal`` priors (and ``LogNormal`` scales, Gaussian on the log scale) are factors of
+        ``q`` exactly; flat priors (``ImproperUniform``) are zero-precision factors; any other
+        prior (a ``HalfCauchy`` scale, a hierarchical ``Normal(0, tau)``, a ``Dirichlet``) is
+        a factor of its own that the server refines each round with a client's local update,
+        its "likelihood" the prior's log-density on the unconstrained space, log-Jacobians
+        included (:mod:`~numpyro_fed.infer.pvi.prior`; it reads no rows and costs no privacy
+        budget). ``q`` then starts proper: the exact part where it is proper, elsewhere unit
+        scales around the ``init_strategy``'s point.
     :param dp: ``None`` (non-private PVI), ``"dpsgd"`` (DP-SGD in the local optimization,
         Section 4.1), ``"local_avg"`` (Algorithm 2) or ``"virtual"`` (Algorithm 3).
     :param str schedule: ``"sequential"`` or ``"synchronous"``.
+    :param str covariance: ``q``'s family: ``"full"`` (full-rank; ``dp=None`` only),
+        ``"diagonal"`` (mean-field) or ``"auto"`` (the default): full-rank without privacy up
+        to ``FULL_RANK_MAX_DIM`` (100) coordinates, mean-field otherwise. A mean-field ``q``
+        underestimates the sds of a correlated posterior; a non-private mean-field run checks
+        this at its end (each client returns the curvature of its log-likelihood at draws of
+        ``q``, ``"curvature"`` in the ledger) and warns. With the default optimizer a
+        full-rank local fit starts from the Laplace approximation of the tilted distribution
+        (a few safeguarded Newton steps, ``LocalConfig.newton_start``).
     :param optim: an optax optimizer for the local optimization, run on ``(loc, log_scale)``
         and taking its last iterate. Default (``None``):
         :func:`~numpyro_fed.infer.pvi.settings.default_optimizer`, run in units of ``q``'s scale
@@ -613,23 +629,9 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         return ClientSpec(functions, transform=layout, stateful=stateful)
 
     def _initial_state(self, prior: PriorSplit, num_clients):
-        """``q`` starts at the prior; a non-Gaussian or improper one at ``prior.start``, the
-        difference to the exact part shared by the clients' initial factors (public values,
-        which each client's first update replaces) and the prior factor at zero."""
-        base, start = prior.base, prior.start
-        full = self.full_rank(base.eta1.shape[-1])
-        if full:
-            base, start = as_full(base), as_full(start)
         virtual = self.num_shards if self.dp == "virtual" else None
-        if prior.exact:
-            return core.init(base, num_clients, virtual, federation=self._plan.federation)
-        share = jax.tree_util.tree_map(
-            lambda s, b: jnp.broadcast_to((s - b) / num_clients, (num_clients,) + s.shape), start, base
-        )
-        zero = jax.tree_util.tree_map(jnp.zeros_like, base)
-        return core.init(
-            base, num_clients, virtual, factors=share, federation=self._plan.federation, q=start, prior_factor=zero
-        )
+        full = self.full_rank(prior.base.eta1.shape[-1])
+        return initial_state(prior, num_clients, full_rank=full, num_virtual=virtual, federation=self._plan.federation)
 
     def _final_state(self, state):
         return state

@@ -19,7 +19,7 @@ from numpyro_fed.infer.base import ClientSpec, RunResult, VariationalMethod, jit
 from numpyro_fed.infer.pvi import core
 from numpyro_fed.infer.pvi.client import LocalConfig
 from numpyro_fed.infer.pvi.gaussian import loc_scale, sample
-from numpyro_fed.infer.pvi.prior import build_prior_update, prior_remainder, split_prior
+from numpyro_fed.infer.pvi.prior import build_prior_update, initial_state, prior_remainder, split_prior
 from numpyro_fed.infer.stein.client_order import check_client_order, make_client_order
 
 __all__ = ["GaussianPVI", "GaussianPVIInfo"]
@@ -178,21 +178,7 @@ class GaussianPVI(VariationalMethod):
             return state, GaussianPVIInfo(m, info.rejected, info.residual, info.loss)
 
         self._round_fn = round_fn
-        if prior.exact:
-            return core.init(prior.base, fp.num_clients, federation=self._active_federation)
-        # q starts proper; the clients' initial factors share its difference to the exact part
-        num_clients = fp.num_clients
-        share = jax.tree_util.tree_map(
-            lambda s, b: jnp.broadcast_to((s - b) / num_clients, (num_clients,) + s.shape), prior.start, prior.base
-        )
-        return core.init(
-            prior.base,
-            num_clients,
-            factors=share,
-            federation=self._active_federation,
-            q=prior.start,
-            prior_factor=jax.tree_util.tree_map(jnp.zeros_like, prior.base),
-        )
+        return initial_state(prior, fp.num_clients, federation=self._active_federation)
 
     def client_of_round(self, rng_key, round_index: int) -> int:
         """The client that ``client_order`` schedules in round ``round_index`` (0-based;

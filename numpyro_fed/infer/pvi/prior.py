@@ -25,10 +25,11 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
+from numpyro_fed.infer.pvi import core
 from numpyro_fed.infer.pvi.client import LocalConfig, optimize_local
-from numpyro_fed.infer.pvi.gaussian import GaussianNatural, is_full, natural, proper, tree_add, tree_sub
+from numpyro_fed.infer.pvi.gaussian import GaussianNatural, as_full, is_full, natural, proper, tree_add, tree_sub
 
-__all__ = ["PriorSplit", "build_prior_update", "prior_remainder", "split_prior"]
+__all__ = ["PriorSplit", "build_prior_update", "initial_state", "prior_remainder", "split_prior"]
 
 #: the starting ``q``'s scale, on the unconstrained space, where the prior gives none
 START_SCALE = 1.0
@@ -129,3 +130,22 @@ def build_prior_update(remainder: Callable, refined, config: LocalConfig, *, dam
         return state._replace(q=pick(proposed, q), prior_factor=prior_factor), residual
 
     return prior_update
+
+
+def initial_state(
+    prior: PriorSplit, num_clients: int, *, full_rank: bool = False, num_virtual=None, federation=None
+) -> core.PVIState:
+    """PVI's initial state (:func:`~numpyro_fed.infer.pvi.core.init`): ``q`` the prior when
+    it is exact; otherwise ``prior.start``, its difference to the exact part shared by the
+    clients' initial factors (public values, which each client's first update replaces), and
+    the prior factor at zero. ``full_rank``: a full-rank ``q``."""
+    base, start = prior.base, prior.start
+    if full_rank:
+        base, start = as_full(base), as_full(start)
+    if prior.exact:
+        return core.init(base, num_clients, num_virtual, federation=federation)
+    share = jax.tree_util.tree_map(
+        lambda s, b: jnp.broadcast_to((s - b) / num_clients, (num_clients,) + s.shape), start, base
+    )
+    zero = jax.tree_util.tree_map(jnp.zeros_like, base)
+    return core.init(base, num_clients, num_virtual, factors=share, federation=federation, q=start, prior_factor=zero)
