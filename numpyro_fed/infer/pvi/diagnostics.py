@@ -149,7 +149,8 @@ def mean_field_inflation(curvature):
 
 def warn_mean_field(curvature, *, stacklevel: int = 1) -> None:
     """Warns when a mean-field ``q``'s sds are too small for the correlations the model's
-    curvature shows (:func:`mean_field_inflation` above ``MAX_MEAN_FIELD_INFLATION``)."""
+    curvature shows (:func:`mean_field_inflation` above ``MAX_MEAN_FIELD_INFLATION``);
+    ``stacklevel`` counted from the caller of this function."""
     inflation = mean_field_inflation(curvature)
     if inflation is None or inflation.max() <= MAX_MEAN_FIELD_INFLATION:
         return
@@ -160,5 +161,5 @@ def warn_mean_field(curvature, *, stacklevel: int = 1) -> None:
         f"times q's ({int(np.sum(inflation > MAX_MEAN_FIELD_INFLATION))} coordinate(s) above "
         f"{MAX_MEAN_FIELD_INFLATION}), so q's sds are too small there; use covariance='full'",
         RuntimeWarning,
-        stacklevel=stacklevel + 2,
+        stacklevel=stacklevel + 1,
     )

@@ -491,7 +491,7 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
             result.metrics["last_move"] = last_move(start_loc, result.metrics["loc"], result.metrics["scale"])
         result = self.finish(result)
         if self.dp is None and not self.full_rank(self.federated_potential.num_latent):
-            self._check_mean_field(result)
+            result = self._check_mean_field(result)
         return result
 
     def _check_mean_field(self, result: RunResult):
@@ -502,14 +502,21 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         plan = self._require_plan()
         q = result.state.q
         if q.eta1.shape[-1] > MEAN_FIELD_CHECK_MAX_DIM:
-            return
+            return result
         thetas = sample(jax.random.PRNGKey(0), q, self.num_mc_samples)
+        before = plan.federation.ledger.summary()
         with plan.federation.guard():
             curvature = jnp.sum(self._curvature_fn(thetas, plan.federation), axis=0)
         plan.federation.record_calls("curvature", 1)
+        if result.ledger is not None:  # the run's ledger counts the check
+            ledger = dict(result.ledger)
+            for key, value in plan.federation.ledger.summary().items():
+                ledger[key] = ledger.get(key, 0) + value - before.get(key, 0)
+            result = result._replace(ledger=ledger)
         prior_potential = self.federated_potential.flat().prior_potential
         curvature = curvature + jnp.mean(jax.vmap(jax.hessian(prior_potential))(thetas), axis=0)
         warn_mean_field(np.asarray(curvature), stacklevel=3)
+        return result
 
     def record(self, state: PVIState, info) -> dict:
         """A round's metrics (see *Running* in the class docstring)."""

@@ -8,6 +8,7 @@ import pytest
 
 import jax
 import jax.numpy as jnp
+import optax
 
 import numpyro
 import numpyro.distributions as dist
@@ -91,15 +92,25 @@ def test_halfcauchy_and_flat_priors_agree_with_nuts(precision, raw_reference):
     np.testing.assert_allclose(sd / ref_sd, 1.0, atol=0.15)
 
 
-def test_gaussian_pvi_takes_the_same_priors(raw_reference):
-    """GaussianPVI (one client per round, mean-field) refines the prior factor too: on the
-    raw regression its means agree with NUTS within 0.3 posterior sds after 8 rounds (it is
-    mean-field: its sds are not compared)."""
-    X, y = raw_data()
-    method = GaussianPVI(raw_regression, num_local_steps=400, optim=None, progress_bar=False)
-    result = method.run(jax.random.PRNGKey(1), 8, jnp.asarray(X), jnp.asarray(y))
-    assert np.all(np.isfinite(result.metrics["loss"]))
+def location_scale(y):
+    mu = numpyro.sample("mu", dist.ImproperUniform(constraints.real, (), ()))
+    sigma = numpyro.sample("sigma", dist.HalfCauchy(1.0))
+    with nf.federated_plate("data", y.shape[0], clients=2):
+        numpyro.sample("y", dist.Normal(mu, sigma), obs=y)
+
+
+def test_gaussian_pvi_takes_the_same_priors():
+    """GaussianPVI (one client per round, mean-field) refines the prior factor too: a flat
+    location and a HalfCauchy scale (their posterior nearly independent, so mean-field is
+    right) agree with NUTS within 0.3 posterior sds on the means and 20 % on the sds."""
+    y = jnp.asarray(np.random.default_rng(3).normal(2.0, 1.5, size=40))
+    ref_mean, ref_sd = nuts_moments(location_scale, (y,), ["mu", "sigma"])
+    method = GaussianPVI(location_scale, num_local_steps=400, optim=optax.adam(5e-2), progress_bar=False)
+    result = method.run(jax.random.PRNGKey(1), 8, y)
     assert result.state.prior_factor is not None
+    mean, sd = moments(method.get_samples(jax.random.PRNGKey(2), result, 8000), ["mu", "sigma"])
+    assert np.max(np.abs(mean - ref_mean) / ref_sd) < 0.3
+    np.testing.assert_allclose(sd / ref_sd, 1.0, atol=0.2)
 
 
 def test_the_prior_split_reads_each_kind_of_prior():
@@ -160,11 +171,11 @@ def test_private_runs_are_charged_for_the_clients_updates_only():
     are not charged, which the guarantee says."""
     X, y = raw_data()
     X, y = jnp.asarray(X / X.std(0)), jnp.asarray((y - y.mean()) / y.std())
-    settings = dict(dp="dpsgd", noise_multiplier=1.0, num_local_steps=5, progress_bar=False)
+    settings = dict(dp="dpsgd", noise_multiplier=1.0, num_local_steps=5, sampling_rate=0.2, clip_norm=1.0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # few rows: the noise dominates
-        refined = DPPVI(raw_regression, **settings).run(jax.random.PRNGKey(0), 3, X, y)
-        exact = DPPVI(_gaussian_prior_regression, **settings).run(jax.random.PRNGKey(0), 3, X, y)
+        refined = DPPVI(raw_regression, progress_bar=False, **settings).run(jax.random.PRNGKey(0), 3, X, y)
+        exact = DPPVI(_gaussian_prior_regression, progress_bar=False, **settings).run(jax.random.PRNGKey(0), 3, X, y)
     assert refined.state.prior_factor is not None and exact.state.prior_factor is None
     assert refined.privacy.epsilon == exact.privacy.epsilon
     assert "prior factor" in refined.privacy.method and "not charged" in refined.privacy.method
@@ -197,6 +208,7 @@ def poisson_data(seed=0, n=400):
     return jnp.asarray(X), jnp.asarray(np.log(exposure)), jnp.asarray(y)
 
 
+@pytest.mark.slow
 def test_poisson_offset_full_rank_agrees_and_mean_field_warns():
     """A Poisson regression with an offset, correlated covariates: the intercept's posterior
     is correlated with every coefficient through the offset's scale. Mean-field sds were 0.56
