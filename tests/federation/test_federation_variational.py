@@ -51,7 +51,8 @@ def test_dppvi_ledger_counts_what_the_protocol_sends(data, schedule, dp):
     pvi = nf.DPPVI(model, schedule=schedule, num_local_steps=5, num_mc_samples=draws, progress_bar=False, **kwargs)
     result = pvi.run(jax.random.PRNGKey(0), rounds, *data)
     ledger = result.ledger
-    natural = 2 * D * F64  # (eta1, eta2) of a diagonal Gaussian
+    # (eta1, eta2) of q: full-rank by default without privacy (d <= 100), diagonal when private
+    natural = (D + (D * D if dp is None else D)) * F64
     # per round and client: q down, Delta t_m up (the paper's messages), whatever the
     # variant: the client's factor (dp="virtual": its K virtual factors) stays with it; plus,
     # down, the client's key and which of the D coordinates of its last update the server

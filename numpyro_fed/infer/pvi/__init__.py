@@ -1,7 +1,10 @@
 """Partitioned variational inference: PVI (Ashman et al. 2022), DP-PVI (Heikkilä et al. 2023)
 and their baselines.
 
-* :mod:`~numpyro_fed.infer.pvi.gaussian`: diagonal Gaussians in natural parameters;
+* :mod:`~numpyro_fed.infer.pvi.gaussian`: Gaussians (diagonal or full-rank) in natural
+  parameters; :mod:`~numpyro_fed.infer.pvi.prior`: how the prior enters ``q`` (its exact
+  Gaussian part and the server's prior factor);
+  :mod:`~numpyro_fed.infer.pvi.layout`: a client's block in PVI's layout;
 * :mod:`~numpyro_fed.infer.pvi.client`: a client's local optimization and message;
 * :mod:`~numpyro_fed.infer.pvi.core`: state, server update and the pure rounds
   (``init``, ``build_step``, ``build_client_step``), the one core of every face below;

@@ -306,7 +306,17 @@ class PrivacyAccounting:
             self.delta,
             scope=scope,
             neighbouring=self.neighboring,
-            method=f"dp-accounting {accountant.upper()} accountant; {mechanism}",
+            method=f"dp-accounting {accountant.upper()} accountant; {mechanism}{self._prior_factor_note()}",
+        )
+
+    def _prior_factor_note(self) -> str:
+        """What the guarantee says of the server's prior factor (a non-Gaussian or improper
+        prior): its refinement reads no rows, so it is not charged."""
+        if not getattr(self, "has_prior_factor", False):
+            return ""
+        return (
+            "; the server's refinements of the prior factor (a non-Gaussian or improper prior) "
+            "read no rows and are not charged: only the clients' updates are accounted"
         )
 
     def _noise_dominates(self, dp_error, num_rounds, sizes):

@@ -10,6 +10,7 @@ from numpyro_fed._checks import check_int
 from numpyro_fed.infer.base import ClientSpec, RunResult
 from numpyro_fed.infer.pvi.baseline_core import committee_init, committee_posterior, pooled_client_data
 from numpyro_fed.infer.pvi.dppvi import DPPVI
+from numpyro_fed.infer.pvi.gaussian import as_full
 
 __all__ = ["BCM", "GlobalVI"]
 
@@ -50,10 +51,18 @@ class BCM(DPPVI):
             if name in kwargs:
                 raise ValueError(f"BCM fixes {name}: one synchronous round, no damping")
         self.prior = prior
+        kwargs.setdefault("covariance", "diagonal")  # the paper's mean-field baseline
         super().__init__(model, dp=dp, schedule="synchronous", damping=1.0, **kwargs)
 
     def _initial_state(self, prior, num_clients):
-        return committee_init(prior, num_clients, self.prior, federation=self._plan.federation)
+        if not prior.exact:
+            raise ValueError(
+                "BCM multiplies local posteriors fitted from a Gaussian prior: this model's prior is not a "
+                "proper Gaussian with independent coordinates on the unconstrained space (e.g. a HalfCauchy "
+                "scale or a flat prior); use DPPVI, which refines such a prior as a factor of its own"
+            )
+        base = as_full(prior.base) if self.full_rank(prior.base.eta1.shape[-1]) else prior.base
+        return committee_init(base, num_clients, self.prior, federation=self._plan.federation)
 
     def _final_state(self, state):
         return committee_posterior(state)
@@ -90,6 +99,7 @@ class GlobalVI(DPPVI):
         for name in ("schedule", "damping"):
             if name in kwargs:
                 raise ValueError(f"GlobalVI fixes {name}")
+        kwargs.setdefault("covariance", "diagonal")  # the paper's mean-field baseline
         super().__init__(model, dp=dp, schedule="synchronous", damping=1.0, **kwargs)
 
     def _layout(self, potential, plate):

@@ -25,7 +25,17 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from numpyro_fed.infer.pvi.gaussian import GaussianNatural, flatten, loc_scale, natural, tree_add, tree_sub, unflatten
+from numpyro_fed.infer.pvi.gaussian import (
+    GaussianNatural,
+    flatten,
+    is_full,
+    loc_cov_factor,
+    loc_scale,
+    natural,
+    tree_add,
+    tree_sub,
+    unflatten,
+)
 
 __all__ = [
     "LocalConfig",
@@ -34,6 +44,8 @@ __all__ = [
     "client_update",
     "local_elbo",
     "optimize_local",
+    "newton_start",
+    "optimize_local_full",
     "per_example_grads",
 ]
 
@@ -123,6 +135,10 @@ class LocalConfig(NamedTuple):
         ``scale``): the clip norm is then in units of ``q``'s width, and a row's clipped
         gradient at the optimum has a size that depends on the number of rows, not on the
         parameters' units (see :class:`~numpyro_fed.DPPVI`'s automatic settings).
+    :ivar int newton_start: a full-rank ``q`` (no privacy): the optimization starts from the
+        Laplace approximation of the tilted distribution ``cavity x likelihood`` reached by
+        this many safeguarded Newton steps from ``q``'s mean (:func:`newton_start`), where it
+        is a proper Gaussian that improves on ``q``; ``0``: from ``q``.
     """
 
     optim: Any
@@ -135,6 +151,7 @@ class LocalConfig(NamedTuple):
     standardize: bool = False
     average_from: float = 1.0
     clip_scaled: bool = False
+    newton_start: int = 0
 
 
 def _draw_batch(rng_key, valid, count, config: LocalConfig, batch_cap: int):
@@ -203,6 +220,20 @@ def optimize_local(
         Carlo error (a few hundredths with the default settings); a large one means that
         it stopped short.
     """
+    if is_full(start):
+        new_q, residual = optimize_local_full(
+            rng_key,
+            row_log_lik,
+            start,
+            cavity,
+            rows,
+            valid,
+            config,
+            likelihood_weight=likelihood_weight,
+            batch_cap=batch_cap,
+        )
+        clipped = jnp.zeros((), start.eta1.dtype)
+        return (new_q, clipped, residual) if with_residual else (new_q, clipped)
     valid = jnp.asarray(valid)
     count = jnp.sum(valid)
     d = start.eta1.shape[-1]
@@ -277,6 +308,137 @@ def optimize_local(
         jnp.max(jnp.abs(mean_grad.loc) * jnp.exp(params.log_scale)), jnp.max(jnp.abs(mean_grad.log_scale)) / 2
     )
     return new_q, clipped / config.num_steps, residual
+
+
+def _lower(raw):
+    """The lower-triangular factor whose strict lower triangle is ``raw``'s and whose diagonal
+    is ``exp`` of ``raw``'s."""
+    return jnp.tril(raw, -1) + jnp.diag(jnp.exp(jnp.diagonal(raw)))
+
+
+#: step sizes the safeguarded Newton iteration tries (it keeps the best)
+NEWTON_STEP_SIZES = (1.0, 0.5, 0.25, 0.1)
+
+
+def newton_start(row_log_lik, start, cavity, rows, weights, num_steps: int, *, likelihood_weight=1.0):
+    """The Laplace approximation of ``cavity(theta) x prod_i p(x_i | theta)^w_i`` found by
+    ``num_steps`` Newton steps from ``start``'s mean (each the best of ``NEWTON_STEP_SIZES``
+    by the objective, or none), as a full-rank Gaussian; ``start`` itself where the result is
+    not a proper, finite Gaussian whose mode improves on the start. A starting point for the
+    local optimization only."""
+    loc0, _ = loc_cov_factor(start)
+
+    def objective(theta):
+        data = jnp.sum(weights * row_log_lik(theta, rows)) * likelihood_weight
+        return data + cavity.eta1 @ theta + theta @ cavity.eta2 @ theta
+
+    def newton(theta, _):
+        g = jax.grad(objective)(theta)
+        h = -jax.hessian(objective)(theta)
+        # saddle-free: the Hessian's eigenvalues by their absolute values (far from the mode
+        # the tilted distribution need not be log-concave)
+        values, vectors = jnp.linalg.eigh(0.5 * (h + h.T))
+        floor = jnp.finfo(theta.dtype).eps * jnp.max(jnp.abs(values)) * theta.shape[-1]
+        direction = vectors @ ((vectors.T @ g) / jnp.maximum(jnp.abs(values), floor))
+        candidates = theta + jnp.asarray(NEWTON_STEP_SIZES, theta.dtype)[:, None] * direction
+        values = jax.vmap(objective)(candidates)
+        values = jnp.where(jnp.isfinite(values), values, -jnp.inf)
+        best = jnp.argmax(values)
+        better = values[best] > objective(theta)
+        return jnp.where(better, candidates[best], theta), None
+
+    theta, _ = lax.scan(newton, loc0, None, length=num_steps)
+    precision = -jax.hessian(objective)(theta)
+    precision = 0.5 * (precision + precision.T)
+    candidate = GaussianNatural(precision @ theta, -0.5 * precision)
+    chol = jnp.linalg.cholesky(precision)
+    ok = jnp.all(jnp.isfinite(chol)) & jnp.all(jnp.isfinite(theta)) & (objective(theta) >= objective(loc0))
+    return jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), candidate, start)
+
+
+def optimize_local_full(
+    rng_key, row_log_lik, start, cavity, rows, valid, config: LocalConfig, *, likelihood_weight=1.0, batch_cap=None
+):
+    """:func:`optimize_local` for a full-rank ``q`` (``start`` and ``cavity`` with ``(d, d)``
+    ``eta2``; no DP-SGD): the parameters are ``q``'s mean and the Cholesky factor ``L`` of its
+    covariance (log of its diagonal). ``config.standardize``: in units of the starting ``q``,
+    ``loc = loc_0 + L_0 u`` and ``L = L_0 L_x``; ``config.average_from`` as there.
+
+    :return: ``(natural parameters of the new q, residual)``: the residual as
+        :func:`optimize_local`'s, from the mean gradient wrt ``u`` (in units of ``q``'s
+        width) and wrt the log-diagonal of ``L_x``.
+    """
+    if config.dpsgd:
+        raise ValueError("a full-rank q has no DP-SGD local optimization (use a diagonal q)")
+    valid = jnp.asarray(valid)
+    count = jnp.sum(valid)
+    d = start.eta1.shape[-1]
+    batch_cap = valid.shape[0] if batch_cap is None else batch_cap
+    if config.newton_start:
+        weights = valid.astype(start.eta1.dtype)
+        start = newton_start(
+            row_log_lik, start, cavity, rows, weights, config.newton_start, likelihood_weight=likelihood_weight
+        )
+    loc0, chol0 = loc_cov_factor(start)
+    logdiag0 = jnp.log(jnp.diagonal(chol0))
+    if config.standardize:
+        coords = LocalParams(jnp.zeros_like(loc0), jnp.zeros_like(chol0))
+
+        def moments(x):
+            return (
+                loc0 + chol0 @ x.loc,
+                chol0 @ _lower(x.log_scale),
+                jnp.sum(logdiag0) + jnp.sum(jnp.diagonal(x.log_scale)),
+            )
+
+    else:
+        coords = LocalParams(loc0, jnp.tril(chol0, -1) + jnp.diag(logdiag0))
+
+        def moments(x):
+            return x.loc, _lower(x.log_scale), jnp.sum(jnp.diagonal(x.log_scale))
+
+    def elbo(x, eps, batch_rows, weights):
+        loc, chol, log_det_half = moments(x)
+        thetas = loc + eps @ chol.T
+        data = jnp.sum(weights * jnp.mean(jax.vmap(row_log_lik, in_axes=(0, None))(thetas, batch_rows), axis=0))
+        second_moment = chol @ chol.T + jnp.outer(loc, loc)
+        return data + log_det_half + cavity.eta1 @ loc + jnp.sum(cavity.eta2 * second_moment)
+
+    opt_state = config.optim.init(coords)
+    first = _averaging_window(config)
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, coords)
+
+    def step(carry, inputs):
+        x, opt_state, sums = carry
+        key, t = inputs
+        key_batch, key_eps = jax.random.split(key)
+        positions, in_batch, scale = _draw_batch(key_batch, valid, count, config, batch_cap)
+        batch_rows = [r[positions] for r in rows]
+        eps = jax.random.normal(key_eps, (config.num_mc_samples, d), loc0.dtype)
+        ascent = jax.grad(elbo)(x, eps, batch_rows, in_batch * scale * likelihood_weight)
+        updates, opt_state = config.optim.update(jax.tree_util.tree_map(jnp.negative, ascent), opt_state, x)
+        x = optax.apply_updates(x, updates)
+        in_window = (t >= first).astype(loc0.dtype)
+        sums = (tree_add(sums[0], x, in_window), tree_add(sums[1], ascent, in_window))
+        return (x, opt_state, sums), None
+
+    keys = jax.random.split(rng_key, config.num_steps)
+    (x, _, (sum_x, sum_g)), _ = lax.scan(
+        step, (coords, opt_state, (zeros, zeros)), (keys, jnp.arange(config.num_steps))
+    )
+    count_window = config.num_steps - first
+    if count_window > 1:
+        x = jax.tree_util.tree_map(lambda a: a / count_window, sum_x)
+    loc, chol, _ = moments(x)
+    eye = jnp.eye(d, dtype=loc.dtype)
+    inv_chol = jax.scipy.linalg.solve_triangular(chol, eye, lower=True)
+    precision = inv_chol.T @ inv_chol
+    precision = 0.5 * (precision + precision.T)
+    new_q = GaussianNatural(precision @ loc, -0.5 * precision)
+    mean_grad = jax.tree_util.tree_map(lambda a: a / count_window, sum_g)
+    loc_grad = mean_grad.loc if config.standardize else mean_grad.loc * jnp.sqrt(jnp.sum(jnp.square(chol), axis=-1))
+    residual = jnp.maximum(jnp.max(jnp.abs(loc_grad)), jnp.max(jnp.abs(jnp.diagonal(mean_grad.log_scale))) / 2)
+    return new_q, residual
 
 
 # -- client updates -----------------------------------------------------------------------------

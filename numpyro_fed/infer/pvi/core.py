@@ -1,12 +1,15 @@
 """Partitioned variational inference (PVI, Ashman et al. 2022): the server side and the round.
 
-The approximation is a mean-field Gaussian over the flat unconstrained latent vector,
+The approximation is a Gaussian over the flat unconstrained latent vector (mean-field or
+full-rank: the shape of ``eta2``),
 
-    q(theta) = p(theta) prod_m t_m(theta),
+    q(theta) = p(theta) [t_0(theta)] prod_m t_m(theta),
 
-held as natural parameters ``eta = (precision * mean, -precision / 2)``: those of the prior
-(a Gaussian on the unconstrained space) and of one factor ``t_m`` per client, so that
-``eta_q = eta_prior + sum_m eta_m``. Each client runs :func:`~numpyro_fed.infer.pvi.client.client_update`
+held as natural parameters ``eta = (precision * mean, -precision / 2)``: those of the prior's
+exact Gaussian part, of the server's prior factor ``t_0`` when the prior is not a proper
+Gaussian (:mod:`~numpyro_fed.infer.pvi.prior`; refined by the server at the start of each
+round) and of one factor ``t_m`` per client, so that ``eta_q = eta_prior [+ eta_0] + sum_m
+eta_m``. Each client runs :func:`~numpyro_fed.infer.pvi.client.client_update`
 on its own rows and what the server sends (``q``) and returns the change ``Delta`` of its
 factor; the server (:func:`server_update`) adds ``damping * Delta`` to ``q``, and the client
 to its factor, which it keeps (its client state, :class:`ClientFactor`; with
@@ -46,7 +49,15 @@ from jax import lax
 
 from numpyro_fed.federation import ClientState
 from numpyro_fed.infer.pvi.client import LocalConfig, client_update
-from numpyro_fed.infer.pvi.gaussian import GaussianNatural, kl_divergence, loc_scale, tree_add
+from numpyro_fed.infer.pvi.gaussian import (
+    GaussianNatural,
+    entropy,
+    kl_divergence,
+    proper,
+    sample,
+    tree_add,
+)
+from numpyro_fed.infer.pvi.layout import BlockLayout, ClientData, shard_layout
 
 __all__ = [
     "BlockLayout",
@@ -102,6 +113,9 @@ class PVIState(NamedTuple):
     :ivar applied: ``(M, d)`` bool, the coordinates of each client's last update that the
         server applied (sent with the client's next request).
     :ivar round: rounds run so far (an int array).
+    :ivar prior_factor: the prior factor ``t_0`` the server refines
+        (:mod:`~numpyro_fed.infer.pvi.prior`; ``q = prior x t_0 x prod_m t_m``), or ``None``
+        when ``prior`` is the whole prior (a proper Gaussian).
     """
 
     q: GaussianNatural
@@ -110,6 +124,7 @@ class PVIState(NamedTuple):
     clients: ClientState
     applied: jax.Array
     round: jax.Array = 0
+    prior_factor: GaussianNatural | None = None
 
 
 class PVIInfo(NamedTuple):
@@ -122,85 +137,15 @@ class PVIInfo(NamedTuple):
     :ivar residual: ``(M,)`` each client's local-optimization residual (see
         :func:`~numpyro_fed.infer.pvi.client.optimize_local`; the largest over its shards).
     :ivar loss: the negative ELBO of ``q`` after the round (:func:`negative_elbo`).
+    :ivar prior_residual: the residual of the server's refinement of the prior factor this
+        round (``None`` without one).
     """
 
     rejected: jax.Array
     clipped: jax.Array
     residual: jax.Array
     loss: jax.Array
-
-
-class ClientData(NamedTuple):
-    """Every client's rows and settings, stacked and padded: client ``m``'s slice (leading
-    axis) is its block, all it holds.
-
-    :ivar rows: list of arrays ``(M, R, ...)``: the model arguments cut per client.
-    :ivar valid: ``(M, R)`` mask of real (non-padding) rows.
-    :ivar shard_index: ``(M, K, R_k)`` row positions of each client's shards.
-    :ivar shard_valid: ``(M, K, R_k)`` mask of real rows in each shard.
-    :ivar noise_multiplier: ``(M,)`` each client's noise standard deviation over its clip
-        norm (the client adds its own noise); zeros without privacy.
-    :ivar clip_first: ``(M,)`` automatic DP-SGD clip norms of a state's first round, or
-        ``None``.
-    :ivar clip_later: ``(M,)`` those of later rounds, or ``None``.
-    """
-
-    rows: list
-    valid: jax.Array
-    shard_index: jax.Array
-    shard_valid: jax.Array
-    noise_multiplier: jax.Array | None = None
-    clip_first: jax.Array | None = None
-    clip_later: jax.Array | None = None
-
-
-class BlockLayout:
-    """``block -> ClientData``: a client's block as
-    :meth:`FederatedPotential.client_program <numpyro_fed.FederatedPotential.client_program>`
-    gives it (its rows, validity mask and index ``block["client"]``) in PVI's layout, with
-    that client's shards, noise multiplier and clip norms. The ``transform`` of the clients'
-    program: it runs where the client lives (on its worker in deployment, so the driver
-    never builds a block). Picklable; it holds per-client settings (shard positions, noise
-    multipliers, clip norms: numbers derived from row counts), never rows.
-
-    :param str plate: the federated data plate.
-    :param shard_index: ``(M, K, R_k)`` (see :func:`shard_layout`).
-    :param shard_valid: ``(M, K, R_k)``.
-    :param noise_multiplier: ``(M,)``.
-    :param clip_first: ``(M,)`` or ``None`` (see :class:`ClientData`).
-    :param clip_later: ``(M,)`` or ``None``.
-
-    >>> import numpy as np
-    >>> layout = BlockLayout("data", np.zeros((2, 1, 3), np.int32), np.ones((2, 1, 3), bool),
-    ...                      np.array([0.5, 1.0]))
-    >>> block = {"client": 1, "rows": [np.arange(3.0)], "valid": {"data": np.array([True, True, False])}}
-    >>> data = layout(block)  # client 1's block, with client 1's settings
-    >>> float(data.noise_multiplier), data.valid.tolist(), data.clip_first
-    (1.0, [True, True, False], None)
-    """
-
-    def __init__(self, plate, shard_index, shard_valid, noise_multiplier, clip_first=None, clip_later=None):
-        self.plate = plate
-        as_numpy = lambda a: None if a is None else np.asarray(a)  # noqa: E731
-        self.shard_index, self.shard_valid = as_numpy(shard_index), as_numpy(shard_valid)
-        self.noise_multiplier = as_numpy(noise_multiplier)
-        self.clip_first, self.clip_later = as_numpy(clip_first), as_numpy(clip_later)
-
-    def __call__(self, block) -> "ClientData":
-        m = int(block["client"])
-        pick = lambda a: None if a is None else a[m]  # noqa: E731
-        return ClientData(
-            rows=list(block["rows"]),
-            valid=block["valid"][self.plate],
-            shard_index=pick(self.shard_index),
-            shard_valid=pick(self.shard_valid),
-            noise_multiplier=pick(self.noise_multiplier),
-            clip_first=pick(self.clip_first),
-            clip_later=pick(self.clip_later),
-        )
-
-    def __repr__(self):
-        return f"BlockLayout(plate={self.plate!r}, num_clients={len(self.noise_multiplier)})"
+    prior_residual: jax.Array | None = None
 
 
 def _initial_client_state(
@@ -209,9 +154,8 @@ def _initial_client_state(
     """Every client's initial :class:`ClientFactor`, stacked: its factor ``factors[m]``
     (default zero; public values) or, with ``num_virtual`` (``dp="virtual"``), that many
     virtual factors at zero; nothing pending."""
-    d = prior.eta1.shape[-1]
-    shape = (num_clients, d) if num_virtual is None else (num_clients, num_virtual, d)
-    zeros = GaussianNatural(jnp.zeros(shape, prior.eta1.dtype), jnp.zeros(shape, prior.eta1.dtype))
+    lead = (num_clients,) if num_virtual is None else (num_clients, num_virtual)
+    zeros = jax.tree_util.tree_map(lambda x: jnp.zeros(lead + x.shape, x.dtype), prior)
     if factors is not None and num_virtual is None:
         return ClientFactor(factors, zeros)
     return ClientFactor(zeros, zeros)
@@ -224,9 +168,12 @@ def init(
     *,
     factors: GaussianNatural | None = None,
     federation=None,
+    q: GaussianNatural | None = None,
+    prior_factor: GaussianNatural | None = None,
 ) -> PVIState:
-    """``q`` is the prior; the factors are ``factors`` (default zero) and, with
-    ``num_virtual`` (``dp="virtual"``), each client's virtual factors are zero. With a started
+    """``q`` is ``q`` (default the prior); the factors are ``factors`` (default zero) and,
+    with ``num_virtual`` (``dp="virtual"``), each client's virtual factors are zero; the
+    server's prior factor is ``prior_factor`` (``None``: the prior is exact). With a started
     ``federation`` the clients receive their initial :class:`ClientFactor` through its
     ``init_state`` and keep it; otherwise it is kept in this process.
 
@@ -237,17 +184,18 @@ def init(
     ((3, 2), (3, 4, 2))
     """
     d = prior.eta1.shape[-1]
-    zeros = jnp.zeros((num_clients, d), prior.eta1.dtype)
-    factors = GaussianNatural(zeros, zeros) if factors is None else factors
+    if factors is None:
+        factors = jax.tree_util.tree_map(lambda x: jnp.zeros((num_clients,) + x.shape, x.dtype), prior)
     own = _initial_client_state(prior, num_clients, num_virtual, factors)
     clients = ClientState(own, jnp.zeros(num_clients, jnp.int32)) if federation is None else federation.init_state(own)
     return PVIState(
-        q=prior,
+        q=prior if q is None else q,
         prior=prior,
         factors=factors,
         clients=clients,
         applied=jnp.zeros((num_clients, d), bool),
         round=jnp.zeros((), jnp.int32),
+        prior_factor=prior_factor,
     )
 
 
@@ -269,26 +217,6 @@ def client_factors(state: PVIState) -> GaussianNatural:
     return jax.vmap(_resolve)(state.clients.values, state.applied)
 
 
-def shard_layout(client_sizes, num_shards: int, seed=0):
-    """Random shards of each client's valid rows (positions ``0 .. n_m - 1`` of its block).
-
-    :return: ``(index, valid)``, each ``(M, K, R_k)``; padding repeats a row of the shard
-        and is masked.
-    """
-    rng = np.random.default_rng(seed)
-    client_sizes = [int(n) for n in client_sizes]
-    if min(client_sizes) < num_shards:
-        raise ValueError(f"num_shards={num_shards} exceeds the rows of the smallest client ({min(client_sizes)})")
-    rows_per_shard = -(-max(client_sizes) // num_shards)
-    index = np.zeros((len(client_sizes), num_shards, rows_per_shard), np.int32)
-    valid = np.zeros_like(index, dtype=bool)
-    for m, n in enumerate(client_sizes):
-        for k, part in enumerate(np.array_split(rng.permutation(n), num_shards)):
-            index[m, k] = np.resize(part, rows_per_shard)
-            valid[m, k, : part.size] = True
-    return jnp.asarray(index), jnp.asarray(valid)
-
-
 def server_update(state: PVIState, new_q, new_factors):
     """Applies a proposed ``q`` and the server's record of the factors, coordinate by
     coordinate: where the new ``q`` would not be a proper Gaussian (or not finite), the
@@ -297,15 +225,22 @@ def server_update(state: PVIState, new_q, new_factors):
     :return: ``(state, ok)``: ``ok`` (``(d,)`` bool) the coordinates applied (the clients
         whose update it was learn it with their next request).
     """
-    ok = (new_q.eta2 < 0) & jnp.isfinite(new_q.eta1) & jnp.isfinite(new_q.eta2)
+    ok = proper(new_q)
     pick = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new, old)
     return state._replace(q=pick(new_q, state.q), factors=pick(new_factors, state.factors)), ok
 
 
 def _draw_q(rng_key, q: GaussianNatural, num_samples: int):
     """``(num_samples, d)`` draws of ``q``: what the server sends the clients for the loss."""
-    loc, scale = loc_scale(q)
-    return loc + scale * jax.random.normal(rng_key, (num_samples,) + loc.shape, loc.dtype)
+    return sample(rng_key, q, num_samples)
+
+
+def _prior_side_of_loss(q: GaussianNatural, prior: GaussianNatural, thetas, prior_potential):
+    """``KL(q || prior)``, or with ``prior_potential`` (a non-Gaussian or improper prior)
+    ``E_q[log q] - E_q[log p]`` up to a constant, estimated at the draws ``thetas``."""
+    if prior_potential is None:
+        return kl_divergence(q, prior)
+    return jnp.mean(jax.vmap(prior_potential)(thetas)) - entropy(q)
 
 
 def expected_log_lik(row_log_lik: Callable, thetas, rows, valid):
@@ -316,10 +251,18 @@ def expected_log_lik(row_log_lik: Callable, thetas, rows, valid):
 
 
 def negative_elbo(
-    rng_key, row_log_lik: Callable, q: GaussianNatural, prior: GaussianNatural, data: ClientData, num_samples: int
+    rng_key,
+    row_log_lik: Callable,
+    q: GaussianNatural,
+    prior: GaussianNatural,
+    data: ClientData,
+    num_samples: int,
+    prior_potential: Callable | None = None,
 ):
     """``-ELBO(q) = KL(q || prior) - sum_m sum_i E_q[log p(x_{m,i} | theta)]``, the
-    expectation estimated with ``num_samples`` draws of ``q`` shared by every client.
+    expectation estimated with ``num_samples`` draws of ``q`` shared by every client (with
+    ``prior_potential``, the prior's potential, ``KL(q || prior)`` is estimated with them
+    too, up to the constant an improper prior leaves).
 
     A diagnostic of the run computed on every client's rows in this process: it is not one of
     the messages the clients send, and no privacy guarantee covers it.
@@ -327,7 +270,7 @@ def negative_elbo(
     thetas = _draw_q(rng_key, q, num_samples)
     client_log_lik = lambda rows, valid: expected_log_lik(row_log_lik, thetas, rows, valid)  # noqa: E731
     expected = jnp.sum(jax.vmap(client_log_lik)(data.rows, data.valid))
-    return kl_divergence(q, prior) - expected
+    return _prior_side_of_loss(q, prior, thetas, prior_potential) - expected
 
 
 #: ``jax.random.fold_in`` stream of a round's key that draws :func:`negative_elbo`'s samples
@@ -419,25 +362,35 @@ def client_functions(
     def client_expected_log_lik(block, thetas):
         return expected_log_lik(row_log_lik, thetas, block.rows, block.valid)
 
-    return {"expected_log_lik": client_expected_log_lik}, {"update": update}
+    def curvature(block, thetas):
+        # minus the Hessian of the client's log-likelihood, averaged over the draws thetas
+        def log_lik(theta):
+            return jnp.sum(jnp.where(block.valid, row_log_lik(theta, block.rows), 0.0))
+
+        return -jnp.mean(jax.vmap(jax.hessian(log_lik))(thetas), axis=0)
+
+    functions = {"expected_log_lik": client_expected_log_lik, "curvature": curvature}
+    return functions, {"update": update}
 
 
-def federated_negative_elbo(rng_key, federation, q: GaussianNatural, prior: GaussianNatural, num_samples: int):
+def federated_negative_elbo(
+    rng_key, federation, q: GaussianNatural, prior: GaussianNatural, num_samples: int, prior_potential=None
+):
     """:func:`negative_elbo` with every client's term computed by the client
     (``federation.map("expected_log_lik", thetas)``): the server draws ``thetas`` from ``q``
     and sends them; each client returns one number."""
-    loc, scale = loc_scale(q)
-    thetas = loc + scale * jax.random.normal(rng_key, (num_samples,) + loc.shape, loc.dtype)
+    thetas = sample(rng_key, q, num_samples)
     expected = jnp.sum(federation.map("expected_log_lik", thetas))
-    return kl_divergence(q, prior) - expected
+    return _prior_side_of_loss(q, prior, thetas, prior_potential) - expected
 
 
-def build_loss(num_mc_samples: int) -> Callable:
+def build_loss(num_mc_samples: int, prior_potential: Callable | None = None) -> Callable:
     """A pure ``loss(rng_key, q, prior, federation)``: :func:`federated_negative_elbo` with
-    ``num_mc_samples`` draws (the loss of a face's ``evaluate``)."""
+    ``num_mc_samples`` draws (the loss of a face's ``evaluate``); ``prior_potential`` for a
+    prior that ``prior`` does not hold whole (see :func:`negative_elbo`)."""
 
     def loss(rng_key, q: GaussianNatural, prior: GaussianNatural, federation):
-        return federated_negative_elbo(rng_key, federation, q, prior, num_mc_samples)
+        return federated_negative_elbo(rng_key, federation, q, prior, num_mc_samples, prior_potential)
 
     return loss
 
@@ -466,13 +419,26 @@ def build_visit(*, damping: float = 1.0, auto_clip: bool = False) -> Callable:
     return visit
 
 
-def _end_round(rng_key, state: PVIState, federation, num_mc_samples: int, rejected, clipped, residual):
+def _end_round(
+    rng_key, state: PVIState, federation, num_mc_samples: int, rejected, clipped, residual, prior_residual, loss_prior
+):
     """Counts the round and computes the loss of the new ``q`` through the clients."""
     state = state._replace(round=state.round + 1)
     loss = federated_negative_elbo(
-        jax.random.fold_in(rng_key, LOSS_STREAM), federation, state.q, state.prior, num_mc_samples
+        jax.random.fold_in(rng_key, LOSS_STREAM), federation, state.q, state.prior, num_mc_samples, loss_prior
     )
-    return state, PVIInfo(rejected=rejected, clipped=clipped, residual=residual, loss=loss)
+    return state, PVIInfo(rejected, clipped, residual, loss, prior_residual)
+
+
+#: ``jax.random.fold_in`` stream of a round's key that the server's prior update uses.
+PRIOR_STREAM = 2
+
+
+def _refine_prior(rng_key, state: PVIState, prior_update):
+    """The server's refinement of the prior factor at the start of a round (if any)."""
+    if prior_update is None:
+        return state, None
+    return prior_update(state, jax.random.fold_in(rng_key, PRIOR_STREAM))
 
 
 def build_step(
@@ -482,6 +448,8 @@ def build_step(
     schedule: str = "sequential",
     damping: float = 1.0,
     auto_clip: bool = False,
+    prior_update: Callable | None = None,
+    prior_potential: Callable | None = None,
 ) -> Callable:
     """A pure ``step(rng_key, state, federation) -> (state, info)``: one round, visiting
     every client once through ``federation`` (a started
@@ -491,7 +459,10 @@ def build_step(
     ``"sequential"``: the clients in turn (:func:`build_visit`, ``federation.one``), each
     from the ``q`` the previous one left; ``"synchronous"``: every client from the same ``q``
     (``federation.map``, the same messages), the server adding the sum of the replies.
-    Client ``m``'s key is ``jax.random.split(rng_key, num_clients)[m]``.
+    Client ``m``'s key is ``jax.random.split(rng_key, num_clients)[m]``. With
+    ``prior_update`` (:func:`~numpyro_fed.infer.pvi.prior.build_prior_update`), the server
+    first refines the prior factor; ``prior_potential`` then enters the loss (see
+    :func:`negative_elbo`).
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -515,21 +486,42 @@ def build_step(
 
     def step(rng_key, state: PVIState, federation):
         keys = jax.random.split(rng_key, num_clients)
+        state, prior_residual = _refine_prior(rng_key, state, prior_update)
         state, (rejected, clipped, residual) = visit_all(keys, state, federation)
-        return _end_round(rng_key, state, federation, config.num_mc_samples, rejected, clipped, residual)
+        return _end_round(
+            rng_key,
+            state,
+            federation,
+            config.num_mc_samples,
+            rejected,
+            clipped,
+            residual,
+            prior_residual,
+            prior_potential,
+        )
 
     return step
 
 
-def build_client_step(num_mc_samples: int, *, damping: float = 1.0) -> Callable:
+def build_client_step(
+    num_mc_samples: int,
+    *,
+    damping: float = 1.0,
+    prior_update: Callable | None = None,
+    prior_potential: Callable | None = None,
+) -> Callable:
     """A pure ``step(rng_key, state, federation, client) -> (state, info)``: a round that
     visits only ``client`` (:func:`build_visit`, with ``rng_key`` as the client's key), as
     :class:`~numpyro_fed.GaussianPVI` schedules them; ``info`` a :class:`PVIInfo` whose
-    ``rejected``, ``clipped`` and ``residual`` are that client's."""
+    ``rejected``, ``clipped`` and ``residual`` are that client's. ``prior_update``,
+    ``prior_potential``: as :func:`build_step`'s."""
     visit = build_visit(damping=damping)
 
     def step(rng_key, state: PVIState, federation, client):
+        state, prior_residual = _refine_prior(rng_key, state, prior_update)
         state, (rejected, clipped, residual) = visit(state, client, rng_key, federation)
-        return _end_round(rng_key, state, federation, num_mc_samples, rejected, clipped, residual)
+        return _end_round(
+            rng_key, state, federation, num_mc_samples, rejected, clipped, residual, prior_residual, prior_potential
+        )
 
     return step

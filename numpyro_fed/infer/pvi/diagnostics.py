@@ -11,7 +11,7 @@ import numpy as np
 
 from numpyro_fed.infer.pvi.accounting import MAX_DP_ERROR
 
-__all__ = ["judge_run", "last_move"]
+__all__ = ["judge_run", "last_move", "mean_field_inflation", "warn_mean_field"]
 
 # predicted_dp_error above which a run that goes ahead warns: measured errors were up to
 # 5 times the prediction (benchmarks/dppvi.md), so 0.2 can mean a posterior sd.
@@ -20,6 +20,14 @@ MAX_LAST_MOVE = 0.1  # non-private: largest move of q's means per round, in q's 
 LAST_MOVE_SPAN = 3  # averaged over the last 3 rounds (or fewer in a shorter run)
 MOSTLY_CLIPPED = 0.99  # update perturbation: share of clipped changes that bounds q's moves
 MAX_RESIDUAL = 0.25  # local-optimization residual (in q's scales) above which it has not converged
+# largest single-round move of q's means (in q's scales) over the last LAST_MOVE_SPAN rounds:
+# above it the rounds' answers scatter by more than q's width (a Student-t's log nu in float32
+# jumped 1.9 and 2.3 scales between rounds while last_move, a net move, read 0.016); converged
+# runs jittered 0.1-0.2
+MAX_JUMP = 1.0
+# A mean-field q's sds on a Gaussian posterior are 1 / sqrt(precision_ii), the posterior's
+# sqrt(covariance_ii): above this ratio (q's sds below 0.83 of the truth) the run warns.
+MAX_MEAN_FIELD_INFLATION = 1.2
 
 
 def last_move(start_loc, locs, scales):
@@ -60,6 +68,8 @@ def judge_run(dp, metrics: dict, *, private: bool, clip_norm, stacklevel: int = 
 def _warn_unconverged(metrics, stacklevel):
     """A non-private run: the local fits of the last round, and ``q`` over the rounds."""
     residual = metrics["residual"]
+    if metrics.get("prior_residual") is not None:  # the server's refinement of the prior factor
+        residual = np.concatenate([residual, np.asarray(metrics["prior_residual"]).reshape(-1, 1)], axis=1)
     if residual[-1].max() > MAX_RESIDUAL:
         warnings.warn(
             f"DPPVI: the local optimization had not converged in the last round: its "
@@ -77,6 +87,7 @@ def _warn_unconverged(metrics, stacklevel):
     # correlated posterior q's means still move a lot between rounds when the run stops (the
     # zoo's d = 20, condition number 1e3: 2.7 posterior sds short after 10 rounds), while each
     # local fit has converged (residual small).
+    _warn_jumps(metrics, stacklevel + 1)
     moved = metrics["last_move"][-1]
     if moved.max() > MAX_LAST_MOVE:
         span = min(LAST_MOVE_SPAN, num_rounds - 1)
@@ -87,6 +98,23 @@ def _warn_unconverged(metrics, stacklevel):
             f"{moved[j]:.2g} of its scale per round (coordinate {j}; metrics['last_move'], above "
             f"{MAX_LAST_MOVE}), so it is still on its way (a strongly correlated posterior "
             "converges slowly with one mean-field factor per client): run more rounds",
+            RuntimeWarning,
+            stacklevel=stacklevel,
+        )
+
+
+def _warn_jumps(metrics, stacklevel):
+    """Non-private: ``q``'s means scattering between the last rounds by more than its width."""
+    locs, scales = np.asarray(metrics["loc"]), np.asarray(metrics["scale"])
+    span = min(LAST_MOVE_SPAN, locs.shape[0] - 1)
+    jumps = np.abs(np.diff(locs[-span - 1 :], axis=0)) / scales[-span:]
+    if jumps.max() > MAX_JUMP:
+        j = int(np.argmax(jumps.max(axis=0)))
+        warnings.warn(
+            f"DPPVI: q's mean jumped by up to {jumps.max():.2g} of its scale between the last rounds "
+            f"(coordinate {j}; above {MAX_JUMP}): the rounds' answers scatter more than q's width, so "
+            "its means are uncertain by about that much. Raise num_mc_samples or num_local_steps "
+            "(or use float64)",
             RuntimeWarning,
             stacklevel=stacklevel,
         )
@@ -122,3 +150,39 @@ def _warn_update_perturbation(dp, dp_error, clipped, clip_norm, stacklevel):
             RuntimeWarning,
             stacklevel=stacklevel,
         )
+
+
+def mean_field_inflation(curvature):
+    """``(d,)``: per coordinate, the posterior sd over a mean-field ``q``'s, read off the
+    curvature (minus the Hessian of the log posterior, ``(d, d)``) at draws of ``q``:
+    ``sqrt(Sigma_ii * Lambda_ii)`` with ``Sigma = Lambda^-1``, which a Gaussian posterior's
+    mean-field fit attains. ``None`` where the curvature is not positive definite (a
+    multimodal posterior, say), which says nothing."""
+    precision = 0.5 * (np.asarray(curvature, np.float64) + np.asarray(curvature, np.float64).T)
+    if not np.all(np.isfinite(precision)):
+        return None
+    try:
+        chol = np.linalg.cholesky(precision)
+    except np.linalg.LinAlgError:
+        return None
+    inv_chol = np.linalg.inv(chol)
+    covariance_diag = np.sum(np.square(inv_chol), axis=0)
+    return np.sqrt(covariance_diag * np.diag(precision))
+
+
+def warn_mean_field(curvature, *, stacklevel: int = 1) -> None:
+    """Warns when a mean-field ``q``'s sds are too small for the correlations the model's
+    curvature shows (:func:`mean_field_inflation` above ``MAX_MEAN_FIELD_INFLATION``);
+    ``stacklevel`` counted from the caller of this function."""
+    inflation = mean_field_inflation(curvature)
+    if inflation is None or inflation.max() <= MAX_MEAN_FIELD_INFLATION:
+        return
+    j = int(np.argmax(inflation))
+    warnings.warn(
+        f"DPPVI: q is mean-field (covariance='diagonal') but the posterior is correlated: the "
+        f"model's curvature at q's draws puts the posterior sd of coordinate {j} {inflation[j]:.2g} "
+        f"times q's ({int(np.sum(inflation > MAX_MEAN_FIELD_INFLATION))} coordinate(s) above "
+        f"{MAX_MEAN_FIELD_INFLATION}), so q's sds are too small there; use covariance='full'",
+        RuntimeWarning,
+        stacklevel=stacklevel + 1,
+    )

@@ -34,14 +34,22 @@ from numpyro_fed.infer.pvi import core
 from numpyro_fed.infer.pvi.accounting import AVERAGE_FROM, MAX_DP_ERROR, PrivacyAccounting
 from numpyro_fed.infer.pvi.client import LocalConfig
 from numpyro_fed.infer.pvi.core import PVIState
-from numpyro_fed.infer.pvi.diagnostics import judge_run, last_move
-from numpyro_fed.infer.pvi.gaussian import gaussian_prior, loc_scale
+from numpyro_fed.infer.pvi.diagnostics import judge_run, last_move, warn_mean_field
+from numpyro_fed.infer.pvi.gaussian import loc_scale, sample
+from numpyro_fed.infer.pvi.prior import PriorSplit, build_prior_update, initial_state, prior_remainder, split_prior
 from numpyro_fed.infer.pvi.settings import check_aggregation, check_noise, default_optimizer, resolve_sampling
 from numpyro_fed.privacy.accounting import check_delta, check_epsilon
 
 __all__ = ["DPPVI"]
 
 _DEFAULT_NUM_SAMPLES = 1000  # get_samples' draws when num_samples is None
+COVARIANCES = ("auto", "full", "diagonal")
+#: the mean-field check of a diagonal q (``"curvature"``, d x d per client) up to this many coordinates
+MEAN_FIELD_CHECK_MAX_DIM = 1000
+#: covariance="auto": a full-rank q (non-private runs) up to this many latent coordinates
+FULL_RANK_MAX_DIM = 100
+#: the default local optimization of a full-rank q starts from this many Newton steps
+NEWTON_STEPS = 20
 
 
 class _RunPlan(NamedTuple):
@@ -57,20 +65,37 @@ class _RunPlan(NamedTuple):
     round_fn: Any
     loss_fn: Any  # (key, q, prior, federation) -> negative ELBO, the clients' terms through it
     federation: Any  # the started federation that runs the clients
+    prior: PriorSplit  # how the prior enters q
 
 
 class DPPVI(PrivacyAccounting, VariationalMethod):
     """Differentially private partitioned variational inference.
 
-    A mean-field Gaussian on the unconstrained latents, one factor per client, local ELBOs
-    against the cavity optimized with ``optim``; ``dp`` picks the privacy mechanism.
+    A Gaussian on the unconstrained latents (full-rank or mean-field, ``covariance``), one
+    factor per client, local ELBOs against the cavity optimized with ``optim``; ``dp`` picks
+    the privacy mechanism.
 
     :param model: a NumPyro model with one :func:`~numpyro_fed.federated_plate` over the data
-        rows, global latent variables only and a Gaussian prior on the unconstrained space
-        (e.g. ``Normal`` priors).
+        rows and global continuous latent variables only. Priors as statisticians write them:
+        ``Normal`` priors (and ``LogNormal`` scales, Gaussian on the log scale) are factors of
+        ``q`` exactly; flat priors (``ImproperUniform``) are zero-precision factors; any other
+        prior (a ``HalfCauchy`` scale, a hierarchical ``Normal(0, tau)``, a ``Dirichlet``) is
+        a factor of its own that the server refines each round with a client's local update,
+        its "likelihood" the prior's log-density on the unconstrained space, log-Jacobians
+        included (:mod:`~numpyro_fed.infer.pvi.prior`; it reads no rows and costs no privacy
+        budget). ``q`` then starts proper: the exact part where it is proper, elsewhere unit
+        scales around the ``init_strategy``'s point.
     :param dp: ``None`` (non-private PVI), ``"dpsgd"`` (DP-SGD in the local optimization,
         Section 4.1), ``"local_avg"`` (Algorithm 2) or ``"virtual"`` (Algorithm 3).
     :param str schedule: ``"sequential"`` or ``"synchronous"``.
+    :param str covariance: ``q``'s family: ``"full"`` (full-rank; ``dp=None`` only),
+        ``"diagonal"`` (mean-field) or ``"auto"`` (the default): full-rank without privacy up
+        to ``FULL_RANK_MAX_DIM`` (100) coordinates, mean-field otherwise. A mean-field ``q``
+        underestimates the sds of a correlated posterior; a non-private mean-field run checks
+        this at its end (each client returns the curvature of its log-likelihood at draws of
+        ``q``, ``"curvature"`` in the ledger) and warns. With the default optimizer a
+        full-rank local fit starts from the Laplace approximation of the tilted distribution
+        (a few safeguarded Newton steps, ``LocalConfig.newton_start``).
     :param optim: an optax optimizer for the local optimization, run on ``(loc, log_scale)``
         and taking its last iterate. Default (``None``):
         :func:`~numpyro_fed.infer.pvi.settings.default_optimizer`, run in units of ``q``'s scale
@@ -213,8 +238,17 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         init_strategy=init_to_uniform,
         progress_bar: bool = True,
         federation=None,
+        covariance: str = "auto",
     ):
         sampling, sampling_rate, self.auto_sampling = resolve_sampling(dp, sampling, sampling_rate)
+        if covariance not in COVARIANCES:
+            raise ValueError(f"covariance must be one of {COVARIANCES}, got {covariance!r}")
+        if covariance == "full" and dp is not None:
+            raise ValueError(
+                f"covariance='full' needs dp=None: the private variants clip and noise a diagonal q's "
+                f"parameters (dp={dp!r}); use covariance='diagonal' or 'auto'"
+            )
+        self.covariance = covariance
         num_shards = check_int(num_shards, "num_shards", minimum=1)
         check_aggregation(dp, schedule, num_shards, trusted_aggregator)
         # DP-SGD without a clip norm: the automatic one (auto_clip_norms, see the guide).
@@ -248,6 +282,7 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
             raise ValueError(f"neighboring must be 'replace_one' or 'add_remove', got {neighboring!r}")
         self.neighboring = neighboring
         self._plan: _RunPlan | None = None
+        self._curvature_fn = jit_round(lambda thetas, federation: federation.map("curvature", thetas))
 
     repr_fields = ("dp", "schedule", "num_local_steps", "num_mc_samples", "damping")
     divergence_advice = "lower the optimizer's rate (optim) or, with privacy, damp the updates (damping=0.2-0.5)"
@@ -269,8 +304,16 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
                 f"{type(self).__name__} needs exactly one federated plate, over the data rows, and "
                 f"global latent variables only; the model has plates {list(potential.plates)}"
             )
-        prior = gaussian_prior(potential.flat().prior_potential, potential.num_latent)
-        return data_plates[0].name, prior
+        init_loc = potential.ravel(potential.init_params)
+        return data_plates[0].name, split_prior(potential.flat().prior_potential, init_loc)
+
+    def full_rank(self, num_latent: int) -> bool:
+        """Whether ``q`` is full-rank for a model with ``num_latent`` unconstrained
+        coordinates: ``covariance="full"``, or ``"auto"`` without privacy up to
+        ``FULL_RANK_MAX_DIM`` coordinates."""
+        if self.covariance == "auto":
+            return self.dp is None and num_latent <= FULL_RANK_MAX_DIM
+        return self.covariance == "full"
 
     # -- the face ------------------------------------------------------------------------------
     def plan_clients(self, rng_key, args, kwargs, *, num_rounds: int | None = 1) -> ClientSpec:
@@ -279,6 +322,7 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         :meth:`init`); returns what the clients run: PVI's client functions on their blocks
         in PVI's layout, built from their own rows where they live."""
         potential, plate, prior = self._setup(args, kwargs)
+        self.has_prior_factor = not prior.exact
         sizes, num_rows = self._layout(potential, plate)
         fixed_noise_budget = self.noise_multiplier is not None and self.target_epsilon is not None
         if num_rounds is None:
@@ -310,6 +354,7 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
             clip_norm=1.0 if self.auto_clip else self.clip_norm,
             standardize=self.default_optim,
             average_from=AVERAGE_FROM if self.default_optim else 1.0,
+            newton_start=NEWTON_STEPS if self.default_optim and self.full_rank(potential.num_latent) else 0,
             clip_scaled=self.auto_clip,
         )
         dtype = jnp.zeros(()).dtype
@@ -333,6 +378,15 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         self._client_plan = (num_rounds, sizes, sigmas, privacy, dp_error, layout, config, prior)
         return self._client_spec(programs, potential, layout)
 
+    def _prior_update(self, potential, prior: PriorSplit, config):
+        """The server's prior update and the loss's prior potential, or ``(None, None)`` for an
+        exact Gaussian prior."""
+        if prior.exact:
+            return None, None
+        prior_potential = potential.flat().prior_potential
+        remainder = prior_remainder(prior_potential, prior.base)
+        return build_prior_update(remainder, prior.refined, config, damping=self.damping), prior_potential
+
     def init(self, rng_key, *args, num_rounds: int | None = 1, **kwargs) -> PVIState:
         """Prepares a run of ``num_rounds`` rounds on the model's arguments ``args``,
         ``kwargs`` and returns its initial state (``q`` the prior).
@@ -350,8 +404,15 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         num_rounds, sizes, sigmas, privacy, dp_error, layout, config, prior = self._client_plan
         num_clients = int(sizes.size)
         federation = self.start_clients(**spec._asdict())
+        prior_update, prior_potential = self._prior_update(self.federated_potential, prior, config)
         step = core.build_step(
-            config, num_clients=num_clients, schedule=self.schedule, damping=self.damping, auto_clip=self.auto_clip
+            config,
+            num_clients=num_clients,
+            schedule=self.schedule,
+            damping=self.damping,
+            auto_clip=self.auto_clip,
+            prior_update=prior_update,
+            prior_potential=prior_potential,
         )
         self._plan = _RunPlan(
             num_rounds,
@@ -361,8 +422,9 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
             dp_error,
             layout,
             jit_round(step),
-            jit_round(core.build_loss(self.num_mc_samples)),
+            jit_round(core.build_loss(self.num_mc_samples, prior_potential)),
             federation,
+            prior,
         )
         return self._initial_state(prior, sizes.size)
 
@@ -423,7 +485,34 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         )
         if self.dp is None:
             result.metrics["last_move"] = last_move(start_loc, result.metrics["loc"], result.metrics["scale"])
-        return self.finish(result)
+        result = self.finish(result)
+        if self.dp is None and not self.full_rank(self.federated_potential.num_latent):
+            result = self._check_mean_field(result)
+        return result
+
+    def _check_mean_field(self, result: RunResult):
+        """A mean-field ``q`` of a non-private run: the clients return the curvature of their
+        log-likelihood at draws of ``q`` (``"curvature"``, a diagnostic counted in the ledger)
+        and the run warns where the correlations it shows make ``q``'s sds too small
+        (:func:`~numpyro_fed.infer.pvi.diagnostics.warn_mean_field`)."""
+        plan = self._require_plan()
+        q = result.state.q
+        if q.eta1.shape[-1] > MEAN_FIELD_CHECK_MAX_DIM:
+            return result
+        thetas = sample(jax.random.PRNGKey(0), q, self.num_mc_samples)
+        before = plan.federation.ledger.summary()
+        with plan.federation.guard():
+            curvature = jnp.sum(self._curvature_fn(thetas, plan.federation), axis=0)
+        plan.federation.record_calls("curvature", 1)
+        if result.ledger is not None:  # the run's ledger counts the check
+            ledger = dict(result.ledger)
+            for key, value in plan.federation.ledger.summary().items():
+                ledger[key] = ledger.get(key, 0) + value - before.get(key, 0)
+            result = result._replace(ledger=ledger)
+        prior_potential = self.federated_potential.flat().prior_potential
+        curvature = curvature + jnp.mean(jax.vmap(jax.hessian(prior_potential))(thetas), axis=0)
+        warn_mean_field(np.asarray(curvature), stacklevel=3)
+        return result
 
     def record(self, state: PVIState, info) -> dict:
         """A round's metrics (see *Running* in the class docstring)."""
@@ -445,6 +534,7 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
             "communications": int(state.round) * self._communications_per_round(),
             "noise_multiplier": plan.noise_multiplier,
             "predicted_dp_error": dp_error,
+            **({} if info.prior_residual is None else {"prior_residual": info.prior_residual}),
         }
 
     def finish(self, result: RunResult) -> RunResult:
@@ -467,8 +557,7 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         num_samples = _DEFAULT_NUM_SAMPLES if num_samples is None else check_int(num_samples, "num_samples", minimum=1)
         if self.federated_potential is None:
             raise ValueError("get_samples needs a run first: call run()")
-        loc, scale = loc_scale(result.state.q)
-        flat = loc + scale * jax.random.normal(rng_key, (num_samples, loc.shape[0]), loc.dtype)
+        flat = sample(rng_key, result.state.q, num_samples)
         return jax.vmap(self.federated_potential.flat().postprocess)(flat)
 
     def evaluate(self, state: PVIState, *args, rng_key=None, **kwargs):
@@ -485,10 +574,17 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
             potential = build_potential(
                 self.model, args, kwargs, partition=self.partition, init_strategy=self.init_strategy
             )
-            plate, _ = self._check_plates(potential)
+            plate, prior = self._check_plates(potential)
             data = core.ClientData(potential.client_data["rows"], potential.client_data["valid"][plate], None, None)
+            prior_potential = None if prior.exact else potential.flat().prior_potential
             return core.negative_elbo(
-                rng_key, potential.flat().row_log_likelihood, state.q, state.prior, data, self.num_mc_samples
+                rng_key,
+                potential.flat().row_log_likelihood,
+                state.q,
+                state.prior,
+                data,
+                self.num_mc_samples,
+                prior_potential,
             )
         plan = self._require_plan()
         with plan.federation.guard():
@@ -533,10 +629,10 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         functions, stateful = programs
         return ClientSpec(functions, transform=layout, stateful=stateful)
 
-    def _initial_state(self, prior, num_clients):
-        return core.init(
-            prior, num_clients, self.num_shards if self.dp == "virtual" else None, federation=self._plan.federation
-        )
+    def _initial_state(self, prior: PriorSplit, num_clients):
+        virtual = self.num_shards if self.dp == "virtual" else None
+        full = self.full_rank(prior.base.eta1.shape[-1])
+        return initial_state(prior, num_clients, full_rank=full, num_virtual=virtual, federation=self._plan.federation)
 
     def _final_state(self, state):
         return state

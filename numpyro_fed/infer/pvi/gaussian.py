@@ -1,4 +1,8 @@
-"""Diagonal Gaussians in natural parameters: the family PVI's ``q``, prior and factors live in."""
+"""Gaussians in natural parameters: the family PVI's ``q``, prior and factors live in.
+
+A mean-field (diagonal) Gaussian has ``eta2`` of shape ``(d,)``; a full-rank one ``(d, d)``
+(``eta2 = -precision / 2``, symmetric). The functions below take either: the family is the
+shape of ``eta2`` (static under ``jit``)."""
 
 from __future__ import annotations
 
@@ -8,7 +12,19 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["GaussianNatural", "gaussian_prior", "kl_divergence", "loc_scale", "natural"]
+__all__ = [
+    "GaussianNatural",
+    "as_full",
+    "entropy",
+    "gaussian_prior",
+    "is_full",
+    "kl_divergence",
+    "loc_cov_factor",
+    "loc_scale",
+    "natural",
+    "proper",
+    "sample",
+]
 
 
 class GaussianNatural(NamedTuple):
@@ -33,15 +49,79 @@ def natural(loc, scale) -> GaussianNatural:
     return GaussianNatural(precision * loc, -0.5 * precision)
 
 
+def is_full(eta: GaussianNatural) -> bool:
+    """Whether ``eta`` is full-rank (``eta2`` a ``(..., d, d)`` matrix) rather than
+    diagonal; static (from shapes)."""
+    return eta.eta2.ndim == eta.eta1.ndim + 1
+
+
+def as_full(eta: GaussianNatural) -> GaussianNatural:
+    """``eta`` as a full-rank Gaussian (a diagonal one's ``eta2`` on the diagonal)."""
+    if is_full(eta):
+        return eta
+    return GaussianNatural(eta.eta1, eta.eta2[..., :, None] * jnp.eye(eta.eta2.shape[-1], dtype=eta.eta2.dtype))
+
+
+def loc_cov_factor(eta: GaussianNatural):
+    """``(loc, L)`` of a proper Gaussian: ``L`` the lower Cholesky factor of its covariance
+    (full-rank) or its scales (diagonal), so that ``loc + L @ eps`` (``loc + L * eps``) is a
+    draw."""
+    if not is_full(eta):
+        return loc_scale(eta)
+    precision = -2.0 * eta.eta2
+    chol_p = jnp.linalg.cholesky(precision)
+    loc = jax.scipy.linalg.cho_solve((chol_p, True), eta.eta1)
+    eye = jnp.eye(precision.shape[-1], dtype=precision.dtype)
+    # Sigma = P^-1 = (C C^T)^-1 = C^-T C^-1; its Cholesky factor from the flipped one of P
+    inv_c = jax.scipy.linalg.solve_triangular(chol_p, eye, lower=True)
+    return loc, jnp.linalg.cholesky(inv_c.T @ inv_c)
+
+
 def loc_scale(eta: GaussianNatural):
     """``(loc, scale)`` of a proper Gaussian given by its natural parameters (inverse of
-    :func:`natural`)."""
+    :func:`natural`); full-rank: ``scale`` the marginal standard deviations."""
+    if is_full(eta):
+        loc, chol = loc_cov_factor(eta)
+        return loc, jnp.sqrt(jnp.sum(jnp.square(chol), axis=-1))
     precision = -2.0 * eta.eta2
     return eta.eta1 / precision, 1.0 / jnp.sqrt(precision)
 
 
+def sample(rng_key, eta: GaussianNatural, num_samples: int):
+    """``(num_samples, d)`` draws of the Gaussian ``eta`` (either family)."""
+    loc, factor = loc_cov_factor(eta)
+    eps = jax.random.normal(rng_key, (num_samples,) + loc.shape, loc.dtype)
+    return loc + (eps @ factor.T if is_full(eta) else factor * eps)
+
+
+def proper(eta: GaussianNatural):
+    """``(d,)`` bool: where ``eta`` is a proper, finite Gaussian (diagonal: coordinate by
+    coordinate; full-rank: all coordinates or none, from the precision's Cholesky factor)."""
+    if not is_full(eta):
+        return (eta.eta2 < 0) & jnp.isfinite(eta.eta1) & jnp.isfinite(eta.eta2)
+    chol = jnp.linalg.cholesky(-2.0 * eta.eta2)
+    ok = jnp.all(jnp.isfinite(chol)) & jnp.all(jnp.isfinite(eta.eta1)) & jnp.all(jnp.diagonal(chol) > 0)
+    return jnp.broadcast_to(ok, eta.eta1.shape)
+
+
+def entropy(eta: GaussianNatural):
+    """Entropy of a proper Gaussian, up to the constant ``d / 2 log(2 pi e)``."""
+    _, factor = loc_cov_factor(eta)
+    return jnp.sum(jnp.log(jnp.diagonal(factor) if is_full(eta) else factor))
+
+
 def kl_divergence(q: GaussianNatural, p: GaussianNatural):
-    """``KL(q || p)`` of two proper diagonal Gaussians, summed over coordinates."""
+    """``KL(q || p)`` of two proper Gaussians (diagonal: summed over coordinates)."""
+    if is_full(q) or is_full(p):
+        q, p = as_full(q), as_full(p)
+        loc_q, chol_q = loc_cov_factor(q)
+        loc_p, _ = loc_cov_factor(p)
+        precision_p = -2.0 * p.eta2
+        diff = loc_q - loc_p
+        trace = jnp.sum(precision_p * (chol_q @ chol_q.T))
+        logdet_p = 2.0 * jnp.sum(jnp.log(jnp.diagonal(jnp.linalg.cholesky(precision_p))))
+        logdet_q = 2.0 * jnp.sum(jnp.log(jnp.diagonal(chol_q)))
+        return 0.5 * (trace + diff @ precision_p @ diff - diff.shape[-1] - logdet_p - logdet_q)
     loc_q, scale_q = loc_scale(q)
     loc_p, scale_p = loc_scale(p)
     ratio = jnp.square(scale_q / scale_p)

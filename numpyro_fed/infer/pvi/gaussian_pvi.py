@@ -18,7 +18,8 @@ from numpyro_fed._checks import check_int, check_positive
 from numpyro_fed.infer.base import ClientSpec, RunResult, VariationalMethod, jit_round
 from numpyro_fed.infer.pvi import core
 from numpyro_fed.infer.pvi.client import LocalConfig
-from numpyro_fed.infer.pvi.gaussian import gaussian_prior, loc_scale
+from numpyro_fed.infer.pvi.gaussian import loc_scale, sample
+from numpyro_fed.infer.pvi.prior import build_prior_update, initial_state, prior_remainder, split_prior
 from numpyro_fed.infer.stein.client_order import check_client_order, make_client_order
 
 __all__ = ["GaussianPVI", "GaussianPVIInfo"]
@@ -52,9 +53,10 @@ class GaussianPVI(VariationalMethod):
     for ``num_local_steps`` steps
     (:func:`~numpyro_fed.infer.pvi.client.client_update`), and the server adds ``damping``
     times the change to ``q`` and to the client's factor
-    (:func:`~numpyro_fed.infer.pvi.core.server_update`). The model's prior must be a
-    Gaussian with independent coordinates on the unconstrained space (e.g. ``Normal``
-    priors): a ``ValueError`` says so otherwise.
+    (:func:`~numpyro_fed.infer.pvi.core.server_update`). A prior that is not a Gaussian
+    with independent coordinates on the unconstrained space (a ``HalfCauchy`` scale, a flat
+    ``ImproperUniform``) is a factor of its own, refined by the server at the start of each
+    round with the same local update (:mod:`~numpyro_fed.infer.pvi.prior`).
 
     ``result.metrics`` holds per round ``client``, ``loss`` (the negative ELBO, see
     :meth:`evaluate`), ``loc`` and ``scale`` of ``q`` (``(num_rounds, d)``, flat),
@@ -137,10 +139,10 @@ class GaussianPVI(VariationalMethod):
         if not isinstance(self.client_order, str):  # its clients checked now, its length per round
             make_client_order(self.client_order, len(self.client_order), fp.num_clients, None)
         flat = fp.flat()
-        prior = gaussian_prior(flat.prior_potential, fp.num_latent)
+        prior = split_prior(flat.prior_potential, fp.ravel(fp.init_params))
         shard_index, shard_valid = core.shard_layout(np.asarray(fp.client_sizes), 1)
         # each client builds its block in PVI's layout from its own rows, where it lives
-        layout = core.BlockLayout(plates[0], shard_index, shard_valid, jnp.zeros(fp.num_clients, prior.eta1.dtype))
+        layout = core.BlockLayout(plates[0], shard_index, shard_valid, jnp.zeros(fp.num_clients, prior.base.eta1.dtype))
         config = LocalConfig(
             optim=self.optim,
             num_steps=self.num_local_steps,
@@ -151,7 +153,7 @@ class GaussianPVI(VariationalMethod):
             clip_norm=1.0,
         )
         functions, stateful = core.client_functions(flat.row_log_likelihood, config, damping=self.damping)
-        self._prior = prior
+        self._prior, self._config = prior, config
         return ClientSpec(functions, transform=layout, stateful=stateful)
 
     def init(self, rng_key, *args, **kwargs) -> core.PVIState:
@@ -160,8 +162,15 @@ class GaussianPVI(VariationalMethod):
         self.start_clients(**spec._asdict())
         fp, prior, layout = self.federated_potential, self._prior, spec.transform
         self._data = layout
-        self._loss_fn = jit_round(core.build_loss(self.num_mc_samples))
-        step = core.build_client_step(self.num_mc_samples, damping=self.damping)
+        prior_update = prior_potential = None
+        if not prior.exact:
+            prior_potential = fp.flat().prior_potential
+            remainder = prior_remainder(prior_potential, prior.base)
+            prior_update = build_prior_update(remainder, prior.refined, self._config, damping=self.damping)
+        self._loss_fn = jit_round(core.build_loss(self.num_mc_samples, prior_potential))
+        step = core.build_client_step(
+            self.num_mc_samples, damping=self.damping, prior_update=prior_update, prior_potential=prior_potential
+        )
 
         @jit_round
         def round_fn(rng_key, state, m, federation):
@@ -169,7 +178,7 @@ class GaussianPVI(VariationalMethod):
             return state, GaussianPVIInfo(m, info.rejected, info.residual, info.loss)
 
         self._round_fn = round_fn
-        return core.init(prior, fp.num_clients, federation=self._active_federation)
+        return initial_state(prior, fp.num_clients, federation=self._active_federation)
 
     def client_of_round(self, rng_key, round_index: int) -> int:
         """The client that ``client_order`` schedules in round ``round_index`` (0-based;
@@ -215,6 +224,5 @@ class GaussianPVI(VariationalMethod):
     def get_samples(self, rng_key, result: RunResult, num_samples: int | None = None) -> dict:
         """Constrained draws of the final ``q`` by site (``None``: 1000)."""
         num_samples = _DEFAULT_NUM_SAMPLES if num_samples is None else check_int(num_samples, "num_samples", minimum=1)
-        loc, scale = loc_scale(result.state.q)
-        flat = loc + scale * jax.random.normal(rng_key, (num_samples, loc.shape[0]), loc.dtype)
+        flat = sample(rng_key, result.state.q, num_samples)
         return jax.vmap(self.federated_potential.flat().postprocess)(flat)

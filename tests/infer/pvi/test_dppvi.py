@@ -1,6 +1,7 @@
 """DPPVI: reported privacy against dp-accounting, calibration, clipping, noise scale,
 virtual clients vs parameter perturbation, argument errors, InferenceData."""
 
+import re
 import warnings
 
 import dp_accounting
@@ -520,7 +521,10 @@ def test_defaults_reach_the_exact_posterior_of_a_conjugate_regression():
     0.022-0.027 posterior sds for the means and 0.014-0.043 for the log sds: the bounds are
     about 3 of those sds. The former default (a constant Adam rate of 0.01 on (loc,
     log_scale), last iterate) ended 0.1-0.4 posterior sds off."""
-    model, X, y, mean, sd = _regression(REG_N, REG_D, REG_M, REG_NOISE, [1.0, -2.0, 0.5])
+    model, X, y, mean, _ = _regression(REG_N, REG_D, REG_M, REG_NOISE, [1.0, -2.0, 0.5])
+    Xn = np.asarray(X, float)
+    # the default q is full-rank (d = 3): the exact marginal sds
+    sd = np.sqrt(np.diag(np.linalg.inv(np.eye(REG_D) + Xn.T @ Xn / REG_NOISE**2)))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a converged default run does not warn
         result = DPPVI(model, progress_bar=False).run(jax.random.PRNGKey(1), 5, X, y)
@@ -533,7 +537,10 @@ def test_defaults_reach_the_exact_posterior_of_a_conjugate_regression():
 def test_a_local_optimisation_that_stops_short_warns():
     model, X, y, _, _ = _regression(REG_N, REG_D, REG_M, REG_NOISE, [1.0, -2.0, 0.5])
     with pytest.warns(RuntimeWarning, match="not converged.*num_local_steps"):
-        result = DPPVI(model, num_local_steps=20, progress_bar=False).run(jax.random.PRNGKey(1), 1, X, y)
+        # mean-field: a full-rank fit starts from Newton's answer, exact on this conjugate model
+        result = DPPVI(model, num_local_steps=20, covariance="diagonal", progress_bar=False).run(
+            jax.random.PRNGKey(1), 1, X, y
+        )
     assert result.metrics["residual"][-1].max() > 1.0
 
 
@@ -659,11 +666,9 @@ def test_client_local_latents_are_refused_by_name():
         DPPVI(per_row, progress_bar=False).run(jax.random.PRNGKey(0), 1, y)
 
 
-def test_a_run_still_moving_between_rounds_warns():
-    """A strongly correlated posterior (d = 20, condition number 1e3, 4 clients) is reached
-    like coordinate ascent: after 10 default rounds q's means were still 2.7 posterior sds
-    from the mean-field optimum while every local fit had converged. The run says so
-    (metrics['last_move'], q's move per round over the last 3 rounds, in its own scales)."""
+def _correlated_regression():
+    """d = 20, condition number 1e3, 40 rows: ``(model, X, y, mean, sd)`` with the exact
+    posterior's mean and marginal sds."""
     rng = np.random.default_rng(20)
     d, n = 20, 40
     q, _ = np.linalg.qr(rng.normal(size=(d, d)))
@@ -678,9 +683,38 @@ def test_a_run_still_moving_between_rounds_warns():
         with nf.federated_plate("data", X.shape[0], clients=4):
             numpyro.sample("y", dist.Normal(X @ w, 1.0), obs=y)
 
-    with pytest.warns(RuntimeWarning, match=r"not converged over the rounds.*run more rounds"):
-        result = DPPVI(correlated, progress_bar=False).run(jax.random.PRNGKey(0), 10, jnp.asarray(X), jnp.asarray(y))
+    post_precision = np.eye(d) / 100.0 + X.T @ X
+    mean = np.linalg.solve(post_precision, X.T @ y)
+    return correlated, jnp.asarray(X), jnp.asarray(y), mean, np.sqrt(np.diag(np.linalg.inv(post_precision)))
+
+
+def test_a_mean_field_run_still_moving_between_rounds_warns():
+    """With a mean-field q, a strongly correlated posterior is reached like coordinate
+    ascent: after 10 rounds q's means were still 2.7 posterior sds from the mean-field
+    optimum while every local fit had converged. The run says so (metrics['last_move'], q's
+    move per round over the last 3 rounds, in its own scales), and that its sds are too
+    small for the correlations (the clients' curvature at q's draws)."""
+    model, X, y, _, _ = _correlated_regression()
+    with pytest.warns(RuntimeWarning) as record:
+        result = DPPVI(model, covariance="diagonal", progress_bar=False).run(jax.random.PRNGKey(0), 10, X, y)
+    messages = " ".join(str(w.message) for w in record)
+    assert re.search(r"not converged over the rounds.*run more rounds", messages)
+    assert re.search(r"mean-field \(covariance='diagonal'\).*correlated.*use covariance='full'", messages)
     assert result.metrics["last_move"].max() > 0.1
+    assert np.all(result.ledger["curvature/rounds"] == 1)  # a diagnostic through the seam, counted
+
+
+def test_full_rank_default_reaches_a_correlated_posterior():
+    """The default q (full-rank for d <= 100 without privacy) on the same posterior: the exact
+    means and marginal sds (a Gaussian posterior is in the family) within Monte Carlo error,
+    no warning."""
+    model, X, y, mean, sd = _correlated_regression()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = DPPVI(model, progress_bar=False).run(jax.random.PRNGKey(0), 6, X, y)
+    loc, scale = np.asarray(params(result)["loc"]["w"]), np.asarray(params(result)["scale"]["w"])
+    assert np.max(np.abs(loc - mean) / sd) < 0.1
+    assert np.max(np.abs(np.log(scale / sd))) < 0.1
 
 
 def test_update_perturbation_warns_when_its_noise_or_clipping_dominates():
