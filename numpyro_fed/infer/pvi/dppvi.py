@@ -503,7 +503,6 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         before = plan.federation.ledger.summary()
         with plan.federation.guard():
             curvature = jnp.sum(self._curvature_fn(thetas, plan.federation), axis=0)
-        plan.federation.record_calls("curvature", 1)
         if result.ledger is not None:  # the run's ledger counts the check
             ledger = dict(result.ledger)
             for key, value in plan.federation.ledger.summary().items():
