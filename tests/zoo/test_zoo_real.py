@@ -25,27 +25,14 @@ import numpyro_fed as nf
 from zoo import harness, real_models
 from zoo.harness import compare_real
 
-KNOWN = "issue 24/25: the real tier's targets are not met at defaults today"
-
-
-def _xfail(*cell, reason=KNOWN):
-    return pytest.param(*cell, marks=pytest.mark.xfail(strict=True, reason=reason))
-
-
 # Small cells, one per algorithm, both kinds of verdict that pass today (agrees: FedZigZag on
 # eight schools; warns: DADMMS on kidiq's flat priors and HalfCauchy scale), a refusal (DPPVI:
 # a non-Gaussian prior; issue 24 item 1 lifts it, then the cell must agree or warn), a model with
-# client-local latents, and a known failure that a fix of issue 24 item 2 flips.
+# client-local latents, and DSVGD on flat priors (a bare NotImplementedError before issue 24).
 FAST = [
     ("eight_schools-m4", "FedZigZag", "float64"),
     ("kidiq-m4", "DADMMS", "float64"),
-    _xfail(
-        "kidiq-m4",
-        "DSVGD",
-        "float64",
-        reason="issue 24 item 2: DSVGD draws its particles from a flat (ImproperUniform) prior: NumPyro's bare "
-        "NotImplementedError",
-    ),
+    ("kidiq-m4", "DSVGD", "float64"),
     ("kidiq-m4", "DPPVI", "float64"),
     ("eight_schools-m4", "DSVGD", "float32"),
 ]

@@ -115,7 +115,9 @@ def named_init_strategy(init_strategy):
                 f"({type(site['fn']).__name__}): {type(e).__name__} {e}. Pass init_strategy=init_to_uniform, "
                 "or init_particles="
             ) from e
-        if value is None and site["type"] == "sample" and not site["is_observed"]:
+        # a discrete site has no init value (enumerated, or refused by the potential's checks)
+        discrete = getattr(getattr(site["fn"], "support", None), "is_discrete", False)
+        if value is None and site["type"] == "sample" and not site["is_observed"] and not discrete:
             raise ValueError(
                 f"init_strategy gives no value at site '{site['name']}' ({type(site['fn']).__name__}): "
                 "pass init_strategy=init_to_uniform, or init_particles="
