@@ -297,6 +297,20 @@ class VariationalMethod:
             out[key] = out.get(key, 0) + np.asarray(value)
         return out
 
+    def through_clients(self, fn, ledger: dict | None = None):
+        """``fn()`` (a computation after the rounds that asks the clients, e.g. a check of the
+        run) under the active federation's guard, its values on the host; given a run's
+        ``ledger`` (:attr:`RunResult.ledger`, updated in place), the calls the federation
+        counted in ``fn`` are added to it."""
+        federation = self._active_federation
+        before = federation.ledger.summary()
+        with federation.guard():
+            out = jax.tree.map(np.asarray, fn())
+        if ledger is not None:
+            for key, value in self.run_ledger(federation, baseline=before).items():
+                ledger[key] = ledger.get(key, 0) + value
+        return out
+
     def arviz_dicts(self, result: RunResult, *, num_samples: int | None = None, rng_key=None) -> dict:
         """The keyword arguments of :func:`numpyro_fed.arviz.from_dicts` for this result
         (plain arrays): ``posterior`` (one chain of :meth:`get_samples`), ``sample_stats``

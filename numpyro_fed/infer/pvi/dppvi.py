@@ -134,23 +134,10 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
     :param bool progress_bar: a progress bar over rounds.
     :param federation: where the clients run: ``None`` (the default: every client in this
         process, vectorised) or a :class:`~numpyro_fed.federation.Federation` such as
-        :class:`~numpyro_fed.RayFederation` (each client a worker holding only its own rows).
-        Same key, same answer on either. Each visit sends the client ``q`` (``2 d`` numbers),
-        its key and which coordinates of its last update were applied (``d`` booleans), and
-        the client returns the change of its factor, clipped and noised on the client when
-        private, with two diagnostics; each round every client also returns one number of the
-        loss. The client's factor ``t_m`` (``dp="virtual"``: its ``K`` virtual factors, which
-        only their noised sum may reveal) is its client state
-        (:class:`~numpyro_fed.federation.ClientState`): it stays where the client lives and
-        never crosses. ``result.ledger`` counts it all; a client that dies or stops answering stops the run with a
-        :class:`~numpyro_fed.federation.ClientError` whose ``state`` resumes it (see
-        :meth:`run`). **Deployment**: given a federation with ``loader=`` (e.g.
-        ``nf.RayFederation(loader=load, num_clients=M)``), each client loads its own rows
-        where it lives and the run takes no data arguments, ``DPPVI(model,
-        federation=fed).run(rng_key, num_rounds)``; the driver never holds a row. Set-up needs
-        only the clients' row counts (the DP settings, calibration and accounting), and each
-        client builds its block with its own shards, noise multiplier and clip norms
-        (:class:`~numpyro_fed.infer.pvi.core.BlockLayout`) from what it loaded.
+        :class:`~numpyro_fed.RayFederation` (each client a worker holding only its own rows);
+        same key, same answer on either. What crosses in a visit, the client state (each
+        client's factor ``t_m`` stays where the client lives), failures and deployment with
+        ``loader=``: the guide's *On a federation* (``docs/guide/dppvi.md``).
 
     **Running.** As :class:`numpyro.infer.SVI`: :meth:`run` returns a
     :class:`~numpyro_fed.infer.RunResult` whose ``metrics`` hold per round ``loss`` (the
@@ -163,18 +150,13 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
     :meth:`update` run rounds one at a time; :meth:`get_params` gives ``q``'s ``loc`` and
     ``scale`` by site, :meth:`get_samples` draws from it.
 
-    **Defaults.** Without ``optim``, the local optimizer is :func:`~numpyro_fed.infer.pvi.settings.default_optimizer` in
-    units of ``q``'s scale with iterate averaging; a non-private run warns when the last
-    round's local fits had not converged (``metrics["residual"]`` above 0.25) or ``q`` still
-    moves between rounds (``metrics["last_move"]`` above 0.1). With ``dp="dpsgd"`` and no
-    ``sampling``, ``sampling_rate`` or ``clip_norm``, the run chooses Poisson sampling at a
-    rate and a clip norm (in units of ``q``'s scale) from the sizes and the budget.
-    :meth:`predicted_dp_error` estimates from sizes only how far the privacy noise alone will
-    move the means, in posterior sds: above 1 the automatic settings refuse (``ValueError``)
-    with advice and a user's settings get a ``RuntimeWarning``; between 0.2 and 1 the run
-    warns at its end. Update perturbation (``"local_avg"``, ``"virtual"``) is judged after
-    each round from ``q``'s scale (:meth:`update_noise_error`). The rules, their reasons and
-    what was measured: the guide's *Default settings* (``docs/guide/dppvi.md``).
+    **Defaults.** Without ``optim``, the local optimizer is
+    :func:`~numpyro_fed.infer.pvi.settings.default_optimizer` in units of ``q``'s scale with
+    iterate averaging; a non-private run warns when its local fits or ``q`` had not converged.
+    Given only a budget, ``dp="dpsgd"`` chooses its sampling rate and clip norm, and refuses
+    when the privacy noise alone would move the means by more than a posterior sd
+    (:meth:`predicted_dp_error`). The rules, their reasons and what was measured: the guide's
+    *Default settings* (``docs/guide/dppvi.md``).
 
     **Example**
 
@@ -500,14 +482,9 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         if q.eta1.shape[-1] > MEAN_FIELD_CHECK_MAX_DIM:
             return result
         thetas = sample(jax.random.PRNGKey(0), q, self.num_mc_samples)
-        before = plan.federation.ledger.summary()
-        with plan.federation.guard():
-            curvature = jnp.sum(self._curvature_fn(thetas, plan.federation), axis=0)
-        if result.ledger is not None:  # the run's ledger counts the check
-            ledger = dict(result.ledger)
-            for key, value in plan.federation.ledger.summary().items():
-                ledger[key] = ledger.get(key, 0) + value - before.get(key, 0)
-            result = result._replace(ledger=ledger)
+        ledger = None if result.ledger is None else dict(result.ledger)  # the run's ledger counts the check
+        curvature = self.through_clients(lambda: jnp.sum(self._curvature_fn(thetas, plan.federation), axis=0), ledger)
+        result = result._replace(ledger=ledger)
         prior_potential = self.federated_potential.flat().prior_potential
         curvature = curvature + jnp.mean(jax.vmap(jax.hessian(prior_potential))(thetas), axis=0)
         warn_mean_field(np.asarray(curvature), stacklevel=3)

@@ -187,7 +187,7 @@ class ParticleMethod(VariationalMethod):
         """``(N, d) -> (N, d)``: the full-batch score of the tempered posterior, for
         diagnostics: each client computes its term's gradient at the points
         (``"potential_grad"``: the points down, ``(N, d)`` up; run it inside
-        :meth:`_through_clients`)."""
+        :meth:`through_clients`)."""
         prior_score = jax.vmap(lambda x: -self.gradients.prior_grad(x))
         temperature, federation = self.temperature, self._active_federation
 
@@ -195,20 +195,6 @@ class ParticleMethod(VariationalMethod):
             return prior_score(x) - jnp.sum(federation.map("potential_grad", x), axis=0) / temperature
 
         return score
-
-    def _through_clients(self, fn: Callable, ledger: dict | None = None):
-        """``fn()`` (a diagnostic computed with :meth:`_target_score`) with the federation's
-        guard and, given a run's ``ledger`` (:attr:`RunResult.ledger`), its calls (counted by
-        the federation) added to it."""
-        federation = self._active_federation
-        before = federation.ledger.summary()
-        with federation.guard():
-            out = jax.tree.map(np.asarray, fn())
-        if ledger is not None:
-            for name, value in federation.ledger.summary().items():
-                if not name.startswith("init_state/"):  # as the run's ledger (see run_ledger)
-                    ledger[name] = ledger.get(name, 0) + np.asarray(value) - np.asarray(before.get(name, 0))
-        return out
 
     # -- what a subclass provides -----------------------------------------------------------
     def particles(self, state) -> jax.Array:
@@ -298,7 +284,7 @@ class ParticleMethod(VariationalMethod):
         self._setup(args, kwargs)
         x = self.particles(state)
         score = self._target_score()
-        return jnp.asarray(self._through_clients(lambda: kernel_stein_discrepancy(x, score(x))))
+        return jnp.asarray(self.through_clients(lambda: kernel_stein_discrepancy(x, score(x))))
 
     def get_samples(self, rng_key, result: RunResult, num_samples: int | None = None, *, smooth: bool = False) -> dict:
         """Constrained posterior draws by site.
@@ -361,7 +347,7 @@ class ParticleMethod(VariationalMethod):
         ``ledger``)."""
         particles = jnp.asarray(particles)
         statistics = stein_statistics(self._target_score())
-        return self._through_clients(lambda: statistics(particles), ledger)
+        return self.through_clients(lambda: statistics(particles), ledger)
 
     def _run_keys(self, rng_key):
         """``(k_init, k_order, k_rounds)`` of a run: the initial particles, a random client
