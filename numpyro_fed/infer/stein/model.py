@@ -116,7 +116,7 @@ def named_init_strategy(init_strategy):
                 "or init_particles="
             ) from e
         # a discrete site has no init value (enumerated, or refused by the potential's checks)
-        discrete = getattr(getattr(site["fn"], "support", None), "is_discrete", False)
+        discrete = getattr(getattr(site.get("fn"), "support", None), "is_discrete", False)
         if value is None and site["type"] == "sample" and not site["is_observed"] and not discrete:
             raise ValueError(
                 f"init_strategy gives no value at site '{site['name']}' ({type(site['fn']).__name__}): "
