@@ -158,59 +158,47 @@ class InProcess(Federation):
         return ClientState(initial, jnp.zeros(self.num_clients, jnp.int32))
 
     # -- traceable side --------------------------------------------------------------------
-    def map(self, name, *broadcast, per_client=(), state=None):
-        if state is not None:
-            return self._map_stateful(name, broadcast, tuple(per_client), state)
+    def _call(self, name, broadcast, stateful):
+        """``(block, state_c, own_c) -> (new_state_c, reply)`` for call ``name``: a stateless
+        call keeps an empty state."""
+        if stateful:
+            fn = self._stateful_function(name)
+            return lambda block, mine, own: fn(block, mine, *broadcast, *own)
         fn = self._function(name)
-        per_client = tuple(per_client)
-        replies = jax.vmap(lambda block, own: fn(block, *broadcast, *own))(self._blocks, per_client)
+        return lambda block, mine, own: (mine, fn(block, *broadcast, *own))
+
+    def map(self, name, *broadcast, per_client=(), state=None):
+        call, per_client = self._call(name, broadcast, state is not None), tuple(per_client)
+        values, replies = jax.vmap(call)(self._blocks, () if state is None else state.values, per_client)
         m = self.num_clients
         down, up = tree_nbytes(broadcast) + _slice_bytes(per_client, m), _slice_bytes(replies, m)
         self._counted(name, down, up, np.ones(m, np.int32), (broadcast, per_client))
-        return replies
+        return replies if state is None else (ClientState(values, state.version + 1), replies)
 
-    def _map_stateful(self, name, broadcast, per_client, state):
-        fn = self._stateful_function(name)
-        values, replies = jax.vmap(lambda block, st, own: fn(block, st, *broadcast, *own))(
-            self._blocks, state.values, per_client
-        )
-        m = self.num_clients
-        down, up = tree_nbytes(broadcast) + _slice_bytes(per_client, m), _slice_bytes(replies, m)
-        self._counted(name, down, up, np.ones(m, np.int32), (broadcast, per_client))
-        return ClientState(values, state.version + 1), replies
-
-    def _one_stateful(self, name, client, broadcast, own, state):
-        fn = self._stateful_function(name)
+    def one(self, name, client, *broadcast, own=(), state=None):
+        call, own = self._call(name, broadcast, state is not None), tuple(own)
+        values = () if state is None else state.values
         client = jnp.asarray(client)
         if client.ndim == 0:
             take = lambda a: lax.dynamic_index_in_dim(a, client, 0, keepdims=False)  # noqa: E731
-            block, mine, own_c = jax.tree_util.tree_map(take, (self._blocks, state.values, own))
-            new, reply = fn(block, mine, *broadcast, *own_c)
+            block, mine, own_c = jax.tree_util.tree_map(take, (self._blocks, values, own))
+            new, reply = call(block, mine, own_c)
             reply_bytes = tree_nbytes(reply)
-        elif client.ndim == 1:
+        elif client.ndim == 1 and state is not None:  # distinct clients (a stateful call only)
             take = lambda a: a[client]  # noqa: E731
-            block, mine, own_c = jax.tree_util.tree_map(take, (self._blocks, state.values, own))
-            new, reply = jax.vmap(lambda b, s, o: fn(b, s, *broadcast, *o))(block, mine, own_c)
+            block, mine, own_c = jax.tree_util.tree_map(take, (self._blocks, values, own))
+            new, reply = jax.vmap(call)(block, mine, own_c)
             own_c = jax.tree_util.tree_map(lambda a: a[0], own_c)
             reply_bytes = _slice_bytes(reply, client.shape[0])
         else:
-            raise ValueError(f"call '{name}': client must be an index or a 1-d array of them, got shape {client.shape}")
-        values = jax.tree_util.tree_map(lambda a, n: a.at[client].set(n), state.values, new)
+            allowed = "an index or a 1-d array of them" if state is not None else "an index (without state)"
+            raise ValueError(f"call '{name}': client must be {allowed}, got shape {client.shape}")
         calls = jnp.zeros(self.num_clients, jnp.int32).at[client].add(1)
         self._counted(name, tree_nbytes(broadcast) + tree_nbytes(own_c), reply_bytes, calls, (broadcast, own_c))
+        if state is None:
+            return reply
+        values = jax.tree_util.tree_map(lambda a, n: a.at[client].set(n), values, new)
         return ClientState(values, state.version.at[client].add(1)), reply
-
-    def one(self, name, client, *broadcast, own=(), state=None):
-        if state is not None:
-            return self._one_stateful(name, client, broadcast, tuple(own), state)
-        fn = self._function(name)
-        take = lambda a: lax.dynamic_index_in_dim(a, client, 0, keepdims=False)  # noqa: E731
-        block = jax.tree_util.tree_map(take, self._blocks)
-        own_c = jax.tree_util.tree_map(take, tuple(own))
-        reply = fn(block, *broadcast, *own_c)
-        calls = jnp.zeros(self.num_clients, jnp.int32).at[client].add(1)
-        self._counted(name, tree_nbytes(broadcast) + tree_nbytes(own_c), tree_nbytes(reply), calls, (broadcast, own_c))
-        return reply
 
     # -- decentralized agents ----------------------------------------------------------------
     runs_agents = True

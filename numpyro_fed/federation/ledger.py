@@ -102,6 +102,12 @@ class MessageLedger:
             out[f"{prefix}rounds"] = self.rounds(name)
         return out
 
+    def since(self, baseline: dict | None) -> dict[str, np.ndarray]:
+        """:meth:`summary` less ``baseline`` (an earlier :meth:`summary`): what was counted
+        since, e.g. in one run on a federation that served others before it."""
+        baseline = baseline or {}
+        return {k: np.asarray(v) - np.asarray(baseline.get(k, 0)) for k, v in self.summary().items()}
+
     def total_bytes(self) -> int:
         """All bytes in every direction, summed over clients."""
         return int(sum(self.count(None, d, "bytes").sum() for d in DIRECTIONS))

@@ -288,11 +288,7 @@ class VariationalMethod:
         an interruption)."""
         # the initial client state (public values, sent once as "init_state" when the run
         # set up) is in the federation's ledger, not in the run's messages
-        out = {
-            k: np.asarray(v) - np.asarray((baseline or {}).get(k, 0))
-            for k, v in federation.ledger.summary().items()
-            if not k.startswith("init_state/")
-        }
+        out = {k: v for k, v in federation.ledger.since(baseline).items() if not k.startswith("init_state/")}
         for key, value in (previous or {}).items():
             out[key] = out.get(key, 0) + np.asarray(value)
         return out

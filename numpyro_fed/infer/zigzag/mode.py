@@ -72,8 +72,10 @@ def find_mode(
     """
     dtype = x0.dtype
     eps = float(jnp.finfo(dtype).eps)
-    grad, value = jax.jit(jax.grad(fn)), jax.jit(fn)
-    scale = 1.0 + float(jnp.max(jnp.abs(grad(x0))))
+    # one compiled function for values and gradients (through a federation each is one call)
+    value_and_grad = jax.jit(jax.value_and_grad(fn))
+    value = lambda x: value_and_grad(x)[0]  # noqa: E731
+    scale = 1.0 + float(jnp.max(jnp.abs(value_and_grad(x0)[1])))
     gtol = math.sqrt(eps) * scale if math.isfinite(scale) else 1.0
 
     def minimized(x):
@@ -85,7 +87,7 @@ def find_mode(
 
     @jax.jit
     def newton(x):  # one compiled call: eager, each operation would compile on its own
-        g, h = grad(x), hessian(x)
+        g, h = jax.grad(fn)(x), hessian(x)
         h = (h + h.T) / 2
         chol = jnp.linalg.cholesky(h)
         positive = jnp.all(jnp.isfinite(chol))

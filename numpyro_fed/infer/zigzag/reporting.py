@@ -152,13 +152,11 @@ class ZigZagReports:
             kernel_calls = ("propose",)
         counted = {}
         if self.ledger_baseline is not None:
-            baseline, now = self.ledger_baseline, self.federation.ledger.summary()
-            for key, value in now.items():
+            for key, delta in self.federation.ledger.since(self.ledger_baseline).items():
                 name = key.split("/", 1)
                 # calls by name only: the totals are summed again below; an engine also counted
                 # the core's own calls, which its draws' infos give per run
                 if len(name) == 2 and not (name[0] in kernel_calls and not self.federation.in_process):
-                    delta = np.asarray(value) - np.asarray(baseline.get(key, 0))
                     if delta.any():
                         counted[key] = delta
         return run_ledger(rounds, num_clients, self.message_sizes, counted)
