@@ -24,7 +24,7 @@ STAMP := $(VENV)/.installed-stamp
 COMPAT_VENV := .venv-compat
 DATA ?= ../shared/data
 
-.PHONY: demo test lint test-slow test-ci-slow test-compat zoo docs notebooks bench clean
+.PHONY: demo test test-engines lint test-slow test-ci-slow test-compat zoo docs notebooks bench clean
 
 $(STAMP): pyproject.toml
 	@test -n "$(PYTHON)" || { echo "make: no Python >= 3.12 found (tried python3.12, python3.13," \
@@ -40,8 +40,14 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) examples/demo.py --data $(DATA)
 
+# The package's tests in this process (the engine tests and the slow tier apart)
 test: $(STAMP) lint
-	$(PY) -m pytest -q -n 2 -m "not slow" --durations=25
+	$(PY) -m pytest -q -n 2 -m "not slow and not engine" --durations=25
+
+# The tests that start Ray workers or Flower's simulation (a local Ray, stopped at the end;
+# marked "engine" in tests/conftest.py); CI runs them
+test-engines: $(STAMP)
+	$(PY) -m pytest -q -n 2 -m "engine and not slow" --durations=10
 
 # ruff: pyflakes, pycodestyle, import order and the format (pyproject.toml's [tool.ruff])
 lint: $(STAMP)

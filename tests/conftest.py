@@ -40,3 +40,12 @@ def ray_federation(ray_session):
     federation = RayFederation(timeout=120.0)  # the first call compiles on each worker: a loaded machine
     yield federation
     federation.close()
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test that starts Ray workers (it uses the ``ray_session`` fixture) or Flower's
+    simulation (``tests/flower/test_flower.py``) is an ``engine`` test: ``make test-engines``
+    runs them, ``make test`` does not (each starts processes that import JAX and compile)."""
+    for item in items:
+        if "ray_session" in getattr(item, "fixturenames", ()) or item.nodeid.startswith("tests/flower/test_flower.py"):
+            item.add_marker(pytest.mark.engine)

@@ -41,6 +41,7 @@ def test_the_walkthrough_runs_in_process_and_its_checks_hold():
     assert run.stdout.strip() == "FedGD(model, step_size=0.02)"
 
 
+@pytest.mark.engine
 def test_the_walkthrough_runs_unchanged_on_ray_and_flower():
     pytest.importorskip("ray", reason="Ray is not installed (pip install 'numpyro_fed[ray]')")
     pytest.importorskip("flwr", reason="Flower is not installed (pip install 'numpyro_fed[flower]')")

@@ -390,10 +390,15 @@ class Federation(abc.ABC):
     def counted_by_caller(self):
         """Host side: calls traced inside this block are counted by their caller, in its own
         state, not by this federation (a sampler whose compiled loop calls the clients at
-        every event). Only :class:`~numpyro_fed.federation.InProcess`, which counts a call
-        with a host callback when it runs, stops counting; an engine backend counts every
-        payload it sends."""
-        yield
+        every event, or an optimizer's loop). Only :class:`~numpyro_fed.federation.InProcess`,
+        which counts a call with a host callback when it runs, stops counting; an engine
+        backend counts every payload it sends.
+
+        Yields ``count(name, calls)``, with which the caller reports how many times call
+        ``name`` ran (an int for every client, or ``(M,)`` per client) when it wants them in
+        this federation's ledger: ``InProcess`` adds them, with the sizes of the messages it
+        traced; an engine, which counted them already, ignores them."""
+        yield lambda name, calls: None
 
     @contextlib.contextmanager
     def guard(self):

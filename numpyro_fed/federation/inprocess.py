@@ -27,6 +27,7 @@ class _Shared:
         self.specs = specs
         self.sizes = {}  # call name -> (per-client bytes down, per-client bytes up)
         self.counting = True  # False while tracing code whose caller counts its calls
+        self.compiled = {}  # (call name, stateful) -> its client function under jax.jit
 
     def count(self, name, calls, _batch) -> None:
         """Host side, called by the compiled code at every call it makes (``calls``: ``(M,)``
@@ -127,10 +128,16 @@ class InProcess(Federation):
         """Host side: calls traced inside this block do not count themselves; their caller
         counts them in its own state (a sampler whose compiled loop calls the clients at every
         event, where a host callback per call would cost more than the call) and reports
-        them as part of its run's ledger. Engine backends count every payload they send."""
+        them as part of its run's ledger, or with the ``count(name, calls)`` this yields (see
+        :meth:`Federation.counted_by_caller <numpyro_fed.federation.Federation.counted_by_caller>`).
+        Engine backends count every payload they send."""
         previous, self._shared.counting = self._shared.counting, False
+
+        def count(name, calls):
+            self._shared.count(name, np.broadcast_to(np.asarray(calls, np.int64), (self.num_clients,)), None)
+
         try:
-            yield
+            yield count
         finally:
             self._shared.counting = previous
 
@@ -161,11 +168,20 @@ class InProcess(Federation):
     def _call(self, name, broadcast, stateful):
         """``(block, state_c, own_c) -> (new_state_c, reply)`` for call ``name``: a stateless
         call keeps an empty state."""
+        fn = self._compiled(name, stateful)
         if stateful:
-            fn = self._stateful_function(name)
             return lambda block, mine, own: fn(block, mine, *broadcast, *own)
-        fn = self._function(name)
         return lambda block, mine, own: (mine, fn(block, *broadcast, *own))
+
+    def _compiled(self, name, stateful):
+        """Call ``name``'s client function under one ``jax.jit`` kept for the federation's
+        life: every program that calls it reuses its trace (a client's term traces the model;
+        a sampler's set-up calls it from several compiled programs)."""
+        key = (name, stateful)
+        if key not in self._shared.compiled:
+            fn = self._stateful_function(name) if stateful else self._function(name)
+            self._shared.compiled[key] = jax.jit(fn)
+        return self._shared.compiled[key]
 
     def map(self, name, *broadcast, per_client=(), state=None):
         call, per_client = self._call(name, broadcast, state is not None), tuple(per_client)

@@ -371,7 +371,8 @@ def split_potential(
     data_plates = [p for p in plates.values() if p.holds_data]
     first_data_plate = data_plates[0] if data_plates else next(iter(plates.values()))
 
-    postprocess_fn = views.build_postprocess(model_trace, server_outputs, client_data)
+    row_outputs = views.data_free_row_deterministic(z0, client_data)
+    postprocess_fn = views.build_postprocess(model_trace, server_outputs, client_data, row_outputs)
     block_loader = None
     if deployment is not None:
         block_loader = deployment.block_loader(treedef, row_leaves, client_data)

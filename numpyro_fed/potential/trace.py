@@ -409,7 +409,7 @@ def _message(site, partition, unpassed, is_leaf) -> str:
 # -- validation -----------------------------------------------------------------------------
 
 
-def _tainted_outputs(fn, args, taint_argnum):
+def tainted_outputs(fn, args, taint_argnum):
     """Which outputs of ``fn(*args)`` depend on ``args[taint_argnum]``, by jaxpr data flow.
 
     Higher-order primitives (``pjit``, ``scan``...) are treated as a whole: any tainted input
@@ -432,7 +432,7 @@ def _tainted_outputs(fn, args, taint_argnum):
 
 
 def data_free_outputs(server_values, z0, placeholders):
-    flags = _tainted_outputs(server_values, (z0, placeholders), 1)
+    flags = tainted_outputs(server_values, (z0, placeholders), 1)
     return {name for name, tainted in flags.items() if not tainted}
 
 
@@ -440,7 +440,7 @@ def validate_split(
     potential, model, model_args, model_kwargs, model_trace, enumerated, prior_site_log_probs, placeholders, pooled=True
 ):
     z0 = potential.init_params
-    flags = _tainted_outputs(prior_site_log_probs, (z0, placeholders), 1)
+    flags = tainted_outputs(prior_site_log_probs, (z0, placeholders), 1)
     dependent = sorted(name for name, tainted in flags.items() if tainted)
     if dependent:
         raise ValueError(

@@ -7,6 +7,7 @@ latents), and the stacked, padded blocks of the clients (:func:`client_blocks`).
 from __future__ import annotations
 
 from contextlib import ExitStack
+from functools import partial
 
 import numpy as np
 
@@ -23,7 +24,7 @@ from numpyro.infer.util import log_density as numpyro_log_density
 
 from numpyro_fed.plate import override_plate_sizes
 from numpyro_fed.potential.handlers import mask_unowned, unconstrain
-from numpyro_fed.potential.trace import in_plates, plate_axis, scatter_rows
+from numpyro_fed.potential.trace import in_plates, plate_axis, scatter_rows, tainted_outputs
 
 __all__ = ["ModelViews", "client_blocks"]
 
@@ -75,6 +76,16 @@ class ModelViews:
         self.data_plates = [p for p in plates.values() if p.holds_data]
         self.data_plate_names = {p.name for p in self.data_plates}
         self.owners = {name: jnp.asarray(p.owner) for name, p in plates.items() if not p.holds_data}
+        #: deterministic sites inside one data plate: ``{name: (plate, axis)}`` (a client
+        #: computes its rows of them; the server reports those that do not use the rows)
+        self.row_deterministic = {}
+        for name, site in model_trace.items():
+            frames = [f for f in site.get("cond_indep_stack", ()) if f.name in self.data_plate_names]
+            if site["type"] != "deterministic" or len(frames) != 1:
+                continue
+            shape, frame = jnp.shape(site["value"]), frames[0]
+            if len(shape) >= -frame.dim and shape[frame.dim] == plates[frame.name].size:
+                self.row_deterministic[name] = (frame.name, frame.dim)
         self.row_leaves, self.treedef = dict(row_leaves), treedef
         self.placeholders = [jnp.zeros_like(jnp.asarray(leaves[i])[:1]) for i in row_leaves]
         # From here on no function sees the pooled rows: every function rebuilds the model's
@@ -118,16 +129,32 @@ class ModelViews:
                 log_joint, _ = numpyro_log_density(unconstrain(view, z_local), args, kwargs, {})
         return -log_joint
 
-    def client_row_values(self, z, block):
-        """Constrained values of the row-local latents of one client (padded rows)."""
+    def client_row_values(self, z, block, deterministic=()):
+        """Constrained values of the row-local latents of one client (padded rows), and of
+        the deterministic sites named in ``deterministic`` (of :attr:`row_deterministic`)."""
         args, kwargs = self.rebuild_args(block["rows"])
         z_local = self.local_latents(z, block["index"])
         view = unconstrain(seed(self.base_model, rng_seed=0), z_local)
         with override_plate_sizes({name: jnp.shape(v)[0] for name, v in block["valid"].items()}):
             tr = trace(view).get_trace(*args, **kwargs)
-        return {
-            name: tr[name]["value"] for name, site in self.latent_sites.items() if site.plate in self.data_plate_names
-        }
+        names = [name for name, site in self.latent_sites.items() if site.plate in self.data_plate_names]
+        return {name: tr[name]["value"] for name in names + list(deterministic)}
+
+    def data_free_row_deterministic(self, z0, client_data) -> set:
+        """The :attr:`row_deterministic` sites whose values do not use the clients' rows (by
+        data flow, on the first block's shapes): the server can report them as it reports
+        the row-local latents."""
+        if not self.row_deterministic or client_data is None:
+            return set()
+        block = jax.tree_util.tree_map(lambda a: a[0], client_data)
+        names = tuple(self.row_deterministic)
+
+        def values(z, rows):
+            out = self.client_row_values(z, dict(block, rows=rows), deterministic=names)
+            return {name: out[name] for name in names}
+
+        flags = tainted_outputs(values, (z0, block["rows"]), 1)
+        return {name for name, tainted in flags.items() if not tainted}
 
     def row_log_likelihood(self, z, rows):
         """Log-likelihood of each row of a block of rows: shape ``(num_rows,)``."""
@@ -219,12 +246,15 @@ class ModelViews:
                 values[name] = site["value"]
         return values
 
-    def build_postprocess(self, model_trace, server_outputs, client_data):
+    def build_postprocess(self, model_trace, server_outputs, client_data, row_outputs=()):
         """``z -> dict`` of constrained values of every latent site and of the deterministic
-        sites in ``server_outputs`` (those that do not depend on client data). The server
-        constrains the row-local latents with zero-filled stand-ins of the clients' rows: it
-        knows the layout of ``client_data`` (which plate rows each client owns), never the
-        rows."""
+        sites in ``server_outputs`` (those that do not depend on client data) and
+        ``row_outputs`` (deterministic sites inside a data plate that do not depend on client
+        data, e.g. ``theta = mu + tau * theta_tilde`` of a non-centred group effect). The
+        server constrains the row-local latents with zero-filled stand-ins of the clients'
+        rows: it knows the layout of ``client_data`` (which plate rows each client owns),
+        never the rows."""
+        row_outputs = tuple(sorted(row_outputs))
         plates = self.plates
         row_local = {name: s for name, s in self.latent_sites.items() if s.plate in self.data_plate_names}
         constrained_axes = {
@@ -237,9 +267,11 @@ class ModelViews:
             """Constrained values of every latent site and the data-free deterministic sites."""
             values = self.server_values(z, self.placeholders)
             values = {k: v for k, v in values.items() if k in server_outputs}
-            if row_local:
+            if row_local or row_outputs:
                 stand_in = dict(layout, rows=[jnp.zeros(r.shape, r.dtype) for r in row_shapes])
-                per_client = jax.vmap(self.client_row_values, in_axes=(None, 0))(z, stand_in)
+                per_client = jax.vmap(partial(self.client_row_values, deterministic=row_outputs), in_axes=(None, 0))(
+                    z, stand_in
+                )
                 for name, site in row_local.items():
                     values[name] = scatter_rows(
                         per_client[name],
@@ -247,6 +279,10 @@ class ModelViews:
                         plates[site.plate].size,
                         constrained_axes[name],
                     )
+                for name in row_outputs:
+                    plate, axis = self.row_deterministic[name]
+                    # vmap put the client axis first: the plate's axis counts from the right
+                    values[name] = scatter_rows(per_client[name], layout["index"][plate], plates[plate].size, axis)
             return values
 
         return postprocess_fn

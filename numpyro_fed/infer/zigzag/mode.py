@@ -3,7 +3,9 @@ center of a Laplace preconditioner."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -42,6 +44,7 @@ def find_mode(
     max_newton_steps: int = 20,
     newton_tolerance: float = 0.05,
     hessian=None,
+    counted_evaluations=None,
 ) -> ModeSearch:
     """The MAP of the aggregated potential, or the report that there is none.
 
@@ -65,29 +68,28 @@ def find_mode(
     With a federation ``fn`` is ``prior + sum(federation.map("value_and_grad", x))`` and
     ``hessian`` the one that asks the clients for theirs
     (:class:`~numpyro_fed.infer.zigzag.setup.ClientTerms`): every evaluation is one call,
-    counted by the federation as it runs: the BFGS's evaluations, the gradients and values of
-    the checks, one Hessian per Newton check.
+    counted by the federation: the BFGS's evaluations (reported through
+    ``counted_evaluations``), the values and gradients of the checks, one Hessian per Newton
+    check.
 
     :param hessian: ``x -> (d, d)`` (default ``jax.hessian(fn)``).
+    :param counted_evaluations: a context manager yielding ``count(evaluations)``, under which
+        each BFGS run is traced and run; the search reports the run's evaluations of ``fn``
+        through it (:meth:`ClientTerms.counted_evaluations
+        <numpyro_fed.infer.zigzag.setup.ClientTerms.counted_evaluations>`: a loop of calls is
+        counted once at its end, not by a callback at every call, which would make the
+        compiled loop slower to build).
     """
+    if counted_evaluations is None:
+        counted_evaluations = partial(contextlib.nullcontext, lambda evaluations: None)
     dtype = x0.dtype
     eps = float(jnp.finfo(dtype).eps)
-    # one compiled function for values and gradients (through a federation each is one call)
-    value_and_grad = jax.jit(jax.value_and_grad(fn))
-    value = lambda x: value_and_grad(x)[0]  # noqa: E731
-    scale = 1.0 + float(jnp.max(jnp.abs(value_and_grad(x0)[1])))
-    gtol = math.sqrt(eps) * scale if math.isfinite(scale) else 1.0
-
-    def minimized(x):
-        result = minimize(fn, x, method="BFGS", options={"maxiter": num_steps, "gtol": gtol})
-        return result.x
-
-    run = jax.jit(minimized)
-    hessian = jax.jit(jax.hessian(fn) if hessian is None else hessian)
+    hessian = jax.hessian(fn) if hessian is None else hessian
 
     @jax.jit
-    def newton(x):  # one compiled call: eager, each operation would compile on its own
-        g, h = jax.grad(fn)(x), hessian(x)
+    def newton(x):  # one compiled call (through a federation: one value, one Hessian call)
+        value, g = jax.value_and_grad(fn)(x)
+        h = hessian(x)
         h = (h + h.T) / 2
         chol = jnp.linalg.cholesky(h)
         positive = jnp.all(jnp.isfinite(chol))
@@ -95,25 +97,39 @@ def find_mode(
         sd = jnp.sqrt(jnp.diag(jax.scipy.linalg.cho_solve((chol, True), jnp.eye(x.shape[0], dtype=dtype))))
         # below the float resolution of x a step cannot be taken: it does not count
         floor = 8 * eps * (1.0 + jnp.abs(x))
-        return positive, g, step, jnp.max(jnp.maximum(jnp.abs(step) - floor, 0.0) / sd)
+        return value, positive, g, step, jnp.max(jnp.maximum(jnp.abs(step) - floor, 0.0) / sd)
 
     def newton_step(x):
-        positive, g, step, size = newton(x)
+        """``(size, gradient, direction, value)`` at ``x``: the Newton step's size in Laplace
+        sds (``inf`` without a positive definite Hessian, then no direction)."""
+        value, positive, g, step, size = newton(x)
         if not bool(positive):
-            return math.inf, g, None
+            return math.inf, g, None, float(value)
         size = float(size)
-        return (size if math.isfinite(size) else math.inf), g, step
+        return (size if math.isfinite(size) else math.inf), g, step, float(value)
 
     x, attempts = x0, 0
-    step, g, direction = newton_step(x)
+    step, g, direction, fx = newton_step(x)
+    scale = 1.0 + float(jnp.max(jnp.abs(g)))
+    gtol = math.sqrt(eps) * scale if math.isfinite(scale) else 1.0
+
+    @jax.jit
+    def run(x):
+        result = minimize(fn, x, method="BFGS", options={"maxiter": num_steps, "gtol": gtol})
+        return result.x, result.nfev
+
     while step > newton_tolerance and attempts < max_attempts:
         attempts += 1
-        candidate = run(x)
-        if not (bool(jnp.all(jnp.isfinite(candidate))) and float(value(candidate)) <= float(value(x))):
+        with counted_evaluations() as count:
+            candidate, evaluations = run(x)
+            count(int(evaluations))
+        if not bool(jnp.all(jnp.isfinite(candidate))):
+            break
+        found = newton_step(candidate)
+        if not found[3] <= fx:
             break
         moved = float(jnp.max(jnp.abs(candidate - x)))
-        x = candidate
-        step, g, direction = newton_step(x)
+        x, (step, g, direction, fx) = candidate, found
         if moved == 0.0:
             break
     # Newton's steps where BFGS stopped short: with many rows in float32 the potential's
@@ -125,12 +141,12 @@ def find_mode(
         newton_steps += 1
         for fraction in (1.0, 0.5, 0.25, 0.125, 0.0625):
             candidate = x - fraction * direction
-            new_step, new_g, new_direction = newton_step(candidate)
+            new_step, new_g, new_direction, new_value = newton_step(candidate)
             if new_step < step:
                 break
         else:
             break
-        x, step, g, direction = candidate, new_step, new_g, new_direction
+        x, step, g, direction, fx = candidate, new_step, new_g, new_direction, new_value
     return ModeSearch(x, step <= newton_tolerance, step, float(jnp.max(jnp.abs(g))), attempts)
 
 

@@ -269,9 +269,7 @@ class FedZigZag(ZigZagReports, FederatedMCMCKernel):
         self.mode_search = None
         use_cv, recenter = plan.use_cv, False  # recenter: the control variates on the warmup trajectory
         if use_cv or isinstance(self.preconditioner, str):
-            start, found_cv, recenter = self._search_mode(
-                flat_potential, start, init_params, ravel, vectorized, num_warmup, hessian=hessian
-            )
+            start, found_cv, recenter = self._search_mode(terms, start, init_params, ravel, vectorized, num_warmup)
             use_cv = use_cv and found_cv
             if plan.layout is not None and not self.mode_search.is_mode:
                 raise ValueError(
@@ -532,14 +530,16 @@ class FedZigZag(ZigZagReports, FederatedMCMCKernel):
 
         return run
 
-    def _search_mode(self, flat_potential, start, init_params, ravel, vectorized, num_warmup, *, hessian=None):
+    def _search_mode(self, terms, start, init_params, ravel, vectorized, num_warmup):
         """``(start, use_cv, recenter)`` after looking for the mode when the control variates
         or a Laplace preconditioner need it (one mode for all chains: it is the target's)."""
         kind = self._bound_kind()
         search_from = start
         if init_params is not None:
             search_from = ravel(init_params)[0] if vectorized else ravel(init_params)
-        search = self.mode_search = find_mode(flat_potential, search_from, hessian=hessian)
+        search = self.mode_search = find_mode(
+            terms.potential, search_from, hessian=terms.hessian, counted_evaluations=terms.counted_evaluations
+        )
         if search.is_mode:
             self.reference_point = search.point
             return search.point, True, False

@@ -22,6 +22,7 @@ real payloads), and :meth:`FedZigZag.message_ledger
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 
 import jax
@@ -94,6 +95,15 @@ class ClientTerms:
         #: ``x -> prior(x) + sum_m U_m(x)``, differentiable (one ``"value_and_grad"`` call per
         #: value, or per value and gradient)
         self.potential = potential
+
+    @contextlib.contextmanager
+    def counted_evaluations(self):
+        """A loop of :attr:`potential`'s evaluations traced and run under this counts them
+        itself: it yields ``count(evaluations)``, one ``"value_and_grad"`` call per client
+        each (see :meth:`Federation.counted_by_caller
+        <numpyro_fed.federation.Federation.counted_by_caller>`)."""
+        with self.federation.counted_by_caller() as count:
+            yield lambda evaluations: count("value_and_grad", evaluations)
 
     def hessian(self, x):
         """The potential's Hessian at ``x``: the prior's (on the server) plus the clients'
