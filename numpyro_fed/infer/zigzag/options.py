@@ -80,7 +80,7 @@ def check_options(
     dp_delta=None,
     skeleton_size=0,
     full_covariance=False,
-    preconditioner=None,
+    preconditioner="auto",
     federation=None,
     private_randomness=False,
     subsample_size=None,
@@ -95,8 +95,17 @@ def check_options(
             f"federation must be a Federation (e.g. nf.RayFederation()) or None, got {type(federation).__name__}"
         )
     thinning = resolve_thinning(thinning, federation, private_randomness)
-    if isinstance(preconditioner, str) and preconditioner not in ("laplace", "diagonal"):
-        raise ValueError(f"preconditioner must be None, 'laplace', 'diagonal' or an array, got {preconditioner!r}")
+    if isinstance(preconditioner, str) and preconditioner not in ("auto", "laplace", "diagonal"):
+        raise ValueError(
+            f"preconditioner must be 'auto', None, 'laplace', 'diagonal' or an array, got {preconditioner!r}"
+        )
+    if (
+        isinstance(preconditioner, str) and preconditioner == "auto"
+    ):  # the Laplace preconditioner wherever it is allowed (see resolve_preconditioner)
+        preconditioner = resolve_preconditioner(
+            subsample_size is not None and thinning != "server",
+            dp_sensitivity is not None or dp_epsilon is not None or dp_delta is not None,
+        )
     skeleton_size = check_int(skeleton_size, "skeleton_size", minimum=0)
     sample_interval = None if sample_interval is None else check_positive(sample_interval, "sample_interval")
     if excess_rate is None or check_real(excess_rate, "excess_rate") < 0:
@@ -192,6 +201,15 @@ def resolve_thinning(thinning, federation, private_randomness) -> str:
             "server does not know, which needs thinning='clients' (or 'auto')"
         )
     return thinning
+
+
+def resolve_preconditioner(subsampled_by_clients: bool, private: bool):
+    """``preconditioner="auto"``: the Laplace approximation at the mode (``"auto"`` is kept:
+    the set-up falls back to none when the posterior has no mode), except where it is not
+    allowed: with a privacy guarantee (the round of Hessians is not covered by Theorem 5.1)
+    and with subsampling thinned by the clients (their batches are drawn in ``x``); there
+    ``None``."""
+    return None if subsampled_by_clients or private else "auto"
 
 
 def _check_subsampling(subsample_size, bounds, control_variates, preconditioner, server_thinning, private):

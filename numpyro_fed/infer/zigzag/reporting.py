@@ -53,7 +53,7 @@ class ZigZagReports:
         num_capped_samples)``.
         """
         problems = few_effective_draws(
-            mcmc.get_samples(group_by_chain=True), min_ess, preconditioned=self.preconditioner is not None
+            mcmc.get_samples(group_by_chain=True), min_ess, preconditioned=self.preconditioning is not None
         )
         interval = self.sample_interval
         state = getattr(mcmc, "last_state", None)

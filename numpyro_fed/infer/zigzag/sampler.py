@@ -98,8 +98,9 @@ class FedZigZag(ZigZagReports, FederatedMCMCKernel):
         refreshment").
     :param int skeleton_size: switches recorded per sample (:meth:`skeleton`).
     :param bool full_covariance: integrate ``x x^T`` in full for :meth:`trajectory_moments`.
-    :param preconditioner: ``None``, ``"laplace"``, ``"diagonal"`` or a scale
-        ("Preconditioning").
+    :param preconditioner: ``"auto"`` (default: ``"laplace"`` where the posterior has a mode,
+        none where it has not, with a privacy guarantee or with subsampling thinned by the
+        clients), ``None``, ``"laplace"``, ``"diagonal"`` or a scale ("Preconditioning").
     :param federation: the :class:`~numpyro_fed.federation.Federation` the clients answer
         through; ``None`` (default): a new :class:`~numpyro_fed.federation.InProcess` (the
         clients vectorized in this process). What crossed it is counted in
@@ -169,7 +170,7 @@ class FedZigZag(ZigZagReports, FederatedMCMCKernel):
         dp_delta: float | None = None,
         skeleton_size: int = 0,
         full_covariance: bool = False,
-        preconditioner=None,
+        preconditioner="auto",
         federation=None,
         private_randomness: bool = False,
         subsample_size: int | None = None,
@@ -543,7 +544,7 @@ class FedZigZag(ZigZagReports, FederatedMCMCKernel):
         if search.is_mode:
             self.reference_point = search.point
             return search.point, True, False
-        if isinstance(self.preconditioner, str):
+        if isinstance(self.preconditioner, str) and self.preconditioner != "auto":
             raise ValueError(
                 f"preconditioner={self.preconditioner!r} is the Laplace approximation at the "
                 f"mode, and the posterior has none here ({describe_no_mode(search)}): pass "
@@ -570,6 +571,12 @@ class FedZigZag(ZigZagReports, FederatedMCMCKernel):
         """The :class:`~numpyro_fed.infer.zigzag.Preconditioner` asked for, or ``None``."""
         if self.preconditioner is None:
             return None
+        if (
+            isinstance(self.preconditioner, str)
+            and self.preconditioner == "auto"
+            and not (self.mode_search is not None and self.mode_search.is_mode)
+        ):
+            return None  # no mode: no Laplace approximation (the chain runs in x)
         if isinstance(self.preconditioner, str):
             return laplace_preconditioner(
                 flat_potential, self.reference_point, diagonal=self.preconditioner == "diagonal", hessian=hessian

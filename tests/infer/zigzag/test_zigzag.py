@@ -1,5 +1,7 @@
 """FedZigZag samples the right distribution: closed-form Gaussian posterior, NUTS on logistic regression."""
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -601,10 +603,64 @@ def test_laplace_preconditioning_speeds_up_a_correlated_posterior():
     assert events_per_ess["laplace"] < events_per_ess[None] / 3, events_per_ess
 
 
+def raw_covariate_regression(x, y, clients=4):
+    """A regression as written on raw data: covariates in their units (scales 1 and 100, so
+    coefficient sds 1000 times apart), a HalfCauchy noise scale."""
+    alpha = numpyro.sample("alpha", dist.Normal(0, 100))
+    beta = numpyro.sample("beta", dist.Normal(0, 10).expand([2]).to_event(1))
+    sigma = numpyro.sample("sigma", dist.HalfCauchy(5))
+    with nf.federated_plate("data", y.shape[0], clients=clients):
+        numpyro.sample("y", dist.Normal(alpha + x @ beta, sigma), obs=y)
+
+
+def test_default_mixes_on_raw_covariates_as_nuts_does():
+    """The default preconditioner ("auto": the Laplace approximation at the mode) makes a
+    badly scaled posterior mix: at least 200 effective draws of 1000 on every coordinate, and
+    NUTS's moments (within 4.5 Monte Carlo errors of the two chains together)."""
+    rng = np.random.default_rng(3)
+    x = np.stack([rng.normal(5.0, 1.0, 200), rng.normal(300.0, 100.0, 200)], axis=1)
+    y = 2.0 + x @ np.array([0.5, 0.01]) + rng.normal(0, 1.0, 200)
+    kernel = nf.FedZigZag(raw_covariate_regression)
+    mcmc = MCMC(kernel, num_warmup=500, num_samples=1000, progress_bar=False)
+    mcmc.run(jax.random.PRNGKey(0), x, y)
+    assert kernel.preconditioning is not None
+    nuts = MCMC(NUTS(raw_covariate_regression), num_warmup=500, num_samples=2000, progress_bar=False)
+    nuts.run(jax.random.PRNGKey(1), x, y)
+    for name in ("alpha", "beta", "sigma"):
+        ours, ref = np.asarray(mcmc.get_samples()[name]), np.asarray(nuts.get_samples()[name])
+        ess = effective_sample_size(ours.reshape(1, ours.shape[0], -1))
+        assert ess.min() >= 200, (name, ess)
+        se = np.sqrt(ours.reshape(len(ours), -1).var(0) / ess + ref.reshape(len(ref), -1).var(0) / 500)
+        assert np.all(np.abs(ours.reshape(len(ours), -1).mean(0) - ref.reshape(len(ref), -1).mean(0)) < 4.5 * se), name
+
+
+def test_default_preconditioner_steps_aside_where_the_posterior_has_no_mode():
+    """A funnel (a hierarchical scale with client-local effects) has no mode: the default runs
+    without a preconditioner, as ``preconditioner=None`` does, where ``"laplace"`` refuses."""
+    y = jnp.array([0.3, -0.2, 0.1, 0.4])
+
+    def funnel(y):
+        tau = numpyro.sample("tau", dist.HalfNormal(1.0))
+        with nf.federated_plate("groups", 4, clients=2):
+            theta = numpyro.sample("theta", dist.Normal(0.0, tau))
+            numpyro.sample("y", dist.Normal(theta, 1.0), obs=y)
+
+    kernel = nf.FedZigZag(funnel)
+    mcmc = MCMC(kernel, num_warmup=50, num_samples=50, progress_bar=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        mcmc.run(jax.random.PRNGKey(0), y)
+    assert not kernel.mode_search.is_mode and kernel.preconditioning is None
+    with pytest.raises(ValueError, match="the posterior has no mode|has none here"):
+        MCMC(nf.FedZigZag(funnel, preconditioner="laplace"), num_warmup=5, num_samples=5, progress_bar=False).run(
+            jax.random.PRNGKey(0), y
+        )
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"preconditioner": "magic"}, "preconditioner must be None, 'laplace', 'diagonal' or an array"),
+        ({"preconditioner": "magic"}, "preconditioner must be 'auto', None, 'laplace', 'diagonal' or an array"),
         (
             {"preconditioner": "laplace", "dp_sensitivity": 2.0, "dp_delta": 1e-5, "excess_rate": 1.0},
             "not covered by Theorem 5.1",
