@@ -255,8 +255,7 @@ def refresh_latents(theta, latents, latent_score: Callable, num_steps: int, opti
 
     stages = max(1, min(int(stages), int(num_steps)))
     length, remainder = divmod(int(num_steps), stages)
-    for _ in range(stages):
-        latents = stage(latents, length)
+    latents, _ = lax.scan(lambda z, _: (stage(z, length), None), latents, None, length=stages)
     return stage(latents, remainder) if remainder else latents
 
 
