@@ -67,7 +67,7 @@ class ParticleMethod(VariationalMethod):
     """Shared face of the methods here (not used directly).
 
     :param model: a NumPyro model with a :class:`~numpyro_fed.federated_plate` and global
-        latent variables only.
+        latent variables only (unless the method says otherwise: :attr:`local_latents`).
     :param int num_particles: ``N``.
     :param dict metrics: ``{name: fn}`` evaluated on the particles after every round;
         ``fn(draws)`` receives a dict of constrained values by site (leading axis ``N``) and

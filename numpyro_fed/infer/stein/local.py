@@ -32,6 +32,11 @@ the final ``theta`` (SVGD steps in ``z_k`` only, the kernel still on the joint c
 that its fixed points are exactly ``p(z_k | theta, D_k)`` for the given ``theta``-marginal).
 That is the ``"latents"`` call a result's draws of the local sites come from.
 
+Each round a client also spreads its particles of ``p_0 t_k`` to at least the global
+particles' sd per coordinate (:func:`no_wider_cavity`): in a direction its own term leaves
+flat (a hierarchical scale as it goes to 0), a cavity ``q / (p_0 t_k)`` of negative precision,
+the noise of two KDEs of ``N`` particles, would make the tilted distribution improper.
+
 Clients own different numbers of coordinates; their latent particles are padded to the
 largest, each padded coordinate a standard normal of its own (a proper, separate factor:
 SVGD keeps it in place, and the curvature and whitening of the joint space stay well
@@ -140,7 +145,7 @@ def check_own_latents(fp, layout: LatentLayout, client_grad: Callable, x0) -> No
     simulation: DSVGD's clients each move their own coordinates only."""
     if fp.client_data is None:
         return
-    grads = np.asarray(jax.vmap(client_grad, in_axes=(None, 0))(jnp.asarray(x0), fp.client_data))
+    grads = np.asarray(jax.jit(jax.vmap(client_grad, in_axes=(None, 0)))(jnp.asarray(x0), fp.client_data))
     owner = np.asarray(fp.coordinate_owner)
     foreign = (owner[None, :] >= 0) & (owner[None, :] != np.arange(fp.num_clients)[:, None])
     bad = foreign & (np.abs(grads) > 0)

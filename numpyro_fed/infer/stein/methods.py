@@ -40,8 +40,13 @@ class DSVGD(ParticleMethod):
     particles, runs ``L`` SVGD steps towards its tilted distribution (Eq. (14)), uploads the
     result and distills its local particles with ``L'`` steps (Eq. (17)).
 
-    :param model: a NumPyro model with a :class:`~numpyro_fed.federated_plate`; its latent
-        variables must be global (outside the federated plates).
+    :param model: a NumPyro model with a :class:`~numpyro_fed.federated_plate`. Its latent
+        variables may be global (outside the federated plates) or client-local (inside a
+        federated plate, e.g. a school's effect owned by the client holding the school): then
+        each client moves joint particles ``(theta, z_k)``, keeps their ``z_k`` halves as its
+        client state and sends only ``theta`` (:mod:`~numpyro_fed.infer.stein.local`);
+        :meth:`get_samples` fetches the local sites from the clients (a ``"latents"`` call,
+        counted in the ledger). A client's rows must use only its own local latents.
     :param int num_particles: ``N`` (>= 1), global and local particles alike.
     :param int num_local_steps: ``L``, SVGD steps of a scheduled client towards its tilted
         distribution.
