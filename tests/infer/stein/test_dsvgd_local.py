@@ -73,7 +73,7 @@ def intercept_run():
     result, warned = _run(method, 8, group, y)
     run_ledger = dict(result.ledger)
     draws = method.get_samples(None, result)
-    ledgers = {"run": run_ledger, "draws": dict(result.ledger)}
+    ledgers = {"run": run_ledger, "draws": dict(result.ledger), "args": (group, y)}
     mcmc = MCMC(NUTS(random_intercept), num_warmup=500, num_samples=4000, progress_bar=False)
     mcmc.run(jax.random.PRNGKey(1), group, y)
     return method, result, ledgers, draws, warned, mcmc.get_samples()
@@ -102,6 +102,16 @@ def test_draws_have_the_shapes_nuts_returns(intercept_run):
     assert all(tuple(np.round(np.append(resampled["mu"][n], resampled["a"][n]), 10)) in rows for n in range(50))
     with pytest.raises(ValueError, match="smooth=True"):
         method.get_samples(jax.random.PRNGKey(2), result, 50, smooth=True)
+
+
+def test_a_result_converts_evaluates_and_continues(intercept_run):
+    method, result, ledgers, _, _, _ = intercept_run
+    group, y = ledgers["args"]  # the run's own arrays: the same clients, nothing recompiled
+    idata = nf.to_inference_data(result)
+    assert idata.posterior["a"].shape == (1, NUM_PARTICLES, len(GROUP_OWNER))
+    assert np.isfinite(float(method.evaluate(result.state, group, y)))  # on the joint particles
+    more = method.run(jax.random.PRNGKey(3), 1, group, y, init_state=result.state)
+    assert int(more.state.round) == int(result.state.round) + 1
 
 
 def test_ledger_sends_only_the_global_particles(intercept_run):
