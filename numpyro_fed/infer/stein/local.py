@@ -70,10 +70,12 @@ __all__ = [
     "global_prior_grad",
     "init",
     "initial_local_states",
+    "joint_gradients",
     "joint_stein_statistics",
     "latent_layout",
     "no_wider_cavity",
     "refresh_latents",
+    "stein_moments",
 ]
 
 
@@ -264,6 +266,33 @@ def refresh_latents(theta, latents, latent_score: Callable, num_steps: int, opti
     return stage(latents, remainder) if remainder else latents
 
 
+def joint_gradients(client_grad: Callable, layout: LatentLayout) -> Callable:
+    """``(theta (N, d_g), z (N, d_l), block) -> (g_theta, g_z)``: the gradients of the
+    client's term ``U_k`` (``client_grad``, batched on full ``(N, d)`` points) in ``theta``
+    and in its own coordinates ``z`` at every pair; a padding coordinate gets a standard
+    normal's. The client is ``block["client"]``."""
+    positions_of, valid_of = jnp.asarray(layout.positions), jnp.asarray(layout.valid)
+    global_index = jnp.asarray(layout.global_index)
+
+    def joint_grads(theta, z, block):
+        positions, valid = positions_of[block["client"]], valid_of[block["client"]]
+        g = client_grad(embed(theta, z, positions, layout), block, None)
+        g_z = jnp.take(g, positions, axis=1, mode="fill", fill_value=0)
+        return g[:, global_index], jnp.where(valid, g_z, z)
+
+    return joint_grads
+
+
+def stein_moments(x, score):
+    """``(C g / sd, -E[score (x - m)])`` of particles ``x`` (``(N, d)``) for the target whose
+    score at them is ``score``: the statistics of
+    :func:`~numpyro_fed.infer.stein.checks.stein_statistics` (0 and 1 expected)."""
+    centered = x - jnp.mean(x, axis=0)
+    sd = jnp.std(x, axis=0)
+    mean = centered.T @ (centered @ jnp.mean(score, axis=0)) / x.shape[0] / jnp.where(sd > 0, sd, 1.0)
+    return mean, -jnp.mean(score * centered, axis=0)
+
+
 def client_functions(
     prior_grad: Callable,
     client_grad: Callable,
@@ -296,16 +325,7 @@ def client_functions(
     distill_optim = optim if distill_optim is None else distill_optim
     config = round_config(global_prior_grad(prior_grad, layout), client_grad, None, kde_bandwidth, svgd_bandwidth)
     kde_score = kde_score_fn(config.kde_bandwidth)
-    positions_of, valid_of = jnp.asarray(layout.positions), jnp.asarray(layout.valid)
-    global_index, d_g = jnp.asarray(layout.global_index), layout.num_global
-
-    def joint_grads(theta, z, block):
-        """Gradients of ``U_k`` in ``theta`` and in ``z`` at every pair (padding: a standard
-        normal's)."""
-        positions, valid = positions_of[block["client"]], valid_of[block["client"]]
-        g = config.client_grad(embed(theta, z, positions, layout), block, None)
-        g_z = jnp.take(g, positions, axis=1, mode="fill", fill_value=0)
-        return g[:, global_index], jnp.where(valid, g_z, z)
+    joint_grads, d_g = joint_gradients(config.client_grad, layout), layout.num_global
 
     def latent_score(block):
         return lambda theta, z: -joint_grads(theta, z, block)[1] / temperature
@@ -384,11 +404,7 @@ def client_functions(
         m)]`` over its latent coordinates, 0 and 1 expected)."""
         z = latents(block, local, global_particles)[1]
         g_theta, g_z = joint_grads(global_particles, z, block)
-        score = -g_z / temperature
-        centered = z - jnp.mean(z, axis=0)
-        sd = jnp.std(z, axis=0)
-        mean = centered.T @ (centered @ jnp.mean(score, axis=0)) / z.shape[0] / jnp.where(sd > 0, sd, 1.0)
-        return local, (g_theta / temperature, mean, -jnp.mean(score * centered, axis=0))
+        return local, (g_theta / temperature, *stein_moments(z, -g_z / temperature))
 
     return {}, {"update": update, "latents": latents, "check": check}
 
@@ -416,9 +432,6 @@ def joint_stein_statistics(layout: LatentLayout, theta, prior_score: Callable, r
     g_theta, z_mean, z_scale = (np.asarray(r, dtype=float) for r in replies)
     theta = np.asarray(theta, dtype=float)
     score = np.asarray(prior_score(jnp.asarray(theta)), dtype=float) - g_theta.sum(axis=0)
-    centered = theta - theta.mean(axis=0)
-    sd = theta.std(axis=0)
-    mean = centered.T @ (centered @ score.mean(axis=0)) / theta.shape[0] / np.where(sd > 0, sd, 1.0)
-    scale = -np.mean(score * centered, axis=0)
+    mean, scale = (np.asarray(v, dtype=float) for v in stein_moments(theta, score))
     valid = np.asarray(layout.valid)
     return np.concatenate([mean, z_mean[valid]]), np.concatenate([scale, z_scale[valid]])
