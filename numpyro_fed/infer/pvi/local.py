@@ -1,0 +1,318 @@
+"""PVI with client-local latent variables (Ashman et al. 2022, *PVI with local latent
+variables*): latent sites inside a :func:`~numpyro_fed.federated_plate` whose rows are owned
+by clients (a school's effect, a county's intercept) are each client's own.
+
+The approximation is ``q(theta) prod_m q(z_m)``: ``q(theta)`` over the global latents is
+PVI's (``p(theta) [t_0(theta)] prod_m t_m(theta)``, held by the server), and client ``m``
+keeps its mean-field Gaussian ``q(z_m)`` over its own coordinates (on the unconstrained
+space) as client state, never sent. A client's update maximizes its local free energy
+
+    E_{q(theta) q(z_m)}[log p(y_m, z_m | theta)] + H[q(z_m)] - KL(q(theta) || q / t_m)
+
+jointly over ``q(theta)`` and ``q(z_m)`` (the same optimization as a client without local
+latents, :func:`~numpyro_fed.infer.pvi.client.optimize_local`, on the joint vector
+``(theta, z_m)``, its "likelihood" the client's whole term of the potential), keeps the new
+``q(z_m)`` and sends the change of its factor ``t_m(theta)``: the same message, of the same
+size, as a client of a model with global latents only.
+
+The client's term ``log p(y_m, z_m | theta)`` is the split potential's
+(:attr:`~numpyro_fed.FlatPotential.client_potential`), evaluated at the flat vector in which
+the global coordinates are ``theta`` and the client's own coordinates (those
+:attr:`~numpyro_fed.FederatedPotential.coordinate_owner` gives it) are ``z_m``; it reads no
+other client's coordinates. :class:`LocalLatents` holds that layout (numbers of
+coordinates, no rows) and builds the clients' functions; :class:`LocalBlockLayout` puts
+each client's indices next to its block, where it lives.
+
+Draws of the local sites are the clients' to give: :meth:`LocalLatents.draws` asks each
+client for draws of its ``q(z_m)`` (call ``"local_draws"``, counted in the ledger), only
+when local sites are asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+from numpyro_fed.infer.pvi.client import LocalConfig, optimize_local
+from numpyro_fed.infer.pvi.core import ClientFactor, ClientReply, resolve_factor
+from numpyro_fed.infer.pvi.gaussian import GaussianNatural, loc_scale, natural, tree_sub
+
+__all__ = ["MEAN_FIELD_LIMIT", "LocalBlock", "LocalBlockLayout", "LocalClientState", "LocalLatents", "local_client_functions"]
+
+#: ``q(z_m)``'s starting scale on the unconstrained space (around the init strategy's point)
+LOCAL_START_SCALE = 1.0
+#: what the mean-field check says when q's sds of the global latents are too small
+MEAN_FIELD_LIMIT = (
+    "with client-local latents q is mean-field by design (q(theta) prod_m q(z_m)): read its sds of "
+    "these coordinates as too small"
+)
+_HALF_LOG_2_PI_E = 0.5 * float(np.log(2 * np.pi * np.e))
+
+
+class LocalBlock(NamedTuple):
+    """A client's block with its own coordinates of the flat latent vector.
+
+    :ivar block: the block as the potential's client functions take it.
+    :ivar local_index: ``(L,)`` positions of the client's coordinates (padding: ``d``, out of
+        range).
+    :ivar local_valid: ``(L,)`` mask of real (non-padding) coordinates.
+    """
+
+    block: dict
+    local_index: jax.Array
+    local_valid: jax.Array
+
+
+class LocalBlockLayout:
+    """``block -> LocalBlock``: the transform of the clients' program, run where the client
+    lives. Picklable; it holds coordinate positions (derived from the plates' owners), never
+    rows."""
+
+    def __init__(self, local_index, local_valid):
+        self.local_index, self.local_valid = np.asarray(local_index), np.asarray(local_valid)
+
+    def __call__(self, block) -> LocalBlock:
+        m = int(block["client"])
+        return LocalBlock(block, self.local_index[m], self.local_valid[m])
+
+    def __repr__(self):
+        return f"LocalBlockLayout(num_clients={self.local_index.shape[0]}, max_local={self.local_index.shape[1]})"
+
+
+class LocalClientState(NamedTuple):
+    """What a PVI client with latents of its own keeps between its visits.
+
+    :ivar ClientFactor own: its factor ``t_m`` of the global latents (as without local
+        latents).
+    :ivar GaussianNatural local: its ``q(z_m)``, mean-field, ``(L,)`` each (padding
+        coordinates: a standard normal).
+    :ivar key: the key of its own draws in the loss and the curvature check.
+    """
+
+    own: ClientFactor
+    local: GaussianNatural
+    key: jax.Array
+
+
+def _concat(a: GaussianNatural, b: GaussianNatural) -> GaussianNatural:
+    return GaussianNatural(jnp.concatenate([a.eta1, b.eta1]), jnp.concatenate([a.eta2, b.eta2]))
+
+
+def _cut(eta: GaussianNatural, num_global: int):
+    head = GaussianNatural(eta.eta1[:num_global], eta.eta2[:num_global])
+    return head, GaussianNatural(eta.eta1[num_global:], eta.eta2[num_global:])
+
+
+def local_client_functions(
+    client_potential: Callable, global_index, num_latent: int, config: LocalConfig, *, damping: float = 1.0
+) -> tuple[dict, dict]:
+    """The functions a PVI client with latents of its own runs on its :class:`LocalBlock`,
+    ``(functions, stateful)``, each stateful call ``(block, state, ...) -> (state, reply)`` on
+    its :class:`LocalClientState`:
+
+    * ``"update"``: ``(q, key, applied) -> ClientReply``: as
+      :func:`~numpyro_fed.infer.pvi.core.client_functions`' (the same messages), the local
+      free energy maximized jointly over ``q(theta)`` and ``q(z_m)``; the client keeps the
+      new ``q(z_m)``.
+    * ``"expected_log_lik"``: ``(thetas (S, d_g)) -> ()``: its term of the ELBO,
+      ``E[log p(y_m, z_m | theta)] + H[q(z_m)]`` at ``thetas`` and draws of ``q(z_m)``.
+    * ``"curvature"``: ``(thetas) -> (H, S)``, ``(d_g, d_g)`` each: minus the Hessian of
+      ``log p(y_m, z_m | theta)`` in ``theta`` averaged over draws, and its Schur complement
+      (``z_m`` integrated out, Laplace-style): what the mean-field check needs.
+    * ``"local_draws"``: ``(keys (S, 2)) -> (S, L)``, draws of ``q(z_m)``.
+
+    :param client_potential: ``(x, block) -> scalar`` on the flat ``(num_latent,)`` vector.
+    :param global_index: ``(d_g,)`` positions of the global coordinates.
+    """
+    global_index = np.asarray(global_index)
+    num_global = int(global_index.size)
+    single = ([jnp.zeros((1,))], jnp.ones((1,), bool))  # the client's term is one "row"
+
+    def embed(w, local_index):
+        x = jnp.zeros(num_latent, w.dtype).at[global_index].set(w[:num_global])
+        return x.at[local_index].set(w[num_global:], mode="drop")
+
+    def log_joint(w, lblock):
+        return -client_potential(embed(w, lblock.local_index), lblock.block)
+
+    def update(lblock: LocalBlock, state: LocalClientState, q, key, applied):
+        factor = resolve_factor(state.own, applied)
+        # padding coordinates: a standard normal "cavity", where they start and stay
+        dtype = q.eta1.dtype
+        pad = GaussianNatural(jnp.zeros_like(state.local.eta1), jnp.where(lblock.local_valid, 0.0, -0.5).astype(dtype))
+        start = _concat(q, state.local)
+        cavity = _concat(tree_sub(q, factor), pad)
+        rows, valid = [single[0][0].astype(dtype)], single[1]
+
+        def row_log_lik(w, rows):
+            return jnp.broadcast_to(log_joint(w, lblock), rows[0].shape[:1])
+
+        new, _, residual = optimize_local(key, row_log_lik, start, cavity, rows, valid, config, with_residual=True)
+        new_q, new_local = _cut(new, num_global)
+        delta = tree_sub(new_q, q)
+        own = ClientFactor(factor, jax.tree_util.tree_map(lambda d: damping * d, delta))
+        reply = ClientReply(delta, jnp.zeros((), q.eta1.dtype), residual)
+        return LocalClientState(own, new_local, state.key), reply
+
+    def draw_local(state, key, num_samples):
+        loc, scale = loc_scale(state.local)
+        return loc + scale * jax.random.normal(key, (num_samples,) + loc.shape, loc.dtype)
+
+    def expected_log_lik(lblock: LocalBlock, state: LocalClientState, thetas):
+        key, sub = jax.random.split(state.key)
+        zs = draw_local(state, sub, thetas.shape[0])
+        joint = jax.vmap(lambda w: log_joint(w, lblock))(jnp.concatenate([thetas, zs], axis=-1))
+        log_scale = jnp.log(loc_scale(state.local)[1])
+        entropy = jnp.sum(jnp.where(lblock.local_valid, log_scale + _HALF_LOG_2_PI_E, 0.0))
+        return state._replace(key=key), jnp.mean(joint) + entropy
+
+    def curvature(lblock: LocalBlock, state: LocalClientState, thetas):
+        key, sub = jax.random.split(state.key)
+        zs = draw_local(state, sub, thetas.shape[0])
+        hessians = jax.vmap(jax.hessian(lambda w: -log_joint(w, lblock)))(jnp.concatenate([thetas, zs], axis=-1))
+        h = jnp.mean(hessians, axis=0)
+        valid = lblock.local_valid
+        h_gg, h_gl = h[:num_global, :num_global], h[:num_global, num_global:] * valid
+        h_ll = jnp.where(valid[:, None] & valid[None, :], h[num_global:, num_global:], jnp.diag(~valid * 1.0))
+        schur = h_gg - h_gl @ jnp.linalg.solve(h_ll, h_gl.T)
+        return state._replace(key=key), (h_gg, schur)
+
+    def local_draws(lblock: LocalBlock, state: LocalClientState, keys):
+        loc, scale = loc_scale(state.local)
+        eps = jax.vmap(lambda k: jax.random.normal(k, loc.shape, loc.dtype))(keys)
+        return state, loc + scale * eps
+
+    stateful = {
+        "update": update,
+        "expected_log_lik": expected_log_lik,
+        "curvature": curvature,
+        "local_draws": local_draws,
+    }
+    return {}, stateful
+
+
+class LocalLatents:
+    """The layout of a model's client-local latents in the flat latent vector, as the server
+    knows it (from the plates' owners: which client owns which coordinate, no values).
+
+    :param potential: a :class:`~numpyro_fed.FederatedPotential` with client-local latents.
+
+    :ivar global_index: ``(d_g,)`` positions of the global coordinates.
+    :ivar local_index: ``(M, L)`` each client's coordinates, padded with ``d``.
+    :ivar local_valid: ``(M, L)`` mask of real coordinates.
+    :ivar tuple local_sites: the sites with client-local coordinates.
+    """
+
+    def __init__(self, potential):
+        owner = np.asarray(potential.coordinate_owner)
+        self.num_latent = int(owner.size)
+        self.num_clients = int(potential.num_clients)
+        self.global_index = np.flatnonzero(owner < 0)
+        own = [np.flatnonzero(owner == m) for m in range(self.num_clients)]
+        width = max(1, max(len(i) for i in own))
+        self.local_index = np.full((self.num_clients, width), self.num_latent, np.int32)
+        self.local_valid = np.zeros((self.num_clients, width), bool)
+        for m, index in enumerate(own):
+            self.local_index[m, : len(index)] = index
+            self.local_valid[m, : len(index)] = True
+        owners = potential.coordinate_owner_tree.items()
+        self.local_sites = tuple(name for name, o in owners if (np.asarray(o) >= 0).any())
+        self.global_sites = tuple(name for name, o in owners if name not in self.local_sites)
+        self._flat = potential.flat()
+        self._unravel = potential.unravel
+        self._init = np.asarray(potential.ravel(potential.init_params))
+
+    @staticmethod
+    def has_local(potential) -> bool:
+        """Whether ``potential`` has client-local latent coordinates."""
+        return bool((np.asarray(potential.coordinate_owner) >= 0).any())
+
+    def check_settings(self, dp, covariance) -> None:
+        """Refuses, naming the design limit, what local latents do not support: the private
+        variants and a full-rank ``q``."""
+        sites = list(self.local_sites)
+        if dp is not None:
+            raise ValueError(
+                f"DPPVI(dp={dp!r}) cannot run a model with client-local latent variables (site(s) {sites}): "
+                "each client fits its own q(z_m) to all its rows and keeps it between rounds, so every update "
+                "it sends depends on every one of its rows through q(z_m), and clipping no longer bounds one "
+                "row's influence on what is released: the privacy accounting would not hold. Use dp=None, "
+                "or make the sites global (outside the federated plate)"
+            )
+        if covariance == "full":
+            raise ValueError(
+                f"covariance='full' cannot be used with client-local latent variables (site(s) {sites}): "
+                "q(theta) prod_m q(z_m) is mean-field (each client's q(z_m) diagonal and independent of "
+                "q(theta)); use covariance='diagonal' or 'auto'"
+            )
+
+    @property
+    def num_global(self) -> int:
+        return int(self.global_index.size)
+
+    def embed(self, thetas, zs=None):
+        """Flat ``(..., d)`` vectors from global coordinates ``thetas (..., d_g)`` and the
+        clients' draws ``zs (M, ..., L)`` (``None``: zeros)."""
+        x = jnp.zeros(thetas.shape[:-1] + (self.num_latent,), thetas.dtype)
+        x = x.at[..., self.global_index].set(thetas)
+        if zs is None:
+            return x
+        values = jnp.moveaxis(zs, 0, -2).reshape(thetas.shape[:-1] + (-1,))  # (..., M * L)
+        return x.at[..., self.local_index.reshape(-1)].set(values, mode="drop")
+
+    def prior_potential(self, theta):
+        """The prior term as a function of the global coordinates (it reads no local one)."""
+        return self._flat.prior_potential(self.embed(theta))
+
+    @property
+    def init_global(self):
+        """The init strategy's point, global coordinates."""
+        return jnp.asarray(self._init[self.global_index])
+
+    def layout(self) -> LocalBlockLayout:
+        return LocalBlockLayout(self.local_index, self.local_valid)
+
+    def client_functions(self, config: LocalConfig, *, damping: float = 1.0):
+        """:func:`local_client_functions` on this model's clients."""
+        return local_client_functions(
+            self._flat.client_potential, self.global_index, self.num_latent, config, damping=damping
+        )
+
+    def initial_clients(self, own: ClientFactor, rng_key, federation):
+        """The clients' initial :class:`LocalClientState` (public values: ``q(z_m)`` at the
+        init strategy's point with scale ``LOCAL_START_SCALE``, keys from ``rng_key``), given
+        to them through ``federation.init_state``."""
+        dtype = own.factor.eta1.dtype
+        init = np.append(self._init, 0.0)[self.local_index]  # padding: 0
+        local = natural(jnp.asarray(init, dtype), jnp.full(init.shape, LOCAL_START_SCALE, dtype))
+        keys = jax.random.split(rng_key, self.num_clients)
+        return federation.init_state(LocalClientState(own, local, keys))
+
+    def get_params(self, loc, scale) -> dict:
+        """``{"loc", "scale"}`` of ``q(theta)`` by global site."""
+        out = {}
+        for name, value in (("loc", loc), ("scale", scale)):
+            tree = self._unravel(self.embed(value))
+            out[name] = {k: v for k, v in tree.items() if k not in self.local_sites}
+        return out
+
+    def draws(self, thetas, fetch: Callable | None, sites=None) -> dict:
+        """Constrained draws by site from the global draws ``thetas (S, d_g)``: with
+        ``fetch`` (``keys (S, 2) -> (M, S, L)``, the clients' ``"local_draws"``) every site,
+        or the ``sites`` asked for; the clients are asked only when a local site is."""
+        global_only = sites is not None and set(sites) <= set(self.global_sites)
+        zs = None if global_only or fetch is None else fetch()
+        values = jax.vmap(self._flat.postprocess)(self.embed(thetas, zs))
+        if zs is None:
+            values = {k: v for k, v in values.items() if k not in self.local_sites}
+        if sites is not None:
+            missing = sorted(set(sites) - set(values))
+            if missing:
+                raise ValueError(f"get_samples: no site(s) {missing}; the model's sites are {sorted(values)}")
+            values = {k: v for k, v in values.items() if k in sites}
+        return values
