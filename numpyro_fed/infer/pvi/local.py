@@ -37,6 +37,7 @@ import numpy as np
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from numpyro_fed.infer.pvi.client import LocalConfig, optimize_local
 from numpyro_fed.infer.pvi.core import ClientFactor, ClientReply, resolve_factor
@@ -174,8 +175,11 @@ def local_client_functions(
     def curvature(lblock: LocalBlock, state: LocalClientState, thetas):
         key, sub = jax.random.split(state.key)
         zs = draw_local(state, sub, thetas.shape[0])
-        hessians = jax.vmap(jax.hessian(lambda w: -log_joint(w, lblock)))(jnp.concatenate([thetas, zs], axis=-1))
-        h = jnp.mean(hessians, axis=0)
+        hessian = jax.hessian(lambda w: -log_joint(w, lblock))
+        draws = jnp.concatenate([thetas, zs], axis=-1)
+        # one (d_g + L)^2 matrix at a time, summed over the draws
+        total, _ = lax.scan(lambda t, w: (t + hessian(w), None), jnp.zeros((draws.shape[1],) * 2, draws.dtype), draws)
+        h = total / draws.shape[0]
         valid = lblock.local_valid
         h_gg, h_gl = h[:num_global, :num_global], h[:num_global, num_global:] * valid
         h_ll = jnp.where(valid[:, None] & valid[None, :], h[num_global:, num_global:], jnp.diag(~valid * 1.0))
@@ -250,6 +254,11 @@ class LocalLatents:
                 "q(theta) prod_m q(z_m) is mean-field (each client's q(z_m) diagonal and independent of "
                 "q(theta)); use covariance='diagonal' or 'auto'"
             )
+
+    @property
+    def check_width(self) -> int:
+        """The size of a client's matrices in the mean-field check: ``d_g + L``."""
+        return self.num_global + int(self.local_index.shape[1])
 
     @property
     def num_global(self) -> int:
