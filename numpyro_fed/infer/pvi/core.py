@@ -375,7 +375,13 @@ def client_functions(
 
 
 def federated_negative_elbo(
-    rng_key, federation, q: GaussianNatural, prior: GaussianNatural, num_samples: int, prior_potential=None, clients=None
+    rng_key,
+    federation,
+    q: GaussianNatural,
+    prior: GaussianNatural,
+    num_samples: int,
+    prior_potential=None,
+    clients=None,
 ):
     """:func:`negative_elbo` with every client's term computed by the client
     (``federation.map("expected_log_lik", thetas)``): the server draws ``thetas`` from ``q``

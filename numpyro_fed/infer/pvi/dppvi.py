@@ -35,9 +35,9 @@ from numpyro_fed.infer.pvi import core
 from numpyro_fed.infer.pvi.accounting import AVERAGE_FROM, MAX_DP_ERROR, PrivacyAccounting
 from numpyro_fed.infer.pvi.client import LocalConfig
 from numpyro_fed.infer.pvi.core import PVIState
-from numpyro_fed.infer.pvi.diagnostics import judge_run, last_move, warn_mean_field
+from numpyro_fed.infer.pvi.diagnostics import judge_run, last_move
 from numpyro_fed.infer.pvi.gaussian import loc_scale, sample
-from numpyro_fed.infer.pvi.local import MEAN_FIELD_LIMIT, LocalLatents
+from numpyro_fed.infer.pvi.local import ClientLatentsFace
 from numpyro_fed.infer.pvi.prior import PriorSplit, build_prior_update, initial_state, prior_remainder, split_prior
 from numpyro_fed.infer.pvi.settings import check_aggregation, check_noise, default_optimizer, resolve_sampling
 from numpyro_fed.privacy.accounting import check_delta, check_epsilon
@@ -46,13 +46,8 @@ __all__ = ["DPPVI"]
 
 _DEFAULT_NUM_SAMPLES = 1000  # get_samples' draws when num_samples is None
 COVARIANCES = ("auto", "full", "diagonal")
-#: the mean-field check of a diagonal q (``"curvature"``, d x d per client) up to this many coordinates
-MEAN_FIELD_CHECK_MAX_DIM = 1000
 #: covariance="auto": a full-rank q (non-private runs) up to this many latent coordinates
 FULL_RANK_MAX_DIM = 100
-#: the mean-field check with client-local latents averages the curvature over this many draws (10
-#: read the eight schools' log tau inflation anywhere in 1.05-1.4; 200 settle it at 1.05-1.06)
-LOCAL_CHECK_DRAWS = 200
 #: the default local optimization of a full-rank q starts from this many Newton steps
 NEWTON_STEPS = 20
 
@@ -73,7 +68,7 @@ class _RunPlan(NamedTuple):
     prior: PriorSplit  # how the prior enters q
 
 
-class DPPVI(PrivacyAccounting, VariationalMethod):
+class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
     """Differentially private partitioned variational inference.
 
     A Gaussian on the unconstrained latents (full-rank or mean-field, ``covariance``), one
@@ -81,7 +76,10 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
     the privacy mechanism.
 
     :param model: a NumPyro model with one :func:`~numpyro_fed.federated_plate` over the data
-        rows and global continuous latent variables only. Priors as statisticians write them:
+        rows and continuous latent variables: global ones and client-local ones (sites in a
+        ``federated_plate`` of clients, e.g. per-school effects: each client keeps its own
+        mean-field ``q(z_m)``, :mod:`~numpyro_fed.infer.pvi.local`; ``dp=None`` only).
+        Priors as statisticians write them:
         ``Normal`` priors (and ``LogNormal`` scales, Gaussian on the log scale) are factors of
         ``q`` exactly; flat priors (``ImproperUniform``) are zero-precision factors; any other
         prior (a ``HalfCauchy`` scale, a hierarchical ``Normal(0, tau)``, a ``Dirichlet``) is
@@ -269,11 +267,6 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
             raise ValueError(f"neighboring must be 'replace_one' or 'add_remove', got {neighboring!r}")
         self.neighboring = neighboring
         self._plan: _RunPlan | None = None
-        self._local: LocalLatents | None = None  # the model's client-local latents, if any
-        self._curvature_fn = jit_round(lambda thetas, federation: federation.map("curvature", thetas))
-        read = lambda name: lambda x, clients, fed: fed.map(name, x, state=clients)[1]  # noqa: E731
-        self._local_curvature_fn = jit_round(lambda *a: jax.tree.map(lambda v: v.sum(0), read("curvature")(*a)))
-        self._local_draws_fn = jit_round(read("local_draws"))
 
     repr_fields = ("dp", "schedule", "num_local_steps", "num_mc_samples", "damping")
     divergence_advice = "lower the optimizer's rate (optim) or, with privacy, damp the updates (damping=0.2-0.5)"
@@ -281,11 +274,9 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
     # -- the model -----------------------------------------------------------------------------
     def _setup(self, args, kwargs):
         potential = self.build_potential(args, kwargs, global_latents_only=False)
-        self._local = LocalLatents(potential) if LocalLatents.has_local(potential) else None
-        if self._local is not None:
-            if type(self) is not DPPVI:  # the baselines' clients hold factors of the global latents only
-                check_global_latents(potential, type(self).__name__, "use DPPVI")
-            self._local.check_settings(self.dp, self.covariance)
+        if type(self) is not DPPVI:  # the baselines' clients hold factors of the global latents only
+            check_global_latents(potential, type(self).__name__, "use DPPVI")
+        self._find_local(potential)
         return (potential,) + self._check_plates(potential)
 
     def _check_plates(self, potential):
@@ -297,10 +288,6 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
             )
         init_loc = potential.ravel(potential.init_params) if self._local is None else self._local.init_global
         return data_plates[0].name, split_prior(self._prior_potential(potential), init_loc)
-
-    def _prior_potential(self, potential):
-        """The prior term on ``q``'s coordinates (the global ones)."""
-        return potential.flat().prior_potential if self._local is None else self._local.prior_potential
 
     def full_rank(self, num_latent: int) -> bool:
         """Whether ``q`` is full-rank for a model with ``num_latent`` unconstrained
@@ -496,29 +483,6 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
             result = self._check_mean_field(result)
         return result
 
-    def _check_mean_field(self, result: RunResult):
-        """A mean-field ``q`` of a non-private run: the clients return the curvature of their
-        log-likelihood at draws of ``q`` (``"curvature"``, a diagnostic counted in the ledger)
-        and the run warns where the correlations it shows make ``q``'s sds too small
-        (:func:`~numpyro_fed.infer.pvi.diagnostics.warn_mean_field`)."""
-        plan = self._require_plan()
-        q = result.state.q
-        if (q.eta1.shape[-1] if self._local is None else self._local.check_width) > MEAN_FIELD_CHECK_MAX_DIM:
-            return result
-        thetas = sample(jax.random.PRNGKey(0), q, self.num_mc_samples if self._local is None else LOCAL_CHECK_DRAWS)
-        ledger = None if result.ledger is None else dict(result.ledger)  # the run's ledger counts the check
-        if self._local is None:
-            fn = lambda: (None, jnp.sum(self._curvature_fn(thetas, plan.federation), axis=0))  # noqa: E731
-        else:  # the clients' theta-curvatures, and with their own latents integrated out
-            fn = lambda: self._local_curvature_fn(thetas, result.state.clients, plan.federation)  # noqa: E731
-        joint, curvature = self.through_clients(fn, ledger)
-        result = result._replace(ledger=ledger)
-        prior_hessian = jnp.mean(jax.vmap(jax.hessian(self._prior_potential(self.federated_potential)))(thetas), axis=0)
-        diagonal = None if joint is None else np.diag(np.asarray(joint + prior_hessian))
-        remedy = {} if joint is None else {"remedy": MEAN_FIELD_LIMIT}
-        warn_mean_field(np.asarray(curvature + prior_hessian), diagonal=diagonal, **remedy, stacklevel=3)
-        return result
-
     def record(self, state: PVIState, info) -> dict:
         """A round's metrics (see *Running* in the class docstring)."""
         plan = self._require_plan()
@@ -569,10 +533,7 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
             raise ValueError("get_samples needs a run first: call run()")
         flat = sample(rng_key, result.state.q, num_samples)
         if self._local is not None:
-            keys = jax.random.split(jax.random.fold_in(rng_key, 1), num_samples)
-            federation = self._require_plan().federation
-            fetch = lambda: self._local_draws_fn(keys, result.state.clients, federation)  # noqa: E731
-            return self._local.draws(flat, lambda: self.through_clients(fetch, result.ledger), sites)
+            return self._local_samples(rng_key, result, flat, sites)
         draws = jax.vmap(self.federated_potential.flat().postprocess)(flat)
         return draws if sites is None else {k: v for k, v in draws.items() if k in sites}
 
@@ -587,7 +548,7 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         privacy guarantee covers it."""
         rng_key = jax.random.PRNGKey(0) if rng_key is None else rng_key
         if (args or kwargs) and self._local is not None:
-            raise ValueError("evaluate: with client-local latents the loss needs each client's q(z_m): call evaluate(state)")
+            raise ValueError("evaluate: with client-local latents the loss needs the clients' q(z_m): evaluate(state)")
         if args or kwargs:
             potential = build_potential(
                 self.model, args, kwargs, partition=self.partition, init_strategy=self.init_strategy

@@ -39,14 +39,30 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from numpyro_fed.infer.base import jit_round
 from numpyro_fed.infer.pvi.client import LocalConfig, optimize_local
 from numpyro_fed.infer.pvi.core import ClientFactor, ClientReply, resolve_factor
-from numpyro_fed.infer.pvi.gaussian import GaussianNatural, loc_scale, natural, tree_sub
+from numpyro_fed.infer.pvi.diagnostics import warn_mean_field
+from numpyro_fed.infer.pvi.gaussian import GaussianNatural, loc_scale, natural, sample, tree_sub
 
-__all__ = ["MEAN_FIELD_LIMIT", "LocalBlock", "LocalBlockLayout", "LocalClientState", "LocalLatents", "local_client_functions"]
+__all__ = [
+    "MEAN_FIELD_LIMIT",
+    "ClientLatentsFace",
+    "LocalBlock",
+    "LocalBlockLayout",
+    "LocalClientState",
+    "LocalLatents",
+    "local_client_functions",
+]
 
 #: ``q(z_m)``'s starting scale on the unconstrained space (around the init strategy's point)
 LOCAL_START_SCALE = 1.0
+#: the mean-field check of a diagonal q (``"curvature"``, d x d per client; with local latents,
+#: (d_g + L) x (d_g + L) on the client) up to this many coordinates
+MEAN_FIELD_CHECK_MAX_DIM = 1000
+#: the mean-field check with client-local latents averages the curvature over this many draws (10
+#: read the eight schools' log tau inflation anywhere in 1.05-1.4; 200 settle it at 1.05-1.06)
+LOCAL_CHECK_DRAWS = 200
 #: what the mean-field check says when q's sds of the global latents are too small
 MEAN_FIELD_LIMIT = (
     "with client-local latents q is mean-field by design (q(theta) prod_m q(z_m)): read its sds of "
@@ -325,3 +341,69 @@ class LocalLatents:
                 raise ValueError(f"get_samples: no site(s) {missing}; the model's sites are {sorted(values)}")
             values = {k: v for k, v in values.items() if k in sites}
         return values
+
+
+class ClientLatentsFace:
+    """What :class:`~numpyro_fed.DPPVI`'s face asks of the clients' state after the rounds (a
+    mixin): for client-local latents, finds them in the split model, refuses what they do not
+    support and fetches draws of the clients' ``q(z_m)``; with or without them, the mean-field
+    check (the clients' curvature)."""
+
+    #: the model's client-local latents (:class:`LocalLatents`), ``None`` without
+    _local: LocalLatents | None = None
+
+    def _find_local(self, potential) -> None:
+        self._local = LocalLatents(potential) if LocalLatents.has_local(potential) else None
+        if self._local is not None:
+            self._local.check_settings(self.dp, self.covariance)
+
+    def _prior_potential(self, potential):
+        """The prior term on ``q``'s coordinates (the global ones)."""
+        return potential.flat().prior_potential if self._local is None else self._local.prior_potential
+
+    def _read_clients(self, name: str):
+        """A compiled ``(x, clients, federation) -> replies`` of the clients' stateful call
+        ``name`` (a read: the state it returns is not kept)."""
+        reads = self.__dict__.setdefault("_client_reads", {})
+        if name not in reads:
+            reads[name] = jit_round(lambda x, clients, federation: federation.map(name, x, state=clients)[1])
+        return reads[name]
+
+    def _curvatures(self, thetas, clients, federation):
+        """``(joint, curvature)``: the sums over the clients of their ``"curvature"`` replies
+        (with local latents, :func:`local_client_functions`'; without, ``joint`` is ``None``)."""
+        if self._local is not None:
+            return jax.tree.map(lambda v: v.sum(0), self._read_clients("curvature")(thetas, clients, federation))
+        reads = self.__dict__.setdefault("_client_reads", {})
+        if "curvature" not in reads:
+            reads["curvature"] = jit_round(lambda x, federation: federation.map("curvature", x))
+        return None, jnp.sum(reads["curvature"](thetas, federation), axis=0)
+
+    def _check_mean_field(self, result):
+        """A mean-field ``q`` of a non-private run: the clients return the curvature of their
+        log-likelihood at draws of ``q`` (``"curvature"``, a diagnostic counted in the ledger;
+        with local latents, integrated out) and the run warns where the correlations it shows
+        make ``q``'s sds too small (:func:`~numpyro_fed.infer.pvi.diagnostics.warn_mean_field`)."""
+        plan = self._require_plan()
+        q = result.state.q
+        if (q.eta1.shape[-1] if self._local is None else self._local.check_width) > MEAN_FIELD_CHECK_MAX_DIM:
+            return result
+        thetas = sample(jax.random.PRNGKey(0), q, self.num_mc_samples if self._local is None else LOCAL_CHECK_DRAWS)
+        ledger = None if result.ledger is None else dict(result.ledger)  # the run's ledger counts the check
+        joint, curvature = self.through_clients(
+            lambda: self._curvatures(thetas, result.state.clients, plan.federation), ledger
+        )
+        result = result._replace(ledger=ledger)
+        prior_hessian = jnp.mean(jax.vmap(jax.hessian(self._prior_potential(self.federated_potential)))(thetas), axis=0)
+        diagonal = None if joint is None else np.diag(np.asarray(joint + prior_hessian))
+        remedy = {} if joint is None else {"remedy": MEAN_FIELD_LIMIT}
+        warn_mean_field(np.asarray(curvature + prior_hessian), diagonal=diagonal, **remedy, stacklevel=3)
+        return result
+
+    def _local_samples(self, rng_key, result, flat, sites) -> dict:
+        """:meth:`LocalLatents.draws` of the global draws ``flat``, the clients' draws counted
+        in ``result.ledger``."""
+        keys = jax.random.split(jax.random.fold_in(rng_key, 1), flat.shape[0])
+        federation = self._require_plan().federation
+        fetch = lambda: self._read_clients("local_draws")(keys, result.state.clients, federation)  # noqa: E731
+        return self._local.draws(flat, lambda: self.through_clients(fetch, result.ledger), sites)
