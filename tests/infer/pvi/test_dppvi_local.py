@@ -260,3 +260,23 @@ def test_refusals_name_the_design_limit(make, match):
     with pytest.raises(ValueError, match=match) as error:
         make(eight_schools(4)).run(jax.random.PRNGKey(0), 1, *SCHOOL_ARGS)
     assert "theta_tilde" in str(error.value)
+
+
+@pytest.mark.slow
+def test_on_ray_the_run_is_the_in_process_run(ray_federation):
+    """Each client a Ray worker keeping its q(z_m): the same key gives the same q, the same local
+    draws and the same ledger as in process (measured: bit for bit)."""
+    model, group, y = random_intercepts()
+    results = []
+    for federation in (None, ray_federation):
+        pvi = DPPVI(model, progress_bar=False, federation=federation)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result = pvi.run(jax.random.PRNGKey(1), 3, group, y)
+        results.append((result, pvi.get_samples(jax.random.PRNGKey(2), result, 50)))
+    (local, local_draws), (ray, ray_draws) = results
+    np.testing.assert_allclose(ray.metrics["loc"], local.metrics["loc"], rtol=1e-12)
+    np.testing.assert_allclose(ray_draws["a"], local_draws["a"], rtol=1e-12)
+    assert set(ray.ledger) == set(local.ledger)
+    for key in local.ledger:
+        np.testing.assert_array_equal(ray.ledger[key], local.ledger[key])
