@@ -148,7 +148,6 @@ def local_client_functions(
     """
     global_index = np.asarray(global_index)
     num_global = int(global_index.size)
-    single = ([jnp.zeros((1,))], jnp.ones((1,), bool))  # the client's term is one "row"
 
     def embed(w, local_index):
         x = jnp.zeros(num_latent, w.dtype).at[global_index].set(w[:num_global])
@@ -164,7 +163,7 @@ def local_client_functions(
         pad = GaussianNatural(jnp.zeros_like(state.local.eta1), jnp.where(lblock.local_valid, 0.0, -0.5).astype(dtype))
         start = _concat(q, state.local)
         cavity = _concat(tree_sub(q, factor), pad)
-        rows, valid = [single[0][0].astype(dtype)], single[1]
+        rows, valid = [jnp.zeros((1,), dtype)], jnp.ones((1,), bool)  # the client's term is one "row"
 
         def row_log_lik(w, rows):
             return jnp.broadcast_to(log_joint(w, lblock), rows[0].shape[:1])
@@ -252,9 +251,9 @@ class LocalLatents:
         """Whether ``potential`` has client-local latent coordinates."""
         return bool((np.asarray(potential.coordinate_owner) >= 0).any())
 
-    def check_settings(self, dp, covariance) -> None:
+    def check_settings(self, dp, covariance, sampling="full") -> None:
         """Refuses, naming the design limit, what local latents do not support: the private
-        variants and a full-rank ``q``."""
+        variants, a full-rank ``q`` and minibatches of rows."""
         sites = list(self.local_sites)
         if dp is not None:
             raise ValueError(
@@ -269,6 +268,12 @@ class LocalLatents:
                 f"covariance='full' cannot be used with client-local latent variables (site(s) {sites}): "
                 "q(theta) prod_m q(z_m) is mean-field (each client's q(z_m) diagonal and independent of "
                 "q(theta)); use covariance='diagonal' or 'auto'"
+            )
+        if sampling != "full":
+            raise ValueError(
+                f"sampling={sampling!r} cannot be used with client-local latent variables (site(s) {sites}): "
+                "a client's term is optimized whole (its rows share its latents), not in minibatches of rows; "
+                "leave sampling and sampling_rate unset"
             )
 
     @property
@@ -355,7 +360,7 @@ class ClientLatentsFace:
     def _find_local(self, potential) -> None:
         self._local = LocalLatents(potential) if LocalLatents.has_local(potential) else None
         if self._local is not None:
-            self._local.check_settings(self.dp, self.covariance)
+            self._local.check_settings(self.dp, self.covariance, self.sampling)
 
     def _prior_potential(self, potential):
         """The prior term on ``q``'s coordinates (the global ones)."""

@@ -254,6 +254,7 @@ def test_eight_schools_float32(float32, schools_nuts):
         (lambda m: DPPVI(m, dp="local_avg", noise_multiplier=1.0, progress_bar=False), "client-local"),
         (lambda m: DPPVI(m, covariance="full", progress_bar=False), "mean-field"),
         (lambda m: BCM(m, dp=None, progress_bar=False), "client-local"),
+        (lambda m: DPPVI(m, sampling_rate=0.5, progress_bar=False), "minibatches"),
     ],
 )
 def test_refusals_name_the_design_limit(make, match):
