@@ -24,7 +24,7 @@ STAMP := $(VENV)/.installed-stamp
 COMPAT_VENV := .venv-compat
 DATA ?= ../shared/data
 
-.PHONY: demo test test-engines lint test-slow test-ci-slow test-compat zoo docs notebooks bench clean
+.PHONY: demo test test-long lint test-slow test-ci-slow test-compat zoo docs notebooks bench clean
 
 $(STAMP): pyproject.toml
 	@test -n "$(PYTHON)" || { echo "make: no Python >= 3.12 found (tried python3.12, python3.13," \
@@ -40,14 +40,15 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) examples/demo.py --data $(DATA)
 
-# The package's tests in this process (the engine tests and the slow tier apart)
+# The package's tests in this process, the long ones and the engine ones apart
 test: $(STAMP) lint
-	$(PY) -m pytest -q -n 2 -m "not slow and not engine" --durations=25
+	$(PY) -m pytest -q -n 2 -m "not slow and not engine and not long" --durations=25
 
-# The tests that start Ray workers or Flower's simulation (a local Ray, stopped at the end;
-# marked "engine" in tests/conftest.py); CI runs them
-test-engines: $(STAMP)
-	$(PY) -m pytest -q -n 2 -m "engine and not slow" --durations=10
+# What make test leaves to CI (marked in tests/conftest.py): the tests that start Ray workers
+# or Flower's simulation (a local Ray, stopped at the end) and the correctness checks of more
+# than about 10 s each
+test-long: $(STAMP)
+	$(PY) -m pytest -q -n 2 -m "(engine or long) and not slow" --durations=25
 
 # ruff: pyflakes, pycodestyle, import order and the format (pyproject.toml's [tool.ruff])
 lint: $(STAMP)

@@ -42,10 +42,57 @@ def ray_federation(ray_session):
     federation.close()
 
 
+# Correctness checks that take more than about 10 s each on a quiet 2-core machine (long runs
+# against NUTS or closed forms, every variant of a protocol end to end): marked ``long``, run by
+# ``make test-long`` and CI, not by ``make test``. Each algorithm keeps faster checks of its
+# distribution in ``make test``. By node id prefix (a parametrized test: all of its cases).
+LONG = (
+    "tests/infer/zigzag/test_zigzag.py::test_vectorized_chains",
+    "tests/infer/zigzag/test_zigzag.py::test_gradient_bound_agrees_with_nuts_and_too_small_a_bound_is_reported",
+    "tests/infer/zigzag/test_zigzag.py::test_warmup_then_run_and_post_warmup_state_continue_the_chain",
+    "tests/infer/zigzag/test_zigzag.py::test_second_order_control_variates_match_closed_form_without_spurious",
+    "tests/infer/zigzag/test_zigzag.py::test_subsampling_and_deployment_on_the_mean_of_a_normal",
+    "tests/infer/zigzag/test_zigzag.py::test_client_local_latents_agree_with_nuts",
+    "tests/infer/zigzag/test_zigzag.py::test_logistic_regression_over_unequal_clients_agrees_with_nuts",
+    "tests/infer/zigzag/test_zigzag.py::test_preconditioned_sampler_matches_closed_form",
+    "tests/infer/zigzag/test_zigzag.py::test_laplace_preconditioning_speeds_up_a_correlated_posterior",
+    "tests/infer/zigzag/test_zigzag.py::test_hessian_bound_on_logistic_regression_agrees_with_nuts",
+    "tests/infer/zigzag/test_zigzag.py::test_gaussian_target_with_prior_redistribution",
+    "tests/infer/zigzag/test_zigzag_federation.py::test_one_round_per_switch_and_same_posterior_as_in_process",
+    "tests/infer/zigzag/test_zigzag_federation.py::test_deployment_equals_simulation_bit_for_bit",
+    "tests/infer/zigzag/test_zigzag_subsample.py::test_second_order_user_third_bound_is_summed_per_coordinate",
+    "tests/infer/zigzag/test_zigzag_subsample.py::test_curvature_not_finite_away_from_the_posterior_is_warned",
+    "tests/infer/zigzag/test_zigzag_warmup.py::test_adapted_interval_follows_the_smallest_posterior_sd",
+    "tests/federation/test_federation_variational.py::test_deployment_in_process_is_the_simulation",
+    "tests/federation/test_federation_variational.py::test_a_client_fault_stops_the_run_and_the_checkpoint_resumes",
+    "tests/federation/test_federation_variational.py::test_pdsvgd_ledger_counts_local_particles_up",
+    "tests/federation/test_federation_variational.py::test_dsvgd_ledger_counts_particles_between_server_and_sched",
+    "tests/federation/test_federation_variational.py::test_dppvi_ledger_counts_what_the_protocol_sends",
+    "tests/federation/test_federation_variational.py::test_udsvgd_ledger_counts_the_global_particles_and_the_round",
+    "tests/infer/stein/test_svgd.py::test_minibatch_runs_reach_the_posterior",
+    "tests/infer/stein/test_svgd.py::test_udsvgd_and_pdsvgd_conjugate_moments",
+    "tests/infer/stein/test_svgd.py::test_mixture_kl_beats_gaussian_pvi_and_approaches_svgd",
+    "tests/infer/stein/test_svgd.py::test_minibatch_gradient_is_unbiased_and_full_when_the_batch_covers_the_client",
+    "tests/infer/stein/test_svgd_units.py::test_a_change_of_units_changes_nothing",
+    "tests/infer/stein/test_dsvgd_local.py",
+    "tests/infer/pvi/test_dppvi_local.py",
+    "tests/infer/pvi/test_pvi_priors.py::test_halfcauchy_and_flat_priors_agree_with_nuts",
+    "tests/infer/pvi/test_dppvi.py::test_virtual_with_one_shard_is_parameter_perturbation",
+    "tests/infer/pvi/test_accounting.py::test_calibration_hits_target_from_below",
+    "tests/infer/test_kernel.py::test_a_good_run_is_silent_and_numpyros_own_kernels_are_untouched",
+    "tests/infer/test_ledger.py::test_a_variational_run_and_a_decentralized_run_have_ledgers_of_one_shape",
+    "tests/infer/admm/test_admm.py::test_newton_proximal_steps_under_vectorized_chains",
+    "tests/infer/admm/test_admm.py::test_draws_that_collapse_a_funnel_warn",
+    "tests/zoo/test_zoo_real.py::test_zoo_real_fast",
+)
+
+
 def pytest_collection_modifyitems(config, items):
     """A test that starts Ray workers (it uses the ``ray_session`` fixture) or Flower's
-    simulation (``tests/flower/test_flower.py``) is an ``engine`` test: ``make test-engines``
-    runs them, ``make test`` does not (each starts processes that import JAX and compile)."""
+    simulation (``tests/flower/test_flower.py``) is an ``engine`` test, one in :data:`LONG` a
+    ``long`` one: ``make test-long`` runs both, ``make test`` neither (CI runs both)."""
     for item in items:
         if "ray_session" in getattr(item, "fixturenames", ()) or item.nodeid.startswith("tests/flower/test_flower.py"):
             item.add_marker(pytest.mark.engine)
+        if item.nodeid.startswith(LONG):
+            item.add_marker(pytest.mark.long)

@@ -103,8 +103,10 @@ def _run_algorithm(algorithm, case, model, args, rng_key, record, sites):
     else:
         raise KeyError(algorithm)
     _phase(record, "results")
-    if algorithm == "DPPVI" and case.tier == "synthetic":  # the fitted q itself, flat in the order of ``sites``
-        params = method.get_params(result.state)
+    params = method.get_params(result.state) if algorithm == "DPPVI" else {}
+    # the fitted q itself, flat in the order of ``sites`` (the server's q holds the global sites
+    # only: with client-local ones the draws are compared instead)
+    if algorithm == "DPPVI" and case.tier == "synthetic" and all(name in params["loc"] for name in sites):
         record["q"] = {
             k: np.concatenate([np.asarray(params[k][name], np.float64).ravel() for name in sites]).tolist()
             for k in ("loc", "scale")

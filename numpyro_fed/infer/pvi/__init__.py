@@ -6,6 +6,8 @@ and their baselines.
   Gaussian part and the server's prior factor);
   :mod:`~numpyro_fed.infer.pvi.layout`: a client's block in PVI's layout;
 * :mod:`~numpyro_fed.infer.pvi.client`: a client's local optimization and message;
+  :mod:`~numpyro_fed.infer.pvi.local`: clients with latents of their own (each keeps its
+  ``q(z_m)``);
 * :mod:`~numpyro_fed.infer.pvi.core`: state, server update and the pure rounds
   (``init``, ``build_step``, ``build_client_step``), the one core of every face below;
 * :mod:`~numpyro_fed.infer.pvi.baseline_core`: the baselines' start and end of that core;

@@ -76,6 +76,7 @@ __all__ = [
     "federated_negative_elbo",
     "init",
     "negative_elbo",
+    "resolve_factor",
     "server_update",
     "shard_layout",
 ]
@@ -199,9 +200,9 @@ def init(
     )
 
 
-def _resolve(own: ClientFactor, applied) -> GaussianNatural:
+def resolve_factor(own: ClientFactor, applied) -> GaussianNatural:
     """A client's factor (or virtual factors) with its last update added where the server
-    applied it."""
+    applied it (``applied``, what the server sends with its next request)."""
     return jax.tree_util.tree_map(lambda t, p: jnp.where(applied, t + p, t), own.factor, own.pending)
 
 
@@ -214,7 +215,7 @@ def client_factors(state: PVIState) -> GaussianNatural:
         raise ValueError(
             "the clients' factors are held by the clients (an engine backend's workers): this state has no copy of them"
         )
-    return jax.vmap(_resolve)(state.clients.values, state.applied)
+    return jax.vmap(resolve_factor)(state.clients.values, state.applied)
 
 
 def server_update(state: PVIState, new_q, new_factors):
@@ -328,7 +329,7 @@ def client_functions(
             clip_norm = jnp.where(first, block.clip_first, block.clip_later)
         else:
             (key, applied), clip_norm = args, None
-        factor = _resolve(own, applied)
+        factor = resolve_factor(own, applied)
         if dp == "virtual":
             factor_arg, virtual_arg = None, factor
         else:
@@ -374,23 +375,40 @@ def client_functions(
 
 
 def federated_negative_elbo(
-    rng_key, federation, q: GaussianNatural, prior: GaussianNatural, num_samples: int, prior_potential=None
+    rng_key,
+    federation,
+    q: GaussianNatural,
+    prior: GaussianNatural,
+    num_samples: int,
+    prior_potential=None,
+    clients=None,
 ):
     """:func:`negative_elbo` with every client's term computed by the client
     (``federation.map("expected_log_lik", thetas)``): the server draws ``thetas`` from ``q``
-    and sends them; each client returns one number."""
+    and sends them; each client returns one number. With ``clients`` (the clients'
+    :class:`~numpyro_fed.federation.ClientState`; clients that keep latents of their own,
+    :mod:`~numpyro_fed.infer.pvi.local`) the call is stateful (the same message; the client
+    draws its own latents with a key it keeps) and the result is ``(clients, loss)``."""
     thetas = sample(rng_key, q, num_samples)
-    expected = jnp.sum(federation.map("expected_log_lik", thetas))
-    return _prior_side_of_loss(q, prior, thetas, prior_potential) - expected
+    if clients is None:
+        expected = jnp.sum(federation.map("expected_log_lik", thetas))
+        return _prior_side_of_loss(q, prior, thetas, prior_potential) - expected
+    clients, terms = federation.map("expected_log_lik", thetas, state=clients)
+    return clients, _prior_side_of_loss(q, prior, thetas, prior_potential) - jnp.sum(terms)
 
 
-def build_loss(num_mc_samples: int, prior_potential: Callable | None = None) -> Callable:
+def build_loss(num_mc_samples: int, prior_potential: Callable | None = None, *, stateful: bool = False) -> Callable:
     """A pure ``loss(rng_key, q, prior, federation)``: :func:`federated_negative_elbo` with
     ``num_mc_samples`` draws (the loss of a face's ``evaluate``); ``prior_potential`` for a
-    prior that ``prior`` does not hold whole (see :func:`negative_elbo`)."""
+    prior that ``prior`` does not hold whole (see :func:`negative_elbo`). ``stateful``
+    (clients with latents of their own): ``loss(rng_key, q, prior, clients, federation)``."""
 
-    def loss(rng_key, q: GaussianNatural, prior: GaussianNatural, federation):
-        return federated_negative_elbo(rng_key, federation, q, prior, num_mc_samples, prior_potential)
+    def loss(rng_key, q: GaussianNatural, prior: GaussianNatural, *clients_and_federation):
+        *clients, federation = clients_and_federation
+        out = federated_negative_elbo(
+            rng_key, federation, q, prior, num_mc_samples, prior_potential, clients[0] if stateful else None
+        )
+        return out[1] if stateful else out
 
     return loss
 
@@ -420,13 +438,25 @@ def build_visit(*, damping: float = 1.0, auto_clip: bool = False) -> Callable:
 
 
 def _end_round(
-    rng_key, state: PVIState, federation, num_mc_samples: int, rejected, clipped, residual, prior_residual, loss_prior
+    rng_key,
+    state: PVIState,
+    federation,
+    num_mc_samples: int,
+    rejected,
+    clipped,
+    residual,
+    prior_residual,
+    loss_prior,
+    stateful_loss=False,
 ):
     """Counts the round and computes the loss of the new ``q`` through the clients."""
     state = state._replace(round=state.round + 1)
-    loss = federated_negative_elbo(
-        jax.random.fold_in(rng_key, LOSS_STREAM), federation, state.q, state.prior, num_mc_samples, loss_prior
-    )
+    key = jax.random.fold_in(rng_key, LOSS_STREAM)
+    clients = state.clients if stateful_loss else None
+    loss = federated_negative_elbo(key, federation, state.q, state.prior, num_mc_samples, loss_prior, clients)
+    if stateful_loss:
+        clients, loss = loss
+        state = state._replace(clients=clients)
     return state, PVIInfo(rejected, clipped, residual, loss, prior_residual)
 
 
@@ -450,6 +480,7 @@ def build_step(
     auto_clip: bool = False,
     prior_update: Callable | None = None,
     prior_potential: Callable | None = None,
+    stateful_loss: bool = False,
 ) -> Callable:
     """A pure ``step(rng_key, state, federation) -> (state, info)``: one round, visiting
     every client once through ``federation`` (a started
@@ -462,7 +493,8 @@ def build_step(
     Client ``m``'s key is ``jax.random.split(rng_key, num_clients)[m]``. With
     ``prior_update`` (:func:`~numpyro_fed.infer.pvi.prior.build_prior_update`), the server
     first refines the prior factor; ``prior_potential`` then enters the loss (see
-    :func:`negative_elbo`).
+    :func:`negative_elbo`). ``stateful_loss``: the clients' terms of the loss read their
+    client state (latents of their own, see :func:`federated_negative_elbo`).
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -498,6 +530,7 @@ def build_step(
             residual,
             prior_residual,
             prior_potential,
+            stateful_loss,
         )
 
     return step

@@ -152,12 +152,14 @@ def _warn_update_perturbation(dp, dp_error, clipped, clip_norm, stacklevel):
         )
 
 
-def mean_field_inflation(curvature):
+def mean_field_inflation(curvature, diagonal=None):
     """``(d,)``: per coordinate, the posterior sd over a mean-field ``q``'s, read off the
     curvature (minus the Hessian of the log posterior, ``(d, d)``) at draws of ``q``:
     ``sqrt(Sigma_ii * Lambda_ii)`` with ``Sigma = Lambda^-1``, which a Gaussian posterior's
     mean-field fit attains. ``None`` where the curvature is not positive definite (a
-    multimodal posterior, say), which says nothing."""
+    multimodal posterior, say), which says nothing. ``diagonal``: the ``Lambda_ii`` of a
+    larger mean-field ``q`` whose other coordinates ``curvature`` has integrated out (its
+    Schur complement; client-local latents)."""
     precision = 0.5 * (np.asarray(curvature, np.float64) + np.asarray(curvature, np.float64).T)
     if not np.all(np.isfinite(precision)):
         return None
@@ -167,14 +169,14 @@ def mean_field_inflation(curvature):
         return None
     inv_chol = np.linalg.inv(chol)
     covariance_diag = np.sum(np.square(inv_chol), axis=0)
-    return np.sqrt(covariance_diag * np.diag(precision))
+    return np.sqrt(covariance_diag * (np.diag(precision) if diagonal is None else np.asarray(diagonal)))
 
 
-def warn_mean_field(curvature, *, stacklevel: int = 1) -> None:
+def warn_mean_field(curvature, *, diagonal=None, remedy="use covariance='full'", stacklevel: int = 1) -> None:
     """Warns when a mean-field ``q``'s sds are too small for the correlations the model's
     curvature shows (:func:`mean_field_inflation` above ``MAX_MEAN_FIELD_INFLATION``);
     ``stacklevel`` counted from the caller of this function."""
-    inflation = mean_field_inflation(curvature)
+    inflation = mean_field_inflation(curvature, diagonal)
     if inflation is None or inflation.max() <= MAX_MEAN_FIELD_INFLATION:
         return
     j = int(np.argmax(inflation))
@@ -182,7 +184,7 @@ def warn_mean_field(curvature, *, stacklevel: int = 1) -> None:
         f"DPPVI: q is mean-field (covariance='diagonal') but the posterior is correlated: the "
         f"model's curvature at q's draws puts the posterior sd of coordinate {j} {inflation[j]:.2g} "
         f"times q's ({int(np.sum(inflation > MAX_MEAN_FIELD_INFLATION))} coordinate(s) above "
-        f"{MAX_MEAN_FIELD_INFLATION}), so q's sds are too small there; use covariance='full'",
+        f"{MAX_MEAN_FIELD_INFLATION}), so q's sds are too small there; {remedy}",
         RuntimeWarning,
         stacklevel=stacklevel + 1,
     )

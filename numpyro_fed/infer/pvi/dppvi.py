@@ -28,14 +28,16 @@ from numpyro_fed.infer.base import (
     VariationalMethod,
     adopt_client_state,
     build_potential,
+    check_global_latents,
     jit_round,
 )
 from numpyro_fed.infer.pvi import core
 from numpyro_fed.infer.pvi.accounting import AVERAGE_FROM, MAX_DP_ERROR, PrivacyAccounting
 from numpyro_fed.infer.pvi.client import LocalConfig
 from numpyro_fed.infer.pvi.core import PVIState
-from numpyro_fed.infer.pvi.diagnostics import judge_run, last_move, warn_mean_field
+from numpyro_fed.infer.pvi.diagnostics import judge_run, last_move
 from numpyro_fed.infer.pvi.gaussian import loc_scale, sample
+from numpyro_fed.infer.pvi.local import ClientLatentsFace
 from numpyro_fed.infer.pvi.prior import PriorSplit, build_prior_update, initial_state, prior_remainder, split_prior
 from numpyro_fed.infer.pvi.settings import check_aggregation, check_noise, default_optimizer, resolve_sampling
 from numpyro_fed.privacy.accounting import check_delta, check_epsilon
@@ -44,8 +46,6 @@ __all__ = ["DPPVI"]
 
 _DEFAULT_NUM_SAMPLES = 1000  # get_samples' draws when num_samples is None
 COVARIANCES = ("auto", "full", "diagonal")
-#: the mean-field check of a diagonal q (``"curvature"``, d x d per client) up to this many coordinates
-MEAN_FIELD_CHECK_MAX_DIM = 1000
 #: covariance="auto": a full-rank q (non-private runs) up to this many latent coordinates
 FULL_RANK_MAX_DIM = 100
 #: the default local optimization of a full-rank q starts from this many Newton steps
@@ -68,7 +68,7 @@ class _RunPlan(NamedTuple):
     prior: PriorSplit  # how the prior enters q
 
 
-class DPPVI(PrivacyAccounting, VariationalMethod):
+class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
     """Differentially private partitioned variational inference.
 
     A Gaussian on the unconstrained latents (full-rank or mean-field, ``covariance``), one
@@ -76,7 +76,10 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
     the privacy mechanism.
 
     :param model: a NumPyro model with one :func:`~numpyro_fed.federated_plate` over the data
-        rows and global continuous latent variables only. Priors as statisticians write them:
+        rows and continuous latent variables: global ones and client-local ones (sites in a
+        ``federated_plate`` of clients, e.g. per-school effects: each client keeps its own
+        mean-field ``q(z_m)``, :mod:`~numpyro_fed.infer.pvi.local`; ``dp=None`` only).
+        Priors as statisticians write them:
         ``Normal`` priors (and ``LogNormal`` scales, Gaussian on the log scale) are factors of
         ``q`` exactly; flat priors (``ImproperUniform``) are zero-precision factors; any other
         prior (a ``HalfCauchy`` scale, a hierarchical ``Normal(0, tau)``, a ``Dirichlet``) is
@@ -264,35 +267,34 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
             raise ValueError(f"neighboring must be 'replace_one' or 'add_remove', got {neighboring!r}")
         self.neighboring = neighboring
         self._plan: _RunPlan | None = None
-        self._curvature_fn = jit_round(lambda thetas, federation: federation.map("curvature", thetas))
 
     repr_fields = ("dp", "schedule", "num_local_steps", "num_mc_samples", "damping")
     divergence_advice = "lower the optimizer's rate (optim) or, with privacy, damp the updates (damping=0.2-0.5)"
 
     # -- the model -----------------------------------------------------------------------------
     def _setup(self, args, kwargs):
-        potential = self.build_potential(
-            args,
-            kwargs,
-            advice="a client's factor t_m cannot hold latents of its own. Use "
-            "FedZigZag, which samples client-local latents",
-        )
+        potential = self.build_potential(args, kwargs, global_latents_only=False)
+        if type(self) is not DPPVI:  # the baselines' clients hold factors of the global latents only
+            check_global_latents(potential, type(self).__name__, "use DPPVI")
+        self._find_local(potential)
         return (potential,) + self._check_plates(potential)
 
     def _check_plates(self, potential):
         data_plates = [p for p in potential.plates.values() if p.holds_data]
-        if len(data_plates) != 1 or len(potential.plates) != 1:
+        if len(data_plates) != 1:
             raise ValueError(
-                f"{type(self).__name__} needs exactly one federated plate, over the data rows, and "
-                f"global latent variables only; the model has plates {list(potential.plates)}"
+                f"{type(self).__name__} needs exactly one federated plate over the data rows; the "
+                f"model has plates {list(potential.plates)}"
             )
-        init_loc = potential.ravel(potential.init_params)
-        return data_plates[0].name, split_prior(potential.flat().prior_potential, init_loc)
+        init_loc = potential.ravel(potential.init_params) if self._local is None else self._local.init_global
+        return data_plates[0].name, split_prior(self._prior_potential(potential), init_loc)
 
     def full_rank(self, num_latent: int) -> bool:
         """Whether ``q`` is full-rank for a model with ``num_latent`` unconstrained
         coordinates: ``covariance="full"``, or ``"auto"`` without privacy up to
-        ``FULL_RANK_MAX_DIM`` coordinates."""
+        ``FULL_RANK_MAX_DIM`` coordinates (mean-field with client-local latents)."""
+        if self._local is not None:
+            return False
         if self.covariance == "auto":
             return self.dp is None and num_latent <= FULL_RANK_MAX_DIM
         return self.covariance == "full"
@@ -320,7 +322,7 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
                 f"epsilon={privacy.epsilon:.4g} > target_epsilon={self.target_epsilon}; "
                 f"pass num_rounds=None for the most that fit"
             )
-        d = potential.num_latent
+        d = int(prior.base.eta1.shape[-1])
         dp_error = self.predicted_dp_error(sigmas, num_rounds, sizes, d) if privacy is not None else 0.0
         if dp_error > MAX_DP_ERROR:
             self._noise_dominates(dp_error, num_rounds, sizes)
@@ -336,7 +338,7 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
             clip_norm=1.0 if self.auto_clip else self.clip_norm,
             standardize=self.default_optim,
             average_from=AVERAGE_FROM if self.default_optim else 1.0,
-            newton_start=NEWTON_STEPS if self.default_optim and self.full_rank(potential.num_latent) else 0,
+            newton_start=NEWTON_STEPS if self.default_optim and self.full_rank(d) else 0,
             clip_scaled=self.auto_clip,
         )
         dtype = jnp.zeros(()).dtype
@@ -347,6 +349,10 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         num_clients = int(sizes.size)
         noise = jnp.broadcast_to(jnp.asarray(sigmas, dtype=dtype), (num_clients,))
         layout = core.BlockLayout(plate, shard_index, shard_valid, noise, clip_first, clip_later)
+        if self._local is not None:  # clients with latents of their own
+            self._client_plan = (num_rounds, sizes, sigmas, privacy, dp_error, layout, config, prior)
+            programs = self._local.client_functions(config, damping=self.damping)
+            return self._client_spec(programs, potential, self._local.layout())
         programs = core.client_functions(
             potential.flat().row_log_likelihood,
             config,
@@ -365,7 +371,7 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         exact Gaussian prior."""
         if prior.exact:
             return None, None
-        prior_potential = potential.flat().prior_potential
+        prior_potential = self._prior_potential(potential)
         remainder = prior_remainder(prior_potential, prior.base)
         return build_prior_update(remainder, prior.refined, config, damping=self.damping), prior_potential
 
@@ -395,6 +401,7 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
             auto_clip=self.auto_clip,
             prior_update=prior_update,
             prior_potential=prior_potential,
+            stateful_loss=self._local is not None,
         )
         self._plan = _RunPlan(
             num_rounds,
@@ -404,11 +411,15 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
             dp_error,
             layout,
             jit_round(step),
-            jit_round(core.build_loss(self.num_mc_samples, prior_potential)),
+            jit_round(core.build_loss(self.num_mc_samples, prior_potential, stateful=self._local is not None)),
             federation,
             prior,
         )
-        return self._initial_state(prior, sizes.size)
+        if self._local is None:
+            return self._initial_state(prior, sizes.size)
+        state = initial_state(prior, num_clients)  # the clients' factors, then their own q(z_m) and keys
+        clients = self._local.initial_clients(state.clients.values, jax.random.fold_in(rng_key, 1), federation)
+        return state._replace(clients=clients)
 
     def update(self, rng_key, state: PVIState, *args, **kwargs):
         """One round of the plan :meth:`init` prepared (every client visited once):
@@ -472,24 +483,6 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
             result = self._check_mean_field(result)
         return result
 
-    def _check_mean_field(self, result: RunResult):
-        """A mean-field ``q`` of a non-private run: the clients return the curvature of their
-        log-likelihood at draws of ``q`` (``"curvature"``, a diagnostic counted in the ledger)
-        and the run warns where the correlations it shows make ``q``'s sds too small
-        (:func:`~numpyro_fed.infer.pvi.diagnostics.warn_mean_field`)."""
-        plan = self._require_plan()
-        q = result.state.q
-        if q.eta1.shape[-1] > MEAN_FIELD_CHECK_MAX_DIM:
-            return result
-        thetas = sample(jax.random.PRNGKey(0), q, self.num_mc_samples)
-        ledger = None if result.ledger is None else dict(result.ledger)  # the run's ledger counts the check
-        curvature = self.through_clients(lambda: jnp.sum(self._curvature_fn(thetas, plan.federation), axis=0), ledger)
-        result = result._replace(ledger=ledger)
-        prior_potential = self.federated_potential.flat().prior_potential
-        curvature = curvature + jnp.mean(jax.vmap(jax.hessian(prior_potential))(thetas), axis=0)
-        warn_mean_field(np.asarray(curvature), stacklevel=3)
-        return result
-
     def record(self, state: PVIState, info) -> dict:
         """A round's metrics (see *Running* in the class docstring)."""
         plan = self._require_plan()
@@ -524,17 +517,25 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         """``{"loc": ..., "scale": ...}`` of ``q`` on the unconstrained space, each a dict by
         site shaped like the model's latent values (as ``SVI.get_params``)."""
         loc, scale = loc_scale(state.q)
+        if self._local is not None:  # q covers the global latents
+            return self._local.get_params(loc, scale)
         unravel = self.federated_potential.unravel
         return {"loc": unravel(loc), "scale": unravel(scale)}
 
-    def get_samples(self, rng_key, result: RunResult, num_samples: int | None = None) -> dict:
+    def get_samples(self, rng_key, result: RunResult, num_samples: int | None = None, *, sites=None) -> dict:
         """Draws of ``q``, constrained, as a dict by site (like the ``sample_posterior`` of
-        :class:`numpyro.infer.SVI`'s guides); ``num_samples=None``: 1000."""
+        :class:`numpyro.infer.SVI`'s guides); ``num_samples=None``: 1000; ``sites``: only
+        these. A client-local site's draws are its clients' (each draws from its ``q(z_m)``,
+        call ``"local_draws"``, counted in ``result.ledger``), fetched only when one is
+        asked for (``sites=None``: every site)."""
         num_samples = _DEFAULT_NUM_SAMPLES if num_samples is None else check_int(num_samples, "num_samples", minimum=1)
         if self.federated_potential is None:
             raise ValueError("get_samples needs a run first: call run()")
         flat = sample(rng_key, result.state.q, num_samples)
-        return jax.vmap(self.federated_potential.flat().postprocess)(flat)
+        if self._local is not None:
+            return self._local_samples(rng_key, result, flat, sites)
+        draws = jax.vmap(self.federated_potential.flat().postprocess)(flat)
+        return draws if sites is None else {k: v for k, v in draws.items() if k in sites}
 
     def evaluate(self, state: PVIState, *args, rng_key=None, **kwargs):
         """The negative ELBO of ``state``'s ``q``: ``KL(q || prior)`` minus every row's
@@ -546,6 +547,8 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
         loss of ``metrics["loss"]``: a diagnostic, not a message of the algorithm, and no
         privacy guarantee covers it."""
         rng_key = jax.random.PRNGKey(0) if rng_key is None else rng_key
+        if (args or kwargs) and self._local is not None:
+            raise ValueError("evaluate: with client-local latents the loss needs the clients' q(z_m): evaluate(state)")
         if args or kwargs:
             potential = build_potential(
                 self.model, args, kwargs, partition=self.partition, init_strategy=self.init_strategy
@@ -563,8 +566,9 @@ class DPPVI(PrivacyAccounting, VariationalMethod):
                 prior_potential,
             )
         plan = self._require_plan()
+        clients = () if self._local is None else (state.clients,)
         with plan.federation.guard():
-            return plan.loss_fn(rng_key, state.q, state.prior, plan.federation)
+            return plan.loss_fn(rng_key, state.q, state.prior, *clients, plan.federation)
 
     def arviz_dicts(self, result: RunResult, *, num_samples: int | None = None, rng_key=None) -> dict:
         """Draws of ``q`` as the posterior (one chain), per-round diagnostics as

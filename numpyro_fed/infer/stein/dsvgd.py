@@ -52,9 +52,11 @@ __all__ = [
     "build_kernel",
     "check_key",
     "client_functions",
+    "distill",
     "init",
     "initial_local_states",
     "round_config",
+    "round_scores",
     "server_update",
     "start_and_frame",
     "update_particles",
@@ -224,11 +226,9 @@ def update_particles(
     ``centers`` at ``x``.
     """
 
-    def score_previous(x):  # grad log q^(i-1)
-        return jnp.where(first, prior_score(x), kde_score(x, global_particles))
-
-    def score_local(x):  # grad log p_0 t_k^(i-1)
-        return jnp.where(visited, kde_score(x, local_particles), prior_score(x))
+    score_previous, score_local = round_scores(
+        global_particles, local_particles, prior_score, kde_score, visited=visited, first=first
+    )
 
     def tilted_score(x, step_key=None):  # Eq. (14)
         return score_previous(x) - score_local(x) + prior_score(x) - client_grad(x, block, step_key) / temperature
@@ -236,8 +236,56 @@ def update_particles(
     new_global = staged_svgd(
         global_particles, tilted_score, num_local_steps, optim, svgd_bandwidth, rng_key, stages, curvature
     )
+    new_local = distill(
+        new_global,
+        local_particles,
+        score_previous,
+        score_local,
+        kde_score=kde_score,
+        num_distill_steps=num_distill_steps,
+        distill_optim=distill_optim,
+        svgd_bandwidth=svgd_bandwidth,
+        visited=visited,
+        stages=stages,
+        curvature=curvature,
+    )
+    return ClientUpdate(new_global, new_local)
 
-    def factor_score(x):  # grad log p_0 t_k^(i), t_k^(i) = t_k^(i-1) q^(i) / q^(i-1)  (Eq. (17))
+
+def round_scores(global_particles, local_particles, prior_score, kde_score, *, visited, first):
+    """``(score_previous, score_local)`` of a client's round: ``grad log q^(i-1)`` (the KDE of
+    the ``global_particles``, or ``p_0`` exactly while no client has been ``visited``:
+    ``first``) and ``grad log p_0 t_k^(i-1)`` (the KDE of the ``local_particles``, or ``p_0``
+    exactly for a client not yet ``visited``), each ``(N, d) -> (N, d)``."""
+
+    def score_previous(x):  # grad log q^(i-1)
+        return jnp.where(first, prior_score(x), kde_score(x, global_particles))
+
+    def score_local(x):  # grad log p_0 t_k^(i-1)
+        return jnp.where(visited, kde_score(x, local_particles), prior_score(x))
+
+    return score_previous, score_local
+
+
+def distill(
+    new_global,
+    local_particles,
+    score_previous,
+    score_local,
+    *,
+    kde_score,
+    num_distill_steps,
+    distill_optim,
+    svgd_bandwidth,
+    visited,
+    stages=1,
+    curvature=False,
+):
+    """Line 7 of Algorithm 1: the client's new local particles, ``L'`` SVGD steps towards
+    ``p_0 t_k^(i)``, ``t_k^(i) = t_k^(i-1) q^(i) / q^(i-1)`` (Eq. (17)), ``q^(i)`` the KDE of
+    ``new_global`` (scores of :func:`round_scores`)."""
+
+    def factor_score(x):  # grad log p_0 t_k^(i)
         return kde_score(x, new_global) + score_local(x) - score_previous(x)
 
     # With stages (kde_bandwidth="auto"), a client's first distillation starts from the
@@ -245,10 +293,9 @@ def update_particles(
     # (t_k^(0) = 1 exactly) and may lie many whitened units from the target, further than
     # the distillation's steps travel. (The paper's variant starts from them.)
     start = local_particles if stages <= 1 else jnp.where(visited, local_particles, new_global)
-    new_local = staged_svgd(
+    return staged_svgd(
         start, factor_score, num_distill_steps, distill_optim, svgd_bandwidth, stages=stages, curvature=curvature
     )
-    return ClientUpdate(new_global, new_local)
 
 
 class RoundConfig(NamedTuple):

@@ -67,7 +67,7 @@ class ParticleMethod(VariationalMethod):
     """Shared face of the methods here (not used directly).
 
     :param model: a NumPyro model with a :class:`~numpyro_fed.federated_plate` and global
-        latent variables only.
+        latent variables only (unless the method says otherwise: :attr:`local_latents`).
     :param int num_particles: ``N``.
     :param dict metrics: ``{name: fn}`` evaluated on the particles after every round;
         ``fn(draws)`` receives a dict of constrained values by site (leading axis ``N``) and
@@ -98,6 +98,10 @@ class ParticleMethod(VariationalMethod):
     #: engine backends; the baselines, references run in simulation, do not.
     deployable = True
     _per_round: int | None = None  # clients per round (P-DSVGD), None: one
+    #: whether the method infers client-local latent variables (a model with some is refused
+    #: by name otherwise, with :attr:`local_latents_advice`)
+    local_latents = False
+    local_latents_advice = ""
     _from_prior = True  # whether the current run started from prior draws
 
     def __init__(
@@ -161,7 +165,9 @@ class ParticleMethod(VariationalMethod):
             raise ValueError(
                 f"{name} runs its clients in this process only: federation={self.federation!r} does not apply"
             )
-        fp = self.build_potential(args, kwargs)
+        fp = self.build_potential(
+            args, kwargs, global_latents_only=not self.local_latents, advice=self.local_latents_advice
+        )
         self.gradients = flat_gradients(fp)
         self.stochastic_client_grad = None if self.batch_size is None else minibatch_client_grad(fp, self.batch_size)
         self._postprocess = jax.jit(jax.vmap(fp.flat().postprocess))
@@ -174,8 +180,12 @@ class ParticleMethod(VariationalMethod):
     def _configure(self, fp):
         """Checks that need the potential (e.g. the number of clients)."""
 
-    def _check_particles(self, particles, name):
-        d = self.federated_potential.num_latent
+    def _state_dim(self) -> int:
+        """The dimension of the particles a state holds (:meth:`particles`)."""
+        return self.federated_potential.num_latent
+
+    def _check_particles(self, particles, name, d=None):
+        d = self.federated_potential.num_latent if d is None else d
         particles = jnp.asarray(particles)
         if particles.shape != (self.num_particles, d):
             raise ValueError(
@@ -356,7 +366,7 @@ class ParticleMethod(VariationalMethod):
         return k_init, k_order, jax.random.fold_in(k_order, 1)
 
     def _check_state(self, state):
-        self._check_particles(self.particles(state), "init_state's particles")
+        self._check_particles(self.particles(state), "init_state's particles", self._state_dim())
         return state
 
     def run(self, rng_key, num_rounds: int, *args, init_state=None, init_particles=None, **kwargs) -> RunResult:

@@ -9,16 +9,20 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
+import jax
+import jax.numpy as jnp
+
 from numpyro.infer.initialization import init_to_sample
 
 from numpyro_fed._checks import check_int, check_positive
-from numpyro_fed.infer.base import adopt_client_state
+from numpyro_fed.infer.base import adopt_client_state, jit_round
 from numpyro_fed.infer.stein import dsvgd as dsvgd_core
+from numpyro_fed.infer.stein import local as local_core
 from numpyro_fed.infer.stein import pdsvgd as pdsvgd_core
 from numpyro_fed.infer.stein import udsvgd as udsvgd_core
 from numpyro_fed.infer.stein.checks import runaway_problems, warn_runaway
 from numpyro_fed.infer.stein.client_order import check_client_order
-from numpyro_fed.infer.stein.face import ParticleMethod
+from numpyro_fed.infer.stein.face import ParticleMethod, kernel_stein_discrepancy
 from numpyro_fed.infer.stein.kde import check_kde_bandwidth
 from numpyro_fed.infer.stein.optim import adagrad_momentum, check_optim
 
@@ -36,8 +40,13 @@ class DSVGD(ParticleMethod):
     particles, runs ``L`` SVGD steps towards its tilted distribution (Eq. (14)), uploads the
     result and distills its local particles with ``L'`` steps (Eq. (17)).
 
-    :param model: a NumPyro model with a :class:`~numpyro_fed.federated_plate`; its latent
-        variables must be global (outside the federated plates).
+    :param model: a NumPyro model with a :class:`~numpyro_fed.federated_plate`. Its latent
+        variables may be global (outside the federated plates) or client-local (inside a
+        federated plate, e.g. a school's effect owned by the client holding the school): then
+        each client moves joint particles ``(theta, z_k)``, keeps their ``z_k`` halves as its
+        client state and sends only ``theta`` (:mod:`~numpyro_fed.infer.stein.local`);
+        :meth:`get_samples` fetches the local sites from the clients (a ``"latents"`` call,
+        counted in the ledger). A client's rows must use only its own local latents.
     :param int num_particles: ``N`` (>= 1), global and local particles alike.
     :param int num_local_steps: ``L``, SVGD steps of a scheduled client towards its tilted
         distribution.
@@ -185,11 +194,119 @@ class DSVGD(ParticleMethod):
         self.svgd_bandwidth = None if svgd_bandwidth is None else check_positive(svgd_bandwidth, "svgd_bandwidth")
         self.client_order = check_client_order(client_order)
 
+    local_latents = True
+    _layout = None  # the LatentLayout of a model with client-local latents
+
     def particles(self, state):
         return state.global_particles
 
     def initial_state(self, particles, num_rounds=None):
+        if self._layout is not None:
+            return local_core.init(particles, self._layout, self._active_federation)
         return dsvgd_core.init(particles, self._active_federation)
+
+    # -- client-local latents (see numpyro_fed.infer.stein.local) ------------------------------
+    def _configure(self, fp):
+        self._layout, self._client_calls = local_core.latent_layout(fp), {}
+        if self._layout is None:
+            return
+        if self.batch_size is not None:
+            raise ValueError(
+                f"batch_size needs a model whose latent variables are all global; site(s) "
+                f"{list(self._layout.local_sites)} are client-local: pass batch_size=None"
+            )
+        local_core.check_own_latents(fp, self._layout, self.gradients.client_grad, fp.ravel(fp.init_params))
+
+    def _state_dim(self):
+        return super()._state_dim() if self._layout is None else self._layout.num_global
+
+    def _client_call(self, name: str):
+        """The stateful call ``name`` of the clients on the global particles, compiled once:
+        ``(global_particles, clients) -> replies`` (stacked by client)."""
+        if name not in self._client_calls:
+            call = jit_round(lambda theta, clients, federation: federation.map(name, theta, state=clients)[1])
+            self._client_calls[name] = call
+        federation = self._active_federation
+        return lambda theta, clients: self._client_calls[name](theta, clients, federation)
+
+    def joint_particles(self, state, ledger: dict | None = None):
+        """The ``(N, d)`` joint particles of a state of a model with client-local latents: its
+        global particles and every client's latent particles refreshed for them (each
+        client's ``"latents"`` call, :func:`~numpyro_fed.infer.stein.local.refresh_latents`;
+        counted in the federation's ledger, and added to ``ledger`` if given)."""
+        if self._layout is None:
+            return self.particles(state)
+        fetch = self._client_call("latents")
+        latents = self.through_clients(lambda: fetch(state.global_particles, state.clients), ledger)
+        return self._layout.assemble(state.global_particles, jnp.asarray(latents))
+
+    def constrained(self, particles) -> dict:
+        """Constrained values by site of ``(S, d)`` flat particles; of a model with client-local
+        latents, ``(S, d_g)`` global particles give its global sites only."""
+        particles, layout = jnp.asarray(particles), self._layout
+        if layout is None or particles.shape[-1] == layout.num_latent:
+            return super().constrained(particles)
+        num_clients, width = layout.positions.shape
+        full = layout.assemble(particles, jnp.zeros((num_clients, particles.shape[0], width), particles.dtype))
+        return {k: v for k, v in super().constrained(full).items() if k not in layout.local_sites}
+
+    def get_samples(self, rng_key, result, num_samples: int | None = None, *, smooth: bool = False) -> dict:
+        """As :meth:`ParticleMethod.get_samples`; in a model with client-local latents, every
+        site, the local ones from the clients' latent particles (:meth:`joint_particles`: one
+        ``"latents"`` call, added to ``result.ledger``), drawn jointly with the global ones."""
+        if self._layout is None:
+            return super().get_samples(rng_key, result, num_samples, smooth=smooth)
+        if smooth:
+            raise ValueError(
+                "smooth=True draws from the KDE of the global particles; in a model with client-local latents "
+                "the draws are the joint particles: pass smooth=False"
+            )
+        particles = self.joint_particles(result.state, result.ledger)
+        if num_samples is not None:
+            num_samples = check_int(num_samples, "num_samples", minimum=1)
+            particles = particles[jax.random.randint(rng_key, (num_samples,), 0, particles.shape[0])]
+        return self.constrained(particles)
+
+    def evaluate(self, state, *args, **kwargs):
+        """As :meth:`ParticleMethod.evaluate`, on the joint particles (:meth:`joint_particles`)
+        in a model with client-local latents."""
+        if self._layout is None:
+            return super().evaluate(state, *args, **kwargs)
+        self._setup(args, kwargs)
+        x = self.joint_particles(state)
+        score = self._target_score()
+        return jnp.asarray(self.through_clients(lambda: kernel_stein_discrepancy(x, score(x))))
+
+    def _finish_local(self, result):
+        """Stein's check of the joint particles (each client's ``"check"`` call: the gradients
+        of its term in the global coordinates and the statistics of its own, never its
+        latent particles), the runaway warning as :meth:`finish`'s."""
+        state, layout = result.state, self._layout
+        check = self._client_call("check")
+        replies = self.through_clients(lambda: check(state.global_particles, state.clients), result.ledger)
+        prior_grad = jax.vmap(local_core.global_prior_grad(self.gradients.prior_grad, layout))
+
+        def prior_score(theta):
+            return -prior_grad(theta)
+
+        mean, scale = local_core.joint_stein_statistics(layout, state.global_particles, prior_score, replies)
+        all_visited = len(np.unique(result.metrics["client"])) == self.federated_potential.num_clients
+        problems = runaway_problems(
+            self._initial_particles,
+            result.metrics["particles"][-1],
+            mean,
+            scale,
+            from_prior=self._from_prior,
+            all_visited=all_visited,
+        )
+        warn_runaway(
+            type(self).__name__,
+            len(result.metrics["client"]),
+            problems,
+            fixed_kde=self.kde_bandwidth != "auto",
+            stacklevel=5,
+        )
+        return result
 
     def _core_options(self) -> dict:
         return dict(
@@ -204,6 +321,10 @@ class DSVGD(ParticleMethod):
         )
 
     def client_functions(self):
+        if self._layout is not None:
+            options = self._core_options()
+            del options["stochastic_client_grad"]
+            return local_core.client_functions(*self.gradients, self._layout, **options)
         return dsvgd_core.client_functions(*self.gradients, **self._core_options())
 
     def build_round(self):
@@ -219,6 +340,8 @@ class DSVGD(ParticleMethod):
     def finish(self, result):
         """Records the Stein statistics per round; warns if the last round's particles are
         absurd (see the class docstring)."""
+        if self._layout is not None:
+            return self._finish_local(result)
         particles = result.metrics["particles"]
         if particles.shape[1] < 2:
             return result
@@ -298,6 +421,8 @@ class PDSVGD(DSVGD):
         self.server_optim = self.optim if server_optim is None else check_optim(server_optim, "server_optim")
 
     repr_fields = DSVGD.repr_fields + ("clients_per_round", "num_server_steps")
+    local_latents = False
+    local_latents_advice = "DSVGD runs models with client-local latents (each client's joint particles)"
 
     def _configure(self, fp):
         c = self.clients_per_round
@@ -350,6 +475,8 @@ class UDSVGD(DSVGD):
     """
 
     repr_fields = ("num_particles", "num_local_steps", "kde_bandwidth", "temperature", "client_order", "batch_size")
+    local_latents = False
+    local_latents_advice = "DSVGD runs models with client-local latents (each client's joint particles)"
 
     def _udsvgd_options(self):
         options = self._core_options()

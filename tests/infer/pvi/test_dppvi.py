@@ -642,30 +642,6 @@ def test_a_negligible_noise_multiplier_is_refused_before_accounting():
         DPPVI(model, dp="dpsgd", noise_multiplier=1e-3)
 
 
-def test_client_local_latents_are_refused_by_name():
-    """Per-client effects and per-row latents are refused, naming the sites (before, the
-    message listed plates, or complained of a prior that is not a proper Gaussian)."""
-
-    def per_client(g, y):
-        mu = numpyro.sample("mu", dist.Normal(0, 1))
-        with nf.federated_plate("clients", 4, clients=4):
-            a = numpyro.sample("a", dist.Normal(mu, 1))
-        with nf.federated_plate("data", y.shape[0], clients=4):
-            numpyro.sample("y", dist.Normal(a[g], 1), obs=y)
-
-    def per_row(y):
-        mu = numpyro.sample("mu", dist.Normal(0, 1))
-        with nf.federated_plate("data", y.shape[0], clients=4):
-            z = numpyro.sample("z", dist.Normal(mu, 1))
-            numpyro.sample("y", dist.Normal(z, 1), obs=y)
-
-    y = jnp.zeros(40)
-    with pytest.raises(ValueError, match=r"site\(s\) \['a'\] are client-local"):
-        DPPVI(per_client, progress_bar=False).run(jax.random.PRNGKey(0), 1, jnp.arange(40) // 10, y)
-    with pytest.raises(ValueError, match=r"site\(s\) \['z'\] are client-local"):
-        DPPVI(per_row, progress_bar=False).run(jax.random.PRNGKey(0), 1, y)
-
-
 def _correlated_regression():
     """d = 20, condition number 1e3, 40 rows: ``(model, X, y, mean, sd)`` with the exact
     posterior's mean and marginal sds."""

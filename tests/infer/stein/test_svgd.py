@@ -528,11 +528,12 @@ def test_client_order_naming_unknown_clients():
         )
 
 
-def test_client_local_latents_are_rejected():
+def test_client_local_latents_are_rejected_by_pdsvgd():
+    # DSVGD infers client-local latents (tests/infer/stein/test_dsvgd_local.py); P-DSVGD refuses them
     X, y = make_data("linear_regression")
     group = jnp.arange(X.shape[0]) % 4  # the model's 4 clients, each with its intercept and noise scale
-    with pytest.raises(ValueError, match=r"DSVGD infers global latent variables only; site\(s\) \['u', 'sigma_c'\]"):
-        nf.DSVGD(hierarchical, num_particles=4, progress_bar=False).run(jax.random.PRNGKey(0), 1, X, group, y)
+    with pytest.raises(ValueError, match=r"PDSVGD infers global latent variables only; site\(s\) \['u', 'sigma_c'\]"):
+        nf.PDSVGD(hierarchical, num_particles=4, progress_bar=False).run(jax.random.PRNGKey(0), 1, X, group, y)
 
 
 def test_init_particles_shape_is_checked():

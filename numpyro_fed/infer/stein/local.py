@@ -1,0 +1,437 @@
+"""DSVGD with client-local latent variables: each client moves joint particles ``(theta, z_k)``.
+
+A model's latent space splits into the global coordinates ``theta`` (outside every federated
+plate) and, for each client ``k``, the coordinates ``z_k`` it owns (its rows of the federated
+plates: its schools' effects, its counties' intercepts; :attr:`FederatedPotential.coordinate_owner
+<numpyro_fed.FederatedPotential.coordinate_owner>`). The posterior is
+
+    p(theta, z_1..z_K) ∝ p_0(theta) prod_k exp(-U_k(theta, z_k))
+
+where ``U_k`` is client ``k``'s term of :func:`~numpyro_fed.split_potential` (the prior of its
+``z_k`` given ``theta`` and the likelihood of its rows). Integrating ``z_k`` out gives DSVGD's
+target ``p_0(theta) prod_k exp(-L_k(theta))`` with ``exp(-L_k(theta)) = ∫ exp(-U_k(theta, z_k))
+dz_k``: the approximate likelihood ``t_k(theta)`` of Algorithm 1 stands for that marginal, so
+the server's ``q(theta) = p_0 prod_k t_k`` and everything it sends are those of a model
+without local latents. Only the client's step changes: its tilted distribution (Eq. (14)),
+
+    q^(i-1)(theta) / t_k^(i-1)(theta) exp(-U_k(theta, z_k) / alpha),
+
+is a density on ``(theta, z_k)`` whose ``theta``-marginal is the paper's tilted distribution
+with ``L_k``. SVGD on the joint space samples it without ever evaluating ``L_k``: each of the
+``N`` global particles gets a partner ``z_k`` (the client's *latent* particles, kept as its
+client state and warm-started from its last round by particle index), the ``L`` steps move
+the pairs with one RBF kernel on the joint coordinates (the conditional dependence of
+``z_k`` on ``theta``, e.g. a school effect on the population's scale, is what the kernel
+must see: a kernel on ``z_k`` alone cannot keep the pairs' correlation), and the new
+``theta`` halves are ``q^(i)``, distilled into ``t_k`` (Eq. (17)) and uploaded exactly as in
+Algorithm 1. The ``z_k`` halves never leave the client.
+
+After the rounds, the server's ``theta`` particles have moved since a client's last round;
+:func:`refresh_latents` moves the client's ``z_k`` halves to the conditional posterior given
+the final ``theta`` (SVGD steps in ``z_k`` only, the kernel still on the joint coordinates, so
+that its fixed points are exactly ``p(z_k | theta, D_k)`` for the given ``theta``-marginal).
+That is the ``"latents"`` call a result's draws of the local sites come from.
+
+Each round a client also spreads its particles of ``p_0 t_k`` to at least the global
+particles' sd per coordinate (:func:`no_wider_cavity`): in a direction its own term leaves
+flat (a hierarchical scale as it goes to 0), a cavity ``q / (p_0 t_k)`` of negative precision,
+the noise of two KDEs of ``N`` particles, would make the tilted distribution improper.
+
+Clients own different numbers of coordinates; their latent particles are padded to the
+largest, each padded coordinate a standard normal of its own (a proper, separate factor:
+SVGD keeps it in place, and the curvature and whitening of the joint space stay well
+conditioned), dropped when the draws are assembled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from numpyro_fed.infer.stein.curvature import laplace_start
+from numpyro_fed.infer.stein.dsvgd import distill, round_config, round_scores
+from numpyro_fed.infer.stein.kde import kde_score_fn
+from numpyro_fed.infer.stein.kernels import svgd_direction
+from numpyro_fed.infer.stein.svgd import staged_svgd
+from numpyro_fed.infer.stein.whitening import Whitening, whitening
+
+__all__ = [
+    "JointLocalState",
+    "LatentLayout",
+    "check_own_latents",
+    "client_functions",
+    "embed",
+    "global_prior_grad",
+    "init",
+    "initial_local_states",
+    "joint_gradients",
+    "joint_stein_statistics",
+    "latent_layout",
+    "no_wider_cavity",
+    "refresh_latents",
+    "stein_moments",
+]
+
+
+class LatentLayout(NamedTuple):
+    """Where the global coordinates and each client's own are in the flat latent vector.
+
+    :ivar global_index: ``(d_g,)`` positions of the global coordinates.
+    :ivar positions: ``(K, d_l)`` positions of each client's coordinates, padded with
+        ``num_latent`` (out of range) to the largest client's count ``d_l``.
+    :ivar valid: ``(K, d_l)``, which of ``positions`` are the client's (not padding).
+    :ivar int num_latent: ``d``, the length of the flat vector.
+    :ivar tuple local_sites: the names of the client-local sites.
+    """
+
+    global_index: np.ndarray
+    positions: np.ndarray
+    valid: np.ndarray
+    num_latent: int
+    local_sites: tuple
+
+    @property
+    def num_global(self) -> int:
+        return int(self.global_index.shape[0])
+
+    def split(self, particles):
+        """``(N, d)`` full particles -> ``(theta (N, d_g), z (K, N, d_l))``; padding 0."""
+        particles = jnp.asarray(particles)
+        z = jnp.take(particles, jnp.asarray(self.positions), axis=1, mode="fill", fill_value=0)
+        return particles[:, self.global_index], jnp.moveaxis(z, 1, 0)
+
+    def assemble(self, theta, z):
+        """``theta (N, d_g)`` and every client's ``z (K, N, d_l)`` -> ``(N, d)`` full particles."""
+        x = jnp.zeros((theta.shape[0], self.num_latent), theta.dtype).at[:, jnp.asarray(self.global_index)].set(theta)
+        for k in range(self.positions.shape[0]):
+            x = x.at[:, jnp.asarray(self.positions[k])].set(z[k], mode="drop")
+        return x
+
+
+def latent_layout(fp) -> LatentLayout | None:
+    """The :class:`LatentLayout` of a :class:`~numpyro_fed.FederatedPotential`, ``None`` when
+    every latent variable is global."""
+    owner = np.asarray(fp.coordinate_owner)
+    if not (owner >= 0).any():
+        return None
+    num_clients, d = int(fp.num_clients), int(owner.shape[0])
+    own = [np.flatnonzero(owner == k) for k in range(num_clients)]
+    width = max(len(p) for p in own)
+    positions = np.full((num_clients, width), d, np.int32)
+    valid = np.zeros((num_clients, width), bool)
+    for k, p in enumerate(own):
+        positions[k, : len(p)], valid[k, : len(p)] = p, True
+    local = tuple(name for name, o in fp.coordinate_owner_tree.items() if (np.asarray(o) >= 0).any())
+    return LatentLayout(np.flatnonzero(owner < 0).astype(np.int32), positions, valid, d, local)
+
+
+def embed(theta, z, positions, layout: LatentLayout):
+    """The full ``(N, d)`` points with ``theta`` at the global coordinates, ``z`` at
+    ``positions`` (padding dropped) and 0 elsewhere: another client's coordinates, which a
+    client's term does not depend on (:func:`check_own_latents`)."""
+    x = jnp.zeros(theta.shape[:1] + (layout.num_latent,), theta.dtype)
+    x = x.at[:, jnp.asarray(layout.global_index)].set(theta)
+    return x.at[:, positions].set(z, mode="drop")
+
+
+def check_own_latents(fp, layout: LatentLayout, client_grad: Callable, x0) -> None:
+    """Refuses (``ValueError`` naming the site) a model in which a client's term depends on
+    latent coordinates another client owns (e.g. data rows indexing a school another client
+    holds), checked by the gradient of every client's term at ``x0`` (``(d,)``) in
+    simulation: DSVGD's clients each move their own coordinates only."""
+    if fp.client_data is None:
+        return
+    grads = np.asarray(jax.jit(jax.vmap(client_grad, in_axes=(None, 0)))(jnp.asarray(x0), fp.client_data))
+    owner = np.asarray(fp.coordinate_owner)
+    foreign = (owner[None, :] >= 0) & (owner[None, :] != np.arange(fp.num_clients)[:, None])
+    bad = foreign & (np.abs(grads) > 0)
+    if bad.any():
+        names = np.concatenate(
+            [np.full(np.size(o), name, object) for name, o in fp.coordinate_owner_tree.items()]
+        )  # the order of ravel: coordinate_owner_tree is a dict like the latent values
+        k, j = map(int, np.argwhere(bad)[0])
+        raise ValueError(
+            f"client {k}'s term depends on site '{names[j]}' at a coordinate client {int(owner[j])} owns: "
+            "each client's rows must use only the client-local latents of its own plate rows "
+            "(assign a group's rows to the client that owns the group)"
+        )
+
+
+def global_prior_grad(prior_grad: Callable, layout: LatentLayout) -> Callable:
+    """``(d_g,) -> (d_g,)``: the gradient of the prior term (which holds the global sites
+    only; a client-local site's prior is in its client's term) in the global coordinates,
+    from ``prior_grad`` on the full ``(d,)`` vector."""
+    index = jnp.asarray(layout.global_index)
+
+    def grad(theta):
+        return prior_grad(jnp.zeros(layout.num_latent, theta.dtype).at[index].set(theta))[index]
+
+    return grad
+
+
+class JointLocalState(NamedTuple):
+    """What a DSVGD client keeps between its rounds in a model with client-local latents.
+
+    :ivar local_particles: ``(N, d_g)``, the particles of ``p_0 t_k`` (global coordinates),
+        as :class:`~numpyro_fed.infer.stein.dsvgd.LocalState`'s.
+    :ivar latents: ``(N, d_l)``, the ``z_k`` halves of its joint particles (paired with the
+        global particles by index; padding coordinates standard normal).
+    :ivar visited: whether it has been scheduled before.
+    """
+
+    local_particles: jax.Array
+    latents: jax.Array
+    visited: jax.Array
+
+
+def initial_local_states(particles, layout: LatentLayout, rng_key=None) -> JointLocalState:
+    """Every client's :class:`JointLocalState` (stacked) from the initial ``(N, d)`` particles
+    (public values the server drew from the init strategy): copies of their global halves,
+    the client's own coordinates as its latent particles, its padding standard normal draws."""
+    theta, z = layout.split(particles)
+    key = jax.random.PRNGKey(0) if rng_key is None else rng_key
+    filler = jax.random.normal(key, z.shape, z.dtype)
+    z = jnp.where(jnp.asarray(layout.valid)[:, None, :], z, filler)
+    num_clients = layout.positions.shape[0]
+    return JointLocalState(jnp.broadcast_to(theta, (num_clients,) + theta.shape), z, jnp.zeros(num_clients, bool))
+
+
+def no_wider_cavity(local_u):
+    """The client's particles of ``p_0 t_k`` in a round's coordinates (those that whiten the
+    global particles: ``q``'s particles have sd 1 per coordinate), spread about their mean to
+    sd at least 1 per coordinate.
+
+    ``p_0 t_k`` is never narrower than ``q = p_0 t_k prod_{j != k} t_j`` where the other
+    factors carry information, so a narrower set of particles is the noise of ``N`` particles
+    (an sd from 20 particles is uncertain by 16 %). Both KDEs have per-coordinate kernels of
+    0.85 of their particles' sd, so in the tails the cavity ``q / (p_0 t_k)`` has precision
+    ``(1 - 1 / sd_k^2) / 0.85^2`` per coordinate: negative for a narrower ``p_0 t_k``, the
+    cavity then grows without bound, and where the client's own term is flat (a hierarchical
+    scale in the client's latents: ``tau -> 0`` leaves each client's likelihood unchanged)
+    the tilted distribution is improper and its particles run away. Spread, the cavity is at
+    worst flat in that coordinate for the round."""
+    mean = jnp.mean(local_u, axis=0)
+    sd = jnp.std(local_u, axis=0)
+    stretch = jnp.where(sd < 1.0, 1.0 / jnp.maximum(sd, 1e-6), 1.0)
+    return mean + (local_u - mean) * stretch
+
+
+def _identity_frame(theta) -> Whitening:
+    d = theta.shape[-1]
+    return Whitening(jnp.zeros(d, theta.dtype), jnp.eye(d, dtype=theta.dtype))
+
+
+def refresh_latents(theta, latents, latent_score: Callable, num_steps: int, optim, bandwidth=None, stages: int = 1):
+    """The latent particles ``latents`` (``(N, d_l)``) moved by ``num_steps`` SVGD steps towards
+    ``p(z | theta_n)`` given their partners ``theta`` (``(N, d_g)``, fixed):
+    ``latent_score(theta, z) -> (N, d_l)`` is ``grad_z log p(theta, z)``. The kernel is on the
+    joint coordinates, the direction kept in ``z``: for any ``theta``-marginal, the fixed
+    points are the pairs whose conditional is ``p(z | theta)``. In ``stages`` stages, each
+    per coordinate whitened (so a step in ``z`` stays one in ``z``).
+
+    >>> import jax, jax.numpy as jnp
+    >>> from numpyro_fed.infer.stein import adagrad_momentum
+    >>> theta = jax.random.normal(jax.random.PRNGKey(0), (100, 1))
+    >>> z = refresh_latents(theta, jnp.zeros((100, 1)) + jnp.linspace(-1, 1, 100)[:, None],
+    ...                     lambda t, z: -(z - 2.0 * t), 400, adagrad_momentum(0.1), stages=4)
+    >>> bool(jnp.corrcoef(theta[:, 0], z[:, 0])[0, 1] > 0.9)  # z | theta ~ N(2 theta, 1)
+    True
+    """
+    d_g = theta.shape[1]
+    u = whitening(theta, full=False).to_z(theta)
+
+    def stage(z, size):
+        w = whitening(z, full=False)
+
+        def step(carry, _):
+            v, opt_state = carry
+            score = w.score_to_z(latent_score(theta, w.from_z(v)))
+            phi = svgd_direction(jnp.concatenate([u, v], 1), jnp.concatenate([jnp.zeros_like(u), score], 1), bandwidth)
+            updates, opt_state = optim.update(-phi[:, d_g:], opt_state, v)
+            return (v + updates, opt_state), None
+
+        v = w.to_z(z)
+        (v, _), _ = lax.scan(step, (v, optim.init(v)), None, length=size)
+        return w.from_z(v)
+
+    stages = max(1, min(int(stages), int(num_steps)))
+    length, remainder = divmod(int(num_steps), stages)
+    latents, _ = lax.scan(lambda z, _: (stage(z, length), None), latents, None, length=stages)
+    return stage(latents, remainder) if remainder else latents
+
+
+def joint_gradients(client_grad: Callable, layout: LatentLayout) -> Callable:
+    """``(theta (N, d_g), z (N, d_l), block) -> (g_theta, g_z)``: the gradients of the
+    client's term ``U_k`` (``client_grad``, batched on full ``(N, d)`` points) in ``theta``
+    and in its own coordinates ``z`` at every pair; a padding coordinate gets a standard
+    normal's. The client is ``block["client"]``."""
+    positions_of, valid_of = jnp.asarray(layout.positions), jnp.asarray(layout.valid)
+    global_index = jnp.asarray(layout.global_index)
+
+    def joint_grads(theta, z, block):
+        positions, valid = positions_of[block["client"]], valid_of[block["client"]]
+        g = client_grad(embed(theta, z, positions, layout), block, None)
+        g_z = jnp.take(g, positions, axis=1, mode="fill", fill_value=0)
+        return g[:, global_index], jnp.where(valid, g_z, z)
+
+    return joint_grads
+
+
+def stein_moments(x, score):
+    """``(C g / sd, -E[score (x - m)])`` of particles ``x`` (``(N, d)``) for the target whose
+    score at them is ``score``: the statistics of
+    :func:`~numpyro_fed.infer.stein.checks.stein_statistics` (0 and 1 expected)."""
+    centered = x - jnp.mean(x, axis=0)
+    sd = jnp.std(x, axis=0)
+    mean = centered.T @ (centered @ jnp.mean(score, axis=0)) / x.shape[0] / jnp.where(sd > 0, sd, 1.0)
+    return mean, -jnp.mean(score * centered, axis=0)
+
+
+def client_functions(
+    prior_grad: Callable,
+    client_grad: Callable,
+    layout: LatentLayout,
+    *,
+    num_local_steps: int,
+    num_distill_steps: int,
+    optim,
+    distill_optim=None,
+    kde_bandwidth="auto",
+    svgd_bandwidth=None,
+    temperature: float = 1.0,
+) -> tuple[dict, dict]:
+    """What a DSVGD client of a model with client-local latents runs, ``(functions,
+    stateful)`` as a :class:`~numpyro_fed.federation.ClientProgram` takes them, on its own
+    :class:`JointLocalState`:
+
+    * ``"update"``: ``(block, local, global_particles, first) -> (local', new global
+      particles)``, one round (the same messages as
+      :func:`~numpyro_fed.infer.stein.dsvgd.client_functions`'): the joint SVGD steps, the
+      distillation of ``t_k``; the latent halves stay;
+    * ``"latents"``: ``(block, local, global_particles) -> (local, latents)``, its latent
+      particles refreshed for the given global particles (:func:`refresh_latents`, the
+      client's state unchanged), what the draws of its local sites are.
+
+    ``prior_grad`` and ``client_grad`` are the full-space gradients of
+    :func:`~numpyro_fed.infer.stein.model.flat_gradients`; the other options as
+    :func:`~numpyro_fed.infer.stein.dsvgd.build_client`.
+    """
+    distill_optim = optim if distill_optim is None else distill_optim
+    config = round_config(global_prior_grad(prior_grad, layout), client_grad, None, kde_bandwidth, svgd_bandwidth)
+    kde_score = kde_score_fn(config.kde_bandwidth)
+    joint_grads, d_g = joint_gradients(config.client_grad, layout), layout.num_global
+
+    def latent_score(block):
+        return lambda theta, z: -joint_grads(theta, z, block)[1] / temperature
+
+    def update(block, local: JointLocalState, global_particles, first):
+        def own_posterior_score(y):  # p_0(theta) exp(-U_k(theta, z) / alpha)
+            g_theta, g_z = joint_grads(y[:, :d_g], y[:, d_g:], block)
+            return jnp.concatenate([config.prior_score(y[:, :d_g]) - g_theta / temperature, -g_z / temperature], 1)
+
+        y = jnp.concatenate([global_particles, local.latents], 1)
+        if config.curvature:  # the run's first round starts from the Laplace approximation
+            y = lax.cond(first, lambda y: laplace_start(y, own_posterior_score), lambda y: y, y)
+        theta = y[:, :d_g]
+        frame = whitening(theta) if config.kde_bandwidth == "auto" else _identity_frame(theta)
+
+        def prior_score(u):
+            return frame.score_to_z(config.prior_score(frame.from_z(u)))
+
+        u = frame.to_z(theta)
+        local_u = frame.to_z(local.local_particles)
+        if config.kde_bandwidth == "auto":
+            local_u = no_wider_cavity(local_u)
+        score_previous, score_local = round_scores(
+            u, local_u, prior_score, kde_score, visited=local.visited, first=first
+        )
+
+        def tilted_score(y):  # Eq. (14) in theta, the client's own term in z
+            v = y[:, :d_g]
+            g_theta, g_z = joint_grads(frame.from_z(v), y[:, d_g:], block)
+            s_theta = score_previous(v) - score_local(v) + prior_score(v) - frame.score_to_z(g_theta) / temperature
+            return jnp.concatenate([s_theta, -g_z / temperature], 1)
+
+        y = staged_svgd(
+            jnp.concatenate([u, y[:, d_g:]], 1),
+            tilted_score,
+            num_local_steps,
+            optim,
+            config.svgd_bandwidth,
+            None,
+            config.stages,
+            config.curvature,
+        )
+        new_u, latents = y[:, :d_g], y[:, d_g:]
+        new_local_u = distill(
+            new_u,
+            local_u,
+            score_previous,
+            score_local,
+            kde_score=kde_score,
+            num_distill_steps=num_distill_steps,
+            distill_optim=distill_optim,
+            svgd_bandwidth=config.svgd_bandwidth,
+            visited=local.visited,
+            stages=config.stages,
+            curvature=config.curvature,
+        )
+        new_local = JointLocalState(frame.from_z(new_local_u), latents, jnp.ones_like(local.visited))
+        return new_local, frame.from_z(new_u)
+
+    def latents(block, local: JointLocalState, global_particles):
+        refreshed = refresh_latents(
+            global_particles,
+            local.latents,
+            latent_score(block),
+            num_local_steps,
+            optim,
+            config.svgd_bandwidth,
+            config.stages,
+        )
+        return local, refreshed
+
+    def check(block, local: JointLocalState, global_particles):
+        """Stein's check of the joint particles without sending them: the gradient of ``U_k``
+        in ``theta`` at the refreshed pairs (the server adds the prior's and the other
+        clients') and the client's own statistics in ``z`` (``C g / sd`` and ``-E[g (z -
+        m)]`` over its latent coordinates, 0 and 1 expected)."""
+        z = latents(block, local, global_particles)[1]
+        g_theta, g_z = joint_grads(global_particles, z, block)
+        return local, (g_theta / temperature, *stein_moments(z, -g_z / temperature))
+
+    return {}, {"update": update, "latents": latents, "check": check}
+
+
+def init(particles, layout: LatentLayout, federation):
+    """The :class:`~numpyro_fed.infer.stein.dsvgd.DSVGDState` of Algorithm 1, line 1, from the
+    initial ``(N, d)`` particles: the server keeps their global halves, every client gets its
+    :class:`JointLocalState` through the federation's ``init_state``."""
+    from numpyro_fed.infer.stein.dsvgd import DSVGDState
+
+    num_clients = federation.num_clients
+    return DSVGDState(
+        global_particles=layout.split(particles)[0],
+        clients=federation.init_state(initial_local_states(particles, layout)),
+        visited=jnp.zeros(num_clients, bool),
+        round=jnp.zeros((), jnp.int32),
+    )
+
+
+def joint_stein_statistics(layout: LatentLayout, theta, prior_score: Callable, replies):
+    """``(stein_mean, stein_scale)``, each ``(d_g + valid local coordinates,)``, of the joint
+    particles from the clients' ``"check"`` replies (stacked: ``g_theta (K, N, d_g)`` and
+    their own ``z`` statistics ``(K, d_l)``), as
+    :func:`~numpyro_fed.infer.stein.checks.stein_statistics` on the global coordinates."""
+    g_theta, z_mean, z_scale = (np.asarray(r, dtype=float) for r in replies)
+    theta = np.asarray(theta, dtype=float)
+    score = np.asarray(prior_score(jnp.asarray(theta)), dtype=float) - g_theta.sum(axis=0)
+    mean, scale = (np.asarray(v, dtype=float) for v in stein_moments(theta, score))
+    valid = np.asarray(layout.valid)
+    return np.concatenate([mean, z_mean[valid]]), np.concatenate([scale, z_scale[valid]])
