@@ -103,7 +103,7 @@ def check_options(
         isinstance(preconditioner, str) and preconditioner == "auto"
     ):  # the Laplace preconditioner wherever it is allowed (see resolve_preconditioner)
         preconditioner = resolve_preconditioner(
-            subsample_size is not None and thinning != "server",
+            subsample_size is not None,
             dp_sensitivity is not None or dp_epsilon is not None or dp_delta is not None,
         )
     skeleton_size = check_int(skeleton_size, "skeleton_size", minimum=0)
@@ -203,13 +203,13 @@ def resolve_thinning(thinning, federation, private_randomness) -> str:
     return thinning
 
 
-def resolve_preconditioner(subsampled_by_clients: bool, private: bool):
+def resolve_preconditioner(subsampled: bool, private: bool):
     """``preconditioner="auto"``: the Laplace approximation at the mode (``"auto"`` is kept:
-    the set-up falls back to none when the posterior has no mode), except where it is not
-    allowed: with a privacy guarantee (the round of Hessians is not covered by Theorem 5.1)
-    and with subsampling thinned by the clients (their batches are drawn in ``x``); there
-    ``None``."""
-    return None if subsampled_by_clients or private else "auto"
+    the set-up falls back to none when the posterior has no mode), except with a privacy
+    guarantee (the round of Hessians is not covered by Theorem 5.1) and with subsampling
+    (whose bounds and weights are set up for the unpreconditioned process by default; pass
+    ``"laplace"`` for correlated parameters): there ``None``."""
+    return None if subsampled or private else "auto"
 
 
 def _check_subsampling(subsample_size, bounds, control_variates, preconditioner, server_thinning, private):

@@ -58,8 +58,10 @@ def test_one_round_per_switch_and_same_posterior_as_in_process_thinning(data):
     """Algorithm 2 as messages (clients thin their own proposals) samples the same posterior
     as the server-side thinning of federation=None (InProcess, thinning "auto"), with one
     round per switch."""
-    _, reference = run(None, data, num_samples=1500)
-    kernel, mcmc = run(InProcess(), data, num_samples=1500, seed=1)
+    # in x (preconditioner=None): with the default's whitening, fewer switches and more of the
+    # clients' proposals rejected by the grid's bounds (988 rounds for 879 switches)
+    _, reference = run(None, data, num_samples=1500, preconditioner=None)
+    kernel, mcmc = run(InProcess(), data, num_samples=1500, seed=1, preconditioner=None)
     fields = mcmc.get_extra_fields()
     switches, rounds = int(fields["info.num_events"].sum()), int(fields["info.rounds"].sum())
     assert switches > 1000 and switches <= rounds <= 1.02 * switches
@@ -219,10 +221,12 @@ def test_the_set_up_through_a_federation_equals_the_pooled_one(data, options):
     assert pooled.is_mode and asked.mode_search.is_mode and server.mode_search.is_mode
     np.testing.assert_allclose(asked.reference_point, pooled.point, rtol=1e-6, atol=1e-8)
     np.testing.assert_array_equal(server.reference_point, asked.reference_point)  # the same calls
-    second = bool(options)
+    second = options.get("control_variates") == "second_order"
+    preconditioned = asked.preconditioning is not None  # the default's Laplace preconditioner too
+    assert preconditioned and server.preconditioning is not None
     proposers, _ = zigzag.proposers_from_potential(potential)
     pooled_pre = None
-    if second:
+    if preconditioned:
         pooled_pre = laplace_preconditioner(pooled_potential, asked.reference_point, diagonal=False)
         np.testing.assert_allclose(asked.preconditioning.scale, pooled_pre.scale, rtol=1e-6, atol=1e-8)
         proposers = zigzag.precondition(proposers, pooled_pre)
@@ -234,7 +238,7 @@ def test_the_set_up_through_a_federation_equals_the_pooled_one(data, options):
         )
         np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
     # a Hessian per Newton check, one for the Laplace preconditioner and one for the second order
-    assert hessians >= 1 + 2 * second
+    assert hessians >= 1 + preconditioned + second
 
 
 @pytest.mark.parametrize(

@@ -54,11 +54,17 @@ def test_adapted_interval_follows_the_smallest_posterior_sd():
     found = {}
     for n in (100, 1600):
         y, _, sd = _gaussian(n)
-        warm, post, _ = _intervals(nf.FedZigZag(gaussian_mean), y, num_warmup=400, num_samples=5)
+        # the process in x (the default's Laplace preconditioner would make every sd about 1)
+        warm, post, _ = _intervals(nf.FedZigZag(gaussian_mean, preconditioner=None), y, num_warmup=400, num_samples=5)
         found[n] = post[0]
         assert abs(post[0] / (INTERVAL_SDS * sd.min()) - 1) < 0.25, (n, post[0], sd)
         assert warm[0] != warm[-1]  # it did adapt
     assert abs(found[100] / found[1600] / 4 - 1) < 0.35
+    # by default the process runs in the Laplace approximation's whitened coordinates, where
+    # every sd is about 1: the interval is about INTERVAL_SDS whatever the rows
+    y, _, sd = _gaussian(1600)
+    _, post, _ = _intervals(nf.FedZigZag(gaussian_mean), y, num_warmup=400, num_samples=5)
+    assert abs(post[0] / INTERVAL_SDS - 1) < 0.25, post[0]
 
 
 def test_chain_after_adaptive_warmup_matches_the_closed_form():
@@ -120,7 +126,7 @@ def test_vectorized_chains_adapt_their_own_interval_through_a_federation():
     from numpyro_fed.federation import InProcess
 
     y, _, sd = _gaussian(400)
-    kernel = nf.FedZigZag(gaussian_mean, federation=InProcess(), thinning="clients")
+    kernel = nf.FedZigZag(gaussian_mean, federation=InProcess(), thinning="clients", preconditioner=None)
     mcmc = MCMC(kernel, num_warmup=200, num_samples=5, num_chains=2, chain_method="vectorized", progress_bar=False)
     mcmc.run(jax.random.PRNGKey(0), y, extra_fields=("adapt.interval",))
     intervals = np.asarray(mcmc.get_extra_fields(group_by_chain=True)["adapt.interval"])[:, -1]
@@ -139,7 +145,7 @@ def test_float32_adapts_silently():
     with jax.enable_x64(False), warnings.catch_warnings():
         warnings.simplefilter("error")
         y = 1.0 + jax.random.normal(jax.random.PRNGKey(0), (2500,))
-        mcmc = MCMC(nf.FedZigZag(model), num_warmup=300, num_samples=1000, progress_bar=False)
+        mcmc = MCMC(nf.FedZigZag(model, preconditioner=None), num_warmup=300, num_samples=1000, progress_bar=False)
         mcmc.run(jax.random.PRNGKey(1), y, extra_fields=("adapt.interval",))
         mu = np.asarray(mcmc.get_samples()["mu"])
         interval = float(mcmc.get_extra_fields()["adapt.interval"][-1])
