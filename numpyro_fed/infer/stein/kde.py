@@ -109,7 +109,9 @@ def check_kde_bandwidth(kde_bandwidth):
 
 def kde_score_fn(kde_bandwidth) -> Callable:
     """``(x, centers) -> grad log KDE(centers)(x)``: with ``"auto"``, the moment-keeping KDE
-    (:func:`shrunk_kde`) with a kernel of :data:`AUTO_KDE_FACTOR` standard deviations;
+    (:func:`shrunk_kde`) with a kernel of :data:`AUTO_KDE_FACTOR` standard deviations, in the
+    coordinates that whiten the centers (:func:`~numpyro_fed.infer.stein.whitening.whitening`:
+    their full covariance when ``N > 2 d``), so that it keeps their correlations;
     otherwise a plain KDE of standard deviation ``kde_bandwidth``.
 
     >>> import jax.numpy as jnp
