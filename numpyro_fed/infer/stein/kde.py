@@ -109,7 +109,9 @@ def check_kde_bandwidth(kde_bandwidth):
 
 def kde_score_fn(kde_bandwidth) -> Callable:
     """``(x, centers) -> grad log KDE(centers)(x)``: with ``"auto"``, the moment-keeping KDE
-    (:func:`shrunk_kde`) with a kernel of :data:`AUTO_KDE_FACTOR` standard deviations;
+    (:func:`shrunk_kde`) with a kernel of :data:`AUTO_KDE_FACTOR` standard deviations, in the
+    coordinates that whiten the centers (:func:`~numpyro_fed.infer.stein.whitening.whitening`:
+    their full covariance when ``N > 2 d``), so that it keeps their correlations;
     otherwise a plain KDE of standard deviation ``kde_bandwidth``.
 
     >>> import jax.numpy as jnp
@@ -117,10 +119,15 @@ def kde_score_fn(kde_bandwidth) -> Callable:
     [[-4.0]]
     """
     if kde_bandwidth == "auto":
+        from numpyro_fed.infer.stein.whitening import whitening  # whitening imports this module
 
         def score(x, centers):
-            shrunk, bandwidth = shrunk_kde(centers, AUTO_KDE_FACTOR)
-            return kde_grad_log_density(x, shrunk, bandwidth)
+            # In the coordinates that whiten the centers (their full covariance when N > 2 d),
+            # so that the KDE keeps their correlations too, not only each coordinate's variance.
+            w = whitening(centers)
+            shrunk, bandwidth = shrunk_kde(w.to_z(centers), AUTO_KDE_FACTOR)
+            g = kde_grad_log_density(w.to_z(x), shrunk, bandwidth)
+            return jax.scipy.linalg.solve_triangular(w.chol, g.T, lower=True, trans=1).T
 
         return score
     return lambda x, centers: kde_grad_log_density(x, centers, kde_bandwidth)

@@ -197,6 +197,20 @@ class DSVGD(ParticleMethod):
     local_latents = True
     _layout = None  # the LatentLayout of a model with client-local latents
 
+    @property
+    def divergence_advice(self) -> str:
+        """What to change when the particles turn non-finite: the step size, and with
+        client-local latents the parametrisation (measured: a centred hierarchy diverges)."""
+        if self._layout is None:
+            return "lower learning_rate"
+        sites = ", ".join(f"'{s}'" for s in self._layout.local_sites)
+        return (
+            f"with client-local latents ({sites}) a centred hierarchy (a local effect drawn as "
+            "Normal(mu, sigma) with its scale sigma a global latent) makes each client's joint target a funnel "
+            "that DSVGD's joint particles cannot follow: write the model non-centred (draw the effect as "
+            "Normal(0, 1) and use mu + sigma * effect), as in eight schools; otherwise lower learning_rate"
+        )
+
     def particles(self, state):
         return state.global_particles
 

@@ -168,6 +168,22 @@ def test_shrunk_kde_keeps_the_particles_moments():
     np.testing.assert_allclose(centres.mean(0), x.mean(0), rtol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_the_auto_kde_keeps_the_particles_correlations(dtype):
+    # A raw-covariate posterior: an intercept at 9.5 and a slope, correlation 0.95, sds 10 and
+    # 0.1. Along the particles' narrowest direction the KDE must be as narrow as they are
+    # (slope of the score times that variance: -1 for a Gaussian). A KDE per coordinate
+    # ignores the correlation and is 5 times too flat there (-0.20), which biased DSVGD's
+    # tilted targets (a Student-t regression 0.86 posterior sds off, now 0.29).
+    cov = jnp.array([[100.0, 0.95], [0.95, 0.01]])
+    x = jax.random.multivariate_normal(jax.random.PRNGKey(0), jnp.array([9.5, -3.0]), cov, (20,)).astype(dtype)
+    values, vectors = np.linalg.eigh(np.cov(np.asarray(x, float).T, bias=True))
+    v, t, m = vectors[:, 0], np.sqrt(values[0]), np.asarray(x, float).mean(0)
+    s = np.asarray(stein.kde.kde_score_fn("auto")(jnp.asarray(np.stack([m + t * v, m - t * v]), dtype), x), float)
+    slope = (s[0] - s[1]) @ v / (2 * t) * values[0]
+    assert -1.3 < slope < -0.8, slope
+
+
 # -- 4-client logistic regression, 2000 rows, against NUTS on the pooled data ------------------
 
 D = 4
