@@ -170,6 +170,10 @@ class DecentralizedKernel(FederatedMCMCKernel):
         self.init_scale = check_positive(init_scale, "init_scale")
         self.agent = check_int(agent, "agent", minimum=0)
         self.agent_potentials = None
+        #: ``None`` (the core iterates the model's flat unconstrained coordinates) or ``(center,
+        #: transform, inverse)`` set by :meth:`build_core`: the core iterates ``y`` with ``x =
+        #: center + transform @ y`` (e.g. D-ADMMS with ``rho="auto"``, in the posterior's units)
+        self.coordinates = None
 
     # -- the algorithm ----------------------------------------------------------------------
     def build_core(self, potentials: AgentPotentials, topology, x0):
@@ -223,6 +227,7 @@ class DecentralizedKernel(FederatedMCMCKernel):
         potentials = self.agent_potentials = self._agent_potentials(federation, potential, adjacency)
         n, d = potentials.num_agents, potentials.dim
         base = potential.ravel(potential.init_params)
+        self.coordinates = None
         init_fn, program = self.build_core(potentials, self.graph, base)
         network = self._network = federation.agent_network(
             program, adjacency, name=type(self).__name__, settings=self._settings(), previous=self._network
@@ -236,9 +241,13 @@ class DecentralizedKernel(FederatedMCMCKernel):
         message_bytes = d * base.dtype.itemsize
 
         def start(key, params):
-            if params is None:
+            if params is None:  # in the core's coordinates (the posterior's units, if it has them)
                 return self.init_scale * jax.random.normal(key, (n, d), dtype=base.dtype)
-            return self._flat_init(params, n, d, base)
+            x = self._flat_init(params, n, d, base)
+            if self.coordinates is None:
+                return x
+            center, _, inverse = self.coordinates
+            return (x - jnp.asarray(center, base.dtype)) @ jnp.asarray(inverse, base.dtype).T
 
         def one_chain(key, params):
             k_start, k_chain = jax.random.split(key)
@@ -298,14 +307,23 @@ class DecentralizedKernel(FederatedMCMCKernel):
             state = jax.tree.map(lambda a: a[0], state)
         draws = None
         if history:
-            flat = jnp.stack([jnp.asarray(h[1].x) for h in history], axis=1)  # (C, T, N, d)
+            flat = self._to_model(jnp.stack([jnp.asarray(h[1].x) for h in history], axis=1))  # (C, T, N, d)
             draws = self._constrain(jax.vmap(jax.vmap(jax.vmap(self.federated_potential.unravel)))(flat), 3)
         return state, draws
 
     # -- helpers ----------------------------------------------------------------------------
+    def _to_model(self, x):
+        """The core's flat iterates ``x`` (``(..., d)``) in the model's flat unconstrained
+        coordinates (see :attr:`coordinates`)."""
+        if self.coordinates is None:
+            return x
+        center, transform, _ = self.coordinates
+        return jnp.asarray(center, x.dtype) + x @ jnp.asarray(transform, x.dtype).T
+
     def _views(self, x):
-        """``(z, agents, network_average)`` of the flat iterates ``x`` (``(N, d)``)."""
+        """``(z, agents, network_average)`` of the core's flat iterates ``x`` (``(N, d)``)."""
         unravel = self.federated_potential.unravel
+        x = self._to_model(x)
         return unravel(x[self.agent]), jax.vmap(unravel)(x), unravel(jnp.mean(x, axis=0))
 
     def _constrain(self, values, batch_ndim):

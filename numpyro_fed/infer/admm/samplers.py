@@ -32,12 +32,14 @@ from numpyro_fed.infer.admm.gradient import (
     init_dula,
     largest_curvatures,
 )
+from numpyro_fed.infer.admm.scaling import auto_settings, laplace_scaling, whitened_potentials
 from numpyro_fed.infer.admm.topology import metropolis_weights
 from numpyro_fed.infer.kernel import RunCheck
 
 __all__ = ["ADMM", "DADMMS", "DSGHMC", "DSGLD", "DULA"]
 
 _SOLVERS = ("auto", "quadratic", "newton")
+_PAPER_RHO = 5.0
 
 
 class DADMMS(DecentralizedKernel):
@@ -142,13 +144,13 @@ class DADMMS(DecentralizedKernel):
         model,
         *,
         topology="ring",
-        rho: float = 5.0,
+        rho: float | str = "auto",
         solver: str = "auto",
         tolerance: float | None = None,
         max_inner_iterations: int = 50,
         prior_weights=None,
         init_scale: float = 1.0,
-        noise_scale: float = 1.0,
+        noise_scale: float | None = None,
         partition=None,
         agent: int = 0,
         federation=None,
@@ -162,19 +164,24 @@ class DADMMS(DecentralizedKernel):
             agent=agent,
             federation=federation,
         )
-        self.rho = check_positive(rho, "rho")
+        self.rho = rho if isinstance(rho, str) and rho == "auto" else check_positive(rho, "rho")
+        #: the ``rho`` of the last run (with ``rho="auto"``: in the posterior's units) and the
+        #: set-up's :class:`~numpyro_fed.infer.admm.scaling.LaplaceScaling` (``None``: none)
+        self.rho_used = None
+        self.scaling = None
         if solver not in _SOLVERS:
             raise ValueError(f"solver must be one of {_SOLVERS}, got {solver!r}")
         self.solver = solver
         self.tolerance = None if tolerance is None else check_positive(tolerance, "tolerance")
         self.max_inner_iterations = check_int(max_inner_iterations, "max_inner_iterations", minimum=1)
-        self.noise_scale = check_real(noise_scale, "noise_scale")
-        if self.noise_scale < 0:
+        self.noise_scale = None if noise_scale is None else check_real(noise_scale, "noise_scale")
+        if self.noise_scale is not None and self.noise_scale < 0:
             raise ValueError(f"noise_scale must be >= 0, got {noise_scale}")
         self.solver_used = None
+        self.noise_scale_used = None
 
     def build_core(self, potentials, topology, x0):
-        if potentials.num_agents == 1 and self.noise_scale > 0:
+        if potentials.num_agents == 1 and self.noise_scale != 0:
             # D-ADMMS's noise enters through the neighbor terms only: a lone agent would run
             # noise-free ADMM, an optimizer, and report the MAP as draws.
             raise ValueError(
@@ -183,6 +190,28 @@ class DADMMS(DecentralizedKernel):
                 "and its draws have no spread. Split the data over several clients, or use "
                 "FedZigZag (exact with one client) or NUTS"
             )
+        rho, self.scaling = self.rho, None
+        noise_scale = 1.0 if self.noise_scale is None else self.noise_scale
+        if rho == "auto":
+            self.scaling = laplace_scaling(potentials, x0)
+            if self.scaling is None:
+                rho = _PAPER_RHO
+                warn_user(
+                    f"{type(self).__name__}: rho='auto' found no mode with a positive definite Hessian "
+                    "(e.g. a centred hierarchical model, an improper posterior), so the proximal steps "
+                    f"are not scaled to the posterior: running the paper's rho={_PAPER_RHO:g} in the "
+                    "model's units. Reparametrize (numpyro.infer.reparam.LocScaleReparam) or give "
+                    "proper priors; the end-of-run check reports the measured spread",
+                    RuntimeWarning,
+                )
+            else:
+                potentials = whitened_potentials(potentials, self.scaling)
+                x0 = jnp.zeros_like(x0)  # the MAP, in the posterior's units
+                rho, noise_scale = auto_settings(
+                    topology.adjacency, self.scaling.shares, self.agent, noise_scale=self.noise_scale
+                )
+                self.coordinates = (self.scaling.center, self.scaling.transform, self.scaling.inverse)
+        self.rho_used, self.noise_scale_used = rho, noise_scale
         quadratic = None
         if self.solver in ("auto", "quadratic"):
             quadratic = quadratic_potentials(potentials, x0)
@@ -195,8 +224,8 @@ class DADMMS(DecentralizedKernel):
         program = build_program(
             potentials,
             topology.degrees,
-            self.rho,
-            noise_scale=self.noise_scale,
+            rho,
+            noise_scale=noise_scale,
             quadratic=quadratic,
             tolerance=self.tolerance,
             max_iterations=self.max_inner_iterations,
@@ -254,10 +283,10 @@ class ADMM(DADMMS):
 
     samples_posterior = False  # an optimizer: its iterates converge to the MAP
 
-    def __init__(self, model, **kwargs):
+    def __init__(self, model, *, rho: float | str = _PAPER_RHO, **kwargs):
         if "noise_scale" in kwargs:
             raise TypeError("ADMM has no noise_scale: it is D-ADMMS with noise_scale=0")
-        super().__init__(model, noise_scale=0.0, **kwargs)
+        super().__init__(model, rho=rho, noise_scale=0.0, **kwargs)
 
     def hyperparameters(self) -> dict:
         values = super().hyperparameters()
