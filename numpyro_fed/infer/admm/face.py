@@ -29,7 +29,7 @@ from numpyro_fed.infer.admm.agents import AgentPotentials, agent_potentials
 from numpyro_fed.infer.admm.topology import make_topology
 from numpyro_fed.infer.kernel import FederatedMCMCKernel, RunCheck, warn_or_raise
 
-__all__ = ["DecentralizedKernel", "DecentralizedState", "SentCounts"]
+__all__ = ["DecentralizedKernel", "DecentralizedState", "SentCounts", "stein_spread"]
 
 
 class DecentralizedState(NamedTuple):
@@ -420,20 +420,26 @@ class DecentralizedKernel(FederatedMCMCKernel):
                 jax.device_get(jax.lax.map(jax.grad(potentials.total), draws, batch_size=256)), dtype=np.float64
             )
         x = np.asarray(jax.device_get(draws), dtype=np.float64)
-        deviation = x - x.mean(0)
-        stein_scale = np.mean(deviation * grads, axis=0)
-        stein_mean = np.mean(grads, axis=0) * x.std(0)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            offset = np.abs(stein_mean) / np.sqrt(np.maximum(stein_scale, 1e-300))
-            bad_scale = ~((stein_scale >= self.spread_tolerance**-2) & (stein_scale <= self.spread_tolerance**2))
-        bad = bad_scale | ~(offset <= self.offset_tolerance)
+        variance_ratio, offset = stein_spread(x, grads)
+        stein_scale = variance_ratio
+        stein_mean = offset * np.sqrt(np.abs(variance_ratio))
+        with np.errstate(invalid="ignore"):
+            bad_scale = ~((variance_ratio >= self.spread_tolerance**-2) & (variance_ratio <= self.spread_tolerance**2))
+        bad = bad_scale | ~(np.abs(offset) <= self.offset_tolerance)
         message = None
         if bad.any():
-            j = int(np.argmax(np.where(bad, np.abs(np.log(np.abs(stein_scale) + 1e-300)) + offset, -np.inf)))
+            score = np.abs(np.log(np.abs(np.nan_to_num(variance_ratio, nan=1e-300)) + 1e-300))
+            j = int(np.argmax(np.where(bad, score + np.nan_to_num(np.abs(offset), nan=1e3), -np.inf)))
+            if np.isfinite(variance_ratio[j]) and variance_ratio[j] > 0:
+                measured = (
+                    f"sd ratio about {np.sqrt(variance_ratio[j]):.2g} (variance ratio {variance_ratio[j]:.2g}), "
+                    f"mean about {abs(offset[j]):.2g} posterior sds off"
+                )
+            else:
+                measured = "the draws are too far from the posterior for Stein's identity to measure a spread"
             message = (
                 f"agent {self.agent}'s draws do not match the posterior's score "
-                f"(Stein's identity, unconstrained coordinate {j} of {x.shape[1]}: variance ratio "
-                f"about {stein_scale[j]:.3g}, mean about {offset[j]:.2g} posterior sds off; "
+                f"(Stein's identity, unconstrained coordinate {j} of {x.shape[1]}: {measured}; "
                 f"{int(bad.sum())} coordinate(s) outside a factor {self.spread_tolerance:g} in sd or "
                 f"{self.offset_tolerance:g} sd in mean): this sampler is biased and its draws are "
                 f"not the posterior's here. {self.spread_advice}"
@@ -541,6 +547,46 @@ class DecentralizedKernel(FederatedMCMCKernel):
         if kernel.federated_potential is None:
             raise RuntimeError("run the MCMC first")
         return kernel
+
+
+def stein_spread(x, grads):
+    """Per coordinate, the draws' variance over the posterior's and the offset of their mean
+    in posterior sds, by Stein's identity (``x``, ``grads``: ``(T, d)`` draws and the
+    potential's gradients there, float64).
+
+    Under a Gaussian posterior of precision ``P`` and mean ``mu``, ``grad U(x) = P (x - mu)``, so
+    over draws of covariance ``C`` and mean ``m``, ``A = mean((x - m) grad U^T) = C P`` and
+    ``mean(grad U) = P (m - mu)``: the posterior's covariance is ``A^-1 C`` and the offset
+    ``A^-1 C mean(grad U)``, whatever the correlations (coordinate by coordinate, ``A_ii`` alone
+    mixes the other coordinates' errors in). Where ``A`` is singular or the estimated
+    posterior variance is not positive (draws far from a non-Gaussian posterior), the
+    coordinate's own ``A_ii`` and its offset are used; ``nan`` where even that is not positive.
+
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.normal(size=(4000, 2)) @ np.array([[1.0, 0.9], [0.0, 0.3]]) * 0.5  # half the sd
+    >>> precision = np.linalg.inv(np.array([[1.0, 0.9], [0.9, 0.9]]))
+    >>> ratio, offset = stein_spread(x, x @ precision)
+    >>> np.sqrt(ratio).round(1).tolist(), np.abs(offset).round(1).tolist()
+    ([0.5, 0.5], [0.0, 0.0])
+    """
+    deviation = x - x.mean(0)
+    mean_grad = grads.mean(0)
+    diagonal = np.mean(deviation * grads, axis=0)
+    with np.errstate(all="ignore"):
+        ratio = np.where(diagonal > 0, diagonal, np.nan)
+        offset = mean_grad * x.std(0) / np.sqrt(ratio)
+        cross = deviation.T @ grads / x.shape[0]
+        covariance = deviation.T @ deviation / x.shape[0]
+        try:
+            posterior = np.linalg.solve(cross, covariance)
+        except np.linalg.LinAlgError:
+            return ratio, offset
+        posterior = (posterior + posterior.T) / 2
+        variance = np.diag(posterior)
+        ok = np.isfinite(variance) & (variance > 0) & np.all(np.isfinite(posterior), axis=1)
+        full_ratio = np.diag(covariance) / variance
+        full_offset = (posterior @ mean_grad) / np.sqrt(variance)
+    return np.where(ok, full_ratio, ratio), np.where(ok, full_offset, offset)
 
 
 def _grads_at(fn, block, prior_weight, draws):

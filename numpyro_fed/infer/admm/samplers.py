@@ -33,7 +33,7 @@ from numpyro_fed.infer.admm.gradient import (
     largest_curvatures,
 )
 from numpyro_fed.infer.admm.scaling import auto_settings, laplace_scaling, whitened_potentials
-from numpyro_fed.infer.admm.topology import metropolis_weights
+from numpyro_fed.infer.admm.topology import metropolis_weights, num_components
 from numpyro_fed.infer.kernel import RunCheck
 
 __all__ = ["ADMM", "DADMMS", "DSGHMC", "DSGLD", "DULA"]
@@ -134,6 +134,8 @@ class DADMMS(DecentralizedKernel):
     """
 
     info_names = ADMMInfo._fields
+    #: the end-of-run check warns outside a factor 1.4 in sd (what ``rho="auto"`` aims at)
+    spread_tolerance = 1.4
     divergence_advice = (
         "the proximal steps have no step size to lower: look for a potential that is not "
         "finite at the iterates (e.g. an improper or non-convex model), or raise rho"
@@ -207,9 +209,12 @@ class DADMMS(DecentralizedKernel):
             else:
                 potentials = whitened_potentials(potentials, self.scaling)
                 x0 = jnp.zeros_like(x0)  # the MAP, in the posterior's units
-                rho, noise_scale = auto_settings(
-                    topology.adjacency, self.scaling.shares, self.agent, noise_scale=self.noise_scale
-                )
+                if num_components(topology.adjacency) == 1:
+                    rho, noise_scale = auto_settings(
+                        topology.adjacency, self.scaling.shares, self.agent, noise_scale=self.noise_scale
+                    )
+                else:  # agents that never meet have no common stationary law to calibrate
+                    rho = _PAPER_RHO
                 self.coordinates = (self.scaling.center, self.scaling.transform, self.scaling.inverse)
         self.rho_used, self.noise_scale_used = rho, noise_scale
         quadratic = None
