@@ -44,7 +44,8 @@ class LaplaceScaling(NamedTuple):
     """The posterior's location and scale seen by the agents at set-up.
 
     :ivar center: ``(d,)`` the MAP (float64).
-    :ivar transform: ``(d, d)`` ``T`` with ``T^T H T = I`` (``x = center + T y``).
+    :ivar transform: ``(d, d)`` ``T = L^-T`` with ``H = L L^T`` (Cholesky), so ``T^T H T = I``
+        (``x = center + T y``).
     :ivar inverse: ``(d, d)`` ``T^-1`` (``y = T^-1 (x - center)``).
     :ivar shares: ``(N,)`` each agent's share of the curvature, ``tr(T^T H_i T) / d`` (they
         sum to one).
@@ -116,11 +117,17 @@ def laplace_scaling(potentials: AgentPotentials, x0, *, max_rounds: int = 50) ->
         value, grad, hessians, hessian = trial
     if not converged:
         return None
-    eigenvalues, vectors = np.linalg.eigh((hessian + hessian.T) / 2)
-    if eigenvalues.min() <= eigenvalues.max() * 1e-14:
+    # Cholesky, not an eigendecomposition: rescaling the coordinates by a positive diagonal D
+    # rescales the factor by D exactly, so the whitened problem, its noise draws and hence the
+    # draws are the same in any units of the covariates
+    try:
+        factor = np.linalg.cholesky((hessian + hessian.T) / 2)
+    except np.linalg.LinAlgError:
         return None
-    transform = vectors / np.sqrt(eigenvalues)
-    inverse = (vectors * np.sqrt(eigenvalues)).T
+    inverse = factor.T
+    transform = scipy.linalg.solve_triangular(factor, np.eye(x.size), lower=True).T
+    if not (np.all(np.isfinite(transform)) and np.all(np.isfinite(inverse))):
+        return None
     whitened = np.einsum("ji,njk,kl->nil", transform, (hessians + np.swapaxes(hessians, 1, 2)) / 2, transform)
     shares = np.clip(np.trace(whitened, axis1=1, axis2=2) / x.size, 0.0, None)
     return LaplaceScaling(x, transform, inverse, shares / shares.sum(), rounds)
