@@ -26,10 +26,11 @@ from numpyro_fed._checks import check_int, check_positive
 from numpyro_fed.federation import MessageLedger
 from numpyro_fed.federation.decentralized import NetworkState, deliver, info_struct
 from numpyro_fed.infer.admm.agents import AgentPotentials, agent_potentials
+from numpyro_fed.infer.admm.scaling import stein_spread
 from numpyro_fed.infer.admm.topology import make_topology
 from numpyro_fed.infer.kernel import FederatedMCMCKernel, RunCheck, warn_or_raise
 
-__all__ = ["DecentralizedKernel", "DecentralizedState", "SentCounts", "stein_spread"]
+__all__ = ["DecentralizedKernel", "DecentralizedState", "SentCounts"]
 
 
 class DecentralizedState(NamedTuple):
@@ -502,7 +503,12 @@ class DecentralizedKernel(FederatedMCMCKernel):
             nbytes=nbytes.sum(0) - (degrees * per_message).sum(0),
             rounds=int(iterations.max()),
         )
+        kernel.record_setup(ledger)
         return ledger.summary()
+
+    def record_setup(self, ledger) -> None:
+        """Adds the set-up's messages of the last run to ``ledger`` (a
+        :class:`~numpyro_fed.federation.MessageLedger`; none here)."""
 
     @staticmethod
     def agent_draws(mcmc, agent: int | None = None, *, group_by_chain: bool = False) -> dict:
@@ -547,46 +553,6 @@ class DecentralizedKernel(FederatedMCMCKernel):
         if kernel.federated_potential is None:
             raise RuntimeError("run the MCMC first")
         return kernel
-
-
-def stein_spread(x, grads):
-    """Per coordinate, the draws' variance over the posterior's and the offset of their mean
-    in posterior sds, by Stein's identity (``x``, ``grads``: ``(T, d)`` draws and the
-    potential's gradients there, float64).
-
-    Under a Gaussian posterior of precision ``P`` and mean ``mu``, ``grad U(x) = P (x - mu)``, so
-    over draws of covariance ``C`` and mean ``m``, ``A = mean((x - m) grad U^T) = C P`` and
-    ``mean(grad U) = P (m - mu)``: the posterior's covariance is ``A^-1 C`` and the offset
-    ``A^-1 C mean(grad U)``, whatever the correlations (coordinate by coordinate, ``A_ii`` alone
-    mixes the other coordinates' errors in). Where ``A`` is singular or the estimated
-    posterior variance is not positive (draws far from a non-Gaussian posterior), the
-    coordinate's own ``A_ii`` and its offset are used; ``nan`` where even that is not positive.
-
-    >>> rng = np.random.default_rng(0)
-    >>> x = rng.normal(size=(4000, 2)) @ np.array([[1.0, 0.9], [0.0, 0.3]]) * 0.5  # half the sd
-    >>> precision = np.linalg.inv(np.array([[1.0, 0.9], [0.9, 0.9]]))
-    >>> ratio, offset = stein_spread(x, x @ precision)
-    >>> np.sqrt(ratio).round(1).tolist(), np.abs(offset).round(1).tolist()
-    ([0.5, 0.5], [0.0, 0.0])
-    """
-    deviation = x - x.mean(0)
-    mean_grad = grads.mean(0)
-    diagonal = np.mean(deviation * grads, axis=0)
-    with np.errstate(all="ignore"):
-        ratio = np.where(diagonal > 0, diagonal, np.nan)
-        offset = mean_grad * x.std(0) / np.sqrt(ratio)
-        cross = deviation.T @ grads / x.shape[0]
-        covariance = deviation.T @ deviation / x.shape[0]
-        try:
-            posterior = np.linalg.solve(cross, covariance)
-        except np.linalg.LinAlgError:
-            return ratio, offset
-        posterior = (posterior + posterior.T) / 2
-        variance = np.diag(posterior)
-        ok = np.isfinite(variance) & (variance > 0) & np.all(np.isfinite(posterior), axis=1)
-        full_ratio = np.diag(covariance) / variance
-        full_offset = (posterior @ mean_grad) / np.sqrt(variance)
-    return np.where(ok, full_ratio, ratio), np.where(ok, full_offset, offset)
 
 
 def _grads_at(fn, block, prior_weight, draws):

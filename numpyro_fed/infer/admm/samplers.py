@@ -59,16 +59,28 @@ class DADMMS(DecentralizedKernel):
     independent runs of the network, and the law of the iterates across chains approaches
     D-ADMMS's limit as the iterations go on; ``num_warmup`` iterations are discarded.
 
-    D-ADMMS is biased: the limit is not the posterior, and its spread depends on ``rho``
-    and on how concentrated the posterior is (see the guide, "What a sample is": on a
-    Gaussian posterior with 250 rows the iterates' sd is about 0.7 of the posterior's at
-    ``rho = 5``).
+    D-ADMMS is biased: the limit is not the posterior. At a fixed ``rho`` its spread depends
+    on ``rho`` and on the posterior's scale, so on the units of the covariates (see the guide,
+    "What a sample is": on a Gaussian posterior with 250 rows the iterates' sd is about 0.7 of
+    the posterior's at ``rho = 5``, and 0.03-0.4 on published regressions with raw
+    covariates). The default ``rho="auto"`` runs the algorithm in the posterior's units: a
+    set-up finds the MAP and the sum of the agents' Hessians there (rounds in which every
+    agent sends its potential's value, gradient and Hessian at the current point, in the
+    ledger as ``"DADMMS/laplace"``), the agents iterate ``y`` with ``x = MAP + L^-T y``
+    (``H = L L^T``), ``rho`` is set for mixing and the noise is scaled so that, on the
+    linearized recursion (its discrete Lyapunov equation), the reporting agent's stationary
+    sd is the posterior's (see :mod:`~numpyro_fed.infer.admm.scaling`). The draws are then the
+    same in any units of the covariates. Without a mode (a centred hierarchical model, an
+    improper posterior) it warns and runs the paper's ``rho = 5``. The end-of-run check warns
+    when a coordinate's sd is off by more than a factor 1.4, with the measured ratio.
 
     :param model: a NumPyro model with a :class:`~numpyro_fed.federated_plate`.
     :param topology: ``"ring"`` (default), ``"complete"``, ``"star"``, ``"none"``, an
         adjacency matrix or a networkx graph, one node per client (see
         :func:`~numpyro_fed.infer.admm.topology.make_topology`).
-    :param float rho: ADMM penalty (> 0); the paper uses 5.
+    :param rho: ADMM penalty: ``"auto"`` (default; see above: in the posterior's units,
+        :attr:`rho_used` and :attr:`noise_scale_used` give what ran) or a float (> 0) in the
+        model's units, the paper's algorithm as written (the paper uses 5).
     :param str solver: proximal solver: ``"auto"`` (closed form if every local potential
         is detected to be quadratic, else Newton), ``"quadratic"`` (closed form; an error if
         a potential is not quadratic) or ``"newton"``.
@@ -77,10 +89,15 @@ class DADMMS(DecentralizedKernel):
     :param int max_inner_iterations: Newton's iteration cap per proximal step.
     :param prior_weights: shares of the prior per agent (default ``1/N`` each, Eq. (27)).
     :param float init_scale: the agents start at ``N(0, init_scale^2 I)`` on the
-        unconstrained space (the paper: ``N(0, I)``), unless ``init_params`` is given to
-        ``MCMC.run`` (by site, shaped as the site or with a leading agent axis).
+        unconstrained space (the paper: ``N(0, I)``; with ``rho="auto"``, in the posterior's
+        units: ``init_scale`` times the Laplace approximation's sd around the MAP), unless
+        ``init_params`` is given to ``MCMC.run`` (by site, shaped as the site or with a
+        leading agent axis).
     :param float noise_scale: multiplies the proximal noise (1: D-ADMMS; 0: C-ADMM, see
-        :class:`ADMM`).
+        :class:`ADMM`). ``None`` (default): 1 at a fixed ``rho``; with ``rho="auto"``,
+        calibrated with ``rho`` (given with ``rho="auto"``, ``rho`` is calibrated instead:
+        ``noise_scale=1.0`` is the paper's algorithm in the posterior's units, which mixes
+        slower).
     :param dict partition: as for :func:`~numpyro_fed.split_potential`.
     :param int agent: the agent whose iterates are the MCMC samples (default 0).
     :param federation: where the agents run: ``None`` or
@@ -116,7 +133,7 @@ class DADMMS(DecentralizedKernel):
     ...     with nf.federated_plate("data", y.shape[0], clients=5):
     ...         numpyro.sample("y", dist.Normal(mu, 1), obs=y)
     >>> y = 1.0 + jax.random.normal(jax.random.PRNGKey(0), (100,))
-    >>> mcmc = MCMC(nf.DADMMS(model, topology="ring", rho=5.0), num_warmup=0, num_samples=30,
+    >>> mcmc = MCMC(nf.DADMMS(model, topology="ring"), num_warmup=0, num_samples=30,
     ...             num_chains=50, chain_method="vectorized", progress_bar=False)
     >>> mcmc.run(jax.random.PRNGKey(1), y)
     >>> mcmc.get_samples()["mu"].shape  # agent 0's draws: 50 chains x 30 iterations
@@ -236,6 +253,18 @@ class DADMMS(DecentralizedKernel):
             max_iterations=self.max_inner_iterations,
         )
         return init, program
+
+    def record_setup(self, ledger) -> None:
+        """``rho="auto"``'s set-up (:func:`~numpyro_fed.infer.admm.scaling.laplace_scaling`):
+        per round, the point sent to each agent (``d`` floats) and its value, gradient and
+        Hessian sent back (``1 + d + d^2`` floats), ``"<Sampler>/laplace"`` in the ledger."""
+        if self.scaling is None:
+            return
+        d, rounds = self.scaling.center.size, self.scaling.rounds
+        itemsize = self.agent_potentials.prior_weights.dtype.itemsize
+        name = f"{type(self).__name__}/laplace"
+        ledger.add(name, "to_client", None, messages=rounds, nbytes=rounds * d * itemsize, rounds=rounds)
+        ledger.add(name, "from_client", None, messages=rounds, nbytes=rounds * (1 + d + d * d) * itemsize)
 
     def diagnose(self, mcmc) -> RunCheck:
         """Besides diverged iterates and draws far from the posterior (see

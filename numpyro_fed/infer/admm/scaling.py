@@ -36,6 +36,7 @@ __all__ = [
     "calibrated_rho",
     "laplace_scaling",
     "stationary_sd_ratio",
+    "stein_spread",
     "whitened_potentials",
 ]
 
@@ -219,3 +220,43 @@ def auto_settings(adjacency, shares, agent: int = 0, *, noise_scale: float | Non
     if noise_scale is not None:  # 0: no noise (C-ADMM), in the posterior's units
         return rho, 0.0
     return rho, 1.0 / stationary_sd_ratio(adjacency, shares, rho, agent)
+
+
+def stein_spread(x, grads):
+    """Per coordinate, the draws' variance over the posterior's and the offset of their mean
+    in posterior sds, by Stein's identity (``x``, ``grads``: ``(T, d)`` draws and the
+    potential's gradients there, float64).
+
+    Under a Gaussian posterior of precision ``P`` and mean ``mu``, ``grad U(x) = P (x - mu)``, so
+    over draws of covariance ``C`` and mean ``m``, ``A = mean((x - m) grad U^T) = C P`` and
+    ``mean(grad U) = P (m - mu)``: the posterior's covariance is ``A^-1 C`` and the offset
+    ``A^-1 C mean(grad U)``, whatever the correlations (coordinate by coordinate, ``A_ii`` alone
+    mixes the other coordinates' errors in). Where ``A`` is singular or the estimated
+    posterior variance is not positive (draws far from a non-Gaussian posterior), the
+    coordinate's own ``A_ii`` and its offset are used; ``nan`` where even that is not positive.
+
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.normal(size=(4000, 2)) @ np.array([[1.0, 0.9], [0.0, 0.3]]) * 0.5  # half the sd
+    >>> precision = np.linalg.inv(np.array([[1.0, 0.9], [0.9, 0.9]]))
+    >>> ratio, offset = stein_spread(x, x @ precision)
+    >>> np.sqrt(ratio).round(1).tolist(), np.abs(offset).round(1).tolist()
+    ([0.5, 0.5], [0.0, 0.0])
+    """
+    deviation = x - x.mean(0)
+    mean_grad = grads.mean(0)
+    diagonal = np.mean(deviation * grads, axis=0)
+    with np.errstate(all="ignore"):
+        ratio = np.where(diagonal > 0, diagonal, np.nan)
+        offset = mean_grad * x.std(0) / np.sqrt(ratio)
+        cross = deviation.T @ grads / x.shape[0]
+        covariance = deviation.T @ deviation / x.shape[0]
+        try:
+            posterior = np.linalg.solve(cross, covariance)
+        except np.linalg.LinAlgError:
+            return ratio, offset
+        posterior = (posterior + posterior.T) / 2
+        variance = np.diag(posterior)
+        ok = np.isfinite(variance) & (variance > 0) & np.all(np.isfinite(posterior), axis=1)
+        full_ratio = np.diag(covariance) / variance
+        full_offset = (posterior @ mean_grad) / np.sqrt(variance)
+    return np.where(ok, full_ratio, ratio), np.where(ok, full_offset, offset)

@@ -80,6 +80,12 @@ def test_default_spread_matches_the_posterior_on_raw_covariates(dtype):
     assert np.all(np.abs(draws.mean(0) - mean) < 0.3 * sd), (draws.mean(0) - mean) / sd
     kernel = mcmc.sampler
     assert kernel.rho_used is not None and kernel.scaling is not None
+    # the set-up's rounds are in the ledger: per round each agent got the point and sent back
+    # its value, gradient and Hessian (1 + 3 + 9 floats)
+    ledger = kernel.message_ledger(mcmc)
+    rounds, itemsize = kernel.scaling.rounds, np.dtype(dtype).itemsize
+    np.testing.assert_array_equal(ledger["DADMMS/laplace/messages_from_client"], rounds)
+    np.testing.assert_array_equal(ledger["DADMMS/laplace/bytes_from_client"], rounds * 13 * itemsize)
     # the paper's fixed rho in the model's units: the scale-100 coefficient (posterior sd about
     # 5e-4) gets the same noise as the others, and the run says so
     with pytest.warns(RuntimeWarning, match=r"sd ratio about"):
