@@ -66,7 +66,7 @@ def _value_grad_hess(fn, block, prior_weight, x):
     return value, grad, jax.hessian(fn)(x, block, prior_weight)
 
 
-def laplace_scaling(potentials: AgentPotentials, x0, *, max_rounds: int = 50) -> LaplaceScaling | None:
+def laplace_scaling(potentials: AgentPotentials, x0, *, max_rounds: int = 200) -> LaplaceScaling | None:
     """The MAP and the Hessian there by a damped Newton method over the agents' sums (see the
     module's docstring), or ``None`` when there is none (a potential not finite at ``x0``, a
     posterior without a mode, e.g. a centred funnel, or a Hessian that is not positive
