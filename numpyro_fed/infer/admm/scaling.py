@@ -103,7 +103,12 @@ def laplace_scaling(potentials: AgentPotentials, x0, *, max_rounds: int = 200) -
         step = -vectors @ ((vectors.T @ grad) / np.maximum(np.abs(eigenvalues), floor))
         decrement = float(-(grad @ step))
         if decrement <= max(1e3 * eps, 1e-10) * (1.0 + abs(value)) and eigenvalues.min() > 0:
-            converged = True
+            # one more full step: Newton converges quadratically there, so the MAP (and every
+            # quantity built on it) is then exact to round-off, whatever the starting point
+            x = x + step
+            value, grad, hessians, hessian = totals(x)
+            rounds += 1
+            converged = bool(np.isfinite(value) and np.all(np.isfinite(hessian)))
             break
         t = 1.0
         while rounds < max_rounds:
