@@ -210,6 +210,7 @@ class DADMMS(DecentralizedKernel):
                 "FedZigZag (exact with one client) or NUTS"
             )
         rho, self.scaling = self.rho, None
+        self._setup_itemsize = jnp.asarray(x0).dtype.itemsize  # the set-up's messages are in this dtype
         noise_scale = 1.0 if self.noise_scale is None else self.noise_scale
         if rho == "auto":
             self.scaling = laplace_scaling(potentials, x0)
@@ -261,7 +262,7 @@ class DADMMS(DecentralizedKernel):
         if self.scaling is None:
             return
         d, rounds = self.scaling.center.size, self.scaling.rounds
-        itemsize = self.agent_potentials.prior_weights.dtype.itemsize
+        itemsize = self._setup_itemsize
         name = f"{type(self).__name__}/laplace"
         ledger.add(name, "to_client", None, messages=rounds, nbytes=rounds * d * itemsize, rounds=rounds)
         ledger.add(name, "from_client", None, messages=rounds, nbytes=rounds * (1 + d + d * d) * itemsize)

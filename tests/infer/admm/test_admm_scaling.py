@@ -84,7 +84,7 @@ def test_default_spread_matches_the_posterior_on_raw_covariates(dtype):
     # the set-up's rounds are in the ledger: per round each agent got the point and sent back
     # its value, gradient and Hessian (1 + 3 + 9 floats)
     ledger = kernel.message_ledger(mcmc)
-    rounds, itemsize = kernel.scaling.rounds, np.dtype(dtype).itemsize
+    rounds, itemsize = kernel.scaling.rounds, np.asarray(mcmc.get_samples()["alpha"]).dtype.itemsize
     np.testing.assert_array_equal(ledger["DADMMS/laplace/messages_from_client"], rounds)
     np.testing.assert_array_equal(ledger["DADMMS/laplace/bytes_from_client"], rounds * 13 * itemsize)
     # the paper's fixed rho in the model's units: the scale-100 coefficient (posterior sd about
