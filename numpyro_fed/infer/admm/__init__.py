@@ -5,6 +5,8 @@ gradient baselines (D-SGLD, D-SGHMC, D-ULA), agents on a communication graph.
 * :mod:`~numpyro_fed.infer.admm.agents`: what each agent knows (its local potential);
 * :mod:`~numpyro_fed.infer.admm.dadmms`: D-ADMMS's core (``init`` and ``build_program``, what
   each agent runs on any network; the proximal solvers);
+* :mod:`~numpyro_fed.infer.admm.scaling`: D-ADMMS in the posterior's units (``rho="auto"``)
+  and the spread check's Stein estimate;
 * :mod:`~numpyro_fed.infer.admm.gradient`: the baselines' cores (``init_<name>`` and
   ``build_<name>_program``);
 * :mod:`~numpyro_fed.infer.admm.face`: :class:`DecentralizedKernel`, the NumPyro face they
@@ -38,6 +40,15 @@ from numpyro_fed.infer.admm.gradient import (
     largest_curvatures,
 )
 from numpyro_fed.infer.admm.samplers import ADMM, DADMMS, DSGHMC, DSGLD, DULA
+from numpyro_fed.infer.admm.scaling import (
+    LaplaceScaling,
+    auto_settings,
+    calibrated_rho,
+    laplace_scaling,
+    stationary_sd_ratio,
+    stein_spread,
+    whitened_potentials,
+)
 from numpyro_fed.infer.admm.topology import (
     DisconnectedTopologyWarning,
     Topology,
@@ -59,6 +70,7 @@ __all__ = [
     "DecentralizedState",
     "DisconnectedTopologyWarning",
     "GradientInfo",
+    "LaplaceScaling",
     "QuadraticPotentials",
     "SGHMCState",
     "SGLDState",
@@ -66,18 +78,24 @@ __all__ = [
     "Topology",
     "ULAState",
     "agent_potentials",
+    "auto_settings",
     "build_dsghmc_program",
     "build_dsgld_program",
     "build_dula_program",
     "build_program",
+    "calibrated_rho",
     "init",
     "init_dsghmc",
     "init_dsgld",
     "init_dula",
+    "laplace_scaling",
     "largest_curvatures",
     "make_topology",
     "metropolis_weights",
     "newton_prox",
     "num_components",
     "quadratic_potentials",
+    "stationary_sd_ratio",
+    "stein_spread",
+    "whitened_potentials",
 ]

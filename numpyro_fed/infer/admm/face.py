@@ -26,6 +26,7 @@ from numpyro_fed._checks import check_int, check_positive
 from numpyro_fed.federation import MessageLedger
 from numpyro_fed.federation.decentralized import NetworkState, deliver, info_struct
 from numpyro_fed.infer.admm.agents import AgentPotentials, agent_potentials
+from numpyro_fed.infer.admm.scaling import stein_spread
 from numpyro_fed.infer.admm.topology import make_topology
 from numpyro_fed.infer.kernel import FederatedMCMCKernel, RunCheck, warn_or_raise
 
@@ -170,6 +171,10 @@ class DecentralizedKernel(FederatedMCMCKernel):
         self.init_scale = check_positive(init_scale, "init_scale")
         self.agent = check_int(agent, "agent", minimum=0)
         self.agent_potentials = None
+        #: ``None`` (the core iterates the model's flat unconstrained coordinates) or ``(center,
+        #: transform, inverse)`` set by :meth:`build_core`: the core iterates ``y`` with ``x =
+        #: center + transform @ y`` (e.g. D-ADMMS with ``rho="auto"``, in the posterior's units)
+        self.coordinates = None
 
     # -- the algorithm ----------------------------------------------------------------------
     def build_core(self, potentials: AgentPotentials, topology, x0):
@@ -223,6 +228,7 @@ class DecentralizedKernel(FederatedMCMCKernel):
         potentials = self.agent_potentials = self._agent_potentials(federation, potential, adjacency)
         n, d = potentials.num_agents, potentials.dim
         base = potential.ravel(potential.init_params)
+        self.coordinates = None
         init_fn, program = self.build_core(potentials, self.graph, base)
         network = self._network = federation.agent_network(
             program, adjacency, name=type(self).__name__, settings=self._settings(), previous=self._network
@@ -236,9 +242,13 @@ class DecentralizedKernel(FederatedMCMCKernel):
         message_bytes = d * base.dtype.itemsize
 
         def start(key, params):
-            if params is None:
+            if params is None:  # in the core's coordinates (the posterior's units, if it has them)
                 return self.init_scale * jax.random.normal(key, (n, d), dtype=base.dtype)
-            return self._flat_init(params, n, d, base)
+            x = self._flat_init(params, n, d, base)
+            if self.coordinates is None:
+                return x
+            center, _, inverse = self.coordinates
+            return (x - jnp.asarray(center, base.dtype)) @ jnp.asarray(inverse, base.dtype).T
 
         def one_chain(key, params):
             k_start, k_chain = jax.random.split(key)
@@ -298,14 +308,23 @@ class DecentralizedKernel(FederatedMCMCKernel):
             state = jax.tree.map(lambda a: a[0], state)
         draws = None
         if history:
-            flat = jnp.stack([jnp.asarray(h[1].x) for h in history], axis=1)  # (C, T, N, d)
+            flat = self._to_model(jnp.stack([jnp.asarray(h[1].x) for h in history], axis=1))  # (C, T, N, d)
             draws = self._constrain(jax.vmap(jax.vmap(jax.vmap(self.federated_potential.unravel)))(flat), 3)
         return state, draws
 
     # -- helpers ----------------------------------------------------------------------------
+    def _to_model(self, x):
+        """The core's flat iterates ``x`` (``(..., d)``) in the model's flat unconstrained
+        coordinates (see :attr:`coordinates`)."""
+        if self.coordinates is None:
+            return x
+        center, transform, _ = self.coordinates
+        return jnp.asarray(center, x.dtype) + x @ jnp.asarray(transform, x.dtype).T
+
     def _views(self, x):
-        """``(z, agents, network_average)`` of the flat iterates ``x`` (``(N, d)``)."""
+        """``(z, agents, network_average)`` of the core's flat iterates ``x`` (``(N, d)``)."""
         unravel = self.federated_potential.unravel
+        x = self._to_model(x)
         return unravel(x[self.agent]), jax.vmap(unravel)(x), unravel(jnp.mean(x, axis=0))
 
     def _constrain(self, values, batch_ndim):
@@ -402,20 +421,26 @@ class DecentralizedKernel(FederatedMCMCKernel):
                 jax.device_get(jax.lax.map(jax.grad(potentials.total), draws, batch_size=256)), dtype=np.float64
             )
         x = np.asarray(jax.device_get(draws), dtype=np.float64)
-        deviation = x - x.mean(0)
-        stein_scale = np.mean(deviation * grads, axis=0)
-        stein_mean = np.mean(grads, axis=0) * x.std(0)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            offset = np.abs(stein_mean) / np.sqrt(np.maximum(stein_scale, 1e-300))
-            bad_scale = ~((stein_scale >= self.spread_tolerance**-2) & (stein_scale <= self.spread_tolerance**2))
-        bad = bad_scale | ~(offset <= self.offset_tolerance)
+        variance_ratio, offset = stein_spread(x, grads)
+        stein_scale = variance_ratio
+        stein_mean = offset * np.sqrt(np.abs(variance_ratio))
+        with np.errstate(invalid="ignore"):
+            bad_scale = ~((variance_ratio >= self.spread_tolerance**-2) & (variance_ratio <= self.spread_tolerance**2))
+        bad = bad_scale | ~(np.abs(offset) <= self.offset_tolerance)
         message = None
         if bad.any():
-            j = int(np.argmax(np.where(bad, np.abs(np.log(np.abs(stein_scale) + 1e-300)) + offset, -np.inf)))
+            score = np.abs(np.log(np.abs(np.nan_to_num(variance_ratio, nan=1e-300)) + 1e-300))
+            j = int(np.argmax(np.where(bad, score + np.nan_to_num(np.abs(offset), nan=1e3), -np.inf)))
+            if np.isfinite(variance_ratio[j]) and variance_ratio[j] > 0:
+                measured = (
+                    f"sd ratio about {np.sqrt(variance_ratio[j]):.2g} (variance ratio {variance_ratio[j]:.2g}), "
+                    f"mean about {abs(offset[j]):.2g} posterior sds off"
+                )
+            else:
+                measured = "the draws are too far from the posterior for Stein's identity to measure a spread"
             message = (
                 f"agent {self.agent}'s draws do not match the posterior's score "
-                f"(Stein's identity, unconstrained coordinate {j} of {x.shape[1]}: variance ratio "
-                f"about {stein_scale[j]:.3g}, mean about {offset[j]:.2g} posterior sds off; "
+                f"(Stein's identity, unconstrained coordinate {j} of {x.shape[1]}: {measured}; "
                 f"{int(bad.sum())} coordinate(s) outside a factor {self.spread_tolerance:g} in sd or "
                 f"{self.offset_tolerance:g} sd in mean): this sampler is biased and its draws are "
                 f"not the posterior's here. {self.spread_advice}"
@@ -478,7 +503,12 @@ class DecentralizedKernel(FederatedMCMCKernel):
             nbytes=nbytes.sum(0) - (degrees * per_message).sum(0),
             rounds=int(iterations.max()),
         )
+        kernel.record_setup(ledger)
         return ledger.summary()
+
+    def record_setup(self, ledger) -> None:
+        """Adds the set-up's messages of the last run to ``ledger`` (a
+        :class:`~numpyro_fed.federation.MessageLedger`; none here)."""
 
     @staticmethod
     def agent_draws(mcmc, agent: int | None = None, *, group_by_chain: bool = False) -> dict:

@@ -32,12 +32,14 @@ from numpyro_fed.infer.admm.gradient import (
     init_dula,
     largest_curvatures,
 )
-from numpyro_fed.infer.admm.topology import metropolis_weights
+from numpyro_fed.infer.admm.scaling import auto_settings, laplace_scaling, whitened_potentials
+from numpyro_fed.infer.admm.topology import metropolis_weights, num_components
 from numpyro_fed.infer.kernel import RunCheck
 
 __all__ = ["ADMM", "DADMMS", "DSGHMC", "DSGLD", "DULA"]
 
 _SOLVERS = ("auto", "quadratic", "newton")
+_PAPER_RHO = 5.0
 
 
 class DADMMS(DecentralizedKernel):
@@ -57,16 +59,28 @@ class DADMMS(DecentralizedKernel):
     independent runs of the network, and the law of the iterates across chains approaches
     D-ADMMS's limit as the iterations go on; ``num_warmup`` iterations are discarded.
 
-    D-ADMMS is biased: the limit is not the posterior, and its spread depends on ``rho``
-    and on how concentrated the posterior is (see the guide, "What a sample is": on a
-    Gaussian posterior with 250 rows the iterates' sd is about 0.7 of the posterior's at
-    ``rho = 5``).
+    D-ADMMS is biased: the limit is not the posterior. At a fixed ``rho`` its spread depends
+    on ``rho`` and on the posterior's scale, so on the units of the covariates (see the guide,
+    "What a sample is": on a Gaussian posterior with 250 rows the iterates' sd is about 0.7 of
+    the posterior's at ``rho = 5``, and 0.03-0.4 on published regressions with raw
+    covariates). The default ``rho="auto"`` runs the algorithm in the posterior's units: a
+    set-up finds the MAP and the sum of the agents' Hessians there (rounds in which every
+    agent sends its potential's value, gradient and Hessian at the current point, in the
+    ledger as ``"DADMMS/laplace"``), the agents iterate ``y`` with ``x = MAP + L^-T y``
+    (``H = L L^T``), ``rho`` is set for mixing and the noise is scaled so that, on the
+    linearized recursion (its discrete Lyapunov equation), the reporting agent's stationary
+    sd is the posterior's (see :mod:`~numpyro_fed.infer.admm.scaling`). The draws are then the
+    same in any units of the covariates. Without a mode (a centred hierarchical model, an
+    improper posterior) it warns and runs the paper's ``rho = 5``. The end-of-run check warns
+    when a coordinate's sd is off by more than a factor 1.4, with the measured ratio.
 
     :param model: a NumPyro model with a :class:`~numpyro_fed.federated_plate`.
     :param topology: ``"ring"`` (default), ``"complete"``, ``"star"``, ``"none"``, an
         adjacency matrix or a networkx graph, one node per client (see
         :func:`~numpyro_fed.infer.admm.topology.make_topology`).
-    :param float rho: ADMM penalty (> 0); the paper uses 5.
+    :param rho: ADMM penalty: ``"auto"`` (default; see above: in the posterior's units,
+        :attr:`rho_used` and :attr:`noise_scale_used` give what ran) or a float (> 0) in the
+        model's units, the paper's algorithm as written (the paper uses 5).
     :param str solver: proximal solver: ``"auto"`` (closed form if every local potential
         is detected to be quadratic, else Newton), ``"quadratic"`` (closed form; an error if
         a potential is not quadratic) or ``"newton"``.
@@ -75,10 +89,15 @@ class DADMMS(DecentralizedKernel):
     :param int max_inner_iterations: Newton's iteration cap per proximal step.
     :param prior_weights: shares of the prior per agent (default ``1/N`` each, Eq. (27)).
     :param float init_scale: the agents start at ``N(0, init_scale^2 I)`` on the
-        unconstrained space (the paper: ``N(0, I)``), unless ``init_params`` is given to
-        ``MCMC.run`` (by site, shaped as the site or with a leading agent axis).
+        unconstrained space (the paper: ``N(0, I)``; with ``rho="auto"``, in the posterior's
+        units: ``init_scale`` times the Laplace approximation's sd around the MAP), unless
+        ``init_params`` is given to ``MCMC.run`` (by site, shaped as the site or with a
+        leading agent axis).
     :param float noise_scale: multiplies the proximal noise (1: D-ADMMS; 0: C-ADMM, see
-        :class:`ADMM`).
+        :class:`ADMM`). ``None`` (default): 1 at a fixed ``rho``; with ``rho="auto"``,
+        calibrated with ``rho`` (given with ``rho="auto"``, ``rho`` is calibrated instead:
+        ``noise_scale=1.0`` is the paper's algorithm in the posterior's units, which mixes
+        slower).
     :param dict partition: as for :func:`~numpyro_fed.split_potential`.
     :param int agent: the agent whose iterates are the MCMC samples (default 0).
     :param federation: where the agents run: ``None`` or
@@ -114,7 +133,7 @@ class DADMMS(DecentralizedKernel):
     ...     with nf.federated_plate("data", y.shape[0], clients=5):
     ...         numpyro.sample("y", dist.Normal(mu, 1), obs=y)
     >>> y = 1.0 + jax.random.normal(jax.random.PRNGKey(0), (100,))
-    >>> mcmc = MCMC(nf.DADMMS(model, topology="ring", rho=5.0), num_warmup=0, num_samples=30,
+    >>> mcmc = MCMC(nf.DADMMS(model, topology="ring"), num_warmup=0, num_samples=30,
     ...             num_chains=50, chain_method="vectorized", progress_bar=False)
     >>> mcmc.run(jax.random.PRNGKey(1), y)
     >>> mcmc.get_samples()["mu"].shape  # agent 0's draws: 50 chains x 30 iterations
@@ -132,6 +151,8 @@ class DADMMS(DecentralizedKernel):
     """
 
     info_names = ADMMInfo._fields
+    #: the end-of-run check warns outside a factor 1.4 in sd (what ``rho="auto"`` aims at)
+    spread_tolerance = 1.4
     divergence_advice = (
         "the proximal steps have no step size to lower: look for a potential that is not "
         "finite at the iterates (e.g. an improper or non-convex model), or raise rho"
@@ -142,13 +163,13 @@ class DADMMS(DecentralizedKernel):
         model,
         *,
         topology="ring",
-        rho: float = 5.0,
+        rho: float | str = "auto",
         solver: str = "auto",
         tolerance: float | None = None,
         max_inner_iterations: int = 50,
         prior_weights=None,
         init_scale: float = 1.0,
-        noise_scale: float = 1.0,
+        noise_scale: float | None = None,
         partition=None,
         agent: int = 0,
         federation=None,
@@ -162,19 +183,24 @@ class DADMMS(DecentralizedKernel):
             agent=agent,
             federation=federation,
         )
-        self.rho = check_positive(rho, "rho")
+        self.rho = rho if isinstance(rho, str) and rho == "auto" else check_positive(rho, "rho")
+        #: the ``rho`` of the last run (with ``rho="auto"``: in the posterior's units) and the
+        #: set-up's :class:`~numpyro_fed.infer.admm.scaling.LaplaceScaling` (``None``: none)
+        self.rho_used = None
+        self.scaling = None
         if solver not in _SOLVERS:
             raise ValueError(f"solver must be one of {_SOLVERS}, got {solver!r}")
         self.solver = solver
         self.tolerance = None if tolerance is None else check_positive(tolerance, "tolerance")
         self.max_inner_iterations = check_int(max_inner_iterations, "max_inner_iterations", minimum=1)
-        self.noise_scale = check_real(noise_scale, "noise_scale")
-        if self.noise_scale < 0:
+        self.noise_scale = None if noise_scale is None else check_real(noise_scale, "noise_scale")
+        if self.noise_scale is not None and self.noise_scale < 0:
             raise ValueError(f"noise_scale must be >= 0, got {noise_scale}")
         self.solver_used = None
+        self.noise_scale_used = None
 
     def build_core(self, potentials, topology, x0):
-        if potentials.num_agents == 1 and self.noise_scale > 0:
+        if potentials.num_agents == 1 and self.noise_scale != 0:
             # D-ADMMS's noise enters through the neighbor terms only: a lone agent would run
             # noise-free ADMM, an optimizer, and report the MAP as draws.
             raise ValueError(
@@ -183,6 +209,32 @@ class DADMMS(DecentralizedKernel):
                 "and its draws have no spread. Split the data over several clients, or use "
                 "FedZigZag (exact with one client) or NUTS"
             )
+        rho, self.scaling = self.rho, None
+        self._setup_itemsize = jnp.asarray(x0).dtype.itemsize  # the set-up's messages are in this dtype
+        noise_scale = 1.0 if self.noise_scale is None else self.noise_scale
+        if rho == "auto":
+            self.scaling = laplace_scaling(potentials, x0)
+            if self.scaling is None:
+                rho = _PAPER_RHO
+                warn_user(
+                    f"{type(self).__name__}: rho='auto' found no mode with a positive definite Hessian "
+                    "(e.g. a centred hierarchical model, an improper posterior), so the proximal steps "
+                    f"are not scaled to the posterior: running the paper's rho={_PAPER_RHO:g} in the "
+                    "model's units. Reparametrize (numpyro.infer.reparam.LocScaleReparam) or give "
+                    "proper priors; the end-of-run check reports the measured spread",
+                    RuntimeWarning,
+                )
+            else:
+                potentials = whitened_potentials(potentials, self.scaling)
+                x0 = jnp.zeros_like(x0)  # the MAP, in the posterior's units
+                if num_components(topology.adjacency) == 1:
+                    rho, noise_scale = auto_settings(
+                        topology.adjacency, self.scaling.shares, self.agent, noise_scale=self.noise_scale
+                    )
+                else:  # agents that never meet have no common stationary law to calibrate
+                    rho = _PAPER_RHO
+                self.coordinates = (self.scaling.center, self.scaling.transform, self.scaling.inverse)
+        self.rho_used, self.noise_scale_used = rho, noise_scale
         quadratic = None
         if self.solver in ("auto", "quadratic"):
             quadratic = quadratic_potentials(potentials, x0)
@@ -195,13 +247,25 @@ class DADMMS(DecentralizedKernel):
         program = build_program(
             potentials,
             topology.degrees,
-            self.rho,
-            noise_scale=self.noise_scale,
+            rho,
+            noise_scale=noise_scale,
             quadratic=quadratic,
             tolerance=self.tolerance,
             max_iterations=self.max_inner_iterations,
         )
         return init, program
+
+    def record_setup(self, ledger) -> None:
+        """``rho="auto"``'s set-up (:func:`~numpyro_fed.infer.admm.scaling.laplace_scaling`):
+        per round, the point sent to each agent (``d`` floats) and its value, gradient and
+        Hessian sent back (``1 + d + d^2`` floats), ``"<Sampler>/laplace"`` in the ledger."""
+        if self.scaling is None:
+            return
+        d, rounds = self.scaling.center.size, self.scaling.rounds
+        itemsize = self._setup_itemsize
+        name = f"{type(self).__name__}/laplace"
+        ledger.add(name, "to_client", None, messages=rounds, nbytes=rounds * d * itemsize, rounds=rounds)
+        ledger.add(name, "from_client", None, messages=rounds, nbytes=rounds * (1 + d + d * d) * itemsize)
 
     def diagnose(self, mcmc) -> RunCheck:
         """Besides diverged iterates and draws far from the posterior (see
@@ -254,10 +318,10 @@ class ADMM(DADMMS):
 
     samples_posterior = False  # an optimizer: its iterates converge to the MAP
 
-    def __init__(self, model, **kwargs):
+    def __init__(self, model, *, rho: float | str = _PAPER_RHO, **kwargs):
         if "noise_scale" in kwargs:
             raise TypeError("ADMM has no noise_scale: it is D-ADMMS with noise_scale=0")
-        super().__init__(model, noise_scale=0.0, **kwargs)
+        super().__init__(model, rho=rho, noise_scale=0.0, **kwargs)
 
     def hyperparameters(self) -> dict:
         values = super().hyperparameters()
