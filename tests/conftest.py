@@ -84,6 +84,9 @@ LONG = (
     "tests/infer/admm/test_admm.py::test_newton_proximal_steps_under_vectorized_chains",
     "tests/infer/admm/test_admm.py::test_draws_that_collapse_a_funnel_warn",
     "tests/zoo/test_zoo_real.py::test_zoo_real_fast",
+    "tests/infer/zigzag/test_zigzag.py::test_default_mixes_on_raw_covariates_as_nuts_does",
+    "tests/infer/stein/test_svgd_units.py::test_the_auto_kde_keeps_the_particles_correlations",
+    "tests/infer/admm/test_admm_scaling.py",
 )
 
 
