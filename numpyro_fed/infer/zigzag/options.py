@@ -99,12 +99,12 @@ def check_options(
         raise ValueError(
             f"preconditioner must be 'auto', None, 'laplace', 'diagonal' or an array, got {preconditioner!r}"
         )
-    if (
-        isinstance(preconditioner, str) and preconditioner == "auto"
-    ):  # the Laplace preconditioner wherever it is allowed (see resolve_preconditioner)
+    # the Laplace preconditioner wherever it is allowed (see resolve_preconditioner)
+    if isinstance(preconditioner, str) and preconditioner == "auto":
         preconditioner = resolve_preconditioner(
             subsample_size is not None,
             dp_sensitivity is not None or dp_epsilon is not None or dp_delta is not None,
+            sample_interval is not None,
         )
     skeleton_size = check_int(skeleton_size, "skeleton_size", minimum=0)
     sample_interval = None if sample_interval is None else check_positive(sample_interval, "sample_interval")
@@ -203,13 +203,15 @@ def resolve_thinning(thinning, federation, private_randomness) -> str:
     return thinning
 
 
-def resolve_preconditioner(subsampled: bool, private: bool):
+def resolve_preconditioner(subsampled: bool, private: bool, interval_given: bool):
     """``preconditioner="auto"``: the Laplace approximation at the mode (``"auto"`` is kept:
     the set-up falls back to none when the posterior has no mode), except with a privacy
-    guarantee (the round of Hessians is not covered by Theorem 5.1) and with subsampling
-    (whose bounds and weights are set up for the unpreconditioned process by default; pass
-    ``"laplace"`` for correlated parameters): there ``None``."""
-    return None if subsampled or private else "auto"
+    guarantee (the round of Hessians is not covered by Theorem 5.1), with subsampling (whose
+    bounds and weights are set up for the unpreconditioned process by default; pass
+    ``"laplace"`` for correlated parameters) and with a ``sample_interval`` given (a time in
+    the model's units: the whitened process would make it one of posterior sds instead):
+    there ``None``."""
+    return None if subsampled or private or interval_given else "auto"
 
 
 def _check_subsampling(subsample_size, bounds, control_variates, preconditioner, server_thinning, private):

@@ -99,7 +99,8 @@ class FedZigZag(ZigZagReports, FederatedMCMCKernel):
     :param int skeleton_size: switches recorded per sample (:meth:`skeleton`).
     :param bool full_covariance: integrate ``x x^T`` in full for :meth:`trajectory_moments`.
     :param preconditioner: ``"auto"`` (default: ``"laplace"`` where the posterior has a mode,
-        none where it has not, with a privacy guarantee or with ``subsample_size``), ``None``,
+        none where it has not, with a privacy guarantee, with ``subsample_size`` or with a
+        ``sample_interval`` given, a time in the model's units), ``None``,
         ``"laplace"``, ``"diagonal"`` or a scale ("Preconditioning").
     :param federation: the :class:`~numpyro_fed.federation.Federation` the clients answer
         through; ``None`` (default): a new :class:`~numpyro_fed.federation.InProcess` (the
