@@ -76,6 +76,27 @@ def row_local_latents(X, y=None, clients=NUM_CLIENTS):
         numpyro.sample("y", dist.Normal(eta, lam), obs=y)
 
 
+# Rubin's eight schools (the school effects' data: estimates and their standard errors)
+SCHOOL_Y = np.array([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0])
+SCHOOL_SIGMA = np.array([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0])
+SCHOOL_ARGS = (np.arange(8), SCHOOL_SIGMA, SCHOOL_Y)
+
+
+def eight_schools(clients):
+    """Eight schools non-centred, ``tau ~ HalfCauchy(5)``, each school's effect client-local on
+    the client that owns the school (``clients``: a count, schools split evenly, or owners)."""
+
+    def model(school, sigma, y):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
+        tau = numpyro.sample("tau", dist.HalfCauchy(5.0))
+        with nf.federated_plate("schools", 8, clients=clients):
+            theta_tilde = numpyro.sample("theta_tilde", dist.Normal(0.0, 1.0))
+        with nf.federated_plate("data", y.shape[0], clients=clients):
+            numpyro.sample("y", dist.Normal(mu + tau * theta_tilde[school], sigma), obs=y)
+
+    return model
+
+
 def owners_in_three_forms(num_rows=NUM_ROWS, num_clients=NUM_CLIENTS, seed=0):
     """The same unequal, non-contiguous split written as an owner array and as index lists,
     plus the int form (an even contiguous split)."""

@@ -17,25 +17,9 @@ from numpyro.infer import MCMC, NUTS
 import numpyro_fed as nf
 from numpyro_fed.infer.pvi import BCM, DPPVI
 
-# Rubin's eight schools
-SCHOOL_Y = np.array([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0])
-SCHOOL_SIGMA = np.array([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0])
-SCHOOL_ARGS = (np.arange(8), SCHOOL_SIGMA, SCHOOL_Y)
+from models import SCHOOL_ARGS, eight_schools
+
 NUM_DRAWS = 8000
-
-
-def eight_schools(clients):
-    """Non-centred, tau ~ HalfCauchy(5), each school's effect on the client owning the school."""
-
-    def model(school, sigma, y):
-        mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
-        tau = numpyro.sample("tau", dist.HalfCauchy(5.0))
-        with nf.federated_plate("schools", 8, clients=clients):
-            theta_tilde = numpyro.sample("theta_tilde", dist.Normal(0.0, 1.0))
-        with nf.federated_plate("data", y.shape[0], clients=clients):
-            numpyro.sample("y", dist.Normal(mu + tau * theta_tilde[school], sigma), obs=y)
-
-    return model
 
 
 def pooled_schools(school, sigma, y):

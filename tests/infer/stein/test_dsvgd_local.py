@@ -19,6 +19,8 @@ from numpyro.infer import MCMC, NUTS
 
 import numpyro_fed as nf
 
+from models import SCHOOL_ARGS, eight_schools
+
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "..")  # the repository
 NUM_PARTICLES = 20  # DSVGD's default
 # Means within 0.5 posterior sd: 3 standard errors of the mean of 20 independent draws are
@@ -161,31 +163,13 @@ def test_rows_using_another_clients_latents_are_refused():
 
 
 # -- eight schools, non-centred --------------------------------------------------------------
-SCHOOL_Y = np.array([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0])
-SCHOOL_SIGMA = np.array([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0])
-
-
-def eight_schools(clients):
-    owner = np.arange(8) * clients // 8
-
-    def model(school, sigma, y):
-        mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
-        tau = numpyro.sample("tau", dist.HalfCauchy(5.0))
-        with nf.federated_plate("schools", 8, clients=owner):
-            theta_tilde = numpyro.sample("theta_tilde", dist.Normal(0.0, 1.0))
-        with nf.federated_plate("data", y.shape[0], clients=owner):
-            numpyro.sample("y", dist.Normal(mu + tau * theta_tilde[school], sigma), obs=y)
-
-    return model
-
-
 @pytest.mark.slow
 def test_eight_schools_agree_with_nuts_or_warn():
     # tau's posterior (HalfCauchy, each client's likelihood flat as tau -> 0) is the hard part:
     # with 20 particles the KDEs' ratio resolves it poorly (docs/guide/dsvgd.md). The test asks
     # for agreement of mu and the school effects theta = mu + tau theta_tilde, or the warning,
     # and never a runaway.
-    args = (np.arange(8), SCHOOL_SIGMA, SCHOOL_Y)
+    args = SCHOOL_ARGS
     mcmc = MCMC(NUTS(eight_schools(1), target_accept_prob=0.9), num_warmup=1000, num_samples=4000, progress_bar=False)
     mcmc.run(jax.random.PRNGKey(1), *args)
     ref = mcmc.get_samples()
