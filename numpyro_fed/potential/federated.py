@@ -348,7 +348,7 @@ def split_potential(
         model_args, model_kwargs, deployment = stand_in_arguments(descriptions, loader)
 
     check_finite_arguments(model_args, model_kwargs)
-    model_trace = discovery_trace(model, model_args, model_kwargs, rng_key, init_strategy)
+    model_trace = discovery_trace(model, model_args, model_kwargs, rng_key, init_strategy, partition)
     check_observations(model, model_args, model_kwargs, model_trace, partition)
     plates, latent_sites, enumerated = analyse_trace(model_trace, partition)
     if deployment is not None:

@@ -19,6 +19,7 @@ import numpyro.distributions as dist
 from numpyro.distributions.transforms import biject_to
 from numpyro.handlers import seed, substitute, trace
 from numpyro.infer.inspect import get_dependencies
+from numpyro.primitives import Messenger
 
 from numpyro_fed.plate import FEDERATED_KEY, normalize_clients
 
@@ -63,9 +64,67 @@ class LatentSite:
 # -- discovery ------------------------------------------------------------------------------
 
 
-def discovery_trace(model, model_args, model_kwargs, rng_key, init_strategy):
+def discovery_trace(model, model_args, model_kwargs, rng_key, init_strategy, partition=None):
+    """The model's trace at its initial values. A plain ``numpyro.plate`` named in
+    ``partition`` whose size does not match the data fails inside NumPyro's broadcasting;
+    that failure is re-raised as a ``ValueError`` naming the plate's size and the rows of the
+    arguments that do not match it."""
     seeded = substitute(seed(model, rng_key), substitute_fn=init_strategy)
-    return trace(seeded).get_trace(*model_args, **model_kwargs)
+    sizes = _PlateSizes()
+    try:
+        with sizes:
+            return trace(seeded).get_trace(*model_args, **model_kwargs)
+    except (ValueError, TypeError) as exc:
+        message = _plate_size_mismatch(sizes.sizes, partition or {}, model_args, model_kwargs)
+        if message is None:
+            raise
+        raise ValueError(f"{message} (tracing the model raised {type(exc).__name__}: {exc})") from exc
+
+
+class _PlateSizes(Messenger):
+    """Records the size of every plate the model enters, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes = {}
+
+    def process_message(self, msg):
+        if msg["type"] == "plate":
+            self.sizes[msg["name"]] = int(msg["args"][0])
+
+
+def _rows_given(clients):
+    """How many rows a ``partition`` entry gives clients for (``None`` for a number of clients)."""
+    if isinstance(clients, (int, np.integer)):
+        return None
+    if isinstance(clients, (list, tuple)) and clients and np.ndim(clients[0]) == 1:
+        return int(sum(np.size(c) for c in clients))  # a list of index arrays, one per client
+    return int(np.size(clients))
+
+
+def _plate_size_mismatch(sizes, partition, model_args, model_kwargs):
+    """What is wrong when a plate named in ``partition`` has a size none of the row arguments
+    has, or ``None``."""
+    leaves = jax.tree_util.tree_leaves((tuple(model_args), dict(model_kwargs)))
+    rows = sorted({int(np.shape(x)[0]) for x in leaves if np.ndim(x) >= 1})
+    for name in partition:
+        if name not in sizes:
+            continue
+        size = sizes[name]
+        owners = _rows_given(partition[name])
+        if owners is not None and owners != size:
+            return (
+                f"plate '{name}' has size {size}, but partition['{name}'] gives clients for {owners} rows: "
+                "give the plate the number of data rows, e.g. `numpyro.plate(name, X.shape[0])`, and one "
+                "client per row"
+            )
+        if size not in rows:
+            return (
+                f"plate '{name}' (named in partition) has size {size}, but the model's array arguments "
+                f"have {rows} rows: give the plate the number of data rows, e.g. "
+                "`numpyro.plate(name, X.shape[0])`"
+            )
+    return None
 
 
 def in_plates(site, plates) -> bool:

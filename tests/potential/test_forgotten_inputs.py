@@ -140,6 +140,35 @@ def test_observed_rows_that_do_not_match_the_plate_are_named(dtype):
             nf.split_potential(linear_regression, (X[:30], y))  # the plate's size is X.shape[0]
 
 
+def _plain_regression(size=None):
+    def plain(x, y):
+        w = numpyro.sample("w", dist.Normal(0, 1))
+        with numpyro.plate("data", x.shape[0] if size is None else size):
+            numpyro.sample("y", dist.Normal(w * x, 1.0), obs=y)
+
+    return plain
+
+
+@pytest.mark.parametrize(
+    "clients, mismatch",
+    [
+        (3, r"plate 'data' \(named in partition\) has size 30, but the model's array arguments have \[37\] rows"),
+        (np.arange(37) % 3, r"plate 'data' has size 30, but partition\['data'\] gives clients for 37 rows"),
+        ([np.arange(20), np.arange(20, 30)], r"array arguments have \[37\] rows"),
+    ],
+    ids=["num-clients", "owner-array", "index-lists"],
+)
+def test_a_plain_plate_named_in_partition_that_does_not_match_the_rows_is_named(clients, mismatch):
+    x = np.linspace(-1.0, 1.0, 37)
+    with pytest.raises(ValueError, match=mismatch):
+        nf.split_potential(_plain_regression(30), (x, 2 * x), partition={"data": clients})
+    with pytest.raises(ValueError, match=mismatch):
+        nf.DSVGD(_plain_regression(30), partition={"data": clients}).run(jax.random.PRNGKey(0), 2, x, 2 * x)
+    # the plate of the data's size is federated
+    fp = nf.split_potential(_plain_regression(), (x, 2 * x), partition={"data": 3})
+    assert fp.num_clients == 3
+
+
 def _with_replicate(mark):
     def model(X, y=None):
         w = numpyro.sample("w", dist.Normal(0, 1).expand([X.shape[1]]).to_event(1))
