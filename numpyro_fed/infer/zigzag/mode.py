@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.scipy.optimize import minimize
 
-__all__ = ["ModeSearch", "describe_no_mode", "find_mode"]
+__all__ = ["ModeSearch", "describe_no_mode", "find_mode", "levenberg_marquardt"]
 
 
 class ModeSearch(NamedTuple):
@@ -42,6 +42,7 @@ def find_mode(
     num_steps: int = 200,
     max_attempts: int = 5,
     max_newton_steps: int = 20,
+    max_damped_steps: int = 50,
     newton_tolerance: float = 0.05,
     hessian=None,
     counted_evaluations=None,
@@ -54,7 +55,10 @@ def find_mode(
     coordinate (a reference point that close gives the control variates all their benefit).
     Where BFGS stops short of that with a positive definite Hessian, up to
     ``max_newton_steps`` damped Newton steps follow (with a million rows in float32 the
-    potential's value no longer resolves the last sds, its gradient does).
+    potential's value no longer resolves the last sds, its gradient does). Where BFGS does not
+    reach a point with a positive definite Hessian at all (in float32, from a start far out in
+    a badly scaled posterior, its line search fails), up to ``max_damped_steps``
+    Levenberg-Marquardt steps (:func:`levenberg_marquardt`) take over.
     BFGS's own gradient tolerance follows the dtype: ``sqrt(eps)`` times the gradient's scale
     at the start, a precision every float type reaches. A funnel (a hierarchical scale with
     client-local effects) has no mode: BFGS walks down its neck, where the Hessian is
@@ -132,6 +136,13 @@ def find_mode(
         x, (step, g, direction, fx) = candidate, found
         if moved == 0.0:
             break
+    if step > newton_tolerance and direction is None:
+        # BFGS did not reach a point with a positive definite Hessian: from a start far out in a
+        # badly scaled posterior (raw covariates, a noise scale far too small) its first steps
+        # overflow or its line search fails in float32; Levenberg-Marquardt's damped Newton
+        # steps get there (each step one value, gradient and Hessian call)
+        x = levenberg_marquardt(fn, hessian, x, max_steps=max_damped_steps)
+        step, g, direction, fx = newton_step(x)
     # Newton's steps where BFGS stopped short: with many rows in float32 the potential's
     # value is too coarse for BFGS's line search near the mode, while the gradient and the
     # Hessian still point to it; a step is kept when the next Newton step is shorter (in
@@ -148,6 +159,51 @@ def find_mode(
             break
         x, step, g, direction, fx = candidate, new_step, new_g, new_direction, new_value
     return ModeSearch(x, step <= newton_tolerance, step, float(jnp.max(jnp.abs(g))), attempts)
+
+
+def levenberg_marquardt(fn, hessian, x, *, max_steps: int = 50):
+    """``x`` after up to ``max_steps`` Levenberg-Marquardt steps from ``x``: Newton's
+    step on ``H + lam * diag(|H|)`` (Marquardt's scaling, so the damping does not depend on
+    the units of each coordinate), taken when it lowers ``fn`` (then ``lam`` shrinks threefold)
+    and refused otherwise (``lam`` grows tenfold, from ``1e-3``; it never falls below
+    ``1e-9``). Stops early when a step taken moves no coordinate beyond its float resolution
+    (converged) or ``lam`` passes ``1e10`` (no step lowers ``fn``).
+
+    >>> import jax.numpy as jnp
+    >>> fn = lambda x: jnp.exp(-2 * x[0]) * 1e6 + 2 * x[0] + (x[1] - 3 * x[0]) ** 2
+    >>> x = levenberg_marquardt(fn, jax.hessian(fn), jnp.array([-2.0, 0.0]))
+    >>> [round(float(v), 2) for v in x]  # the minimum: x0 = log(1e6) / 2, x1 = 3 x0
+    [6.91, 20.72]
+    """
+
+    @jax.jit
+    def curvature(x):
+        value, g = jax.value_and_grad(fn)(x)
+        h = hessian(x)
+        return value, g, (h + h.T) / 2
+
+    @jax.jit
+    def damped(g, h, lam):
+        chol = jnp.linalg.cholesky(h + lam * jnp.diag(jnp.maximum(jnp.abs(jnp.diag(h)), jnp.finfo(h.dtype).tiny)))
+        return jnp.all(jnp.isfinite(chol)), jax.scipy.linalg.cho_solve((chol, True), g)
+
+    value, g, h = curvature(x)
+    fx, lam = float(value), 1e-3
+    eps = float(jnp.finfo(x.dtype).eps)
+    for _ in range(max_steps):
+        if lam > 1e10 or not math.isfinite(fx):
+            break
+        positive, step = damped(g, h, lam)
+        candidate = x - step
+        if bool(positive) and bool(jnp.all(jnp.isfinite(candidate))):
+            value, g_new, h_new = curvature(candidate)
+            if float(value) < fx:
+                x, fx, g, h, lam = candidate, float(value), g_new, h_new, max(lam / 3, 1e-9)
+                if bool(jnp.all(jnp.abs(step) <= 8 * eps * (1.0 + jnp.abs(x)))):
+                    break
+                continue
+        lam *= 10
+    return x
 
 
 def describe_no_mode(search: ModeSearch) -> str:

@@ -248,3 +248,44 @@ def test_mode_search_finishes_with_newton_where_the_value_is_too_coarse_for_bfgs
     np.testing.assert_array_less(
         np.abs(np.asarray(search.point) - np.asarray(mode)), 0.05 / np.sqrt(np.diag(np.asarray(hessian)))
     )
+
+
+def test_float32_mode_search_reaches_the_mode_of_a_regression_on_raw_covariates_from_far_out():
+    """log earnings on height in inches (near 66, raw) with ``sigma ~ HalfCauchy``, started
+    where ``init_to_uniform`` puts it (coefficients in [-2, 2], log sigma near -1.7: a
+    potential of 1e8 and gradients of 1e9). In float32 BFGS's line search fails at once there
+    and the search used to stop with no mode: the default preconditioner was then off and the
+    chain crawled through the (alpha, beta) ridge. Levenberg-Marquardt's damped Newton steps
+    reach the mode; it must agree with float64's within 0.05 Laplace sds."""
+    from numpyro_fed.infer.zigzag.mode import find_mode
+
+    rng = np.random.default_rng(1)
+    height = rng.normal(66.0, 3.8, size=1200)
+    male = (rng.random(1200) < 0.4) * 1.0
+    log_earnings = 5.8 + 0.06 * height + 0.42 * male + rng.normal(0.0, 0.9, size=1200)
+
+    def model(height, male, y):
+        alpha = numpyro.sample("alpha", dist.Normal(0.0, 10.0))
+        beta = numpyro.sample("beta", dist.Normal(0.0, 10.0).expand([2]).to_event(1))
+        sigma = numpyro.sample("sigma", dist.HalfCauchy(5.0))
+        with nf.federated_plate("data", y.shape[0], clients=4):
+            numpyro.sample("y", dist.Normal(alpha + beta[0] * height + beta[1] * male, sigma), obs=y)
+
+    start = np.array([-1.97, -1.58, -0.62, -1.67])  # (alpha, beta, log sigma) from init_to_uniform
+    found = {}
+    for dtype in (np.float32, np.float64):
+        jax.config.update("jax_enable_x64", dtype == np.float64)
+        try:
+            args = tuple(a.astype(dtype) for a in (height, male, log_earnings))
+            flat = nf.split_potential(model, args).flat()
+            x0 = jnp.asarray(start, dtype)
+            assert float(flat.potential(x0)) > 1e7  # far out
+            found[dtype] = find_mode(flat.potential, x0)
+        finally:
+            jax.config.update("jax_enable_x64", True)
+    assert found[np.float32].is_mode and found[np.float64].is_mode
+    hessian = jax.hessian(flat.potential)(found[np.float64].point)
+    sd = np.sqrt(np.diag(np.linalg.inv(np.asarray(hessian))))
+    np.testing.assert_array_less(
+        np.abs(np.asarray(found[np.float32].point, np.float64) - np.asarray(found[np.float64].point)), 0.05 * sd
+    )
