@@ -47,6 +47,7 @@ def ray_federation(ray_session):
 # ``make test-long`` and CI, not by ``make test``. Each algorithm keeps faster checks of its
 # distribution in ``make test``. By node id prefix (a parametrized test: all of its cases).
 LONG = (
+    "tests/infer/zigzag/test_zigzag_robust.py::test_float32_mode_search_reaches_the_mode_of_a_regression_on_raw",
     "tests/infer/zigzag/test_zigzag.py::test_vectorized_chains",
     "tests/infer/zigzag/test_zigzag.py::test_gradient_bound_agrees_with_nuts_and_too_small_a_bound_is_reported",
     "tests/infer/zigzag/test_zigzag.py::test_warmup_then_run_and_post_warmup_state_continue_the_chain",
