@@ -169,6 +169,7 @@ def parse(argv):
         default=0,
         help="also start this many SuperNodes whose keys are not registered (the SuperLink must refuse them)",
     )
+    parser.add_argument("--app", default=HERE, help="the Flower app to run (default: this folder's)")
     parser.add_argument("--node-config", default="", help="more node config for every SuperNode (e.g. jax-cache-dir)")
     return parser.parse_args(argv)
 
@@ -270,7 +271,7 @@ def run_app(args, env, out, work, started, flwr) -> dict:
     run_config = f"methods={json.dumps(args.methods)} num-clients={args.num_nodes} result-dir={json.dumps(out)}"
     if args.num_rounds is not None:
         run_config += f" num-rounds={args.num_rounds}"
-    words = ["run", HERE, "localhost", "--stream", "--run-config", run_config]
+    words = ["run", os.path.abspath(args.app), "localhost", "--stream", "--run-config", run_config]
     if args.simulation:
         words += ["--federation-config", f"num-supernodes={args.num_nodes}"]
     left = args.timeout - (time.monotonic() - started)

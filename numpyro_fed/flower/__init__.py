@@ -244,7 +244,7 @@ def client_app(methods, load: Callable, *, mods=None):
     their rows with ``load(node_config) -> model arguments`` (a tuple of positional
     arguments or a dict of keyword arguments, rows first, as a federation's ``loader``).
     ``mods``: Flower mods of the app."""
-    from numpyro_fed.flower._node import NodeHandler
+    from numpyro_fed.flower._node import NodeHandler, Profile
 
     flwr = import_flwr()
     if not callable(load):
@@ -253,12 +253,17 @@ def client_app(methods, load: Callable, *, mods=None):
     app = flwr.clientapp.ClientApp(mods=list(mods or []))
 
     def reply(msg, context, fn):
+        profile = Profile.current = Profile(fn.__name__)
         try:
             config, arrays = fn(msg, context)
         except Exception as exc:  # the node's own message reaches the server
             return flwr.app.Message(
                 flwr.app.Error(code=0, reason=f"numpyro_fed node error: {type(exc).__name__}: {exc}"), reply_to=msg
             )
+        finally:
+            Profile.current = None
+            content = msg.content["numpyro_fed"] if "numpyro_fed" in msg.content else {}
+            profile.write(content.get("call") if hasattr(content, "get") else None)
         content = flwr.app.RecordDict()
         if config is not None:
             content["numpyro_fed"] = flwr.app.ConfigRecord(config)
