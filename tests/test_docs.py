@@ -238,5 +238,7 @@ def test_federation_guide_sample_output_is_what_ray_local_sends(ray_session, cap
         ray_local.main(["--quick"])
     finally:
         sys.path.remove(str(ROOT / "examples"))
-    printed = sample_figures(capsys.readouterr().out)
-    assert printed == documented, f"docs/guide/federation.md's sample output is stale; a run printed {printed}"
+    output = capsys.readouterr().out
+    printed = sample_figures(output)
+    lines = "\n".join(line for line in output.splitlines() if " B, received " in line or "the same draws" in line)
+    assert printed == documented, f"docs/guide/federation.md's sample output is stale; a run printed:\n{lines}"
