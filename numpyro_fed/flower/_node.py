@@ -15,10 +15,8 @@ persistent compilation cache (``jax-cache-dir`` in the node config) saves the co
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import pickle
 import time
 from collections import OrderedDict
 
@@ -26,14 +24,12 @@ import numpy as np
 
 import jax
 
-__all__ = ["NodeHandler", "Profile", "process_age", "stored_executable"]
+__all__ = ["NodeHandler", "Profile", "process_age"]
 
 _STATE_KEY = "numpyro_fed_recipe"
 _CLIENT_STATE = "numpyro_fed_client_state"  # which versions this node keeps, of which run
 _VERSION = "numpyro_fed_client_state_v{}"  # the arrays of one version
 _CACHE_SIZE = 4  # recipes whose programs a process keeps (a run, its resumption, a few methods)
-_STORE = {"folder": None}  # where this node keeps the executables it compiled (see stored_executable)
-_STORE_ERRORS = (OSError, RuntimeError, ValueError, TypeError, AttributeError, EOFError, pickle.UnpicklingError)
 
 
 class _Cache:
@@ -140,66 +136,9 @@ def _configure_compilation_cache(node_config):
         path = os.path.join(os.path.expanduser("~"), ".cache", "numpyro_fed", "jax")
     if not path:
         return
-    _STORE["folder"] = os.path.join(str(path), "numpyro_fed-executables")
     if jax.config.jax_compilation_cache_dir != path:
         jax.config.update("jax_compilation_cache_dir", str(path))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-
-
-def _prune_store(folder: str, max_age: float = 86400.0):
-    """Removes the executables of runs not touched for ``max_age`` seconds (a new run starts)."""
-    import shutil
-
-    now = time.time()
-    for name in os.listdir(folder) if os.path.isdir(folder) else ():
-        run_folder = os.path.join(folder, name)
-        if os.path.isdir(run_folder) and now - os.path.getmtime(run_folder) > max_age:
-            shutil.rmtree(run_folder, ignore_errors=True)
-
-
-def stored_executable(fn, call_args, signature: str, run_id, folder: str | None = None):
-    """``fn`` (a jitted function) compiled for ``call_args``: read from the node's executable
-    store if an earlier message of the same run on this node compiled it, else compiled (JAX's
-    persistent cache helps) and stored. A deployed node answers each message in a new process;
-    reading the executable skips tracing and lowering ``fn`` again (about 3 s of a DPPVI
-    update's 5 s handler on a loaded 2-core machine). The store is the node's own, in its
-    ``jax-cache-dir``, written by the node itself (nothing of it crosses the wire); it is keyed
-    by the Flower run (whose app code is fixed), the JAX version and the arguments' types
-    (``signature``). ``folder``: the store (default: the one the node config names).
-
-    >>> import jax.numpy as jnp, tempfile
-    >>> args = (jnp.arange(3.0),)
-    >>> with tempfile.TemporaryDirectory() as store:
-    ...     first = stored_executable(jax.jit(jnp.cumsum), args, "cumsum f32[3]", 1, folder=store)
-    ...     again = stored_executable(jax.jit(jnp.cumsum), args, "cumsum f32[3]", 1, folder=store)  # read
-    >>> again(*args).tolist()
-    [0.0, 1.0, 3.0]
-    """
-    from jax.experimental.serialize_executable import deserialize_and_load, serialize
-
-    folder, path = (_STORE["folder"] if folder is None else folder), None
-    if folder:
-        text = f"{jax.__version__}|{bool(jax.config.jax_enable_x64)}|{signature}"
-        path = os.path.join(folder, str(run_id), hashlib.sha256(text.encode()).hexdigest()[:40] + ".pkl")
-        if os.path.exists(path):
-            try:
-                with open(path, "rb") as f:
-                    return deserialize_and_load(*pickle.load(f))
-            except _STORE_ERRORS:  # a torn write, or a store another JAX wrote: compile anew
-                pass
-    compiled = fn.lower(*call_args).compile()
-    if path:
-        try:
-            if not os.path.isdir(os.path.dirname(path)):
-                _prune_store(folder)
-            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-            partial = f"{path}.{os.getpid()}.part"
-            with open(partial, "wb") as f:
-                pickle.dump(serialize(compiled), f)
-            os.replace(partial, path)  # atomic: a concurrent reader sees the whole file or none
-        except _STORE_ERRORS:  # the store saves time only; the answer does not depend on it
-            pass
-    return compiled
 
 
 class NodeHandler:
@@ -256,7 +195,7 @@ class NodeHandler:
             in_axes = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(args), flat_axes)
         fn = self._compiled(entry, name, in_axes)
         with _phase("compile_and_run"):
-            reply = self._run(entry, ("functions", name, repr(in_axes)), fn, (entry["blocks"][client], *args), context)
+            reply = fn(entry["blocks"][client], *args)
             leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(reply)]
         return None, leaves
 
@@ -287,8 +226,7 @@ class NodeHandler:
             entry = self._entry(recipe, client, context.node_config)
             fn = self._compiled(entry, name, None, table="stateful")
             with _phase("compile_and_run"):
-                call_args = (entry["blocks"][client], state, *args)
-                value, reply = self._run(entry, ("stateful", name), fn, call_args, context)
+                value, reply = fn(entry["blocks"][client], state, *args)
                 jax.block_until_ready((value, reply))
             keep, version = [version, version + 1], version + 1
         structure, leaves = encode_tree(jax.tree_util.tree_map(np.asarray, value))
@@ -348,7 +286,6 @@ class NodeHandler:
                 "program": program,
                 "blocks": {},
                 "compiled": {},
-                "executables": {},
                 "node_configs": node_configs,
             }
             _CACHE.put(digest, entry)
@@ -362,17 +299,6 @@ class NodeHandler:
                 check_block(block, client, program.spec)
                 entry["blocks"][client] = jax.tree_util.tree_map(jax.numpy.asarray, block)
         return entry
-
-    @staticmethod
-    def _run(entry, key, fn, call_args, context):
-        """``fn(*call_args)`` with the executable for these arguments' types: this process's,
-        or the node's store's (:func:`stored_executable`)."""
-        leaves, treedef = jax.tree_util.tree_flatten(call_args)
-        signature = repr((key, str(treedef), [(tuple(np.shape(x)), np.result_type(x).str) for x in leaves]))
-        executable = entry["executables"].get(signature)
-        if executable is None:
-            executable = entry["executables"][signature] = stored_executable(fn, call_args, signature, context.run_id)
-        return executable(*call_args)
 
     @staticmethod
     def _compiled(entry, name, in_axes, table="functions"):
