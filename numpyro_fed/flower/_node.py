@@ -128,9 +128,10 @@ def _configure_compilation_cache(node_config):
     """JAX's persistent compilation cache in the node's ``jax-cache-dir`` (default
     ``~/.cache/numpyro_fed/jax``; ``""``: none), for every compilation however short: rebuilding
     the client program runs some fifty small operations eagerly, each compiled apart (a
-    deployed node rebuilds it for every message, in a new process: on this project's 2-core
-    machine under load, 1.7-3.1 s uncached or with a threshold of 0.2 s, 0.4-0.5 s with
-    every compilation cached)."""
+    deployed node rebuilds it for every message, in a new process: rebuilding the example
+    app's DPPVI program alone in a fresh process on this project's loaded 2-core machine took
+    1.7-3.1 s uncached or with a threshold of 0.2 s, 0.4-0.5 s with every compilation cached;
+    in the deployed benchmark, three nodes at once at load 10-17, it still took 2.2 s)."""
     path = node_config.get("jax-cache-dir") if hasattr(node_config, "get") else None
     if path is None:
         path = os.path.join(os.path.expanduser("~"), ".cache", "numpyro_fed", "jax")
