@@ -213,3 +213,32 @@ def test_page_examples_run_without_warnings(page, float32):
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stderr.strip() == "", run.stderr[-3000:]
+
+
+def sample_figures(text):
+    """``{algorithm: (bytes sent, bytes received)}`` of the lines ``examples/ray_local.py``
+    prints."""
+    pattern = re.compile(r"^(\S+(?: dep\.)?)\s+max \|mean - NUTS\|.*sent ([\d,]+) B, received ([\d,]+) B$", re.M)
+    return {m[1]: (int(m[2].replace(",", "")), int(m[3].replace(",", ""))) for m in pattern.finditer(text)}
+
+
+@pytest.mark.slow
+def test_federation_guide_sample_output_is_what_ray_local_sends(ray_session, capsys):
+    """The bytes in the federation guide's sample output of ``examples/ray_local.py --quick``
+    are those of a run of it today (the ledger counts the arrays sent: they change when what a
+    client sends changes, and the page must follow)."""
+    page = (DOCS / "guide" / "federation.md").read_text()
+    block = page.split("Its `--quick` run", 1)[1].split("```text", 1)[1].split("```", 1)[0]
+    documented = sample_figures(block)
+    assert set(documented) == {"FedZigZag", "DADMMS", "DPPVI", "DSVGD", "DPPVI dep."}
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import ray_local
+
+        ray_local.main(["--quick"])
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    output = capsys.readouterr().out
+    printed = sample_figures(output)
+    lines = "\n".join(line for line in output.splitlines() if " B, received " in line or "the same draws" in line)
+    assert printed == documented, f"docs/guide/federation.md's sample output is stale; a run printed:\n{lines}"

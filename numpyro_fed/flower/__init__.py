@@ -31,7 +31,10 @@ messages in Flower's ``context.state`` and answers. The result is the method's
 * :class:`FlowerFederation`: the backend.
 
 Flower's telemetry and update check are switched off by this module unless the environment
-sets ``FLWR_TELEMETRY_ENABLED`` / ``FLWR_DISABLE_UPDATE_CHECK`` itself.
+sets ``FLWR_TELEMETRY_ENABLED`` / ``FLWR_DISABLE_UPDATE_CHECK`` itself; so is the
+``RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO`` notice of the Ray that Flower's simulation starts (set
+to ``0``, the behaviour Ray announces as its future default: a worker that asks for no GPU is
+left the devices its environment names).
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ import jax
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+# read by ray.init, which Flower's simulation calls after loading the ClientApp (this module)
+os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
 
 from numpyro_fed.flower.federation import FlowerFederation, import_flwr  # noqa: E402
 
@@ -168,6 +173,7 @@ def server_app(
 
     @app.main()
     def main(grid, context):
+        _wait_for_the_simulation_engine(grid)
         config = dict(context.run_config or {})
         key = jax.random.PRNGKey(int(config.get("seed", seed)))
         wanted = config.get("num-clients", num_clients) or num_clients  # 0: those connected
@@ -202,6 +208,23 @@ def server_app(
     return app
 
 
+def _wait_for_the_simulation_engine(grid, timeout: float = 120.0):
+    """In Flower's simulation the ServerApp starts in a thread while the process starts Ray,
+    whose ``ray.init`` forks (and execs) its processes: JAX's first operation, which starts
+    JAX's threads, waits until Ray is up, so that no fork follows them (JAX warns that a fork
+    of a multithreaded process may deadlock). A deployed ServerApp (no in-memory grid) does
+    not wait."""
+    if type(grid).__name__ != "InMemoryGrid":
+        return
+    try:
+        import ray
+    except ImportError:  # pragma: no cover - flwr[simulation] installs Ray
+        return
+    deadline = time.monotonic() + timeout
+    while not ray.is_initialized() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _run_with_resumption(method, grid, key, rounds, *, name, attempts, **kwargs):
     from numpyro_fed.federation import ClientError
 
@@ -221,7 +244,7 @@ def client_app(methods, load: Callable, *, mods=None):
     their rows with ``load(node_config) -> model arguments`` (a tuple of positional
     arguments or a dict of keyword arguments, rows first, as a federation's ``loader``).
     ``mods``: Flower mods of the app."""
-    from numpyro_fed.flower._node import NodeHandler
+    from numpyro_fed.flower._node import NodeHandler, Profile
 
     flwr = import_flwr()
     if not callable(load):
@@ -230,12 +253,17 @@ def client_app(methods, load: Callable, *, mods=None):
     app = flwr.clientapp.ClientApp(mods=list(mods or []))
 
     def reply(msg, context, fn):
+        profile = Profile.current = Profile(fn.__name__)
         try:
             config, arrays = fn(msg, context)
         except Exception as exc:  # the node's own message reaches the server
             return flwr.app.Message(
                 flwr.app.Error(code=0, reason=f"numpyro_fed node error: {type(exc).__name__}: {exc}"), reply_to=msg
             )
+        finally:
+            Profile.current = None
+            content = msg.content["numpyro_fed"] if "numpyro_fed" in msg.content else {}
+            profile.write(content.get("call") if hasattr(content, "get") else None)
         content = flwr.app.RecordDict()
         if config is not None:
             content["numpyro_fed"] = flwr.app.ConfigRecord(config)

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections import OrderedDict
 
 import numpy as np
 
 import jax
 
-__all__ = ["NodeHandler"]
+__all__ = ["NodeHandler", "Profile", "process_age"]
 
 _STATE_KEY = "numpyro_fed_recipe"
 _CLIENT_STATE = "numpyro_fed_client_state"  # which versions this node keeps, of which run
@@ -52,6 +53,71 @@ class _Cache:
 
 _CACHE = _Cache()
 
+#: ``NUMPYRO_FED_NODE_PROFILE``: a file to which each message appends a JSON line of where its
+#: seconds went (benchmarks/flower.py --deployment reads them)
+_PROFILE_ENV = "NUMPYRO_FED_NODE_PROFILE"
+
+
+def process_age() -> float:
+    """Seconds since this process started (Linux; ``nan`` elsewhere): in a deployed
+    ``ClientApp`` process, what Flower's start-up and the app's imports took before the
+    message reached its handler."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = float(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):  # pragma: no cover - not Linux
+        return float("nan")
+
+
+class Profile:
+    """Where one message's seconds go on the node: ``phase(name)`` times a block; ``write``
+    appends the record to the file ``NUMPYRO_FED_NODE_PROFILE`` names (nothing without it)."""
+
+    current = None
+
+    def __init__(self, action):
+        self.record = {"action": action, "pid": os.getpid(), "process_age": process_age()}
+        self.start = time.perf_counter()
+
+    def phase(self, name):
+        profile = self
+
+        class _Timer:
+            def __enter__(self):
+                self.t = time.perf_counter()
+
+            def __exit__(self, *exc):
+                profile.record[name] = profile.record.get(name, 0.0) + time.perf_counter() - self.t
+
+        return _Timer()
+
+    def write(self, call=None):
+        path = os.environ.get(_PROFILE_ENV)
+        if not path:
+            return
+        self.record["call"] = call
+        self.record["handler"] = time.perf_counter() - self.start
+        with open(path, "a") as f:
+            f.write(json.dumps(self.record) + "\n")
+
+
+def _phase(name):
+    profile = Profile.current
+    if profile is None:
+        return _NoTimer()
+    return profile.phase(name)
+
+
+class _NoTimer:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
 
 def _partition_id(node_config) -> int:
     value = node_config.get("partition-id") if hasattr(node_config, "get") else None
@@ -59,6 +125,13 @@ def _partition_id(node_config) -> int:
 
 
 def _configure_compilation_cache(node_config):
+    """JAX's persistent compilation cache in the node's ``jax-cache-dir`` (default
+    ``~/.cache/numpyro_fed/jax``; ``""``: none), for every compilation however short: rebuilding
+    the client program runs some fifty small operations eagerly, each compiled apart (a
+    deployed node rebuilds it for every message, in a new process: rebuilding the example
+    app's DPPVI program alone in a fresh process on this project's loaded 2-core machine took
+    1.7-3.1 s uncached or with a threshold of 0.2 s, 0.4-0.5 s with every compilation cached;
+    in the deployed benchmark, three nodes at once at load 10-17, it still took 2.2 s)."""
     path = node_config.get("jax-cache-dir") if hasattr(node_config, "get") else None
     if path is None:
         path = os.path.join(os.path.expanduser("~"), ".cache", "numpyro_fed", "jax")
@@ -66,7 +139,7 @@ def _configure_compilation_cache(node_config):
         return
     if jax.config.jax_compilation_cache_dir != path:
         jax.config.update("jax_compilation_cache_dir", str(path))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 class NodeHandler:
@@ -122,8 +195,10 @@ class NodeHandler:
             flat_axes = [None if a < 0 else int(a) for a in config["in_axes"]]
             in_axes = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(args), flat_axes)
         fn = self._compiled(entry, name, in_axes)
-        reply = fn(entry["blocks"][client], *args)
-        return None, [np.asarray(x) for x in jax.tree_util.tree_leaves(reply)]
+        with _phase("compile_and_run"):
+            reply = fn(entry["blocks"][client], *args)
+            leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(reply)]
+        return None, leaves
 
     def state(self, msg, context):
         """``init_state`` (version 0 of this node's client state) or a call of a stateful
@@ -151,7 +226,9 @@ class NodeHandler:
             state = decode_tree(str(kept["structure"]), context.state[_VERSION.format(version)].to_numpy_ndarrays())
             entry = self._entry(recipe, client, context.node_config)
             fn = self._compiled(entry, name, None, table="stateful")
-            value, reply = fn(entry["blocks"][client], state, *args)
+            with _phase("compile_and_run"):
+                value, reply = fn(entry["blocks"][client], state, *args)
+                jax.block_until_ready((value, reply))
             keep, version = [version, version + 1], version + 1
         structure, leaves = encode_tree(jax.tree_util.tree_map(np.asarray, value))
         context.state[_VERSION.format(version)] = flwr.app.ArrayRecord(leaves)
@@ -204,8 +281,10 @@ class NodeHandler:
             def loader(m):  # client m's rows, with the config of the node that is client m here
                 return load(node_configs[int(m)])
 
+            with _phase("rebuild_program"):
+                program = rebuild_program(method, recipe, loader)
             entry = {
-                "program": rebuild_program(method, recipe, loader),
+                "program": program,
                 "blocks": {},
                 "compiled": {},
                 "node_configs": node_configs,
@@ -216,9 +295,10 @@ class NodeHandler:
             # common, the block is built from the rows of the node that asks
             entry["node_configs"][client] = node_config
             program = entry["program"]
-            block = program.loader(client)
-            check_block(block, client, program.spec)
-            entry["blocks"][client] = jax.tree_util.tree_map(jax.numpy.asarray, block)
+            with _phase("load_block"):
+                block = program.loader(client)
+                check_block(block, client, program.spec)
+                entry["blocks"][client] = jax.tree_util.tree_map(jax.numpy.asarray, block)
         return entry
 
     @staticmethod

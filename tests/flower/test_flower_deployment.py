@@ -1,7 +1,15 @@
 """The Flower app of examples/flower on one machine (slow: a process per message on each
 node): a SuperLink and 3 SuperNodes on localhost, each node loading its own shard from the
 file its node config names, give the in-process run's answer; and ``flwr run`` runs the same
-app in Flower's simulation."""
+app in Flower's simulation.
+
+Both run as a silo would: TLS on every connection (a certificate authority and the
+SuperLink's certificate made by the script for this run) and, deployed, SuperNode
+authentication (``--enable-supernode-auth``, each node's public key registered with ``flwr
+supernode register``). A fourth SuperNode with a key nobody registered starts first: were
+it admitted, the run (which wants exactly 3 nodes) would stop with an error naming 4.
+Everything listens on 127.0.0.1 and is stopped by the script when the run ends or times
+out."""
 
 import json
 import os
@@ -54,7 +62,8 @@ def in_process_means(task, name, rounds):
 
 def test_localhost_deployment_gives_the_in_process_answer(example, tmp_path):
     deploy, task = example
-    results = deploy.main(["--num-rounds", "2", "--methods", "dppvi", "--out", str(tmp_path), "--timeout", "900"])
+    argv = ["--num-rounds", "2", "--methods", "dppvi", "--out", str(tmp_path), "--timeout", "900", "--strangers", "1"]
+    results = deploy.main(argv)
     summary = results["dppvi"]
     assert summary["rounds"] == 2
     # the shards the nodes loaded are the app's synthetic ones

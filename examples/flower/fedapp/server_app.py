@@ -36,4 +36,4 @@ def save(name, result, context):
             json.dump(summary, f, indent=1)
 
 
-app = flower.server_app(METHODS, num_rounds=4, on_result=save)
+app = flower.server_app(METHODS, num_rounds=6, on_result=save)  # the run config's num-rounds overrides it

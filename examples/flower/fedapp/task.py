@@ -1,9 +1,9 @@
 """What the user writes: a NumPyro model, how a node loads its rows, and the methods.
 
 Each node loads its own rows from its node config: ``data-path`` (a ``.npz`` file with
-``X`` and ``y``, e.g. written by ``make_shards.py``) in a deployment, or, in Flower's
-simulation (whose nodes only have ``partition-id`` and ``num-partitions``), its shard of a
-synthetic data set drawn here.
+``X`` and ``y``, as ``deploy_localhost.py``'s ``write_shards`` writes the shards below) in a
+deployment, or, in Flower's simulation (whose nodes only have ``partition-id`` and
+``num-partitions``), its shard of a synthetic data set drawn here.
 """
 
 import numpy as np
