@@ -1,0 +1,98 @@
+"""ConsensusMC on the engines: the same run (same key) on InProcess, in deployment (each client
+loads its rows), on Ray (one worker per client) and in Flower's simulation (one round: each node
+runs its sub-posterior's NUTS and answers once) gives the same answer."""
+
+import sys
+
+import numpy as np
+import pytest
+
+import jax
+
+import numpyro
+import numpyro.distributions as dist
+
+import numpyro_fed as nf
+from numpyro_fed.federation import InProcess
+
+M, ROWS = 3, 60
+KEY = 3
+
+
+def model(y):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
+    sigma = numpyro.sample("sigma", dist.HalfCauchy(1.0))
+    with nf.federated_plate("data", y.shape[0], clients=M):
+        numpyro.sample("y", dist.Normal(mu, sigma), obs=y)
+
+
+Y = 1.0 + 2.0 * np.random.default_rng(0).normal(size=M * ROWS)
+
+
+def load(node_config):
+    """Node m's rows (its partition-id)."""
+    m = int(node_config["partition-id"])
+    return (Y[m * ROWS : (m + 1) * ROWS],)
+
+
+def load_client(m):
+    return load({"partition-id": m})
+
+
+def make(combine="consensus", **kwargs):
+    return nf.ConsensusMC(model, combine=combine, num_warmup=150, num_samples=300, progress_bar=False, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def in_process():
+    method = make()
+    return method, method.run(jax.random.PRNGKey(KEY), Y)
+
+
+def assert_same_answer(result, reference, rtol):
+    """The combined posterior's moments, and every client's diagnostics."""
+    np.testing.assert_allclose(result.state.mean, reference.state.mean, rtol=rtol)
+    np.testing.assert_allclose(result.state.cov, reference.state.cov, rtol=rtol)
+    for name in ("ess", "skewness", "client_mean"):
+        np.testing.assert_allclose(result.metrics[name], reference.metrics[name], rtol=max(rtol, 1e-9), atol=1e-9)
+    np.testing.assert_array_equal(result.metrics["divergences"], reference.metrics["divergences"])
+
+
+def test_deployment_in_process_is_the_simulation(in_process):
+    method, reference = in_process
+    deployed = make(federation=InProcess(loader=load_client, num_clients=M))
+    result = deployed.run(jax.random.PRNGKey(KEY))
+    assert deployed.federated_potential.deployed
+    assert_same_answer(result, reference, 0.0)
+    np.testing.assert_array_equal(result.state.draws, reference.state.draws)
+
+
+def test_ray_gives_the_in_process_run(in_process, ray_federation):
+    """Each worker compiles its client's function alone (in process the clients are vmapped),
+    so the arithmetic may round differently: the answers agree to 1e-6."""
+    method, reference = in_process
+    remote = make(federation=ray_federation)
+    result = remote.run(jax.random.PRNGKey(KEY), Y)
+    assert_same_answer(result, reference, 1e-6)
+    ledger = nf.message_ledger(result)
+    np.testing.assert_array_equal(ledger["bytes_from_client"], nf.message_ledger(reference)["bytes_from_client"])
+    draws = remote.get_samples(jax.random.PRNGKey(1), result, 100)
+    assert draws["sigma"].shape == (100,) and (np.asarray(draws["sigma"]) > 0).all()
+
+
+def test_flower_simulation_gives_the_in_process_run(in_process, ray_session):
+    flower = pytest.importorskip("numpyro_fed.flower")
+    pytest.importorskip("flwr", reason="Flower is not installed (pip install 'numpyro_fed[flower]')")
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers may not have tests/ on their path
+    method, reference = in_process
+    methods = {"consensus": make(), "parametric": make("parametric")}
+    server, client = flower.apps(methods, load, num_rounds=1, seed=KEY)
+    results = flower.simulate(server, client, M)
+    assert_same_answer(results["consensus"], reference, 1e-6)
+    parametric = results["parametric"]
+    assert parametric.state.draws is None  # only moments crossed
+    assert (nf.message_ledger(parametric)["bytes_from_client"] < 200).all()
+    tree = nf.to_inference_data(parametric, num_samples=50)
+    assert tree.attrs["federation"] == "FlowerFederation" and tree.sample_stats["rhat"].dims == ("client", "coordinate")
