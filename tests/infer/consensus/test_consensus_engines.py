@@ -67,13 +67,18 @@ def test_deployment_in_process_is_the_simulation(in_process):
     np.testing.assert_array_equal(result.state.draws, reference.state.draws)
 
 
+# Each worker compiles its client's function alone (in process the clients are vmapped), so
+# the arithmetic rounds differently and 450 NUTS steps carry it on: measured 3e-6 relative on
+# the combined mean. Ray and Flower, each client compiled alone, give the same bits.
+ENGINE_RTOL = 1e-4
+_REMOTE = {}
+
+
 def test_ray_gives_the_in_process_run(in_process, ray_federation):
-    """Each worker compiles its client's function alone (in process the clients are vmapped),
-    so the arithmetic may round differently: the answers agree to 1e-6."""
     method, reference = in_process
     remote = make(federation=ray_federation)
-    result = remote.run(jax.random.PRNGKey(KEY), Y)
-    assert_same_answer(result, reference, 1e-6)
+    result = _REMOTE["ray"] = remote.run(jax.random.PRNGKey(KEY), Y)
+    assert_same_answer(result, reference, ENGINE_RTOL)
     ledger = nf.message_ledger(result)
     np.testing.assert_array_equal(ledger["bytes_from_client"], nf.message_ledger(reference)["bytes_from_client"])
     draws = remote.get_samples(jax.random.PRNGKey(1), result, 100)
@@ -90,7 +95,9 @@ def test_flower_simulation_gives_the_in_process_run(in_process, ray_session):
     methods = {"consensus": make(), "parametric": make("parametric")}
     server, client = flower.apps(methods, load, num_rounds=1, seed=KEY)
     results = flower.simulate(server, client, M)
-    assert_same_answer(results["consensus"], reference, 1e-6)
+    assert_same_answer(results["consensus"], reference, ENGINE_RTOL)
+    if "ray" in _REMOTE:
+        assert_same_answer(results["consensus"], _REMOTE["ray"], 0.0)
     parametric = results["parametric"]
     assert parametric.state.draws is None  # only moments crossed
     assert (nf.message_ledger(parametric)["bytes_from_client"] < 200).all()
