@@ -118,7 +118,7 @@ class ConsensusMC(VariationalMethod):
         ...     with nf.federated_plate("data", y.shape[0], clients=4):
         ...         numpyro.sample("y", dist.Normal(mu, 1), obs=y)
         >>> y = 3.0 + jax.random.normal(jax.random.PRNGKey(1), (200,))
-        >>> cmc = nf.ConsensusMC(model, num_warmup=200, num_samples=400, progress_bar=False)
+        >>> cmc = nf.ConsensusMC(model, num_warmup=100, num_samples=300, progress_bar=False)
         >>> result = cmc.run(jax.random.PRNGKey(0), y)
         >>> draws = cmc.get_samples(jax.random.PRNGKey(1), result, 100)
         >>> draws["mu"].shape, bool(abs(draws["mu"].mean() - y.mean()) < 0.1)

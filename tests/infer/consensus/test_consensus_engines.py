@@ -53,9 +53,10 @@ def assert_same_answer(result, reference, rtol):
     """The combined posterior's moments, and every client's diagnostics."""
     np.testing.assert_allclose(result.state.mean, reference.state.mean, rtol=rtol)
     np.testing.assert_allclose(result.state.cov, reference.state.cov, rtol=rtol)
-    for name in ("skewness", "client_mean"):
-        np.testing.assert_allclose(result.metrics[name], reference.metrics[name], rtol=rtol, atol=1e-9)
-    # an ESS sums autocorrelations up to a data-dependent lag: round-off moves it more
+    np.testing.assert_allclose(result.metrics["client_mean"], reference.metrics["client_mean"], rtol=rtol)
+    # higher moments and an ESS (a sum of autocorrelations up to a data-dependent lag) move more
+    # with round-off: measured 8e-5 on a skewness (its Monte Carlo error: 0.1), 3e-4 relative on an ESS
+    np.testing.assert_allclose(result.metrics["skewness"], reference.metrics["skewness"], atol=10 * rtol)
     np.testing.assert_allclose(result.metrics["ess"], reference.metrics["ess"], rtol=100 * rtol)
     np.testing.assert_array_equal(result.metrics["divergences"], reference.metrics["divergences"])
 
@@ -71,7 +72,7 @@ def test_deployment_in_process_is_the_simulation(in_process):
 
 # Each worker compiles its client's function alone (in process the clients are vmapped), so
 # the arithmetic rounds differently and 450 NUTS steps carry it on: measured 3e-6 relative on
-# the combined mean, 3e-4 on an ESS. Ray and Flower, each client compiled alone, give the same bits.
+# the combined mean. Ray and Flower, each client compiled alone, give the same bits.
 ENGINE_RTOL = 1e-4
 _REMOTE = {}
 
