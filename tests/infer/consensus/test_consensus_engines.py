@@ -1,6 +1,9 @@
 """ConsensusMC on the engines: the same run (same key) on InProcess, in deployment (each client
 loads its rows), on Ray (one worker per client) and in Flower's simulation (one round: each node
-runs its sub-posterior's NUTS and answers once) gives the same answer."""
+runs its sub-posterior's NUTS and answers once) gives the same answer: bit for bit where the
+arithmetic is the same, and on this model to round-off against the in-process run (whose NUTS
+trajectories can carry round-off into a different chain on other models: the same answer in
+distribution only)."""
 
 import sys
 
