@@ -23,6 +23,7 @@ from numpyro_fed.infer import (
     PDSVGD,
     SVGD,
     UDSVGD,
+    ConsensusMC,
     DistributedSGLD,
     FedAvg,
     FedZigZag,
@@ -41,6 +42,7 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
     "BCM",
+    "ConsensusMC",
     "ClientError",
     "ClientProgram",
     "ClientState",

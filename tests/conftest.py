@@ -48,6 +48,15 @@ def ray_federation(ray_session):
 # distribution in ``make test``. By node id prefix (a parametrized test: all of its cases).
 LONG = (
     "tests/infer/zigzag/test_zigzag_robust.py::test_float32_mode_search_reaches_the_mode_of_a_regression_on_raw",
+    "tests/infer/consensus/test_consensus.py::test_linear_gaussian",
+    "tests/infer/consensus/test_consensus.py::test_inference_data_has_every_clients_diagnostics",
+    "tests/infer/consensus/test_consensus.py::test_logistic_regression_with_large_clients_agrees_with_nuts",
+    "tests/infer/consensus/test_consensus.py::test_small_skewed_clients_warn_with_the_statistic",
+    "tests/infer/consensus/test_consensus.py::test_halfcauchy_scale_is_combined_unconstrained_and_returned",
+    "tests/infer/consensus/test_consensus.py::test_any_numpyro_kernel_runs_the_sub_posteriors",
+    "tests/infer/consensus/test_consensus.py::test_client_local_latents_stay_with_their_clients",
+    "tests/infer/consensus/test_consensus.py::test_flat_prior_gives_least_squares",
+    "tests/infer/consensus/test_consensus_engines.py",
     "tests/infer/zigzag/test_zigzag.py::test_vectorized_chains",
     "tests/infer/zigzag/test_zigzag.py::test_gradient_bound_agrees_with_nuts_and_too_small_a_bound_is_reported",
     "tests/infer/zigzag/test_zigzag.py::test_warmup_then_run_and_post_warmup_state_continue_the_chain",

@@ -12,6 +12,7 @@ from numpyro_fed.infer.admm import (
     metropolis_weights,
 )
 from numpyro_fed.infer.base import RunResult, VariationalMethod
+from numpyro_fed.infer.consensus import ConsensusMC
 from numpyro_fed.infer.kernel import FederatedMCMCKernel
 from numpyro_fed.infer.pvi import BCM, DPPVI, GaussianPVI, GlobalVI
 from numpyro_fed.infer.rounds import RunCheckpoint
@@ -19,6 +20,7 @@ from numpyro_fed.infer.stein import DSVGD, PDSVGD, SVGD, UDSVGD, DistributedSGLD
 from numpyro_fed.infer.zigzag import FedZigZag, GradientBound, HessianBound, RowHessianBound
 
 __all__ = [
+    "ConsensusMC",
     "DPPVI",
     "BCM",
     "GlobalVI",

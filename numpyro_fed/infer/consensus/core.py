@@ -1,0 +1,226 @@
+"""Consensus Monte Carlo's core: what a client runs on its sub-posterior, the diagnostics it
+reports, and the server's combinations. Pure JAX functions; the face
+(:class:`~numpyro_fed.infer.consensus.ConsensusMC`) runs them through the federation.
+
+Client ``m``'s sub-posterior on the unconstrained space is
+
+    p_m(theta, z_m) ∝ p_0(theta)^{w_m} exp(-U_m(theta, z_m)),   sum_m w_m = 1,
+
+``p_0`` the prior term of :func:`~numpyro_fed.split_potential` (the global sites and their
+log-Jacobians), ``U_m`` client ``m``'s term (its rows and the prior of its own latents
+``z_m``) and ``w_m = 1/M`` by default (Scott et al. 2016). The product of the ``theta``
+marginals of the sub-posteriors is the posterior of ``theta`` exactly when the client-local
+latents are absent; with them, ``theta``'s product is the posterior too, because each
+``z_m`` enters only client ``m``'s factor (integrate it out there). Both combinations are
+exact when every sub-posterior is Gaussian:
+
+* :func:`consensus_combine` (Scott et al. 2016): draw ``s`` of the posterior is the
+  precision-weighted average of draw ``s`` of every client, the weights the inverses of the
+  clients' sample covariances;
+* :func:`parametric_combine` (Neiswanger, Wang & Xing 2014): the product of the clients'
+  Gaussian approximations (their sample means and covariances), which needs no draws on the
+  wire.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = [
+    "SubposteriorSummary",
+    "consensus_combine",
+    "effective_sample_size",
+    "make_client_run",
+    "parametric_combine",
+    "split_rhat",
+    "standardized_moments",
+]
+
+
+class SubposteriorSummary(NamedTuple):
+    """What a client sends (its reply), every field about the global coordinates ``theta``.
+
+    :ivar draws: ``(num_chains * num_samples, d_g)``, its draws (``combine="consensus"``);
+        ``None`` when only moments cross (``"parametric"``).
+    :ivar mean: ``(d_g,)`` sample mean (``"parametric"``; else ``None``: the server computes it
+        from the draws).
+    :ivar cov: ``(d_g, d_g)`` sample covariance (``"parametric"``; else ``None``).
+    :ivar divergences: the number of divergent transitions after warmup (0 for a kernel
+        that has none).
+    :ivar rhat: ``(d_g,)`` split R-hat (:func:`split_rhat`).
+    :ivar ess: ``(d_g,)`` effective sample size (:func:`effective_sample_size`).
+    :ivar skewness: ``(d_g,)`` of the draws (0 for a Gaussian).
+    :ivar kurtosis: ``(d_g,)`` excess kurtosis of the draws (0 for a Gaussian).
+    :ivar local_rhat: the largest split R-hat over the client's own latent coordinates
+        (1 without them): they stay with the client, their convergence does not.
+    """
+
+    draws: jax.Array | None
+    mean: jax.Array | None
+    cov: jax.Array | None
+    divergences: jax.Array
+    rhat: jax.Array
+    ess: jax.Array
+    skewness: jax.Array
+    kurtosis: jax.Array
+    local_rhat: jax.Array
+
+
+# -- diagnostics (JAX versions of numpyro.diagnostics', traceable on the client) -----------
+def split_rhat(x) -> jax.Array:
+    """Split R-hat of draws ``x`` shaped ``(chains, draws, d)``, as
+    :func:`numpyro.diagnostics.split_gelman_rubin` (each chain cut in two halves)."""
+    n = x.shape[1] // 2
+    halves = jnp.concatenate([x[:, :n], x[:, -n:]], axis=0)
+    mean_var = jnp.mean(jnp.var(halves, axis=1, ddof=1), axis=0)
+    var_plus = mean_var * (n - 1) / n + jnp.var(jnp.mean(halves, axis=1), axis=0, ddof=1)
+    return jnp.sqrt(var_plus / mean_var)
+
+
+def _autocovariance(x):
+    """Autocovariance along axis 1 of ``(chains, draws, d)`` (FFT, as NumPyro's)."""
+    n = x.shape[1]
+    size = 1 << (2 * n - 1).bit_length()  # a power of two >= 2n: no circular wrap-around
+    centred = x - jnp.mean(x, axis=1, keepdims=True)
+    freq = jnp.fft.rfft(centred, n=size, axis=1)
+    acov = jnp.fft.irfft(freq * jnp.conjugate(freq), n=size, axis=1)[:, :n]
+    return acov / n
+
+
+def effective_sample_size(x) -> jax.Array:
+    """Effective sample size of draws ``x`` shaped ``(chains, draws, d)``: Geyer's initial
+    monotone sequence estimator on the chains' pooled autocorrelation, as
+    :func:`numpyro.diagnostics.effective_sample_size`."""
+    chains, n = x.shape[:2]
+    gamma = _autocovariance(x)
+    mean_var = jnp.mean(jnp.var(x, axis=1, ddof=1), axis=0)
+    var_plus = mean_var * (n - 1) / n
+    if chains > 1:
+        var_plus = var_plus + jnp.var(jnp.mean(x, axis=1), axis=0, ddof=1)
+    else:
+        mean_var = var_plus  # one chain: the biased variance, as NumPyro's
+    rho = 1.0 - (mean_var - jnp.mean(gamma, axis=0)) / var_plus
+    rho = rho.at[0].set(1.0)
+    pairs = rho[: (n // 2) * 2 : 2] + rho[1 : (n // 2) * 2 : 2]  # Geyer's Gamma_k
+    # initial positive then monotone sequence: once a pair sum is clipped to 0 it stays 0
+    pairs = jnp.concatenate([pairs[:1], lax.cummin(jnp.clip(pairs[1:], 0.0, None), axis=0)])
+    tau = -1.0 + 2.0 * jnp.sum(pairs, axis=0)
+    return chains * n / tau
+
+
+def standardized_moments(draws):
+    """``(skewness, excess kurtosis)`` per coordinate of ``(S, d)`` draws."""
+    centred = draws - jnp.mean(draws, axis=0)
+    var = jnp.mean(centred**2, axis=0)
+    var = jnp.where(var > 0, var, 1.0)
+    return jnp.mean(centred**3, axis=0) / var**1.5, jnp.mean(centred**4, axis=0) / var**2 - 3.0
+
+
+def _summaries(theta_chains, z_chains, divergences, send_draws: bool) -> SubposteriorSummary:
+    pooled = theta_chains.reshape((-1, theta_chains.shape[-1]))
+    skew, kurt = standardized_moments(pooled)
+    if z_chains.shape[-1]:
+        local_rhat = jnp.max(jnp.nan_to_num(split_rhat(z_chains), nan=1.0))
+    else:
+        local_rhat = jnp.ones((), theta_chains.dtype)
+    mean = cov = None
+    if not send_draws:
+        mean, cov = jnp.mean(pooled, axis=0), jnp.atleast_2d(jnp.cov(pooled, rowvar=False))
+    return SubposteriorSummary(
+        pooled if send_draws else None,
+        mean,
+        cov,
+        jnp.sum(divergences).astype(jnp.int32),
+        split_rhat(theta_chains),
+        effective_sample_size(theta_chains),
+        skew,
+        kurt,
+        local_rhat,
+    )
+
+
+# -- the client's run -------------------------------------------------------------------------
+def make_client_run(
+    prior_potential: Callable,
+    client_potential: Callable,
+    *,
+    num_latent: int,
+    global_index,
+    kernel_factory: Callable,
+    num_warmup: int,
+    num_samples: int,
+    num_chains: int,
+    send_draws: bool,
+) -> Callable:
+    """Client ``m``'s function: ``(block, rng_key, start, prior_weight, positions, valid) ->
+    (local_draws, SubposteriorSummary)``, the run of ``kernel_factory(potential_fn)`` (a NumPyro
+    kernel on a potential function, NUTS by default) on its sub-posterior in the joint
+    coordinates ``y = (theta, z_m)``: ``num_chains`` chains from ``start`` (``(d_g + d_l,)``),
+    ``num_warmup`` adaptation steps then ``num_samples`` draws, the chains ``vmap``-ped.
+
+    ``positions`` (``(d_l,)``, padded with ``num_latent``) are where the client's own latent
+    coordinates sit in the flat latent vector and ``valid`` which of them are its (a padding
+    coordinate is a standard normal of its own: a proper factor NUTS samples and the reply
+    drops). ``local_draws``, ``(num_chains * num_samples, d_l)``, stay with the client.
+    ``prior_potential`` and ``client_potential`` are those of
+    :meth:`FederatedPotential.flat() <numpyro_fed.FederatedPotential.flat>`."""
+    global_index = jnp.asarray(global_index)
+    d_g = int(global_index.shape[0])
+
+    def run(block, rng_key, start, prior_weight, positions, valid):
+        def potential(y):
+            theta, z = y[:d_g], y[d_g:]
+            x = jnp.zeros(num_latent, y.dtype).at[global_index].set(theta).at[positions].set(z, mode="drop")
+            padding = 0.5 * jnp.sum(jnp.where(valid, 0.0, z) ** 2)
+            return prior_weight * prior_potential(x) + client_potential(x, block) + padding
+
+        def chain(key):
+            kernel = kernel_factory(potential)
+            k_init, k_run = jax.random.split(key)
+            state = kernel.init(k_init, num_warmup, start, (), {})
+            field = getattr(kernel, "sample_field", "z")
+
+            def step(state, _):
+                state = kernel.sample(state, (), {})
+                return state, (getattr(state, field), jnp.asarray(getattr(state, "diverging", False)))
+
+            # one scan over warmup and sampling (the kernel adapts while its step count is below
+            # num_warmup): NUTS's step is compiled once, not twice
+            _, (ys, diverging) = lax.scan(step, state, None, length=num_warmup + num_samples)
+            return ys[num_warmup:], diverging[num_warmup:]
+
+        ys, diverging = jax.vmap(chain)(jax.random.split(rng_key, num_chains))
+        summary = _summaries(ys[..., :d_g], ys[..., d_g:], diverging, send_draws)
+        return ys[..., d_g:].reshape((num_chains * num_samples, -1)), summary
+
+    return run
+
+
+# -- the server's combinations ---------------------------------------------------------------
+def _inverse_spd(cov):
+    eye = jnp.eye(cov.shape[-1], dtype=cov.dtype)
+    return jax.scipy.linalg.cho_solve((jnp.linalg.cholesky(cov), True), eye)
+
+
+def consensus_combine(draws):
+    """Scott et al. (2016)'s consensus draws of ``(M, S, d)`` clients' draws: ``theta_s =
+    (sum_m W_m)^{-1} sum_m W_m theta_{m,s}``, ``W_m`` the inverse of client ``m``'s sample
+    covariance. Returns ``(S, d)``."""
+    covs = jax.vmap(lambda x: jnp.atleast_2d(jnp.cov(x, rowvar=False)))(draws)
+    weights = jax.vmap(_inverse_spd)(covs)
+    total = jnp.sum(weights, axis=0)
+    weighted = jnp.einsum("mij,msj->si", weights, draws)
+    return jax.scipy.linalg.cho_solve((jnp.linalg.cholesky(total), True), weighted.T).T
+
+
+def parametric_combine(means, covs):
+    """Neiswanger et al. (2014)'s parametric combination: the product of the Gaussians
+    ``N(means[m], covs[m])``, returned as ``(mean (d,), cov (d, d))``."""
+    precisions = jax.vmap(_inverse_spd)(covs)
+    cov = _inverse_spd(jnp.sum(precisions, axis=0))
+    return cov @ jnp.einsum("mij,mj->i", precisions, means), cov
