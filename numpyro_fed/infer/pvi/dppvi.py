@@ -598,9 +598,7 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
             "residual": (metrics["residual"], ["round", "client"]),
             "communications": (metrics["communications"], ["round"]),
         }
-        out["attrs"]["num_rounds"] = int(rejected.shape[0])
-        if result.privacy is not None:
-            out["attrs"]["privacy_noise_multiplier"] = [float(s) for s in metrics["noise_multiplier"][-1]]
+        out["attrs"]["num_rounds"] = int(rejected.shape[0])  # the guarantee's privacy_* are the face's
         return out
 
     # -- hooks for the baselines ---------------------------------------------------------------
