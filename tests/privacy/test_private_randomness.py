@@ -67,11 +67,14 @@ def same_q(a, b):
     return all(np.array_equal(x, y) for x, y in zip(q_of(a), q_of(b)))
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+# DP-SGD with a given clip norm and local averaging in every run of the tests; the automatic
+# clip norm (its key follows one more argument) and virtual clients in make test-slow
+@pytest.mark.parametrize(
+    "variant", [v if v in ("dpsgd", "local_avg") else pytest.param(v, marks=pytest.mark.slow) for v in sorted(VARIANTS)]
+)
 def test_deployed_private_runs_draw_noise_the_server_cannot_replay(data, loader, variant):
     key = jax.random.PRNGKey(0)
-    simulated = dppvi(variant).run(key, 2, *data)  # in process: reproducible, and says so
-    assert same_q(simulated, dppvi(variant).run(key, 2, *data))
+    simulated = dppvi(variant).run(key, 2, *data)  # in process: reproducible (below), and says so
     assert not simulated.privacy.client_private_randomness
     assert "does not hold against the server" in str(simulated.privacy)
     first = dppvi(variant, InProcess(loader=loader, num_clients=M)).run(key, 2)

@@ -144,9 +144,15 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
     :param federation: where the clients run: ``None`` (the default: every client in this
         process, vectorised) or a :class:`~numpyro_fed.federation.Federation` such as
         :class:`~numpyro_fed.RayFederation` (each client a worker holding only its own rows);
-        same key, same answer on either. What crosses in a visit, the client state (each
-        client's factor ``t_m`` stays where the client lives), failures and deployment with
-        ``loader=``: the guide's *On a federation* (``docs/guide/dppvi.md``).
+        same key, same answer (in distribution for a private run, see ``private_randomness``).
+        What crosses, the client state, failures and ``loader=``: the guide's *On a federation*.
+    :param bool private_randomness: each client folds a seed of its own into the keys of its
+        noise and batches, so the server cannot replay them. ``None`` (default): for a private
+        run whose clients are apart from the server (an engine, or ``loader=``); ``False``:
+        reproducible, and the guarantee says it does not hold against the server.
+    :param budget: a :class:`~numpyro_fed.PrivacyBudget` the run draws from (refused before
+        it starts past it). The guarantee, ``result.privacy``: the guide's *What the
+        guarantee covers*.
 
     **Running.** As :class:`numpyro.infer.SVI`: :meth:`run` returns a
     :class:`~numpyro_fed.infer.RunResult` whose ``metrics`` hold per round ``loss`` (the
