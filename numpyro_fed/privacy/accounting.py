@@ -42,7 +42,11 @@ __all__ = [
     "dpsgd_event",
     "gaussian_event",
     "make_accountant",
+    "ACCOUNTANT_TOLERANCE",
+    "accountant_event",
+    "describe_accountant",
     "privacy_guarantee",
+    "resolve_accountant",
 ]
 
 _RELATIONS = {
@@ -181,7 +185,9 @@ def _scale_noise(event, factor: float):
     return event
 
 
-def _resolve_accountant(event, accountant: str | None, neighbouring: str) -> str:
+def resolve_accountant(event, accountant: str | None, neighbouring: str) -> str:
+    """The accountant that covers ``event`` (``None``: PLD unless it samples without
+    replacement); a ``ValueError`` where ``dp-accounting`` has none for it."""
     without_replacement = _contains(event, dp_event.SampledWithoutReplacementDpEvent)
     if accountant is None:
         accountant = "rdp" if without_replacement else "pld"
@@ -213,7 +219,8 @@ def make_accountant(accountant: str, neighbouring: str = "replace_one", *, value
     raise ValueError(f"accountant must be 'pld' or 'rdp', got {accountant!r}")
 
 
-def _accountant_event(event, accountant: str, neighbouring: str):
+def accountant_event(event, accountant: str, neighbouring: str):
+    """``event`` in the accountant's own noise convention (see the module's docstring)."""
     # RDP takes noise relative to the full sensitivity: 2C under substitution.
     if accountant == "rdp" and neighbouring == "replace_one":
         return _scale_noise(event, 0.5)
@@ -238,9 +245,9 @@ def compute_epsilon(
     """
     delta = check_delta(delta)
     neighbouring = _check_relation(neighbouring)
-    accountant = _resolve_accountant(event, accountant, neighbouring)
+    accountant = resolve_accountant(event, accountant, neighbouring)
     acc = make_accountant(accountant, neighbouring)
-    acc.compose(_accountant_event(event, accountant, neighbouring))
+    acc.compose(accountant_event(event, accountant, neighbouring))
     return float(acc.get_epsilon(delta))
 
 
@@ -266,11 +273,11 @@ def calibrate_noise_multiplier(
     target_epsilon = check_epsilon(target_epsilon)
     delta = check_delta(delta)
     neighbouring = _check_relation(neighbouring)
-    accountant = _resolve_accountant(make_event(1.0), accountant, neighbouring)
+    accountant = resolve_accountant(make_event(1.0), accountant, neighbouring)
 
     def epsilon_of(sigma, interval=1e-4):
         acc = make_accountant(accountant, neighbouring, value_discretization_interval=interval)
-        acc.compose(_accountant_event(make_event(sigma), accountant, neighbouring))
+        acc.compose(accountant_event(make_event(sigma), accountant, neighbouring))
         return float(acc.get_epsilon(delta))
 
     def refine(low, high, tol, interval):
@@ -308,12 +315,35 @@ def calibrate_noise_multiplier(
     return refine(low, high, rtol, 1e-4)
 
 
-def privacy_guarantee(epsilon: float, delta: float, *, scope: str, neighbouring: str, method: str) -> PrivacyGuarantee:
-    """A :class:`PrivacyGuarantee` with the relation written out in words."""
+def privacy_guarantee(
+    epsilon: float, delta: float, *, scope: str, neighbouring: str, method: str, **details
+) -> PrivacyGuarantee:
+    """A :class:`PrivacyGuarantee` with the relation written out in words; ``details``: its
+    other fields (accountant, sampling, noise, clip norms, steps, ...)."""
     return PrivacyGuarantee(
         epsilon=float(epsilon),
         delta=float(delta),
         scope=scope,
         neighbouring=NEIGHBOURING[_check_relation(neighbouring)],
         method=method,
+        **details,
     )
+
+
+#: What each accountant's epsilon is, in words (for :class:`PrivacyGuarantee`).
+ACCOUNTANT_TOLERANCE = {
+    "pld": (
+        "a pessimistic privacy-loss-distribution estimate at value_discretization_interval=1e-4: "
+        "the reported epsilon upper-bounds the exact one"
+    ),
+    "rdp": (
+        "Renyi-DP at dp-accounting's default orders, converted to (epsilon, delta): an upper bound, "
+        "looser than PLD (e.g. 2.10 against 1.83 for DP-SGD at rate 0.01, noise 1, 1000 steps, delta 1e-5)"
+    ),
+}
+
+
+def describe_accountant(accountant: str) -> tuple[str, str]:
+    """``(accountant, tolerance)`` in words for ``"pld"`` or ``"rdp"``."""
+    name = {"pld": "PLD", "rdp": "RDP"}[accountant]
+    return f"{name} (dp-accounting)", ACCOUNTANT_TOLERANCE[accountant]

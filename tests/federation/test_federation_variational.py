@@ -211,6 +211,9 @@ def test_federation_must_be_a_federation(data):
 
 # -- on a local Ray: the clients as separate workers ---------------------------------------------
 
+# The private cases compare a run on separate workers with the in-process one bit for bit, so
+# they opt out of the clients' private randomness (by default a client mixes a seed of its own
+# into its keys: tests/privacy/test_private_randomness.py), and their guarantee says so.
 RAY_CASES = {
     "dppvi": lambda **kw: nf.DPPVI(model, schedule="synchronous", num_local_steps=5, progress_bar=False, **kw),
     "dppvi-dpsgd": lambda **kw: nf.DPPVI(
@@ -222,13 +225,21 @@ RAY_CASES = {
         clip_norm=1.0,
         num_local_steps=5,
         progress_bar=False,
+        private_randomness=False,
         **kw,
     ),
     "dsvgd": lambda **kw: nf.DSVGD(
         model, num_particles=5, num_local_steps=5, num_distill_steps=5, progress_bar=False, **kw
     ),
     "dppvi-virtual": lambda **kw: nf.DPPVI(
-        model, dp="virtual", noise_multiplier=1.0, num_shards=2, num_local_steps=5, progress_bar=False, **kw
+        model,
+        dp="virtual",
+        noise_multiplier=1.0,
+        num_shards=2,
+        num_local_steps=5,
+        progress_bar=False,
+        private_randomness=False,
+        **kw,
     ),
     "pdsvgd": lambda **kw: nf.PDSVGD(
         model,
@@ -381,6 +392,7 @@ DEPLOY_CASES = {
         trusted_aggregator=True,
         num_local_steps=5,
         progress_bar=False,
+        private_randomness=False,
         **kw,
     ),
     "bcm": lambda **kw: nf.BCM(
@@ -391,6 +403,7 @@ DEPLOY_CASES = {
         clip_norm=1.0,
         num_local_steps=5,
         progress_bar=False,
+        private_randomness=False,
         **kw,
     ),
     "gaussian_pvi": lambda **kw: nf.GaussianPVI(model, num_local_steps=5, progress_bar=False, **kw),

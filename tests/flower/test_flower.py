@@ -73,6 +73,7 @@ CASES = {
         clip_norm=1.0,
         num_local_steps=5,
         progress_bar=False,
+        private_randomness=False,  # reproducible: the run on the nodes is the in-process one
         **kw,
     ),
     "dsvgd": lambda **kw: nf.DSVGD(

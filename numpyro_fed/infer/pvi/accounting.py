@@ -8,14 +8,18 @@ import warnings
 
 import numpy as np
 
+import jax
+
 from numpyro_fed.privacy.accounting import (
     calibrate_noise_multiplier,
     compute_epsilon,
+    describe_accountant,
     dpsgd_event,
     gaussian_event,
     privacy_guarantee,
 )
-from numpyro_fed.privacy.guarantee import PrivacyGuarantee
+from numpyro_fed.privacy.guarantee import NOT_COVERED, PrivacyGuarantee
+from numpyro_fed.privacy.randomness import PrivateSeed, draw_seeds, private_program, resolve_private_randomness
 
 __all__ = ["PrivacyAccounting"]
 
@@ -279,20 +283,14 @@ class PrivacyAccounting:
             epsilons.append(cache[key])
         accountant = self.accountant or ("rdp" if self.sampling == "without_replacement" else "pld")
         if self.dp == "dpsgd":
-            mechanism = (
-                f"DP-SGD, {num_rounds * self.num_local_steps} steps per client, "
-                f"{self.sampling} sampling at rate {self.sampling_rate:g} (Theorem 6)"
-            )
-            if self.sampling == "poisson":
-                mechanism += (
-                    f"; epsilon at delta (1 - {CAP_DELTA_SHARE:g}), the rest of delta covers "
-                    "the cap on Poisson batch sizes"
-                )
+            steps = num_rounds * self.num_local_steps
+            mechanism = f"DP-SGD on each client's rows, {steps} steps per client (Theorem 6)"
             scope = "the whole run: every row, through all the client holding it sends"
         else:
             theorem = {"local_avg": "Theorem 7", "virtual": "Theorem 12"}[self.dp]
             if self.trusted_aggregator:
                 theorem = {"local_avg": "Theorem 11", "virtual": "Theorem 14"}[self.dp]
+            steps = num_rounds
             mechanism = f"Gaussian mechanism on clipped updates, {num_rounds} per client ({theorem})"
             scope = (
                 "the whole run: every row, through the sums of the clients' updates that a "
@@ -301,13 +299,95 @@ class PrivacyAccounting:
                 if self.trusted_aggregator
                 else "the whole run: every row, through all the client holding it sends"
             )
+        name, tolerance = describe_accountant(accountant)
+        private_keys = self.client_private_randomness()
         return privacy_guarantee(
             max(epsilons),
             self.delta,
             scope=scope,
             neighbouring=self.neighboring,
             method=f"dp-accounting {accountant.upper()} accountant; {mechanism}{self._prior_factor_note()}",
+            accountant=name,
+            tolerance=tolerance,
+            sampling=self._sampling_statement(sizes),
+            noise_multipliers=tuple(float(s) for s in noise_multipliers),
+            clip_norms=() if self.auto_clip else (float(self.clip_norm),),
+            steps=int(steps),
+            rounds=int(num_rounds),
+            client_private_randomness=private_keys,
+            not_covered=self._not_covered(private_keys),
+            events=tuple(events),
+            reserved_delta=self.delta - self._accounting_delta(),
         )
+
+    def client_private_randomness(self) -> bool:
+        """Whether the clients draw their noise and batches from keys of their own (see
+        :mod:`numpyro_fed.privacy.randomness`): ``private_randomness`` when given, else
+        whenever the clients are parties apart from the server (an engine, or ``loader=``)."""
+        return self.dp is not None and resolve_private_randomness(self.private_randomness, self.federation, True)
+
+    def _sampling_statement(self, sizes) -> str:
+        """How the rows entering each noised release are drawn, as the clients do it and as
+        it is accounted."""
+        if self.dp != "dpsgd":
+            shards = f"split into {self.num_shards} fixed shards (the split is public), " if self.num_shards > 1 else ""
+            return (
+                f"none accounted: each update is computed from all of a client's rows, {shards}each "
+                "shard's change clipped, then noised; the local optimization's minibatches are inside the "
+                "released update and cost nothing extra"
+            )
+        if self.sampling == "poisson":
+            return (
+                f"Poisson: each row joins each step's batch independently with probability "
+                f"{self.sampling_rate:.4g}, accounted as Poisson subsampling; a batch above a size cap "
+                f"(set so it binds with probability within {CAP_DELTA_SHARE:g} of delta over the run) "
+                "is truncated, and that share of delta covers it"
+            )
+        if self.sampling == "without_replacement":
+            batches = sorted(set(self._batch_sizes(np.asarray(sizes)).tolist()))
+            return (
+                f"fixed-size batches of {', '.join(map(str, batches))} row(s) per step, drawn uniformly "
+                "without replacement from the client's rows, accounted as sampling without replacement"
+            )
+        return "none: every row of the client in every step"
+
+    def _not_covered(self, private_keys: bool) -> str:
+        if private_keys:
+            return NOT_COVERED
+        return f"{NOT_COVERED}; the server, which chose the keys of the clients' noise and batches"
+
+    def settle_privacy(self, privacy, clip_first=None, clip_later=None):
+        """The run's guarantee with what :meth:`privacy` cannot know (the automatic clip
+        norms, in units of ``q``'s scale), checked against the budget (a run that would
+        exceed it is refused here, before it starts)."""
+        if privacy is None:
+            return None
+        if clip_first is not None:
+            privacy = privacy.replace(
+                clip_norms=tuple(float(c) for c in np.concatenate([np.ravel(clip_first), np.ravel(clip_later)])),
+                method=privacy.method + "; clip norms in units of q's scale (the first round's, then the later ones')",
+            )
+        if self.budget is not None:
+            self.budget.check(privacy, what=f"this {type(self).__name__} run")
+        return privacy
+
+    def private_spec(self, spec, privacy):
+        """``spec`` (a :class:`~numpyro_fed.infer.base.ClientSpec`) with each client's seed
+        folded into the key of its updates (:func:`~numpyro_fed.privacy.randomness.private_program`)
+        when the run's randomness is client-private. The seed is drawn where the block is
+        built: on the client with a loader; in this process for blocks cut here (simulation,
+        where this process holds every row anyway)."""
+        if privacy is None or not privacy.client_private_randomness:
+            return spec
+        # update(block, own, q, [first,] key, applied): the key follows q (and first)
+        key_index = 1 + bool(self.auto_clip)
+        functions, stateful = private_program(spec.functions, spec.stateful, keys={"update": key_index})
+        if spec.blocks is not None:
+            num = len(jax.tree_util.tree_leaves(spec.blocks)[0])
+            return spec._replace(
+                functions=functions, stateful=stateful, blocks={"rows": spec.blocks, "seed": draw_seeds(num)}
+            )
+        return spec._replace(functions=functions, stateful=stateful, transform=PrivateSeed(spec.transform))
 
     def _prior_factor_note(self) -> str:
         """What the guarantee says of the server's prior factor (a non-Gaussian or improper

@@ -39,7 +39,13 @@ from numpyro_fed.infer.pvi.diagnostics import judge_run, last_move
 from numpyro_fed.infer.pvi.gaussian import loc_scale, sample
 from numpyro_fed.infer.pvi.local import ClientLatentsFace
 from numpyro_fed.infer.pvi.prior import PriorSplit, build_prior_update, initial_state, prior_remainder, split_prior
-from numpyro_fed.infer.pvi.settings import check_aggregation, check_noise, default_optimizer, resolve_sampling
+from numpyro_fed.infer.pvi.settings import (
+    check_aggregation,
+    check_noise,
+    check_private_settings,
+    default_optimizer,
+    resolve_sampling,
+)
 from numpyro_fed.privacy.accounting import check_delta, check_epsilon
 
 __all__ = ["DPPVI"]
@@ -138,9 +144,15 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
     :param federation: where the clients run: ``None`` (the default: every client in this
         process, vectorised) or a :class:`~numpyro_fed.federation.Federation` such as
         :class:`~numpyro_fed.RayFederation` (each client a worker holding only its own rows);
-        same key, same answer on either. What crosses in a visit, the client state (each
-        client's factor ``t_m`` stays where the client lives), failures and deployment with
-        ``loader=``: the guide's *On a federation* (``docs/guide/dppvi.md``).
+        same key, same answer (in distribution for a private run, see ``private_randomness``).
+        What crosses, the client state, failures and ``loader=``: the guide's *On a federation*.
+    :param bool private_randomness: each client folds a seed of its own into the keys of its
+        noise and batches, so the server cannot replay them. ``None`` (default): for a private
+        run whose clients are apart from the server (an engine, or ``loader=``); ``False``:
+        reproducible, and the guarantee says it does not hold against the server.
+    :param budget: a :class:`~numpyro_fed.PrivacyBudget` the run draws from (refused before
+        it starts past it). The guarantee, ``result.privacy``: the guide's *What the
+        guarantee covers*.
 
     **Running.** As :class:`numpyro.infer.SVI`: :meth:`run` returns a
     :class:`~numpyro_fed.infer.RunResult` whose ``metrics`` hold per round ``loss`` (the
@@ -224,6 +236,8 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
         progress_bar: bool = True,
         federation=None,
         covariance: str = "auto",
+        private_randomness: bool | None = None,
+        budget=None,
     ):
         sampling, sampling_rate, self.auto_sampling = resolve_sampling(dp, sampling, sampling_rate)
         if covariance not in COVARIANCES:
@@ -266,6 +280,7 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
         if neighboring not in ("replace_one", "add_remove"):
             raise ValueError(f"neighboring must be 'replace_one' or 'add_remove', got {neighboring!r}")
         self.neighboring = neighboring
+        self.private_randomness, self.budget = check_private_settings(dp, private_randomness, budget)
         self._plan: _RunPlan | None = None
 
     repr_fields = ("dp", "schedule", "num_local_steps", "num_mc_samples", "damping")
@@ -349,6 +364,7 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
         num_clients = int(sizes.size)
         noise = jnp.broadcast_to(jnp.asarray(sigmas, dtype=dtype), (num_clients,))
         layout = core.BlockLayout(plate, shard_index, shard_valid, noise, clip_first, clip_later)
+        privacy = self.settle_privacy(privacy, clip_first, clip_later)  # refused here if over the budget
         if self._local is not None:  # clients with latents of their own
             self._client_plan = (num_rounds, sizes, sigmas, privacy, dp_error, layout, config, prior)
             programs = self._local.client_functions(config, damping=self.damping)
@@ -364,7 +380,7 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
             damping=self.damping,
         )
         self._client_plan = (num_rounds, sizes, sigmas, privacy, dp_error, layout, config, prior)
-        return self._client_spec(programs, potential, layout)
+        return self.private_spec(self._client_spec(programs, potential, layout), privacy)
 
     def _prior_update(self, potential, prior: PriorSplit, config):
         """The server's prior update and the loss's prior potential, or ``(None, None)`` for an
@@ -391,6 +407,8 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
         spec = self.plan_clients(rng_key, args, kwargs, num_rounds=num_rounds)
         num_rounds, sizes, sigmas, privacy, dp_error, layout, config, prior = self._client_plan
         num_clients = int(sizes.size)
+        if self.budget is not None:  # charged as the run starts: its clients may send before it ends
+            privacy = self.budget.charge(privacy)
         federation = self.start_clients(**spec._asdict())
         prior_update, prior_potential = self._prior_update(self.federated_potential, prior, config)
         step = core.build_step(
@@ -586,9 +604,7 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
             "residual": (metrics["residual"], ["round", "client"]),
             "communications": (metrics["communications"], ["round"]),
         }
-        out["attrs"]["num_rounds"] = int(rejected.shape[0])
-        if result.privacy is not None:
-            out["attrs"]["privacy_noise_multiplier"] = [float(s) for s in metrics["noise_multiplier"][-1]]
+        out["attrs"]["num_rounds"] = int(rejected.shape[0])  # the guarantee's privacy_* are the face's
         return out
 
     # -- hooks for the baselines ---------------------------------------------------------------

@@ -11,7 +11,15 @@ from numpyro_fed._checks import check_real
 from numpyro_fed.infer.pvi.core import SCHEDULES
 from numpyro_fed.privacy.accounting import check_sampling_rate
 
-__all__ = ["DP_VARIANTS", "SAMPLING", "check_aggregation", "check_noise", "default_optimizer", "resolve_sampling"]
+__all__ = [
+    "DP_VARIANTS",
+    "SAMPLING",
+    "check_aggregation",
+    "check_noise",
+    "check_private_settings",
+    "default_optimizer",
+    "resolve_sampling",
+]
 
 DP_VARIANTS = (None, "dpsgd", "local_avg", "virtual")
 SAMPLING = ("poisson", "without_replacement", "full")
@@ -106,3 +114,20 @@ def check_noise(dp, noise_multiplier, target_epsilon):
             f"and memory): use noise_multiplier >= {MIN_NOISE_MULTIPLIER}, or dp=None"
         )
     return noise_multiplier
+
+
+def check_private_settings(dp, private_randomness, budget):
+    """``(private_randomness, budget)`` checked: ``private_randomness`` ``None`` (the
+    default: client-private whenever the clients are separate parties), ``True`` or ``False``
+    (reproducible deployed runs, and a guarantee that does not hold against the server);
+    ``budget`` a :class:`~numpyro_fed.PrivacyBudget` for a private ``dp`` only."""
+    from numpyro_fed.privacy.budget import PrivacyBudget
+
+    if private_randomness is not None and not isinstance(private_randomness, bool):
+        raise TypeError(f"private_randomness must be True, False or None, got {private_randomness!r}")
+    if budget is not None:
+        if not isinstance(budget, PrivacyBudget):
+            raise TypeError(f"budget must be a numpyro_fed.PrivacyBudget, got {type(budget).__name__}")
+        if dp is None:
+            raise ValueError("budget= needs a private dp ('dpsgd', 'local_avg' or 'virtual'): dp=None spends nothing")
+    return private_randomness, budget

@@ -20,6 +20,7 @@ from numpyro_fed.infer.zigzag.bounds import bound_kind
 from numpyro_fed.infer.zigzag.proposers import PRIOR_MODES
 from numpyro_fed.infer.zigzag.subsample import RowHessianBound
 from numpyro_fed.privacy import switching_time_guarantee
+from numpyro_fed.privacy.randomness import resolve_private_randomness
 
 __all__ = ["THINNING", "ZigZagOptions", "check_options", "privacy_guarantee"]
 
@@ -82,7 +83,7 @@ def check_options(
     full_covariance=False,
     preconditioner="auto",
     federation=None,
-    private_randomness=False,
+    private_randomness=None,
     subsample_size=None,
     thinning="auto",
 ) -> ZigZagOptions:
@@ -94,7 +95,11 @@ def check_options(
         raise TypeError(
             f"federation must be a Federation (e.g. nf.RayFederation()) or None, got {type(federation).__name__}"
         )
-    thinning = resolve_thinning(thinning, federation, private_randomness)
+    # client-private keys by default under a guarantee whenever the clients are separate parties
+    dp_asked = dp_sensitivity is not None or dp_epsilon is not None or dp_delta is not None
+    defaulted = private_randomness is None
+    private_randomness = resolve_private_randomness(private_randomness, federation, dp_asked)
+    thinning = resolve_thinning(thinning, federation, private_randomness, defaulted)
     if isinstance(preconditioner, str) and preconditioner not in ("auto", "laplace", "diagonal"):
         raise ValueError(
             f"preconditioner must be 'auto', None, 'laplace', 'diagonal' or an array, got {preconditioner!r}"
@@ -160,6 +165,11 @@ def check_options(
     )
     if privacy is not None:  # the control variates' set-up rounds are not covered by the theorem
         control_variates = False
+        privacy = privacy.replace(
+            client_private_randomness=private_randomness,
+            not_covered=privacy.not_covered
+            + ("" if private_randomness else "; the server, which chose the keys of the clients' proposals"),
+        )
     return ZigZagOptions(
         sample_interval=sample_interval,
         control_variates=control_variates,
@@ -182,7 +192,7 @@ def check_options(
     )
 
 
-def resolve_thinning(thinning, federation, private_randomness) -> str:
+def resolve_thinning(thinning, federation, private_randomness, defaulted=False) -> str:
     """``"server"`` or ``"clients"``: who thins the proposals (see :data:`THINNING`), checked
     against what the federation can do."""
     if thinning not in THINNING:
@@ -196,9 +206,15 @@ def resolve_thinning(thinning, federation, private_randomness) -> str:
             "thinning='clients' (or 'auto')"
         )
     if thinning == "server" and private_randomness:
+        asked = (
+            "a privacy guarantee with clients apart from the server (private_randomness=None, the default)"
+            if defaulted
+            else "private_randomness=True"
+        )
         raise ValueError(
-            "private_randomness=True: each client draws its own proposals from a key the "
-            "server does not know, which needs thinning='clients' (or 'auto')"
+            f"{asked}: each client draws its own proposals from a key the server does not know, which "
+            "needs thinning='clients' (or 'auto'); pass private_randomness=False for the server's thinning "
+            "(the guarantee then does not hold against the server)"
         )
     return thinning
 

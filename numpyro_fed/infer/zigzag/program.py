@@ -8,28 +8,28 @@ settings the program depends on change (:func:`program_key`), and carries what t
 calls counted in the federation's ledger across a restart.
 
 With ``private_randomness`` each client folds the key the server sends with a seed it drew
-from its operating system's entropy where it loaded its rows (:class:`PrivateSeed`), so the
-server cannot know the key a client draws its proposals from.
+from its operating system's entropy where it loaded its rows
+(:mod:`numpyro_fed.privacy.randomness`, the mechanism every private algorithm shares), so
+the server cannot know the key a client draws its proposals from.
 """
 
 from __future__ import annotations
 
 import hashlib
-import secrets
 from functools import partial
 
 import numpy as np
 
 import jax
-import jax.numpy as jnp
 
 from numpyro_fed.federation import ClientProgram
 from numpyro_fed.federation.ledger import DIRECTIONS
 from numpyro_fed.infer.zigzag.proposers import term_functions
 from numpyro_fed.infer.zigzag.setup import setup_functions
 from numpyro_fed.infer.zigzag.subsample import RowHessianBound, row_curvature
+from numpyro_fed.privacy.randomness import PrivateSeed, private_program
 
-__all__ = ["PrivateSeed", "ProgramCache", "client_calls", "program_key"]
+__all__ = ["ProgramCache", "client_calls", "program_key"]
 
 
 def program_key(*parts):
@@ -40,35 +40,6 @@ def program_key(*parts):
         digest.update(repr((array.shape, array.dtype.str)).encode())
         digest.update(array.tobytes() if array.dtype != object else repr(leaf).encode())
     return digest.hexdigest()
-
-
-class PrivateSeed:
-    """Runs where a client lives (``client_program(transform=...)``): its block and a seed
-    drawn there from the operating system's entropy, which the server never sees."""
-
-    def __call__(self, block):
-        return {"rows": block, "seed": np.uint32(secrets.randbits(32))}
-
-
-def _on_rows(fn, block, *args):
-    return fn(block["rows"], *args)
-
-
-def _with_private_key(propose, key_index, block, *args):
-    """The client's round with its key folded with its private seed: the server sent a key
-    (``args[key_index]``), and cannot know the one the client draws its proposals from."""
-    args = list(args)
-    key = args[key_index]
-    if not (
-        jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) or (key.dtype == jnp.uint32 and key.shape[-1:] == (2,))
-    ):
-        raise RuntimeError(
-            f"FedZigZag(private_randomness=True): argument {key_index} of the clients' "
-            f"round is not its key (dtype {key.dtype}, shape {key.shape}): the round's "
-            "arguments changed order"
-        )
-    args[key_index] = jax.random.fold_in(key, block["seed"])
-    return propose(block["rows"], *args)
 
 
 def _row_curvature_call(grad, layout, row_bound, block, bound_points, probe_points):
@@ -97,7 +68,7 @@ def client_calls(
     :param bool use_reference: the rounds send the control variates' reference point and mean
         gradient (they come before the client's key in a round's arguments).
     :param bool private_randomness: each block carries the client's private seed
-        (:class:`PrivateSeed`), folded into its key in every round.
+        (:class:`~numpyro_fed.privacy.randomness.PrivateSeed`), folded into its key in every round.
     :param bool terms: the calls of the server's thinning too
         (:data:`~numpyro_fed.infer.zigzag.proposers.TERM_CALLS`).
     """
@@ -114,10 +85,7 @@ def client_calls(
     # the round's arguments: x, v, window (and the reference point and mean gradient), then
     # the client's own: its key first
     key_index = 3 + 2 * bool(use_reference)
-    return {
-        name: partial(_with_private_key, fn, key_index) if name == "propose" else partial(_on_rows, fn)
-        for name, fn in functions.items()
-    }
+    return private_program(functions, keys={"propose": key_index} if "propose" in functions else {})[0]
 
 
 def carry_ledger(previous, ledger):

@@ -113,7 +113,10 @@ class FedZigZag(ZigZagReports, FederatedMCMCKernel):
         first in process, else the second). Both give the same process ("One algorithm, two
         ways to thin").
     :param bool private_randomness: each client draws its proposals from a key the server
-        does not know (needs the clients' thinning).
+        does not know (needs the clients' thinning). ``None`` (default): so whenever a privacy
+        guarantee is asked for and the clients are parties apart from the server (an engine, or
+        ``loader=``); ``False`` makes such runs reproducible, and :attr:`privacy` then says the
+        guarantee does not hold against the server.
     :param int subsample_size: ``b``: each client checks a proposal against an estimate of
         its rate from ``b`` of its rows ("Subsampling: ``subsample_size``").
 
@@ -173,7 +176,7 @@ class FedZigZag(ZigZagReports, FederatedMCMCKernel):
         full_covariance: bool = False,
         preconditioner="auto",
         federation=None,
-        private_randomness: bool = False,
+        private_randomness: bool | None = None,
         subsample_size: int | None = None,
         thinning: str = "auto",
     ):
@@ -205,6 +208,8 @@ class FedZigZag(ZigZagReports, FederatedMCMCKernel):
         # repr shows what was asked for: not "auto"'s choice (the shared face already hides the
         # InProcess() that federation=None means)
         self._defaulted = {"thinning"} if thinning == "auto" else set()
+        if private_randomness is None:
+            self._defaulted.add("private_randomness")
         #: with the clients' thinning: the bytes of one round's message to a client and of its reply
         self.message_sizes = {}
         #: with an engine backend: the state after the last completed draw and every completed
