@@ -24,7 +24,12 @@ def save(name, result, context):
         "posterior_mean": {k: np.asarray(v).mean(axis=0).tolist() for k, v in draws.items()},
         "privacy": None
         if result.privacy is None
-        else {"epsilon": result.privacy.epsilon, "delta": result.privacy.delta},
+        else {
+            "epsilon": result.privacy.epsilon,
+            "delta": result.privacy.delta,
+            "client_private_randomness": bool(result.privacy.client_private_randomness),
+            "statement": str(result.privacy),
+        },
         "bytes_to_clients": int(result.ledger["bytes_to_client"].sum()),
         "bytes_from_clients": int(result.ledger["bytes_from_client"].sum()),
     }
