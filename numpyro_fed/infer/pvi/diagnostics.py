@@ -5,6 +5,7 @@ of the run's metrics; the thresholds come from the measurements in ``docs/guide/
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import numpy as np
@@ -48,6 +49,8 @@ def judge_run(dp, metrics: dict, *, private: bool, clip_norm, stacklevel: int = 
     ``metrics`` (``private``: whether it has a privacy guarantee); ``stacklevel`` as
     :func:`warnings.warn`'s, counted from the caller of this function."""
     level = stacklevel + 2  # the warning's function and this one
+    if _warn_failed(metrics, level):
+        return  # the other checks would only repeat it
     if not private and dp is None:
         _warn_unconverged(metrics, level)
     dp_error = float(metrics["predicted_dp_error"][-1])
@@ -63,6 +66,36 @@ def judge_run(dp, metrics: dict, *, private: bool, clip_norm, stacklevel: int = 
             RuntimeWarning,
             stacklevel=level - 1,
         )
+
+
+def _warn_failed(metrics, stacklevel) -> bool:
+    """Whether the last round failed (and a warning said so): a client's local fit ended
+    non-finite, the loss of ``q`` is not finite, or every coordinate of every update was
+    refused (each would have made ``q`` improper), so that ``q`` stayed where it was."""
+    residual = np.asarray(metrics["residual"])[-1]
+    loss = float(np.asarray(metrics["loss"])[-1])
+    rejected = np.asarray(metrics["rejected"])[-1]
+    dim = np.asarray(metrics["loc"]).shape[-1]
+    problems = []
+    if not np.all(np.isfinite(residual)):
+        problems.append(
+            f"the local fits of client(s) {np.flatnonzero(~np.isfinite(residual)).tolist()} ended non-finite"
+        )
+    if not math.isfinite(loss):
+        problems.append(f"the loss of q is {loss}")
+    if np.all(rejected >= dim):
+        problems.append("every coordinate of every update was refused (it would have made q improper)")
+    if not problems:
+        return False
+    warnings.warn(
+        "DPPVI: the last round failed: " + "; ".join(problems) + ". q is not an approximation of the "
+        "posterior. Clients with fewer rows than coefficients, or covariates on very different scales, "
+        "make the local fits ill-posed: try float64, covariance='full', a smaller learning rate or "
+        "damping, more num_local_steps, or fewer clients",
+        RuntimeWarning,
+        stacklevel=stacklevel,
+    )
+    return True
 
 
 def _warn_unconverged(metrics, stacklevel):
