@@ -35,7 +35,7 @@ from numpyro_fed.infer import (
 )
 from numpyro_fed.infer.ledger import message_ledger
 from numpyro_fed.plate import federated_plate, normalize_clients
-from numpyro_fed.potential import FederatedPotential, FlatPotential, PlateInfo, split_potential
+from numpyro_fed.potential import FederatedPotential, FlatPotential, GroupIndex, PlateInfo, split_potential
 
 __version__ = "0.1.0.dev0"
 
@@ -68,6 +68,7 @@ __all__ = [
     "FederatedPotential",
     "FlatPotential",
     "GradientBound",
+    "GroupIndex",
     "HessianBound",
     "RowHessianBound",
     "PlateInfo",
