@@ -224,6 +224,12 @@ class Deployment:
                 + (", enumerated discrete latents" if enumerated else "")
                 + ". Use model_args (simulation) for it."
             )
+        unknown = sorted(set(self.group_counts) - {p.name for p in plates.values() if not p.holds_data})
+        if unknown:
+            raise ValueError(
+                f"the loaders return a GroupIndex for plate(s) {unknown}, but the model's federated "
+                f"plates of client-local latents are {sorted(p.name for p in plates.values() if not p.holds_data)}"
+            )
         fixed = {}
         for plate in plates.values():
             declared = int(plate.owner.max()) + 1
@@ -241,12 +247,6 @@ class Deployment:
                 )
             else:
                 fixed[plate.name] = self._group_plate(plate, latent_sites)
-        unknown = sorted(set(self.group_counts) - {p.name for p in plates.values() if not p.holds_data})
-        if unknown:
-            raise ValueError(
-                f"the loaders return a GroupIndex for plate(s) {unknown}, but the model's federated "
-                f"plates of client-local latents are {sorted(p.name for p in plates.values() if not p.holds_data)}"
-            )
         return fixed
 
     def _group_plate(self, plate, latent_sites):

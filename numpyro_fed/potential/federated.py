@@ -354,6 +354,7 @@ def split_potential(
         model_args, model_kwargs, deployment = stand_in_arguments(descriptions, loader)
 
     check_finite_arguments(model_args, model_kwargs)
+
     # In deployment the model is traced with the stand-ins' zeros, which need not be valid
     # arguments of the clients' distributions (a zero measurement sd): no argument validation.
     def stand_ins():
