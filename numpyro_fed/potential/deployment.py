@@ -153,7 +153,9 @@ def _positions(group_leaves):
 def stand_in_arguments(descriptions, loader):
     """Zero-filled stand-ins of the pooled arguments, built from what the clients reported
     (shapes, dtypes, row counts, scalar settings, numbers of groups), and the deployment's
-    bookkeeping."""
+    bookkeeping. A group index's stand-in puts each client's rows in its first group (so a
+    model that also passes it as a plate's ``clients=``, one group per client, sees the
+    clients as they are)."""
     is_leaf = lambda x: isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
     declared = []
     described = []
@@ -185,7 +187,12 @@ def stand_in_arguments(descriptions, loader):
                         f"model argument {i}: client {m} has rows of shape {other.shape[1:]} and dtype "
                         f"{other.dtype}, client 0 {leaf.shape[1:]} and {leaf.dtype}"
                     )
-            stand_in.append(np.zeros((sum(counts),) + tuple(leaf.shape[1:]), leaf.dtype))
+            if i in group_leaves:  # each row in its client's first group: a valid index, and it owns the row
+                first = np.cumsum(group_counts[group_leaves[i]]) - group_counts[group_leaves[i]]
+                rows_first = np.repeat(first, counts).reshape((-1,) + (1,) * (len(leaf.shape) - 1))
+                stand_in.append(np.broadcast_to(rows_first, (sum(counts),) + tuple(leaf.shape[1:])).astype(leaf.dtype))
+            else:
+                stand_in.append(np.zeros((sum(counts),) + tuple(leaf.shape[1:]), leaf.dtype))
         else:
             for m, other in enumerate(others):
                 if not np.array_equal(np.asarray(other), np.asarray(leaf)):
@@ -217,8 +224,9 @@ class Deployment:
         row_local = sorted(n for n, s in latent_sites.items() if s.plate is not None and plates[s.plate].holds_data)
         if len(data) != 1 or row_local or enumerated:
             raise ValueError(
-                "split_potential(loader=...) (deployment) supports models with one federated data "
-                "plate, global latent variables and client-local ones in federated plates of groups; "
+                "split_potential(loader=...) (deployment) supports models with global latent "
+                "variables and one federated data plate, and client-local latents in federated plates "
+                "of groups (declared by the loaders with nf.GroupIndex); "
                 f"this model has federated data plates {sorted(p.name for p in data)}"
                 + (f", latent sites with one value per data row {row_local}" if row_local else "")
                 + (", enumerated discrete latents" if enumerated else "")
