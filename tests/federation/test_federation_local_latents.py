@@ -303,7 +303,7 @@ def test_deployed_in_process_is_the_simulation_bit_for_bit(tmp_path, algorithm, 
         "FedZigZag",
         pytest.param(
             "DADMMS",
-            marks=pytest.mark.xfail(reason="DADMMS's agents on Ray draw other numbers here than in process", strict=False),
+            marks=pytest.mark.xfail(reason="DADMMS on Ray: other numbers than in process here", strict=False),
         ),
         "DPPVI",
         "DSVGD",
