@@ -36,7 +36,7 @@ from numpyro_fed.infer import (
 )
 from numpyro_fed.infer.ledger import message_ledger
 from numpyro_fed.plate import federated_plate, normalize_clients
-from numpyro_fed.potential import FederatedPotential, FlatPotential, PlateInfo, split_potential
+from numpyro_fed.potential import FederatedPotential, FlatPotential, GroupIndex, PlateInfo, split_potential
 from numpyro_fed.privacy.budget import PrivacyBudget
 
 __version__ = "0.1.0.dev0"
@@ -71,6 +71,7 @@ __all__ = [
     "FederatedPotential",
     "FlatPotential",
     "GradientBound",
+    "GroupIndex",
     "HessianBound",
     "RowHessianBound",
     "PlateInfo",

@@ -99,6 +99,7 @@ LONG = (
     "tests/infer/zigzag/test_zigzag.py::test_default_mixes_on_raw_covariates_as_nuts_does",
     "tests/infer/stein/test_svgd_units.py::test_the_auto_kde_keeps_the_particles_correlations",
     "tests/infer/admm/test_admm_scaling.py",
+    "tests/federation/test_federation_local_latents.py::test_deployed_in_process_is_the_simulation_bit_for_bit",
 )
 
 

@@ -4,7 +4,8 @@
 (:mod:`~numpyro_fed.potential.views`, with the handlers of :mod:`~numpyro_fed.potential.handlers`);
 :mod:`~numpyro_fed.potential.deployment` for rows that stay on the clients."""
 
+from numpyro_fed.potential.deployment import GroupIndex
 from numpyro_fed.potential.federated import FederatedPotential, FlatPotential, split_potential
 from numpyro_fed.potential.trace import PlateInfo
 
-__all__ = ["FederatedPotential", "FlatPotential", "PlateInfo", "split_potential"]
+__all__ = ["FederatedPotential", "GroupIndex", "FlatPotential", "PlateInfo", "split_potential"]

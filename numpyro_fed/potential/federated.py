@@ -19,6 +19,7 @@ follows for it, is told in the guide's *Federated models* page (``docs/guide/fed
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -27,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
+from numpyro.distributions.distribution import validation_enabled
 from numpyro.infer.initialization import init_to_uniform
 
 from numpyro_fed.federation.base import ClientProgram
@@ -304,9 +306,13 @@ def split_potential(
         and :meth:`FederatedPotential.client_program` gives the clients a loader that builds
         each block from its own rows. Array arguments are rows (the same number per client
         within a client); scalar arguments are settings and must agree across clients. For
-        models with global latent variables and one federated data plate; the rows of client
-        ``m`` are the rows its loader returns (the plate's ``clients=`` must give ``M``
-        clients).
+        models with one federated data plate, global latent variables and client-local ones
+        in federated plates of groups (a school's effect, a county's intercept); the rows of
+        client ``m`` are the rows its loader returns (the plates' ``clients=`` must give
+        ``M`` clients). A loader declares its groups by returning, in place of the argument
+        that indexes a plate of groups, a :class:`~numpyro_fed.GroupIndex` (each row's group
+        in the client's own numbering, and its number of groups): client ``m`` owns the next
+        ``num_groups`` rows of the plate after those of clients ``0..m-1``.
     :param int num_clients: ``M``, with ``loader``.
     :param federation: where the loaders run to describe their rows (default
         :class:`~numpyro_fed.InProcess`: in this process).
@@ -348,8 +354,15 @@ def split_potential(
         model_args, model_kwargs, deployment = stand_in_arguments(descriptions, loader)
 
     check_finite_arguments(model_args, model_kwargs)
-    model_trace = discovery_trace(model, model_args, model_kwargs, rng_key, init_strategy, partition)
-    check_observations(model, model_args, model_kwargs, model_trace, partition)
+
+    # In deployment the model is traced with the stand-ins' zeros, which need not be valid
+    # arguments of the clients' distributions (a zero measurement sd): no argument validation.
+    def stand_ins():
+        return validation_enabled(False) if deployment is not None else nullcontext()
+
+    with stand_ins():
+        model_trace = discovery_trace(model, model_args, model_kwargs, rng_key, init_strategy, partition)
+        check_observations(model, model_args, model_kwargs, model_trace, partition)
     plates, latent_sites, enumerated = analyse_trace(model_trace, partition)
     if deployment is not None:
         plates = deployment.fix_plates(plates, latent_sites, enumerated)
@@ -371,7 +384,8 @@ def split_potential(
     data_plates = [p for p in plates.values() if p.holds_data]
     first_data_plate = data_plates[0] if data_plates else next(iter(plates.values()))
 
-    row_outputs = views.data_free_row_deterministic(z0, client_data)
+    with stand_ins():
+        row_outputs = views.data_free_row_deterministic(z0, client_data)
     postprocess_fn = views.build_postprocess(model_trace, server_outputs, client_data, row_outputs)
     block_loader = None
     if deployment is not None:
