@@ -225,9 +225,13 @@ class RayFederation(RemoteFederation):
         ray = self._ensure_ray()
         program = self.program
         if clients is None:
-            pings = {m: a.ping.remote() for m, a in enumerate(self._actors)}
-            ready, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=self.timeout)
-            clients = []
+            pings, clients = {}, []
+            for m, actor in enumerate(self._actors):
+                try:
+                    pings[m] = actor.ping.remote()
+                except Exception:  # gone: dead, or of a Ray that was shut down since (no call reaches it)
+                    clients.append(m)
+            ready = ray.wait(list(pings.values()), num_returns=len(pings), timeout=self.timeout)[0] if pings else []
             for m, ref in pings.items():
                 try:
                     if ref not in ready:
