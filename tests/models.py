@@ -144,3 +144,23 @@ MODELS = {
     "mixture": mixture,
     "row_local_latents": row_local_latents,
 }
+
+
+# -- the privacy tests' logistic regression -------------------------------------------------
+
+PRIVATE_CLIENTS, PRIVATE_ROWS = 3, 90
+
+
+def private_logistic(X, y=None):
+    """Logistic regression over ``PRIVATE_CLIENTS`` clients: the privacy tests' model."""
+    w = numpyro.sample("w", dist.Normal(0, 1).expand([2]).to_event(1))
+    with nf.federated_plate("data", X.shape[0], clients=PRIVATE_CLIENTS):
+        numpyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+
+
+def private_logistic_data():
+    """``(X, y)``: ``PRIVATE_ROWS`` rows of two covariates, logistic labels (seed 0)."""
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(PRIVATE_ROWS, 2))
+    y = (X @ np.array([1.0, -1.0]) + rng.logistic(size=PRIVATE_ROWS) > 0).astype(float)
+    return X, y

@@ -2,34 +2,26 @@
 accountant; a run that would exceed it is refused before it starts; each run's guarantee names
 the budget."""
 
-import numpy as np
 import pytest
 
 import jax
 
-import numpyro
-import numpyro.distributions as dist
-
 import numpyro_fed as nf
 from numpyro_fed.privacy.accounting import compute_epsilon, dpsgd_event, gaussian_event
 
+from models import PRIVATE_CLIENTS, PRIVATE_ROWS, private_logistic, private_logistic_data
+
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # short runs: fits are not the point
 
-M, ROWS, SIGMA = 3, 90, 8.0
+M, ROWS, SIGMA = PRIVATE_CLIENTS, PRIVATE_ROWS, 8.0
 
 
-def model(X, y=None):
-    w = numpyro.sample("w", dist.Normal(0, 1).expand([2]).to_event(1))
-    with nf.federated_plate("data", X.shape[0], clients=M):
-        numpyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+model = private_logistic
 
 
 @pytest.fixture(scope="module")
 def data():
-    rng = np.random.default_rng(0)
-    X = rng.normal(size=(ROWS, 2))
-    y = (X @ np.array([1.0, -1.0]) + rng.logistic(size=ROWS) > 0).astype(float)
-    return X, y
+    return private_logistic_data()
 
 
 def local_avg(budget, sigma=SIGMA, **kw):

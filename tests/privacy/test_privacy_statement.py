@@ -3,34 +3,26 @@ its tolerance, the relation and the unit, the sampling as implemented (and accou
 noise multipliers, clip norms, steps and rounds, whether the randomness was client-private and
 what is not covered; in ``result.privacy``, its ``str`` and the ArviZ attrs."""
 
-import numpy as np
 import pytest
 
 import jax
 
-import numpyro
-import numpyro.distributions as dist
-
 import numpyro_fed as nf
 from numpyro_fed.privacy.accounting import compute_epsilon, dpsgd_event, gaussian_event
 
+from models import PRIVATE_CLIENTS, PRIVATE_ROWS, private_logistic, private_logistic_data
+
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
-M, ROWS = 3, 90
+M, ROWS = PRIVATE_CLIENTS, PRIVATE_ROWS
 
 
-def model(X, y=None):
-    w = numpyro.sample("w", dist.Normal(0, 1).expand([2]).to_event(1))
-    with nf.federated_plate("data", X.shape[0], clients=M):
-        numpyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+model = private_logistic
 
 
 @pytest.fixture(scope="module")
 def data():
-    rng = np.random.default_rng(0)
-    X = rng.normal(size=(ROWS, 2))
-    y = (X @ np.array([1.0, -1.0]) + rng.logistic(size=ROWS) > 0).astype(float)
-    return X, y
+    return private_logistic_data()
 
 
 def planned(data, **kw):

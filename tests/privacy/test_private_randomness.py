@@ -22,24 +22,19 @@ from numpyro_fed.federation import ClientProgram, InProcess
 from numpyro_fed.privacy import PrivateSeed, clients_are_separate, private_program
 
 from helpers import save_client_rows
+from models import PRIVATE_CLIENTS, PRIVATE_ROWS, private_logistic, private_logistic_data
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # short runs: fits are not the point
 
-M, ROWS = 3, 90
+M, ROWS = PRIVATE_CLIENTS, PRIVATE_ROWS
 
 
-def model(X, y=None):
-    w = numpyro.sample("w", dist.Normal(0, 1).expand([2]).to_event(1))
-    with nf.federated_plate("data", X.shape[0], clients=M):
-        numpyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+model = private_logistic
 
 
 @pytest.fixture(scope="module")
 def data():
-    rng = np.random.default_rng(0)
-    X = rng.normal(size=(ROWS, 2))
-    y = (X @ np.array([1.0, -1.0]) + rng.logistic(size=ROWS) > 0).astype(float)
-    return X, y
+    return private_logistic_data()
 
 
 @pytest.fixture
