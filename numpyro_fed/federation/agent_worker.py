@@ -49,6 +49,7 @@ class AgentWorker:
         self.t = None
         self.own = self.inbox = self.keys = None
         self.fns = None
+        self.asked = {}  # digest of a set-up function -> its compiled form, kept between calls
 
     def setup(self):
         """Checks the agent's data (finite values) and compiles nothing yet. In deployment,
@@ -75,9 +76,18 @@ class AgentWorker:
         self.local = jax.tree_util.tree_map(jnp.asarray, local)
         return self.agent
 
-    def ask(self, fn, args):
-        """A set-up or diagnostic call: ``fn(block, *args)`` on this agent's block."""
-        return jax.tree_util.tree_map(np.asarray, jax.jit(fn)(self.block, *args))
+    def ask(self, fn, args, digest=None):
+        """A set-up or diagnostic call: ``fn(block, *args)`` on this agent's block. ``digest``
+        names ``fn`` (a hash of its pickled form): the function arrives as a new object with
+        every call, so it is compiled once per digest and reused (a Newton search asks the
+        same function every round)."""
+        if digest is None:
+            compiled = jax.jit(fn)
+        else:
+            compiled = self.asked.get(digest)
+            if compiled is None:
+                compiled = self.asked[digest] = jax.jit(fn)
+        return jax.tree_util.tree_map(np.asarray, compiled(self.block, *args))
 
     def describe(self, loader):
         """Runs the user's loader here; reports shapes, dtypes and scalar settings only (as

@@ -166,10 +166,11 @@ class RayNetwork:
         ledger = self.federation.ledger
         broadcast = jax.tree_util.tree_map(np.asarray, tuple(broadcast))
         per_agent = jax.tree_util.tree_map(np.asarray, tuple(per_agent))
+        digest = _function_digest(fn)
         refs = {}
         for m, actor in enumerate(actors):
             own = jax.tree_util.tree_map(lambda a, m=m: a[m], per_agent)
-            refs[m] = actor.ask.remote(fn, broadcast + own)
+            refs[m] = actor.ask.remote(fn, broadcast + own, digest)
             ledger.add(
                 f"{self.name}/{name}",
                 "to_client",
@@ -466,6 +467,16 @@ class RayNetwork:
             return state, info, sent
 
         return step
+
+
+def _function_digest(fn) -> str:
+    """A hash of ``fn``'s pickled form: the same set-up function asked again has the same
+    digest, so its agents reuse what they compiled for it."""
+    import hashlib
+
+    from ray import cloudpickle
+
+    return hashlib.sha256(cloudpickle.dumps(fn)).hexdigest()
 
 
 class _WithPriorWeight:

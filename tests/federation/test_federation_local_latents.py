@@ -307,13 +307,7 @@ def test_deployed_in_process_is_the_simulation_bit_for_bit(tmp_path, algorithm, 
     "algorithm",
     [
         "FedZigZag",
-        pytest.param(
-            "DADMMS",
-            marks=pytest.mark.skip(
-                reason="DADMMS on Ray with a group plate: other numbers than in process, or no end in 15 "
-                "minutes on a loaded machine (undiagnosed)"
-            ),
-        ),
+        "DADMMS",
         "DPPVI",
         "DSVGD",
     ],
