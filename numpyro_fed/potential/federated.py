@@ -237,6 +237,17 @@ class FederatedPotential:
         """Inverse of :meth:`ravel`."""
         return self._ravel_unravel(flat)
 
+    @property
+    def coordinate_names(self) -> list:
+        """``site[i, ...]`` for every coordinate of the flat vector, in :meth:`ravel`'s order
+        (what a check names instead of "coordinate 11")."""
+        names = []
+        for path, owner in jax.tree_util.tree_flatten_with_path(self.coordinate_owner_tree)[0]:
+            name = ".".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+            shape = np.shape(owner)
+            names += [name if not shape else f"{name}[{', '.join(map(str, i))}]" for i in np.ndindex(*shape)]
+        return names
+
     def flat(self) -> FlatPotential:
         """The potential's pure functions on the flat unconstrained vector (the one adapter
         every algorithm's core uses; see :class:`FlatPotential`)."""

@@ -32,6 +32,8 @@ from zoo.harness import compare_real
 FAST = [
     ("eight_schools-m4", "FedZigZag", "float64"),
     ("kidiq-m4", "DADMMS", "float64"),
+    # DADMMS ends 0.49 sd low on mtcars' scale: it failed silently while the check allowed 1 sd
+    ("mtcars-m4", "DADMMS", "float64"),
     ("kidiq-m4", "DSVGD", "float64"),
     ("kidiq-m4", "DPPVI", "float64"),
     ("eight_schools-m4", "DSVGD", "float32"),

@@ -440,7 +440,8 @@ class DecentralizedKernel(FederatedMCMCKernel):
                 measured = "the draws are too far from the posterior for Stein's identity to measure a spread"
             message = (
                 f"agent {self.agent}'s draws do not match the posterior's score "
-                f"(Stein's identity, unconstrained coordinate {j} of {x.shape[1]}: {measured}; "
+                f"(Stein's identity, {self.federated_potential.coordinate_names[j]} unconstrained, coordinate "
+                f"{j} of {x.shape[1]}: {measured}; "
                 f"{int(bad.sum())} coordinate(s) outside a factor {self.spread_tolerance:g} in sd or "
                 f"{self.offset_tolerance:g} sd in mean): this sampler is biased and its draws are "
                 f"not the posterior's here. {self.spread_advice}"

@@ -59,15 +59,6 @@ class _Plan(NamedTuple):
     coordinate_names: list
 
 
-def _coordinate_names(fp) -> list:
-    """``site[i, ...]`` for every coordinate of the flat latent vector (ravel's order)."""
-    names = []
-    for name, owner in fp.coordinate_owner_tree.items():
-        shape = np.shape(owner)
-        names += [name if not shape else f"{name}[{', '.join(map(str, i))}]" for i in np.ndindex(*shape)]
-    return names
-
-
 class ConsensusMC(VariationalMethod):
     """Consensus Monte Carlo (Scott et al. 2016; Neiswanger, Wang & Xing 2014): one round.
 
@@ -261,7 +252,7 @@ class ConsensusMC(VariationalMethod):
                 draws, (mean, cov) = None, parametric_combine(replies.mean, replies.cov)
             return ConsensusState(draws, mean, cov, replies, kept), None
 
-        names = [_coordinate_names(fp)[i] for i in global_index]
+        names = [fp.coordinate_names[i] for i in global_index]
         self._plan = _Plan(jit_round(step), start, weights, positions, valid, global_index, names)
         return ConsensusState(None, None, None, None, local)
 
