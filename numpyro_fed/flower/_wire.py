@@ -1,7 +1,8 @@
 """What crosses Flower's wire: pytrees of arrays as a structure (JSON, no code) and a list
 of NumPy arrays (Flower's ``ArrayRecord``, saved without pickle).
 
-Nothing here unpickles: a structure names tuples, lists, dicts, ``None`` and NamedTuples;
+Nothing here unpickles: a structure names tuples, lists, dicts, ``None``, NamedTuples and a
+node's :class:`~numpyro_fed.GroupIndex` declarations (their plate and group count);
 a NamedTuple is resolved among the modules the receiving process has already imported (the
 receiver built the same program, so it has them), never imported on a message's word.
 """
@@ -14,6 +15,8 @@ import sys
 import numpy as np
 
 import jax
+
+from numpyro_fed.potential.deployment import GroupIndex
 
 __all__ = ["decode_description", "decode_tree", "encode_description", "encode_tree", "tree_leaves"]
 
@@ -37,6 +40,8 @@ def _structure(obj):
         if not all(isinstance(k, str) for k in keys):
             raise TypeError(f"only dicts with string keys cross Flower's wire, not keys {keys!r}")
         return {"dict": [[k, _structure(obj[k])] for k in sorted(keys)]}
+    if isinstance(obj, GroupIndex):  # a node's declaration of its groups: the plate and the count
+        return {"group_index": [obj.plate, obj.num_groups], "index": _structure(obj.index)}
     return _LEAF
 
 
@@ -64,6 +69,9 @@ def _check_plain(obj):
     if isinstance(obj, dict):
         for x in obj.values():
             _check_plain(x)
+        return
+    if isinstance(obj, GroupIndex):
+        _check_plain(obj.index)
         return
     raise TypeError(
         f"a {type(obj).__name__} does not cross Flower's wire: send tuples, lists, dicts and NamedTuples of arrays"
@@ -97,6 +105,12 @@ def _build(structure, leaves):
         return [_build(x, leaves) for x in structure["list"]]
     if "dict" in structure:
         return {k: _build(x, leaves) for k, x in structure["dict"]}
+    if "group_index" in structure:
+        plate, num_groups = structure["group_index"]
+        return jax.tree_util.tree_unflatten(
+            jax.tree_util.tree_structure(GroupIndex(str(plate), np.zeros(1, np.int64), int(num_groups))),
+            [_build(structure["index"], leaves)],
+        )
     raise ValueError(f"unknown structure in a message: {structure!r}")
 
 
