@@ -1,0 +1,286 @@
+"""Clients that drop out: with ``min_clients`` a round goes on without a client that fails (PVI:
+its factor unchanged; DSVGD: its particle update skipped), records who took part (metrics and
+the ledger), and the client rejoins later from its client state; below ``min_clients`` (or with
+the default, every client) the run stops with the ClientError naming it and a resumable state.
+In process the faults are simulated (``InProcess(faults=...)``); on Ray an actor is killed."""
+
+import threading
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import numpyro
+import numpyro.distributions as dist
+from numpyro.distributions import constraints
+
+import numpyro_fed as nf
+from numpyro_fed.federation import ClientError, InProcess
+from numpyro_fed.infer.pvi import core
+from numpyro_fed.infer.pvi.gaussian import loc_scale
+from numpyro_fed.infer.rounds import RunCheckpoint
+
+M, N, SIGMA = 3, 90, 1.5
+
+
+@pytest.fixture(params=["float64", "float32"])
+def precision(request):
+    """Runs the test in float64 (the tests' default) or float32 (NumPyro's default)."""
+    if request.param == "float32":
+        jax.config.update("jax_enable_x64", False)
+    try:
+        yield request.param
+    finally:
+        jax.config.update("jax_enable_x64", True)
+
+
+def regression(X, y=None):
+    """A flat intercept, Normal coefficients of raw covariates, a known noise scale: the
+    posterior is Gaussian, in closed form."""
+    a = numpyro.sample("a", dist.ImproperUniform(constraints.real, (), ()))
+    b = numpyro.sample("b", dist.Normal(0, 1).expand([X.shape[1]]).to_event(1))
+    with nf.federated_plate("data", X.shape[0], clients=M):
+        numpyro.sample("y", dist.Normal(a + X @ b, SIGMA), obs=y)
+
+
+def regression_data():
+    """Covariates on scales 1 and 30 (the second not centred), an intercept at 3."""
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(N, 2)) * np.array([1.0, 30.0]) + np.array([0.0, 50.0])
+    y = 3.0 + X @ np.array([0.5, -0.02]) + rng.normal(size=N) * SIGMA
+    return X, y
+
+
+def closed_form(X, y):
+    """The exact posterior's mean and sds of ``(a, b)``."""
+    Z = np.column_stack([np.ones(len(y)), X])
+    cov = np.linalg.inv(Z.T @ Z / SIGMA**2 + np.diag([0.0, 1.0, 1.0]))
+    return cov @ Z.T @ y / SIGMA**2, np.sqrt(np.diag(cov))
+
+
+def failing(schedule):
+    """``faults`` for :class:`InProcess`: client ``m`` fails its ``n``-th ``"update"`` call
+    (0-based) for every ``(m, n)`` in ``schedule`` (``n=None``: every call)."""
+    seen, lock = {}, threading.Lock()
+
+    def faults(name, clients):
+        out = []
+        with lock:
+            for m in np.asarray(clients).tolist():
+                n = seen.get((name, m), 0)
+                seen[(name, m)] = n + 1
+                out.append(name == "update" and ((m, n) in schedule or (m, None) in schedule))
+        return np.asarray(out, bool)
+
+    return faults
+
+
+def as_arrays(X, y):
+    dtype = jnp.zeros(()).dtype  # float32 in JAX's x32 mode
+    return jnp.asarray(X, dtype), jnp.asarray(y, dtype)
+
+
+# -- PVI ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "schedule, precision", [("sequential", "float64"), ("synchronous", "float32")], indirect=["precision"]
+)
+def test_pvi_round_goes_on_without_a_client_and_keeps_its_factor(precision, schedule):
+    """Client 1 fails in round 2 of 4: the round applies the other two clients' updates, client
+    1's factor (its client state and the server's record) stays as after round 1, and it
+    rejoins in round 3. The answer agrees with the closed form: a Gaussian likelihood makes
+    each factor exact after one visit (full-rank q, Newton start), so the skipped round costs
+    nothing. Measured (float64, both schedules): means within 0.08 posterior sds, sds 3-5 %
+    under (the Monte Carlo noise of the local fits' last steps); the bounds 0.25 sd and 12 %."""
+    X, y = regression_data()
+    pvi = nf.DPPVI(
+        regression, schedule=schedule, progress_bar=False, federation=InProcess(faults=failing({(1, 1)})), min_clients=2
+    )
+    state = pvi.init(jax.random.PRNGKey(0), *as_arrays(X, y), num_rounds=4)
+    own, record, participated = [core.client_factors(state)], [state.factors], []
+    for key in jax.random.split(jax.random.PRNGKey(1), 4):
+        state, info = pvi.update(key, state)
+        own.append(core.client_factors(state))  # what each client keeps
+        record.append(state.factors)  # the server's record of each client's factor
+        participated.append(np.asarray(info.participated))
+        assert np.isfinite(info.loss)
+    assert np.asarray(participated).tolist() == [[True] * 3, [True, False, True], [True] * 3, [True] * 3]
+    np.testing.assert_array_equal(np.asarray(state.clients.version), [4, 3, 4])
+    for factors in (own, record):
+        for after_1, after_2, after_3 in zip(factors[1], factors[2], factors[3]):
+            np.testing.assert_array_equal(after_2[1], after_1[1])  # client 1's factor unchanged by round 2
+            assert not np.array_equal(after_2[0], after_1[0])  # the others' moved
+            assert not np.array_equal(after_3[1], after_2[1])  # and it moved again in round 3
+    mean, sd = closed_form(X, y)
+    loc, scale = (np.asarray(v, np.float64) for v in loc_scale(state.q))
+    assert np.all(np.abs(loc - mean) < 0.25 * sd), (loc - mean) / sd
+    assert np.all(np.abs(scale / sd - 1) < 0.12), scale / sd
+
+
+def test_pvi_run_records_who_took_part():
+    """``run``: ``metrics["participated"]`` and the ledger: client 1's failed request is
+    counted as sent, with no reply and no round, and one ``failed``."""
+    X, y = as_arrays(*regression_data())
+    federation = InProcess(faults=failing({(1, 1)}))
+    result = nf.DPPVI(regression, progress_bar=False, federation=federation, min_clients=2).run(
+        jax.random.PRNGKey(1), 3, X, y
+    )
+    np.testing.assert_array_equal(result.metrics["participated"], [[1, 1, 1], [1, 0, 1], [1, 1, 1]])
+    assert result.metrics["participated"].dtype == bool
+    ledger = result.ledger
+    np.testing.assert_array_equal(ledger["update/failed"], [0, 1, 0])
+    np.testing.assert_array_equal(ledger["update/rounds"], [3, 2, 3])
+    np.testing.assert_array_equal(ledger["update/messages_to_client"], [3, 3, 3])
+    np.testing.assert_array_equal(ledger["update/messages_from_client"], [3, 2, 3])
+    reply = ledger["update/bytes_from_client"][0] // 3
+    np.testing.assert_array_equal(ledger["update/bytes_from_client"], [3 * reply, 2 * reply, 3 * reply])
+    assert "expected_log_lik/failed" not in ledger  # the loss's calls all answered
+    assert federation.absences == {}  # client 1 answered again
+
+
+def test_pvi_with_every_client_required_stops_at_the_failure():
+    """The default (every client required): the same fault stops the run with the ClientError
+    naming client 1 and the checkpoint of round 1."""
+    X, y = as_arrays(*regression_data())
+    pvi = nf.DPPVI(regression, progress_bar=False, federation=InProcess(faults=failing({(1, 1)})))
+    with pytest.raises(ClientError, match=r"client\(s\) \[1\] failed") as info:
+        pvi.run(jax.random.PRNGKey(1), 3, X, y)
+    assert info.value.clients == (1,) and info.value.call == "update"
+    checkpoint = info.value.state
+    assert isinstance(checkpoint, RunCheckpoint) and checkpoint.rounds_done == 1
+    np.testing.assert_array_equal(info.value.result.metrics["participated"], [[1, 1, 1]])
+
+
+def normal_mean(y):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
+    with nf.federated_plate("data", y.shape[0], clients=M):
+        numpyro.sample("y", dist.Normal(mu, SIGMA), obs=y)
+
+
+def normal_mean_data():
+    y = np.random.default_rng(1).normal(size=30) * SIGMA + 4.0
+    precision = 1 / 100 + len(y) / SIGMA**2
+    return y, (y.sum() / SIGMA**2) / precision, precision**-0.5
+
+
+def test_gaussian_pvi_skips_the_scheduled_client_that_fails():
+    """GaussianPVI, round robin over 3 clients: client 1's second visit (round 5 of 6) fails;
+    ``q`` stays as after round 4 and the run ends near the exact posterior (each factor is
+    exact after one visit, up to the local fits' last Adam steps on Monte Carlo gradients).
+    Measured (this key): without the fault the last rounds' means 0.13-0.25 posterior sds off
+    and sds 0.96-1.13 of the exact one; with it 0.12 sds and 1.09. Bounds 0.4 sd and 25 %."""
+    y, mean, sd = normal_mean_data()
+    pvi = nf.GaussianPVI(
+        normal_mean,
+        optim=optax.adam(0.05),
+        num_local_steps=500,
+        progress_bar=False,
+        federation=InProcess(faults=failing({(1, 1)})),
+        min_clients=2,
+    )
+    result = pvi.run(jax.random.PRNGKey(0), 6, jnp.asarray(y))
+    participated = np.zeros((6, M), bool)
+    participated[np.arange(6), np.arange(6) % M] = True
+    participated[4, 1] = False
+    np.testing.assert_array_equal(result.metrics["participated"], participated)
+    np.testing.assert_array_equal(result.metrics["loc"][4], result.metrics["loc"][3])
+    np.testing.assert_array_equal(result.metrics["scale"][4], result.metrics["scale"][3])
+    assert not np.array_equal(result.metrics["loc"][5], result.metrics["loc"][4])
+    loc, scale = float(result.metrics["loc"][-1, 0]), float(result.metrics["scale"][-1, 0])
+    assert abs(loc - mean) < 0.4 * sd and abs(scale / sd - 1) < 0.25, ((loc - mean) / sd, scale / sd)
+
+
+# -- DSVGD ----------------------------------------------------------------------------------------
+
+
+def test_dsvgd_skips_the_update_of_a_client_that_fails(precision):
+    """DSVGD, round robin over 3 clients: client 1's first round (round 2 of 6) fails; the
+    global particles and client 1's local particles stay as they were, it rejoins in round 5
+    (as a client not yet visited: ``t_1 = 1`` exactly), and the particles agree with the exact
+    posterior. Measured (20 particles, float64): mean 0.12 posterior sds off, sd 0.84 of the
+    exact one; bounds 0.3 sd and 25 % (20 particles' own error and SVGD's narrowing)."""
+    y, mean, sd = normal_mean_data()
+    dsvgd = nf.DSVGD(
+        normal_mean,
+        num_local_steps=50,
+        num_distill_steps=50,
+        progress_bar=False,
+        federation=InProcess(faults=failing({(1, 0)})),
+        min_clients=2,
+    )
+    y = jnp.asarray(y, jnp.zeros(()).dtype)
+    state = dsvgd.init(jax.random.PRNGKey(0), y)
+    states, participated = [state], []
+    for key in jax.random.split(jax.random.PRNGKey(1), 6):
+        state, info = dsvgd.update(key, state, y)
+        states.append(state)
+        participated.append(np.asarray(info.participated))
+    expected = np.zeros((6, M), bool)
+    expected[np.arange(6), np.arange(6) % M] = True
+    expected[1, 1] = False
+    np.testing.assert_array_equal(participated, expected)
+    np.testing.assert_array_equal(np.asarray(states[2].absent), [False, True, False])
+    np.testing.assert_array_equal(states[2].global_particles, states[1].global_particles)
+    np.testing.assert_array_equal(states[2].local_particles[1], states[1].local_particles[1])
+    assert not bool(states[2].visited[1]) and bool(states[5].visited[1])  # rejoined in round 5
+    assert not np.array_equal(states[5].local_particles[1], states[4].local_particles[1])
+    np.testing.assert_array_equal(np.asarray(state.clients.version), [2, 1, 2])
+    particles = np.asarray(state.global_particles[:, 0], np.float64)
+    assert abs(particles.mean() - mean) < 0.3 * sd and abs(particles.std() / sd - 1) < 0.25, (
+        (particles.mean() - mean) / sd,
+        particles.std() / sd,
+    )
+
+
+def test_dsvgd_stops_when_too_few_clients_answer():
+    """Every client required (the default): client 1's failure stops the run, naming it; with
+    min_clients=2, it stops when a second client is out (clients 1 and 2 fail every round)."""
+    y, _, _ = normal_mean_data()
+
+    def make(faults, **kw):
+        return nf.DSVGD(
+            normal_mean,
+            num_particles=5,
+            num_local_steps=5,
+            num_distill_steps=5,
+            progress_bar=False,
+            federation=InProcess(faults=faults),
+            **kw,
+        )
+
+    with pytest.raises(ClientError, match=r"client\(s\) \[1\] failed") as info:
+        make(failing({(1, 0)})).run(jax.random.PRNGKey(0), 3, jnp.asarray(y))
+    assert info.value.clients == (1,) and info.value.state.rounds_done == 1
+    with pytest.raises(ClientError, match=r"only 1 of 3 clients answer, fewer than min_clients=2") as info:
+        make(failing({(1, None), (2, None)}), min_clients=2).run(jax.random.PRNGKey(0), 3, jnp.asarray(y))
+    assert info.value.clients == (1, 2) and info.value.state.rounds_done == 2
+    assert isinstance(info.value.state, RunCheckpoint)
+
+
+def test_min_clients_is_checked():
+    with pytest.raises(ValueError, match="min_clients"):
+        nf.DPPVI(regression, min_clients=0)
+    with pytest.raises(ValueError, match="min_clients"):
+        nf.DSVGD(regression, min_clients=1.5)
+    with pytest.raises(ValueError, match="min_clients"):
+        nf.GaussianPVI(regression, min_clients=True)
+    with pytest.raises(ValueError, match="min_clients=2: PDSVGD"):
+        nf.PDSVGD(regression, min_clients=2)
+    X, y = as_arrays(*regression_data())
+    with pytest.raises(ValueError, match="min_clients=4 exceeds the number of clients, 3"):
+        nf.DPPVI(regression, min_clients=4, progress_bar=False).run(jax.random.PRNGKey(0), 1, X, y)
+    private = nf.DPPVI(
+        regression,
+        dp="local_avg",
+        schedule="synchronous",
+        trusted_aggregator=True,
+        noise_multiplier=1.0,
+        min_clients=2,
+        progress_bar=False,
+    )
+    with pytest.raises(ValueError, match="min_clients=2 needs trusted_aggregator=False"):
+        private.run(jax.random.PRNGKey(0), 1, X, y)
