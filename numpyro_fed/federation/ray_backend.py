@@ -374,8 +374,17 @@ class RayFederation(RemoteFederation):
         return actor.call.remote(name, args, in_axes, version)
 
     def _replies(self, call, refs):
-        """:meth:`_gather`, with packed replies unpickled."""
-        return {m: pickle.loads(r) if isinstance(r, bytes) else r for m, r in self._gather(call, refs).items()}
+        """:meth:`_gather`, with packed replies unpickled (those a :class:`ClientError`
+        carries too: the clients that answered a call another failed)."""
+
+        def unpack(replies):
+            return {m: pickle.loads(r) if isinstance(r, bytes) else r for m, r in replies.items()}
+
+        try:
+            return unpack(self._gather(call, refs))
+        except ClientError as error:
+            error.replies = unpack(error.replies)
+            raise
 
     def compute_time(self) -> list:
         """Per client, ``{name: (calls, seconds)}``: the calls it answered since it started and

@@ -284,3 +284,60 @@ def test_min_clients_is_checked():
     )
     with pytest.raises(ValueError, match="min_clients=2 needs trusted_aggregator=False"):
         private.run(jax.random.PRNGKey(0), 1, X, y)
+
+
+# -- on Ray: a killed actor ---------------------------------------------------------------------
+
+RAY_CASES = {
+    "dppvi": lambda **kw: nf.DPPVI(regression, schedule="synchronous", num_local_steps=5, progress_bar=False, **kw),
+    "dsvgd": lambda **kw: nf.DSVGD(
+        normal_mean, num_particles=5, num_local_steps=5, num_distill_steps=5, progress_bar=False, **kw
+    ),
+}
+
+
+@pytest.mark.filterwarnings("ignore:DPPVI:RuntimeWarning")  # five local steps: not converged
+@pytest.mark.parametrize("case", ["dppvi", pytest.param("dsvgd", marks=pytest.mark.slow)])
+def test_on_ray_a_killed_worker_misses_a_round_and_rejoins(ray_session, case):
+    """One of three actors is killed after round 1: round 2 goes on with the other two
+    (``min_clients=2``), the next call replaces the actor, which reloads the client state its
+    predecessor saved, and client 1 takes part again. The run is the in-process run whose
+    client 1 fails the same call, bit for bit, with the same ledger."""
+    args = as_arrays(*regression_data()) if case == "dppvi" else (jnp.asarray(normal_mean_data()[0]),)
+    rounds = 3 if case == "dppvi" else 6  # DSVGD: client 1's rounds are 2 and 5
+    fails = {(1, 1)} if case == "dppvi" else {(1, 0)}
+    key = jax.random.PRNGKey(3)
+    local = RAY_CASES[case](federation=InProcess(faults=failing(fails)), min_clients=2).run(key, rounds, *args)
+    federation = nf.RayFederation(timeout=60.0)
+    method = RAY_CASES[case](federation=federation, min_clients=2)
+    record = method.record
+
+    killed = []
+
+    def record_then_kill(state, info):  # between rounds 1 and 2, client 1's worker dies
+        out = record(state, info)
+        if int(state.round) == 1:
+            killed.append(federation.actors[1])
+            ray_session.kill(killed[0])
+        return out
+
+    method.record = record_then_kill
+    try:
+        on_ray = method.run(key, rounds, *args)
+        replaced = federation.actors[1]
+    finally:
+        federation.close()
+    expected = np.ones((rounds, M), bool) if case == "dppvi" else np.eye(M, dtype=bool)[np.arange(rounds) % M]
+    expected[1, 1] = False
+    np.testing.assert_array_equal(on_ray.metrics["participated"], expected)
+    np.testing.assert_array_equal(local.metrics["participated"], expected)
+    for name, value in local.metrics.items():
+        if name != "wall_time":
+            np.testing.assert_array_equal(on_ray.metrics[name], value, err_msg=name)
+    for a, b in zip(jax.tree.leaves(on_ray.state.clients.version), jax.tree.leaves(local.state.clients.version)):
+        np.testing.assert_array_equal(a, b)
+    assert set(on_ray.ledger) == set(local.ledger)
+    for name, value in local.ledger.items():
+        np.testing.assert_array_equal(on_ray.ledger[name], value, err_msg=name)
+    np.testing.assert_array_equal(on_ray.ledger["update/failed"], [0, 1, 0])
+    assert replaced._actor_id != killed[0]._actor_id  # a new actor took client 1's place
