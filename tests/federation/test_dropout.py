@@ -341,3 +341,67 @@ def test_on_ray_a_killed_worker_misses_a_round_and_rejoins(ray_session, case):
         np.testing.assert_array_equal(on_ray.ledger[name], value, err_msg=name)
     np.testing.assert_array_equal(on_ray.ledger["update/failed"], [0, 1, 0])
     assert replaced._actor_id != killed[0]._actor_id  # a new actor took client 1's place
+
+
+# -- on Flower's simulation: a node whose ClientApp fails -----------------------------------------
+
+
+def node_rows(node_config):
+    """A Flower node's rows: its third of :func:`regression_data`, by its partition-id."""
+    X, y = regression_data()
+    m, size = int(node_config["partition-id"]), N // M
+    return X[m * size : (m + 1) * size], y[m * size : (m + 1) * size]
+
+
+def failing_node(counter):
+    """A Flower mod: client 1's node raises at its 2nd ``"update"`` call (counted in the file
+    ``counter``: Flower may start a process per message)."""
+
+    def mod(msg, context, call_next):
+        content = msg.content["numpyro_fed"] if "numpyro_fed" in msg.content else {}
+        if int(context.node_config["partition-id"]) == 1 and content.get("call") == "update":
+            with open(counter, "a+") as f:
+                f.write("x")
+                f.seek(0)
+                seen = len(f.read())
+            if seen == 2:
+                raise RuntimeError("simulated fault on the node")
+        return call_next(msg, context)
+
+    return mod
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # five local steps: not converged
+def test_on_flower_a_failing_node_misses_a_round_and_rejoins(ray_session, tmp_path):
+    """Flower's simulation, 3 nodes, ``min_clients=2``: client 1's ClientApp fails its update in
+    round 2 (an error reply); the round goes on with the other two nodes, and the node
+    rejoins in round 3 from the client state it keeps. The run is the in-process run whose
+    client 1 fails the same call, bit for bit, with the same ledger."""
+    import sys
+
+    flower = pytest.importorskip("numpyro_fed.flower")
+    pytest.importorskip("flwr", reason="Flower is not installed (pip install 'numpyro_fed[flower]')")
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Flower's workers get the mod by value
+
+    def make(**kw):
+        return nf.DPPVI(regression, num_local_steps=5, progress_bar=False, min_clients=2, **kw)
+
+    key, rounds = 5, 3
+    reference = InProcess(loader=lambda m: node_rows({"partition-id": m}), num_clients=M, faults=failing({(1, 1)}))
+    local = make(federation=reference).run(jax.random.PRNGKey(key), rounds)
+    server, client = flower.apps(
+        {"dppvi": make()}, node_rows, num_rounds=rounds, seed=key, mods=[failing_node(str(tmp_path / "calls"))]
+    )
+    on_flower = flower.simulate(server, client, M)["dppvi"]
+    expected = np.ones((rounds, M), bool)
+    expected[1, 1] = False
+    np.testing.assert_array_equal(on_flower.metrics["participated"], expected)
+    for name, value in local.metrics.items():
+        if name != "wall_time":
+            np.testing.assert_array_equal(on_flower.metrics[name], value, err_msg=name)
+    assert set(on_flower.ledger) == set(local.ledger)
+    for name, value in local.ledger.items():
+        np.testing.assert_array_equal(on_flower.ledger[name], value, err_msg=name)
+    np.testing.assert_array_equal(on_flower.ledger["update/failed"], [0, 1, 0])
