@@ -226,7 +226,9 @@ class RemoteFederation(Federation):
     def _exchange(self, hook, name, calls, partial):
         """``hook(name, calls)``'s replies, ``{client: reply}``. Without ``partial`` a
         :class:`ClientError` stops the call (kept for :meth:`guard`); with it the clients that
-        answered are returned (the others are noted in :attr:`absences` and the ledger)."""
+        answered are returned (the others are noted in :attr:`absences` and the ledger, and
+        those the call was not sent to, whose worker could not be replaced, leave ``calls``:
+        the ledger counts no request of theirs)."""
         if not partial:
             return self._transport(hook, name, calls)
         absent = set(self._absences()) & set(calls)
@@ -240,6 +242,8 @@ class RemoteFederation(Federation):
             replies = {m: r for m, r in error.replies.items() if m in sent}
             reasons.update({m: str(error) for m in sent if m not in replies})
         self._note_answers(name, calls, set(replies), lambda m: reasons.get(m, "failed"))
+        for m in set(calls) - set(sent):
+            del calls[m]
         return replies
 
     def _fail(self, error):
@@ -472,7 +476,7 @@ class RemoteFederation(Federation):
                 in_axes = None if all(a is None for a in args_axes) else tuple(bx) + tuple(ox)
                 calls[c] = Call(tuple(b) + tuple(o), in_axes, sum(a.nbytes for a in args))
             replies = self._exchange(self.send_calls, name, calls, partial)
-            parts = {c: self._reply_leaves(replies, c, reply_leaves) for c in calls}
+            parts = {c: self._reply_leaves(replies, c, reply_leaves) for c in members}
             out = []
             for j, want in enumerate(reply_leaves):
                 if not batch:
@@ -483,7 +487,7 @@ class RemoteFederation(Federation):
                     value = np.asarray(parts[c][j], dtype=want.dtype)
                     full[idx] = value if value.ndim > want.ndim else value[None]
                 out.append(full.reshape(tuple(batch) + tuple(want.shape)))
-            self._count(name, calls, replies, {c: len(idx) for c, idx in members.items()})
+            self._count(name, calls, replies, {c: len(members[c]) for c in calls})
             out = jax.tree_util.tree_unflatten(reply_def, out)
             return (out, np.asarray(int(chosen[0]) in replies)) if partial else out
 
@@ -525,7 +529,7 @@ class RemoteFederation(Federation):
                 calls[c] = Call(tuple(b) + tuple(o), None, sum(a.nbytes for a in args), int(version[c]))
             answers = self._exchange(self.send_stateful_calls, name, calls, partial)
             replies = {c: answer[0] for c, answer in answers.items()}
-            parts = {c: self._reply_leaves(replies, c, reply_leaves) for c in calls}
+            parts = {c: self._reply_leaves(replies, c, reply_leaves) for c in chosen.tolist()}
             out = [
                 np.stack([np.asarray(parts[c][j], dtype=want.dtype) for c in chosen.tolist()]).reshape(
                     lead + tuple(want.shape)

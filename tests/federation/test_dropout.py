@@ -18,7 +18,9 @@ import numpyro.distributions as dist
 from numpyro.distributions import constraints
 
 import numpyro_fed as nf
-from numpyro_fed.federation import ClientError, InProcess
+from numpyro_fed.federation import ClientError, ClientProgram, InProcess
+from numpyro_fed.federation.base import block_spec
+from numpyro_fed.federation.remote import RemoteFederation
 from numpyro_fed.infer.pvi import core
 from numpyro_fed.infer.pvi.gaussian import loc_scale
 from numpyro_fed.infer.rounds import RunCheckpoint
@@ -81,6 +83,103 @@ def failing(schedule):
 def as_arrays(X, y):
     dtype = jnp.zeros(()).dtype  # float32 in JAX's x32 mode
     return jnp.asarray(X, dtype), jnp.asarray(y, dtype)
+
+
+# -- the seam -------------------------------------------------------------------------------------
+
+
+def accumulate(block, total, w):
+    """A client's stateful call: adds ``w`` times its rows to its running total."""
+    total = total + w * block.sum()
+    return total, total
+
+
+@jax.tree_util.register_pytree_node_class
+class Local(RemoteFederation):
+    """An engine whose clients are in this process and fail as ``down`` says (a set of client
+    indices, changed between calls): a remote backend's transport without an engine. It
+    records the clients it is asked to bring back (``rejoined``)."""
+
+    def start_clients(self, program):
+        self.states = {}
+        return [block_spec(block) for block in program.blocks]
+
+    def send_initial_state(self, slices):
+        self.states = {m: {0: np.asarray(v)} for m, v in slices.items()}
+
+    def send_stateful_calls(self, name, calls):
+        replies = {}
+        for m, call in calls.items():
+            if m in self.down:
+                continue
+            new, reply = self.program.stateful[name](self.program.blocks[m], self.states[m][call.version], *call.args)
+            self.states[m] = {call.version: self.states[m][call.version], call.version + 1: np.asarray(new)}
+            replies[m] = (np.asarray(reply), call.version + 1)
+        failed = sorted(set(calls) - set(replies))
+        if failed:
+            raise ClientError(f"client(s) {failed} down", clients=failed, call=name, replies=replies)
+        return replies
+
+    def send_calls(self, name, calls):
+        raise NotImplementedError("the test calls its stateful function only")
+
+    def rejoin(self, clients):
+        self.rejoined.append(list(clients))
+        return set(clients)
+
+
+@pytest.mark.parametrize("backend", ["in_process", "remote"])
+def test_a_partial_call_goes_on_without_a_client_and_it_rejoins(backend):
+    """``map(..., partial=True)``: the client that fails has a zero reply, its state and version
+    unchanged, its request counted with no reply and no round; the next call reaches it again
+    from its version. Without ``partial`` the failure is the ClientError naming it."""
+    program = ClientProgram.stacked({}, jnp.arange(6.0).reshape(3, 2), stateful={"accumulate": accumulate})
+    down = set()  # the clients that fail, changed between calls
+    if backend == "in_process":
+        fed = InProcess(faults=lambda name, clients: np.isin(clients, sorted(down)))
+    else:
+        fed = Local()
+        fed.down, fed.rejoined = down, []
+    fed.start(program)
+    step = jax.jit(lambda cs: fed.map("accumulate", 1.0, state=cs, partial=True))
+    cs = fed.init_state(jnp.zeros(3))
+    cs, replies, answered = step(cs)  # every client answers: totals 1, 5, 9
+    down.add(1)
+    with fed.guard():
+        cs, replies, answered = step(cs)
+    np.testing.assert_array_equal(answered, [True, False, True])
+    np.testing.assert_array_equal(replies, [2.0, 0.0, 18.0])
+    np.testing.assert_array_equal(cs.version, [2, 1, 2])
+    assert list(fed.absences) == [1]
+    down.clear()
+    with fed.guard():
+        cs, replies, answered = step(cs)  # client 1 rejoins from its version 1
+    np.testing.assert_array_equal(replies, [3.0, 10.0, 27.0])
+    np.testing.assert_array_equal(cs.version, [3, 2, 3])
+    assert fed.absences == {}
+    ledger = fed.ledger.summary()
+    np.testing.assert_array_equal(ledger["accumulate/messages_to_client"], [3, 3, 3])
+    np.testing.assert_array_equal(ledger["accumulate/messages_from_client"], [3, 2, 3])
+    np.testing.assert_array_equal(ledger["accumulate/rounds"], [3, 2, 3])
+    np.testing.assert_array_equal(ledger["accumulate/failed"], [0, 1, 0])
+    if backend == "remote":
+        assert fed.rejoined == [[1]]  # asked to bring client 1 back before its next call
+    down.add(2)
+    strict = jax.jit(lambda cs: fed.map("accumulate", 1.0, state=cs))
+    with pytest.raises(ClientError, match="2") as info, fed.guard():
+        strict(cs)
+    assert info.value.clients == (2,)
+    one = jax.jit(lambda cs, m: fed.one("accumulate", m, 1.0, state=cs, partial=True))
+    with fed.guard():
+        new, reply, answered = one(cs, 2)
+    assert not bool(answered) and float(reply) == 0.0
+    np.testing.assert_array_equal(new.version, cs.version)
+    with fed.guard():
+        absent = jax.jit(lambda a: fed.require(a, 2))(jnp.asarray([False, False, True]))
+    np.testing.assert_array_equal(absent, [False, False, True])
+    with pytest.raises(ClientError, match="only 1 of 3 clients answer") as info, fed.guard():
+        jax.jit(lambda a: fed.require(a, 2))(jnp.asarray([True, False, True]))
+    assert info.value.clients == (0, 2)
 
 
 # -- PVI ------------------------------------------------------------------------------------------
