@@ -19,13 +19,13 @@ from numpyro_fed.federation.ledger import MessageLedger
 
 __all__ = [
     "ClientError",
-    "check_min_clients",
     "ClientProgram",
     "ClientState",
     "Federation",
     "NetworkError",
     "block_spec",
     "check_block",
+    "check_min_clients",
     "describe_arguments",
     "resolve_min_clients",
     "tree_nbytes",
@@ -484,7 +484,7 @@ class Federation(abc.ABC):
         m_clients = self.num_clients
 
         def host(absent):
-            absent = np.asarray(absent, bool).reshape(-1)[-m_clients:]
+            absent = np.asarray(absent, bool).reshape(m_clients)
             out = [int(m) for m in np.flatnonzero(absent)]
             if m_clients - len(out) < min_clients:
                 absences = self._absences()
