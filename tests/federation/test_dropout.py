@@ -346,6 +346,7 @@ def test_dsvgd_stops_when_too_few_clients_answer():
             num_particles=5,
             num_local_steps=5,
             num_distill_steps=5,
+            kde_bandwidth=0.55,  # the paper's: a smaller program to compile than "auto"'s
             progress_bar=False,
             federation=InProcess(faults=faults),
             **kw,
