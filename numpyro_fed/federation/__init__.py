@@ -46,6 +46,12 @@ The pieces:
   :class:`InProcess` its calls as they run, with sizes from shapes. A sampler whose compiled
   loop calls the clients at every event counts those calls in its own state instead
   (:meth:`Federation.counted_by_caller`).
+* ``partial=True`` (``map`` and ``one``): a client that fails does not stop the call; the call
+  returns who answered last (``(M,)`` bool), the failed clients' replies zeros and their
+  states unchanged (they rejoin a later call: an engine first replaces a worker that died);
+  ``federation.require(absent, min_clients)`` raises the :class:`ClientError` naming the
+  clients out when fewer than ``min_clients`` answer. :class:`InProcess` simulates such
+  faults with ``InProcess(faults=...)``.
 * :class:`ClientError`: a client died, stopped answering within the timeout, or failed.
   Compiled code that calls a backend's host callbacks should run under
   ``with federation.guard():`` so the error surfaces as itself.

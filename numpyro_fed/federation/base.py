@@ -25,7 +25,9 @@ __all__ = [
     "NetworkError",
     "block_spec",
     "check_block",
+    "check_min_clients",
     "describe_arguments",
+    "resolve_min_clients",
     "tree_nbytes",
 ]
 
@@ -35,12 +37,15 @@ class ClientError(RuntimeError):
 
     :ivar tuple clients: the indices of the clients at fault.
     :ivar str call: the name of the call that failed.
+    :ivar dict replies: ``{client: reply}`` of the clients of the call that did answer (a
+        transport hook's partial result: what a ``partial=True`` call goes on with).
     """
 
-    def __init__(self, message: str, *, clients=(), call: str | None = None):
+    def __init__(self, message: str, *, clients=(), call: str | None = None, replies=None):
         super().__init__(message)
         self.clients = tuple(int(c) for c in clients)
         self.call = call
+        self.replies = dict(replies or {})
 
 
 class NetworkError(ClientError):
@@ -139,6 +144,26 @@ def describe_arguments(tree):
         return jax.ShapeDtypeStruct(np.shape(leaf), np.asarray(leaf).dtype)
 
     return jax.tree_util.tree_map(describe, tree)
+
+
+def check_min_clients(min_clients) -> int | None:
+    """A method's ``min_clients=`` argument: ``None`` (every client must answer) or an int
+    ``>= 1``; a ``ValueError`` naming it otherwise."""
+    if min_clients is None:
+        return None
+    if isinstance(min_clients, bool) or not isinstance(min_clients, (int, np.integer)) or min_clients < 1:
+        raise ValueError(f"min_clients must be None (every client) or an int >= 1, got {min_clients!r}")
+    return int(min_clients)
+
+
+def resolve_min_clients(min_clients, num_clients: int) -> int | None:
+    """``min_clients`` for a run of ``num_clients`` clients: ``None`` when every client must
+    answer (``None`` or ``num_clients``: a failure stops the run), else the int; a
+    ``ValueError`` naming ``min_clients`` when it exceeds ``num_clients``."""
+    min_clients = check_min_clients(min_clients)
+    if min_clients is not None and min_clients > num_clients:
+        raise ValueError(f"min_clients={min_clients} exceeds the number of clients, {num_clients}")
+    return None if min_clients is None or min_clients == num_clients else min_clients
 
 
 def check_block(block, client: int, spec=None, *, rows_axis_free: bool = True) -> None:
@@ -405,11 +430,82 @@ class Federation(abc.ABC):
         """Re-raises a :class:`ClientError` that a host callback met inside compiled code
         (JAX wraps it in a ``JaxRuntimeError``). Use around calls of compiled code that calls
         :meth:`map` or :meth:`one`."""
-        yield
+        self.keep_error(None)
+        try:
+            yield
+        except Exception as exc:  # JAX re-raises callback errors as JaxRuntimeError or ValueError
+            error = self._take_error()
+            if error is not None:
+                raise error from exc
+            raise
+        error = self._take_error()
+        if error is not None:
+            raise error
+
+    def keep_error(self, error: ClientError | None) -> None:
+        """Keeps ``error``, raised inside compiled code, for :meth:`guard` to re-raise as itself."""
+        self._error = error
+
+    def _take_error(self):
+        error, self._error = getattr(self, "_error", None), None
+        return error
+
+    # -- clients that drop out -------------------------------------------------------------
+    def _absences(self) -> dict:
+        """``{client: why}`` of the clients whose last call failed (a ``partial`` call's)."""
+        if not hasattr(self, "_absent_clients"):
+            self._absent_clients = {}
+        return self._absent_clients
+
+    @property
+    def absences(self) -> dict:
+        """Host side: ``{client: why}``, the clients whose last call (of a ``partial=True``
+        call) failed, and why; a client leaves it when it answers again."""
+        return dict(self._absences())
+
+    def _note_answers(self, name, calls, answered, why) -> None:
+        """Host side: records who of ``calls`` answered call ``name`` (``answered``), in
+        :attr:`absences` and in the ledger (``<name>/failed``)."""
+        absences = self._absences()
+        failed = [int(m) for m in calls if int(m) not in answered]
+        for m in calls:
+            absences.pop(int(m), None)
+        for m in failed:
+            absences[m] = why(m)
+        if failed:
+            self.ledger.add_failures(name, failed)
+
+    def require(self, absent, min_clients: int, call: str = "update"):
+        """Traceable: ``absent`` (``(M,)`` bool: the clients out of the run, e.g. those whose
+        last visit failed) unchanged, when at least ``min_clients`` clients are not absent;
+        otherwise, on the host, a :class:`ClientError` naming the absent clients (with why,
+        from :attr:`absences`), kept for :meth:`guard`. What an algorithm whose calls are
+        ``partial`` checks after each round."""
+        m_clients = self.num_clients
+
+        def host(absent):
+            absent = np.asarray(absent, bool).reshape(m_clients)
+            out = [int(m) for m in np.flatnonzero(absent)]
+            if m_clients - len(out) < min_clients:
+                absences = self._absences()
+                why = "; ".join(f"client {m}: {absences.get(m, 'failed')}" for m in out)
+                error = ClientError(
+                    f"call '{call}': only {m_clients - len(out)} of {m_clients} clients answer, fewer than "
+                    f"min_clients={min_clients} (client(s) {out} out: {why})",
+                    clients=out,
+                    call=call,
+                )
+                self.keep_error(error)
+                raise error
+            return absent
+
+        return jax.pure_callback(
+            host, jax.ShapeDtypeStruct((m_clients,), jnp.bool_), jnp.asarray(absent, bool), vmap_method="sequential"
+        )
 
     # -- traceable side --------------------------------------------------------------------
     @abc.abstractmethod
-    def map(self, name: str, *broadcast, per_client=(), state: ClientState | None = None):
+    def map(self, name: str, *broadcast, per_client=(), state: ClientState | None = None, partial: bool = False):
         """Every client ``m`` runs ``functions[name](block_m, *broadcast, *own_m)``, ``own_m``
         being client ``m``'s slice (leading axis ``M``) of each array of ``per_client``;
         returns the replies stacked on a leading axis ``M``. Traceable.
@@ -417,10 +513,19 @@ class Federation(abc.ABC):
         With ``state`` (a :class:`ClientState`), every client runs
         ``stateful[name](block_m, state_m, *broadcast, *own_m) -> (new_state_m, reply_m)``
         on its own state, keeps the new one, and the call returns ``(state', replies)``
-        (every client's version one more)."""
+        (every client's version one more).
+
+        A client that fails or does not answer within the timeout raises a
+        :class:`ClientError` naming it; with ``partial=True`` the call goes on with the
+        others instead and returns ``answered`` too, ``(M,)`` bool, last: ``(replies,
+        answered)`` or ``(state', replies, answered)``. A client that did not answer has
+        zeros as its reply, its client state and version unchanged (it rejoins a later call
+        from them: an engine first replaces a worker that died), its request counted in the
+        ledger but no reply (``<name>/failed`` counts it), and is in :attr:`absences` until
+        it answers again. Not under a ``vmap`` over chains."""
 
     @abc.abstractmethod
-    def one(self, name: str, client, *broadcast, own=(), state: ClientState | None = None):
+    def one(self, name: str, client, *broadcast, own=(), state: ClientState | None = None, partial: bool = False):
         """Client ``client`` (an int, possibly traced) runs ``functions[name](block, *broadcast,
         *own_c)``, ``own_c`` its slice of each array of ``own`` (leading axis ``M``); returns
         its reply. Traceable.
@@ -429,7 +534,10 @@ class Federation(abc.ABC):
         state_c, *broadcast, *own_c) -> (new_state_c, reply)`` on its own state and keeps the
         new one; the call returns ``(state', reply)`` (that client's version one more).
         ``client`` may then also be a ``(C,)`` array of distinct clients, each running its
-        call (in parallel on an engine): the replies have a leading axis ``C``."""
+        call (in parallel on an engine): the replies have a leading axis ``C``.
+
+        ``partial=True``: as :meth:`map`'s, ``answered`` (a bool, ``(C,)`` for ``C`` clients)
+        returned last."""
 
     # -- decentralized agents (no server) -------------------------------------------------
     #: Whether the backend runs a decentralized algorithm's agents, each exchanging messages

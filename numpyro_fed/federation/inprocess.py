@@ -11,7 +11,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from numpyro_fed.federation.base import ClientProgram, ClientState, Federation, block_spec, check_block, tree_nbytes
+from numpyro_fed.federation.base import (
+    ClientError,
+    ClientProgram,
+    ClientState,
+    Federation,
+    block_spec,
+    check_block,
+    tree_nbytes,
+)
 from numpyro_fed.federation.decentralized import InProcessNetwork
 from numpyro_fed.federation.ledger import MessageLedger
 
@@ -21,21 +29,39 @@ __all__ = ["InProcess"]
 class _Shared:
     """What the copies of one InProcess that JAX makes when it flattens it share."""
 
-    def __init__(self, program, ledger, specs):
+    def __init__(self, program, ledger, specs, faults=None):
         self.program = program
         self.ledger = ledger
         self.specs = specs
         self.sizes = {}  # call name -> (per-client bytes down, per-client bytes up)
         self.counting = True  # False while tracing code whose caller counts its calls
         self.compiled = {}  # (call name, stateful) -> its client function under jax.jit
+        self.faults = faults  # simulated faults: (name, clients) -> which of them fail
+        self.error = None  # the ClientError a host callback raised (see guard)
+        self.absences = {}  # client -> why its last partial call failed
 
-    def count(self, name, calls, _batch) -> None:
+    def count(self, name, calls, _batch, answered=None) -> None:
         """Host side, called by the compiled code at every call it makes (``calls``: ``(M,)``
-        messages per client; one call per element of a ``vmap`` whose requests differ)."""
+        messages per client; one call per element of a ``vmap`` whose requests differ;
+        ``answered``: ``(M,)``, whether each client's reply came, of a partial call)."""
         down, up = self.sizes[name]
         calls = np.asarray(calls, dtype=np.int64)
-        self.ledger.add(name, "to_client", None, messages=calls, nbytes=calls * down, rounds=calls)
-        self.ledger.add(name, "from_client", None, messages=calls, nbytes=calls * up)
+        replied = calls if answered is None else calls * np.asarray(answered, np.int64)
+        self.ledger.add(name, "to_client", None, messages=calls, nbytes=calls * down, rounds=replied)
+        self.ledger.add(name, "from_client", None, messages=replied, nbytes=replied * up)
+
+
+def _keep(answered, new, old):
+    """``new`` where ``answered`` (leading axis, or a scalar), else ``old`` (a tree like
+    ``new``, or a number)."""
+
+    def pick(a, b):
+        mask = jnp.reshape(answered, jnp.shape(answered) + (1,) * (jnp.ndim(a) - jnp.ndim(answered)))
+        return jnp.where(mask, a, jnp.asarray(b, a.dtype) if not hasattr(b, "shape") else b)
+
+    if not isinstance(old, (int, float)):
+        return jax.tree_util.tree_map(pick, new, old)
+    return jax.tree_util.tree_map(lambda a: pick(a, old), new)
 
 
 def _slice_bytes(tree, num_clients):
@@ -65,29 +91,60 @@ class InProcess(Federation):
     [1.0, 5.0, 9.0]
     >>> fed.ledger.summary()["bytes_to_client"].tolist()  # w: 2 float32 per client
     [8, 8, 8]
+
+    **Simulated faults.** In-process clients cannot fail; ``faults`` simulates clients that
+    drop out: ``faults(name, clients) -> bool array``, called on the host at every call
+    ``name`` with the indices of the clients it reaches (an int array), says which of them
+    fail it. A failed call is what an engine's failed call is: a
+    :class:`~numpyro_fed.federation.ClientError` naming the client, or with ``partial=True``
+    a call that goes on with the others (see :meth:`Federation.map
+    <numpyro_fed.federation.Federation.map>`).
+
+    >>> fed = InProcess(faults=lambda name, clients: clients == 1).start(program)
+    >>> replies, answered = jax.jit(lambda fed, w: fed.map("dot", w, partial=True))(fed, jnp.ones(2))
+    >>> replies.tolist(), answered.tolist(), fed.absences
+    ([1.0, 0.0, 9.0], [True, False, True], {1: 'a simulated fault'})
     """
 
     in_process = True
 
-    def __init__(self, *, loader=None, num_clients=None):
+    def __init__(self, *, loader=None, num_clients=None, faults=None):
         super().__init__(loader=loader, num_clients=num_clients)
+        if faults is not None and not callable(faults):
+            raise TypeError(f"faults must be a function (name, clients) -> which fail, got {type(faults).__name__}")
+        self.faults = faults
         self._shared: _Shared | None = None
         self._blocks = None
 
     # -- pytree ----------------------------------------------------------------------------
     def tree_flatten(self):
-        return (self._blocks,), (self._shared, self.loader, self.loader_num_clients)
+        return (self._blocks,), (self._shared, self.loader, self.loader_num_clients, self.faults)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        shared, loader, num_clients = aux
+        shared, loader, num_clients, faults = aux
         new = cls.__new__(cls)
         Federation.__init__(new, loader=loader, num_clients=num_clients)
+        new.faults = faults
         new._shared = shared
         new._blocks = children[0]
         if shared is not None:
             new._program, new._ledger = shared.program, shared.ledger
         return new
+
+    # -- errors and absences live in what the copies share ------------------------------------
+    def keep_error(self, error) -> None:
+        if self._shared is not None:
+            self._shared.error = error
+
+    def _take_error(self):
+        if self._shared is None:
+            return None
+        error, self._shared.error = self._shared.error, None
+        return error
+
+    def _absences(self) -> dict:
+        return self._shared.absences
 
     # -- host side -------------------------------------------------------------------------
     def start(self, program: ClientProgram) -> "InProcess":
@@ -111,7 +168,7 @@ class InProcess(Federation):
         self._blocks = jax.tree_util.tree_map(lambda *a: jnp.asarray(np.stack([np.asarray(x) for x in a])), *blocks)
         self._program = program
         self._ledger = MessageLedger(program.num_clients)
-        self._shared = _Shared(program, self._ledger, specs)
+        self._shared = _Shared(program, self._ledger, specs, self.faults)
         return self
 
     @property
@@ -141,10 +198,11 @@ class InProcess(Federation):
         finally:
             self._shared.counting = previous
 
-    def _counted(self, name, down, up, calls, like) -> None:
+    def _counted(self, name, down, up, calls, like, answered=None) -> None:
         """Records ``name``'s message sizes and, unless the caller counts, makes the compiled
         code count ``calls`` (``(M,)``) when it runs; ``like``: the request, whose batching
-        under a ``vmap`` the count follows."""
+        under a ``vmap`` the count follows; ``answered``: ``(M,)``, the clients whose reply
+        came (a partial call)."""
         self._shared.sizes[name] = (int(down), int(up))
         if not self._shared.counting:
             return
@@ -154,7 +212,30 @@ class InProcess(Federation):
             if hasattr(x, "dtype") and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
         ]
         batch = jnp.ravel(jnp.asarray(leaves[0]))[:1] if leaves else jnp.zeros(1, jnp.int32)
-        jax.debug.callback(partial(self._shared.count, name), calls, batch)
+        jax.debug.callback(partial(self._shared.count, name), calls, batch, answered)
+
+    def _answered(self, name, clients, partial):
+        """``(C,)`` bool: which of ``clients`` (``(C,)`` ints) answer call ``name``: all
+        (``None``) unless ``faults`` simulates some failing. A failure of a call that is not
+        ``partial`` raises a :class:`ClientError` naming the client (kept for :meth:`guard`)."""
+        if self.faults is None:
+            return None
+
+        def host(clients):
+            shape, clients = np.shape(clients), np.asarray(clients).reshape(-1)
+            failing = np.asarray(self.faults(name, clients), bool).reshape(clients.shape)
+            failed = [int(c) for c in clients[failing]]
+            if failed and not partial:
+                error = ClientError(f"call '{name}': client(s) {failed} failed (a simulated fault)", clients=failed)
+                error.call = name
+                self.keep_error(error)
+                raise error
+            self._note_answers(name, clients, set(clients[~failing].tolist()), lambda m: "a simulated fault")
+            return (~failing).reshape(shape)
+
+        clients = jnp.asarray(clients, jnp.int32)
+        struct = jax.ShapeDtypeStruct(clients.shape, jnp.bool_)
+        return jax.pure_callback(host, struct, clients, vmap_method="sequential")
 
     def init_state(self, initial) -> ClientState:
         """Every client's initial state, stacked (leading axis ``M``), kept in the returned
@@ -183,15 +264,23 @@ class InProcess(Federation):
             self._shared.compiled[key] = jax.jit(fn)
         return self._shared.compiled[key]
 
-    def map(self, name, *broadcast, per_client=(), state=None):
+    def map(self, name, *broadcast, per_client=(), state=None, partial=False):
         call, per_client = self._call(name, broadcast, state is not None), tuple(per_client)
-        values, replies = jax.vmap(call)(self._blocks, () if state is None else state.values, per_client)
+        old = () if state is None else state.values
+        values, replies = jax.vmap(call)(self._blocks, old, per_client)
         m = self.num_clients
+        answered = self._answered(name, jnp.arange(m), partial)
+        if answered is not None:  # a client that failed: no reply, its state unchanged
+            replies, values = _keep(answered, replies, 0), _keep(answered, values, old)
         down, up = tree_nbytes(broadcast) + _slice_bytes(per_client, m), _slice_bytes(replies, m)
-        self._counted(name, down, up, np.ones(m, np.int32), (broadcast, per_client))
-        return replies if state is None else (ClientState(values, state.version + 1), replies)
+        self._counted(name, down, up, np.ones(m, np.int32), (broadcast, per_client), answered)
+        answered = jnp.ones(m, bool) if answered is None else answered
+        extra = (answered,) if partial else ()
+        if state is None:
+            return (replies,) + extra if partial else replies
+        return (ClientState(values, state.version + answered.astype(jnp.int32)), replies) + extra
 
-    def one(self, name, client, *broadcast, own=(), state=None):
+    def one(self, name, client, *broadcast, own=(), state=None, partial=False):
         call, own = self._call(name, broadcast, state is not None), tuple(own)
         values = () if state is None else state.values
         client = jnp.asarray(client)
@@ -209,12 +298,20 @@ class InProcess(Federation):
         else:
             allowed = "an index or a 1-d array of them" if state is not None else "an index (without state)"
             raise ValueError(f"call '{name}': client must be {allowed}, got shape {client.shape}")
+        answered = self._answered(name, client, partial)
+        if answered is not None:  # a client that failed: no reply, its state unchanged
+            reply, new = _keep(answered, reply, 0), _keep(answered, new, mine)
         calls = jnp.zeros(self.num_clients, jnp.int32).at[client].add(1)
-        self._counted(name, tree_nbytes(broadcast) + tree_nbytes(own_c), reply_bytes, calls, (broadcast, own_c))
+        replied = None if answered is None else jnp.zeros(self.num_clients, bool).at[client].set(answered)
+        self._counted(
+            name, tree_nbytes(broadcast) + tree_nbytes(own_c), reply_bytes, calls, (broadcast, own_c), replied
+        )
+        answered = jnp.ones(client.shape, bool) if answered is None else answered
+        extra = (answered,) if partial else ()
         if state is None:
-            return reply
+            return (reply,) + extra if partial else reply
         values = jax.tree_util.tree_map(lambda a, n: a.at[client].set(n), values, new)
-        return ClientState(values, state.version.at[client].add(1)), reply
+        return (ClientState(values, state.version.at[client].add(answered.astype(jnp.int32))), reply) + extra
 
     # -- decentralized agents ----------------------------------------------------------------
     runs_agents = True

@@ -22,6 +22,8 @@ class MessageLedger:
     over ``C`` chains, one call carries ``C`` messages per client). *Bytes* are the bytes of
     the arrays in the message (``nbytes`` of every leaf; serialization overhead is not
     counted). A *round* of a client is one call it took part in (a request and its reply).
+    A call that reached a client but got no reply (it failed or timed out, in a ``partial``
+    call) counts its request, no reply and no round, and one ``failed``.
 
     :class:`~numpyro_fed.federation.RayFederation` fills its ledger from the payloads it
     really sends; :class:`~numpyro_fed.federation.InProcess` from its calls as they run (a
@@ -59,6 +61,21 @@ class MessageLedger:
         np.add.at(self._counts[(name, direction, "bytes")], idx, np.broadcast_to(nbytes, idx.shape))
         if np.any(rounds):
             np.add.at(self._counts[(name, "rounds")], idx, np.broadcast_to(rounds, idx.shape))
+
+    def add_failures(self, name: str, client, calls=1) -> None:
+        """Counts ``calls`` failed calls ``name`` of ``client`` (an index or a sequence of
+        them): requests sent that got no reply (their request is counted as sent, no reply
+        and no round)."""
+        idx = np.asarray(client, dtype=np.int64).reshape(-1)
+        np.add.at(self._counts[(name, "failed")], idx, np.broadcast_to(calls, idx.shape))
+
+    def failures(self, name: str | None = None) -> np.ndarray:
+        """``(M,)`` failed calls per client of call ``name`` (all calls if ``None``)."""
+        names = self.names if name is None else [name]
+        out = np.zeros(self.num_clients, dtype=np.int64)
+        for n in names:
+            out = out + self._counts.get((n, "failed"), 0)
+        return out
 
     def reset(self) -> None:
         """Forgets every count."""
@@ -100,6 +117,9 @@ class MessageLedger:
                     if name is None or values.any():
                         out[f"{prefix}{what}_{direction}"] = values
             out[f"{prefix}rounds"] = self.rounds(name)
+            failed = self.failures(name)
+            if failed.any():
+                out[f"{prefix}failed"] = failed
         return out
 
     def since(self, baseline: dict | None) -> dict[str, np.ndarray]:

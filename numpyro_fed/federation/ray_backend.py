@@ -126,6 +126,7 @@ class RayFederation(RemoteFederation):
         #: federation's actors (a decentralized sampler's), else ``None``
         self._network = None
         self.pack_limit = PACK_LIMIT
+        self._dead = set()  # clients whose actor died (a partial call replaces it before its next call)
         self.state_dir = None if state_dir is None else os.fspath(state_dir)
         #: names the folder of this federation's saved client states
         self.federation_id = uuid.uuid4().hex
@@ -240,6 +241,7 @@ class RayFederation(RemoteFederation):
                 except Exception:
                     clients.append(m)
         clients = sorted(int(c) for c in clients)
+        self._dead -= set(clients)
         remote = ray.remote(ClientWorker)
         x64 = bool(jax.config.jax_enable_x64)
         for m in clients:
@@ -250,6 +252,22 @@ class RayFederation(RemoteFederation):
         if refs:
             self._gather("restart", refs, refuse=True, timeout=self.start_timeout)
         return self
+
+    def rejoin(self, clients) -> set:
+        """Before a ``partial`` call, of ``clients`` (whose last call failed): replaces the
+        actors that died (:meth:`restart`: a new actor reloads the client's rows and the client
+        state its predecessor saved, within ``start_timeout``) and returns the clients to send
+        the call to; one that cannot be replaced stays out of this call."""
+        dead = sorted(set(clients) & self._dead)
+        if not dead:
+            return set(clients)
+        try:
+            self.restart(dead)
+        except ClientError:
+            self._take_error()
+            return set(clients) - set(dead)
+        self._dead -= set(dead)
+        return set(clients)
 
     def describe(self, loader, num_clients):
         """Runs ``loader(m)`` on client ``m``'s actor (started here if needed, and reused by
@@ -326,6 +344,7 @@ class RayFederation(RemoteFederation):
                 failures.append((c, f"failed: {type(cause).__name__ if cause else 'error'}: {cause or exc}"))
             except RayActorError as exc:
                 failures.append((c, f"died ({type(exc).__name__})"))
+                self._dead.add(c)
             except GetTimeoutError:
                 not_ready.append(ref)
         if refused:
@@ -336,7 +355,10 @@ class RayFederation(RemoteFederation):
             if silent:
                 parts.append(f"client(s) {silent} did not answer within {timeout} s")
             error = ClientError(
-                f"call '{call}': " + "; ".join(parts), clients=[c for c, _ in failures] + silent, call=call
+                f"call '{call}': " + "; ".join(parts),
+                clients=[c for c, _ in failures] + silent,
+                call=call,
+                replies=results,
             )
             self._error = error
             raise error
@@ -352,8 +374,17 @@ class RayFederation(RemoteFederation):
         return actor.call.remote(name, args, in_axes, version)
 
     def _replies(self, call, refs):
-        """:meth:`_gather`, with packed replies unpickled."""
-        return {m: pickle.loads(r) if isinstance(r, bytes) else r for m, r in self._gather(call, refs).items()}
+        """:meth:`_gather`, with packed replies unpickled (those a :class:`ClientError`
+        carries too: the clients that answered a call another failed)."""
+
+        def unpack(replies):
+            return {m: pickle.loads(r) if isinstance(r, bytes) else r for m, r in replies.items()}
+
+        try:
+            return unpack(self._gather(call, refs))
+        except ClientError as error:
+            error.replies = unpack(error.replies)
+            raise
 
     def compute_time(self) -> list:
         """Per client, ``{name: (calls, seconds)}``: the calls it answered since it started and

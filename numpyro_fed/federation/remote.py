@@ -30,7 +30,6 @@ did not answer.
 from __future__ import annotations
 
 import abc
-import contextlib
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -194,20 +193,6 @@ class RemoteFederation(Federation):
             raise RuntimeError(f"{type(self).__name__} has not been started: call start(program)")
         return list(self._specs)
 
-    @contextlib.contextmanager
-    def guard(self):
-        self._error = None
-        try:
-            yield
-        except Exception as exc:  # JAX re-raises callback errors as JaxRuntimeError or ValueError
-            error, self._error = self._error, None
-            if error is not None:
-                raise error from exc
-            raise
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
-
     def init_state(self, initial) -> ClientState:
         """Sends client ``m`` its slice of ``initial`` (leading axis ``M``) as version 0 of its
         client state, once (:meth:`send_initial_state`); the returned
@@ -232,6 +217,35 @@ class RemoteFederation(Federation):
             self._error = error
             raise
 
+    def rejoin(self, clients) -> set:
+        """Host side, before a ``partial`` call: of ``clients`` (those whose last call
+        failed), the ones to send it to (default: all; an engine first replaces the workers
+        that died, e.g. :meth:`RayFederation.rejoin <numpyro_fed.federation.RayFederation.rejoin>`)."""
+        return set(clients)
+
+    def _exchange(self, hook, name, calls, partial):
+        """``hook(name, calls)``'s replies, ``{client: reply}``. Without ``partial`` a
+        :class:`ClientError` stops the call (kept for :meth:`guard`); with it the clients that
+        answered are returned (the others are noted in :attr:`absences` and the ledger, and
+        those the call was not sent to, whose worker could not be replaced, leave ``calls``:
+        the ledger counts no request of theirs)."""
+        if not partial:
+            return self._transport(hook, name, calls)
+        absent = set(self._absences()) & set(calls)
+        ready = self.rejoin(sorted(absent)) if absent else set()
+        sent = {m: c for m, c in calls.items() if m not in absent or m in ready}
+        reasons = {m: "its worker could not be replaced" for m in calls if m not in sent}
+        try:
+            replies = hook(name, sent) if sent else {}
+        except ClientError as error:
+            self._take_error()
+            replies = {m: r for m, r in error.replies.items() if m in sent}
+            reasons.update({m: str(error) for m in sent if m not in replies})
+        self._note_answers(name, calls, set(replies), lambda m: reasons.get(m, "failed"))
+        for m in set(calls) - set(sent):
+            del calls[m]
+        return replies
+
     def _fail(self, error):
         self._error = error
         raise error
@@ -239,9 +253,18 @@ class RemoteFederation(Federation):
     def _count(self, name, calls, replies, messages):
         for m, call in calls.items():
             n = messages[m] if isinstance(messages, dict) else messages
-            self.ledger.add(name, "to_client", m, messages=n, nbytes=call.nbytes, rounds=n)
-            self.ledger.add(name, "from_client", m, messages=n, nbytes=tree_nbytes(replies[m]))
+            answered = m in replies  # a failed call (partial): its request went, no reply came
+            self.ledger.add(name, "to_client", m, messages=n, nbytes=call.nbytes, rounds=n if answered else 0)
+            if answered:
+                self.ledger.add(name, "from_client", m, messages=n, nbytes=tree_nbytes(replies[m]))
         self.ledger.round_trips += 1
+
+    @staticmethod
+    def _reply_leaves(replies, m, reply_leaves):
+        """Client ``m``'s reply as a list of leaves; zeros for a client that did not answer."""
+        if m in replies:
+            return jax.tree_util.tree_leaves(replies[m])
+        return [np.zeros(s.shape, s.dtype) for s in reply_leaves]
 
     # -- reply shapes ------------------------------------------------------------------------
     def _check_same_replies(self, name, shapes):
@@ -315,7 +338,7 @@ class RemoteFederation(Federation):
         return flat
 
     # -- traceable side ------------------------------------------------------------------------
-    def map(self, name, *broadcast, per_client=(), state=None):
+    def map(self, name, *broadcast, per_client=(), state=None, partial=False):
         per_client = tuple(per_client)
         if state is not None:
             self._check_remote_state(name, state)
@@ -334,11 +357,13 @@ class RemoteFederation(Federation):
         ndims = [jnp.ndim(x) for x in leaves]
         num_broadcast = len(jax.tree_util.tree_leaves(broadcast))
         if state is not None:
-            return self._map_stateful(name, state, reply, out_struct, leaves, treedef, num_broadcast)
+            return self._map_stateful(name, state, reply, out_struct, leaves, treedef, num_broadcast, partial)
         reply_leaves, reply_def = jax.tree_util.tree_flatten(reply)
 
         def host(*host_leaves):
             batch, flat, axes = _unbatch([np.asarray(x) for x in host_leaves], ndims)
+            if batch and partial:
+                self._fail(ValueError(f"call '{name}' with partial=True cannot be batched (vmap) over chains"))
             calls = {}
             for m in range(m_clients):
                 args, args_axes = [], []
@@ -351,8 +376,8 @@ class RemoteFederation(Federation):
                 bx, px = jax.tree_util.tree_unflatten(treedef, args_axes)
                 in_axes = None if all(a is None for a in args_axes) else tuple(bx) + tuple(px)
                 calls[m] = Call(tuple(b) + tuple(p), in_axes, sum(a.nbytes for a in args))
-            replies = self._transport(self.send_calls, name, calls)
-            parts = {m: jax.tree_util.tree_leaves(replies[m]) for m in range(m_clients)}
+            replies = self._exchange(self.send_calls, name, calls, partial)
+            parts = {m: self._reply_leaves(replies, m, reply_leaves) for m in range(m_clients)}
             size = int(np.prod(batch)) if batch else 1
             out = []
             for j, want in enumerate(reply_leaves):
@@ -366,11 +391,14 @@ class RemoteFederation(Federation):
                     np.stack(per, axis=1 if batch else 0).reshape(tuple(batch) + (m_clients,) + tuple(want.shape))
                 )
             self._count(name, calls, replies, size)
-            return jax.tree_util.tree_unflatten(reply_def, out)
+            out = jax.tree_util.tree_unflatten(reply_def, out)
+            return (out, np.isin(np.arange(m_clients), list(replies))) if partial else out
 
+        if partial:
+            out_struct = (out_struct, jax.ShapeDtypeStruct((m_clients,), jnp.bool_))
         return jax.pure_callback(host, out_struct, *leaves, vmap_method="expand_dims")
 
-    def _map_stateful(self, name, state, reply, replies_struct, leaves, treedef, num_broadcast):
+    def _map_stateful(self, name, state, reply, replies_struct, leaves, treedef, num_broadcast, partial):
         m_clients = self.num_clients
         out_struct = (jax.ShapeDtypeStruct((m_clients,), jnp.int32), replies_struct)
         ndims = [1] + [jnp.ndim(x) for x in leaves]
@@ -378,15 +406,15 @@ class RemoteFederation(Federation):
 
         def host(version, *host_leaves):
             flat = self._unbatched(name, (version,) + host_leaves, ndims)
-            version, flat = flat[0], flat[1:]
+            version, flat = np.array(flat[0], np.int32), flat[1:]
             calls = {}
             for m in range(m_clients):
                 args = [leaf[m] if i >= num_broadcast else leaf for i, leaf in enumerate(flat)]
                 b, p = jax.tree_util.tree_unflatten(treedef, args)
                 calls[m] = Call(tuple(b) + tuple(p), None, sum(a.nbytes for a in args), int(version[m]))
-            answers = self._transport(self.send_stateful_calls, name, calls)
-            replies = {m: answers[m][0] for m in range(m_clients)}
-            parts = {m: jax.tree_util.tree_leaves(replies[m]) for m in range(m_clients)}
+            answers = self._exchange(self.send_stateful_calls, name, calls, partial)
+            replies = {m: answer[0] for m, answer in answers.items()}
+            parts = {m: self._reply_leaves(replies, m, reply_leaves) for m in range(m_clients)}
             out = [
                 np.stack([np.asarray(parts[m][j], dtype=want.dtype) for m in range(m_clients)]).reshape(
                     (m_clients,) + tuple(want.shape)
@@ -394,22 +422,26 @@ class RemoteFederation(Federation):
                 for j, want in enumerate(reply_leaves)
             ]
             self._count(name, calls, replies, 1)
-            new_version = np.asarray([answers[m][1] for m in range(m_clients)], np.int32)
-            return new_version, jax.tree_util.tree_unflatten(reply_def, out)
+            for m, answer in answers.items():
+                version[m] = answer[1]
+            out = (version, jax.tree_util.tree_unflatten(reply_def, out))
+            return out + (np.isin(np.arange(m_clients), list(answers)),) if partial else out
 
-        new_version, replies = jax.pure_callback(
+        if partial:
+            out_struct = out_struct + (jax.ShapeDtypeStruct((m_clients,), jnp.bool_),)
+        out = jax.pure_callback(
             host, out_struct, jnp.asarray(state.version, jnp.int32), *leaves, vmap_method="expand_dims"
         )
-        return ClientState((), new_version), replies
+        return (ClientState((), out[0]),) + tuple(out[1:])
 
-    def one(self, name, client, *broadcast, own=(), state=None):
+    def one(self, name, client, *broadcast, own=(), state=None, partial=False):
         own = tuple(own)
         if state is not None:
             self._check_remote_state(name, state)
         reply = self._reply(name, broadcast, own, state is not None)
         client = jnp.asarray(client, dtype=jnp.int32)
         if state is not None:
-            return self._one_stateful(name, client, state, reply, broadcast, own)
+            return self._one_stateful(name, client, state, reply, broadcast, own, partial)
         m_clients = self.num_clients
         leaves, treedef = jax.tree_util.tree_flatten((client, broadcast, own))
         ndims = [jnp.ndim(x) for x in leaves]
@@ -418,6 +450,8 @@ class RemoteFederation(Federation):
 
         def host(*host_leaves):
             batch, flat, axes = _unbatch([np.asarray(x) for x in host_leaves], ndims)
+            if batch and partial:
+                self._fail(ValueError(f"call '{name}' with partial=True cannot be batched (vmap) over chains"))
             size = int(np.prod(batch)) if batch else 1
             chosen = np.broadcast_to(flat[0], (size,)) if batch else np.asarray(flat[0]).reshape(1)
             calls, members = {}, {}
@@ -441,8 +475,8 @@ class RemoteFederation(Federation):
                 _, bx, ox = jax.tree_util.tree_unflatten(treedef, [None] + args_axes)
                 in_axes = None if all(a is None for a in args_axes) else tuple(bx) + tuple(ox)
                 calls[c] = Call(tuple(b) + tuple(o), in_axes, sum(a.nbytes for a in args))
-            replies = self._transport(self.send_calls, name, calls)
-            parts = {c: jax.tree_util.tree_leaves(r) for c, r in replies.items()}
+            replies = self._exchange(self.send_calls, name, calls, partial)
+            parts = {c: self._reply_leaves(replies, c, reply_leaves) for c in members}
             out = []
             for j, want in enumerate(reply_leaves):
                 if not batch:
@@ -453,12 +487,14 @@ class RemoteFederation(Federation):
                     value = np.asarray(parts[c][j], dtype=want.dtype)
                     full[idx] = value if value.ndim > want.ndim else value[None]
                 out.append(full.reshape(tuple(batch) + tuple(want.shape)))
-            self._count(name, calls, replies, {c: len(idx) for c, idx in members.items()})
-            return jax.tree_util.tree_unflatten(reply_def, out)
+            self._count(name, calls, replies, {c: len(members[c]) for c in calls})
+            out = jax.tree_util.tree_unflatten(reply_def, out)
+            return (out, np.asarray(int(chosen[0]) in replies)) if partial else out
 
-        return jax.pure_callback(host, reply, *leaves, vmap_method="expand_dims")
+        out_struct = (reply, jax.ShapeDtypeStruct((), jnp.bool_)) if partial else reply
+        return jax.pure_callback(host, out_struct, *leaves, vmap_method="expand_dims")
 
-    def _one_stateful(self, name, client, state, reply, broadcast, own):
+    def _one_stateful(self, name, client, state, reply, broadcast, own, partial=False):
         m_clients = self.num_clients
         if client.ndim > 1:
             raise ValueError(f"call '{name}': client must be an index or a 1-d array of them, got shape {client.shape}")
@@ -467,6 +503,8 @@ class RemoteFederation(Federation):
             jax.ShapeDtypeStruct((m_clients,), jnp.int32),
             jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(lead + tuple(s.shape), s.dtype), reply),
         )
+        if partial:
+            out_struct = out_struct + (jax.ShapeDtypeStruct(lead, jnp.bool_),)
         leaves, treedef = jax.tree_util.tree_flatten((broadcast, own))
         ndims = [client.ndim, 1] + [jnp.ndim(x) for x in leaves]
         num_broadcast = len(jax.tree_util.tree_leaves(broadcast))
@@ -489,21 +527,23 @@ class RemoteFederation(Federation):
                 args = [leaf[c] if i >= num_broadcast else leaf for i, leaf in enumerate(flat)]
                 b, o = jax.tree_util.tree_unflatten(treedef, args)
                 calls[c] = Call(tuple(b) + tuple(o), None, sum(a.nbytes for a in args), int(version[c]))
-            answers = self._transport(self.send_stateful_calls, name, calls)
-            replies = {c: answers[c][0] for c in calls}
-            parts = {c: jax.tree_util.tree_leaves(r) for c, r in replies.items()}
+            answers = self._exchange(self.send_stateful_calls, name, calls, partial)
+            replies = {c: answer[0] for c, answer in answers.items()}
+            parts = {c: self._reply_leaves(replies, c, reply_leaves) for c in chosen.tolist()}
             out = [
                 np.stack([np.asarray(parts[c][j], dtype=want.dtype) for c in chosen.tolist()]).reshape(
                     lead + tuple(want.shape)
                 )
                 for j, want in enumerate(reply_leaves)
             ]
-            for c in calls:
-                version[c] = answers[c][1]
+            for c, answer in answers.items():
+                version[c] = answer[1]
             self._count(name, calls, replies, 1)
-            return version, jax.tree_util.tree_unflatten(reply_def, out)
+            out = (version, jax.tree_util.tree_unflatten(reply_def, out))
+            answered = np.asarray([c in answers for c in chosen.tolist()]).reshape(lead)
+            return out + (answered,) if partial else out
 
-        new_version, reply_out = jax.pure_callback(
+        out = jax.pure_callback(
             host, out_struct, client, jnp.asarray(state.version, jnp.int32), *leaves, vmap_method="expand_dims"
         )
-        return ClientState((), new_version), reply_out
+        return (ClientState((), out[0]),) + tuple(out[1:])

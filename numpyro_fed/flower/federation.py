@@ -145,7 +145,9 @@ class FlowerFederation(RemoteFederation):
             if silent:
                 nodes = [self._nodes[m] for m in silent]
                 parts.append(f"client(s) {silent} (Flower node(s) {nodes}) did not answer within {timeout} s")
-            error = ClientError(f"call '{call}': " + "; ".join(parts), clients=sorted(failed) + silent, call=call)
+            error = ClientError(
+                f"call '{call}': " + "; ".join(parts), clients=sorted(failed) + silent, call=call, replies=results
+            )
             self._error = error
             raise error
         return results
@@ -283,13 +285,23 @@ class FlowerFederation(RemoteFederation):
                 ]
             )
             contents[m] = self._message(name, args, batched=call.in_axes is not None, in_axes=axes)
-        replies = self._send(CALL, contents, timeout=self.timeout, call=name)
-        return {m: replies[m]["reply"].to_numpy_ndarrays() for m in calls}
+        return self._replies(CALL, contents, name, lambda r: r["reply"].to_numpy_ndarrays())
 
     def send_stateful_calls(self, name, calls):
         contents = {m: self._message(name, tuple(call.args), version=int(call.version)) for m, call in calls.items()}
-        replies = self._send(STATE, contents, timeout=self.timeout, call=name)
-        return {m: (replies[m]["reply"].to_numpy_ndarrays(), int(replies[m]["numpyro_fed"]["version"])) for m in calls}
+        return self._replies(
+            STATE, contents, name, lambda r: (r["reply"].to_numpy_ndarrays(), int(r["numpyro_fed"]["version"]))
+        )
+
+    def _replies(self, kind, contents, name, read):
+        """:meth:`_send`'s replies read by ``read``; a :class:`ClientError` carries those of
+        the nodes that answered, read the same way (what a ``partial`` call goes on with)."""
+        try:
+            replies = self._send(kind, contents, timeout=self.timeout, call=name)
+        except ClientError as error:
+            error.replies = {m: read(r) for m, r in error.replies.items()}
+            raise
+        return {m: read(replies[m]) for m in contents}
 
     def __repr__(self) -> str:
         state = f"num_clients={self.num_clients}" if self._program is not None else f"{len(self._nodes)} nodes"

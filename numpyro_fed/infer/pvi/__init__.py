@@ -10,6 +10,7 @@ and their baselines.
   ``q(z_m)``);
 * :mod:`~numpyro_fed.infer.pvi.core`: state, server update and the pure rounds
   (``init``, ``build_step``, ``build_client_step``), the one core of every face below;
+  :mod:`~numpyro_fed.infer.pvi.loss`: its loss, the negative ELBO (through the clients);
 * :mod:`~numpyro_fed.infer.pvi.baseline_core`: the baselines' start and end of that core;
 * :mod:`~numpyro_fed.infer.pvi.accounting`: the privacy side (automatic settings, noise
   calibration, accounting); :mod:`~numpyro_fed.infer.pvi.settings`: DPPVI's arguments;

@@ -48,16 +48,21 @@ import jax.numpy as jnp
 from jax import lax
 
 from numpyro_fed.federation import ClientState
+from numpyro_fed.federation.base import resolve_min_clients
 from numpyro_fed.infer.pvi.client import LocalConfig, client_update
 from numpyro_fed.infer.pvi.gaussian import (
     GaussianNatural,
-    entropy,
-    kl_divergence,
     proper,
-    sample,
     tree_add,
 )
 from numpyro_fed.infer.pvi.layout import BlockLayout, ClientData, shard_layout
+from numpyro_fed.infer.pvi.loss import (
+    LOSS_STREAM,
+    build_loss,
+    expected_log_lik,
+    federated_negative_elbo,
+    negative_elbo,
+)
 
 __all__ = [
     "BlockLayout",
@@ -70,6 +75,7 @@ __all__ = [
     "build_loss",
     "build_step",
     "build_visit",
+    "check_dropout",
     "client_factors",
     "client_functions",
     "expected_log_lik",
@@ -117,6 +123,8 @@ class PVIState(NamedTuple):
     :ivar prior_factor: the prior factor ``t_0`` the server refines
         (:mod:`~numpyro_fed.infer.pvi.prior`; ``q = prior x t_0 x prod_m t_m``), or ``None``
         when ``prior`` is the whole prior (a proper Gaussian).
+    :ivar absent: ``(M,)`` bool, the clients whose last visit failed (a run with
+        ``min_clients``, see :func:`build_step`): their factors are as before that visit.
     """
 
     q: GaussianNatural
@@ -126,6 +134,7 @@ class PVIState(NamedTuple):
     applied: jax.Array
     round: jax.Array = 0
     prior_factor: GaussianNatural | None = None
+    absent: jax.Array | None = None
 
 
 class PVIInfo(NamedTuple):
@@ -137,9 +146,12 @@ class PVIInfo(NamedTuple):
         changes) in each client's update; zero without clipping.
     :ivar residual: ``(M,)`` each client's local-optimization residual (see
         :func:`~numpyro_fed.infer.pvi.client.optimize_local`; the largest over its shards).
-    :ivar loss: the negative ELBO of ``q`` after the round (:func:`negative_elbo`).
+    :ivar loss: the negative ELBO of ``q`` after the round (:func:`negative_elbo`; ``nan``
+        when a client did not answer its call).
     :ivar prior_residual: the residual of the server's refinement of the prior factor this
         round (``None`` without one).
+    :ivar participated: ``(M,)`` bool, the clients whose update the round applied (every
+        client visited answered, unless a run with ``min_clients`` went on without some).
     """
 
     rejected: jax.Array
@@ -147,6 +159,7 @@ class PVIInfo(NamedTuple):
     residual: jax.Array
     loss: jax.Array
     prior_residual: jax.Array | None = None
+    participated: jax.Array | None = None
 
 
 def _initial_client_state(
@@ -197,6 +210,7 @@ def init(
         applied=jnp.zeros((num_clients, d), bool),
         round=jnp.zeros((), jnp.int32),
         prior_factor=prior_factor,
+        absent=jnp.zeros(num_clients, bool),
     )
 
 
@@ -229,54 +243,6 @@ def server_update(state: PVIState, new_q, new_factors):
     ok = proper(new_q)
     pick = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new, old)
     return state._replace(q=pick(new_q, state.q), factors=pick(new_factors, state.factors)), ok
-
-
-def _draw_q(rng_key, q: GaussianNatural, num_samples: int):
-    """``(num_samples, d)`` draws of ``q``: what the server sends the clients for the loss."""
-    return sample(rng_key, q, num_samples)
-
-
-def _prior_side_of_loss(q: GaussianNatural, prior: GaussianNatural, thetas, prior_potential):
-    """``KL(q || prior)``, or with ``prior_potential`` (a non-Gaussian or improper prior)
-    ``E_q[log q] - E_q[log p]`` up to a constant, estimated at the draws ``thetas``."""
-    if prior_potential is None:
-        return kl_divergence(q, prior)
-    return jnp.mean(jax.vmap(prior_potential)(thetas)) - entropy(q)
-
-
-def expected_log_lik(row_log_lik: Callable, thetas, rows, valid):
-    """One client's term of the loss: the sum over its valid rows of the Monte Carlo estimate
-    of ``E_q[log p(x | theta)]`` at the draws ``thetas`` (``(S, d)``)."""
-    per_draw = jax.vmap(row_log_lik, in_axes=(0, None))(thetas, rows)  # (S, R)
-    return jnp.sum(jnp.where(valid, jnp.mean(per_draw, axis=0), 0.0))
-
-
-def negative_elbo(
-    rng_key,
-    row_log_lik: Callable,
-    q: GaussianNatural,
-    prior: GaussianNatural,
-    data: ClientData,
-    num_samples: int,
-    prior_potential: Callable | None = None,
-):
-    """``-ELBO(q) = KL(q || prior) - sum_m sum_i E_q[log p(x_{m,i} | theta)]``, the
-    expectation estimated with ``num_samples`` draws of ``q`` shared by every client (with
-    ``prior_potential``, the prior's potential, ``KL(q || prior)`` is estimated with them
-    too, up to the constant an improper prior leaves).
-
-    A diagnostic of the run computed on every client's rows in this process: it is not one of
-    the messages the clients send, and no privacy guarantee covers it.
-    """
-    thetas = _draw_q(rng_key, q, num_samples)
-    client_log_lik = lambda rows, valid: expected_log_lik(row_log_lik, thetas, rows, valid)  # noqa: E731
-    expected = jnp.sum(jax.vmap(client_log_lik)(data.rows, data.valid))
-    return _prior_side_of_loss(q, prior, thetas, prior_potential) - expected
-
-
-#: ``jax.random.fold_in`` stream of a round's key that draws :func:`negative_elbo`'s samples
-#: (the clients' keys are ``jax.random.split(rng_key, M)``).
-LOSS_STREAM = 1
 
 
 class ClientReply(NamedTuple):
@@ -374,65 +340,43 @@ def client_functions(
     return functions, {"update": update}
 
 
-def federated_negative_elbo(
-    rng_key,
-    federation,
-    q: GaussianNatural,
-    prior: GaussianNatural,
-    num_samples: int,
-    prior_potential=None,
-    clients=None,
-):
-    """:func:`negative_elbo` with every client's term computed by the client
-    (``federation.map("expected_log_lik", thetas)``): the server draws ``thetas`` from ``q``
-    and sends them; each client returns one number. With ``clients`` (the clients'
-    :class:`~numpyro_fed.federation.ClientState`; clients that keep latents of their own,
-    :mod:`~numpyro_fed.infer.pvi.local`) the call is stateful (the same message; the client
-    draws its own latents with a key it keeps) and the result is ``(clients, loss)``."""
-    thetas = sample(rng_key, q, num_samples)
-    if clients is None:
-        expected = jnp.sum(federation.map("expected_log_lik", thetas))
-        return _prior_side_of_loss(q, prior, thetas, prior_potential) - expected
-    clients, terms = federation.map("expected_log_lik", thetas, state=clients)
-    return clients, _prior_side_of_loss(q, prior, thetas, prior_potential) - jnp.sum(terms)
+def _skip_absent(answered, new: PVIState, old: PVIState) -> PVIState:
+    """``new``'s ``q``, factors and ``applied`` if the visited client ``answered``, else
+    ``old``'s: a client that did not answer leaves them as they were (its factor unchanged
+    that round, which PVI allows: any subset of the clients may update in a round)."""
+    keep = lambda a, b: jnp.where(answered, a, b)  # noqa: E731
+    kept = (new.q, new.factors, new.applied), (old.q, old.factors, old.applied)
+    q, factors, applied = jax.tree_util.tree_map(keep, *kept)
+    return new._replace(q=q, factors=factors, applied=applied)
 
 
-def build_loss(num_mc_samples: int, prior_potential: Callable | None = None, *, stateful: bool = False) -> Callable:
-    """A pure ``loss(rng_key, q, prior, federation)``: :func:`federated_negative_elbo` with
-    ``num_mc_samples`` draws (the loss of a face's ``evaluate``); ``prior_potential`` for a
-    prior that ``prior`` does not hold whole (see :func:`negative_elbo`). ``stateful``
-    (clients with latents of their own): ``loss(rng_key, q, prior, clients, federation)``."""
-
-    def loss(rng_key, q: GaussianNatural, prior: GaussianNatural, *clients_and_federation):
-        *clients, federation = clients_and_federation
-        out = federated_negative_elbo(
-            rng_key, federation, q, prior, num_mc_samples, prior_potential, clients[0] if stateful else None
-        )
-        return out[1] if stateful else out
-
-    return loss
-
-
-def build_visit(*, damping: float = 1.0, auto_clip: bool = False) -> Callable:
-    """A pure ``visit(state, m, key, federation) -> (state, (rejected, clipped, residual))``:
-    client ``m``'s update (its key of the round ``key``) and the server's update after it.
+def build_visit(*, damping: float = 1.0, auto_clip: bool = False, partial: bool = False) -> Callable:
+    """A pure ``visit(state, m, key, federation) -> (state, (rejected, clipped, residual,
+    answered))``: client ``m``'s update (its key of the round ``key``) and the server's
+    update after it.
 
     What crosses: down, ``q`` (``2 d`` numbers), with ``auto_clip`` whether it is the state's
     first round, the key, and which coordinates of the client's last update were applied
     (``d`` booleans); up, :class:`ClientReply`. The client's factor (or virtual factors) stays
     with it. The server (:func:`server_update`) adds ``damping`` times the reply to ``q`` and
-    to its record of client ``m``'s factor.
+    to its record of client ``m``'s factor. ``partial``: a client that fails or does not
+    answer is skipped (``answered`` false): ``q``, its factor and its client state stay as
+    they were.
     """
 
     def visit(state: PVIState, m, key, federation):
         sent = (state.q, state.round == 0) if auto_clip else (state.q,)
         # own: client m's slice of what was applied of its last update
-        clients, reply = federation.one("update", m, *sent, key, own=(state.applied,), state=state.clients)
+        out = federation.one("update", m, *sent, key, own=(state.applied,), state=state.clients, partial=partial)
+        clients, reply, answered = out if partial else out + (jnp.asarray(True),)
         delta = reply.delta
         new_factors = jax.tree_util.tree_map(lambda all_, d: all_.at[m].add(damping * d), state.factors, delta)
-        state, ok = server_update(state, tree_add(state.q, delta, damping), new_factors)
-        state = state._replace(clients=clients, applied=state.applied.at[m].set(ok))
-        return state, (jnp.sum(~ok), reply.clipped, reply.residual)
+        new, ok = server_update(state, tree_add(state.q, delta, damping), new_factors)
+        new = new._replace(clients=clients, applied=new.applied.at[m].set(ok))
+        if partial:
+            new = _skip_absent(answered, new, state)
+            ok = ok | ~answered
+        return new, (jnp.sum(~ok), reply.clipped, reply.residual, answered)
 
     return visit
 
@@ -442,22 +386,29 @@ def _end_round(
     state: PVIState,
     federation,
     num_mc_samples: int,
-    rejected,
-    clipped,
-    residual,
+    visits,
     prior_residual,
     loss_prior,
     stateful_loss=False,
+    min_clients=None,
 ):
-    """Counts the round and computes the loss of the new ``q`` through the clients."""
+    """Counts the round, checks that ``min_clients`` clients are still in (``state.absent``:
+    a :class:`~numpyro_fed.federation.ClientError` naming those out otherwise) and computes
+    the loss of the new ``q`` through the clients. ``visits``: ``(rejected, clipped,
+    residual, participated)``."""
+    rejected, clipped, residual, participated = visits
     state = state._replace(round=state.round + 1)
+    if min_clients is not None:
+        state = state._replace(absent=federation.require(state.absent, min_clients))
     key = jax.random.fold_in(rng_key, LOSS_STREAM)
     clients = state.clients if stateful_loss else None
-    loss = federated_negative_elbo(key, federation, state.q, state.prior, num_mc_samples, loss_prior, clients)
+    loss = federated_negative_elbo(
+        key, federation, state.q, state.prior, num_mc_samples, loss_prior, clients, partial=min_clients is not None
+    )
     if stateful_loss:
         clients, loss = loss
         state = state._replace(clients=clients)
-    return state, PVIInfo(rejected, clipped, residual, loss, prior_residual)
+    return state, PVIInfo(rejected, clipped, residual, loss, prior_residual, participated)
 
 
 #: ``jax.random.fold_in`` stream of a round's key that the server's prior update uses.
@@ -471,6 +422,22 @@ def _refine_prior(rng_key, state: PVIState, prior_update):
     return prior_update(state, jax.random.fold_in(rng_key, PRIOR_STREAM))
 
 
+def check_dropout(min_clients, num_clients: int, trusted_aggregator: bool = False) -> int | None:
+    """``min_clients`` of a run of ``num_clients`` clients as :func:`build_step` takes it
+    (``None``: every client must answer), or a ``ValueError`` naming it: above
+    ``num_clients``, or below it with a trusted aggregator (each client's noise is divided by
+    ``sqrt(M)`` so that the sum of all ``M`` carries the guarantee's noise; a sum without
+    some of them would carry less)."""
+    resolved = resolve_min_clients(min_clients, num_clients)
+    if resolved is not None and trusted_aggregator:
+        raise ValueError(
+            f"min_clients={min_clients} needs trusted_aggregator=False: with a trusted aggregator each "
+            f"client's noise is divided by sqrt({num_clients}), so a round without some clients would carry "
+            "less noise than the guarantee counts"
+        )
+    return resolved
+
+
 def build_step(
     config: LocalConfig,
     *,
@@ -481,6 +448,7 @@ def build_step(
     prior_update: Callable | None = None,
     prior_potential: Callable | None = None,
     stateful_loss: bool = False,
+    min_clients: int | None = None,
 ) -> Callable:
     """A pure ``step(rng_key, state, federation) -> (state, info)``: one round, visiting
     every client once through ``federation`` (a started
@@ -495,21 +463,34 @@ def build_step(
     first refines the prior factor; ``prior_potential`` then enters the loss (see
     :func:`negative_elbo`). ``stateful_loss``: the clients' terms of the loss read their
     client state (latents of their own, see :func:`federated_negative_elbo`).
+
+    **Clients that drop out.** ``min_clients`` (``None``: every client must answer, and one
+    that fails stops the round with a :class:`~numpyro_fed.federation.ClientError`): the
+    clients' calls are ``partial``, a client that fails or does not answer is skipped (its
+    factor, and its part of ``q``, stay as before the round: PVI lets any subset of the
+    clients update in a round) and marked in ``state.absent``; it rejoins at its next visit
+    from its client state. A round after which fewer than ``min_clients`` clients answered
+    raises the :class:`~numpyro_fed.federation.ClientError` naming those out.
+    ``info.participated`` records who took part.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    partial = min_clients is not None
 
     def synchronous(keys, state, federation):
         sent = (state.q, state.round == 0) if auto_clip else (state.q,)
-        clients, reply = federation.map("update", *sent, per_client=(keys, state.applied), state=state.clients)
-        deltas = reply.delta
+        out = federation.map("update", *sent, per_client=(keys, state.applied), state=state.clients, partial=partial)
+        clients, reply, answered = out if partial else out + (jnp.ones(num_clients, bool),)
+        rows = lambda x: jnp.reshape(answered, (num_clients,) + (1,) * (jnp.ndim(x) - 1))  # noqa: E731
+        deltas = jax.tree_util.tree_map(lambda d: jnp.where(rows(d), d, 0), reply.delta)  # none of who failed
         new_factors = tree_add(state.factors, deltas, damping)
         total = jax.tree_util.tree_map(lambda x: jnp.sum(x, axis=0), deltas)
-        state, ok = server_update(state, tree_add(state.q, total, damping), new_factors)
-        state = state._replace(clients=clients, applied=jnp.broadcast_to(ok, state.applied.shape))
-        return state, (jnp.sum(~ok), reply.clipped, reply.residual)
+        new, ok = server_update(state, tree_add(state.q, total, damping), new_factors)
+        applied = jnp.where(rows(state.applied), jnp.broadcast_to(ok, state.applied.shape), state.applied)
+        new = new._replace(clients=clients, applied=applied)
+        return new, (jnp.sum(~ok), reply.clipped, reply.residual, answered)
 
-    visit = build_visit(damping=damping, auto_clip=auto_clip)
+    visit = build_visit(damping=damping, auto_clip=auto_clip, partial=partial)
 
     def sequential(keys, state, federation):
         return lax.scan(lambda state, m: visit(state, m, keys[m], federation), state, jnp.arange(num_clients))
@@ -519,18 +500,18 @@ def build_step(
     def step(rng_key, state: PVIState, federation):
         keys = jax.random.split(rng_key, num_clients)
         state, prior_residual = _refine_prior(rng_key, state, prior_update)
-        state, (rejected, clipped, residual) = visit_all(keys, state, federation)
+        state, visits = visit_all(keys, state, federation)
+        state = state._replace(absent=~visits[-1])  # every client was visited
         return _end_round(
             rng_key,
             state,
             federation,
             config.num_mc_samples,
-            rejected,
-            clipped,
-            residual,
+            visits,
             prior_residual,
             prior_potential,
             stateful_loss,
+            min_clients,
         )
 
     return step
@@ -542,19 +523,30 @@ def build_client_step(
     damping: float = 1.0,
     prior_update: Callable | None = None,
     prior_potential: Callable | None = None,
+    min_clients: int | None = None,
 ) -> Callable:
     """A pure ``step(rng_key, state, federation, client) -> (state, info)``: a round that
     visits only ``client`` (:func:`build_visit`, with ``rng_key`` as the client's key), as
     :class:`~numpyro_fed.GaussianPVI` schedules them; ``info`` a :class:`PVIInfo` whose
     ``rejected``, ``clipped`` and ``residual`` are that client's. ``prior_update``,
-    ``prior_potential``: as :func:`build_step`'s."""
-    visit = build_visit(damping=damping)
+    ``prior_potential``: as :func:`build_step`'s.
+
+    ``min_clients``: a scheduled client that fails is skipped (``q`` and its factor stay) and
+    counted out (``state.absent``) until a later visit of it answers; the run stops with the
+    :class:`~numpyro_fed.federation.ClientError` when fewer than ``min_clients`` clients are
+    in (the clients whose last visit answered, or not yet visited)."""
+    visit = build_visit(damping=damping, partial=min_clients is not None)
 
     def step(rng_key, state: PVIState, federation, client):
+        num_clients = state.applied.shape[0]
         state, prior_residual = _refine_prior(rng_key, state, prior_update)
-        state, (rejected, clipped, residual) = visit(state, client, rng_key, federation)
+        state, (rejected, clipped, residual, answered) = visit(state, client, rng_key, federation)
+        absent = jnp.zeros(num_clients, bool) if state.absent is None else state.absent
+        state = state._replace(absent=absent.at[client].set(~answered))
+        participated = jnp.zeros(num_clients, bool).at[client].set(answered)
+        visits = (rejected, clipped, residual, participated)
         return _end_round(
-            rng_key, state, federation, num_mc_samples, rejected, clipped, residual, prior_residual, prior_potential
+            rng_key, state, federation, num_mc_samples, visits, prior_residual, prior_potential, min_clients=min_clients
         )
 
     return step

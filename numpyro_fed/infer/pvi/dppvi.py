@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from numpyro.infer.initialization import init_to_uniform
 
 from numpyro_fed._checks import check_int, check_positive
+from numpyro_fed.federation.base import check_min_clients
 from numpyro_fed.infer.base import (
     ClientSpec,
     RunCheckpoint,
@@ -153,6 +154,13 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
     :param budget: a :class:`~numpyro_fed.PrivacyBudget` the run draws from (refused before
         it starts past it). The guarantee, ``result.privacy``: the guide's *What the
         guarantee covers*.
+    :param int min_clients: ``None`` (default): every client must answer each round; one that
+        fails or times out stops the run with a :class:`~numpyro_fed.federation.ClientError`
+        whose ``state`` resumes it. An int: a round goes on without the clients that fail
+        (their factors stay as they were, which PVI allows; ``metrics["participated"]``
+        records who took part, and they rejoin the next round from their client state) as
+        long as ``min_clients`` answered; below, the ``ClientError``. Not with
+        ``trusted_aggregator`` (its noise is split among all clients). The guide's *Nodes that drop out*.
 
     **Running.** As :class:`numpyro.infer.SVI`: :meth:`run` returns a
     :class:`~numpyro_fed.infer.RunResult` whose ``metrics`` hold per round ``loss`` (the
@@ -238,6 +246,7 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
         covariance: str = "auto",
         private_randomness: bool | None = None,
         budget=None,
+        min_clients: int | None = None,
     ):
         sampling, sampling_rate, self.auto_sampling = resolve_sampling(dp, sampling, sampling_rate)
         if covariance not in COVARIANCES:
@@ -281,6 +290,7 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
             raise ValueError(f"neighboring must be 'replace_one' or 'add_remove', got {neighboring!r}")
         self.neighboring = neighboring
         self.private_randomness, self.budget = check_private_settings(dp, private_randomness, budget)
+        self.min_clients = check_min_clients(min_clients)
         self._plan: _RunPlan | None = None
 
     repr_fields = ("dp", "schedule", "num_local_steps", "num_mc_samples", "damping")
@@ -420,6 +430,7 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
             prior_update=prior_update,
             prior_potential=prior_potential,
             stateful_loss=self._local is not None,
+            min_clients=core.check_dropout(self.min_clients, num_clients, self.trusted_aggregator),
         )
         self._plan = _RunPlan(
             num_rounds,
@@ -518,6 +529,7 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
             "rejected": info.rejected,
             "clipped": info.clipped,
             "residual": info.residual,
+            "participated": info.participated,
             "communications": int(state.round) * self._communications_per_round(),
             "noise_multiplier": plan.noise_multiplier,
             "predicted_dp_error": dp_error,

@@ -15,6 +15,7 @@ import optax
 from numpyro.infer.initialization import init_to_uniform
 
 from numpyro_fed._checks import check_int, check_positive
+from numpyro_fed.federation.base import check_min_clients, resolve_min_clients
 from numpyro_fed.infer.base import ClientSpec, RunResult, VariationalMethod, jit_round
 from numpyro_fed.infer.pvi import core
 from numpyro_fed.infer.pvi.client import LocalConfig
@@ -34,13 +35,16 @@ class GaussianPVIInfo(NamedTuple):
     :ivar rejected: coordinates of its update not applied (they would make ``q`` improper).
     :ivar residual: its local optimization's residual (see
         :func:`~numpyro_fed.infer.pvi.client.optimize_local`).
-    :ivar loss: the negative ELBO of ``q`` after the round.
+    :ivar loss: the negative ELBO of ``q`` after the round (``nan`` when a client did not
+        answer its call, with ``min_clients``).
+    :ivar participated: ``(M,)`` bool: the scheduled client, if its update was applied.
     """
 
     client: jax.Array
     rejected: jax.Array
     residual: jax.Array
     loss: jax.Array
+    participated: jax.Array
 
 
 class GaussianPVI(VariationalMethod):
@@ -60,7 +64,8 @@ class GaussianPVI(VariationalMethod):
 
     ``result.metrics`` holds per round ``client``, ``loss`` (the negative ELBO, see
     :meth:`evaluate`), ``loc`` and ``scale`` of ``q`` (``(num_rounds, d)``, flat),
-    ``rejected`` and ``residual``; :meth:`log_density` evaluates ``q``.
+    ``rejected``, ``residual`` and ``participated`` (``(num_rounds, M)`` bool: the scheduled
+    client, if its update was applied); :meth:`log_density` evaluates ``q``.
 
     :param int num_local_steps: steps of the local optimization.
     :param optim: an optax optimizer (default ``adam(1e-2)``).
@@ -79,6 +84,13 @@ class GaussianPVI(VariationalMethod):
         federation given ``loader=`` (deployment) each client loads its own rows and the
         method is run without data arguments: ``GaussianPVI(model,
         federation=nf.InProcess(loader=load, num_clients=M)).run(rng_key, num_rounds)``.
+    :param int min_clients: ``None`` (default): every client must answer; one that fails or
+        times out stops the run with a :class:`~numpyro_fed.federation.ClientError` whose
+        ``state`` resumes it. An int: a scheduled client that fails is skipped (``q`` and its
+        factor stay as they were; ``participated`` records it) and rejoins at its next visit
+        from its client state; the run stops with the ``ClientError`` only when fewer than
+        ``min_clients`` clients are in (those whose last visit answered, or not visited yet).
+        See the guide's *Nodes that drop out*.
 
     >>> import jax, jax.numpy as jnp, numpyro, numpyro.distributions as dist
     >>> import numpyro_fed as nf
@@ -110,6 +122,7 @@ class GaussianPVI(VariationalMethod):
         init_strategy=init_to_uniform,
         progress_bar: bool = True,
         federation=None,
+        min_clients: int | None = None,
     ):
         super().__init__(
             model, partition=partition, init_strategy=init_strategy, progress_bar=progress_bar, federation=federation
@@ -127,6 +140,7 @@ class GaussianPVI(VariationalMethod):
                 raise ValueError(f"client_order must be a 1-d sequence of client indices, got {client_order!r}")
             client_order = tuple(int(m) for m in order)
         self.client_order = client_order
+        self.min_clients = check_min_clients(min_clients)
         self._round_fn = self._data = None
 
     def plan_clients(self, rng_key, args, kwargs, *, num_rounds=None) -> ClientSpec:
@@ -169,13 +183,17 @@ class GaussianPVI(VariationalMethod):
             prior_update = build_prior_update(remainder, prior.refined, self._config, damping=self.damping)
         self._loss_fn = jit_round(core.build_loss(self.num_mc_samples, prior_potential))
         step = core.build_client_step(
-            self.num_mc_samples, damping=self.damping, prior_update=prior_update, prior_potential=prior_potential
+            self.num_mc_samples,
+            damping=self.damping,
+            prior_update=prior_update,
+            prior_potential=prior_potential,
+            min_clients=resolve_min_clients(self.min_clients, fp.num_clients),
         )
 
         @jit_round
         def round_fn(rng_key, state, m, federation):
             state, info = step(rng_key, state, federation, m)
-            return state, GaussianPVIInfo(m, info.rejected, info.residual, info.loss)
+            return state, GaussianPVIInfo(m, info.rejected, info.residual, info.loss, info.participated)
 
         self._round_fn = round_fn
         return initial_state(prior, fp.num_clients, federation=self._active_federation)

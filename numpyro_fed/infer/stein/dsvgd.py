@@ -87,8 +87,10 @@ class DSVGDState(NamedTuple):
     :ivar clients: a :class:`~numpyro_fed.federation.ClientState` of every client's
         :class:`LocalState`: in process, its ``values`` stack them (leading axis ``K``); with an
         engine backend each client's stays on its worker and ``values`` is empty.
-    :ivar visited: ``(K,)`` bool, the clients the server has scheduled.
+    :ivar visited: ``(K,)`` bool, the clients whose update the server has received.
     :ivar round: rounds done.
+    :ivar absent: ``(K,)`` bool, the clients whose last scheduled round failed (a run with
+        ``min_clients``, see :func:`build_kernel`).
 
     Before its first round a client's local particles are the initial prior draws, but the
     rounds use ``t_k^(0) = 1`` (Algorithm 1, line 1) exactly for a client not yet visited,
@@ -100,6 +102,7 @@ class DSVGDState(NamedTuple):
     clients: ClientState
     visited: jax.Array
     round: jax.Array
+    absent: jax.Array | None = None
 
     @property
     def local_particles(self) -> jax.Array:
@@ -113,10 +116,13 @@ class DSVGDInfo(NamedTuple):
 
     :ivar client: the scheduled client(s).
     :ivar move: root mean square distance the global particles moved in the round.
+    :ivar participated: ``(K,)`` bool, the client whose update the round applied (``None``
+        in the variants that do not record it).
     """
 
     client: jax.Array
     move: jax.Array
+    participated: jax.Array | None = None
 
 
 class ClientMessage(NamedTuple):
@@ -176,6 +182,7 @@ def init(particles, federation) -> DSVGDState:
         clients=federation.init_state(initial_local_states(particles, num_clients)),
         visited=jnp.zeros(num_clients, bool),
         round=jnp.zeros((), jnp.int32),
+        absent=jnp.zeros(num_clients, bool),
     )
 
 
@@ -434,18 +441,28 @@ def build_client(
     return client
 
 
-def server_update(state: DSVGDState, client, new_global, clients: ClientState) -> tuple[DSVGDState, DSVGDInfo]:
+def server_update(
+    state: DSVGDState, client, new_global, clients: ClientState, answered=True
+) -> tuple[DSVGDState, DSVGDInfo]:
     """The server's side of a round: the uploaded particles become the global ones;
     ``clients`` is the clients' state after the round (the scheduled client's moved on where
-    it lives)."""
+    it lives). A client that did not ``answer`` (a ``partial`` call) leaves the global
+    particles as they were (and its local ones: the federation kept its state), and is
+    marked ``absent`` until it answers a later round."""
+    answered = jnp.asarray(answered)
+    num_clients = state.visited.shape[0]
+    new_global = jnp.where(answered, new_global, state.global_particles)
     move = jnp.sqrt(jnp.mean(jnp.sum((new_global - state.global_particles) ** 2, axis=-1)))
+    absent = jnp.zeros(num_clients, bool) if state.absent is None else state.absent
     state = DSVGDState(
         global_particles=new_global,
         clients=clients,
-        visited=state.visited.at[client].set(True),
+        visited=state.visited.at[client].set(state.visited[client] | answered),
         round=state.round + 1,
+        absent=absent.at[client].set(~answered),
     )
-    return state, DSVGDInfo(jnp.asarray(client), move)
+    participated = jnp.zeros(num_clients, bool).at[client].set(answered)
+    return state, DSVGDInfo(jnp.asarray(client), move, participated)
 
 
 def client_functions(prior_grad: Callable, client_grad: Callable, **options) -> tuple[dict, dict]:
@@ -469,19 +486,35 @@ def client_functions(prior_grad: Callable, client_grad: Callable, **options) -> 
     return {}, {"update": update}
 
 
-def build_kernel(stochastic: bool = False) -> Callable:
+def build_kernel(stochastic: bool = False, min_clients: int | None = None) -> Callable:
     """One round of DSVGD (Algorithm 1): ``step(rng_key, state, federation, client) -> (state,
     info)``. The server sends the scheduled ``client`` (an index, may be traced) its
     :class:`ClientMessage` through ``federation`` (started on :func:`client_functions`); the
     client moves its local particles (its ``"update"``, on its own :class:`LocalState`) and
     returns the new global particles; :func:`server_update` keeps them. ``stochastic``: the
     round's ``rng_key`` goes to the client (its minibatches; otherwise ``rng_key`` is unused
-    and may be ``None``)."""
+    and may be ``None``).
+
+    **Clients that drop out.** With ``min_clients`` (``None``: a failure stops the round with
+    a :class:`~numpyro_fed.federation.ClientError`) the call is ``partial``: a scheduled
+    client that fails or does not answer has its particle update skipped, the round leaving
+    the global particles and its local particles as they were (the analogue of PVI's rule: a
+    round may update any subset of the factors, here the empty one; ``q`` and ``t_k`` stay
+    consistent because neither moved). It is marked ``absent`` and counts as out until a
+    later round of it answers; the round raises the ``ClientError`` naming those out when
+    fewer than ``min_clients`` of the ``K`` clients are in."""
 
     def step(rng_key, state: DSVGDState, federation, client):
         first = ~jnp.any(state.visited)
         key = (rng_key,) if stochastic else ()
-        clients, new_global = federation.one("update", client, state.global_particles, first, *key, state=state.clients)
-        return server_update(state, client, new_global, clients)
+        partial = min_clients is not None
+        out = federation.one(
+            "update", client, state.global_particles, first, *key, state=state.clients, partial=partial
+        )
+        clients, new_global, answered = out if partial else out + (True,)
+        state, info = server_update(state, client, new_global, clients, answered)
+        if partial:
+            state = state._replace(absent=federation.require(state.absent, min_clients))
+        return state, info
 
     return step

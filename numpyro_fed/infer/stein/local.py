@@ -421,6 +421,7 @@ def init(particles, layout: LatentLayout, federation):
         clients=federation.init_state(initial_local_states(particles, layout)),
         visited=jnp.zeros(num_clients, bool),
         round=jnp.zeros((), jnp.int32),
+        absent=jnp.zeros(num_clients, bool),
     )
 
 

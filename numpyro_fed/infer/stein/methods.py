@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from numpyro.infer.initialization import init_to_sample
 
 from numpyro_fed._checks import check_int, check_positive
+from numpyro_fed.federation.base import check_min_clients, resolve_min_clients
 from numpyro_fed.infer.base import adopt_client_state, jit_round
 from numpyro_fed.infer.stein import dsvgd as dsvgd_core
 from numpyro_fed.infer.stein import local as local_core
@@ -86,6 +87,15 @@ class DSVGD(ParticleMethod):
         step, without replacement, the gradient scaled by ``n_k / batch_size``), as in the
         paper's experiments (Table 2: 100 for the regression BNNs); ``None`` (default): all
         of them. Needs a model with one federated data plate.
+    :param int min_clients: ``None`` (default): every scheduled client must answer; one that
+        fails or times out stops the run with a :class:`~numpyro_fed.federation.ClientError`
+        whose ``state`` resumes it. An int: a round whose scheduled client fails is skipped
+        (the global particles and its local particles stay as they were, the analogue of
+        PVI's unchanged factor; ``metrics["participated"]`` records it) and the client
+        rejoins at its next scheduled round from its client state; the run stops with the
+        ``ClientError`` only when fewer than ``min_clients`` clients are in (those whose last
+        scheduled round answered, or not scheduled yet). DSVGD only (not its variants). The
+        guide's *Nodes that drop out*.
     :param federation: where the clients run: ``None`` (the default: in this process) or a
         :class:`~numpyro_fed.federation.Federation` such as :class:`~numpyro_fed.RayFederation`
         (each client a worker holding only its own rows); same key, same answer. Each round
@@ -97,7 +107,8 @@ class DSVGD(ParticleMethod):
         ``result.ledger`` counts it, and the diagnostics' ``"potential_grad"`` calls
         (Stein's checks, :meth:`evaluate`). A client
         that dies or stops answering stops the run with a
-        :class:`~numpyro_fed.federation.ClientError` whose ``state`` resumes it.
+        :class:`~numpyro_fed.federation.ClientError` whose ``state`` resumes it, unless
+        ``min_clients`` lets the run go on without it.
         **Deployment**: given a federation with ``loader=`` (e.g.
         ``nf.RayFederation(loader=load, num_clients=M)``), each client loads its own rows
         where it lives and the run takes no data arguments, ``DSVGD(model,
@@ -107,7 +118,8 @@ class DSVGD(ParticleMethod):
     **Results.** ``run`` returns a :class:`~numpyro_fed.infer.RunResult` whose ``state`` is a
     :class:`~numpyro_fed.infer.stein.dsvgd.DSVGDState` (:meth:`particles` gives its global
     particles). DSVGD defines no loss: ``result.metrics`` holds per round ``client``, ``move``
-    (root mean square move of the global particles), ``particles`` (the global particles),
+    (root mean square move of the global particles), ``participated`` (``(K,)`` bool: the
+    scheduled client, if its update was applied), ``particles`` (the global particles),
     ``wall_time``, the user's metrics and Stein's checks below; :meth:`evaluate` gives the
     kernel Stein discrepancy of a state's particles.
 
@@ -173,6 +185,7 @@ class DSVGD(ParticleMethod):
         progress_bar: bool = True,
         batch_size: int | None = None,
         federation=None,
+        min_clients: int | None = None,
     ):
         super().__init__(
             model,
@@ -193,6 +206,12 @@ class DSVGD(ParticleMethod):
         self.kde_bandwidth = check_kde_bandwidth(kde_bandwidth)
         self.svgd_bandwidth = None if svgd_bandwidth is None else check_positive(svgd_bandwidth, "svgd_bandwidth")
         self.client_order = check_client_order(client_order)
+        self.min_clients = check_min_clients(min_clients)
+        if self.min_clients is not None and type(self) is not DSVGD:
+            raise ValueError(
+                f"min_clients={min_clients}: {type(self).__name__} does not skip clients that drop out; "
+                "DSVGD does (or pass min_clients=None: every client must answer)"
+            )
 
     local_latents = True
     _layout = None  # the LatentLayout of a model with client-local latents
@@ -304,7 +323,7 @@ class DSVGD(ParticleMethod):
             return -prior_grad(theta)
 
         mean, scale = local_core.joint_stein_statistics(layout, state.global_particles, prior_score, replies)
-        all_visited = len(np.unique(result.metrics["client"])) == self.federated_potential.num_clients
+        all_visited = self._all_visited(result.metrics)
         problems = runaway_problems(
             self._initial_particles,
             result.metrics["particles"][-1],
@@ -342,7 +361,14 @@ class DSVGD(ParticleMethod):
         return dsvgd_core.client_functions(*self.gradients, **self._core_options())
 
     def build_round(self):
-        return dsvgd_core.build_kernel(self.stochastic_client_grad is not None)
+        min_clients = resolve_min_clients(self.min_clients, self.federated_potential.num_clients)
+        return dsvgd_core.build_kernel(self.stochastic_client_grad is not None, min_clients)
+
+    def _all_visited(self, metrics) -> bool:
+        """Whether every client's update was applied in some round of the run."""
+        if "participated" in metrics:
+            return bool(np.all(np.any(metrics["participated"], axis=0)))
+        return len(np.unique(metrics["client"])) == self.federated_potential.num_clients
 
     def _check_state(self, state):
         state = super()._check_state(state)
@@ -361,7 +387,7 @@ class DSVGD(ParticleMethod):
             return result
         stein_mean, stein_scale = self._stein_metrics(particles, result.ledger)
         result.metrics["stein_mean"], result.metrics["stein_scale"] = stein_mean, stein_scale
-        all_visited = len(np.unique(result.metrics["client"])) == self.federated_potential.num_clients
+        all_visited = self._all_visited(result.metrics)
         problems = runaway_problems(
             self._initial_particles,
             particles[-1],
