@@ -79,10 +79,9 @@ class PrivacyAccounting:
         """The error the privacy noise and the local optimization's subsampling are expected
         to put on ``q``'s means, in posterior standard deviations, the largest over the
         coordinates (computed from sizes only; ``0`` if non-private): the formula of
-        :mod:`~numpyro_fed.infer.pvi.dp_defaults`, fitted to measured errors, with ``W`` the
-        default optimizer's averaging window (10 for a user's optimizer) and ``kappa`` the
-        clip norm over the typical row gradient (``AUTO_CLIP`` for the automatic clip norm,
-        1, the best case, for a user's). Update perturbation (``"local_avg"``,
+        :mod:`~numpyro_fed.infer.pvi.dp_defaults`, fitted to measured errors for the
+        automatic clip norm (for a user's, a best-case lower bound), with ``W`` the default
+        optimizer's averaging window (10 for a user's optimizer). Update perturbation (``"local_avg"``,
         ``"virtual"``) depends on ``q``'s scale, known only as the run goes: ``nan`` here,
         and each round's :meth:`update_noise_error` in the run's metrics.
         """
@@ -102,9 +101,9 @@ class PrivacyAccounting:
             sizes,
             num_latent,
             window=self._averaging_window(),
-            kappa=AUTO_CLIP if self.auto_clip else 1.0,
+            automatic=self.auto_clip,
             damping=self.damping,
-            num_rounds=num_rounds,
+            rounds=num_rounds,
         )
 
     def dp_error_floor(self, client_sizes, num_latent) -> float:
@@ -113,7 +112,7 @@ class PrivacyAccounting:
         automatic clip norm."""
         sizes = np.asarray(client_sizes, float)
         c = self.single_noise_multiplier() if self.target_epsilon is not None else float("nan")
-        return float(dp_defaults.FIT_NOISE * AUTO_CLIP * c * np.sqrt(num_latent * sizes.size / sizes.sum()))
+        return float(dp_defaults.FIT_NOISE * AUTO_CLIP * c * num_latent * np.sqrt(sizes.size / sizes.sum()))
 
     def update_noise_error(self, noise_multipliers, num_rounds, num_clients, scale) -> float:
         """Update perturbation (``"local_avg"``, ``"virtual"``): the error the privacy noise
