@@ -112,7 +112,7 @@ class PrivacyAccounting:
         automatic clip norm."""
         sizes = np.asarray(client_sizes, float)
         c = self.single_noise_multiplier() if self.target_epsilon is not None else float("nan")
-        return float(dp_defaults.FIT_NOISE * AUTO_CLIP * c * num_latent * np.sqrt(sizes.size / sizes.sum()))
+        return float(dp_defaults.FIT_NOISE * AUTO_CLIP * c * num_latent**1.5 * np.sqrt(sizes.size / sizes.sum()))
 
     def update_noise_error(self, noise_multipliers, num_rounds, num_clients, scale) -> float:
         """Update perturbation (``"local_avg"``, ``"virtual"``): the error the privacy noise

@@ -58,13 +58,13 @@ def test_predicted_error_is_the_fitted_formula():
     sizes = np.full(5, 4000)
     sigmas = method.noise_multipliers(2, sizes)
     rate, window = method.sampling_rate, 50.0
-    noise = dp_defaults.FIT_NOISE * 8 * sigmas[0] / rate * 5 * np.sqrt(5 / 20000) / np.sqrt(window)
+    noise = dp_defaults.FIT_NOISE * 8 * sigmas[0] / rate * 5**1.5 * np.sqrt(5 / 20000) / np.sqrt(window)
     subsampling = dp_defaults.FIT_SUBSAMPLING * np.sqrt((1 - rate) / (rate * window))
     assert method.predicted_dp_error(sigmas, 2, sizes, 5) == pytest.approx(np.hypot(noise, subsampling))
     # the floor: every step of the run averaged
     floor = method.dp_error_floor(sizes, 5)
     c = method.single_noise_multiplier()
-    assert floor == pytest.approx(dp_defaults.FIT_NOISE * 8 * c * 5 * np.sqrt(5 / 20000))
+    assert floor == pytest.approx(dp_defaults.FIT_NOISE * 8 * c * 5**1.5 * np.sqrt(5 / 20000))
     assert floor < method.predicted_dp_error(sigmas, 2, sizes, 5)
 
 
