@@ -664,6 +664,7 @@ def main(argv=None):
         "predicted error was fitted on (the rule's settings run anyway, against NUTS)",
     )
     parser.add_argument("--damping", type=float, default=None, help="--grid: this damping instead of the rule's")
+    parser.add_argument("--only", default=None, help="--defaults: only the problems whose name contains this")
     args = parser.parse_args(argv)
     if args.grid:
         rows = run_grid([int(s) for s in args.seeds.split(",")], damping=args.damping)
@@ -674,7 +675,8 @@ def main(argv=None):
         print(f"wrote {out_path}")
         return
     if args.defaults:
-        rows = run_defaults([int(s) for s in args.seeds.split(",")])
+        names = [n for n in DEFAULT_PROBLEMS if args.only in n] if args.only else None
+        rows = run_defaults([int(s) for s in args.seeds.split(",")], names)
         out_path = args.out or os.path.join(os.path.dirname(__file__), "results", "dppvi_defaults.json")
         os.makedirs(os.path.dirname(out_path), exist_ok=True)
         with open(out_path, "w") as handle:

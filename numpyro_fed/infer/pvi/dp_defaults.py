@@ -107,9 +107,10 @@ def auto_clip_norms(num_rounds: int, sizes, d: int, *, sequential: bool, continu
     return AUTO_CLIP * np.sqrt(d / seen)
 
 
-def default_damping(budget_only: bool) -> float:
-    """``damping=None``: ``AUTO_DAMPING`` for DP-SGD given only a budget, else 1."""
-    return AUTO_DAMPING if budget_only else 1.0
+def default_damping(automatic: bool) -> float:
+    """``damping=None``: ``AUTO_DAMPING`` for DP-SGD with a budget and the automatic clip
+    norm (given only a budget, or with a sampling rate too), else 1."""
+    return AUTO_DAMPING if automatic else 1.0
 
 
 def damping_factor(damping: float, num_rounds: int) -> float:

@@ -109,7 +109,7 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
     :param int num_local_steps: local optimization steps per client update.
     :param int num_mc_samples: Monte Carlo draws of ``q`` per step.
     :param float damping: ``rho`` in ``(0, 1]``: the server adds ``rho * Delta``. ``None``:
-        1, or ``AUTO_DAMPING`` (0.5) for DP-SGD given only a budget (see *Defaults*).
+        1, or ``AUTO_DAMPING`` (0.5) for DP-SGD with a budget and the automatic clip norm.
     :param str sampling: minibatches of the local optimization: ``"full"``, ``"poisson"``
         (rate ``sampling_rate``, PLD) or ``"without_replacement"`` (``round(sampling_rate *
         n_m)`` rows, RDP). Default: ``"poisson"`` for ``"dpsgd"`` (at the automatic rate
@@ -251,8 +251,8 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
         self.default_optim = optim is None
         self.optim = default_optimizer(self.num_local_steps) if optim is None else optim
         self.num_mc_samples = check_int(num_mc_samples, "num_mc_samples", minimum=1)
-        budget_only = self.auto_sampling and self.auto_clip and target_epsilon is not None and noise_multiplier is None
-        self.damping = check_positive(default_damping(budget_only) if damping is None else damping, "damping")
+        automatic = self.auto_clip and target_epsilon is not None and noise_multiplier is None
+        self.damping = check_positive(default_damping(automatic) if damping is None else damping, "damping")
         if self.damping > 1.0:
             raise ValueError(f"damping must lie in (0, 1], got {self.damping}")
         self.sampling, self.sampling_rate = sampling, sampling_rate

@@ -47,7 +47,8 @@ def test_the_rule_reads_public_sizes_only():
     assert sigmas[0] / method.sampling_rate == pytest.approx(c * np.sqrt(200), rel=0.05)
     np.testing.assert_allclose(method.auto_clip_norms(2, sizes, 5)[1], 8 * np.sqrt(5 / 20000))
     assert DPPVI(lambda: None, dp="dpsgd", target_epsilon=1.0, damping=1.0).damping == 1.0
-    assert DPPVI(lambda: None, dp="dpsgd", target_epsilon=1.0, clip_norm=2.0).damping == 1.0  # not budget-only
+    assert DPPVI(lambda: None, dp="dpsgd", target_epsilon=1.0, sampling_rate=0.1).damping == 0.5  # the rule's clip
+    assert DPPVI(lambda: None, dp="dpsgd", target_epsilon=1.0, clip_norm=2.0).damping == 1.0  # the user's clip
     assert DPPVI(lambda: None).damping == 1.0
 
 
@@ -94,7 +95,7 @@ def test_budget_only_settings_track_their_prediction_without_blowing_up(seed):
         with pytest.raises(ValueError, match="mostly noise"):
             DPPVI(model, dp="dpsgd", target_epsilon=1.0, progress_bar=False).run(jax.random.PRNGKey(seed), 2, X, y)
         rate = dp_defaults.auto_sampling_rate(4000, None, None)
-        forced = DPPVI(model, dp="dpsgd", target_epsilon=1.0, sampling_rate=rate, damping=0.5, progress_bar=False)
+        forced = DPPVI(model, dp="dpsgd", target_epsilon=1.0, sampling_rate=rate, progress_bar=False)
         result = forced.run(jax.random.PRNGKey(seed), 2, X, y)
     mean, sd = np.asarray(exact.metrics["loc"][-1]), np.asarray(exact.metrics["scale"][-1])
     loc, scale = np.asarray(result.metrics["loc"][-1]), np.asarray(result.metrics["scale"][-1])
