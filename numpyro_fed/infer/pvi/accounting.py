@@ -109,7 +109,7 @@ class PrivacyAccounting:
     def dp_error_floor(self, client_sizes, num_latent) -> float:
         """The privacy term's floor for these sizes and budget, whatever the rate, steps and
         rounds: every step of the run averaged (``sigma / r = c sqrt(T)``, ``W = T``), at the
-        automatic clip norm."""
+        automatic clip norm; ``nan`` without a ``target_epsilon``."""
         sizes = np.asarray(client_sizes, float)
         c = self.single_noise_multiplier() if self.target_epsilon is not None else float("nan")
         return float(dp_defaults.FIT_NOISE * AUTO_CLIP * c * num_latent**1.5 * np.sqrt(sizes.size / sizes.sum()))

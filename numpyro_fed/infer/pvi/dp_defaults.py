@@ -150,13 +150,19 @@ def noise_dominates_message(budget: str, dp_error: float, num_rounds, num_local_
     return (
         f"DPPVI(dp='dpsgd'): with {budget}, {num_rounds} round(s) of {num_local_steps} "
         f"local steps, {sizes.size} clients and {int(np.sum(sizes))} rows, the privacy noise "
-        f"alone is expected to move the means of q by up to about {dp_error:.2g} posterior standard "
+        f"is expected to move the means of q by up to about {dp_error:.2g} posterior standard "
         f"deviations (predicted_dp_error; more than {MAX_DP_ERROR}): the answer would be "
-        f"mostly noise. No choice of rate, steps or rounds brings it below about {floor:.2g} "
-        "for these sizes and this budget. Raise target_epsilon (the error scales about as "
-        "1/epsilon), give the clients more rows (as 1/sqrt(rows)), accept neighboring='add_remove' "
-        "(half the noise) or, for many small clients, use dp='virtual' with a trusted "
-        "aggregator"
+        "mostly noise. "
+        + (
+            f"No choice of rate, steps or rounds brings it below about {floor:.2g} for these sizes and "
+            "this budget (at the automatic clip norm). "
+            if np.isfinite(floor)
+            else ""
+        )
+        + "Raise target_epsilon (the error scales about as "
+        "1/epsilon), give the clients more rows (as 1/sqrt(rows)), account under "
+        "neighboring='add_remove' if that relation is acceptable (half the noise) or, for many "
+        "small clients, use dp='virtual' with a trusted aggregator"
     )
 
 
