@@ -38,7 +38,7 @@ import numpyro.distributions as dist
 import numpyro_fed as nf
 from numpyro_fed import metrics, partition
 from numpyro_fed.datasets import load_adult
-from numpyro_fed.infer.pvi import BCM, DPPVI, GlobalVI
+from numpyro_fed.infer.pvi import BCM, DPPVI, GlobalVI, dp_defaults
 
 ADULT = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "shared", "data", "uci_adult")
 
@@ -67,8 +67,10 @@ VARIANTS = {
         ),
     ),
     # given only the budget: the automatic rate and clip norm (refused when the predicted
-    # error of the noise exceeds a posterior sd: the refusal is printed)
+    # error of the noise exceeds a posterior sd: the refusal is printed) ...
     "dpsgd, budget only": dict(cls=DPPVI, rounds=2, kwargs=dict(dp="dpsgd")),
+    # ... and the same automatic settings run anyway (the rule's rate given explicitly)
+    "dpsgd, budget only, forced": dict(cls=DPPVI, rounds=2, kwargs=dict(dp="dpsgd"), force=True),
     "local avg": dict(
         cls=DPPVI,
         rounds=2,
@@ -269,6 +271,7 @@ SHORT = {
     "pvi": "pvi (non-private)",
     "dpsgd": "dpsgd",
     "dpsgd_budget": "dpsgd, budget only",
+    "dpsgd_budget_forced": "dpsgd, budget only, forced",
     "local_avg": "local avg",
     "virtual": "virtual",
     "local_avg_trusted": "local avg, trusted aggr.",
@@ -316,6 +319,14 @@ def evaluate(loc, scale, unravel, logits_fn, X_test, y_test, rng_key, num_draws=
     return metrics.accuracy(probs, y_test), metrics.log_predictive_density(np.asarray(log_lik.T))
 
 
+def forced_rate(kwargs, sizes, rounds):
+    """The budget-only rule's sampling rate for these sizes (given explicitly, the run warns
+    instead of refusing)."""
+    probe = DPPVI(lambda: None, **kwargs)
+    steps = rounds * probe.num_local_steps
+    return dp_defaults.auto_sampling_rate(int(np.min(sizes)), probe.single_noise_multiplier(), steps)
+
+
 def run_variant(name, spec, X, y, owner, X_test, y_test, epsilon, delta, seed, num_clients, model="logistic"):
     kwargs = dict(spec["kwargs"], progress_bar=False)
     if kwargs.get("num_shards", 1) > 1:
@@ -325,6 +336,8 @@ def run_variant(name, spec, X, y, owner, X_test, y_test, epsilon, delta, seed, n
         kwargs.update(target_epsilon=epsilon, delta=delta)
     model_clients = owner
     model_fn, logits_fn = MODELS[model]
+    if spec.get("force"):
+        kwargs.update(sampling="poisson", sampling_rate=forced_rate(kwargs, np.bincount(owner), spec["rounds"]))
     method = spec["cls"](lambda X, y=None: model_fn(X, y, clients=model_clients), **kwargs)
     key = jax.random.PRNGKey(seed)
     start = time.perf_counter()
@@ -399,18 +412,33 @@ def _regression_problem(n, d, clients, noise, coef, seed=0):
     Xn, yn = np.asarray(X, float), np.asarray(y, float)
     precision = np.eye(d) + Xn.T @ Xn / noise**2
     mean = np.linalg.solve(precision, Xn.T @ yn / noise**2)
-    return model, (X, y), mean, 1 / np.sqrt(np.diag(precision))  # mean-field VI's optimum
+    return model, (X, y), mean, 1 / np.sqrt(np.diag(precision)), None  # mean-field VI's optimum
 
 
-def _logistic_problem(n, clients, seed=0, coef=(1.0, -1.0, 0.5)):
+def heldout_lpd(draws, X_test, y_test):
+    """Mean log predictive density of held-out rows under posterior draws ``(S, d)`` of a
+    logistic regression's coefficients, nats/row."""
+    logits = np.asarray(X_test, float) @ np.asarray(draws, float).T  # (n, S)
+    log_lik = np.where(np.asarray(y_test)[:, None] == 1, -np.logaddexp(0, -logits), -np.logaddexp(0, logits))
+    top = log_lik.max(axis=1)
+    return float(np.mean(top + np.log(np.mean(np.exp(log_lik - top[:, None]), axis=1))))
+
+
+def _logistic_draws(n, d, coef, key_x, key_y):
+    X = jax.random.normal(key_x, (n, d))
+    y = (jax.random.uniform(key_y, (n,)) < jax.nn.sigmoid(X @ jnp.array(coef))) * 1.0
+    return X, y
+
+
+def _logistic_problem(n, clients, seed=0, coef=(1.0, -1.0, 0.5), num_test=5000):
     """Logistic regression, N(0, 1) prior on the coefficients ``coef`` (default 3); reference:
-    NUTS on the pooled rows."""
+    NUTS on the pooled rows; ``num_test`` held-out rows and NUTS's log predictive density on
+    them."""
     from numpyro.infer import MCMC, NUTS
 
     d = len(coef)
-    X = jax.random.normal(jax.random.PRNGKey(seed), (n, d))
-    p = jax.nn.sigmoid(X @ jnp.array(coef))
-    y = (jax.random.uniform(jax.random.PRNGKey(seed + 1), (n,)) < p) * 1.0
+    X, y = _logistic_draws(n, d, coef, jax.random.PRNGKey(seed), jax.random.PRNGKey(seed + 1))
+    X_test, y_test = _logistic_draws(num_test, d, coef, jax.random.PRNGKey(seed + 2), jax.random.PRNGKey(seed + 3))
 
     def model(X, y=None):
         w = numpyro.sample("w", dist.Normal(0, 1).expand([d]).to_event(1))
@@ -425,7 +453,7 @@ def _logistic_problem(n, clients, seed=0, coef=(1.0, -1.0, 0.5)):
     mcmc = MCMC(NUTS(pooled), num_warmup=500, num_samples=2000, progress_bar=False)
     mcmc.run(jax.random.PRNGKey(seed + 5), X, y)
     draws = np.asarray(mcmc.get_samples()["w"])
-    return model, (X, y), draws.mean(0), draws.std(0)
+    return model, (X, y), draws.mean(0), draws.std(0), (X_test, y_test, heldout_lpd(draws, X_test, y_test))
 
 
 _COEF5 = (1.0, -1.0, 0.5, 0.25, -0.5)
@@ -451,6 +479,11 @@ DEFAULT_PROBLEMS = {
         dict(dp="dpsgd", target_epsilon=1.0),
         2,
     ),
+    "logistic 5x4000 d5, eps 1, budget only, forced": (
+        lambda: _logistic_problem(20000, 5, coef=_COEF5),
+        dict(dp="dpsgd", target_epsilon=1.0, force=True),
+        2,
+    ),
     "logistic 5x4000 d5, eps 1, hand-tuned": (
         lambda: _logistic_problem(20000, 5, coef=_COEF5),
         dict(VARIANTS["dpsgd"]["kwargs"], target_epsilon=1.0),
@@ -474,9 +507,13 @@ def run_defaults(seeds, names=None):
     for name, (make, kwargs, rounds) in DEFAULT_PROBLEMS.items():
         if names and name not in names:
             continue
-        model, data, mean, sd = make()
+        model, data, mean, sd, heldout = make()
         for seed in seeds:
-            method = DPPVI(model, progress_bar=False, **kwargs)
+            kw = dict(kwargs)
+            if kw.pop("force", False):  # the budget-only rule's settings, run anyway
+                sizes = np.full(4 if "4x" in name else 5, data[0].shape[0] // (4 if "4x" in name else 5))
+                kw.update(sampling="poisson", sampling_rate=forced_rate(kw, sizes, rounds))
+            method = DPPVI(model, progress_bar=False, **kw)
             start = time.perf_counter()
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -498,18 +535,101 @@ def run_defaults(seeds, names=None):
                 "noise_multiplier": float(np.max(result.metrics["noise_multiplier"])),
                 "sampling_rate": method.sampling_rate,
                 "predicted_dp_error": float(result.metrics["predicted_dp_error"][-1]),
+                "lpd_gap": None,
                 "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],
                 "wall_seconds": time.perf_counter() - start,
             }
+            if heldout is not None:  # NUTS's held-out log predictive density minus q's, nats/row
+                draws = loc + scale * np.random.default_rng(seed).normal(size=(2000, loc.size))
+                row["lpd_gap"] = heldout[2] - heldout_lpd(draws, *heldout[:2])
             rows.append(row)
+            gap = "" if row["lpd_gap"] is None else f"  lpd gap {row['lpd_gap']:.5f}"
             print(
-                f"{name:42s} seed {seed}  max |error| {row['max_abs_error_sd']:.3f} sd  sd ratio "
+                f"{name:42s} seed {seed}  max |error| {row['max_abs_error_sd']:.3f} sd{gap}  sd ratio "
                 f"{row['sd_ratio_min']:.2f}-{row['sd_ratio_max']:.2f}  rate {row['sampling_rate']:.4g}  "
                 f"sigma {row['noise_multiplier']:.3g}  predicted {row['predicted_dp_error']:.2g}  "
                 f"warnings {len(row['warnings'])}  {row['wall_seconds']:.1f} s",
                 flush=True,
             )
     return rows
+
+
+# -- the grid the budget-only rule's prediction was fitted on ------------------------------------
+
+#: (rows per client, coefficients, epsilon); 5 clients, 2 rounds, delta 1e-5
+GRID = [(4000, 5, 1.0), (4000, 5, 4.0), (1000, 5, 4.0), (16000, 5, 1.0), (4000, 2, 1.0), (4000, 10, 2.0)]
+GRID += [(16000, 10, 4.0), (1000, 2, 4.0)]
+GRID_CLIENTS, GRID_TEST = 5, 5000
+
+
+def _grid_problem(rows, d):
+    """5 clients of ``rows`` rows plus ``GRID_TEST`` held-out rows (one draw, split), the
+    coefficients ``_COEF5`` cut or repeated to ``d``; NUTS on the pooled training rows."""
+    from numpyro.infer import MCMC, NUTS
+
+    n = rows * GRID_CLIENTS
+    X, y = _logistic_draws(n + GRID_TEST, d, np.resize(_COEF5, d), jax.random.PRNGKey(0), jax.random.PRNGKey(1))
+
+    def pooled(X, y=None):
+        w = numpyro.sample("w", dist.Normal(0, 1).expand([d]).to_event(1))
+        with numpyro.plate("data", X.shape[0]):
+            numpyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+
+    mcmc = MCMC(NUTS(pooled), num_warmup=500, num_samples=2000, progress_bar=False)
+    mcmc.run(jax.random.PRNGKey(5), X[:n], y[:n])
+    draws = np.asarray(mcmc.get_samples()["w"])
+    return (X[:n], y[:n]), (X[n:], y[n:]), draws
+
+
+def run_grid(seeds, damping=None):
+    """The budget-only rule's settings on every cell of ``GRID``, run anyway (the rule's rate
+    given explicitly: a prediction above 1 warns instead of refusing): the largest error of
+    q's means in NUTS sds against ``predicted_dp_error``, the sd ratios, the held-out log
+    predictive density below NUTS's."""
+    import warnings
+
+    rows_out = []
+    for rows, d, epsilon in GRID:
+        data, test, draws = _grid_problem(rows, d)
+        mean, sd = draws.mean(0), draws.std(0)
+
+        def model(X, y=None):
+            w = numpyro.sample("w", dist.Normal(0, 1).expand([d]).to_event(1))
+            with nf.federated_plate("data", X.shape[0], clients=GRID_CLIENTS):
+                numpyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
+
+        for seed in seeds:
+            kw = dict(dp="dpsgd", target_epsilon=epsilon, delta=1e-5, progress_bar=False)
+            kw.update(sampling="poisson", sampling_rate=forced_rate(kw, np.full(GRID_CLIENTS, rows), 2))
+            kw["damping"] = dp_defaults.default_damping(True) if damping is None else damping
+            method = DPPVI(model, **kw)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                result = method.run(jax.random.PRNGKey(seed), 2, *data)
+            params = method.get_params(result.state)
+            loc, scale = np.asarray(params["loc"]["w"]), np.asarray(params["scale"]["w"])
+            q_draws = loc + scale * np.random.default_rng(0).normal(size=(2000, d))
+            row = {
+                "rows": rows,
+                "d": d,
+                "epsilon": epsilon,
+                "seed": seed,
+                "damping": kw["damping"],
+                "predicted": float(result.metrics["predicted_dp_error"][-1]),
+                "max_abs_error_sd": float(np.max(np.abs(loc - mean) / sd)),
+                "sd_ratio": [float(np.min(scale / sd)), float(np.max(scale / sd))],
+                "lpd_gap": heldout_lpd(draws, *test) - heldout_lpd(q_draws, *test),
+                "sampling_rate": method.sampling_rate,
+                "noise_multiplier": float(np.max(result.metrics["noise_multiplier"])),
+            }
+            rows_out.append(row)
+            print(
+                f"{rows:6d} rows x {GRID_CLIENTS}, d {d:2d}, eps {epsilon:g}, seed {seed}: predicted "
+                f"{row['predicted']:.2f}  measured {row['max_abs_error_sd']:.2f}  sd ratio "
+                f"{row['sd_ratio'][0]:.2f}-{row['sd_ratio'][1]:.2f}  lpd gap {row['lpd_gap']:.5f}",
+                flush=True,
+            )
+    return rows_out
 
 
 def main(argv=None):
@@ -537,9 +657,26 @@ def main(argv=None):
         help="instead of Adult: DPPVI with default settings on problems with exact or NUTS "
         "references (non-private convergence; DP-SGD given only a budget)",
     )
+    parser.add_argument(
+        "--grid",
+        action="store_true",
+        help="instead of Adult: the grid of logistic regressions the budget-only DP-SGD rule's "
+        "predicted error was fitted on (the rule's settings run anyway, against NUTS)",
+    )
+    parser.add_argument("--damping", type=float, default=None, help="--grid: this damping instead of the rule's")
+    parser.add_argument("--only", default=None, help="--defaults: only the problems whose name contains this")
     args = parser.parse_args(argv)
+    if args.grid:
+        rows = run_grid([int(s) for s in args.seeds.split(",")], damping=args.damping)
+        out_path = args.out or os.path.join(os.path.dirname(__file__), "results", "dppvi_grid.json")
+        os.makedirs(os.path.dirname(out_path), exist_ok=True)
+        with open(out_path, "w") as handle:
+            json.dump({"seeds": args.seeds, "load_average": os.getloadavg(), "results": rows}, handle, indent=1)
+        print(f"wrote {out_path}")
+        return
     if args.defaults:
-        rows = run_defaults([int(s) for s in args.seeds.split(",")])
+        names = [n for n in DEFAULT_PROBLEMS if args.only in n] if args.only else None
+        rows = run_defaults([int(s) for s in args.seeds.split(",")], names)
         out_path = args.out or os.path.join(os.path.dirname(__file__), "results", "dppvi_defaults.json")
         os.makedirs(os.path.dirname(out_path), exist_ok=True)
         with open(out_path, "w") as handle:

@@ -1,6 +1,7 @@
-"""DPPVI's privacy side: the automatic DP-SGD settings, noise calibration, the Poisson batch
-cap and the accounting of a run with ``dp-accounting`` (the mixin :class:`PrivacyAccounting`
-that :class:`~numpyro_fed.DPPVI` and its baselines inherit)."""
+"""DPPVI's privacy side: the automatic DP-SGD settings (the rule is
+:mod:`~numpyro_fed.infer.pvi.dp_defaults`), noise calibration, the Poisson batch cap and the
+accounting of a run with ``dp-accounting`` (the mixin :class:`PrivacyAccounting` that
+:class:`~numpyro_fed.DPPVI` and its baselines inherit)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import numpy as np
 
 import jax
 
+from numpyro_fed.infer.pvi import dp_defaults
+from numpyro_fed.infer.pvi.dp_defaults import ADAM_WINDOW, AUTO_CLIP, AVERAGE_FROM, MAX_DP_ERROR
 from numpyro_fed.privacy.accounting import (
     calibrate_noise_multiplier,
     compute_epsilon,
@@ -25,15 +28,6 @@ __all__ = ["PrivacyAccounting"]
 
 # Share of delta that covers capping Poisson batches (see PrivacyAccounting.batch_cap).
 CAP_DELTA_SHARE = 1e-6
-# The default local optimizer averages the iterates from this share of the steps on.
-AVERAGE_FROM = 0.5
-
-# The automatic DP-SGD settings (see DPPVI's docstring, "Automatic DP-SGD settings").
-AUTO_BATCH = 64  # expected rows per step in the smallest client
-AUTO_MIN_NOISE = 2.0  # smallest noise multiplier the automatic rate aims for
-AUTO_CLIP = 8.0  # clip norm over the typical scaled per-row gradient, sqrt(d / rows seen)
-MAX_DP_ERROR = 1.0  # predicted_dp_error above which the noise dominates (refuse / warn)
-ADAM_WINDOW = 10  # steps a user optimizer's last iterate is taken to average (Adam's momentum)
 
 
 class PrivacyAccounting:
@@ -58,52 +52,38 @@ class PrivacyAccounting:
             )
         return cache[key]
 
-    def _auto_sampling_rate(self, num_rounds, sizes) -> float:
-        """Poisson rate: ``AUTO_BATCH`` expected rows per step in the smallest client (all
-        rows if it has fewer), raised so that the calibrated noise multiplier is about
-        ``AUTO_MIN_NOISE`` or more: below it, subsampling stops paying for itself (and the
-        accounting gets slow). With many steps, DP-SGD at rate ``r`` over ``T`` steps needs
-        about ``sigma = c r sqrt(T)``, where ``c`` is the noise multiplier of a single
-        Gaussian mechanism with the same budget: the floor is ``AUTO_MIN_NOISE / (c sqrt(T))``."""
-        rate = min(1.0, AUTO_BATCH / float(np.min(sizes)))
-        if self.target_epsilon is not None and self.noise_multiplier is None and num_rounds is not None:
-            c = self._calibrate(lambda s: gaussian_event(s, 1))
-            floor = AUTO_MIN_NOISE / (c * np.sqrt(num_rounds * self.num_local_steps))
-            rate = min(1.0, max(rate, floor))
-        return float(rate)
-
     def _resolve(self, num_rounds, sizes):
-        """Fixes the automatic sampling rate for a run of ``num_rounds`` on ``sizes``."""
+        """Fixes the automatic sampling rate for a run of ``num_rounds`` on ``sizes``
+        (:func:`~numpyro_fed.infer.pvi.dp_defaults.auto_sampling_rate`)."""
         if self.auto_sampling:
-            self.sampling_rate = self._auto_sampling_rate(num_rounds, np.asarray(sizes, int))
+            single = steps = None
+            if self.target_epsilon is not None and self.noise_multiplier is None and num_rounds is not None:
+                single, steps = self.single_noise_multiplier(), num_rounds * self.num_local_steps
+            self.sampling_rate = dp_defaults.auto_sampling_rate(int(np.min(sizes)), single, steps)
+
+    def single_noise_multiplier(self) -> float:
+        """``c``: the noise multiplier of one Gaussian mechanism spending the whole budget."""
+        return self._calibrate(lambda s: gaussian_event(s, 1))
 
     def auto_clip_norms(self, num_rounds, sizes, d, *, continuing=False) -> np.ndarray:
-        """``(num_rounds, M)`` clip norms of the automatic rule: ``AUTO_CLIP * sqrt(d / N_seen)``
-        where ``N_seen`` counts the rows whose information the client's ``q`` holds at its
-        update: its own and those of the clients before it in the first round (all of them
-        in the first synchronous round: its own only), all rows afterwards."""
-        sizes = np.asarray(sizes, float)
-        seen = np.tile(sizes.sum(), (num_rounds, sizes.size))
-        if not continuing:
-            seen[0] = np.cumsum(sizes) if self.schedule == "sequential" else sizes
-        return AUTO_CLIP * np.sqrt(d / seen)
+        """``(num_rounds, M)`` clip norms of the automatic rule
+        (:func:`~numpyro_fed.infer.pvi.dp_defaults.auto_clip_norms`)."""
+        sequential = self.schedule == "sequential"
+        return dp_defaults.auto_clip_norms(num_rounds, sizes, d, sequential=sequential, continuing=continuing)
+
+    def _averaging_window(self) -> float:
+        window = self.num_local_steps * (1 - AVERAGE_FROM) if self.default_optim else ADAM_WINDOW
+        return max(1.0, min(window, self.num_local_steps))
 
     def predicted_dp_error(self, noise_multipliers, num_rounds, client_sizes, num_latent) -> float:
-        """The error the privacy noise alone is expected to put on ``q``'s means, in posterior
-        standard deviations (a rule of thumb, computed from sizes only; ``0`` if non-private):
-
-        ``kappa * sigma * sqrt(d * M / N) / (rate * sqrt(W)) * sqrt(rho / (2 - rho))``
-
-        DP-SGD adds noise ``sigma * C`` per coordinate to a step's sum of clipped row
-        gradients, rescaled by ``1 / rate``. Measured in units of ``q``'s width, a row's
-        gradient is about ``sqrt(d / N)`` near the posterior and the local objective's
-        curvature about 1; an average over ``W`` steps (the default optimizer's averaging
-        window; 10 for a user optimizer) divides the noise by ``sqrt(W)``, the ``M`` clients'
-        errors add up, and damping ``rho`` averages over rounds. ``kappa`` is the clip norm
-        over that row gradient: ``AUTO_CLIP`` for the automatic clip norm, 1 (the best case)
-        for a user's. Update perturbation (``"local_avg"``, ``"virtual"``) depends on ``q``'s
-        scale, known only as the run goes: ``nan`` here, and each round's
-        :meth:`update_noise_error` in the run's metrics.
+        """The error the privacy noise and the local optimization's subsampling are expected
+        to put on ``q``'s means, in posterior standard deviations, the largest over the
+        coordinates (computed from sizes only; ``0`` if non-private): the formula of
+        :mod:`~numpyro_fed.infer.pvi.dp_defaults`, fitted to measured errors for the
+        automatic clip norm (for a user's, a best-case lower bound), with ``W`` the default
+        optimizer's averaging window (10 for a user's optimizer). Update perturbation (``"local_avg"``,
+        ``"virtual"``) depends on ``q``'s scale, known only as the run goes: ``nan`` here,
+        and each round's :meth:`update_noise_error` in the run's metrics.
         """
         if self.dp is None:
             return 0.0
@@ -111,17 +91,28 @@ class PrivacyAccounting:
             return float("nan")
         sizes = np.asarray(client_sizes, float)
         self._resolve(num_rounds, sizes)
-        sigma = float(np.max(noise_multipliers))
         if self.sampling == "without_replacement":
             rate = float(np.min(self._batch_sizes(sizes) / sizes))
         else:
             rate = self.sampling_rate
-        window = self.num_local_steps * (1 - AVERAGE_FROM) if self.default_optim else ADAM_WINDOW
-        window = max(1.0, min(window, self.num_local_steps))
-        kappa = AUTO_CLIP if self.auto_clip else 1.0
-        rho = self.damping
-        damp = np.sqrt(rho / (2 - rho)) if num_rounds * rho >= 2 else 1.0
-        return float(kappa * sigma * np.sqrt(num_latent * sizes.size / sizes.sum()) / (rate * np.sqrt(window)) * damp)
+        return dp_defaults.dpsgd_error(
+            float(np.max(noise_multipliers)),
+            rate,
+            sizes,
+            num_latent,
+            window=self._averaging_window(),
+            automatic=self.auto_clip,
+            damping=self.damping,
+            rounds=num_rounds,
+        )
+
+    def dp_error_floor(self, client_sizes, num_latent) -> float:
+        """The privacy term's floor for these sizes and budget, whatever the rate, steps and
+        rounds: every step of the run averaged (``sigma / r = c sqrt(T)``, ``W = T``), at the
+        automatic clip norm; ``nan`` without a ``target_epsilon``."""
+        sizes = np.asarray(client_sizes, float)
+        c = self.single_noise_multiplier() if self.target_epsilon is not None else float("nan")
+        return float(dp_defaults.FIT_NOISE * AUTO_CLIP * c * num_latent**1.5 * np.sqrt(sizes.size / sizes.sum()))
 
     def update_noise_error(self, noise_multipliers, num_rounds, num_clients, scale) -> float:
         """Update perturbation (``"local_avg"``, ``"virtual"``): the error the privacy noise
@@ -134,20 +125,16 @@ class PrivacyAccounting:
         (divided by the ``K`` shards it averages with ``"local_avg"``, by ``D = sqrt(M)``
         with a trusted aggregator); the ``M`` clients' noises add up on ``q``'s first natural
         parameter ``mu / s^2``, which moves a mean by ``s`` times its noise in units of
-        ``s``; damping ``rho`` averages over rounds (as :meth:`predicted_dp_error`). Measured
-        errors were up to about 5 times the rule (clipping adds its own bias: see the
-        ``clipped`` metric)."""
+        ``s``; damping ``rho`` averages over rounds. Measured errors were up to about 5 times
+        the rule (clipping adds its own bias: see the ``clipped`` metric)."""
         if self.dp not in ("local_avg", "virtual"):
             return 0.0
-        sigma = float(np.max(noise_multipliers))
-        per_client = sigma * (1.0 if self.clip_norm is None else self.clip_norm)
+        per_client = float(np.max(noise_multipliers)) * (1.0 if self.clip_norm is None else self.clip_norm)
         if self.dp == "local_avg":
             per_client /= self.num_shards
         if self.trusted_aggregator:
             per_client /= np.sqrt(num_clients)
-        rho = self.damping
-        damp = np.sqrt(rho / (2 - rho)) if num_rounds * rho >= 2 else 1.0
-        return float(per_client * np.sqrt(num_clients) * np.max(scale) * damp)
+        return dp_defaults.update_noise_error(per_client, num_clients, scale, self.damping, num_rounds)
 
     def _batch_sizes(self, sizes):
         return np.maximum(1, np.round(self.sampling_rate * sizes)).astype(int)
@@ -399,24 +386,44 @@ class PrivacyAccounting:
             "read no rows and are not charged: only the clients' updates are accounted"
         )
 
-    def _noise_dominates(self, dp_error, num_rounds, sizes):
-        """Refuses (automatic settings) or warns (the user's settings): the privacy noise
-        would dominate the answer."""
+    def planned_dp_error(self, sigmas, num_rounds, sizes, num_latent, privacy) -> float:
+        """The run's :meth:`predicted_dp_error` (``0`` without a guarantee); past
+        ``MAX_DP_ERROR`` the run is refused (automatic settings) or warned about (the user's
+        settings): the privacy noise would dominate the answer."""
+        if privacy is None:
+            return 0.0
+        dp_error = self.predicted_dp_error(sigmas, num_rounds, sizes, num_latent)
+        if not dp_error > MAX_DP_ERROR:
+            return dp_error
         budget = (
             f"target_epsilon={self.target_epsilon}"
             if self.target_epsilon is not None
             else f"noise_multiplier={self.noise_multiplier}"
         )
-        message = (
-            f"DPPVI(dp='dpsgd'): with {budget}, {num_rounds} round(s) of {self.num_local_steps} "
-            f"local steps, {sizes.size} clients and {int(np.sum(sizes))} rows, the privacy noise "
-            f"alone is expected to move each mean of q by about {dp_error:.2g} posterior standard "
-            f"deviations (predicted_dp_error; more than {MAX_DP_ERROR}): the answer would be "
-            "mostly noise. Raise target_epsilon (the error scales about as 1/epsilon), run fewer "
-            "rounds (as sqrt(num_rounds)), use damping=0.5 over several rounds, give the clients "
-            "more rows (as 1/sqrt(rows)) or, for many small clients, use dp='virtual' with a "
-            "trusted aggregator"
-        )
+        floor = self.dp_error_floor(sizes, num_latent)
+        message = dp_defaults.noise_dominates_message(budget, dp_error, num_rounds, self.num_local_steps, sizes, floor)
         if self.auto_sampling and self.auto_clip:
             raise ValueError(message + "; or set sampling, sampling_rate and clip_norm yourself to run anyway")
-        warnings.warn(message, RuntimeWarning, stacklevel=4)  # run -> init -> here
+        warnings.warn(message, RuntimeWarning, stacklevel=5)  # run -> init -> plan_clients -> here
+        return dp_error
+
+    def clip_bounds(self, sizes, d):
+        """``(first, later)``: each client's automatic clip norm (in units of ``q``'s width)
+        in the first round and afterwards, ``(None, None)`` with a user's clip norm."""
+        if not self.auto_clip:
+            return None, None
+        dtype = jax.numpy.zeros(()).dtype
+        first = jax.numpy.asarray(self.auto_clip_norms(1, sizes, d)[0], dtype=dtype)
+        return first, jax.numpy.asarray(self.auto_clip_norms(1, sizes, d, continuing=True)[0], dtype=dtype)
+
+    def warn_one_round(self, num_rounds: int, continuing: bool) -> None:
+        """The automatic clip norm over one round: the first round clips heavily while ``q``
+        is still as wide as the prior."""
+        if self.auto_clip and num_rounds == 1 and not continuing:
+            warnings.warn(
+                "DPPVI(dp='dpsgd') with the automatic clip norm and one round: the first round "
+                "clips heavily while q is still as wide as the prior, which biases it; run at "
+                "least 2 rounds (the budget is calibrated for all of them)",
+                RuntimeWarning,
+                stacklevel=3,
+            )

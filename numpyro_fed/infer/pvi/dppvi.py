@@ -10,7 +10,6 @@ with an SVI-like face (:class:`~numpyro_fed.infer.VariationalMethod`).
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -33,10 +32,10 @@ from numpyro_fed.infer.base import (
     jit_round,
 )
 from numpyro_fed.infer.pvi import core
-from numpyro_fed.infer.pvi.accounting import AVERAGE_FROM, MAX_DP_ERROR, PrivacyAccounting
-from numpyro_fed.infer.pvi.client import LocalConfig
+from numpyro_fed.infer.pvi.accounting import PrivacyAccounting
 from numpyro_fed.infer.pvi.core import PVIState
 from numpyro_fed.infer.pvi.diagnostics import judge_run, last_move
+from numpyro_fed.infer.pvi.dp_defaults import default_damping, local_config
 from numpyro_fed.infer.pvi.gaussian import loc_scale, sample
 from numpyro_fed.infer.pvi.local import ClientLatentsFace
 from numpyro_fed.infer.pvi.prior import PriorSplit, build_prior_update, initial_state, prior_remainder, split_prior
@@ -60,8 +59,7 @@ NEWTON_STEPS = 20
 
 
 class _RunPlan(NamedTuple):
-    """What :meth:`DPPVI.init` fixed for a run: the clients' layout, the compiled round and
-    loss, the noise and the guarantee it was accounted for."""
+    """What :meth:`DPPVI.init` fixed for a run (layout, compiled round and loss, noise, guarantee)."""
 
     num_rounds: int
     client_sizes: np.ndarray
@@ -108,25 +106,22 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
         (a few safeguarded Newton steps, ``LocalConfig.newton_start``).
     :param optim: an optax optimizer for the local optimization, run on ``(loc, log_scale)``
         and taking its last iterate. Default (``None``):
-        :func:`~numpyro_fed.infer.pvi.settings.default_optimizer`, run in units of ``q``'s scale
-        with iterate averaging (see *Defaults*).
+        :func:`~numpyro_fed.infer.pvi.settings.default_optimizer` (see *Defaults*).
     :param int num_local_steps: local optimization steps per client update.
     :param int num_mc_samples: Monte Carlo draws of ``q`` per step.
-    :param float damping: ``rho`` in ``(0, 1]``: the server adds ``rho * Delta``.
+    :param float damping: ``rho`` in ``(0, 1]``: the server adds ``rho * Delta``. ``None``:
+        1, or ``AUTO_DAMPING`` (0.5) for DP-SGD with a budget and the automatic clip norm.
     :param str sampling: minibatches of the local optimization: ``"full"``, ``"poisson"``
-        (rate ``sampling_rate``, accounted with PLD) or ``"without_replacement"``
-        (``round(sampling_rate * n_m)`` rows, accounted with RDP). Default: ``"poisson"``
-        for ``"dpsgd"`` (at the automatic rate unless ``sampling_rate`` is given),
-        ``"full"`` otherwise (``"poisson"`` if ``sampling_rate`` is given).
+        (rate ``sampling_rate``, PLD) or ``"without_replacement"`` (``round(sampling_rate *
+        n_m)`` rows, RDP). Default: ``"poisson"`` for ``"dpsgd"`` (at the automatic rate
+        unless ``sampling_rate`` is given), else ``"full"`` (``"poisson"`` given a rate).
     :param float sampling_rate: in ``(0, 1]``; required for an explicit ``"poisson"`` or
         ``"without_replacement"``.
-    :param float clip_norm: ``C``: bound on each per-example gradient wrt ``(loc,
-        log_scale)`` (``"dpsgd"``) or each shard's change of natural parameters
-        (``"local_avg"``, ``"virtual"``; default 1). ``None`` with ``"dpsgd"``: the automatic
-        clip norm, in units of ``q``'s scale.
-    :param noise_multiplier: noise standard deviation over ``C``; or give ``target_epsilon``.
-        ``0`` clips without noise: no privacy (``result.privacy`` is ``None``), for
-        studying the effect of clipping and sharding alone.
+    :param float clip_norm: ``C``: bound on each per-example gradient wrt ``(loc, log_scale)``
+        (``"dpsgd"``; ``None``: the automatic clip norm, in units of ``q``'s scale) or each
+        shard's change of natural parameters (``"local_avg"``, ``"virtual"``; default 1).
+    :param noise_multiplier: noise sd over ``C``; or give ``target_epsilon``. ``0`` clips
+        without noise: no privacy (``result.privacy`` is ``None``), to study clipping alone.
     :param float target_epsilon: the run spends at most this. Alone, it calibrates the noise
         for the given number of rounds; with ``noise_multiplier`` too, it calibrates the
         number of rounds instead: ``run(rng_key, None, ...)`` runs the most rounds whose
@@ -136,11 +131,9 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
     :param bool trusted_aggregator: the clients' updates are summed by a trusted aggregator
         (synchronous schedule, ``"local_avg"``/``"virtual"``): each client's noise is divided
         by ``sqrt(M)`` (Theorems 11, 14) and the guarantee covers the aggregate.
-    :param str accountant: ``"pld"``, ``"rdp"`` or ``None`` (PLD unless sampling without
-        replacement).
+    :param str accountant: ``"pld"``, ``"rdp"`` or ``None`` (PLD unless without replacement).
     :param str neighboring: ``"replace_one"`` (the paper's) or ``"add_remove"``.
-    :param partition: as :func:`~numpyro_fed.split_potential` (federate a plain ``plate``).
-    :param init_strategy: as :func:`~numpyro_fed.split_potential`.
+    :param partition, init_strategy: as :func:`~numpyro_fed.split_potential`.
     :param bool progress_bar: a progress bar over rounds.
     :param federation: where the clients run: ``None`` (the default: every client in this
         process, vectorised) or a :class:`~numpyro_fed.federation.Federation` such as
@@ -152,15 +145,12 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
         run whose clients are apart from the server (an engine, or ``loader=``); ``False``:
         reproducible, and the guarantee says it does not hold against the server.
     :param budget: a :class:`~numpyro_fed.PrivacyBudget` the run draws from (refused before
-        it starts past it). The guarantee, ``result.privacy``: the guide's *What the
-        guarantee covers*.
-    :param int min_clients: ``None`` (default): every client must answer each round; one that
-        fails or times out stops the run with a :class:`~numpyro_fed.federation.ClientError`
-        whose ``state`` resumes it. An int: a round goes on without the clients that fail
-        (their factors stay as they were, which PVI allows; ``metrics["participated"]``
-        records who took part, and they rejoin the next round from their client state) as
-        long as ``min_clients`` answered; below, the ``ClientError``. Not with
-        ``trusted_aggregator`` (its noise is split among all clients). The guide's *Nodes that drop out*.
+        it starts past it). ``result.privacy``: the guide's *What the guarantee covers*.
+    :param int min_clients: ``None`` (default): every client must answer each round (else a
+        :class:`~numpyro_fed.federation.ClientError` whose ``state`` resumes the run). An int:
+        a round goes on without the clients that fail, their factors unchanged (which PVI
+        allows), while ``min_clients`` answer; ``metrics["participated"]`` records who took
+        part. Not with ``trusted_aggregator``. The guide's *Nodes that drop out*.
 
     **Running.** As :class:`numpyro.infer.SVI`: :meth:`run` returns a
     :class:`~numpyro_fed.infer.RunResult` whose ``metrics`` hold per round ``loss`` (the
@@ -168,18 +158,16 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
     ``(num_rounds, d)``), ``rejected``, ``clipped`` and ``residual`` (per client),
     ``communications`` (server-client exchanges since the initial state),
     ``noise_multiplier`` (per client), ``predicted_dp_error`` and, without privacy,
-    ``last_move``; ``result.privacy`` is the run's guarantee and ``result.ledger`` what
-    crossed between the server and the clients. :meth:`init` and
-    :meth:`update` run rounds one at a time; :meth:`get_params` gives ``q``'s ``loc`` and
-    ``scale`` by site, :meth:`get_samples` draws from it.
+    ``last_move``; ``result.privacy`` is the run's guarantee, ``result.ledger`` what crossed.
+    :meth:`init` and :meth:`update` run rounds one at a time; :meth:`get_params` gives
+    ``q``'s ``loc`` and ``scale`` by site, :meth:`get_samples` draws from it.
 
-    **Defaults.** Without ``optim``, the local optimizer is
-    :func:`~numpyro_fed.infer.pvi.settings.default_optimizer` in units of ``q``'s scale with
-    iterate averaging; a non-private run warns when its local fits or ``q`` had not converged.
-    Given only a budget, ``dp="dpsgd"`` chooses its sampling rate and clip norm, and refuses
-    when the privacy noise alone would move the means by more than a posterior sd
-    (:meth:`predicted_dp_error`). The rules, their reasons and what was measured: the guide's
-    *Default settings* (``docs/guide/dppvi.md``).
+    **Defaults.** Without ``optim``: :func:`~numpyro_fed.infer.pvi.settings.default_optimizer`
+    in units of ``q``'s scale with iterate averaging (a non-private run warns when its local
+    fits or ``q`` had not converged). Given only a budget, ``dp="dpsgd"`` chooses its sampling
+    rate and clip norm (:mod:`~numpyro_fed.infer.pvi.dp_defaults`) and refuses when the
+    privacy noise would move the means by more than a posterior sd (:meth:`predicted_dp_error`).
+    Rules, reasons, measurements: the guide's *Default settings*.
 
     **Example**
 
@@ -207,8 +195,7 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
         >>> pvi
         DPPVI(model, dp=None, schedule='sequential', num_local_steps=100, num_mc_samples=10, damping=1.0)
 
-    Given only a budget, DP-SGD chooses its settings, or refuses when 400 rows cannot pay
-    for it:
+    Given only a budget, DP-SGD chooses its settings, or refuses when 400 rows cannot pay:
 
     .. doctest::
 
@@ -228,7 +215,7 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
         optim=None,
         num_local_steps: int = 100,
         num_mc_samples: int = 10,
-        damping: float = 1.0,
+        damping: float | None = None,
         sampling: str | None = None,
         sampling_rate: float | None = None,
         clip_norm: float | None = None,
@@ -271,7 +258,8 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
         self.default_optim = optim is None
         self.optim = default_optimizer(self.num_local_steps) if optim is None else optim
         self.num_mc_samples = check_int(num_mc_samples, "num_mc_samples", minimum=1)
-        self.damping = check_positive(damping, "damping")
+        automatic = self.auto_clip and target_epsilon is not None and noise_multiplier is None
+        self.damping = check_positive(default_damping(automatic) if damping is None else damping, "damping")
         if self.damping > 1.0:
             raise ValueError(f"damping must lie in (0, 1], got {self.damping}")
         self.sampling, self.sampling_rate = sampling, sampling_rate
@@ -348,31 +336,13 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
                 f"pass num_rounds=None for the most that fit"
             )
         d = int(prior.base.eta1.shape[-1])
-        dp_error = self.predicted_dp_error(sigmas, num_rounds, sizes, d) if privacy is not None else 0.0
-        if dp_error > MAX_DP_ERROR:
-            self._noise_dominates(dp_error, num_rounds, sizes)
+        dp_error = self.planned_dp_error(sigmas, num_rounds, sizes, d, privacy)  # refused here if it dominates
         shard_seed = int(jax.random.randint(rng_key, (), 0, 2**31 - 1))
         shard_index, shard_valid = core.shard_layout(sizes, self.num_shards, seed=shard_seed)
-        config = LocalConfig(
-            optim=self.optim,
-            num_steps=self.num_local_steps,
-            num_mc_samples=self.num_mc_samples,
-            sampling=self.sampling,
-            sampling_rate=self.sampling_rate,
-            dpsgd=self.dp == "dpsgd",
-            clip_norm=1.0 if self.auto_clip else self.clip_norm,
-            standardize=self.default_optim,
-            average_from=AVERAGE_FROM if self.default_optim else 1.0,
-            newton_start=NEWTON_STEPS if self.default_optim and self.full_rank(d) else 0,
-            clip_scaled=self.auto_clip,
-        )
-        dtype = jnp.zeros(()).dtype
-        clip_first = clip_later = None
-        if self.auto_clip:
-            clip_first = jnp.asarray(self.auto_clip_norms(1, sizes, d)[0], dtype=dtype)
-            clip_later = jnp.asarray(self.auto_clip_norms(1, sizes, d, continuing=True)[0], dtype=dtype)
+        config = local_config(self, newton_start=NEWTON_STEPS if self.default_optim and self.full_rank(d) else 0)
+        clip_first, clip_later = self.clip_bounds(sizes, d)
         num_clients = int(sizes.size)
-        noise = jnp.broadcast_to(jnp.asarray(sigmas, dtype=dtype), (num_clients,))
+        noise = jnp.broadcast_to(jnp.asarray(sigmas, dtype=jnp.zeros(()).dtype), (num_clients,))
         layout = core.BlockLayout(plate, shard_index, shard_valid, noise, clip_first, clip_later)
         privacy = self.settle_privacy(privacy, clip_first, clip_later)  # refused here if over the budget
         if self._local is not None:  # clients with latents of their own
@@ -406,9 +376,8 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
         ``kwargs`` and returns its initial state (``q`` the prior).
 
         It splits the model, chooses the automatic DP-SGD settings, calibrates the noise,
-        accounts the run's privacy (refusing a run whose noise would dominate, see the class
-        docstring) and draws each client's shards with ``rng_key``. :meth:`update` then runs
-        rounds of that plan; :meth:`run` calls ``init`` itself.
+        accounts the run's privacy (refusing a run whose noise would dominate) and draws each
+        client's shards with ``rng_key``; :meth:`update` runs rounds of that plan.
 
         :param int num_rounds: the rounds the noise and the guarantee are planned for;
             ``None`` (with both ``noise_multiplier`` and ``target_epsilon``): the most that
@@ -478,14 +447,8 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
         key_init, key_run = jax.random.split(rng_key)
         state = self.init(key_init, *args, num_rounds=num_rounds, **kwargs)
         plan = self._plan
-        if self.auto_clip and plan.num_rounds == 1 and init_state is None and type(self) is DPPVI:
-            warnings.warn(
-                "DPPVI(dp='dpsgd') with the automatic clip norm and one round: the first round "
-                "clips heavily while q is still as wide as the prior, which biases it; run at "
-                "least 2 rounds (the budget is calibrated for all of them)",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+        if type(self) is DPPVI:
+            self.warn_one_round(plan.num_rounds, continuing=init_state is not None)
         resume = init_state if isinstance(init_state, RunCheckpoint) else None
         if resume is not None:
             state = resume.state
@@ -518,10 +481,8 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
         final = self._final_state(state)
         loc, scale = loc_scale(final.q)
         dp_error = plan.predicted_dp_error
-        if self.dp in ("local_avg", "virtual") and plan.privacy is not None:
-            dp_error = self.update_noise_error(
-                plan.noise_multiplier, plan.num_rounds, plan.client_sizes.size, np.asarray(scale)
-            )
+        if self.dp in ("local_avg", "virtual") and plan.privacy is not None:  # from q's scale, as the run goes
+            dp_error = self.update_noise_error(plan.noise_multiplier, plan.num_rounds, plan.client_sizes.size, scale)
         return {
             "loss": info.loss if final is state else self.evaluate(final),
             "loc": loc,

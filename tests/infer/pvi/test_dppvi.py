@@ -583,7 +583,7 @@ def test_budget_only_dpsgd_refuses_when_the_noise_would_dominate():
     Now the automatic settings predict the noise's error and refuse with advice."""
     model, X, y = _logistic(1000, 4)
     method = DPPVI(model, dp="dpsgd", target_epsilon=1.0, delta=1e-5, progress_bar=False)
-    with pytest.raises(ValueError, match="mostly noise.*Raise target_epsilon.*fewer rounds.*more rows"):
+    with pytest.raises(ValueError, match="mostly noise.*Raise target_epsilon.*more rows"):
         method.run(jax.random.PRNGKey(0), 2, X, y)
 
 
@@ -600,9 +600,9 @@ def test_automatic_dpsgd_settings_follow_the_rule():
     sizes = np.array([40000, 40000])
     sigmas = method.noise_multipliers(2, sizes)
     single = calibrate_noise_multiplier(lambda s: gaussian_event(s, 1), 4.0, 1e-5 * (1 - 1e-6))
-    # rate: 64 rows per step, raised so that sigma is about 2 or more
+    # rate: 1,024 rows per step, raised so that sigma is about 2 or more
     assert method.sampling == "poisson"
-    np.testing.assert_allclose(method.sampling_rate, max(64 / 40000, 2.0 / (single * np.sqrt(200))))
+    np.testing.assert_allclose(method.sampling_rate, max(1024 / 40000, 2.0 / (single * np.sqrt(200))))
     assert 1.8 < sigmas[0] < 2.5
     # clip norms: 8 sqrt(d / rows seen); the first sequential round sees the clients in turn
     clips = method.auto_clip_norms(2, sizes, 3)
@@ -614,17 +614,17 @@ def test_budget_only_dpsgd_is_useful_where_the_data_allow():
     """Linear regression, 2 clients of 40,000 rows, (4, 1e-5)-DP, only the budget given:
     the automatic settings answer within a posterior sd of the exact mean with sds within
     a factor 1.5, and the reported guarantee is the accountant's for the chosen settings.
-    Measured over 4 seeds in float64: largest errors 0.20-0.59 sd, sd ratios 0.87-1.13
-    (float32: 0.07-1.15). The former default (full batches) calibrated sigma = 31 and its means
-    were more than 1 posterior sd off."""
+    Measured with the former rule (64-row batches, damping 1) over 4 seeds in float64: largest
+    errors 0.20-0.59 sd, sd ratios 0.87-1.13 (float32: 0.07-1.15). The former default (full
+    batches) calibrated sigma = 31 and its means were more than 1 posterior sd off."""
     model, X, y, mean, sd = _regression(80000, 2, 2, 1.0, [0.5, -1.0])
     method = DPPVI(model, dp="dpsgd", target_epsilon=4.0, delta=1e-5, progress_bar=False)
-    with pytest.warns(RuntimeWarning, match="approximate"):  # predicted 0.24: up to ~1 sd off
+    with pytest.warns(RuntimeWarning, match="approximate"):  # predicted 0.82, mostly the minibatches
         result = method.run(jax.random.PRNGKey(0), 2, X, y)
     loc, scale = np.asarray(params(result)["loc"]["w"]), np.asarray(params(result)["scale"]["w"])
     assert np.all(np.abs(loc - mean) / sd < 1.0)
     assert np.all((scale / sd > 1 / 1.5) & (scale / sd < 1.5))
-    assert result.metrics["predicted_dp_error"][-1] < 0.5
+    assert result.metrics["predicted_dp_error"][-1] < 1.0
     event = dp_event.SelfComposedDpEvent(
         dp_event.PoissonSampledDpEvent(
             method.sampling_rate, dp_event.GaussianDpEvent(result.metrics["noise_multiplier"][-1][0])
