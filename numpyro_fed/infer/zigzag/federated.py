@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from numpyro_fed.federation.base import tree_nbytes
-from numpyro_fed.infer.zigzag.bounds import empty_line
+from numpyro_fed.infer.zigzag.bounds import SampledRowBound, empty_line
 from numpyro_fed.infer.zigzag.control_variates import ControlVariates, Shift, shift_for
 from numpyro_fed.infer.zigzag.kernel import (
     accumulate,
@@ -46,7 +46,7 @@ from numpyro_fed.infer.zigzag.kernel import (
 from numpyro_fed.infer.zigzag.preconditioning import precondition
 from numpyro_fed.infer.zigzag.proposers import Proposers
 from numpyro_fed.infer.zigzag.state import SampleInfo, StepInfo, ZigZagState
-from numpyro_fed.infer.zigzag.subsample import gradient_estimate
+from numpyro_fed.infer.zigzag.subsample import gradient_estimate, state_estimate
 
 __all__ = [
     "ClientCounts",
@@ -127,7 +127,7 @@ def _single(own_grad_and_slope, prior_grad_and_slope, own_estimate=None) -> Prop
         num=1,
         term_grad_estimate=None
         if own_estimate is None
-        else (lambda x, j, key, reference, coordinate: own_estimate(x, key)),
+        else (lambda x, j, key, reference, coordinate: own_estimate(x, key, coordinate)),
     )
 
 
@@ -171,8 +171,9 @@ def client_proposal(
     :param own_grad_and_slope: ``(x, v) -> ((d,), (d,))`` of its own term (from its rows).
     :param prior_grad_and_slope: the same for the prior's potential ``U_0``.
     :param weight: its share of the prior. :param horizon: its grid horizon.
-    :param own_estimate: with subsampling, ``(x, key) -> (d,)``: the estimate of its own
-        term's gradient from a batch of its rows (the check then thins against it).
+    :param own_estimate: with subsampling, ``(x, key, coordinate) -> (d,)``: the estimate of
+        its own term's gradient from a batch of its rows, unbiased in ``coordinate`` (the check
+        then thins against it).
     :return: ``(Proposal, ClientCounts)`` with ``counts``, else the :class:`Proposal`.
     """
     proposers = _single(own_grad_and_slope, prior_grad_and_slope, own_estimate)
@@ -232,6 +233,9 @@ class _Settings(NamedTuple):
     second_order: bool
     use_cv: bool
     subsample: Any = None  # the SubsampleLayout, with subsampling
+    # second-order subsampling: each client keeps its rows' weights, gradient and Hessian at the
+    # reference as its client state (a SubsampleState), and its bound is a SampledRowBound
+    remainders: bool = False
 
 
 def client_function(clients, settings: _Settings, preconditioner=None):
@@ -241,7 +245,14 @@ def client_function(clients, settings: _Settings, preconditioner=None):
     Broadcast: ``x, v, window`` and, with control variates, the reference point and the mean
     gradient there. Own: ``key, horizon, weight``, with control variates the shift's constant
     (and linear part), with subsampling the client's own gradient at the reference point,
-    with a user's (or the subsampling's) bound the client's row of it (and the prior's)."""
+    with a user's (or the subsampling's) bound the client's row of it (and the prior's).
+
+    With second-order subsampling (``settings.remainders``) the function is stateful,
+    ``f(block, state, x, v, window, point, mean_grad, key, horizon, weight, constant, row,
+    prior, second, bound_horizon) -> (state, proposal)``: the client's
+    :class:`~numpyro_fed.infer.zigzag.subsample.SubsampleState` holds the rest."""
+    if settings.remainders:
+        return partial(_propose_from_state, clients, settings)
 
     def propose(block, x, v, window, *rest):
         rest = list(rest)
@@ -256,7 +267,7 @@ def client_function(clients, settings: _Settings, preconditioner=None):
         estimate = None
         if settings.subsample is not None:
             reference_grad = rest.pop(0)
-            estimate = partial(
+            uniform = partial(
                 gradient_estimate,
                 clients.grad,
                 settings.subsample,
@@ -264,6 +275,7 @@ def client_function(clients, settings: _Settings, preconditioner=None):
                 point=point,
                 reference_grad=reference_grad,
             )
+            estimate = lambda y, key, coordinate: uniform(y, key)  # noqa: E731
         bounds = None
         if settings.kind in ("gradient", "hessian"):
             row, prior = rest.pop(0), rest.pop(0)
@@ -335,6 +347,61 @@ def _propose(
     )
 
 
+def _propose_from_state(
+    clients, settings, block, state, x, v, window, point, mean_grad, key, horizon, weight, constant, *bound
+):
+    """A client's round with second-order subsampling (see :func:`client_function`): its
+    estimate and its shift's linear part come from its state, computed once on its rows."""
+    own = lambda y, u: jax.jvp(lambda z: clients.grad(z, block), (y,), (u,))  # noqa: E731
+    estimate = partial(state_estimate, clients.grad, settings.subsample, block, state, point)
+    proposal = _remainder_proposal(
+        own,
+        clients.prior_grad_and_slope,
+        settings,
+        (x, v, window, key, horizon, weight),
+        (point, mean_grad, constant, state.grad, state.hessian, state.mean_hessian, state.prior_hessian),
+        bound,
+        estimate,
+    )
+    return state, proposal
+
+
+def _remainder_proposal(own, prior, settings, line, reference, bound, estimate):
+    """:func:`client_proposal` against the second-order subsampling's
+    :class:`~numpyro_fed.infer.zigzag.bounds.SampledRowBound` (``bound``: its row, the
+    prior's, the remainders' ``second`` and the horizon it holds over), with the proposer's
+    own shift: ``constant + A (x - x*)``, ``A = H + w H_0 - mean_hessian``, laid out as a
+    one-proposer :class:`~numpyro_fed.infer.zigzag.ControlVariates` whose mean gradient and
+    Hessian are the proposers' shares (what the bound's Taylor part is made of) and whose own
+    gradient and Hessian are this proposer's (the rounding of the terms that cancel)."""
+    x, v, window, key, horizon, weight = line
+    point, mean_grad, constant, grad, hessian, mean_hessian, prior_hessian = reference
+    row, prior_row, second, bound_horizon = bound
+    linear = hessian + weight * prior_hessian - mean_hessian
+    # weight 0 in the shift: term_hessians - mean gives A; the sums over the one proposer give the means
+    control = ControlVariates(point, grad[None], mean_grad - grad, (linear + mean_hessian)[None], -linear)
+    shift = Shift(constant[None], control, jnp.zeros(1, x.dtype))
+    bounds = SampledRowBound(row[None], prior_row, jnp.zeros((1,) + second.shape, x.dtype), second[None], bound_horizon)
+    return client_proposal(
+        own,
+        prior,
+        x,
+        v,
+        window,
+        key,
+        horizon,
+        weight,
+        kind=settings.kind,
+        bounds=bounds,
+        excess=settings.excess,
+        grid_size=settings.grid_size,
+        safety_factor=settings.safety_factor,
+        shift=shift,
+        counts=settings.counts,
+        own_estimate=estimate,
+    )
+
+
 def federated_init(x, rng_key, prior_weights, *, scale: float = 0.1, v=None) -> FederatedZigZagState:
     """The server's state at ``x`` with a uniformly random velocity (unless ``v`` is given)
     and no proposal yet."""
@@ -363,6 +430,7 @@ class FederatedConfig(NamedTuple):
     skeleton_size: int
     preconditioner: Any
     sizes: dict | None
+    client_state: Any = None
 
 
 def _round(config: FederatedConfig, key, state: FederatedZigZagState, reference):
@@ -383,53 +451,76 @@ def _round(config: FederatedConfig, key, state: FederatedZigZagState, reference)
         broadcast += [point, mean_grad]
         constant = shift.constant
         own.append(constant)
-        if settings.second_order:
+        if settings.second_order and not settings.remainders:  # (with remainders: the clients hold it)
             mean_h = (reference.term_hessians.sum(0) + reference.prior_hessian) / num
             linear = reference.term_hessians + weights[:, None, None] * reference.prior_hessian - mean_h
             own.append(linear)
-    if settings.subsample is not None:  # each client's own full gradient at the reference
+    if settings.subsample is not None and not settings.remainders:  # each client's own full gradient there
         own.append(reference.term_grads)
     if settings.kind in ("gradient", "hessian"):
         own += [config.bounds.clients, jnp.broadcast_to(config.bounds.prior, (num,) + config.bounds.prior.shape)]
+    if settings.remainders:  # the remainders' bound, and the horizon it holds over
+        own += [config.bounds.second, jnp.broadcast_to(config.bounds.horizon.astype(dtype), (num,))]
     client_own = [a[:m] for a in own]
-    replies = config.federation.map("propose", *broadcast, per_client=client_own)
+    if config.client_state is not None:  # the clients' state stays as it is: every round starts from it
+        _, replies = config.federation.map("propose", *broadcast, per_client=client_own, state=config.client_state)
+    else:
+        replies = config.federation.map("propose", *broadcast, per_client=client_own)
     if config.sizes is not None:  # per client and round, known from the shapes at trace time
         config.sizes.update(
             to_client=tree_nbytes(broadcast) + tree_nbytes([a[0] for a in client_own]),
             from_client=tree_nbytes(jax.tree.map(lambda a: a[0], replies)),
         )
     if num > m:  # the prior's own proposer, on the server: no rows, zero own term
-        zero_term = lambda y, u: (jnp.zeros_like(y), jnp.zeros_like(y))  # noqa: E731
-        own_s = [a[m] for a in own]
-        key_s, horizon_s, weight_s = own_s[:3]
-        rest = own_s[3:]
-        constant_s = rest.pop(0) if settings.use_cv else None
-        linear_s = rest.pop(0) if settings.use_cv and settings.second_order else None
-        estimate_s = None
-        if settings.subsample is not None:  # no rows: a zero own term, estimated exactly
-            rest.pop(0)
-            estimate_s = lambda y, key: jnp.zeros_like(y)  # noqa: E731
-        bounds_s = (rest.pop(0), rest.pop(0)) if settings.kind in ("gradient", "hessian") else None
-        server = _propose(
+        server = _server_proposal(config, x, v, window, point, mean_grad, reference, [a[m] for a in own])
+        replies = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), replies, server)
+    return replies
+
+
+def _server_proposal(config: FederatedConfig, x, v, window, point, mean_grad, reference, own_s):
+    """The round of the prior's own proposer (on the server, no rows: a zero own term,
+    estimated exactly), from its slice ``own_s`` of the round's own arguments."""
+    settings = config.settings
+    zero_term = lambda y, u: (jnp.zeros_like(y), jnp.zeros_like(y))  # noqa: E731
+    key_s, horizon_s, weight_s = own_s[:3]
+    rest = own_s[3:]
+    constant_s = rest.pop(0) if settings.use_cv else None
+    if settings.remainders:
+        zeros = jnp.zeros_like(reference.prior_hessian)
+        mean_h = (reference.term_hessians.sum(0) + reference.prior_hessian) / config.num
+        return _remainder_proposal(
             zero_term,
             config.clients.prior_grad_and_slope,
             settings,
-            x,
-            v,
-            window,
-            key_s,
-            horizon_s,
-            weight_s,
-            point,
-            mean_grad,
-            constant_s,
-            linear_s,
-            bounds_s,
-            config.preconditioner,
-            estimate_s,
+            (x, v, window, key_s, horizon_s, weight_s),
+            (point, mean_grad, constant_s, jnp.zeros_like(x), zeros, mean_h, reference.prior_hessian),
+            tuple(rest),
+            lambda y, key, coordinate: jnp.zeros_like(y),
         )
-        replies = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), replies, server)
-    return replies
+    linear_s = rest.pop(0) if settings.use_cv and settings.second_order else None
+    estimate_s = None
+    if settings.subsample is not None:  # no rows: a zero own term, estimated exactly
+        rest.pop(0)
+        estimate_s = lambda y, key, coordinate: jnp.zeros_like(y)  # noqa: E731
+    bounds_s = (rest.pop(0), rest.pop(0)) if settings.kind in ("gradient", "hessian") else None
+    return _propose(
+        zero_term,
+        config.clients.prior_grad_and_slope,
+        settings,
+        x,
+        v,
+        window,
+        key_s,
+        horizon_s,
+        weight_s,
+        point,
+        mean_grad,
+        constant_s,
+        linear_s,
+        bounds_s,
+        config.preconditioner,
+        estimate_s,
+    )
 
 
 def federated_step(config: FederatedConfig, rng_key, state: FederatedZigZagState, max_time, reference=None):
@@ -556,6 +647,7 @@ def build_federated_kernel(
     second_order: bool = False,
     sizes: dict | None = None,
     subsample=None,
+    client_state=None,
 ):
     """``(kernel, client_fn)``: the server's ``kernel(rng_key, state, duration, reference=None)
     -> (state, info)`` (a :class:`FederatedZigZagState` and a
@@ -570,9 +662,14 @@ def build_federated_kernel(
     :param subsample: a :class:`~numpyro_fed.infer.zigzag.subsample.SubsampleLayout`: each
         client checks its proposals against an estimate from a batch of its rows (needs the
         ``reference`` and a :class:`~numpyro_fed.HessianBound` laid out per proposer as
-        ``bounds``: the clients' ``n_m`` times their rows' curvature bound). Other settings as in
+        ``bounds``: the clients' ``n_m`` times their rows' curvature bound; with
+        ``second_order``, a :class:`~numpyro_fed.infer.zigzag.bounds.SampledRowBound`). Other settings as in
         :func:`~numpyro_fed.infer.zigzag.build_kernel`; ``max_proposals`` bounds the rounds
         per call.
+    :param client_state: with ``subsample`` and ``second_order``: the clients'
+        :class:`~numpyro_fed.federation.ClientState` after their ``"row_remainders"`` set-up
+        call (their :class:`~numpyro_fed.infer.zigzag.subsample.SubsampleState`; ``None``
+        while only the clients' program is built): every round is a stateful call from it.
     """
     from numpyro_fed.infer.zigzag.bounds import bound_kind
 
@@ -586,6 +683,7 @@ def build_federated_kernel(
         bool(second_order),
         reference is not None,
         subsample,
+        subsample is not None and bool(second_order),
     )
     config = FederatedConfig(
         federation=federation,
@@ -600,6 +698,7 @@ def build_federated_kernel(
         skeleton_size=int(skeleton_size),
         preconditioner=preconditioner,
         sizes=sizes,
+        client_state=client_state,
     )
     return (
         partial(federated_advance, config, default_reference=reference),
