@@ -448,8 +448,12 @@ def _round(config: FederatedConfig, key, state: FederatedZigZagState, reference)
         shift = shift_for(reference, weights, num, d, dtype)
         point = reference.point
         mean_grad = (reference.term_grads.sum(0) + reference.prior_grad) / num
-        broadcast += [point, mean_grad]
         constant = shift.constant
+        if settings.remainders and num > m:  # the Taylor part on the server's proposer (see _taylor_shares)
+            shares = _taylor_shares(reference, num, m)[0]
+            mean_grad = shares[0]  # the clients' share: zero
+            constant = reference.term_grads + weights[:, None] * reference.prior_grad - shares
+        broadcast += [point, mean_grad]
         own.append(constant)
         if settings.second_order and not settings.remainders:  # (with remainders: the clients hold it)
             mean_h = (reference.term_hessians.sum(0) + reference.prior_hessian) / num
@@ -462,6 +466,13 @@ def _round(config: FederatedConfig, key, state: FederatedZigZagState, reference)
     if settings.remainders:  # the remainders' bound, and the horizon it holds over
         own += [config.bounds.second, jnp.broadcast_to(config.bounds.horizon.astype(dtype), (num,))]
     client_own = [a[:m] for a in own]
+    server = None
+    if num > m and settings.remainders:
+        # the server's proposer holds the Taylor part: its switch comes first, and no client needs
+        # to search past it (the clients' processes are independent of it: the earliest switch
+        # of all is the earliest of theirs before it, else its own)
+        server = _server_proposal(config, x, v, window, point, mean_grad, reference, [a[m] for a in own])
+        broadcast[2] = jnp.minimum(window, (server[0] if settings.counts else server).time)
     if config.client_state is not None:  # the clients' state stays as it is: every round starts from it
         _, replies = config.federation.map("propose", *broadcast, per_client=client_own, state=config.client_state)
     else:
@@ -471,10 +482,28 @@ def _round(config: FederatedConfig, key, state: FederatedZigZagState, reference)
             to_client=tree_nbytes(broadcast) + tree_nbytes([a[0] for a in client_own]),
             from_client=tree_nbytes(jax.tree.map(lambda a: a[0], replies)),
         )
-    if num > m:  # the prior's own proposer, on the server: no rows, zero own term
+    if num > m and server is None:  # the prior's own proposer, on the server: no rows, zero own term
         server = _server_proposal(config, x, v, window, point, mean_grad, reference, [a[m] for a in own])
+    if server is not None:
         replies = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), replies, server)
     return replies
+
+
+def _taylor_shares(reference, num: int, num_clients: int):
+    """``(gradients (P, d), Hessians (P, d, d))``: each proposer's share of the potential's
+    Taylor part at the reference point, ``grad U(x*)`` and ``hess U(x*)``, with second-order
+    subsampling. With the server's own proposer (``P > M``) it takes all of it and the clients
+    none: a client's shifted rate is then its remainder alone (a few checks per round, where
+    an equal share would make every client search for its own first switch of the Gaussian
+    approximation's rate, ``P`` times the checks of a superposition), and the server's is
+    the Taylor part's exact, affine rate (no rows). Otherwise equal shares ``1 / P``."""
+    total_grad = reference.term_grads.sum(0) + reference.prior_grad
+    total_hessian = reference.term_hessians.sum(0) + reference.prior_hessian
+    if num > num_clients:
+        pick = (jnp.arange(num) == num_clients).astype(total_grad.dtype)
+    else:
+        pick = jnp.full(num, 1.0 / num, total_grad.dtype)
+    return pick[:, None] * total_grad, pick[:, None, None] * total_hessian
 
 
 def _server_proposal(config: FederatedConfig, x, v, window, point, mean_grad, reference, own_s):
@@ -487,13 +516,13 @@ def _server_proposal(config: FederatedConfig, x, v, window, point, mean_grad, re
     constant_s = rest.pop(0) if settings.use_cv else None
     if settings.remainders:
         zeros = jnp.zeros_like(reference.prior_hessian)
-        mean_h = (reference.term_hessians.sum(0) + reference.prior_hessian) / config.num
+        grad_shares, hessian_shares = _taylor_shares(reference, config.num, config.num_clients)
         return _remainder_proposal(
             zero_term,
             config.clients.prior_grad_and_slope,
             settings,
             (x, v, window, key_s, horizon_s, weight_s),
-            (point, mean_grad, constant_s, jnp.zeros_like(x), zeros, mean_h, reference.prior_hessian),
+            (point, grad_shares[-1], constant_s, jnp.zeros_like(x), zeros, hessian_shares[-1], reference.prior_hessian),
             tuple(rest),
             lambda y, key, coordinate: jnp.zeros_like(y),
         )

@@ -478,7 +478,11 @@ def _clients_remainders(setup: SubsampleBoundSetup, layout, reference, bound_poi
     # the clients' states have one shape: the largest client's rows (known from the shapes)
     num_rows = max(int(spec["valid"][layout.plate].shape[0]) for spec in federation.block_specs)
     num = reference.term_hessians.shape[0]
+    # each client's share of the Hessian at the reference: none when the server's own proposer
+    # takes the Taylor part (see federated._taylor_shares), else 1 / P
     mean_hessian = (reference.term_hessians.sum(0) + reference.prior_hessian) / num
+    if num > federation.num_clients:
+        mean_hessian = jnp.zeros_like(mean_hessian)
     start = time.perf_counter()
     state = federation.init_state(initial_subsample_state(federation.num_clients, num_rows, d, dtype))
     state, (level, spread, second, finite) = federation.map(
