@@ -375,10 +375,7 @@ class FedZigZag(ZigZagReports, FederatedMCMCKernel):
         order = (
             2
             if self.control_variates == "second_order"
-            or (
-                layout is not None
-                and subsample_order(self.control_variates, self.bounds) == 2
-            )
+            or (layout is not None and subsample_order(self.control_variates, self.bounds) == 2)
             else 1
         )
         d, dtype = start.shape[-1], start.dtype
