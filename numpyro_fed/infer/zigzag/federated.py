@@ -40,7 +40,7 @@ from numpyro_fed.infer.zigzag.federated_client import (
     Proposal,
     client_function,
     client_proposal,
-    propose,
+    own_proposal,
     remainder_proposal,
 )
 from numpyro_fed.infer.zigzag.kernel import (
@@ -225,7 +225,7 @@ def _server_proposal(config: FederatedConfig, x, v, window, point, mean_grad, re
         rest.pop(0)
         estimate_s = lambda y, key, coordinate: jnp.zeros_like(y)  # noqa: E731
     bounds_s = (rest.pop(0), rest.pop(0)) if settings.kind in ("gradient", "hessian") else None
-    return propose(
+    return own_proposal(
         zero_term,
         config.clients.prior_grad_and_slope,
         settings,

@@ -31,7 +31,7 @@ __all__ = [
     "Proposal",
     "client_function",
     "client_proposal",
-    "propose",
+    "own_proposal",
     "remainder_proposal",
 ]
 
@@ -229,7 +229,7 @@ def client_function(clients, settings: ClientSettings, preconditioner=None):
             row, prior = rest.pop(0), rest.pop(0)
             bounds = (row, prior)
         own = lambda y, u: jax.jvp(lambda z: clients.grad(z, block), (y,), (u,))  # noqa: E731
-        return propose(
+        return own_proposal(
             own,
             clients.prior_grad_and_slope,
             settings,
@@ -251,7 +251,7 @@ def client_function(clients, settings: ClientSettings, preconditioner=None):
     return propose
 
 
-def propose(
+def own_proposal(
     own,
     prior,
     settings,
@@ -269,6 +269,9 @@ def propose(
     preconditioner,
     own_estimate=None,
 ):
+    """:func:`client_proposal` of a client (or the server's prior proposer) from a round's
+    arguments: its shift from the reference (``constant`` and, second order, ``linear``), its
+    bound's rows (``bounds``: a user's or the first-order subsampling's ``(row, prior)``)."""
     from numpyro_fed.infer.zigzag.bounds import GradientBound, HessianBound
 
     if bounds is not None:
