@@ -86,6 +86,10 @@ class FederatedZigZagState(NamedTuple):
     :ivar scale: running mean of the time between switches: it sets the search window and
         the clients' grid horizons (only times the server received enter it).
     :ivar pending: the :class:`Pending` proposals.
+    :ivar client_state: with second-order subsampling, the clients'
+        :class:`~numpyro_fed.federation.ClientState` every round starts from (their rows'
+        weights, gradient and Hessian at the reference; carried here, not closed over, so the
+        compiled loop holds no copy of them as constants); else ``None``.
     """
 
     x: jax.Array
@@ -93,18 +97,24 @@ class FederatedZigZagState(NamedTuple):
     prior_weights: jax.Array
     scale: jax.Array
     pending: Pending
+    client_state: Any = None
 
 
-def federated_init(x, rng_key, prior_weights, *, scale: float = 0.1, v=None) -> FederatedZigZagState:
+def federated_init(x, rng_key, prior_weights, *, scale: float = 0.1, v=None, client_state=None) -> FederatedZigZagState:
     """The server's state at ``x`` with a uniformly random velocity (unless ``v`` is given)
-    and no proposal yet."""
+    and no proposal yet (``client_state``: see :class:`FederatedZigZagState`)."""
     x = jnp.asarray(x)
     if v is None:
         v = jnp.where(jax.random.bernoulli(rng_key, 0.5, x.shape), 1.0, -1.0)
     num = prior_weights.shape[0]
     pending = Pending(jnp.zeros(num, x.dtype), jnp.full(num, -1, jnp.int32), jnp.zeros((), bool))
     return FederatedZigZagState(
-        x, jnp.asarray(v, x.dtype), jnp.asarray(prior_weights, x.dtype), jnp.asarray(scale, x.dtype), pending
+        x,
+        jnp.asarray(v, x.dtype),
+        jnp.asarray(prior_weights, x.dtype),
+        jnp.asarray(scale, x.dtype),
+        pending,
+        client_state,
     )
 
 
@@ -123,7 +133,6 @@ class FederatedConfig(NamedTuple):
     skeleton_size: int
     preconditioner: Any
     sizes: dict | None
-    client_state: Any = None
 
 
 def _round(config: FederatedConfig, key, state: FederatedZigZagState, reference):
@@ -166,8 +175,8 @@ def _round(config: FederatedConfig, key, state: FederatedZigZagState, reference)
         # of all is the earliest of theirs before it, else its own)
         server = _server_proposal(config, x, v, window, point, mean_grad, reference, [a[m] for a in own])
         broadcast[2] = jnp.minimum(window, (server[0] if settings.counts else server).time)
-    if config.client_state is not None:  # the clients' state stays as it is: every round starts from it
-        _, replies = config.federation.map("propose", *broadcast, per_client=client_own, state=config.client_state)
+    if settings.remainders:  # the clients' state stays as it is: every round starts from it
+        _, replies = config.federation.map("propose", *broadcast, per_client=client_own, state=state.client_state)
     else:
         replies = config.federation.map("propose", *broadcast, per_client=client_own)
     if config.sizes is not None:  # per client and round, known from the shapes at trace time
@@ -310,7 +319,7 @@ def federated_step(config: FederatedConfig, rng_key, state: FederatedZigZagState
         path_integral=path,
         path_square_integral=square,
     )
-    return FederatedZigZagState(x, v, weights, scale, moved), info, rounds, tally
+    return FederatedZigZagState(x, v, weights, scale, moved, state.client_state), info, rounds, tally
 
 
 def federated_advance(
@@ -369,7 +378,6 @@ def build_federated_kernel(
     second_order: bool = False,
     sizes: dict | None = None,
     subsample=None,
-    client_state=None,
 ):
     """``(kernel, client_fn)``: the server's ``kernel(rng_key, state, duration, reference=None)
     -> (state, info)`` (a :class:`FederatedZigZagState` and a
@@ -388,10 +396,8 @@ def build_federated_kernel(
         ``second_order``, a :class:`~numpyro_fed.infer.zigzag.bounds.SampledRowBound`). Other settings as in
         :func:`~numpyro_fed.infer.zigzag.build_kernel`; ``max_proposals`` bounds the rounds
         per call.
-    :param client_state: with ``subsample`` and ``second_order``: the clients'
-        :class:`~numpyro_fed.federation.ClientState` after their ``"row_remainders"`` set-up
-        call (their :class:`~numpyro_fed.infer.zigzag.subsample.SubsampleState`; ``None``
-        while only the clients' program is built): every round is a stateful call from it.
+        With ``subsample`` and ``second_order`` every round is a stateful call from the
+        clients' state the server's state carries (:class:`FederatedZigZagState`).
     """
     from numpyro_fed.infer.zigzag.bounds import bound_kind
 
@@ -420,7 +426,6 @@ def build_federated_kernel(
         skeleton_size=int(skeleton_size),
         preconditioner=preconditioner,
         sizes=sizes,
-        client_state=client_state,
     )
     return (
         partial(federated_advance, config, default_reference=reference),

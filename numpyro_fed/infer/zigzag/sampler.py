@@ -337,7 +337,12 @@ class FedZigZag(ZigZagReports, FederatedMCMCKernel):
                 init, prior_weights=prior_weights, horizon=self.initial_horizon, bounds=bounds, grid_size=self.grid_size
             )
         else:
-            init_core = partial(federated_init, prior_weights=prior_weights, scale=self.initial_horizon)
+            init_core = partial(
+                federated_init,
+                prior_weights=prior_weights,
+                scale=self.initial_horizon,
+                client_state=self._client_state,
+            )
         if self.sample_interval is not None:
             first_interval = self.sample_interval
         else:
@@ -427,7 +432,7 @@ class FedZigZag(ZigZagReports, FederatedMCMCKernel):
             remainders=plan.layout is not None and plan.order == 2 and self.thinning == "clients",
         )
 
-    def _federated_program(self, potential, clients, plan, bounds, reference, preconditioning, client_state=None):
+    def _federated_program(self, potential, clients, plan, bounds, reference, preconditioning):
         """``(kernel, functions, key)``: the server's kernel through the federation, the
         clients' calls and the key of the program they make (the workers keep their program,
         and what they compiled, while it does not change; the subsampling's bounds are round
@@ -452,7 +457,6 @@ class FedZigZag(ZigZagReports, FederatedMCMCKernel):
             second_order=plan.order == 2,
             sizes=self.message_sizes,
             subsample=plan.layout,
-            client_state=client_state,
         )
         key = program_key(
             plan.data_key,
@@ -511,7 +515,7 @@ class FedZigZag(ZigZagReports, FederatedMCMCKernel):
         proposals, or every client thinning its own (the federation started on its program)."""
         if self.thinning == "clients":
             kernel, functions, key = self._federated_program(
-                potential, clients, plan, bounds, reference, self.preconditioning, self._client_state
+                potential, clients, plan, bounds, reference, self.preconditioning
             )
             self._programs.start(
                 self.federation, potential, functions, key, plan.data_key, private_randomness=self.private_randomness
