@@ -16,8 +16,9 @@ earliest (step 4), moves to it and flips that coordinate. One round per switch:
   that is the earliest horizon, the server moves there and asks again (exact by the strong
   Markov property).
 
-:func:`client_proposal` is the client's function (it runs where the client's rows are:
-``vmap``-ed in this process, or in a worker); :func:`build_federated_kernel` the server's
+:func:`~numpyro_fed.infer.zigzag.federated_client.client_proposal` is the client's function (it
+runs where the client's rows are: ``vmap``-ed in this process, or in a worker; the clients' side
+is :mod:`~numpyro_fed.infer.zigzag.federated_client`); :func:`build_federated_kernel` the server's
 core, ``kernel(rng_key, state, duration, reference) -> (state, info)``, which reaches the
 clients only through ``federation.map`` and so runs unchanged on every backend.
 """
@@ -32,21 +33,24 @@ import jax.numpy as jnp
 from jax import lax
 
 from numpyro_fed.federation.base import tree_nbytes
-from numpyro_fed.infer.zigzag.bounds import empty_line
-from numpyro_fed.infer.zigzag.control_variates import ControlVariates, Shift, shift_for
+from numpyro_fed.infer.zigzag.control_variates import ControlVariates, shift_for
+from numpyro_fed.infer.zigzag.federated_client import (
+    ClientCounts,
+    ClientSettings,
+    Proposal,
+    client_function,
+    client_proposal,
+    own_proposal,
+    remainder_proposal,
+)
 from numpyro_fed.infer.zigzag.kernel import (
     accumulate,
     exponential,
-    kernel_config,
     run_for,
     scaled_bounds,
     segment_integrals,
-    step,
 )
-from numpyro_fed.infer.zigzag.preconditioning import precondition
-from numpyro_fed.infer.zigzag.proposers import Proposers
 from numpyro_fed.infer.zigzag.state import SampleInfo, StepInfo, ZigZagState
-from numpyro_fed.infer.zigzag.subsample import gradient_estimate
 
 __all__ = [
     "ClientCounts",
@@ -58,36 +62,11 @@ __all__ = [
     "federated_init",
 ]
 
-#: proposals a client makes in one round at most before it answers "none yet" (guards
-#: against a rate that explodes along the line)
-MAX_LOCAL_STEPS = 10_000
 #: the search window is this many times the recent mean time between switches, and each
 #: client's grid horizon this many: a window without a switch anywhere has probability
 #: about ``exp(-WINDOW_FACTOR)``
 WINDOW_FACTOR = 8.0
 HORIZON_FACTOR = 4.0
-
-
-class Proposal(NamedTuple):
-    """What a client sends in a round (Algorithm 2, step 3).
-
-    :ivar time: the client's first switching time from the round's start, or (when
-        ``coordinate == -1``) how far along the line it searched without one.
-    :ivar coordinate: the coordinate whose velocity flips (``int32``), ``-1``: none yet.
-    """
-
-    time: jax.Array
-    coordinate: jax.Array
-
-
-class ClientCounts(NamedTuple):
-    """Diagnostics a client adds to its reply unless a privacy guarantee is asked for (they
-    depend on its data and Theorem 5.1 does not cover them): its local proposals, gradient
-    evaluations and proposals whose exact rate exceeded the bound, in the round (``int32``)."""
-
-    proposals: jax.Array
-    grad_evals: jax.Array
-    violations: jax.Array
 
 
 class Pending(NamedTuple):
@@ -107,6 +86,10 @@ class FederatedZigZagState(NamedTuple):
     :ivar scale: running mean of the time between switches: it sets the search window and
         the clients' grid horizons (only times the server received enter it).
     :ivar pending: the :class:`Pending` proposals.
+    :ivar client_state: with second-order subsampling, the clients'
+        :class:`~numpyro_fed.federation.ClientState` every round starts from (their rows'
+        weights, gradient and Hessian at the reference; carried here, not closed over, so the
+        compiled loop holds no copy of them as constants); else ``None``.
     """
 
     x: jax.Array
@@ -114,237 +97,24 @@ class FederatedZigZagState(NamedTuple):
     prior_weights: jax.Array
     scale: jax.Array
     pending: Pending
+    client_state: Any = None
 
 
-def _single(own_grad_and_slope, prior_grad_and_slope, own_estimate=None) -> Proposers:
-    """One proposer's :class:`Proposers` (``P = 1``) from its own functions of ``(x, v)``
-    (and, with subsampling, ``own_estimate(x, key)``)."""
-    return Proposers(
-        term_grads_and_slopes=lambda x, v: jax.tree.map(lambda a: a[None], own_grad_and_slope(x, v)),
-        term_grads=lambda x: own_grad_and_slope(x, jnp.zeros_like(x))[0][None],
-        term_grad_of=lambda x, j: own_grad_and_slope(x, jnp.zeros_like(x))[0],
-        prior_grad_and_slope=prior_grad_and_slope,
-        num=1,
-        term_grad_estimate=None
-        if own_estimate is None
-        else (lambda x, j, key, reference, coordinate: own_estimate(x, key)),
-    )
-
-
-def _own_shift(point, mean_grad, constant, linear) -> Shift | None:
-    """A client's own :class:`~numpyro_fed.infer.zigzag.control_variates.Shift`, as a
-    one-proposer reference whose arithmetic gives ``constant + linear (x - point)``."""
-    if point is None:
-        return None
-    zeros = jnp.zeros_like(point)
-    if linear is None:
-        reference = ControlVariates(point, mean_grad[None], zeros)
-        return Shift(constant[None], reference, None)
-    # one proposer: term_hessians [A], prior_hessian -A and weight 0 give A y
-    reference = ControlVariates(point, mean_grad[None], zeros, linear[None], -linear)
-    return Shift(constant[None], reference, jnp.zeros(1, point.dtype))
-
-
-def client_proposal(
-    own_grad_and_slope,
-    prior_grad_and_slope,
-    x,
-    v,
-    window,
-    key,
-    horizon,
-    weight,
-    *,
-    kind: str,
-    bounds=None,
-    excess=0.0,
-    grid_size: int = 2,
-    safety_factor: float = 1.0,
-    shift: Shift | None = None,
-    preconditioner=None,
-    counts: bool = True,
-    own_estimate=None,
-):
-    """A client's (or the server's prior proposer's) round: the first switching time of its
-    own rate along ``x + t v`` within ``window``, by thinning against its exact rate.
-
-    :param own_grad_and_slope: ``(x, v) -> ((d,), (d,))`` of its own term (from its rows).
-    :param prior_grad_and_slope: the same for the prior's potential ``U_0``.
-    :param weight: its share of the prior. :param horizon: its grid horizon.
-    :param own_estimate: with subsampling, ``(x, key) -> (d,)``: the estimate of its own
-        term's gradient from a batch of its rows (the check then thins against it).
-    :return: ``(Proposal, ClientCounts)`` with ``counts``, else the :class:`Proposal`.
-    """
-    proposers = _single(own_grad_and_slope, prior_grad_and_slope, own_estimate)
-    if preconditioner is not None:
-        proposers = precondition(proposers, preconditioner)
-    config = kernel_config(
-        proposers,
-        excess_rates=jnp.reshape(excess, (1,)),
-        bounds=kind if bounds is None else bounds,
-        grid_size=grid_size,
-        safety_factor=safety_factor,
-        batched=True,
-    )
-    d, dtype = x.shape[0], x.dtype
-    if shift is None:
-        shift = shift_for(None, None, 1, d, dtype)
-    state = ZigZagState(
-        x=x,
-        v=v,
-        horizon=jnp.asarray(horizon, dtype),
-        prior_weights=jnp.reshape(weight, (1,)).astype(dtype),
-        line=empty_line(config.kind, grid_size, 1, d, dtype),
-    )
-    zero = jnp.zeros((), jnp.int32)
-
-    def searching(carry):
-        _, _, elapsed, found, steps, _ = carry
-        return ~found & (elapsed < window) & (steps < MAX_LOCAL_STEPS)
-
-    def one_step(carry):
-        key, state, elapsed, _, steps, tally = carry
-        key, k_step = jax.random.split(key)
-        state, info = step(config, k_step, state, window - elapsed, shift=shift)
-        tally = ClientCounts(
-            tally.proposals + info.proposed,
-            tally.grad_evals + info.grad_evals_by_proposer[0],
-            tally.violations + info.violated,
-        )
-        return key, state, elapsed + info.elapsed, info.accepted, steps + 1, tally
-
-    _, final, elapsed, found, _, tally = lax.while_loop(
-        searching,
-        one_step,
-        (key, state, jnp.zeros((), dtype), jnp.zeros((), bool), zero, ClientCounts(zero, zero, zero)),
-    )
-    coordinate = jnp.where(found, jnp.argmax(final.v != v), -1).astype(jnp.int32)
-    proposal = Proposal(elapsed, coordinate)
-    return (proposal, tally) if counts else proposal
-
-
-class _Settings(NamedTuple):
-    kind: str
-    grid_size: int
-    safety_factor: float
-    excess: float
-    counts: bool
-    second_order: bool
-    use_cv: bool
-    subsample: Any = None  # the SubsampleLayout, with subsampling
-
-
-def client_function(clients, settings: _Settings, preconditioner=None):
-    """The function every client runs in a round, ``f(block, *broadcast, *own)``, for the
-    :class:`~numpyro_fed.federation.ClientProgram` (name ``"propose"``).
-
-    Broadcast: ``x, v, window`` and, with control variates, the reference point and the mean
-    gradient there. Own: ``key, horizon, weight``, with control variates the shift's constant
-    (and linear part), with subsampling the client's own gradient at the reference point,
-    with a user's (or the subsampling's) bound the client's row of it (and the prior's)."""
-
-    def propose(block, x, v, window, *rest):
-        rest = list(rest)
-        point = mean_grad = None
-        if settings.use_cv:
-            point, mean_grad = rest.pop(0), rest.pop(0)
-        key, horizon, weight = rest.pop(0), rest.pop(0), rest.pop(0)
-        constant = linear = None
-        if settings.use_cv:
-            constant = rest.pop(0)
-            linear = rest.pop(0) if settings.second_order else None
-        estimate = None
-        if settings.subsample is not None:
-            reference_grad = rest.pop(0)
-            estimate = partial(
-                gradient_estimate,
-                clients.grad,
-                settings.subsample,
-                block=block,
-                point=point,
-                reference_grad=reference_grad,
-            )
-        bounds = None
-        if settings.kind in ("gradient", "hessian"):
-            row, prior = rest.pop(0), rest.pop(0)
-            bounds = (row, prior)
-        own = lambda y, u: jax.jvp(lambda z: clients.grad(z, block), (y,), (u,))  # noqa: E731
-        return _propose(
-            own,
-            clients.prior_grad_and_slope,
-            settings,
-            x,
-            v,
-            window,
-            key,
-            horizon,
-            weight,
-            point,
-            mean_grad,
-            constant,
-            linear,
-            bounds,
-            preconditioner,
-            estimate,
-        )
-
-    return propose
-
-
-def _propose(
-    own,
-    prior,
-    settings,
-    x,
-    v,
-    window,
-    key,
-    horizon,
-    weight,
-    point,
-    mean_grad,
-    constant,
-    linear,
-    bounds,
-    preconditioner,
-    own_estimate=None,
-):
-    from numpyro_fed.infer.zigzag.bounds import GradientBound, HessianBound
-
-    if bounds is not None:
-        cls = GradientBound if settings.kind == "gradient" else HessianBound
-        bounds = cls(bounds[0][None], bounds[1])
-    return client_proposal(
-        own,
-        prior,
-        x,
-        v,
-        window,
-        key,
-        horizon,
-        weight,
-        kind=settings.kind,
-        bounds=bounds,
-        excess=settings.excess,
-        grid_size=settings.grid_size,
-        safety_factor=settings.safety_factor,
-        shift=_own_shift(point, mean_grad, constant, linear),
-        preconditioner=preconditioner,
-        counts=settings.counts,
-        own_estimate=own_estimate,
-    )
-
-
-def federated_init(x, rng_key, prior_weights, *, scale: float = 0.1, v=None) -> FederatedZigZagState:
+def federated_init(x, rng_key, prior_weights, *, scale: float = 0.1, v=None, client_state=None) -> FederatedZigZagState:
     """The server's state at ``x`` with a uniformly random velocity (unless ``v`` is given)
-    and no proposal yet."""
+    and no proposal yet (``client_state``: see :class:`FederatedZigZagState`)."""
     x = jnp.asarray(x)
     if v is None:
         v = jnp.where(jax.random.bernoulli(rng_key, 0.5, x.shape), 1.0, -1.0)
     num = prior_weights.shape[0]
     pending = Pending(jnp.zeros(num, x.dtype), jnp.full(num, -1, jnp.int32), jnp.zeros((), bool))
     return FederatedZigZagState(
-        x, jnp.asarray(v, x.dtype), jnp.asarray(prior_weights, x.dtype), jnp.asarray(scale, x.dtype), pending
+        x,
+        jnp.asarray(v, x.dtype),
+        jnp.asarray(prior_weights, x.dtype),
+        jnp.asarray(scale, x.dtype),
+        pending,
+        client_state,
     )
 
 
@@ -353,7 +123,7 @@ class FederatedConfig(NamedTuple):
 
     federation: Any
     clients: Any
-    settings: _Settings
+    settings: ClientSettings
     num_clients: int
     num: int
     bounds: Any
@@ -380,56 +150,108 @@ def _round(config: FederatedConfig, key, state: FederatedZigZagState, reference)
         shift = shift_for(reference, weights, num, d, dtype)
         point = reference.point
         mean_grad = (reference.term_grads.sum(0) + reference.prior_grad) / num
-        broadcast += [point, mean_grad]
         constant = shift.constant
+        if settings.remainders and num > m:  # the Taylor part on the server's proposer (see _taylor_shares)
+            shares = _taylor_shares(reference, num, m)[0]
+            mean_grad = shares[0]  # the clients' share: zero
+            constant = reference.term_grads + weights[:, None] * reference.prior_grad - shares
+        broadcast += [point, mean_grad]
         own.append(constant)
-        if settings.second_order:
+        if settings.second_order and not settings.remainders:  # (with remainders: the clients hold it)
             mean_h = (reference.term_hessians.sum(0) + reference.prior_hessian) / num
             linear = reference.term_hessians + weights[:, None, None] * reference.prior_hessian - mean_h
             own.append(linear)
-    if settings.subsample is not None:  # each client's own full gradient at the reference
+    if settings.subsample is not None and not settings.remainders:  # each client's own full gradient there
         own.append(reference.term_grads)
     if settings.kind in ("gradient", "hessian"):
         own += [config.bounds.clients, jnp.broadcast_to(config.bounds.prior, (num,) + config.bounds.prior.shape)]
+    if settings.remainders:  # the remainders' bound, and the horizon it holds over
+        own += [config.bounds.second, jnp.broadcast_to(config.bounds.horizon.astype(dtype), (num,))]
     client_own = [a[:m] for a in own]
-    replies = config.federation.map("propose", *broadcast, per_client=client_own)
+    server = None
+    if num > m and settings.remainders:
+        # the server's proposer holds the Taylor part: its switch comes first, and no client needs
+        # to search past it (the clients' processes are independent of it: the earliest switch
+        # of all is the earliest of theirs before it, else its own)
+        server = _server_proposal(config, x, v, window, point, mean_grad, reference, [a[m] for a in own])
+        broadcast[2] = jnp.minimum(window, (server[0] if settings.counts else server).time)
+    if settings.remainders:  # the clients' state stays as it is: every round starts from it
+        _, replies = config.federation.map("propose", *broadcast, per_client=client_own, state=state.client_state)
+    else:
+        replies = config.federation.map("propose", *broadcast, per_client=client_own)
     if config.sizes is not None:  # per client and round, known from the shapes at trace time
         config.sizes.update(
             to_client=tree_nbytes(broadcast) + tree_nbytes([a[0] for a in client_own]),
             from_client=tree_nbytes(jax.tree.map(lambda a: a[0], replies)),
         )
-    if num > m:  # the prior's own proposer, on the server: no rows, zero own term
-        zero_term = lambda y, u: (jnp.zeros_like(y), jnp.zeros_like(y))  # noqa: E731
-        own_s = [a[m] for a in own]
-        key_s, horizon_s, weight_s = own_s[:3]
-        rest = own_s[3:]
-        constant_s = rest.pop(0) if settings.use_cv else None
-        linear_s = rest.pop(0) if settings.use_cv and settings.second_order else None
-        estimate_s = None
-        if settings.subsample is not None:  # no rows: a zero own term, estimated exactly
-            rest.pop(0)
-            estimate_s = lambda y, key: jnp.zeros_like(y)  # noqa: E731
-        bounds_s = (rest.pop(0), rest.pop(0)) if settings.kind in ("gradient", "hessian") else None
-        server = _propose(
+    if num > m and server is None:  # the prior's own proposer, on the server: no rows, zero own term
+        server = _server_proposal(config, x, v, window, point, mean_grad, reference, [a[m] for a in own])
+    if server is not None:
+        replies = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), replies, server)
+    return replies
+
+
+def _taylor_shares(reference, num: int, num_clients: int):
+    """``(gradients (P, d), Hessians (P, d, d))``: each proposer's share of the potential's
+    Taylor part at the reference point, ``grad U(x*)`` and ``hess U(x*)``, with second-order
+    subsampling. With the server's own proposer (``P > M``) it takes all of it and the clients
+    none: a client's shifted rate is then its remainder alone (a few checks per round, where
+    an equal share would make every client search for its own first switch of the Gaussian
+    approximation's rate, ``P`` times the checks of a superposition), and the server's is
+    the Taylor part's exact, affine rate (no rows). Otherwise equal shares ``1 / P``."""
+    total_grad = reference.term_grads.sum(0) + reference.prior_grad
+    total_hessian = reference.term_hessians.sum(0) + reference.prior_hessian
+    if num > num_clients:
+        pick = (jnp.arange(num) == num_clients).astype(total_grad.dtype)
+    else:
+        pick = jnp.full(num, 1.0 / num, total_grad.dtype)
+    return pick[:, None] * total_grad, pick[:, None, None] * total_hessian
+
+
+def _server_proposal(config: FederatedConfig, x, v, window, point, mean_grad, reference, own_s):
+    """The round of the prior's own proposer (on the server, no rows: a zero own term,
+    estimated exactly), from its slice ``own_s`` of the round's own arguments."""
+    settings = config.settings
+    zero_term = lambda y, u: (jnp.zeros_like(y), jnp.zeros_like(y))  # noqa: E731
+    key_s, horizon_s, weight_s = own_s[:3]
+    rest = own_s[3:]
+    constant_s = rest.pop(0) if settings.use_cv else None
+    if settings.remainders:
+        zeros = jnp.zeros_like(reference.prior_hessian)
+        grad_shares, hessian_shares = _taylor_shares(reference, config.num, config.num_clients)
+        return remainder_proposal(
             zero_term,
             config.clients.prior_grad_and_slope,
             settings,
-            x,
-            v,
-            window,
-            key_s,
-            horizon_s,
-            weight_s,
-            point,
-            mean_grad,
-            constant_s,
-            linear_s,
-            bounds_s,
-            config.preconditioner,
-            estimate_s,
+            (x, v, window, key_s, horizon_s, weight_s),
+            (point, grad_shares[-1], constant_s, jnp.zeros_like(x), zeros, hessian_shares[-1], reference.prior_hessian),
+            tuple(rest),
+            lambda y, key, coordinate: jnp.zeros_like(y),
         )
-        replies = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), replies, server)
-    return replies
+    linear_s = rest.pop(0) if settings.use_cv and settings.second_order else None
+    estimate_s = None
+    if settings.subsample is not None:  # no rows: a zero own term, estimated exactly
+        rest.pop(0)
+        estimate_s = lambda y, key, coordinate: jnp.zeros_like(y)  # noqa: E731
+    bounds_s = (rest.pop(0), rest.pop(0)) if settings.kind in ("gradient", "hessian") else None
+    return own_proposal(
+        zero_term,
+        config.clients.prior_grad_and_slope,
+        settings,
+        x,
+        v,
+        window,
+        key_s,
+        horizon_s,
+        weight_s,
+        point,
+        mean_grad,
+        constant_s,
+        linear_s,
+        bounds_s,
+        config.preconditioner,
+        estimate_s,
+    )
 
 
 def federated_step(config: FederatedConfig, rng_key, state: FederatedZigZagState, max_time, reference=None):
@@ -497,7 +319,7 @@ def federated_step(config: FederatedConfig, rng_key, state: FederatedZigZagState
         path_integral=path,
         path_square_integral=square,
     )
-    return FederatedZigZagState(x, v, weights, scale, moved), info, rounds, tally
+    return FederatedZigZagState(x, v, weights, scale, moved, state.client_state), info, rounds, tally
 
 
 def federated_advance(
@@ -570,14 +392,17 @@ def build_federated_kernel(
     :param subsample: a :class:`~numpyro_fed.infer.zigzag.subsample.SubsampleLayout`: each
         client checks its proposals against an estimate from a batch of its rows (needs the
         ``reference`` and a :class:`~numpyro_fed.HessianBound` laid out per proposer as
-        ``bounds``: the clients' ``n_m`` times their rows' curvature bound). Other settings as in
+        ``bounds``: the clients' ``n_m`` times their rows' curvature bound; with
+        ``second_order``, a :class:`~numpyro_fed.infer.zigzag.bounds.SampledRowBound`). Other settings as in
         :func:`~numpyro_fed.infer.zigzag.build_kernel`; ``max_proposals`` bounds the rounds
         per call.
+        With ``subsample`` and ``second_order`` every round is a stateful call from the
+        clients' state the server's state carries (:class:`FederatedZigZagState`).
     """
     from numpyro_fed.infer.zigzag.bounds import bound_kind
 
     kind = bound_kind(bounds)
-    settings = _Settings(
+    settings = ClientSettings(
         kind,
         int(grid_size),
         float(safety_factor),
@@ -586,6 +411,7 @@ def build_federated_kernel(
         bool(second_order),
         reference is not None,
         subsample,
+        subsample is not None and bool(second_order),
     )
     config = FederatedConfig(
         federation=federation,

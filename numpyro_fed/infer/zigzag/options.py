@@ -249,13 +249,6 @@ def _check_subsampling(subsample_size, bounds, control_variates, preconditioner,
             "variates' reference point: control_variates=False is not supported with it "
             "(leave it at None, True or 'second_order')"
         )
-    if control_variates == "second_order" and not server_thinning:
-        raise ValueError(
-            f"subsample_size={subsample_size} with control_variates='second_order' is "
-            "supported with the server's thinning in process (federation=None or InProcess()), not with the "
-            "clients' thinning (their batches are drawn uniformly, around first-order control variates): "
-            "pass control_variates=None"
-        )
     user_third = not isinstance(bounds, RowHessianBound) or bounds.third is not None
     if control_variates == "second_order" and not user_third:
         raise ValueError(

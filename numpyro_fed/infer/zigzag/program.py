@@ -27,6 +27,7 @@ from numpyro_fed.federation.ledger import DIRECTIONS
 from numpyro_fed.infer.zigzag.proposers import term_functions
 from numpyro_fed.infer.zigzag.setup import setup_functions
 from numpyro_fed.infer.zigzag.subsample import RowHessianBound, row_curvature
+from numpyro_fed.infer.zigzag.subsample_setup import REMAINDER_CALL, remainder_state
 from numpyro_fed.privacy.randomness import PrivateSeed, private_program
 
 __all__ = ["ProgramCache", "client_calls", "program_key"]
@@ -58,11 +59,16 @@ def client_calls(
     use_reference=False,
     private_randomness=False,
     terms=False,
-) -> dict:
-    """The clients' calls by name, ``name -> f(block, *args)``, for
+    remainders=False,
+) -> tuple[dict, dict]:
+    """``(functions, stateful)``: the clients' calls by name, ``name -> f(block, *args)``, for
     :meth:`FederatedPotential.client_program <numpyro_fed.FederatedPotential.client_program>`:
     the set-up calls, ``"row_curvature"`` with subsampling (``layout``; a
-    :class:`RowHessianBound` given as ``bounds`` bounds the rows) and ``"propose"`` when known.
+    :class:`RowHessianBound` given as ``bounds`` bounds the rows) and ``"propose"`` when known;
+    and the stateful calls, ``name -> f(block, state, *args) -> (state, reply)``: with
+    ``remainders`` (second-order subsampling through a federation) the set-up call
+    ``"row_remainders"`` and ``"propose"`` (the client's weights, gradient and Hessian at the
+    reference are its state).
 
     :param clients: the :class:`~numpyro_fed.infer.zigzag.ClientFunctions`.
     :param bool use_reference: the rounds send the control variates' reference point and mean
@@ -73,19 +79,26 @@ def client_calls(
         (:data:`~numpyro_fed.infer.zigzag.proposers.TERM_CALLS`).
     """
     functions = setup_functions(potential.flat().client_potential)
+    stateful = {}
     if terms:
         functions.update(term_functions(clients))
-    if layout is not None:
+    if layout is not None and remainders:
+        row_third = bounds.third if isinstance(bounds, RowHessianBound) else None
+        stateful[REMAINDER_CALL] = partial(
+            remainder_state, clients.grad, functions["value_and_grad"], functions["hessian"], layout, row_third
+        )
+    elif layout is not None:
         row_bound = bounds.rows if isinstance(bounds, RowHessianBound) else None
         functions["row_curvature"] = partial(_row_curvature_call, clients.grad, layout, row_bound)
     if propose is not None:
-        functions["propose"] = propose
+        (stateful if remainders else functions)["propose"] = propose
     if not private_randomness:
-        return functions
+        return functions, stateful
     # the round's arguments: x, v, window (and the reference point and mean gradient), then
-    # the client's own: its key first
+    # the client's own: its key first (after the client's state in a stateful call)
     key_index = 3 + 2 * bool(use_reference)
-    return private_program(functions, keys={"propose": key_index} if "propose" in functions else {})[0]
+    keys = {"propose": key_index} if propose is not None else {}
+    return private_program(functions, stateful, keys=keys)
 
 
 def carry_ledger(previous, ledger):
@@ -122,17 +135,21 @@ class ProgramCache:
         """``federation`` runs this cache's program, built for the same data."""
         return federation.started and federation.program is self.program and self.data_key == data_key
 
-    def start(self, federation, potential, functions, key, data_key, *, private_randomness: bool):
-        """Starts ``federation`` on ``functions`` (the set-up calls and, when known, the
-        proposals) unless it runs this cache's program for ``key`` already. What the set-up
-        calls counted in the federation's ledger is kept across a restart."""
+    def start(self, federation, potential, calls, key, data_key, *, private_randomness: bool):
+        """Starts ``federation`` on ``calls`` (``(functions, stateful)`` of
+        :func:`client_calls`: the set-up calls and, when known, the proposals) unless it runs
+        this cache's program for ``key`` already. What the set-up calls counted in the
+        federation's ledger is kept across a restart."""
+        functions, stateful = calls
         if federation.started and federation.program is self.program and key == self.key:
             return
         previous = federation.ledger if federation.started and federation.program is self.program else None
         if potential.deployed or private_randomness:
-            program = potential.client_program(functions, transform=PrivateSeed() if private_randomness else None)
+            program = potential.client_program(
+                functions, transform=PrivateSeed() if private_randomness else None, stateful=stateful
+            )
         else:  # cut on the host: each client's slice of a host copy of the rows compiles nothing
-            program = ClientProgram.stacked(functions, jax.device_get(potential.client_data))
+            program = ClientProgram.stacked(functions, jax.device_get(potential.client_data), stateful=stateful)
         federation.start(program)
         if previous is not None:
             carry_ledger(previous, federation.ledger)

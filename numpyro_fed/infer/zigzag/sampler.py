@@ -237,6 +237,11 @@ class FedZigZag(ZigZagReports, FederatedMCMCKernel):
         #: found a curvature that grows away from the posterior (violations possible)
         self.subsample_bounds = None
         self.unbounded_curvature = False
+        #: with ``subsample_size`` through a federation, after ``init``: the seconds the clients'
+        #: set-up call took, by call name (``"row_remainders"``: second order; the workers'
+        #: compilation and computation of their weights, in parallel, and its round trip)
+        self.subsample_setup_seconds = {}
+        self._client_state = None
 
     def hyperparameters(self) -> dict:
         values = super().hyperparameters()
@@ -274,6 +279,7 @@ class FedZigZag(ZigZagReports, FederatedMCMCKernel):
             )
         self.reference_point = None
         self.mode_search = None
+        self._client_state = None
         use_cv, recenter = plan.use_cv, False  # recenter: the control variates on the warmup trajectory
         if use_cv or isinstance(self.preconditioner, str):
             start, found_cv, recenter = self._search_mode(terms, start, init_params, ravel, vectorized, num_warmup)
@@ -331,7 +337,12 @@ class FedZigZag(ZigZagReports, FederatedMCMCKernel):
                 init, prior_weights=prior_weights, horizon=self.initial_horizon, bounds=bounds, grid_size=self.grid_size
             )
         else:
-            init_core = partial(federated_init, prior_weights=prior_weights, scale=self.initial_horizon)
+            init_core = partial(
+                federated_init,
+                prior_weights=prior_weights,
+                scale=self.initial_horizon,
+                client_state=self._client_state,
+            )
         if self.sample_interval is not None:
             first_interval = self.sample_interval
         else:
@@ -369,10 +380,7 @@ class FedZigZag(ZigZagReports, FederatedMCMCKernel):
         order = (
             2
             if self.control_variates == "second_order"
-            or (
-                layout is not None
-                and subsample_order(self.control_variates, self.bounds, self.thinning == "clients") == 2
-            )
+            or (layout is not None and subsample_order(self.control_variates, self.bounds) == 2)
             else 1
         )
         d, dtype = start.shape[-1], start.dtype
@@ -421,6 +429,7 @@ class FedZigZag(ZigZagReports, FederatedMCMCKernel):
             use_reference=use_reference,
             private_randomness=self.private_randomness,
             terms=terms,
+            remainders=plan.layout is not None and plan.order == 2 and self.thinning == "clients",
         )
 
     def _federated_program(self, potential, clients, plan, bounds, reference, preconditioning):
@@ -480,17 +489,21 @@ class FedZigZag(ZigZagReports, FederatedMCMCKernel):
         row_grad = clients.grad
         if self.preconditioning is not None:  # the server's thinning only: the process's space is u
             row_grad = preconditioned_row_grad(row_grad, self.preconditioning)
+        self.subsample_setup_seconds = {}
         setup = SubsampleBoundSetup(
             self.bounds,
             self.subsample_size,
             self.preconditioning,
             None if server_thinning else self.federation,
             self.federation.blocks if server_thinning else None,
+            self.subsample_setup_seconds,
         )
         bounds, weights, self.unbounded_curvature = subsample_bounds(
             setup, potential, plan.layout, reference, hessian, row_grad, proposers.num, order=plan.order
         )
         self.subsample_bounds = bounds
+        # second order through a federation: the clients keep their weights (their client state)
+        self._client_state = None if server_thinning or plan.order == 1 else weights
         if server_thinning:
             proposers = subsampled_proposers(
                 proposers, row_grad, self.federation.blocks, potential.num_clients, plan.layout, weights

@@ -34,8 +34,9 @@ from numpyro_fed.infer.zigzag.proposers import Proposers
 __all__ = ["SETUP_CALLS", "ClientTerms", "federated_reference", "setup_functions"]
 
 #: the names of the set-up calls in the clients' program (and in the message ledger);
-#: ``"row_curvature"`` only with ``FedZigZag(subsample_size=...)``
-SETUP_CALLS = ("value_and_grad", "hessian", "row_curvature")
+#: ``"row_curvature"`` (first order) and the stateful ``"row_remainders"`` (second order, the
+#: clients' thinning) only with ``FedZigZag(subsample_size=...)``
+SETUP_CALLS = ("value_and_grad", "hessian", "row_curvature", "row_remainders")
 #: points the ``"row_curvature"`` call sends (see :mod:`~numpyro_fed.infer.zigzag.subsample`)
 ROW_CURVATURE_POINTS = 10
 

@@ -38,13 +38,11 @@ most ``S_i max_k |x_k - x*_k|`` with ``S_i = sum_J c_Ji`` (the rows' summed curv
 the uniform batch needs ``n_m`` times the largest in every column: on a logistic regression
 with Gaussian covariates the bound is several times tighter, and so are the proposals per
 switch). The weights are integers whose cumulative sums each client's rows keep
-(:class:`RowWeights`): the probabilities are exact and a draw is a bisection. Through a
-federation the batches stay uniform (the weights would have to live on the client's worker
-between rounds).
+(:class:`RowWeights`): the probabilities are exact and a draw is a bisection.
 
-**Second order** (in process, the default there; ``control_variates="first_order"`` keeps the
-estimate above): the estimate keeps the client's Taylor term around ``x*`` whole and samples
-only what is left of it,
+**Second order** (the default; ``control_variates="first_order"`` keeps the first-order
+estimate, with uniform batches through a federation): the estimate keeps the client's Taylor
+term around ``x*`` whole and samples only what is left of it,
 
     d U_m(x) ~ g_m + H_m (x - x*) + 1 / b sum_{J in batch} (d U_J(x) - d U_J(x*) - H_J(x*) (x - x*)) / p_J
 
@@ -76,10 +74,13 @@ everything above is done there: ``grad`` is a row's gradient in ``u``
 (:func:`~numpyro_fed.infer.zigzag.preconditioning.preconditioned_row_grad`), so the curvatures,
 weights and bounds are those of the potential of ``u``.
 
-Everything a client computes here receives its own block only; through a federation what it
-sends the server is its ``(d, d)`` bound (once, at set-up) and, in every round, the proposal
-Algorithm 2 sends. Second order and the rows' weights need the server's thinning (in
-process): with the clients' thinning the batches are uniform and the estimate first order.
+Everything a client computes here receives its own block only. Through a federation (the
+clients' thinning) second order is the same estimate, the rows' weights, its gradient and
+Hessian at ``x*`` computed once by each client and kept as its client state
+(:class:`SubsampleState`, :func:`state_estimate`); what it sends the server is its bounds'
+summaries (once, at set-up) and, in every round, the proposal Algorithm 2 sends. First order
+through a federation draws uniform batches (the client sends its ``(d, d)`` curvature bound
+once).
 """
 
 from __future__ import annotations
@@ -101,11 +102,13 @@ __all__ = [
     "RowHessianBound",
     "RowWeights",
     "SubsampleLayout",
+    "SubsampleState",
     "gradient_estimate",
     "row_curvature",
     "importance_weights",
     "row_weights",
     "rows_per_estimate",
+    "state_estimate",
     "subsample_layout",
     "subsampled_proposers",
     "third_weights",
@@ -410,7 +413,7 @@ def _draw_rows(key, size: int, cumulative_of, max_rows: int, total):
 
 
 def _weighted_estimate(
-    grad, layout: SubsampleLayout, x, key, take, point, reference_grad, cumulative_of, max_rows: int, sup, hessian=None
+    grad, layout: SubsampleLayout, x, key, take, point, reference_grad, cumulative_of, max_rows: int, hessian=None
 ):
     """The importance-sampled estimate for one coordinate ``i`` (``cumulative_of``: indices ->
     the cumulative integer weights of :class:`RowWeights` there):
@@ -445,6 +448,44 @@ def _weighted_estimate(
         estimate = estimate + level
     factor = jnp.where(quanta > 0, total.astype(x.dtype) / jnp.maximum(quanta, 1), 0.0) / layout.size
     return estimate + factor @ differences
+
+
+class SubsampleState(NamedTuple):
+    """What a client keeps between rounds for second-order subsampling through a federation
+    (its client state; computed once, on its own rows, by the set-up call
+    :func:`~numpyro_fed.infer.zigzag.subsample_setup.remainder_state`).
+
+    :ivar cumulative: ``(d, n)`` int32, its rows' :class:`RowWeights` cumulative sums per
+        coordinate (``n``: the largest client's rows; constant past its own).
+    :ivar grad: ``(d,)`` its term's gradient at ``x*``; :ivar hessian: ``(d, d)`` its Hessian there.
+    :ivar mean_hessian: ``(d, d)``: ``hess U(x*) / P``, the share of every proposer (from the server).
+    :ivar prior_hessian: ``(d, d)``: the prior's Hessian at ``x*`` (from the server).
+    """
+
+    cumulative: jax.Array
+    grad: jax.Array
+    hessian: jax.Array
+    mean_hessian: jax.Array
+    prior_hessian: jax.Array
+
+
+def state_estimate(grad, layout: SubsampleLayout, block, state: SubsampleState, point, x, key, coordinate):
+    """Client side, second order through a federation: the estimate of its term's gradient at
+    ``x`` whose ``coordinate`` is unbiased, from ``layout.size`` rows drawn in proportion to
+    their remainder bounds along ``coordinate``, with what it keeps (``state``): the estimate
+    the server's thinning makes in process (:func:`subsampled_proposers`), from the same weights."""
+    return _weighted_estimate(
+        grad,
+        layout,
+        x,
+        key,
+        partial(_sub_block, block, layout.plate),
+        point,
+        state.grad,
+        lambda index: state.cumulative[coordinate, index],
+        state.cumulative.shape[-1],
+        state.hessian,
+    )
 
 
 def _row_third(grad, x, w, block):
@@ -554,7 +595,6 @@ def subsampled_proposers(
                 reference.term_grads[j],
                 lambda index: weights.cumulative[client, coordinate, index],
                 max_rows,
-                weights.sup[client, coordinate],
                 reference.term_hessians[j] if reference.second_order else None,
             )
         if not on_server:

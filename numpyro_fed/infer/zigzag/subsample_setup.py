@@ -3,14 +3,21 @@ at ``init`` (``FedZigZag(subsample_size=...)``; the estimates themselves are
 :mod:`~numpyro_fed.infer.zigzag.subsample`'s).
 
 Each client bounds its rows' curvature (first order) or their remainder after the Taylor term
-(second order, in process) over points around the reference: the reference, the origin and
+(second order) over points around the reference: the reference, the origin and
 2.5 posterior sds around it; one unit away (the probe points) it checks that the bound does
 not grow, else it warns that the automatic bound holds near the posterior only. During warmup
 a draw with a violation doubles the bound (:func:`grow_bound`).
+
+Second order through a federation (the clients' thinning): each client computes its rows'
+weights, and its gradient and Hessian at the reference, once, in the stateful set-up call
+``"row_remainders"`` (:func:`remainder_state`), and keeps them as its client state
+(:class:`~numpyro_fed.infer.zigzag.subsample.SubsampleState`); it sends the server only what
+the bound needs (``(2, d, d)``, ``(2, d)`` and ``(d,)`` numbers).
 """
 
 from __future__ import annotations
 
+import time
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -26,12 +33,24 @@ from numpyro_fed.infer.zigzag.subsample import (
     THIRD_FLOOR,
     THIRD_GROWTH,
     RowHessianBound,
+    SubsampleState,
     importance_weights,
     row_weights,
     third_weights,
 )
 
-__all__ = ["SubsampleBoundSetup", "grow_bound", "subsample_bounds", "subsample_order"]
+__all__ = [
+    "REMAINDER_CALL",
+    "SubsampleBoundSetup",
+    "grow_bound",
+    "initial_subsample_state",
+    "remainder_state",
+    "subsample_bounds",
+    "subsample_order",
+]
+
+#: the name of the clients' stateful set-up call of second order through a federation
+REMAINDER_CALL = "row_remainders"
 
 
 class SubsampleBoundSetup(NamedTuple):
@@ -44,6 +63,8 @@ class SubsampleBoundSetup(NamedTuple):
         client thinning its own proposals), or ``None`` (the server's thinning, in process).
     :ivar blocks: with the server's thinning: the clients' stacked blocks, held in this process
         by the federation (every row's importance weight is computed from them).
+    :ivar timings: filled with the seconds the clients' set-up call took (through a
+        federation: the workers' compilation and computation, in parallel, and the round trip).
     """
 
     bounds: Any
@@ -51,18 +72,20 @@ class SubsampleBoundSetup(NamedTuple):
     preconditioner: Any = None
     federation: Any = None
     blocks: Any = None
+    timings: Any = None
 
     @property
     def user_bound(self):
         return self.bounds if isinstance(self.bounds, RowHessianBound) else None
 
 
-def subsample_order(control_variates, bounds, federated: bool) -> int:
-    """The control variates' order with ``subsample_size``: second in process (unless a
-    :class:`RowHessianBound` without ``third`` is given), first through a federation."""
+def subsample_order(control_variates, bounds) -> int:
+    """The control variates' order with ``subsample_size``: second (in process and through a
+    federation) unless ``"first_order"`` is asked for or a :class:`RowHessianBound` without
+    ``third`` is given."""
     if control_variates in ("first_order", "second_order"):
         return 1 if control_variates == "first_order" else 2
-    if federated or (isinstance(bounds, RowHessianBound) and bounds.third is None):
+    if isinstance(bounds, RowHessianBound) and bounds.third is None:
         return 1
     return 2
 
@@ -89,6 +112,66 @@ def _remainder_weights(kappa, valid, *, margin, floor):
     mean = kappa.sum(1, keepdims=True) / sizes[:, None, None]
     kappa = jnp.where(valid[..., None], margin * (kappa + floor * mean), 0.0)
     return importance_weights(jnp.swapaxes(kappa, 1, 2))
+
+
+def _remainder_margins(row_third):
+    """``(margin, floor)`` of the remainder weights: a user's ``third`` bound is exact."""
+    return (1.0, 0.0) if row_third is not None else (AUTOMATIC_MARGIN, THIRD_FLOOR)
+
+
+def initial_subsample_state(num_clients: int, num_rows: int, d: int, dtype) -> SubsampleState:
+    """Every client's :class:`~numpyro_fed.infer.zigzag.subsample.SubsampleState` before the
+    set-up call (zeros, leading axis ``M``): its shapes, the same on every client (``num_rows``:
+    the largest client's rows)."""
+    square = jnp.zeros((num_clients, d, d), dtype)
+    return SubsampleState(
+        jnp.zeros((num_clients, d, num_rows), jnp.int32), jnp.zeros((num_clients, d), dtype), square, square, square
+    )
+
+
+def remainder_state(
+    grad,
+    value_and_grad,
+    hessian,
+    layout,
+    row_third,
+    block,
+    state,
+    bound_points,
+    probe_points,
+    mean_hessian,
+    prior_hessian,
+):
+    """Client side, the stateful set-up call ``"row_remainders"`` (second order through a
+    federation): ``(new_state, reply)``. The new state (kept by the client) is its rows'
+    remainder weights (:func:`~numpyro_fed.infer.zigzag.subsample.third_weights`, as the
+    server's thinning computes them in process), its gradient and Hessian at the reference
+    point ``bound_points[0]``, and the proposers' mean Hessian and the prior's there (sent by
+    the server). The reply is what the server's bound needs: ``(level, spread, sup, finite)``,
+    the client-level terms' curvature ``(2, d, d)``, the rows' summed remainder bounds around
+    and away from the posterior ``(2, d)``, the importance-sampled remainders' bound ``(d,)``
+    and whether every row's bound is finite.
+
+    :param value_and_grad: ``(block, x) -> (value, (d,))`` and :param hessian: ``(block, x) ->
+        (d, d)``: the client's set-up calls (:func:`~numpyro_fed.infer.zigzag.setup.setup_functions`),
+        whose replies at the reference point are the server's control variates.
+    """
+    num_rows = state.cumulative.shape[-1]
+    level, kappa, spread = third_weights(grad, layout, block, bound_points, probe_points, row_third)
+    valid = block["valid"][layout.plate]
+    pad = num_rows - kappa.shape[0]  # a client with fewer rows than the largest (deployment)
+    kappa, valid = jnp.pad(kappa, ((0, pad), (0, 0))), jnp.pad(valid, (0, pad))
+    margin, floor = _remainder_margins(row_third)
+    weights = _remainder_weights(kappa[None], valid[None], margin=margin, floor=floor)
+    point = bound_points[0]
+    new = SubsampleState(
+        weights.cumulative[0],
+        value_and_grad(block, point)[1],
+        hessian(block, point),
+        mean_hessian.astype(point.dtype),
+        prior_hessian.astype(point.dtype),
+    )
+    return new, (level, spread, weights.sup[0], jnp.isfinite(kappa).all())
 
 
 def _larger_away(values, factor, axes):
@@ -214,7 +297,15 @@ def subsample_bounds(
     bound_points, probe_points, sd = _curvature_points(setup, reference, hessian, order)
     if order == 2:
         return _second_order_bounds(
-            setup, potential, layout, row_grad, num_proposers, bound_points, probe_points, horizon=float(np.min(sd))
+            setup,
+            potential,
+            layout,
+            row_grad,
+            num_proposers,
+            bound_points,
+            probe_points,
+            float(np.min(sd)),
+            reference,
         )
     return _first_order_bounds(setup, potential, layout, row_grad, num_proposers, bound_points, probe_points)
 
@@ -311,48 +402,62 @@ def _warn_growing_curvature(setup: SubsampleBoundSetup, curvature, prior) -> boo
 
 
 def _second_order_bounds(
-    setup: SubsampleBoundSetup, potential, layout, row_grad, num_proposers, bound_points, probe_points, horizon
+    setup: SubsampleBoundSetup,
+    potential,
+    layout,
+    row_grad,
+    num_proposers,
+    bound_points,
+    probe_points,
+    horizon,
+    reference,
 ):
-    """In process, second order: ``(SampledRowBound, RowWeights, unbounded)``: the rows drawn
-    in proportion to their remainder bounds (:func:`third_weights`), and the bound of the
-    exactly computed terms' Hessian variation (twice their largest curvature: the prior's,
-    the client-level terms')."""
+    """Second order: ``(SampledRowBound, weights, unbounded)``: the rows drawn in proportion to
+    their remainder bounds (:func:`third_weights`), and the bound of the exactly computed terms'
+    Hessian variation (twice their largest curvature: the prior's, the client-level terms').
+    ``weights`` is the :class:`RowWeights` in process (the server's thinning), or through a
+    federation the clients' :class:`~numpyro_fed.federation.ClientState` after the
+    ``"row_remainders"`` call (each client keeps its weights)."""
     d, dtype = bound_points.shape[-1], bound_points.dtype
     row_third = setup.user_bound.third if setup.user_bound is not None else None
     pre = setup.preconditioner
     if row_third is not None and pre is not None:
         row_third = partial(_preconditioned_row_third, row_third, pre)
-    level, kappa, spread = jax.jit(
-        jax.vmap(
-            partial(
-                third_weights,
-                row_grad,
-                layout,
-                bound_points=bound_points,
-                probe_points=probe_points,
-                row_third=row_third,
-            )
+    if setup.federation is not None:
+        level, spread, second, finite, weights = _clients_remainders(
+            setup, layout, reference, bound_points, probe_points
         )
-    )(setup.blocks)
+    else:
+        level, kappa, spread = jax.jit(
+            jax.vmap(
+                partial(
+                    third_weights,
+                    row_grad,
+                    layout,
+                    bound_points=bound_points,
+                    probe_points=probe_points,
+                    row_third=row_third,
+                )
+            )
+        )(setup.blocks)
+        margin, floor = _remainder_margins(row_third)
+        weights = jax.jit(partial(_remainder_weights, margin=margin, floor=floor))(
+            kappa, setup.blocks["valid"][layout.plate]
+        )
+        finite, second = bool(np.isfinite(np.asarray(kappa)).all()), np.asarray(weights.sup, np.float64)
     level, spread = np.asarray(level, np.float64), np.asarray(spread, np.float64)
     prior = _prior_curvature(setup, potential, bound_points, probe_points)
-    if not (np.isfinite(np.asarray(kappa)).all() and np.isfinite(level[:, 0]).all() and np.isfinite(prior[0]).all()):
+    if not (finite and np.isfinite(level[:, 0]).all() and np.isfinite(prior[0]).all()):
         raise ValueError(
             f"FedZigZag(subsample_size={setup.subsample_size}): the remainder bound is not "
             "finite (a row's third derivative is inf or nan near the posterior); pass "
             "subsample_size=None"
         )
     unbounded = _warn_growing_third(setup, potential.num_clients, level, spread, prior, row_third is not None)
-    margin = 1.0 if row_third is not None else AUTOMATIC_MARGIN
-    floor = 0.0 if row_third is not None else THIRD_FLOOR
-    weights = jax.jit(partial(_remainder_weights, margin=margin, floor=floor))(
-        kappa, setup.blocks["valid"][layout.plate]
-    )
     prior_bound = _prior_bound(setup, prior)
     # |H(y) - H(x*)| <= 2 max |H| for the terms computed exactly
     variation = HessianBound(2 * AUTOMATIC_MARGIN * level[:, 0], 2 * np.maximum(prior_bound, 0.0))
     variation = per_proposer_bound(variation, potential.num_clients, num_proposers, d, dtype)
-    second = np.asarray(weights.sup, np.float64)
     if num_proposers > potential.num_clients:
         second = np.concatenate([second, np.zeros((1, d))])
     bound = SampledRowBound(
@@ -363,6 +468,30 @@ def _second_order_bounds(
         jnp.asarray(horizon, dtype),
     )
     return bound, weights, unbounded
+
+
+def _clients_remainders(setup: SubsampleBoundSetup, layout, reference, bound_points, probe_points):
+    """Through a federation: every client's ``"row_remainders"`` call (:func:`remainder_state`)
+    from its initial client state: ``(level, spread, second, finite, client_state)``."""
+    federation = setup.federation
+    d, dtype = bound_points.shape[-1], bound_points.dtype
+    # the clients' states have one shape: the largest client's rows (known from the shapes)
+    num_rows = max(int(spec["valid"][layout.plate].shape[0]) for spec in federation.block_specs)
+    num = reference.term_hessians.shape[0]
+    # each client's share of the Hessian at the reference: none when the server's own proposer
+    # takes the Taylor part (see federated._taylor_shares), else 1 / P
+    mean_hessian = (reference.term_hessians.sum(0) + reference.prior_hessian) / num
+    if num > federation.num_clients:
+        mean_hessian = jnp.zeros_like(mean_hessian)
+    start = time.perf_counter()
+    state = federation.init_state(initial_subsample_state(federation.num_clients, num_rows, d, dtype))
+    state, (level, spread, second, finite) = federation.map(
+        REMAINDER_CALL, bound_points, probe_points, mean_hessian, reference.prior_hessian, state=state
+    )
+    level = np.asarray(level, np.float64)  # waits for the clients
+    if setup.timings is not None:
+        setup.timings[REMAINDER_CALL] = time.perf_counter() - start
+    return level, spread, np.asarray(second, np.float64), bool(np.asarray(finite).all()), state
 
 
 def _warn_growing_third(setup: SubsampleBoundSetup, num_clients, level, spread, prior, user_third) -> bool:

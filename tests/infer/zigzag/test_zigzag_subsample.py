@@ -435,9 +435,9 @@ def test_user_row_bound_is_exact_for_logistic_regression(third):
 
 @pytest.mark.slow
 def test_through_a_federation_and_in_deployment():
-    """Algorithm 2 as messages (InProcess, each client thinning its own proposals): the
-    posterior of NUTS, the clients' curvature in one set-up call each; deployment (each client
-    loads its rows) gives the same draws."""
+    """Algorithm 2 as messages (InProcess, each client thinning its own proposals, second
+    order): the posterior of NUTS, the clients' weights in one set-up call each; deployment
+    (each client loads its rows) gives the same draws."""
     X, y, owner = logistic_data(200, seed=2)
     fed_kernel, fed_mcmc = run_zigzag(
         logistic,
@@ -449,7 +449,7 @@ def test_through_a_federation_and_in_deployment():
         sample_interval=0.2,
     )
     ledger = fed_kernel.message_ledger(fed_mcmc)
-    np.testing.assert_array_equal(ledger["row_curvature/messages_from_client"], [1, 1, 1, 1])
+    np.testing.assert_array_equal(ledger["row_remainders/messages_from_client"], [1, 1, 1, 1])
     assert int(fed_mcmc.get_extra_fields()["info.num_violations"].sum()) == 0
     assert_agree_with_draws(np.asarray(fed_mcmc.get_samples()["w"]), np.asarray(run_nuts(logistic, (X, y, owner))["w"]))
 
@@ -554,7 +554,6 @@ def test_subsample_larger_than_a_client_is_refused():
     [
         ({"dp_sensitivity": 2.0, "dp_epsilon": 1.0, "dp_delta": 1e-3}, "privacy guarantee"),
         ({"control_variates": False}, "control_variates=False"),
-        ({"control_variates": "second_order", "thinning": "clients"}, "not with the clients' thinning"),
         ({"control_variates": "second_order", "bounds": nf.RowHessianBound(lambda x, y: jnp.eye(3))}, "third="),
         ({"bounds": "affine"}, "bounds at its default"),
         ({"bounds": nf.HessianBound(1.0)}, "bounds at its default"),

@@ -1,0 +1,201 @@
+"""Subsampled FedZigZag in process and through a federation: gradient rows per effective sample
+and their ratio.
+
+Target: ``zigzag_scale.py``'s logistic regression (covariates N(0, I), weights N(0, I / d),
+prior N(0, I)), d = ``--dim`` (6), M = ``--clients`` (8) even clients, N in ``--sizes``
+(1e5), float32 (``--x64``: float64). For each N, one chain of ``--warmup`` + ``--samples``
+draws (one ``MCMC.run``, compilation included in the times):
+
+* ``in process``: ``FedZigZag(model, subsample_size=1)``, the server thinning the superposition
+  (second order, rows drawn by their weights);
+* ``federated``: the same with every client thinning its own proposals, one round per switch:
+  ``InProcess(), thinning="clients"`` (``--engine inprocess``, the default) or a
+  ``RayFederation`` with one worker per client (``--engine ray``); each client computes its
+  rows' weights and its gradient and Hessian at the reference once (``"row_remainders"``, its
+  time in the ``set-up s`` column: the workers' compilation and computation, in parallel) and
+  keeps them as its client state;
+* ``federated, first order`` (``--first-order``): ``control_variates="first_order"`` through the
+  same federation (uniform batches; many times the rows, so slow at large N).
+
+Columns: the smallest ESS, gradient rows per effective sample (the clients' gradient
+evaluations times the rows each evaluates, warmup included) and its ratio to the in-process
+run, rounds per switch and per effective sample, wall time (compilation included) and JAX's
+compilation time in it. On Ray, Ray's bare round trip (``M`` actors, a vector out, a number
+back; median of 200) is measured after the runs and the wall time per effective sample is
+compared with rounds per effective sample times that round trip.
+
+    python benchmarks/zigzag_federated.py --sizes 100000          # about 2-4 minutes here
+    python benchmarks/zigzag_federated.py --sizes 1000000 --engine ray --clients 8   # a quiet machine
+
+Results: a table on stdout and ``benchmarks/results/zigzag_federated.json`` (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import zigzag_scale as zs  # noqa: E402  (enables float64 on --x64 before JAX is used)
+
+import jax  # noqa: E402
+
+from numpyro.infer import MCMC  # noqa: E402
+
+import numpyro_fed as nf  # noqa: E402
+from numpyro_fed.federation import InProcess  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "zigzag_federated.json"
+FIELDS = tuple(f"info.{name}" for name in nf.FedZigZag.info_names)
+
+
+def make_federation(engine: str, clients: int):
+    if engine == "ray":
+        return nf.RayFederation(timeout=600.0)
+    return InProcess()
+
+
+def measure(name, X, y, clients, *, num_warmup, num_samples, seed, **options):
+    def model(X, y=None):
+        return zs.logistic_federated(X, y, clients=clients)
+
+    kernel = nf.FedZigZag(model, subsample_size=1, **options)
+    mcmc = MCMC(kernel, num_warmup=num_warmup, num_samples=num_samples, progress_bar=False)
+    with warnings.catch_warnings(), zs.Stopwatch() as sw:
+        warnings.simplefilter("ignore")
+        mcmc.warmup(jax.random.PRNGKey(seed), X, y, collect_warmup=True, extra_fields=FIELDS)
+        warm = mcmc.get_extra_fields()
+        mcmc.run(jax.random.PRNGKey(seed + 1), X, y, extra_fields=FIELDS)
+        draws = np.asarray(mcmc.get_samples()["w"])
+    post = mcmc.get_extra_fields()
+    ess = zs.min_ess(draws)
+    rows = zs.fedzigzag_rows(kernel, warm) + zs.fedzigzag_rows(kernel, post)
+    events = int(np.sum(warm["info.num_events"]) + np.sum(post["info.num_events"]))
+    rounds = int(np.sum(warm["info.rounds"]) + np.sum(post["info.rounds"]))
+    return {
+        "run": name,
+        "N": int(X.shape[0]),
+        "d": int(X.shape[1]),
+        "M": clients,
+        "ess": ess,
+        "rows_per_ess": rows / ess,
+        "events": events,
+        "rounds": rounds,
+        "rounds_per_switch": rounds / max(events, 1),
+        "rounds_per_ess": rounds / ess,
+        "violations": int(np.sum(warm["info.num_violations"]) + np.sum(post["info.num_violations"])),
+        "wall_s": sw.wall,
+        "compile_s": sw.compile,
+        "setup_s": float(sum(kernel.subsample_setup_seconds.values())),
+        "posterior_mean": draws.mean(0).tolist(),
+        "posterior_sd": draws.std(0).tolist(),
+    }
+
+
+def bare_round_trip_ms(clients: int, repeats: int = 200) -> float:
+    """Ray's bare round trip with ``clients`` actors: a vector out, a number back (median ms)."""
+    import ray
+
+    @ray.remote
+    class Echo:
+        def dot(self, v):
+            return float(np.sum(v))
+
+    actors = [Echo.remote() for _ in range(clients)]
+    v = np.ones(6)
+    ray.get([a.dot.remote(v) for a in actors])
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        ray.get([a.dot.remote(v) for a in actors])
+        times.append(1e3 * (time.perf_counter() - start))
+    for a in actors:
+        ray.kill(a)
+    return float(np.median(times))
+
+
+def print_rows(rows, bare_ms=None):
+    print(
+        "\n| N | run | min ESS | rows / ESS | x in process | rounds / switch | rounds / ESS | wall s | "
+        "compile s | set-up s | violations |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    base = {r["N"]: r for r in rows if r["run"] == "in process"}
+    for r in rows:
+        ratio = r["rows_per_ess"] / base[r["N"]]["rows_per_ess"] if r["N"] in base else float("nan")
+        print(
+            f"| {r['N']:,} | {r['run']} | {r['ess']:.0f} | {r['rows_per_ess']:.3g} | {ratio:.2f} | "
+            f"{r['rounds_per_switch']:.3f} | {r['rounds_per_ess']:.3g} | {r['wall_s']:.1f} | {r['compile_s']:.1f} | "
+            f"{r['setup_s']:.2f} | {r['violations']} |"
+        )
+    if bare_ms is not None:
+        print(f"\nRay's bare round trip with these workers: {bare_ms:.2f} ms")
+        for r in rows:
+            if r["run"].startswith("federated") and r["rounds"]:
+                floor = r["rounds_per_ess"] * bare_ms / 1e3
+                print(
+                    f"N = {r['N']:,}, {r['run']}: wall per ESS {r['wall_s'] / r['ess'] * 1e3:.2f} ms, rounds per ESS "
+                    f"x bare round trip {floor * 1e3:.2f} ms (ratio {r['wall_s'] / r['ess'] / floor:.2f}, "
+                    "compilation and set-up included)"
+                )
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[100_000])
+    parser.add_argument("--dim", type=int, default=6)
+    parser.add_argument("--clients", type=int, default=8, help="M (on Ray: one worker each)")
+    parser.add_argument("--engine", choices=("inprocess", "ray"), default="inprocess")
+    parser.add_argument("--first-order", action="store_true", help="also first order through the federation")
+    parser.add_argument("--warmup", type=int, default=500)
+    parser.add_argument("--samples", type=int, default=1000)
+    parser.add_argument("--x64", action="store_true", help="float64 (default: NumPyro's float32)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    print(
+        f"JAX {jax.__version__}, load average {os.getloadavg()[0]:.1f} (a shared machine: times vary), "
+        f"{'float64' if args.x64 else 'float32'}, d = {args.dim}, M = {args.clients}, engine {args.engine}",
+        flush=True,
+    )
+    settings = dict(num_warmup=args.warmup, num_samples=args.samples, seed=args.seed)
+    runs = [("in process", {}), ("federated", {"thinning": "clients"})]
+    if args.first_order:
+        runs.append(("federated, first order", {"thinning": "clients", "control_variates": "first_order"}))
+    rows = []
+    for n in args.sizes:
+        X, y = zs.make_data(n, args.dim, args.seed)
+        for name, options in runs:
+            if name.startswith("federated"):
+                federation = make_federation(args.engine, args.clients)
+                options = dict(options, federation=federation)
+            else:
+                federation = None
+            try:
+                row = measure(name, X, y, args.clients, **settings, **options)
+            finally:
+                if federation is not None:
+                    federation.close()
+            rows.append(row)
+            print(
+                f"N = {n:,}, {name}: min ESS {row['ess']:.0f}, {row['rows_per_ess']:.3g} rows per ESS, "
+                f"{row['rounds_per_switch']:.3f} rounds per switch, {row['wall_s']:.1f} s",
+                flush=True,
+            )
+    bare = bare_round_trip_ms(args.clients) if args.engine == "ray" else None
+    print_rows(rows, bare)
+    meta = {"argv": sys.argv[1:], "loadavg": os.getloadavg(), "bare_round_trip_ms": bare}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
