@@ -270,7 +270,9 @@ def worker(args):
                     np.sum(ledger.get(k, 0)) for k in ("messages_to_client", "messages_from_client", "messages_to_peer")
                 )
             )
-        record["status"] = "ok"
+        # draws that are not all finite are the cell's finding (e.g. every local fit failed),
+        # not a result to score: recorded as such, with the run's warnings
+        record["status"] = "ok" if np.isfinite(draws).all() else "non-finite"
     except Exception as error:  # recorded as the cell's finding
         record["status"] = "error"
         record["error"] = f"{type(error).__name__}: {error}"[:2000]
