@@ -12,6 +12,19 @@ SHARED_DATA = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "sha
 
 import pytest  # noqa: E402
 
+import jax  # noqa: E402
+
+
+@pytest.fixture(params=["float64", "float32"])
+def precision(request):
+    """Runs the test in float64 (the tests' default) or float32 (NumPyro's default)."""
+    if request.param == "float32":
+        jax.config.update("jax_enable_x64", False)
+    try:
+        yield request.param
+    finally:
+        jax.config.update("jax_enable_x64", True)
+
 
 @pytest.fixture(scope="session")
 def ray_session():

@@ -28,17 +28,6 @@ from numpyro_fed.infer.rounds import RunCheckpoint
 M, N, SIGMA = 3, 90, 1.5
 
 
-@pytest.fixture(params=["float64", "float32"])
-def precision(request):
-    """Runs the test in float64 (the tests' default) or float32 (NumPyro's default)."""
-    if request.param == "float32":
-        jax.config.update("jax_enable_x64", False)
-    try:
-        yield request.param
-    finally:
-        jax.config.update("jax_enable_x64", True)
-
-
 def regression(X, y=None):
     """A flat intercept, Normal coefficients of raw covariates, a known noise scale: the
     posterior is Gaussian, in closed form."""

@@ -23,17 +23,6 @@ from numpyro_fed.infer.pvi.prior import split_prior
 NUM_ROWS, NUM_CLIENTS = 200, 4
 
 
-@pytest.fixture(params=["float64", "float32"])
-def precision(request):
-    """Runs the test in float64 (the tests' default) or float32 (NumPyro's default)."""
-    if request.param == "float32":
-        jax.config.update("jax_enable_x64", False)
-    try:
-        yield request.param
-    finally:
-        jax.config.update("jax_enable_x64", True)
-
-
 def raw_regression(X, y=None):
     """Flat priors on the coefficients and the intercept, a HalfCauchy noise scale."""
     a = numpyro.sample("a", dist.ImproperUniform(constraints.real, (), ()))
