@@ -277,21 +277,31 @@ def own_proposal(
     if bounds is not None:
         cls = GradientBound if settings.kind == "gradient" else HessianBound
         bounds = cls(bounds[0][None], bounds[1])
+    return _settings_proposal(
+        own,
+        prior,
+        settings,
+        (x, v, window, key, horizon, weight),
+        bounds=bounds,
+        shift=_own_shift(point, mean_grad, constant, linear),
+        preconditioner=preconditioner,
+        own_estimate=own_estimate,
+    )
+
+
+def _settings_proposal(own, prior, settings, line, *, bounds, shift, preconditioner=None, own_estimate=None):
+    """:func:`client_proposal` along ``line = (x, v, window, key, horizon, weight)`` with the
+    round's :class:`ClientSettings` (kind, excess, grid, safety factor, counts)."""
     return client_proposal(
         own,
         prior,
-        x,
-        v,
-        window,
-        key,
-        horizon,
-        weight,
+        *line,
         kind=settings.kind,
         bounds=bounds,
         excess=settings.excess,
         grid_size=settings.grid_size,
         safety_factor=settings.safety_factor,
-        shift=_own_shift(point, mean_grad, constant, linear),
+        shift=shift,
         preconditioner=preconditioner,
         counts=settings.counts,
         own_estimate=own_estimate,
@@ -333,21 +343,4 @@ def remainder_proposal(own, prior, settings, line, reference, bound, estimate):
     control = ControlVariates(point, grad[None], mean_grad - grad, (linear + mean_hessian)[None], -linear)
     shift = Shift(constant[None], control, jnp.zeros(1, x.dtype))
     bounds = SampledRowBound(row[None], prior_row, jnp.zeros((1,) + second.shape, x.dtype), second[None], bound_horizon)
-    return client_proposal(
-        own,
-        prior,
-        x,
-        v,
-        window,
-        key,
-        horizon,
-        weight,
-        kind=settings.kind,
-        bounds=bounds,
-        excess=settings.excess,
-        grid_size=settings.grid_size,
-        safety_factor=settings.safety_factor,
-        shift=shift,
-        counts=settings.counts,
-        own_estimate=estimate,
-    )
+    return _settings_proposal(own, prior, settings, line, bounds=bounds, shift=shift, own_estimate=estimate)
