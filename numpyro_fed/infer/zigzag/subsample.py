@@ -401,14 +401,20 @@ def importance_weights(weights) -> RowWeights:
 def _draw_rows(key, size: int, cumulative_of, max_rows: int, total):
     """``size`` row indices, row ``J`` with probability ``q_J / total`` (``cumulative_of``
     gathers the cumulative sums ``sum_{K <= J} q_K`` at an array of indices), by bisection:
-    ``log2(n_max)`` gathers, unrolled."""
+    ``log2(n_max)`` gathers in a loop. Not unrolled: vmapped over the clients (a federation's
+    rounds), the unrolled steps fused into kernels whose compilation (LLVM's vectorizer) grew
+    faster than ``n_max`` (324 s at N = 1e5 against 35 s at 3e4; flat in a loop)."""
     target = jax.random.randint(key, (size,), 0, jnp.maximum(total, 1), jnp.int32)
     low = jnp.zeros(size, jnp.int32)
     high = jnp.full(size, max_rows - 1, jnp.int32)
-    for _ in range(max(int(np.ceil(np.log2(max_rows))), 0)):  # the first J with cumulative > target
+
+    def halve(_, bounds):  # the first J with cumulative > target is in [low, high]
+        low, high = bounds
         middle = (low + high) // 2
         above = cumulative_of(middle) > target
-        low, high = jnp.where(above, low, middle + 1), jnp.where(above, middle, high)
+        return jnp.where(above, low, middle + 1), jnp.where(above, middle, high)
+
+    low, _ = lax.fori_loop(0, max(int(np.ceil(np.log2(max_rows))), 0), halve, (low, high))
     return low
 
 
