@@ -4,8 +4,9 @@ subsampling, and the rounds' ``"propose"``), and the federation started on it.
 
 A federation keeps the program it was started on (and what its workers compiled) while the
 program does not change: :class:`ProgramCache` restarts it only when the clients' rows or the
-settings the program depends on change (:func:`program_key`), and carries what the set-up
-calls counted in the federation's ledger across a restart.
+settings the program depends on change (:func:`program_key`; in deployment, where the server
+cannot see the rows, at every set-up), and carries what the set-up calls counted in the
+federation's ledger across a restart.
 
 With ``private_randomness`` each client folds the key the server sends with a seed it drew
 from its operating system's entropy where it loaded its rows
@@ -123,12 +124,18 @@ class ProgramCache:
         self.program = None
         self.key = None
         self.data_key = None
+        self.loaded = None  # deployment: the last set-up's block loader, and how many were seen
+        self.loadings = 0
 
-    @staticmethod
-    def data_key_of(potential, private_randomness: bool):
-        """What the program depends on of the clients' data."""
-        if potential.deployed:  # the rows are the loaders' (on the clients): their counts are known
-            return program_key(potential.client_sizes, "deployed", private_randomness)
+    def data_key_of(self, potential, private_randomness: bool):
+        """What the program depends on of the clients' data: their rows' content in
+        simulation; in deployment the set-up's own loading (the rows are on the clients and
+        the server cannot compare them: files rewritten with rows of the same counts are
+        other data, so every ``split_potential``, i.e. every ``init``, loads them anew)."""
+        if potential.deployed:
+            if potential.block_loader is not self.loaded:
+                self.loaded, self.loadings = potential.block_loader, self.loadings + 1
+            return program_key(potential.client_sizes, "deployed", private_randomness, self.loadings)
         return program_key(potential.client_data, private_randomness)
 
     def runs_data(self, federation, data_key) -> bool:
@@ -138,12 +145,13 @@ class ProgramCache:
     def start(self, federation, potential, calls, key, data_key, *, private_randomness: bool):
         """Starts ``federation`` on ``calls`` (``(functions, stateful)`` of
         :func:`client_calls`: the set-up calls and, when known, the proposals) unless it runs
-        this cache's program for ``key`` already. What the set-up calls counted in the
-        federation's ledger is kept across a restart."""
+        this cache's program for ``key`` on the same data (``data_key``) already. What the
+        set-up calls counted in the federation's ledger is kept across a restart for the same data."""
         functions, stateful = calls
-        if federation.started and federation.program is self.program and key == self.key:
+        same_data = self.runs_data(federation, data_key)
+        if same_data and key == self.key:
             return
-        previous = federation.ledger if federation.started and federation.program is self.program else None
+        previous = federation.ledger if same_data else None
         if potential.deployed or private_randomness:
             program = potential.client_program(
                 functions, transform=PrivateSeed() if private_randomness else None, stateful=stateful

@@ -400,7 +400,7 @@ class FedZigZag(ZigZagReports, FederatedMCMCKernel):
         clients = client_functions(potential)
         d = start.shape[-1]
         self.message_dims = (d, start.dtype.itemsize)
-        plan = plan._replace(data_key=ProgramCache.data_key_of(potential, self.private_randomness))
+        plan = plan._replace(data_key=self._programs.data_key_of(potential, self.private_randomness))
         fed = self.federation
         if not self._programs.runs_data(fed, plan.data_key):
             if self.thinning == "server":  # the clients' terms, and the set-up calls
