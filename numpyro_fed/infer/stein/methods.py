@@ -170,8 +170,8 @@ class DSVGD(ParticleMethod):
         model,
         *,
         num_particles: int = 20,
-        num_local_steps: int = 200,
-        num_distill_steps: int = 200,
+        num_local_steps: int = 400,
+        num_distill_steps: int = 400,
         learning_rate: float = 0.05,
         optim=None,
         distill_optim=None,
@@ -236,7 +236,7 @@ class DSVGD(ParticleMethod):
     def initial_state(self, particles, num_rounds=None):
         if self._layout is not None:
             return local_core.init(particles, self._layout, self._active_federation)
-        return dsvgd_core.init(particles, self._active_federation)
+        return dsvgd_core.init(particles, self._active_federation, carrier=self.kde_bandwidth == "auto")
 
     # -- client-local latents (see numpyro_fed.infer.stein.local) ------------------------------
     def _configure(self, fp):
