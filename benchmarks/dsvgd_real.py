@@ -7,6 +7,9 @@ tier's targets: every mean within 0.3 reference sd, every sd ratio within [1/1.5
 Prints the worst mean offset, the worst sd ratio, whether DSVGD warned, and the seconds.
 
     PYTHONPATH=$PWD:$PWD/tests python benchmarks/dsvgd_real.py ships-m4 --dtype float64
+    ZOO_DATA=../shared/data PYTHONPATH=$PWD:$PWD/tests python benchmarks/dsvgd_real.py adult-m4 kin8nm-m4
+
+(the UCI cases need their data: ``ZOO_DATA``, see ``tests/zoo/real_models.py``).
     PYTHONPATH=$PWD:$PWD/tests python benchmarks/dsvgd_real.py wells-m4 --dtype float32 --option num_local_steps=400
 """
 
