@@ -66,7 +66,7 @@ def cavity_power(global_particles, local_particles, carrier_score, client_grad, 
     :data:`~numpyro_fed.infer.stein.kde.AUTO_KDE_FACTOR`; ``P_c`` of the carrier, ``H_k`` the
     curvature of ``L_k / alpha`` at the global particles' mean) the tilted target's precision
     is ``A + gamma B``, ``A = P_q / f^2 + H_k``, ``B = P_c - P_l / f^2``, about ``-T_k``.
-    Exactly, ``T_k`` is one client's share of ``P_q`` and ``A + B`` at least half of ``A``;
+    At a fixed point with exact densities ``A + B = P_q``, at least half of ``A``;
     with 20 particles ``P_l`` is a noisy estimate and ``A + B`` can lose definiteness, which
     makes the tilted target improper and the particles run away. The largest ``gamma`` with
     ``A + gamma B >= CAVITY_MARGIN A`` is then used: a damped cavity, as in expectation
