@@ -3,9 +3,10 @@ baselines of its paper.
 
 Layout (data flows down):
 
-* :mod:`.kernels`, :mod:`.kde`, :mod:`.whitening`: the RBF kernel and its bandwidths, the
-  KDEs that stand for DSVGD's densities, the change of coordinates that makes a round
-  independent of the parameters' units;
+* :mod:`.kernels`, :mod:`.kde`, :mod:`.whitening`, :mod:`.curvature`, :mod:`.cavity`: the
+  RBF kernel and its bandwidths, the KDEs that stand for DSVGD's densities, the changes of
+  coordinates that make a round independent of the parameters' units, and the carrier and
+  damped cavity that keep every round's target proper;
 * :mod:`.optim`: AdaGrad with momentum as optax pieces (every ``optim`` argument takes any
   optax ``GradientTransformation``);
 * :mod:`.svgd`: SVGD's step on a score function, ``step(rng_key, state) -> (state, info)``,

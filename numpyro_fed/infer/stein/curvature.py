@@ -193,12 +193,14 @@ class Frame(NamedTuple):
     :ivar from_z: back to the model's (flat, unconstrained) coordinates.
     :ivar prior_score: ``(N, d) -> (N, d)``, ``grad log p_0`` in the round's coordinates.
     :ivar client_grad: ``((N, d), block, key) -> (N, d)``, ``grad L_k`` in them.
+    :ivar score_to_z: a score (gradient) in the model's coordinates as one in the round's.
     """
 
     to_z: Callable
     from_z: Callable
     prior_score: Callable
     client_grad: Callable
+    score_to_z: Callable
 
 
 def round_frame(kde_bandwidth, global_particles, prior_score, client_grad, local_score=None) -> Frame:
@@ -220,11 +222,12 @@ def round_frame(kde_bandwidth, global_particles, prior_score, client_grad, local
         def identity(x):
             return x
 
-        return Frame(identity, identity, prior_score, client_grad)
+        return Frame(identity, identity, prior_score, client_grad, identity)
     w = whitening(global_particles) if local_score is None else curvature_whitening(global_particles, local_score)
     return Frame(
         w.to_z,
         w.from_z,
         lambda z: w.score_to_z(prior_score(w.from_z(z))),
         lambda z, block, key=None: w.score_to_z(client_grad(w.from_z(z), block, key)),
+        w.score_to_z,
     )

@@ -240,7 +240,8 @@ def refresh_latents(theta, latents, latent_score: Callable, num_steps: int, opti
     >>> theta = jax.random.normal(jax.random.PRNGKey(0), (100, 1))
     >>> z = refresh_latents(theta, jnp.zeros((100, 1)) + jnp.linspace(-1, 1, 100)[:, None],
     ...                     lambda t, z: -(z - 2.0 * t), 400, adagrad_momentum(0.1), stages=4)
-    >>> bool(jnp.corrcoef(theta[:, 0], z[:, 0])[0, 1] > 0.9)  # z | theta ~ N(2 theta, 1)
+    >>> # z | theta ~ N(2 theta, 1): the pairs' correlation is 2 / sqrt(5) = 0.894 (measured: 0.888)
+    >>> bool(abs(jnp.corrcoef(theta[:, 0], z[:, 0])[0, 1] - 2 / 5**0.5) < 0.05)
     True
     """
     d_g = theta.shape[1]

@@ -64,9 +64,12 @@ class DSVGD(ParticleMethod):
         variance of their particles (kernel: 0.85 of their standard deviation); its SVGD
         loops re-whiten their particles in four stages. The run does not depend on the units
         of the parameters (exactly, up to rounding, for a change of units ``a x + b`` per
-        coordinate). A float: the paper's algorithm as published, a Gaussian KDE kernel of
-        that standard deviation in the model's unconstrained coordinates (the paper: 0.55);
-        its results depend on the units.
+        coordinate). With global latents only, a client's local particles encode its factor
+        times a carrier that keeps it proper, and an old factor that would make the round's
+        target improper enters it damped (:mod:`~numpyro_fed.infer.stein.cavity`). A float:
+        the paper's algorithm as published, a Gaussian KDE kernel of that standard deviation
+        in the model's unconstrained coordinates (the paper: 0.55); its results depend on the
+        units.
     :param svgd_bandwidth: bandwidth ``h`` of the SVGD kernel ``exp(-|x - y|^2 / h)`` (in the
         whitened coordinates with ``kde_bandwidth="auto"``); ``None`` (default): ``2 med^2``
         with ``kde_bandwidth="auto"``, the median heuristic ``med^2 / log N`` with a fixed
@@ -170,8 +173,8 @@ class DSVGD(ParticleMethod):
         model,
         *,
         num_particles: int = 20,
-        num_local_steps: int = 200,
-        num_distill_steps: int = 200,
+        num_local_steps: int = 400,
+        num_distill_steps: int = 400,
         learning_rate: float = 0.05,
         optim=None,
         distill_optim=None,
@@ -236,7 +239,7 @@ class DSVGD(ParticleMethod):
     def initial_state(self, particles, num_rounds=None):
         if self._layout is not None:
             return local_core.init(particles, self._layout, self._active_federation)
-        return dsvgd_core.init(particles, self._active_federation)
+        return dsvgd_core.init(particles, self._active_federation, carrier=self.kde_bandwidth == "auto")
 
     # -- client-local latents (see numpyro_fed.infer.stein.local) ------------------------------
     def _configure(self, fp):
