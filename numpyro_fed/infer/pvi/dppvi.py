@@ -192,7 +192,8 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
         >>> draws = pvi.get_samples(jax.random.PRNGKey(2), result, 100)
         >>> draws["w"].shape
         (100, 2)
-        >>> bool(result.metrics["loss"][-1] < result.metrics["loss"][0])  # the negative ELBO fell
+        >>> state, info = pvi.update(jax.random.PRNGKey(3), pvi.init(jax.random.PRNGKey(4), X, y))
+        >>> bool(result.metrics["loss"][-1] < info.loss)  # the negative ELBO fell from the prior's
         True
         >>> pvi
         DPPVI(model, dp=None, schedule='sequential', num_local_steps=100, num_mc_samples=10, damping=1.0)
