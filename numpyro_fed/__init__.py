@@ -1,43 +1,72 @@
 """numpyro_fed: federated Bayesian inference for NumPyro models."""
 
-from numpyro_fed.arviz import to_inference_data
-from numpyro_fed.federation import (
-    ClientError,
-    ClientProgram,
-    ClientState,
-    Federation,
-    InProcess,
-    MessageLedger,
-    NetworkError,
-    RayFederation,
-)
-from numpyro_fed.infer import (
-    ADMM,
-    BCM,
-    DADMMS,
-    DPPVI,
-    DSGHMC,
-    DSGLD,
-    DSVGD,
-    DULA,
-    PDSVGD,
-    SVGD,
-    UDSVGD,
-    ConsensusMC,
-    DistributedSGLD,
-    FedAvg,
-    FedZigZag,
-    GaussianPVI,
-    GlobalVI,
-    GradientBound,
-    HessianBound,
-    RowHessianBound,
-    make_topology,
-)
-from numpyro_fed.infer.ledger import message_ledger
-from numpyro_fed.plate import federated_plate, normalize_clients
-from numpyro_fed.potential import FederatedPotential, FlatPotential, GroupIndex, PlateInfo, split_potential
-from numpyro_fed.privacy.budget import PrivacyBudget
+import importlib
+
+#: where each public name lives; imported on first use (PEP 562), so that a process that
+#: needs one method (a Flower ClientApp, started anew for every message) imports that
+#: method's modules only, not every algorithm's (and SciPy's statistics behind some).
+_WHERE = {
+    "to_inference_data": "numpyro_fed.arviz",
+    **dict.fromkeys(
+        (
+            "ClientError",
+            "ClientProgram",
+            "ClientState",
+            "Federation",
+            "InProcess",
+            "MessageLedger",
+            "NetworkError",
+            "RayFederation",
+        ),
+        "numpyro_fed.federation",
+    ),
+    **dict.fromkeys(
+        (
+            "ADMM",
+            "BCM",
+            "DADMMS",
+            "DPPVI",
+            "DSGHMC",
+            "DSGLD",
+            "DSVGD",
+            "DULA",
+            "PDSVGD",
+            "SVGD",
+            "UDSVGD",
+            "ConsensusMC",
+            "DistributedSGLD",
+            "FedAvg",
+            "FedZigZag",
+            "GaussianPVI",
+            "GlobalVI",
+            "GradientBound",
+            "HessianBound",
+            "RowHessianBound",
+            "make_topology",
+        ),
+        "numpyro_fed.infer",
+    ),
+    "message_ledger": "numpyro_fed.infer.ledger",
+    "federated_plate": "numpyro_fed.plate",
+    "normalize_clients": "numpyro_fed.plate",
+    **dict.fromkeys(
+        ("FederatedPotential", "FlatPotential", "GroupIndex", "PlateInfo", "split_potential"), "numpyro_fed.potential"
+    ),
+    "PrivacyBudget": "numpyro_fed.privacy.budget",
+}
+
+
+def __getattr__(name):
+    if name in _WHERE:
+        value = getattr(importlib.import_module(_WHERE[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'numpyro_fed' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
 
 __version__ = "0.1.0.dev0"
 

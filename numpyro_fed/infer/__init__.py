@@ -1,23 +1,46 @@
 """The federated inference algorithms."""
 
-from numpyro_fed.infer.admm import (
-    ADMM,
-    DADMMS,
-    DSGHMC,
-    DSGLD,
-    DULA,
-    DisconnectedTopologyWarning,
-    Topology,
-    make_topology,
-    metropolis_weights,
-)
-from numpyro_fed.infer.base import RunResult, VariationalMethod
-from numpyro_fed.infer.consensus import ConsensusMC
-from numpyro_fed.infer.kernel import FederatedMCMCKernel
-from numpyro_fed.infer.pvi import BCM, DPPVI, GaussianPVI, GlobalVI
-from numpyro_fed.infer.rounds import RunCheckpoint
-from numpyro_fed.infer.stein import DSVGD, PDSVGD, SVGD, UDSVGD, DistributedSGLD, FedAvg
-from numpyro_fed.infer.zigzag import FedZigZag, GradientBound, HessianBound, RowHessianBound
+import importlib
+
+#: where each public name lives; imported on first use (PEP 562): a process that runs one
+#: method imports that family's modules only.
+_WHERE = {
+    **dict.fromkeys(
+        (
+            "ADMM",
+            "DADMMS",
+            "DSGHMC",
+            "DSGLD",
+            "DULA",
+            "DisconnectedTopologyWarning",
+            "Topology",
+            "make_topology",
+            "metropolis_weights",
+        ),
+        "numpyro_fed.infer.admm",
+    ),
+    "RunResult": "numpyro_fed.infer.base",
+    "VariationalMethod": "numpyro_fed.infer.base",
+    "ConsensusMC": "numpyro_fed.infer.consensus",
+    "FederatedMCMCKernel": "numpyro_fed.infer.kernel",
+    **dict.fromkeys(("BCM", "DPPVI", "GaussianPVI", "GlobalVI"), "numpyro_fed.infer.pvi"),
+    "RunCheckpoint": "numpyro_fed.infer.rounds",
+    **dict.fromkeys(("DSVGD", "PDSVGD", "SVGD", "UDSVGD", "DistributedSGLD", "FedAvg"), "numpyro_fed.infer.stein"),
+    **dict.fromkeys(("FedZigZag", "GradientBound", "HessianBound", "RowHessianBound"), "numpyro_fed.infer.zigzag"),
+}
+
+
+def __getattr__(name):
+    if name in _WHERE:
+        value = getattr(importlib.import_module(_WHERE[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'numpyro_fed.infer' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
 
 __all__ = [
     "ConsensusMC",

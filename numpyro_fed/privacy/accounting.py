@@ -22,15 +22,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-
-import dp_accounting
-from dp_accounting import dp_event
-from dp_accounting.pld import PLDAccountant
-from dp_accounting.rdp import RdpAccountant
-from scipy.optimize import brentq
+from typing import TYPE_CHECKING
 
 from numpyro_fed._checks import check_int, check_positive, check_real
 from numpyro_fed.privacy.guarantee import PrivacyGuarantee
+
+if TYPE_CHECKING:
+    from dp_accounting import dp_event
 
 __all__ = [
     "NEIGHBOURING",
@@ -49,10 +47,18 @@ __all__ = [
     "resolve_accountant",
 ]
 
-_RELATIONS = {
-    "replace_one": dp_accounting.NeighboringRelation.REPLACE_ONE,
-    "add_remove": dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
-}
+#: dp-accounting's name of each neighbouring relation (``NeighboringRelation``). dp-accounting
+#: (and SciPy through it) is imported where an event or an accountant is made, not with this
+#: module: a process that accounts nothing (a client's) does not pay for its import.
+_RELATIONS = {"replace_one": "REPLACE_ONE", "add_remove": "ADD_OR_REMOVE_ONE"}
+
+
+def _events():
+    """dp-accounting's ``dp_event`` module, imported on first use."""
+    from dp_accounting import dp_event
+
+    return dp_event
+
 
 #: What each neighbouring relation means, in words (for :class:`PrivacyGuarantee`).
 NEIGHBOURING = {
@@ -107,8 +113,8 @@ def gaussian_event(noise_multiplier: float, count: int = 1) -> dp_event.DpEvent:
     >>> gaussian_event(5.0, 10)
     SelfComposedDpEvent(event=GaussianDpEvent(noise_multiplier=5.0), count=10)
     """
-    event = dp_event.GaussianDpEvent(_check_noise(noise_multiplier))
-    return dp_event.SelfComposedDpEvent(event, check_int(count, "count", minimum=0))
+    event = _events().GaussianDpEvent(_check_noise(noise_multiplier))
+    return _events().SelfComposedDpEvent(event, check_int(count, "count", minimum=0))
 
 
 def dpsgd_event(
@@ -132,12 +138,12 @@ def dpsgd_event(
     noise_multiplier = _check_noise(noise_multiplier)
     num_steps = check_int(num_steps, "num_steps", minimum=0)
     dataset_size = check_int(dataset_size, "dataset_size", minimum=1)
-    gaussian = dp_event.GaussianDpEvent(noise_multiplier)
+    gaussian = _events().GaussianDpEvent(noise_multiplier)
     if sampling == "poisson":
         if sampling_rate is None:
             raise ValueError("Poisson sampling needs sampling_rate")
         rate = check_sampling_rate(sampling_rate)
-        step = gaussian if rate == 1.0 else dp_event.PoissonSampledDpEvent(rate, gaussian)
+        step = gaussian if rate == 1.0 else _events().PoissonSampledDpEvent(rate, gaussian)
     elif sampling == "without_replacement":
         if batch_size is None:
             raise ValueError("sampling without replacement needs batch_size")
@@ -147,39 +153,39 @@ def dpsgd_event(
         step = (
             gaussian
             if batch_size == dataset_size
-            else dp_event.SampledWithoutReplacementDpEvent(dataset_size, batch_size, gaussian)
+            else _events().SampledWithoutReplacementDpEvent(dataset_size, batch_size, gaussian)
         )
     elif sampling == "full":
         step = gaussian
     else:
         raise ValueError(f"sampling must be one of {_SAMPLING}, got {sampling!r}")
-    return dp_event.SelfComposedDpEvent(step, num_steps)
+    return _events().SelfComposedDpEvent(step, num_steps)
 
 
 def _contains(event, kind) -> bool:
     if isinstance(event, kind):
         return True
-    if isinstance(event, dp_event.SelfComposedDpEvent):
+    if isinstance(event, _events().SelfComposedDpEvent):
         return _contains(event.event, kind)
-    if isinstance(event, dp_event.ComposedDpEvent):
+    if isinstance(event, _events().ComposedDpEvent):
         return any(_contains(e, kind) for e in event.events)
-    if isinstance(event, (dp_event.PoissonSampledDpEvent, dp_event.SampledWithoutReplacementDpEvent)):
+    if isinstance(event, (_events().PoissonSampledDpEvent, _events().SampledWithoutReplacementDpEvent)):
         return _contains(event.event, kind)
     return False
 
 
 def _scale_noise(event, factor: float):
     """The same event with every Gaussian noise multiplier multiplied by ``factor``."""
-    if isinstance(event, dp_event.GaussianDpEvent):
-        return dp_event.GaussianDpEvent(event.noise_multiplier * factor)
-    if isinstance(event, dp_event.SelfComposedDpEvent):
-        return dp_event.SelfComposedDpEvent(_scale_noise(event.event, factor), event.count)
-    if isinstance(event, dp_event.ComposedDpEvent):
-        return dp_event.ComposedDpEvent([_scale_noise(e, factor) for e in event.events])
-    if isinstance(event, dp_event.PoissonSampledDpEvent):
-        return dp_event.PoissonSampledDpEvent(event.sampling_probability, _scale_noise(event.event, factor))
-    if isinstance(event, dp_event.SampledWithoutReplacementDpEvent):
-        return dp_event.SampledWithoutReplacementDpEvent(
+    if isinstance(event, _events().GaussianDpEvent):
+        return _events().GaussianDpEvent(event.noise_multiplier * factor)
+    if isinstance(event, _events().SelfComposedDpEvent):
+        return _events().SelfComposedDpEvent(_scale_noise(event.event, factor), event.count)
+    if isinstance(event, _events().ComposedDpEvent):
+        return _events().ComposedDpEvent([_scale_noise(e, factor) for e in event.events])
+    if isinstance(event, _events().PoissonSampledDpEvent):
+        return _events().PoissonSampledDpEvent(event.sampling_probability, _scale_noise(event.event, factor))
+    if isinstance(event, _events().SampledWithoutReplacementDpEvent):
+        return _events().SampledWithoutReplacementDpEvent(
             event.source_dataset_size, event.sample_size, _scale_noise(event.event, factor)
         )
     return event
@@ -188,7 +194,7 @@ def _scale_noise(event, factor: float):
 def resolve_accountant(event, accountant: str | None, neighbouring: str) -> str:
     """The accountant that covers ``event`` (``None``: PLD unless it samples without
     replacement); a ``ValueError`` where ``dp-accounting`` has none for it."""
-    without_replacement = _contains(event, dp_event.SampledWithoutReplacementDpEvent)
+    without_replacement = _contains(event, _events().SampledWithoutReplacementDpEvent)
     if accountant is None:
         accountant = "rdp" if without_replacement else "pld"
     if accountant not in ("pld", "rdp"):
@@ -201,7 +207,7 @@ def resolve_accountant(event, accountant: str | None, neighbouring: str) -> str:
             )
         if neighbouring != "replace_one":
             raise ValueError("sampling without replacement is accounted under neighbouring='replace_one' only")
-    if accountant == "rdp" and neighbouring == "replace_one" and _contains(event, dp_event.PoissonSampledDpEvent):
+    if accountant == "rdp" and neighbouring == "replace_one" and _contains(event, _events().PoissonSampledDpEvent):
         raise ValueError(
             "dp-accounting's RDP accountant has no Poisson subsampling under 'replace_one': "
             "use accountant='pld' or neighbouring='add_remove'"
@@ -211,7 +217,11 @@ def resolve_accountant(event, accountant: str | None, neighbouring: str) -> str:
 
 def make_accountant(accountant: str, neighbouring: str = "replace_one", *, value_discretization_interval: float = 1e-4):
     """A fresh ``dp-accounting`` accountant: ``"pld"`` or ``"rdp"``."""
-    relation = _RELATIONS[_check_relation(neighbouring)]
+    import dp_accounting
+    from dp_accounting.pld import PLDAccountant
+    from dp_accounting.rdp import RdpAccountant
+
+    relation = getattr(dp_accounting.NeighboringRelation, _RELATIONS[_check_relation(neighbouring)])
     if accountant == "pld":
         return PLDAccountant(relation, value_discretization_interval=value_discretization_interval)
     if accountant == "rdp":
@@ -270,6 +280,8 @@ def calibrate_noise_multiplier(
     >>> eps <= 1.0, eps > 0.99
     (True, True)
     """
+    from scipy.optimize import brentq
+
     target_epsilon = check_epsilon(target_epsilon)
     delta = check_delta(delta)
     neighbouring = _check_relation(neighbouring)

@@ -7,8 +7,6 @@ its delta is refused before it starts.
 
 from __future__ import annotations
 
-from dp_accounting import dp_event
-
 from numpyro_fed.privacy.accounting import (
     NEIGHBOURING,
     accountant_event,
@@ -84,6 +82,8 @@ class PrivacyBudget:
                 f"the runs reserve {reserved:.3g} of delta outside the accountant (e.g. for capped Poisson "
                 f"batches), more than the budget's delta={self.delta}"
             )
+        from dp_accounting import dp_event  # on first use: importing it costs seconds (SciPy)
+
         event = dp_event.ComposedDpEvent(list(events))
         accountant = resolve_accountant(event, accountant, self.neighbouring)
         acc = make_accountant(accountant, self.neighbouring)

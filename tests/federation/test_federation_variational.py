@@ -55,21 +55,24 @@ def test_dppvi_ledger_counts_what_the_protocol_sends(data, schedule, dp):
     natural = (D + (D * D if dp is None else D)) * F64
     # per round and client: q down, Delta t_m up (the paper's messages), whatever the
     # variant: the client's factor (dp="virtual": its K virtual factors) stays with it; plus,
-    # down, the client's key and which of the D coordinates of its last update the server
-    # applied (booleans), and up two diagnostics (clipped, residual)
+    # down, the loss's draws of q, the client's key and which of the D coordinates of its last
+    # update the server applied (booleans), and up three diagnostics (clipped, residual, its
+    # term of the loss): one message each way per round
+    loss_draws = draws * D * F64
     np.testing.assert_array_equal(ledger["update/messages_to_client"], [rounds] * M)
     np.testing.assert_array_equal(ledger["update/rounds"], [rounds] * M)
-    np.testing.assert_array_equal(ledger["update/bytes_to_client"], [rounds * (natural + KEY + D)] * M)
-    np.testing.assert_array_equal(ledger["update/bytes_from_client"], [rounds * (natural + 2 * F64)] * M)
+    np.testing.assert_array_equal(ledger["update/bytes_to_client"], [rounds * (natural + loss_draws + KEY + D)] * M)
+    np.testing.assert_array_equal(ledger["update/bytes_from_client"], [rounds * (natural + 3 * F64)] * M)
     assert not [k for k in ledger if "state" in k]  # no client state crossed, none is counted
     # the clients keep their factors (in process: in result.state.clients): the virtual
     # factors sum to the factor the server knows from the changes it received
     factors = nf.infer.pvi.client_factors(result.state)
     total = factors.eta1.sum(1) if dp else factors.eta1
     np.testing.assert_allclose(total, result.state.factors.eta1, rtol=1e-10, atol=1e-12)
-    # the loss, a diagnostic: the server's draws of q down, one number up
-    np.testing.assert_array_equal(ledger["expected_log_lik/bytes_to_client"], [rounds * draws * D * F64] * M)
-    np.testing.assert_array_equal(ledger["expected_log_lik/bytes_from_client"], [rounds * F64] * M)
+    # the loss of the final q, a diagnostic: one call after the rounds, draws of q down, one number up
+    np.testing.assert_array_equal(ledger["expected_log_lik/messages_to_client"], [1] * M)
+    np.testing.assert_array_equal(ledger["expected_log_lik/bytes_to_client"], [loss_draws] * M)
+    np.testing.assert_array_equal(ledger["expected_log_lik/bytes_from_client"], [F64] * M)
     stats = nf.to_inference_data(result).sample_stats
     assert stats["ledger.update.bytes_to_client"].dims == ("client",)
     np.testing.assert_array_equal(stats["ledger.update.bytes_to_client"].values, ledger["update/bytes_to_client"])
@@ -188,10 +191,12 @@ def test_a_client_fault_stops_the_run_and_the_checkpoint_resumes_it(data, method
     assert partial.metrics["wall_time"].shape == (checkpoint.rounds_done,)
     # the rounds done before the fault are those of the uninterrupted run
     done = checkpoint.rounds_done
-    np.testing.assert_array_equal(
-        partial.metrics["move" if method == "dsvgd" else "loss"],
-        full.metrics["move" if method == "dsvgd" else "loss"][:done],
-    )
+    if method == "dsvgd":
+        np.testing.assert_array_equal(partial.metrics["move"], full.metrics["move"][:done])
+    else:  # the loss after the last round done would have come with the failed round's updates
+        np.testing.assert_array_equal(partial.metrics["loss"][:-1], full.metrics["loss"][: done - 1])
+        assert np.isnan(partial.metrics["loss"][-1])
+        np.testing.assert_array_equal(partial.metrics["loc"], full.metrics["loc"][:done])
     resumed = make().run(key, rounds, *data, init_state=checkpoint)
     for name, value in full.metrics.items():
         if name != "wall_time":

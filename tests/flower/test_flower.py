@@ -273,3 +273,23 @@ def test_the_nodes_keep_their_client_state_between_messages(simulation):
     assert jax.tree.leaves(local.state[1].values) != []
     np.testing.assert_array_equal(result.ledger["add/bytes_to_client"], local.ledger["add/bytes_to_client"])
     np.testing.assert_array_equal(result.ledger["add/bytes_from_client"], local.ledger["add/bytes_from_client"])
+
+
+def test_the_client_app_imports_only_what_a_node_needs():
+    """A deployed SuperNode starts a new ClientApp process for every message, which imports the
+    app: the template's ClientApp (DPPVI and DSVGD) imports neither dp-accounting (the server
+    accounts, not the nodes) nor the algorithms it does not run, nor SciPy's statistics."""
+    import subprocess
+    import sys
+
+    example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "flower")
+    code = (
+        "import sys, fedapp.client_app; "
+        "print(sorted(m for m in sys.modules if m.startswith(('dp_accounting', 'scipy.stats', "
+        "'numpyro_fed.infer.zigzag', 'numpyro_fed.infer.admm', 'numpyro_fed.infer.consensus')))); "
+        "print('numpyro_fed.infer.pvi.dppvi' in sys.modules)"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(example), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-2:] == ["[]", "True"], out.stdout

@@ -366,8 +366,9 @@ class PrivacyAccounting:
         where this process holds every row anyway)."""
         if privacy is None or not privacy.client_private_randomness:
             return spec
-        # update(block, own, q, [first,] key, applied): the key follows q (and first)
-        key_index = 1 + bool(self.auto_clip)
+        # update(block, own, q, thetas, [first,] key, applied): the key follows q, the loss's
+        # draws (DPPVI's clients take them, loss_draws=True) and first
+        key_index = 2 + bool(self.auto_clip)
         functions, stateful = private_program(spec.functions, spec.stateful, keys={"update": key_index})
         if spec.blocks is not None:
             num = len(jax.tree_util.tree_leaves(spec.blocks)[0])

@@ -59,9 +59,11 @@ from numpyro_fed.infer.pvi.layout import BlockLayout, ClientData, shard_layout
 from numpyro_fed.infer.pvi.loss import (
     LOSS_STREAM,
     build_loss,
+    draw_q,
     expected_log_lik,
     federated_negative_elbo,
     negative_elbo,
+    prior_side_of_loss,
 )
 
 __all__ = [
@@ -146,8 +148,11 @@ class PVIInfo(NamedTuple):
         changes) in each client's update; zero without clipping.
     :ivar residual: ``(M,)`` each client's local-optimization residual (see
         :func:`~numpyro_fed.infer.pvi.client.optimize_local`; the largest over its shards).
-    :ivar loss: the negative ELBO of ``q`` after the round (:func:`negative_elbo`; ``nan``
-        when a client did not answer its call).
+    :ivar loss: the negative ELBO (:func:`negative_elbo`; ``nan`` when a client did not
+        answer its call) of ``q`` after the round (:func:`build_client_step`) or, for
+        :func:`build_step`, of ``q`` as the round starts (before the prior's refinement), each
+        client's term computed in its update call (one message per client per round; the
+        face reports the loss after each round, see :class:`~numpyro_fed.DPPVI`).
     :ivar prior_residual: the residual of the server's refinement of the prior factor this
         round (``None`` without one).
     :ivar participated: ``(M,)`` bool, the clients whose update the round applied (every
@@ -252,11 +257,15 @@ class ClientReply(NamedTuple):
         (noised on the client when private).
     :ivar clipped: the fraction of clipped terms (a diagnostic).
     :ivar residual: the local optimization's residual (a diagnostic).
+    :ivar log_lik: its term of the loss at the draws of ``q`` sent with the call
+        (:func:`~numpyro_fed.infer.pvi.loss.expected_log_lik`, before its update; a
+        diagnostic), or ``None`` when none were sent.
     """
 
     delta: GaussianNatural
     clipped: jax.Array
     residual: jax.Array
+    log_lik: jax.Array | None = None
 
 
 def client_functions(
@@ -269,19 +278,22 @@ def client_functions(
     batch_cap: int | None = None,
     auto_clip: bool = False,
     damping: float = 1.0,
+    loss_draws: bool = False,
 ) -> tuple[dict, dict]:
     """The functions a PVI client runs on its own :class:`ClientData` block (one client's
     slice), as a :class:`~numpyro_fed.federation.ClientProgram` takes them: ``(functions,
     stateful)``.
 
-    * ``stateful["update"]``: ``(block, own, q, [first,] key, applied) -> (own',
+    * ``stateful["update"]``: ``(block, own, q, [thetas,] [first,] key, applied) -> (own',
       ClientReply)`` where ``own`` is the client's :class:`ClientFactor` (its client state),
-      ``q`` the global approximation the server sends, ``first`` (with ``auto_clip`` only)
-      whether this is the state's first round, ``key`` the client's key of the round and
-      ``applied`` (``(d,)`` bool) the coordinates of its last update that the server
-      applied. The client adds that update to its factor there, computes its new change from
-      the cavity ``q / t_m`` (the DP noise and clipping happen here, on the client), keeps
-      ``damping`` times it as pending and replies with the change.
+      ``q`` the global approximation the server sends, ``thetas`` (with ``loss_draws`` only,
+      ``(S, d)``) draws of ``q`` for the loss, ``first`` (with ``auto_clip`` only) whether
+      this is the state's first round, ``key`` the client's key of the round and ``applied``
+      (``(d,)`` bool) the coordinates of its last update that the server applied. The client
+      adds that update to its factor there, computes its new change from the cavity ``q /
+      t_m`` (the DP noise and clipping happen here, on the client), keeps ``damping`` times it
+      as pending and replies with the change (and, with ``loss_draws``, its term of the loss
+      at ``thetas``: the loss then costs no message of its own).
     * ``functions["expected_log_lik"]``: ``(block, thetas (S, d)) -> ()``, the sum over the
       client's rows of the Monte Carlo estimate of ``E_q[log p(x | theta)]`` at the draws
       ``thetas``: the diagnostic behind :func:`negative_elbo` (not one of the algorithm's
@@ -290,11 +302,13 @@ def client_functions(
     noise_divisor = float(np.sqrt(num_clients)) if trusted_aggregator else 1.0
 
     def update(block, own: ClientFactor, q, *args):
+        thetas, args = (args[0], args[1:]) if loss_draws else (None, args)
         if auto_clip:
             first, key, applied = args
             clip_norm = jnp.where(first, block.clip_first, block.clip_later)
         else:
             (key, applied), clip_norm = args, None
+        log_lik = None if thetas is None else expected_log_lik(row_log_lik, thetas, block.rows, block.valid)
         factor = resolve_factor(own, applied)
         if dp == "virtual":
             factor_arg, virtual_arg = None, factor
@@ -324,7 +338,7 @@ def client_functions(
         )
         change = virtual_delta if dp == "virtual" else delta
         pending = jax.tree_util.tree_map(lambda d: damping * d, change)
-        return ClientFactor(factor, pending), ClientReply(delta, clipped, residual)
+        return ClientFactor(factor, pending), ClientReply(delta, clipped, residual, log_lik)
 
     def client_expected_log_lik(block, thetas):
         return expected_log_lik(row_log_lik, thetas, block.rows, block.valid)
@@ -351,21 +365,23 @@ def _skip_absent(answered, new: PVIState, old: PVIState) -> PVIState:
 
 
 def build_visit(*, damping: float = 1.0, auto_clip: bool = False, partial: bool = False) -> Callable:
-    """A pure ``visit(state, m, key, federation) -> (state, (rejected, clipped, residual,
-    answered))``: client ``m``'s update (its key of the round ``key``) and the server's
-    update after it.
+    """A pure ``visit(state, m, key, federation, thetas=None) -> (state, (rejected, clipped,
+    residual, answered, log_lik))``: client ``m``'s update (its key of the round ``key``) and
+    the server's update after it.
 
-    What crosses: down, ``q`` (``2 d`` numbers), with ``auto_clip`` whether it is the state's
-    first round, the key, and which coordinates of the client's last update were applied
-    (``d`` booleans); up, :class:`ClientReply`. The client's factor (or virtual factors) stays
-    with it. The server (:func:`server_update`) adds ``damping`` times the reply to ``q`` and
-    to its record of client ``m``'s factor. ``partial``: a client that fails or does not
-    answer is skipped (``answered`` false): ``q``, its factor and its client state stay as
-    they were.
+    What crosses: down, ``q`` (``2 d`` numbers), ``thetas`` if given (draws of a ``q`` for the
+    loss; the client's functions then take them, ``loss_draws`` of :func:`client_functions`),
+    with ``auto_clip`` whether it is the state's first round, the key, and which coordinates
+    of the client's last update were applied (``d`` booleans); up, :class:`ClientReply` (with
+    ``thetas``, its ``log_lik``). The client's factor (or virtual factors) stays with it. The
+    server (:func:`server_update`) adds ``damping`` times the reply to ``q`` and to its record
+    of client ``m``'s factor. ``partial``: a client that fails or does not answer is skipped
+    (``answered`` false): ``q``, its factor and its client state stay as they were.
     """
 
-    def visit(state: PVIState, m, key, federation):
-        sent = (state.q, state.round == 0) if auto_clip else (state.q,)
+    def visit(state: PVIState, m, key, federation, thetas=None):
+        draws = () if thetas is None else (thetas,)
+        sent = (state.q, *draws, state.round == 0) if auto_clip else (state.q, *draws)
         # own: client m's slice of what was applied of its last update
         out = federation.one("update", m, *sent, key, own=(state.applied,), state=state.clients, partial=partial)
         clients, reply, answered = out if partial else out + (jnp.asarray(True),)
@@ -376,39 +392,26 @@ def build_visit(*, damping: float = 1.0, auto_clip: bool = False, partial: bool 
         if partial:
             new = _skip_absent(answered, new, state)
             ok = ok | ~answered
-        return new, (jnp.sum(~ok), reply.clipped, reply.residual, answered)
+        return new, (jnp.sum(~ok), reply.clipped, reply.residual, answered, reply.log_lik)
 
     return visit
 
 
-def _end_round(
-    rng_key,
-    state: PVIState,
-    federation,
-    num_mc_samples: int,
-    visits,
-    prior_residual,
-    loss_prior,
-    stateful_loss=False,
-    min_clients=None,
-):
-    """Counts the round, checks that ``min_clients`` clients are still in (``state.absent``:
-    a :class:`~numpyro_fed.federation.ClientError` naming those out otherwise) and computes
-    the loss of the new ``q`` through the clients. ``visits``: ``(rejected, clipped,
-    residual, participated)``."""
-    rejected, clipped, residual, participated = visits
+def _count_round(state: PVIState, federation, min_clients=None) -> PVIState:
+    """Counts the round and checks that ``min_clients`` clients are still in
+    (``state.absent``: a :class:`~numpyro_fed.federation.ClientError` naming those out
+    otherwise)."""
     state = state._replace(round=state.round + 1)
     if min_clients is not None:
         state = state._replace(absent=federation.require(state.absent, min_clients))
-    key = jax.random.fold_in(rng_key, LOSS_STREAM)
-    clients = state.clients if stateful_loss else None
-    loss = federated_negative_elbo(
-        key, federation, state.q, state.prior, num_mc_samples, loss_prior, clients, partial=min_clients is not None
-    )
-    if stateful_loss:
-        clients, loss = loss
-        state = state._replace(clients=clients)
-    return state, PVIInfo(rejected, clipped, residual, loss, prior_residual, participated)
+    return state
+
+
+def _summed_loss(q, prior, thetas, prior_potential, log_liks, answered):
+    """The negative ELBO of ``q`` from the clients' terms ``log_liks`` (``(M,)``) at its draws
+    ``thetas``; ``nan`` (unknown) unless every client ``answered``."""
+    terms = jnp.where(jnp.all(answered), jnp.sum(log_liks), jnp.nan)
+    return prior_side_of_loss(q, prior, thetas, prior_potential) - terms
 
 
 #: ``jax.random.fold_in`` stream of a round's key that the server's prior update uses.
@@ -447,7 +450,6 @@ def build_step(
     auto_clip: bool = False,
     prior_update: Callable | None = None,
     prior_potential: Callable | None = None,
-    stateful_loss: bool = False,
     min_clients: int | None = None,
 ) -> Callable:
     """A pure ``step(rng_key, state, federation) -> (state, info)``: one round, visiting
@@ -461,8 +463,14 @@ def build_step(
     Client ``m``'s key is ``jax.random.split(rng_key, num_clients)[m]``. With
     ``prior_update`` (:func:`~numpyro_fed.infer.pvi.prior.build_prior_update`), the server
     first refines the prior factor; ``prior_potential`` then enters the loss (see
-    :func:`negative_elbo`). ``stateful_loss``: the clients' terms of the loss read their
-    client state (latents of their own, see :func:`federated_negative_elbo`).
+    :func:`negative_elbo`).
+
+    **The loss costs no message.** The server draws ``config.num_mc_samples`` draws of ``q``
+    as the round starts (with ``jax.random.fold_in(rng_key, LOSS_STREAM)``) and sends them
+    with each client's update; the client returns its term there with its change (the
+    clients' functions built with ``loss_draws=True``). ``info.loss`` is therefore the loss of
+    ``q`` *before* the round: one message per client per round instead of two (a deployed
+    round costs about a message's start-up per call).
 
     **Clients that drop out.** ``min_clients`` (``None``: every client must answer, and one
     that fails stops the round with a :class:`~numpyro_fed.federation.ClientError`): the
@@ -477,8 +485,8 @@ def build_step(
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     partial = min_clients is not None
 
-    def synchronous(keys, state, federation):
-        sent = (state.q, state.round == 0) if auto_clip else (state.q,)
+    def synchronous(keys, state, federation, thetas):
+        sent = (state.q, thetas, state.round == 0) if auto_clip else (state.q, thetas)
         out = federation.map("update", *sent, per_client=(keys, state.applied), state=state.clients, partial=partial)
         clients, reply, answered = out if partial else out + (jnp.ones(num_clients, bool),)
         rows = lambda x: jnp.reshape(answered, (num_clients,) + (1,) * (jnp.ndim(x) - 1))  # noqa: E731
@@ -488,31 +496,25 @@ def build_step(
         new, ok = server_update(state, tree_add(state.q, total, damping), new_factors)
         applied = jnp.where(rows(state.applied), jnp.broadcast_to(ok, state.applied.shape), state.applied)
         new = new._replace(clients=clients, applied=applied)
-        return new, (jnp.sum(~ok), reply.clipped, reply.residual, answered)
+        return new, (jnp.sum(~ok), reply.clipped, reply.residual, answered, reply.log_lik)
 
     visit = build_visit(damping=damping, auto_clip=auto_clip, partial=partial)
 
-    def sequential(keys, state, federation):
-        return lax.scan(lambda state, m: visit(state, m, keys[m], federation), state, jnp.arange(num_clients))
+    def sequential(keys, state, federation, thetas):
+        visit_m = lambda state, m: visit(state, m, keys[m], federation, thetas)  # noqa: E731
+        return lax.scan(visit_m, state, jnp.arange(num_clients))
 
     visit_all = synchronous if schedule == "synchronous" else sequential
 
     def step(rng_key, state: PVIState, federation):
         keys = jax.random.split(rng_key, num_clients)
+        start = state.q  # the loss's q: as the round starts, before the prior's refinement
+        thetas = draw_q(jax.random.fold_in(rng_key, LOSS_STREAM), start, config.num_mc_samples)
         state, prior_residual = _refine_prior(rng_key, state, prior_update)
-        state, visits = visit_all(keys, state, federation)
-        state = state._replace(absent=~visits[-1])  # every client was visited
-        return _end_round(
-            rng_key,
-            state,
-            federation,
-            config.num_mc_samples,
-            visits,
-            prior_residual,
-            prior_potential,
-            stateful_loss,
-            min_clients,
-        )
+        state, (rejected, clipped, residual, answered, log_liks) = visit_all(keys, state, federation, thetas)
+        state = _count_round(state._replace(absent=~answered), federation, min_clients)  # every client was visited
+        loss = _summed_loss(start, state.prior, thetas, prior_potential, log_liks, answered)
+        return state, PVIInfo(rejected, clipped, residual, loss, prior_residual, answered)
 
     return step
 
@@ -540,13 +542,16 @@ def build_client_step(
     def step(rng_key, state: PVIState, federation, client):
         num_clients = state.applied.shape[0]
         state, prior_residual = _refine_prior(rng_key, state, prior_update)
-        state, (rejected, clipped, residual, answered) = visit(state, client, rng_key, federation)
+        state, (rejected, clipped, residual, answered, _) = visit(state, client, rng_key, federation)
         absent = jnp.zeros(num_clients, bool) if state.absent is None else state.absent
         state = state._replace(absent=absent.at[client].set(~answered))
         participated = jnp.zeros(num_clients, bool).at[client].set(answered)
-        visits = (rejected, clipped, residual, participated)
-        return _end_round(
-            rng_key, state, federation, num_mc_samples, visits, prior_residual, prior_potential, min_clients=min_clients
+        state = _count_round(state, federation, min_clients)
+        # the round reached one client: the loss of the new q is a call to every client
+        key = jax.random.fold_in(rng_key, LOSS_STREAM)
+        loss = federated_negative_elbo(
+            key, federation, state.q, state.prior, num_mc_samples, prior_potential, partial=min_clients is not None
         )
+        return state, PVIInfo(rejected, clipped, residual, loss, prior_residual, participated)
 
     return step

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from numpyro.infer.initialization import init_to_uniform
 
 from numpyro_fed._checks import check_int, check_positive
-from numpyro_fed.federation.base import check_min_clients
+from numpyro_fed.federation.base import ClientError, check_min_clients
 from numpyro_fed.infer.base import (
     ClientSpec,
     RunCheckpoint,
@@ -154,7 +154,9 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
 
     **Running.** As :class:`numpyro.infer.SVI`: :meth:`run` returns a
     :class:`~numpyro_fed.infer.RunResult` whose ``metrics`` hold per round ``loss`` (the
-    negative ELBO of ``q``, see :meth:`evaluate`), ``loc`` and ``scale`` of ``q`` (flat,
+    negative ELBO of ``q`` after the round, see :meth:`evaluate`: the clients compute their
+    terms with the next round's update, in the same message, and the last round's in one
+    more call after the rounds), ``loc`` and ``scale`` of ``q`` (flat,
     ``(num_rounds, d)``), ``rejected``, ``clipped`` and ``residual`` (per client),
     ``communications`` (server-client exchanges since the initial state),
     ``noise_multiplier`` (per client), ``predicted_dp_error`` and, without privacy,
@@ -190,7 +192,8 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
         >>> draws = pvi.get_samples(jax.random.PRNGKey(2), result, 100)
         >>> draws["w"].shape
         (100, 2)
-        >>> bool(result.metrics["loss"][-1] < result.metrics["loss"][0])  # the negative ELBO fell
+        >>> state, info = pvi.update(jax.random.PRNGKey(3), pvi.init(jax.random.PRNGKey(4), X, y))
+        >>> bool(result.metrics["loss"][-1] < info.loss)  # the negative ELBO fell from the prior's
         True
         >>> pvi
         DPPVI(model, dp=None, schedule='sequential', num_local_steps=100, num_mc_samples=10, damping=1.0)
@@ -358,6 +361,7 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
             auto_clip=self.auto_clip,
             batch_cap=self.batch_cap(privacy, num_rounds, sizes, num_rows),
             damping=self.damping,
+            loss_draws=True,
         )
         self._client_plan = (num_rounds, sizes, sigmas, privacy, dp_error, layout, config, prior)
         return self.private_spec(self._client_spec(programs, potential, layout), privacy)
@@ -398,7 +402,6 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
             auto_clip=self.auto_clip,
             prior_update=prior_update,
             prior_potential=prior_potential,
-            stateful_loss=self._local is not None,
             min_clients=core.check_dropout(self.min_clients, num_clients, self.trusted_aggregator),
         )
         self._plan = _RunPlan(
@@ -457,17 +460,27 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
             if init_state is not None:
                 state = init_state._replace(clients=adopt_client_state(plan.federation, init_state.clients))
             start_loc = np.asarray(loc_scale(self._final_state(state).q)[0])
-        result = self.drive(
-            self.update,
-            key_run,
-            state,
-            plan.num_rounds,
-            resume=resume,
-            privacy=plan.privacy,
-            is_finite=lambda s: bool(jnp.all(jnp.isfinite(s.q.eta1)) & jnp.all(jnp.isfinite(s.q.eta2))),
-            desc=f"{type(self).__name__} ({self.dp or 'non-private'})",
-            context={"start_loc": start_loc},
-        )
+        folded = self._final_state(state) is state  # the rounds' info.loss is of q as each round starts
+        is_finite = lambda s: bool(jnp.all(jnp.isfinite(s.q.eta1)) & jnp.all(jnp.isfinite(s.q.eta2)))  # noqa: E731
+        desc, context = f"{type(self).__name__} ({self.dp or 'non-private'})", {"start_loc": start_loc}
+        try:
+            result = self.drive(
+                self.update,
+                key_run,
+                state,
+                plan.num_rounds,
+                resume=resume,
+                privacy=plan.privacy,
+                is_finite=is_finite,
+                desc=desc,
+                context=context,
+            )
+        except ClientError as error:
+            if folded and getattr(error, "result", None) is not None:
+                error.result = self._loss_after_rounds(error.result, None)
+            raise
+        if folded:
+            result = self._loss_after_rounds(result, jax.random.fold_in(key_run, core.LOSS_STREAM))
         if self.dp is None:
             result.metrics["last_move"] = last_move(start_loc, result.metrics["loc"], result.metrics["scale"])
         result = self.finish(result)

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from numpyro_fed.infer.base import jit_round
+from numpyro_fed.infer.base import RunResult, jit_round
 from numpyro_fed.infer.pvi.client import LocalConfig, optimize_local
 from numpyro_fed.infer.pvi.core import ClientFactor, ClientReply, resolve_factor
 from numpyro_fed.infer.pvi.diagnostics import warn_mean_field
@@ -131,10 +131,11 @@ def local_client_functions(
     ``(functions, stateful)``, each stateful call ``(block, state, ...) -> (state, reply)`` on
     its :class:`LocalClientState`:
 
-    * ``"update"``: ``(q, key, applied) -> ClientReply``: as
-      :func:`~numpyro_fed.infer.pvi.core.client_functions`' (the same messages), the local
-      free energy maximized jointly over ``q(theta)`` and ``q(z_m)``; the client keeps the
-      new ``q(z_m)``.
+    * ``"update"``: ``(q, thetas, key, applied) -> ClientReply``: as
+      :func:`~numpyro_fed.infer.pvi.core.client_functions`' with ``loss_draws=True`` (the
+      same messages), the local free energy maximized jointly over ``q(theta)`` and
+      ``q(z_m)``; the client keeps the new ``q(z_m)``. Its ``log_lik`` is its term of the
+      ELBO at ``thetas`` and its ``q(z_m)`` before the update (as ``"expected_log_lik"``).
     * ``"expected_log_lik"``: ``(thetas (S, d_g)) -> ()``: its term of the ELBO,
       ``E[log p(y_m, z_m | theta)] + H[q(z_m)]`` at ``thetas`` and draws of ``q(z_m)``.
     * ``"curvature"``: ``(thetas) -> (H, S)``, ``(d_g, d_g)`` each: minus the Hessian of
@@ -155,7 +156,20 @@ def local_client_functions(
     def log_joint(w, lblock):
         return -client_potential(embed(w, lblock.local_index), lblock.block)
 
-    def update(lblock: LocalBlock, state: LocalClientState, q, key, applied):
+    def draw_local(state, key, num_samples):
+        loc, scale = loc_scale(state.local)
+        return loc + scale * jax.random.normal(key, (num_samples,) + loc.shape, loc.dtype)
+
+    def expected_log_lik(lblock: LocalBlock, state: LocalClientState, thetas):
+        key, sub = jax.random.split(state.key)
+        zs = draw_local(state, sub, thetas.shape[0])
+        joint = jax.vmap(lambda w: log_joint(w, lblock))(jnp.concatenate([thetas, zs], axis=-1))
+        log_scale = jnp.log(loc_scale(state.local)[1])
+        entropy = jnp.sum(jnp.where(lblock.local_valid, log_scale + _HALF_LOG_2_PI_E, 0.0))
+        return state._replace(key=key), jnp.mean(joint) + entropy
+
+    def update(lblock: LocalBlock, state: LocalClientState, q, thetas, key, applied):
+        state, log_lik = expected_log_lik(lblock, state, thetas)  # the loss's term, of q(z_m) before the update
         factor = resolve_factor(state.own, applied)
         # padding coordinates: a standard normal "cavity", where they start and stay
         dtype = q.eta1.dtype
@@ -171,20 +185,8 @@ def local_client_functions(
         new_q, new_local = _cut(new, num_global)
         delta = tree_sub(new_q, q)
         own = ClientFactor(factor, jax.tree_util.tree_map(lambda d: damping * d, delta))
-        reply = ClientReply(delta, jnp.zeros((), q.eta1.dtype), residual)
+        reply = ClientReply(delta, jnp.zeros((), q.eta1.dtype), residual, log_lik)
         return LocalClientState(own, new_local, state.key), reply
-
-    def draw_local(state, key, num_samples):
-        loc, scale = loc_scale(state.local)
-        return loc + scale * jax.random.normal(key, (num_samples,) + loc.shape, loc.dtype)
-
-    def expected_log_lik(lblock: LocalBlock, state: LocalClientState, thetas):
-        key, sub = jax.random.split(state.key)
-        zs = draw_local(state, sub, thetas.shape[0])
-        joint = jax.vmap(lambda w: log_joint(w, lblock))(jnp.concatenate([thetas, zs], axis=-1))
-        log_scale = jnp.log(loc_scale(state.local)[1])
-        entropy = jnp.sum(jnp.where(lblock.local_valid, log_scale + _HALF_LOG_2_PI_E, 0.0))
-        return state._replace(key=key), jnp.mean(joint) + entropy
 
     def curvature(lblock: LocalBlock, state: LocalClientState, thetas):
         key, sub = jax.random.split(state.key)
@@ -361,7 +363,7 @@ class ClientLatentsFace:
     """What :class:`~numpyro_fed.DPPVI`'s face asks of the clients' state after the rounds (a
     mixin): for client-local latents, finds them in the split model, refuses what they do not
     support and fetches draws of the clients' ``q(z_m)``; with or without them, the mean-field
-    check (the clients' curvature)."""
+    check (the clients' curvature) and the loss of the final ``q``."""
 
     #: the model's client-local latents (:class:`LocalLatents`), ``None`` without
     _local: LocalLatents | None = None
@@ -413,6 +415,22 @@ class ClientLatentsFace:
         remedy = {} if joint is None else {"remedy": MEAN_FIELD_LIMIT}
         warn_mean_field(np.asarray(curvature + prior_hessian), diagonal=diagonal, **remedy, stacklevel=3)
         return result
+
+    def _loss_after_rounds(self, result: RunResult, rng_key) -> RunResult:
+        """``metrics["loss"]`` as the loss of ``q`` after each round: the rounds returned the
+        loss of ``q`` as each started (:func:`~numpyro_fed.infer.pvi.core.build_step`), so
+        round ``t``'s came with round ``t + 1``'s, and the last round's is one more call to the
+        clients (:meth:`evaluate` with ``rng_key``, counted in ``result.ledger``; ``None``:
+        unknown, ``nan``, a run stopped by a failed client)."""
+        losses = np.asarray(result.metrics["loss"])
+        if rng_key is None:
+            last = np.full((), np.nan, losses.dtype)
+        else:
+            ledger = None if result.ledger is None else dict(result.ledger)
+            last = self.through_clients(lambda: self.evaluate(result.state, rng_key=rng_key), ledger)
+            result = result._replace(ledger=ledger)
+        metrics = dict(result.metrics, loss=np.append(losses[1:], np.asarray(last, losses.dtype)))
+        return result._replace(metrics=metrics)
 
     def _local_samples(self, rng_key, result, flat, sites) -> dict:
         """:meth:`LocalLatents.draws` of the global draws ``flat``, the clients' draws counted

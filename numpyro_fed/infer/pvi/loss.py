@@ -13,15 +13,23 @@ import jax.numpy as jnp
 from numpyro_fed.infer.pvi.gaussian import GaussianNatural, entropy, kl_divergence, sample
 from numpyro_fed.infer.pvi.layout import ClientData
 
-__all__ = ["LOSS_STREAM", "build_loss", "expected_log_lik", "federated_negative_elbo", "negative_elbo"]
+__all__ = [
+    "LOSS_STREAM",
+    "build_loss",
+    "draw_q",
+    "expected_log_lik",
+    "federated_negative_elbo",
+    "negative_elbo",
+    "prior_side_of_loss",
+]
 
 
-def _draw_q(rng_key, q: GaussianNatural, num_samples: int):
+def draw_q(rng_key, q: GaussianNatural, num_samples: int):
     """``(num_samples, d)`` draws of ``q``: what the server sends the clients for the loss."""
     return sample(rng_key, q, num_samples)
 
 
-def _prior_side_of_loss(q: GaussianNatural, prior: GaussianNatural, thetas, prior_potential):
+def prior_side_of_loss(q: GaussianNatural, prior: GaussianNatural, thetas, prior_potential):
     """``KL(q || prior)``, or with ``prior_potential`` (a non-Gaussian or improper prior)
     ``E_q[log q] - E_q[log p]`` up to a constant, estimated at the draws ``thetas``."""
     if prior_potential is None:
@@ -53,10 +61,10 @@ def negative_elbo(
     A diagnostic of the run computed on every client's rows in this process: it is not one of
     the messages the clients send, and no privacy guarantee covers it.
     """
-    thetas = _draw_q(rng_key, q, num_samples)
+    thetas = draw_q(rng_key, q, num_samples)
     client_log_lik = lambda rows, valid: expected_log_lik(row_log_lik, thetas, rows, valid)  # noqa: E731
     expected = jnp.sum(jax.vmap(client_log_lik)(data.rows, data.valid))
-    return _prior_side_of_loss(q, prior, thetas, prior_potential) - expected
+    return prior_side_of_loss(q, prior, thetas, prior_potential) - expected
 
 
 #: ``jax.random.fold_in`` stream of a round's key that draws :func:`negative_elbo`'s samples
@@ -91,7 +99,7 @@ def federated_negative_elbo(
     else:
         out = (out,) if clients is None else out
         terms = jnp.sum(out[-1])
-    loss = _prior_side_of_loss(q, prior, thetas, prior_potential) - terms
+    loss = prior_side_of_loss(q, prior, thetas, prior_potential) - terms
     return loss if clients is None else (out[0], loss)
 
 
