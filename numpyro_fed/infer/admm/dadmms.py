@@ -43,6 +43,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.scipy.linalg import cho_solve
 
 from numpyro_fed._checks import check_int, check_positive, check_real
 from numpyro_fed.federation.decentralized import AgentProgram
@@ -191,8 +192,10 @@ def newton_prox(fn: Callable, *, tolerance: float, max_iterations: int):
 
     returning ``solve(x_start, v, p, c, *args) -> (x, iterations, converged)``. Steps are
     Newton steps, shortened to the longest of ``2^-k``, ``k`` in ``(0, 1, 2, 3, 5, 7, 10, 14,
-    20, 30)``, that meets the Armijo condition (a gradient step if the Newton
-    direction is not a descent direction); the solve stops when the step is below
+    20, 30)``, that meets the Armijo condition; where the Hessian of ``phi`` is not positive
+    definite it is shifted by a multiple of the identity (Gershgorin's bound on its least
+    eigenvalue, plus ``c``), so that every step descends (a gradient step if round-off still
+    spoils the direction); the solve stops when the step is below
     ``tolerance * (1 + max|x|)`` (converged) or after ``max_iterations`` steps.
     """
     grad = jax.grad(fn)
@@ -208,8 +211,19 @@ def newton_prox(fn: Callable, *, tolerance: float, max_iterations: int):
 
         def newton_step(x):
             g = grad(x, *args) + p + c * (x - v)
-            h = hess(x, *args) + c * jnp.eye(dim, dtype=x.dtype)
-            step = -jnp.linalg.solve(h, g)
+            eye = jnp.eye(dim, dtype=x.dtype)
+            h = hess(x, *args) + c * eye
+            h = (h + h.T) / 2
+            # Where phi is not convex (a centred hierarchy's funnel) h can be indefinite: the
+            # Newton step may then head for a saddle, or uphill. Shift h by Gershgorin's bound
+            # on its least eigenvalue (plus c) so that the step is always a descent direction
+            # of a positive definite model; where h's Cholesky factor exists it is unshifted.
+            factor = jnp.linalg.cholesky(h)
+            diagonal = jnp.diag(h)
+            radius = jnp.sum(jnp.abs(h), axis=1) - jnp.abs(diagonal)
+            shift = jnp.maximum(0.0, jnp.max(radius - diagonal) + c)
+            factor = jnp.where(jnp.all(jnp.isfinite(factor)), factor, jnp.linalg.cholesky(h + shift * eye))
+            step = -cho_solve((factor, True), g)
             slope = g @ step
             ok = jnp.all(jnp.isfinite(step)) & (slope < 0)
             step = jnp.where(ok, step, -g)

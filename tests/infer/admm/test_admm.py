@@ -144,6 +144,25 @@ def test_logistic_regression_accuracy_matches_nuts():
     assert abs(agents - reference) < 0.02, (agents, reference)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_newton_proximal_step_descends_where_the_potential_is_not_convex(dtype):
+    # f(x) = x_0^2 / 2 + (x_1^2 - 1)^2 / 4: minima at x_1 = +-1, a saddle at x_1 = 0. From
+    # (1, 1e-6) with a weak proximal term the Hessian is indefinite in x_1: unshifted Newton
+    # steps went to the saddle and reported convergence there (in 2 iterations, in both
+    # precisions); shifted, they descend to a minimum.
+    def fn(x):
+        return 0.5 * x[0] ** 2 + 0.25 * (x[1] ** 2 - 1.0) ** 2
+
+    tolerance = 1e-10 if dtype == jnp.float64 else 1e-5
+    solve = admm.newton_prox(fn, tolerance=tolerance, max_iterations=50)
+    c = jnp.asarray(0.01, dtype)
+    zero = jnp.zeros(2, dtype)
+    x, iterations, converged = jax.jit(solve)(jnp.asarray([1.0, 1e-6], dtype), zero, zero, c)
+    # the proximal problem's minimizers: x_0 = 0, x_1^2 = 1 - c
+    assert bool(converged) and int(iterations) <= 20
+    np.testing.assert_allclose(np.abs(np.asarray(x)), [0.0, np.sqrt(1 - 0.01)], atol=50 * tolerance**0.5)
+
+
 def test_newton_solver_matches_the_closed_form():
     potential = nf.split_potential(linear_model, (LINEAR.X, LINEAR.y))
     potentials = agent_potentials(potential)
