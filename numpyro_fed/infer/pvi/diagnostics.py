@@ -14,8 +14,9 @@ from numpyro_fed.infer.pvi.accounting import MAX_DP_ERROR
 
 __all__ = ["judge_run", "last_move", "mean_field_inflation", "warn_mean_field"]
 
-# predicted_dp_error above which a run that goes ahead warns: measured errors were up to
-# 5 times the prediction (benchmarks/dppvi.md), so 0.2 can mean a posterior sd.
+# predicted_dp_error above which a run that goes ahead warns: measured errors were 0.6 to 2.5
+# times the prediction on the grid it was fitted to (docs/guide/dppvi.md; up to 5 times the
+# earlier formula's), so 0.2 can mean half a posterior sd and more off the grid.
 WARN_DP_ERROR = 0.2
 MAX_LAST_MOVE = 0.1  # non-private: largest move of q's means per round, in q's scales,
 LAST_MOVE_SPAN = 3  # averaged over the last 3 rounds (or fewer in a shorter run)
@@ -60,7 +61,8 @@ def judge_run(dp, metrics: dict, *, private: bool, clip_norm, stacklevel: int = 
         warnings.warn(
             f"DPPVI(dp='dpsgd'): the privacy noise is expected to have moved q's means by "
             f"about {dp_error:.2g} posterior standard deviations (predicted_dp_error; measured "
-            f"errors have been up to 5 times that), and q's scales do not include that noise: "
+            f"errors have been 0.6 to 2.5 times that on a benchmark grid, possibly more off it), and q's "
+            f"scales do not include that noise: "
             "read the answer as approximate. For a closer one raise target_epsilon, run "
             "fewer rounds, or give the clients more rows",
             RuntimeWarning,
