@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import sys
 import time
 import warnings
@@ -316,7 +317,9 @@ def deployment(rounds: int, bare: int, insecure: bool) -> tuple[list[dict], list
             "wall_s": wall,
         },
     ]
-    return rows, _node_profile(profile)
+    messages = _node_profile(profile)
+    shutil.rmtree(folder, ignore_errors=True)  # the app copy, its JAX cache and the results
+    return rows, messages
 
 
 def main(argv=None):

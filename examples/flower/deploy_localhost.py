@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -162,6 +163,11 @@ def parse(argv):
     parser.add_argument("--methods", default="dppvi", help="comma-separated methods of fedapp/task.py")
     parser.add_argument("--num-rounds", type=int, default=None, help="default: the app's (pyproject.toml)")
     parser.add_argument("--out", default=None, help="where the server writes the results (default: a temporary folder)")
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the run's temporary folder (certificates, node keys, logs); by default it is removed at the end",
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before everything is stopped")
     parser.add_argument(
         "--strangers",
@@ -264,6 +270,10 @@ def main(argv=None) -> dict:
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait(timeout=15)
+        if args.keep:
+            print(f"the run's folder (certificates, node keys, logs) is kept: {work}", flush=True)
+        else:  # the node keys and the CA's key are not left behind
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def run_app(args, env, out, work, started, flwr) -> dict:
@@ -290,7 +300,8 @@ def run_app(args, env, out, work, started, flwr) -> dict:
             raise RuntimeError(f"the run wrote no {path}; logs:\n{logs}")
         with open(path) as f:
             results[name.strip()] = json.load(f)
-    print(f"finished in {time.monotonic() - started:.0f} s; results in {out}")
+    kept = args.keep or args.out is not None
+    print(f"finished in {time.monotonic() - started:.0f} s" + (f"; results in {out}" if kept else ""))
     return results
 
 

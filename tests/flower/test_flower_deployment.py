@@ -11,10 +11,12 @@ it admitted, the run (which wants exactly 3 nodes) would stop with an error nami
 Everything listens on 127.0.0.1 and is stopped by the script when the run ends or times
 out."""
 
+import glob
 import json
 import os
 import shutil
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -63,7 +65,10 @@ def in_process_means(task, name, rounds):
 def test_localhost_deployment_gives_the_in_process_answer(example, tmp_path):
     deploy, task = example
     argv = ["--num-rounds", "2", "--methods", "dppvi", "--out", str(tmp_path), "--timeout", "900", "--strangers", "1"]
+    runs_before = set(glob.glob(os.path.join(tempfile.gettempdir(), "numpyro_fed_flower_*")))
     results = deploy.main(argv)
+    # the run's folder (the CA's and the nodes' private keys, logs) is not left behind
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "numpyro_fed_flower_*"))) <= runs_before
     summary = results["dppvi"]
     assert summary["rounds"] == 2
     # the shards the nodes loaded are the app's synthetic ones
