@@ -52,6 +52,14 @@ def test_api_page_lists_every_reexport_under_the_module_that_defines_it():
     assert set(expected.values()) <= api_directives()
 
 
+def test_every_lazily_imported_public_name_is_in_all():
+    # numpyro_fed and numpyro_fed.infer import their public names on first use: a name in
+    # __all__ without a home would fail only when used, a home without __all__ would be hidden
+    for package in (numpyro_fed, importlib.import_module("numpyro_fed.infer")):
+        assert set(package.__all__) == set(package._WHERE), package.__name__
+        assert set(package.__all__) <= set(dir(package))
+
+
 def test_api_page_has_a_section_for_every_public_module():
     modules = {
         info.name
