@@ -83,16 +83,12 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
     :param model: a NumPyro model with one :func:`~numpyro_fed.federated_plate` over the data
         rows and continuous latent variables: global ones and client-local ones (sites in a
         ``federated_plate`` of clients, e.g. per-school effects: each client keeps its own
-        mean-field ``q(z_m)``, :mod:`~numpyro_fed.infer.pvi.local`; ``dp=None`` only).
-        Priors as statisticians write them:
-        ``Normal`` priors (and ``LogNormal`` scales, Gaussian on the log scale) are factors of
-        ``q`` exactly; flat priors (``ImproperUniform``) are zero-precision factors; any other
-        prior (a ``HalfCauchy`` scale, a hierarchical ``Normal(0, tau)``, a ``Dirichlet``) is
-        a factor of its own that the server refines each round with a client's local update,
-        its "likelihood" the prior's log-density on the unconstrained space, log-Jacobians
-        included (:mod:`~numpyro_fed.infer.pvi.prior`; it reads no rows and costs no privacy
-        budget). ``q`` then starts proper: the exact part where it is proper, elsewhere unit
-        scales around the ``init_strategy``'s point.
+        mean-field ``q(z_m)``, :mod:`~numpyro_fed.infer.pvi.local`; ``dp=None`` only). Any
+        prior: ``Normal`` (and ``LogNormal``) priors are factors of ``q`` exactly, flat ones
+        zero-precision factors, any other (a ``HalfCauchy`` scale, a hierarchical ``Normal(0,
+        tau)``) a factor of its own that the server refines with a client's local update
+        (:mod:`~numpyro_fed.infer.pvi.prior`; no rows, no privacy budget). The guide's
+        *Priors: the prior factor*.
     :param dp: ``None`` (non-private PVI), ``"dpsgd"`` (DP-SGD in the local optimization,
         Section 4.1), ``"local_avg"`` (Algorithm 2) or ``"virtual"`` (Algorithm 3).
     :param str schedule: ``"sequential"`` or ``"synchronous"``.
@@ -137,9 +133,8 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
     :param bool progress_bar: a progress bar over rounds.
     :param federation: where the clients run: ``None`` (the default: every client in this
         process, vectorised) or a :class:`~numpyro_fed.federation.Federation` such as
-        :class:`~numpyro_fed.RayFederation` (each client a worker holding only its own rows);
-        same key, same answer (in distribution for a private run, see ``private_randomness``).
-        What crosses, the client state, failures and ``loader=``: the guide's *On a federation*.
+        :class:`~numpyro_fed.RayFederation`; same key, same answer (in distribution for a
+        private run). What crosses, client state, failures: the guide's *On a federation*.
     :param bool private_randomness: each client folds a seed of its own into the keys of its
         noise and batches, so the server cannot replay them. ``None`` (default): for a private
         run whose clients are apart from the server (an engine, or ``loader=``); ``False``:
@@ -154,22 +149,16 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
 
     **Running.** As :class:`numpyro.infer.SVI`: :meth:`run` returns a
     :class:`~numpyro_fed.infer.RunResult` whose ``metrics`` hold per round ``loss`` (the
-    negative ELBO of ``q`` after the round, see :meth:`evaluate`: the clients compute their
-    terms with the next round's update, in the same message, and the last round's in one
-    more call after the rounds), ``loc`` and ``scale`` of ``q`` (flat,
-    ``(num_rounds, d)``), ``rejected``, ``clipped`` and ``residual`` (per client),
-    ``communications`` (server-client exchanges since the initial state),
-    ``noise_multiplier`` (per client), ``predicted_dp_error`` and, without privacy,
-    ``last_move``; ``result.privacy`` is the run's guarantee, ``result.ledger`` what crossed.
-    :meth:`init` and :meth:`update` run rounds one at a time; :meth:`get_params` gives
-    ``q``'s ``loc`` and ``scale`` by site, :meth:`get_samples` draws from it.
+    negative ELBO of ``q`` after the round, :meth:`evaluate`; the clients return their terms
+    with the next round's update), ``loc`` and ``scale`` of ``q`` (flat), ``rejected``,
+    ``clipped``, ``residual``, ``participated`` (per client), ``communications``,
+    ``noise_multiplier``, ``predicted_dp_error`` and, without privacy, ``last_move``;
+    ``result.privacy`` is the guarantee, ``result.ledger`` what crossed. :meth:`init` and
+    :meth:`update` run rounds one at a time; :meth:`get_params`, :meth:`get_samples` read ``q``.
 
-    **Defaults.** Without ``optim``: :func:`~numpyro_fed.infer.pvi.settings.default_optimizer`
-    in units of ``q``'s scale with iterate averaging (a non-private run warns when its local
-    fits or ``q`` had not converged). Given only a budget, ``dp="dpsgd"`` chooses its sampling
-    rate and clip norm (:mod:`~numpyro_fed.infer.pvi.dp_defaults`) and refuses when the
-    privacy noise would move the means by more than a posterior sd (:meth:`predicted_dp_error`).
-    Rules, reasons, measurements: the guide's *Default settings*.
+    **Defaults.** Without ``optim``, :func:`~numpyro_fed.infer.pvi.settings.default_optimizer`;
+    given only a budget, DP-SGD chooses its settings (:mod:`~numpyro_fed.infer.pvi.dp_defaults`)
+    or refuses (:meth:`predicted_dp_error`): the guide's *Default settings*.
 
     **Example**
 

@@ -15,7 +15,8 @@ Layout (data flows down):
   the federation seam: ``init``, ``client_functions`` (what a client runs where it lives)
   and ``build_kernel`` returning the round ``step(rng_key, state, federation, ...) ->
   (state, info)``, which on :class:`~numpyro_fed.federation.InProcess` compiles into one
-  program: :mod:`.dsvgd`, :mod:`.pdsvgd`, :mod:`.udsvgd` and the baselines'
+  program: :mod:`.dsvgd` (its client's factor in a round: :mod:`.factors`), :mod:`.pdsvgd`,
+  :mod:`.udsvgd` and the baselines'
   :mod:`.pooled_svgd`, :mod:`.fedavg`, :mod:`.sgld`; :mod:`.local`, DSVGD's client step on
   joint particles ``(theta, z_k)`` in a model with client-local latents;
 * :mod:`.model`: a NumPyro model's split potential as flat gradient functions, prior draws,

@@ -44,6 +44,7 @@ from numpyro_fed.infer.stein.cavity import (
     precision_of,
 )
 from numpyro_fed.infer.stein.curvature import laplace_start, round_frame
+from numpyro_fed.infer.stein.factors import distill, round_scores
 from numpyro_fed.infer.stein.kde import check_kde_bandwidth, kde_score_fn
 from numpyro_fed.infer.stein.kernels import wide_median_bandwidth
 from numpyro_fed.infer.stein.svgd import staged_svgd
@@ -62,11 +63,9 @@ __all__ = [
     "build_kernel",
     "check_key",
     "client_functions",
-    "distill",
     "init",
     "initial_local_states",
     "round_config",
-    "round_scores",
     "server_update",
     "start_and_frame",
     "update_particles",
@@ -89,19 +88,10 @@ class LocalState(NamedTuple):
         (``kde_bandwidth="auto"``, :func:`carrier_weight`): the local particles encode
         ``c_k t_k``. ``None``: they encode ``p_0 t_k``.
 
-    Why a carrier: the local particles must encode a proper density that contains ``t_k``.
-    ``p_0 t_k`` is improper under a flat prior, and where the client's rows say little (a
-    group that is not among them) ``t_k`` is a ratio of two KDEs of about equal width whose
-    sampling noise gives it curvature of either sign: next to a weak prior, ``p_0 t_k`` is then
-    improper in that direction, its distillation runs away, and the client's next tilted
-    target with it (measured: a Poisson regression's local particles 5000 posterior sds off
-    after one visit). A power of the Gaussian with the moments of the client's new global
-    particles, just enough to keep ``c_k t_k`` proper, makes it so; ``t_k`` itself (what the
-    rounds use, ``grad log KDE(local) - grad log c_k``) is the same. The weight is no larger
-    than needed: ``t_k``, one client's share, is the difference of the local particles'
-    precision and the carrier's, so a carrier stronger than ``p_0`` multiplies the local
-    particles' sampling noise in ``t_k`` (measured: a carrier of the full moments left a
-    raw-covariate regression 1 sd off that agrees with ``p_0``).
+    Why a carrier: ``p_0 t_k`` is improper under a flat prior, or where the client's rows say
+    little about a coordinate (``t_k`` is then a ratio of two KDEs of about equal width); the
+    least power of a Gaussian that keeps ``c_k t_k`` proper makes its distillation stable and
+    leaves ``t_k`` as it was (measurements: the DSVGD guide, *Real scales*).
     """
 
     local_particles: jax.Array
@@ -338,57 +328,6 @@ def update_particles(
         rebase=rebase,
     )
     return ClientUpdate(new_global, new_local, weight)
-
-
-def round_scores(global_particles, local_particles, prior_score, kde_score, *, visited, first, carrier=None):
-    """``(score_previous, score_local)`` of a client's round: ``grad log q^(i-1)`` (the KDE of
-    the ``global_particles``, or ``p_0`` exactly while no client has been ``visited``:
-    ``first``) and ``grad log c_k t_k^(i-1)`` (the KDE of the ``local_particles``, or the
-    carrier ``c_k`` exactly for a client not yet ``visited``; ``carrier``: its score, default
-    ``prior_score``), each ``(N, d) -> (N, d)``."""
-    carrier = prior_score if carrier is None else carrier
-
-    def score_previous(x):  # grad log q^(i-1)
-        return jnp.where(first, prior_score(x), kde_score(x, global_particles))
-
-    def score_local(x):  # grad log c_k t_k^(i-1)
-        return jnp.where(visited, kde_score(x, local_particles), carrier(x))
-
-    return score_previous, score_local
-
-
-def distill(
-    new_global,
-    local_particles,
-    score_previous,
-    score_local,
-    *,
-    kde_score,
-    num_distill_steps,
-    distill_optim,
-    svgd_bandwidth,
-    visited,
-    stages=1,
-    curvature=False,
-    rebase=None,
-):
-    """Line 7 of Algorithm 1: the client's new local particles, ``L'`` SVGD steps towards
-    ``c_k t_k^(i)``, ``t_k^(i) = t_k^(i-1) q^(i) / q^(i-1)`` (Eq. (17)), ``q^(i)`` the KDE of
-    ``new_global`` (scores of :func:`round_scores`); ``rebase``: ``grad log c_k' / c_k``, a new
-    carrier for the new particles (default: the same)."""
-
-    def factor_score(x):  # grad log c_k t_k^(i)
-        score = kde_score(x, new_global) + score_local(x) - score_previous(x)
-        return score if rebase is None else score + rebase(x)
-
-    # With stages (kde_bandwidth="auto"), a client's first distillation starts from the
-    # uploaded particles: its initial local particles (prior draws) stand for no density
-    # (t_k^(0) = 1 exactly) and may lie many whitened units from the target, further than
-    # the distillation's steps travel. (The paper's variant starts from them.)
-    start = local_particles if stages <= 1 else jnp.where(visited, local_particles, new_global)
-    return staged_svgd(
-        start, factor_score, num_distill_steps, distill_optim, svgd_bandwidth, stages=stages, curvature=curvature
-    )
 
 
 class RoundConfig(NamedTuple):

@@ -55,7 +55,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from numpyro_fed.infer.stein.curvature import laplace_start
-from numpyro_fed.infer.stein.dsvgd import distill, round_config, round_scores
+from numpyro_fed.infer.stein.dsvgd import round_config
+from numpyro_fed.infer.stein.factors import distill, round_scores
 from numpyro_fed.infer.stein.kde import kde_score_fn
 from numpyro_fed.infer.stein.kernels import svgd_direction
 from numpyro_fed.infer.stein.svgd import staged_svgd

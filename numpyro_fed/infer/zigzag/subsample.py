@@ -30,44 +30,19 @@ The bounds ``H`` come from the clients, each from its own rows (:func:`row_curva
 * from the user (:class:`RowHessianBound`): a function of one row's model arguments giving a
   bound valid everywhere, for exactness.
 
-**Importance sampling** (the server's thinning, in process): the batch for a proposal of
-coordinate ``i`` draws row ``J`` with probability ``p_Ji`` proportional to ``c_Ji = sum_k
-H_Jik``, the row's own curvature bound, and weighs it by ``1 / (b p_Ji)``; since
-``|d_i U_J(x) - d_i U_J(x*)| <= c_Ji max_k |x_k - x*_k|`` the estimate moves from ``g_i`` by at
-most ``S_i max_k |x_k - x*_k|`` with ``S_i = sum_J c_Ji`` (the rows' summed curvature, where
-the uniform batch needs ``n_m`` times the largest in every column: on a logistic regression
-with Gaussian covariates the bound is several times tighter, and so are the proposals per
-switch). The weights are integers whose cumulative sums each client's rows keep
-(:class:`RowWeights`): the probabilities are exact and a draw is a bisection.
-
-**Second order** (the default; ``control_variates="first_order"`` keeps the first-order
-estimate, with uniform batches through a federation): the estimate keeps the client's Taylor
-term around ``x*`` whole and samples only what is left of it,
-
-    d U_m(x) ~ g_m + H_m (x - x*) + 1 / b sum_{J in batch} (d U_J(x) - d U_J(x*) - H_J(x*) (x - x*)) / p_J
-
-(``g_m``, ``H_m``: the client's full gradient and Hessian at ``x*``, from the second-order
-control variates' set-up; ``H_J(x*) (x - x*)`` is one forward pass through the row's gradient
-at ``x*``). Each proposer's shifted rate is then ``v_i (grad U(x*) + H (x - x*))_i / P`` plus
-the sampled remainder: the Taylor part is the Gaussian approximation's rate, exact and affine
-along the line, and the remainder is second order in ``x - x*``. If ``|w^T (d_i H_J(y)) w| <=
-2 kappa_Ji |w|^2`` for all ``y`` and ``w``, the remainder of row ``J`` is at most ``kappa_Ji
-|x - x*|^2`` (Taylor's theorem with the integral remainder), so with rows drawn in proportion
-to ``kappa_Ji`` the sampled part moves by at most ``K_i |x - x*|^2``, ``K_i = sum_J kappa_Ji``.
-In the posterior's own units ``K_i`` shrinks like ``n^{-1/2}`` (a row's third derivative is
-``n^{-3/2}`` there), so at large ``n`` almost every proposal is a switch, whatever ``d``: the
-first-order bound's ``S_i max_k |x_k - x*_k|`` grows like ``d`` while the rate does not. The
-``kappa`` come from the user (``RowHessianBound(third=...)``, exact) or, automatically, from
-each row's third derivative ``T_J[w, w]`` (two forward passes through its gradient) at the
-points around the posterior, along the row's own gradient direction at ``x*``, two steps of the
-tensor power method from it (for a GLM row, its covariates: the direction of the largest third
-derivative for every ``i``) and the points' offsets, times the margin, plus
-:data:`THIRD_FLOOR` of the client's mean (:func:`third_weights`); one unit from ``x*`` the
-same tells whether the third derivative grows without bound (a log link: warned, counted). The
-terms computed exactly (the prior, client-level terms) are bounded through twice their
-curvature bound, ``|H(x) - H(x*)| <= 2 max |H|``. ``|x + t v - x*|^2`` is quadratic in ``t``:
-the line's bound uses its chord over ``[0, horizon]`` (``horizon``: the smallest posterior sd
-at ``x*``) and is rebuilt there.
+**Importance sampling** (the server's thinning, in process) draws row ``J`` for a proposal of
+coordinate ``i`` with probability proportional to the row's own curvature bound ``c_Ji = sum_k
+H_Jik`` and weighs it by ``1 / (b p_Ji)``, so the estimate moves from ``g_i`` by at most
+``S_i max_k |x_k - x*_k|``, ``S_i = sum_J c_Ji``. **Second order** (the default;
+``control_variates="first_order"`` keeps the estimate above, with uniform batches through a
+federation) keeps the client's Taylor term around ``x*`` whole (``g_m + H_m (x - x*)``, its
+full gradient and Hessian at ``x*``) and samples only the remainder, rows drawn in proportion
+to a bound ``kappa_Ji`` on their third derivative (from ``RowHessianBound(third=...)``, or
+automatically, :func:`third_weights`), so that the sampled part moves by at most ``K_i |x -
+x*|^2``, ``K_i = sum_J kappa_Ji``, which shrinks like ``n^{-1/2}`` in the posterior's units.
+The weights are integers whose cumulative sums each client's rows keep (:class:`RowWeights`):
+the probabilities are exact and a draw is a bisection. The estimates, their bounds and the
+measurements: the guide, ``docs/guide/zigzag.md``, *Subsampling*.
 
 With a preconditioner (in process), the process moves in ``u`` (``x = center + scale u``) and
 everything above is done there: ``grad`` is a row's gradient in ``u``
