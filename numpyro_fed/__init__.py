@@ -1,6 +1,6 @@
 """numpyro_fed: federated Bayesian inference for NumPyro models."""
 
-import importlib
+from numpyro_fed._lazy import lazy_names
 
 #: where each public name lives; imported on first use (PEP 562), so that a process that
 #: needs one method (a Flower ClientApp, started anew for every message) imports that
@@ -56,16 +56,7 @@ _WHERE = {
 }
 
 
-def __getattr__(name):
-    if name in _WHERE:
-        value = getattr(importlib.import_module(_WHERE[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'numpyro_fed' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _WHERE)
 
 
 __version__ = "0.1.0.dev0"

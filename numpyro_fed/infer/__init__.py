@@ -1,6 +1,6 @@
 """The federated inference algorithms."""
 
-import importlib
+from numpyro_fed._lazy import lazy_names
 
 #: where each public name lives; imported on first use (PEP 562): a process that runs one
 #: method imports that family's modules only.
@@ -30,16 +30,7 @@ _WHERE = {
 }
 
 
-def __getattr__(name):
-    if name in _WHERE:
-        value = getattr(importlib.import_module(_WHERE[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'numpyro_fed.infer' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _WHERE)
 
 
 __all__ = [
