@@ -62,8 +62,8 @@ from numpyro_fed.infer.pvi.loss import (
     draw_q,
     expected_log_lik,
     federated_negative_elbo,
+    loss_of_client_terms,
     negative_elbo,
-    prior_side_of_loss,
 )
 
 __all__ = [
@@ -407,13 +407,6 @@ def _count_round(state: PVIState, federation, min_clients=None) -> PVIState:
     return state
 
 
-def _summed_loss(q, prior, thetas, prior_potential, log_liks, answered):
-    """The negative ELBO of ``q`` from the clients' terms ``log_liks`` (``(M,)``) at its draws
-    ``thetas``; ``nan`` (unknown) unless every client ``answered``."""
-    terms = jnp.where(jnp.all(answered), jnp.sum(log_liks), jnp.nan)
-    return prior_side_of_loss(q, prior, thetas, prior_potential) - terms
-
-
 #: ``jax.random.fold_in`` stream of a round's key that the server's prior update uses.
 PRIOR_STREAM = 2
 
@@ -513,7 +506,7 @@ def build_step(
         state, prior_residual = _refine_prior(rng_key, state, prior_update)
         state, (rejected, clipped, residual, answered, log_liks) = visit_all(keys, state, federation, thetas)
         state = _count_round(state._replace(absent=~answered), federation, min_clients)  # every client was visited
-        loss = _summed_loss(start, state.prior, thetas, prior_potential, log_liks, answered)
+        loss = loss_of_client_terms(start, state.prior, thetas, prior_potential, log_liks, answered)
         return state, PVIInfo(rejected, clipped, residual, loss, prior_residual, answered)
 
     return step

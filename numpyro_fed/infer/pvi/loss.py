@@ -19,6 +19,7 @@ __all__ = [
     "draw_q",
     "expected_log_lik",
     "federated_negative_elbo",
+    "loss_of_client_terms",
     "negative_elbo",
     "prior_side_of_loss",
 ]
@@ -35,6 +36,16 @@ def prior_side_of_loss(q: GaussianNatural, prior: GaussianNatural, thetas, prior
     if prior_potential is None:
         return kl_divergence(q, prior)
     return jnp.mean(jax.vmap(prior_potential)(thetas)) - entropy(q)
+
+
+def loss_of_client_terms(q: GaussianNatural, prior: GaussianNatural, thetas, prior_potential, terms, answered=None):
+    """The negative ELBO of ``q`` from the clients' terms ``terms`` (``(M,)``, each client's
+    :func:`expected_log_lik` at the draws ``thetas``); ``nan`` (unknown) unless every client
+    ``answered`` (``(M,)`` bool; ``None``: all did)."""
+    total = jnp.sum(terms)
+    if answered is not None:
+        total = jnp.where(jnp.all(answered), total, jnp.nan)
+    return prior_side_of_loss(q, prior, thetas, prior_potential) - total
 
 
 def expected_log_lik(row_log_lik: Callable, thetas, rows, valid):
@@ -90,16 +101,15 @@ def federated_negative_elbo(
     draws its own latents with a key it keeps) and the result is ``(clients, loss)``.
     ``partial``: a client that does not answer leaves the loss ``nan`` (unknown) instead of
     stopping the run."""
-    thetas = sample(rng_key, q, num_samples)
+    thetas = draw_q(rng_key, q, num_samples)
     state = {} if clients is None else {"state": clients}
     out = federation.map("expected_log_lik", thetas, partial=partial, **state)
+    answered = None
     if partial:
         *out, answered = out
-        terms = jnp.where(jnp.all(answered), jnp.sum(out[-1]), jnp.nan)
     else:
         out = (out,) if clients is None else out
-        terms = jnp.sum(out[-1])
-    loss = prior_side_of_loss(q, prior, thetas, prior_potential) - terms
+    loss = loss_of_client_terms(q, prior, thetas, prior_potential, out[-1], answered)
     return loss if clients is None else (out[0], loss)
 
 
