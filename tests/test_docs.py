@@ -18,7 +18,7 @@ import numpyro_fed
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 API_PAGE = DOCS / "api.md"
-PACKAGES = ("numpyro_fed", "numpyro_fed.infer", "numpyro_fed.privacy")
+PACKAGES = ("numpyro_fed", "numpyro_fed.infer", "numpyro_fed.privacy", "numpyro_fed.flower")
 
 
 def api_directives():
@@ -53,9 +53,9 @@ def test_api_page_lists_every_reexport_under_the_module_that_defines_it():
 
 
 def test_every_lazily_imported_public_name_is_in_all():
-    # numpyro_fed and numpyro_fed.infer import their public names on first use: a name in
+    # numpyro_fed, numpyro_fed.infer and numpyro_fed.flower import their public names on first use: a name in
     # __all__ without a home would fail only when used, a home without __all__ would be hidden
-    for package in (numpyro_fed, importlib.import_module("numpyro_fed.infer")):
+    for package in map(importlib.import_module, ("numpyro_fed", "numpyro_fed.infer", "numpyro_fed.flower")):
         assert set(package.__all__) == set(package._WHERE), package.__name__
         assert set(package.__all__) <= set(dir(package))
 

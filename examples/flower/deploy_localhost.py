@@ -53,7 +53,7 @@ def write_shards(folder: str, num_nodes: int) -> list[str]:
     import numpy as np
 
     sys.path.insert(0, HERE)
-    from fedapp.task import synthetic_shard
+    from fedapp.data import synthetic_shard
 
     paths = []
     for m in range(num_nodes):

@@ -24,6 +24,8 @@ import numpy as np
 
 import jax
 
+from numpyro_fed.flower._exported import ExportStore, rows_digest, signature
+
 __all__ = ["NodeHandler", "Profile", "process_age"]
 
 _STATE_KEY = "numpyro_fed_recipe"
@@ -124,32 +126,79 @@ def _partition_id(node_config) -> int:
     return -1 if value is None else int(value)
 
 
-def _configure_compilation_cache(node_config):
-    """JAX's persistent compilation cache in the node's ``jax-cache-dir`` (default
-    ``~/.cache/numpyro_fed/jax``; ``""``: none), for every compilation however short: rebuilding
-    the client program runs some fifty small operations eagerly, each compiled apart (a
-    deployed node rebuilds it for every message, in a new process: rebuilding the example
-    app's DPPVI program alone in a fresh process on this project's loaded 2-core machine took
-    1.7-3.1 s uncached or with a threshold of 0.2 s, 0.4-0.5 s with every compilation cached;
-    in the deployed benchmark, three nodes at once at load 10-17, it still took 2.2 s)."""
+def _cache_dir(node_config) -> str:
+    """The node's cache folder: the node config's ``jax-cache-dir`` (default
+    ``~/.cache/numpyro_fed/jax``; ``""``: none)."""
     path = node_config.get("jax-cache-dir") if hasattr(node_config, "get") else None
     if path is None:
         path = os.path.join(os.path.expanduser("~"), ".cache", "numpyro_fed", "jax")
+    return str(path)
+
+
+def _configure_compilation_cache(node_config):
+    """JAX's persistent compilation cache in the node's ``jax-cache-dir``, for every
+    compilation however short: rebuilding the client program runs some fifty small operations
+    eagerly, each compiled apart (rebuilding the example app's DPPVI program alone in a fresh
+    process on this project's loaded 2-core machine took 1.7-3.1 s uncached or with a
+    threshold of 0.2 s, 0.4-0.5 s with every compilation cached). With the store of
+    :mod:`._exported` a node rebuilds the program only at its first message of a run."""
+    path = _cache_dir(node_config)
     if not path:
         return
     if jax.config.jax_compilation_cache_dir != path:
-        jax.config.update("jax_compilation_cache_dir", str(path))
+        jax.config.update("jax_compilation_cache_dir", path)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+class _Lookup:
+    """What a message found in the node's store (:mod:`._exported`): the stored function
+    ``run`` (``None``: not stored) with its ``header``, and how to store what it did not find
+    (the rows it loaded to check the block's digest, the keys)."""
+
+    def __init__(self, store, rows=None, block_key=None, function_key=None, block=None, found=None):
+        self.store, self.rows, self.block = store, rows, block
+        self.block_key, self.function_key = block_key, function_key
+        self.header, self.run = found if found else ({}, None)
+        self.exportable = found is not False
+
+    def save(self, fn, block, args, describe=None) -> bool:
+        """Stores the block (if new) and ``fn(block, *args)`` exported (if it can be); then
+        :attr:`run` is it (compiled here as later messages will find it in JAX's cache)."""
+        if self.store is None or not self.exportable:
+            return False
+        with _phase("export"):
+            leaves, tree = jax.tree_util.tree_flatten((block, *args))
+            if self.block is None:
+                self.block = self.store.save_block(self.block_key, jax.tree_util.tree_leaves(block))
+                self.function_key = self.function_key(self.block)
+            if self.store.save_function(self.function_key, fn, tree, leaves, describe):
+                self.header, self.run = self.store.load_function(self.function_key)
+        return self.run is not None
+
+    def __call__(self, *leaves):
+        return self.run(*self.block, *leaves)
 
 
 class NodeHandler:
     """Handles the messages of :class:`~numpyro_fed.flower.FlowerFederation` on a node with
-    the app's ``methods`` (name -> method) and ``load`` (``node_config -> model
-    arguments``)."""
+    the app's ``methods`` (name -> method, or ``"module:attribute"`` naming them, imported when
+    first needed) and ``load`` (``node_config -> model arguments``)."""
 
-    def __init__(self, methods: dict, load):
-        self.methods = dict(methods)
+    def __init__(self, methods, load):
+        self._methods = methods if isinstance(methods, str) else dict(methods)
         self.load = load
+
+    @property
+    def methods(self) -> dict:
+        if isinstance(self._methods, str):
+            import importlib
+
+            from numpyro_fed.flower.serverapp import as_methods
+
+            module, attribute = self._methods.split(":")
+            with _phase("import_methods"):
+                self._methods = as_methods(getattr(importlib.import_module(module), attribute))
+        return self._methods
 
     # -- messages --------------------------------------------------------------------------
     def describe(self, msg, context):
@@ -164,7 +213,7 @@ class NodeHandler:
 
     def start(self, msg, context):
         from numpyro_fed.flower._wire import encode_description
-        from numpyro_fed.flower.federation import import_flwr
+        from numpyro_fed.flower.clientapp import import_flwr
         from numpyro_fed.flower.recipe import Recipe
 
         flwr = import_flwr()
@@ -188,17 +237,28 @@ class NodeHandler:
         return {"block": encode_description(block_spec(entry["blocks"][client]))}, None
 
     def call(self, msg, context):
-        recipe, client, name, config, args = self._request(msg, context)
-        entry = self._entry(recipe, client, context.node_config)
-        in_axes = None
-        if bool(config["batched"]):
-            flat_axes = [None if a < 0 else int(a) for a in config["in_axes"]]
-            in_axes = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(args), flat_axes)
-        fn = self._compiled(entry, name, in_axes)
+        from numpyro_fed.flower._wire import decode_tree
+
+        recipe, client, name, config = self._started(msg, context)
+        leaves = msg.content["args"].to_numpy_ndarrays()
+        axes = [int(a) for a in config["in_axes"]] if bool(config["batched"]) else None
+        found = self._lookup(
+            recipe, client, context.node_config, "functions", name, (str(config["structure"]), axes), leaves
+        )
+        if found.run is None:
+            entry = self._entry(recipe, client, context.node_config, rows=found.rows)
+            args = decode_tree(str(config["structure"]), leaves)  # after the methods' modules are imported
+            in_axes = None
+            if axes is not None:
+                in_axes = jax.tree_util.tree_unflatten(
+                    jax.tree_util.tree_structure(args), [None if a < 0 else a for a in axes]
+                )
+            fn, block = self._compiled(entry, name, in_axes), entry["blocks"][client]
+            if not found.save(fn, block, args):
+                with _phase("compile_and_run"):
+                    return None, [np.asarray(x) for x in jax.tree_util.tree_leaves(fn(block, *args))]
         with _phase("compile_and_run"):
-            reply = fn(entry["blocks"][client], *args)
-            leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(reply)]
-        return None, leaves
+            return None, found(*leaves)
 
     def state(self, msg, context):
         """``init_state`` (version 0 of this node's client state) or a call of a stateful
@@ -207,14 +267,21 @@ class NodeHandler:
         version and its arguments: a retried call, or a run resumed from its last completed
         round, finds the version it starts from); only the reply goes back."""
         from numpyro_fed.flower._wire import decode_tree, encode_tree
-        from numpyro_fed.flower.federation import import_flwr
+        from numpyro_fed.flower.clientapp import import_flwr
 
         flwr = import_flwr()
-        recipe, client, name, config, args = self._request(msg, context)
+        recipe, client, name, config = self._started(msg, context)
+        leaves = msg.content["args"].to_numpy_ndarrays()
         kept = context.state[_CLIENT_STATE] if _CLIENT_STATE in context.state else None
         versions = [] if kept is None or kept["run"] != recipe.digest else [int(v) for v in kept["versions"]]
-        if name == "init_state":
-            keep, version, value = sorted(set(versions) | {0}), 0, args
+        if name == "init_state":  # the state as sent: its structure and arrays
+            keep, version, structure, value, reply = (
+                sorted(set(versions) | {0}),
+                0,
+                str(config["structure"]),
+                leaves,
+                [],
+            )
         else:
             version = int(config["version"])
             if version not in versions:
@@ -223,15 +290,31 @@ class NodeHandler:
                     f"{'versions ' + str(versions) if versions else 'none'}): its SuperNode lost it "
                     "(restarted), or the state is of another run"
                 )
-            state = decode_tree(str(kept["structure"]), context.state[_VERSION.format(version)].to_numpy_ndarrays())
-            entry = self._entry(recipe, client, context.node_config)
-            fn = self._compiled(entry, name, None, table="stateful")
-            with _phase("compile_and_run"):
-                value, reply = fn(entry["blocks"][client], state, *args)
-                jax.block_until_ready((value, reply))
+            structure = str(kept["structure"])
+            state = context.state[_VERSION.format(version)].to_numpy_ndarrays()
+            request = ("stateful", structure, str(config["structure"]))
+            found = self._lookup(recipe, client, context.node_config, "stateful", name, request, state + leaves)
+            if found.run is None:
+                entry = self._entry(recipe, client, context.node_config, rows=found.rows)
+                args = (decode_tree(structure, state), *decode_tree(str(config["structure"]), leaves))
+                fn, block = self._compiled(entry, name, None, table="stateful"), entry["blocks"][client]
+
+                def describe(out):  # how the node reads the result's leaves: the new state, then the reply
+                    value = jax.tree_util.tree_map(lambda _: np.zeros(()), out[0])
+                    return {"structure": encode_tree(value)[0], "num_state": len(jax.tree_util.tree_leaves(out[0]))}
+
+                if not found.save(fn, block, args, describe):
+                    with _phase("compile_and_run"):
+                        new, out = fn(block, *args)
+                        structure, value = encode_tree(jax.tree_util.tree_map(np.asarray, new))
+                        reply = [np.asarray(x) for x in jax.tree_util.tree_leaves(out)]
+            if found.run is not None:
+                with _phase("compile_and_run"):
+                    out = found(*state, *leaves)
+                n = int(found.header["num_state"])
+                structure, value, reply = str(found.header["structure"]), out[:n], out[n:]
             keep, version = [version, version + 1], version + 1
-        structure, leaves = encode_tree(jax.tree_util.tree_map(np.asarray, value))
-        context.state[_VERSION.format(version)] = flwr.app.ArrayRecord(leaves)
+        context.state[_VERSION.format(version)] = flwr.app.ArrayRecord([np.asarray(x) for x in value])
         previous = [] if kept is None else [int(v) for v in kept["versions"]]  # of this run or an earlier one
         for old in previous:
             if old not in keep and _VERSION.format(old) in context.state:
@@ -239,14 +322,11 @@ class NodeHandler:
         context.state[_CLIENT_STATE] = flwr.app.ConfigRecord(
             {"run": recipe.digest, "structure": structure, "versions": [int(v) for v in keep]}
         )
-        if name == "init_state":
-            return {"version": 0}, []
-        return {"version": version}, [np.asarray(x) for x in jax.tree_util.tree_leaves(reply)]
+        return {"version": version}, reply
 
     @staticmethod
-    def _request(msg, context):
-        """``(recipe, client, name, config, args)`` of a call to a started node."""
-        from numpyro_fed.flower._wire import decode_tree
+    def _started(msg, context):
+        """``(recipe, client, name, config)`` of a call to a started node."""
         from numpyro_fed.flower.recipe import Recipe
 
         if _STATE_KEY not in context.state:
@@ -256,11 +336,36 @@ class NodeHandler:
             )
         stored = context.state[_STATE_KEY]
         config = msg.content["numpyro_fed"]
-        args = decode_tree(str(config["structure"]), msg.content["args"].to_numpy_ndarrays())
-        return Recipe.from_config(stored), int(stored["client"]), str(config["call"]), config, args
+        return Recipe.from_config(stored), int(stored["client"]), str(config["call"]), config
 
     # -- the program -----------------------------------------------------------------------
-    def _entry(self, recipe, client, node_config):
+    def _lookup(self, recipe, client, node_config, table, name, request, leaves) -> _Lookup:
+        """The node's stored function ``table[name]`` for this request (its arguments'
+        structure and batching, ``leaves``' shapes) on this client's block of the run, if it
+        has one (:mod:`._exported`). Not in Flower's simulation, whose worker processes keep
+        the program in memory, nor on a node without a cache folder."""
+        entry = _CACHE.get(recipe.digest)
+        store = ExportStore.for_node(_cache_dir(node_config))
+        if (entry is not None and client in entry["blocks"]) or store is None:
+            return _Lookup(None)
+        if bool(jax.config.jax_enable_x64) != recipe.x64:
+            jax.config.update("jax_enable_x64", recipe.x64)
+        _configure_compilation_cache(node_config)
+        with _phase("load_rows"):
+            rows = self.load(node_config)
+            block_key = signature("block", recipe.digest, client, rows_digest(rows), recipe.x64)
+        with _phase("load_exported"):
+            block = store.load_block(block_key)
+            function_key = None if block is None else f"{block_key}.{signature(table, name, request, block, leaves)}"
+            found = None if block is None else store.load_function(function_key)
+        lookup = _Lookup(store, rows, block_key, function_key, block, found)
+        if block is None:  # the key needs the block's shapes: known once it is built
+            lookup.function_key = lambda block_leaves: (
+                f"{block_key}.{signature(table, name, request, block_leaves, leaves)}"
+            )
+        return lookup
+
+    def _entry(self, recipe, client, node_config, rows=None):
         from numpyro_fed.federation.base import check_block
         from numpyro_fed.flower.recipe import rebuild_program
 
@@ -276,10 +381,11 @@ class NodeHandler:
                     f"(it has {sorted(self.methods)}): the server and the nodes must run the same app"
                 )
             _configure_compilation_cache(node_config)
-            load, node_configs = self.load, {}
+            load, node_configs, preloaded = self.load, {}, {}
 
             def loader(m):  # client m's rows, with the config of the node that is client m here
-                return load(node_configs[int(m)])
+                m = int(m)
+                return preloaded.pop(m) if m in preloaded else load(node_configs[m])
 
             with _phase("rebuild_program"):
                 program = rebuild_program(method, recipe, loader)
@@ -288,12 +394,15 @@ class NodeHandler:
                 "blocks": {},
                 "compiled": {},
                 "node_configs": node_configs,
+                "preloaded": preloaded,
             }
             _CACHE.put(digest, entry)
         if client not in entry["blocks"]:
             # a process may serve several nodes (Flower's simulation): the program is theirs in
             # common, the block is built from the rows of the node that asks
             entry["node_configs"][client] = node_config
+            if rows is not None:  # already loaded (to look up the node's store)
+                entry["preloaded"][client] = rows
             program = entry["program"]
             with _phase("load_block"):
                 block = program.loader(client)

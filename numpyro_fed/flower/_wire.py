@@ -16,11 +16,16 @@ import numpy as np
 
 import jax
 
-from numpyro_fed.potential.deployment import GroupIndex
-
 __all__ = ["decode_description", "decode_tree", "encode_description", "encode_tree", "tree_leaves"]
 
 _LEAF = "*"
+
+
+def _is_group_index(obj) -> bool:
+    """Whether ``obj`` is a :class:`~numpyro_fed.GroupIndex` (none can exist before its module
+    is imported: a node's light process does not import it for nothing)."""
+    module = sys.modules.get("numpyro_fed.potential.deployment")
+    return module is not None and isinstance(obj, module.GroupIndex)
 
 
 def _structure(obj):
@@ -40,7 +45,7 @@ def _structure(obj):
         if not all(isinstance(k, str) for k in keys):
             raise TypeError(f"only dicts with string keys cross Flower's wire, not keys {keys!r}")
         return {"dict": [[k, _structure(obj[k])] for k in sorted(keys)]}
-    if isinstance(obj, GroupIndex):  # a node's declaration of its groups: the plate and the count
+    if _is_group_index(obj):  # a node's declaration of its groups: the plate and the count
         return {"group_index": [obj.plate, obj.num_groups], "index": _structure(obj.index)}
     return _LEAF
 
@@ -70,7 +75,7 @@ def _check_plain(obj):
         for x in obj.values():
             _check_plain(x)
         return
-    if isinstance(obj, GroupIndex):
+    if _is_group_index(obj):
         _check_plain(obj.index)
         return
     raise TypeError(
@@ -106,6 +111,8 @@ def _build(structure, leaves):
     if "dict" in structure:
         return {k: _build(x, leaves) for k, x in structure["dict"]}
     if "group_index" in structure:
+        from numpyro_fed.potential.deployment import GroupIndex
+
         plate, num_groups = structure["group_index"]
         return jax.tree_util.tree_unflatten(
             jax.tree_util.tree_structure(GroupIndex(str(plate), np.zeros(1, np.int64), int(num_groups))),

@@ -11,8 +11,6 @@ and received.
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 
 import jax
@@ -20,6 +18,7 @@ import jax
 from numpyro_fed.federation.base import ClientError, ClientProgram
 from numpyro_fed.federation.remote import RemoteFederation
 from numpyro_fed.flower._wire import decode_description, encode_tree
+from numpyro_fed.flower.clientapp import import_flwr
 
 __all__ = ["FlowerFederation", "NODE_LOADER", "import_flwr"]
 
@@ -42,22 +41,6 @@ class _NodeLoader:
 
 
 NODE_LOADER = _NodeLoader()
-
-
-def import_flwr():
-    """``flwr`` with its app, server and client modules, or an ``ImportError`` saying how to
-    install it."""
-    try:
-        import flwr
-        import flwr.app
-        import flwr.clientapp
-        import flwr.serverapp
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError("numpyro_fed.flower needs Flower: pip install 'numpyro_fed[flower]'") from exc
-    telemetry = sys.modules.get("flwr.supercore.telemetry")
-    if telemetry is not None and os.environ.get("FLWR_TELEMETRY_ENABLED") == "0":
-        telemetry.FLWR_TELEMETRY_ENABLED = "0"  # flwr read the variable before we set it
-    return flwr
 
 
 @jax.tree_util.register_pytree_node_class

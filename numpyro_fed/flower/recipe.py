@@ -22,8 +22,6 @@ import numpy as np
 
 import jax
 
-from numpyro_fed.federation.base import Federation
-
 __all__ = ["Recipe", "fresh_method", "rebuild_program"]
 
 # per-run caches of a method's face, reset on a copy so that it splits the model anew
@@ -84,34 +82,41 @@ class Recipe:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-class _Described(Federation):
-    """The node's stand-in for the server's federation: ``describe`` answers with the reports
-    the server gathered (shapes, never rows), so that the method splits the model as the
-    server did and builds the same client program; it is never started."""
+def _described(descriptions, loader, num_clients):
+    """The node's stand-in for the server's federation (imported here, not with the module: a
+    node's message that needs no rebuilding does not import the federation's code)."""
+    from numpyro_fed.federation.base import Federation
 
-    def __init__(self, descriptions, loader, num_clients):
-        super().__init__(loader=loader, num_clients=num_clients)
-        self._descriptions = descriptions
+    class _Described(Federation):
+        """The node's stand-in for the server's federation: ``describe`` answers with the reports
+        the server gathered (shapes, never rows), so that the method splits the model as the
+        server did and builds the same client program; it is never started."""
 
-    def describe(self, loader, num_clients):
-        if int(num_clients) != len(self._descriptions):
-            raise ValueError(
-                f"the recipe describes {len(self._descriptions)} clients, the method asks for {num_clients}"
-            )
-        return list(self._descriptions)
+        def __init__(self, descriptions, loader, num_clients):
+            super().__init__(loader=loader, num_clients=num_clients)
+            self._descriptions = descriptions
 
-    def start(self, program):
-        raise RuntimeError("the node builds the client program; it starts no federation")
+        def describe(self, loader, num_clients):
+            if int(num_clients) != len(self._descriptions):
+                raise ValueError(
+                    f"the recipe describes {len(self._descriptions)} clients, the method asks for {num_clients}"
+                )
+            return list(self._descriptions)
 
-    @property
-    def block_specs(self):  # pragma: no cover - never started
-        raise RuntimeError("the node builds the client program; it starts no federation")
+        def start(self, program):
+            raise RuntimeError("the node builds the client program; it starts no federation")
 
-    def map(self, name, *broadcast, per_client=(), state=None):  # pragma: no cover - never started
-        raise RuntimeError("the node builds the client program; it starts no federation")
+        @property
+        def block_specs(self):  # pragma: no cover - never started
+            raise RuntimeError("the node builds the client program; it starts no federation")
 
-    def one(self, name, client, *broadcast, own=(), state=None):  # pragma: no cover - never started
-        raise RuntimeError("the node builds the client program; it starts no federation")
+        def map(self, name, *broadcast, per_client=(), state=None):  # pragma: no cover - never started
+            raise RuntimeError("the node builds the client program; it starts no federation")
+
+        def one(self, name, client, *broadcast, own=(), state=None):  # pragma: no cover - never started
+            raise RuntimeError("the node builds the client program; it starts no federation")
+
+    return _Described(descriptions, loader, num_clients)
 
 
 def rebuild_program(method, recipe: Recipe, loader):
@@ -123,7 +128,7 @@ def rebuild_program(method, recipe: Recipe, loader):
     if bool(jax.config.jax_enable_x64) != recipe.x64:
         jax.config.update("jax_enable_x64", recipe.x64)
     descriptions = [decode_description(d) for d in recipe.descriptions]
-    clone = fresh_method(method, _Described(descriptions, loader, recipe.num_clients))
+    clone = fresh_method(method, _described(descriptions, loader, recipe.num_clients))
     clone.progress_bar = False
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the server warns about the run (e.g. its privacy); the node builds

@@ -1,7 +1,11 @@
-"""The ClientApp: each node rebuilds the methods' client programs from this app's code and
-answers with its own rows (fedapp.task.load)."""
+"""The ClientApp: each node answers with its own rows (``fedapp.data.load``).
 
-from fedapp.task import METHODS, load
+The methods are named, not imported: a deployed SuperNode starts a new process for every
+message, and only a node's first message of a run imports them (and NumPyro with them) to
+rebuild the client program; later messages run the functions the node stored then.
+"""
+
+from fedapp.data import load
 from numpyro_fed import flower
 
-app = flower.client_app(METHODS, load)
+app = flower.client_app("fedapp.task:METHODS", load)
