@@ -242,9 +242,8 @@ class NodeHandler:
         recipe, client, name, config = self._started(msg, context)
         leaves = msg.content["args"].to_numpy_ndarrays()
         axes = [int(a) for a in config["in_axes"]] if bool(config["batched"]) else None
-        found = self._lookup(
-            recipe, client, context.node_config, "functions", name, (str(config["structure"]), axes), leaves
-        )
+        request = (str(config["structure"]), axes)
+        found = self._lookup(msg, recipe, client, context.node_config, "functions", name, request, leaves)
         if found.run is None:
             entry = self._entry(recipe, client, context.node_config, rows=found.rows)
             args = decode_tree(str(config["structure"]), leaves)  # after the methods' modules are imported
@@ -293,7 +292,7 @@ class NodeHandler:
             structure = str(kept["structure"])
             state = context.state[_VERSION.format(version)].to_numpy_ndarrays()
             request = ("stateful", structure, str(config["structure"]))
-            found = self._lookup(recipe, client, context.node_config, "stateful", name, request, state + leaves)
+            found = self._lookup(msg, recipe, client, context.node_config, "stateful", name, request, state + leaves)
             if found.run is None:
                 entry = self._entry(recipe, client, context.node_config, rows=found.rows)
                 args = (decode_tree(structure, state), *decode_tree(str(config["structure"]), leaves))
@@ -339,11 +338,12 @@ class NodeHandler:
         return Recipe.from_config(stored), int(stored["client"]), str(config["call"]), config
 
     # -- the program -----------------------------------------------------------------------
-    def _lookup(self, recipe, client, node_config, table, name, request, leaves) -> _Lookup:
+    def _lookup(self, msg, recipe, client, node_config, table, name, request, leaves) -> _Lookup:
         """The node's stored function ``table[name]`` for this request (its arguments'
-        structure and batching, ``leaves``' shapes) on this client's block of the run, if it
-        has one (:mod:`._exported`). Not in Flower's simulation, whose worker processes keep
-        the program in memory, nor on a node without a cache folder."""
+        structure and batching, ``leaves``' shapes) on this client's block of this Flower run
+        (``flwr run``: the app's code cannot change within one), if it has one
+        (:mod:`._exported`). Not in Flower's simulation, whose worker processes keep the
+        program in memory, nor on a node without a cache folder."""
         entry = _CACHE.get(recipe.digest)
         store = ExportStore.for_node(_cache_dir(node_config))
         if (entry is not None and client in entry["blocks"]) or store is None:
@@ -353,7 +353,8 @@ class NodeHandler:
         _configure_compilation_cache(node_config)
         with _phase("load_rows"):
             rows = self.load(node_config)
-            block_key = signature("block", recipe.digest, client, rows_digest(rows), recipe.x64)
+            run_id = getattr(getattr(msg, "metadata", None), "run_id", None)
+            block_key = signature("block", run_id, recipe.digest, client, rows_digest(rows), recipe.x64)
         with _phase("load_exported"):
             block = store.load_block(block_key)
             function_key = None if block is None else f"{block_key}.{signature(table, name, request, block, leaves)}"

@@ -148,6 +148,18 @@ def test_rows_that_change_to_the_same_shapes_are_not_answered_from_the_stored_bl
     assert [c for c in nodes.rebuilt if c == "state:update"] == ["state:update"] * M
 
 
+def test_a_new_flower_run_never_runs_the_functions_an_earlier_run_stored(nodes, monkeypatch):
+    """Within one Flower run the app's code cannot change; across runs it may (the methods'
+    settings, the model), with the same recipe: a new run stores its own."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    flower.run(nodes.handler.methods["dppvi"], nodes, KEY, 2, name="dppvi")
+    monkeypatch.setattr(TaskIdentity, "_run_id", 2)
+    nodes.rebuilt.clear()
+    flower.run(nodes.handler.methods["dppvi"], nodes, KEY, 2, name="dppvi")
+    assert [c for c in nodes.rebuilt if c == "state:update"] == ["state:update"] * M
+
+
 def test_a_node_without_a_cache_folder_rebuilds_at_every_message(monkeypatch):
     grid = make_nodes("", monkeypatch)
     result = flower.run(grid.handler.methods["dppvi"], grid, KEY, ROUNDS, name="dppvi")
@@ -162,7 +174,8 @@ from numpyro_fed.flower import _node
 
 client, content, state, config, rows = pickle.load(open(sys.argv[1], "rb"))
 handler = _node.NodeHandler("test_flower_node_store:NEVER_IMPORTED", lambda node_config: rows)
-reply = handler.state(SimpleNamespace(content=content), SimpleNamespace(node_config=config, state=state))
+message = SimpleNamespace(content=content, metadata=SimpleNamespace(run_id=1))
+reply = handler.state(message, SimpleNamespace(node_config=config, state=state))
 heavy = sorted(m for m in sys.modules if m.split(".")[0] == "numpyro" or m.startswith("numpyro_fed.infer"))
 pickle.dump((reply, heavy), open(sys.argv[2], "wb"))
 """
@@ -176,7 +189,8 @@ def test_a_new_process_answers_an_update_without_importing_numpyro(nodes, tmp_pa
     config = nodes.contexts[client].node_config
     expected_state = copy.deepcopy(state)
     expected = nodes.handler.state(
-        SimpleNamespace(content=content), SimpleNamespace(node_config=config, state=expected_state)
+        SimpleNamespace(content=content, metadata=SimpleNamespace(run_id=1)),
+        SimpleNamespace(node_config=config, state=expected_state),
     )
     with open(tmp_path / "message.pkl", "wb") as f:
         pickle.dump((client, content, state, config, nodes.load(config)), f)
