@@ -69,12 +69,14 @@ def loc_cov_factor(eta: GaussianNatural):
     if not is_full(eta):
         return loc_scale(eta)
     precision = -2.0 * eta.eta2
-    chol_p = jnp.linalg.cholesky(precision)
-    loc = jax.scipy.linalg.cho_solve((chol_p, True), eta.eta1)
     eye = jnp.eye(precision.shape[-1], dtype=precision.dtype)
-    # Sigma = P^-1 = (C C^T)^-1 = C^-T C^-1; its Cholesky factor from the flipped one of P
-    inv_c = jax.scipy.linalg.solve_triangular(chol_p, eye, lower=True)
-    return loc, jnp.linalg.cholesky(inv_c.T @ inv_c)
+    # Sigma's lower Cholesky factor from the flipped one of P, never forming Sigma (whose own
+    # factorization fails in float32 once P's condition number nears 1e7, as on raw covariates):
+    # with J the reversal and J P J = K K^T, P = (J K J)(J K J)^T with J K J upper triangular,
+    # so Sigma = L L^T with L = J K^-T J lower triangular
+    flipped = jnp.linalg.cholesky(precision[::-1, ::-1])
+    chol = jax.scipy.linalg.solve_triangular(flipped, eye, lower=True).T[::-1, ::-1]
+    return chol @ (chol.T @ eta.eta1), chol
 
 
 def loc_scale(eta: GaussianNatural):
