@@ -32,9 +32,11 @@ from numpyro_fed.infer.pvi.gaussian import (
     loc_cov_factor,
     loc_scale,
     natural,
+    proper_cavity,
     tree_add,
     tree_sub,
     unflatten,
+    whiten,
 )
 
 __all__ = [
@@ -48,8 +50,6 @@ __all__ = [
     "newton_start",
     "optimize_local_full",
     "per_example_grads",
-    "proper_cavity",
-    "whiten",
 ]
 
 
@@ -393,31 +393,6 @@ def newton_start(
     candidate = GaussianNatural(precision @ loc, -0.5 * precision)
     ok = jnp.all(jnp.isfinite(jnp.linalg.cholesky(precision))) & jnp.all(jnp.isfinite(loc))
     return jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), candidate, start)
-
-
-#: a cavity's precision, in units of ``q``'s, is raised to at least this in every direction for
-#: the local fit (where the other factors' Monte Carlo noise or round-off made it improper)
-CAVITY_FLOOR = 1e-3
-
-
-def whiten(eta: GaussianNatural, loc0, chol0) -> GaussianNatural:
-    """``eta`` (full-rank natural parameters, proper or not) in the coordinates ``u`` with
-    ``theta = loc0 + chol0 @ u``."""
-    return GaussianNatural(chol0.T @ (eta.eta1 + 2.0 * eta.eta2 @ loc0), chol0.T @ eta.eta2 @ chol0)
-
-
-def proper_cavity(cavity_u: GaussianNatural, floor=CAVITY_FLOOR) -> GaussianNatural:
-    """A whitened cavity (``q`` standard normal) whose precision's eigenvalues below ``floor``
-    are raised to it, the precision added centred on ``q``'s mean: the local fit's cavity.
-    Unchanged where the cavity is proper to that extent. PVI's cavity ``q / t_m`` is proper in
-    exact arithmetic with exact local fits; the Monte Carlo noise of the other clients' fits
-    (or float32 round-off on raw covariates, precisions far apart) can leave it improper in a
-    direction this client's rows do not inform, and the local ELBO would then be unbounded."""
-    precision = -(cavity_u.eta2 + cavity_u.eta2.T)
-    values, vectors = jnp.linalg.eigh(precision)
-    raised = (vectors * (jnp.maximum(values, floor) - values)) @ vectors.T
-    repaired = GaussianNatural(cavity_u.eta1, cavity_u.eta2 - 0.5 * raised)  # q's mean is 0 here
-    return jax.tree_util.tree_map(lambda a, b: jnp.where(jnp.min(values) < floor, a, b), repaired, cavity_u)
 
 
 def optimize_local_full(
