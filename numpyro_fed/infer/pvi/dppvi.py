@@ -54,7 +54,7 @@ _DEFAULT_NUM_SAMPLES = 1000  # get_samples' draws when num_samples is None
 COVARIANCES = ("auto", "full", "diagonal")
 #: covariance="auto": a full-rank q (non-private runs) up to this many latent coordinates
 FULL_RANK_MAX_DIM = 100
-#: the default local optimization of a full-rank q starts from this many Newton steps
+#: the default local optimization of a full-rank q starts from this many variational Newton steps
 NEWTON_STEPS = 20
 
 
@@ -98,8 +98,8 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
         underestimates the sds of a correlated posterior; a non-private mean-field run checks
         this at its end (each client returns the curvature of its log-likelihood at draws of
         ``q``, ``"curvature"`` in the ledger) and warns. With the default optimizer a
-        full-rank local fit starts from the Laplace approximation of the tilted distribution
-        (a few safeguarded Newton steps, ``LocalConfig.newton_start``).
+        full-rank local fit starts from safeguarded variational Newton steps (expectations
+        over draws of ``q``, ``LocalConfig.newton_start``).
     :param optim: an optax optimizer for the local optimization, run on ``(loc, log_scale)``
         and taking its last iterate. Default (``None``):
         :func:`~numpyro_fed.infer.pvi.settings.default_optimizer` (see *Defaults*).

@@ -13,17 +13,20 @@ import jax
 import jax.numpy as jnp
 
 __all__ = [
-    "GaussianNatural",
+    "CAVITY_FLOOR",
     "as_full",
     "entropy",
     "gaussian_prior",
+    "GaussianNatural",
     "is_full",
     "kl_divergence",
     "loc_cov_factor",
     "loc_scale",
     "natural",
     "proper",
+    "proper_cavity",
     "sample",
+    "whiten",
 ]
 
 
@@ -69,12 +72,14 @@ def loc_cov_factor(eta: GaussianNatural):
     if not is_full(eta):
         return loc_scale(eta)
     precision = -2.0 * eta.eta2
-    chol_p = jnp.linalg.cholesky(precision)
-    loc = jax.scipy.linalg.cho_solve((chol_p, True), eta.eta1)
     eye = jnp.eye(precision.shape[-1], dtype=precision.dtype)
-    # Sigma = P^-1 = (C C^T)^-1 = C^-T C^-1; its Cholesky factor from the flipped one of P
-    inv_c = jax.scipy.linalg.solve_triangular(chol_p, eye, lower=True)
-    return loc, jnp.linalg.cholesky(inv_c.T @ inv_c)
+    # Sigma's lower Cholesky factor from the flipped one of P, never forming Sigma (whose own
+    # factorization fails in float32 once P's condition number nears 1e7, as on raw covariates):
+    # with J the reversal and J P J = K K^T, P = (J K J)(J K J)^T with J K J upper triangular,
+    # so Sigma = L L^T with L = J K^-T J lower triangular
+    flipped = jnp.linalg.cholesky(precision[::-1, ::-1])
+    chol = jax.scipy.linalg.solve_triangular(flipped, eye, lower=True).T[::-1, ::-1]
+    return chol @ (chol.T @ eta.eta1), chol
 
 
 def loc_scale(eta: GaussianNatural):
@@ -177,3 +182,28 @@ def gaussian_prior(prior_potential: Callable, d: int, *, dtype=None, rtol: float
     if not bool(jnp.all(h > 0)):
         raise ValueError("the model's prior is not a proper Gaussian (non-positive precision)")
     return GaussianNatural(-g0, -0.5 * h)
+
+
+#: a cavity's precision, in units of ``q``'s, is raised to at least this in every direction for
+#: the local fit (where the other factors' Monte Carlo noise or round-off made it improper)
+CAVITY_FLOOR = 1e-3
+
+
+def whiten(eta: GaussianNatural, loc0, chol0) -> GaussianNatural:
+    """``eta`` (full-rank natural parameters, proper or not) in the coordinates ``u`` with
+    ``theta = loc0 + chol0 @ u``."""
+    return GaussianNatural(chol0.T @ (eta.eta1 + 2.0 * eta.eta2 @ loc0), chol0.T @ eta.eta2 @ chol0)
+
+
+def proper_cavity(cavity_u: GaussianNatural, floor=CAVITY_FLOOR) -> GaussianNatural:
+    """A whitened cavity (``q`` standard normal) whose precision's eigenvalues below ``floor``
+    are raised to it, the precision added centred on ``q``'s mean: the local fit's cavity.
+    Unchanged where the cavity is proper to that extent. PVI's cavity ``q / t_m`` is proper in
+    exact arithmetic with exact local fits; the Monte Carlo noise of the other clients' fits
+    (or float32 round-off on raw covariates, precisions far apart) can leave it improper in a
+    direction this client's rows do not inform, and the local ELBO would then be unbounded."""
+    precision = -(cavity_u.eta2 + cavity_u.eta2.T)
+    values, vectors = jnp.linalg.eigh(precision)
+    raised = (vectors * (jnp.maximum(values, floor) - values)) @ vectors.T
+    repaired = GaussianNatural(cavity_u.eta1, cavity_u.eta2 - 0.5 * raised)  # q's mean is 0 here
+    return jax.tree_util.tree_map(lambda a, b: jnp.where(jnp.min(values) < floor, a, b), repaired, cavity_u)

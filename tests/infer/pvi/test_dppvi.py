@@ -556,10 +556,12 @@ def test_default_optimiser_is_invariant_to_the_units():
             numpyro.sample("y", dist.Normal(X @ w / 1000.0, 1.0), obs=y)
 
     big = DPPVI(scaled, progress_bar=False).run(jax.random.PRNGKey(3), 3, X, y)
+    # equal up to round-off, which Adam's normalised steps carry along (a units error is O(1)):
+    # the local fit's gradients near the variational Newton start are round-off sized
     np.testing.assert_allclose(
-        params(big)["loc"]["w"] / 1000.0, params(fit)["loc"]["w"], rtol=1e-6, atol=1e-6 * sd.max()
+        params(big)["loc"]["w"] / 1000.0, params(fit)["loc"]["w"], rtol=1e-4, atol=1e-4 * sd.max()
     )
-    np.testing.assert_allclose(params(big)["scale"]["w"] / 1000.0, params(fit)["scale"]["w"], rtol=1e-6)
+    np.testing.assert_allclose(params(big)["scale"]["w"] / 1000.0, params(fit)["scale"]["w"], rtol=1e-4)
 
 
 # -- defaults: DP-SGD given only a budget (issue 12, item 5) ----------------------------------------
