@@ -60,7 +60,6 @@ def ray_federation(ray_session):
 # ``make test-long`` and CI, not by ``make test``. Each algorithm keeps faster checks of its
 # distribution in ``make test``. By node id prefix (a parametrized test: all of its cases).
 LONG = (
-    "tests/infer/pvi/test_dppvi_failed_round.py::test_mtcars_over_four_clients_of_eight_rows_warns",
     "tests/privacy/test_private_randomness.py::test_deployed_private_runs_draw_noise_the_server_cannot_replay",
     "tests/infer/zigzag/test_zigzag_robust.py::test_float32_mode_search_reaches_the_mode_of_a_regression_on_raw",
     "tests/infer/consensus/test_consensus.py::test_linear_gaussian",

@@ -111,6 +111,9 @@ def _run_algorithm(algorithm, case, model, args, rng_key, record, sites):
             k: np.concatenate([np.asarray(params[k][name], np.float64).ravel() for name in sites]).tolist()
             for k in ("loc", "scale")
         }
+        # a full-rank q's family holds the posterior itself where it is Gaussian; a mean-field
+        # q's, the best mean-field Gaussian
+        record["q"]["full_rank"] = bool(method.full_rank(method.federated_potential.num_latent))
     draws = method.get_samples(draw_key, result, lengths["num_samples"])
     return {name: np.asarray(draws[name])[None] for name in sites}
 
