@@ -60,6 +60,10 @@ def ray_federation(ray_session):
 # ``make test-long`` and CI, not by ``make test``. Each algorithm keeps faster checks of its
 # distribution in ``make test``. By node id prefix (a parametrized test: all of its cases).
 LONG = (
+    "tests/flower/test_flower_node_store.py::test_rows_that_change_to_the_same_shapes",
+    "tests/flower/test_flower_node_store.py::test_a_new_flower_run_never_runs",
+    "tests/flower/test_flower_node_store.py::test_a_node_without_a_cache_folder",
+    "tests/flower/test_flower_node_store.py::test_a_new_process_answers_an_update",
     "tests/privacy/test_private_randomness.py::test_deployed_private_runs_draw_noise_the_server_cannot_replay",
     "tests/infer/zigzag/test_zigzag_robust.py::test_float32_mode_search_reaches_the_mode_of_a_regression_on_raw",
     "tests/infer/consensus/test_consensus.py::test_linear_gaussian",
