@@ -77,7 +77,7 @@ def test_localhost_deployment_gives_the_in_process_answer(example, tmp_path):
     # three clients in one vmap. XLA may fuse the two differently, so float32 sums can differ in
     # the last bits: equal to float32 round-off carried through the full-rank local fit (CI
     # measured 9e-8 on means of order 0.1 before the fit whitened its coordinates and started
-    # from variational Newton steps, 5.8e-7 since: a few dozen ulps; a wrong client, 1e-2).
+    # from variational Newton steps, 5.8e-7 since: a few dozen ulps).
     np.testing.assert_allclose(np.asarray(summary["posterior_mean"]["w"], np.float32), means["w"], rtol=2e-5, atol=1e-6)
     assert summary["bytes_to_clients"] == int(result.ledger["bytes_to_client"].sum())
     assert summary["bytes_from_clients"] == int(result.ledger["bytes_from_client"].sum())
