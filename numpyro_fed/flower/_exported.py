@@ -142,23 +142,17 @@ class ExportStore:
         path = self._path(f"{key}.jaxexp")
         if not os.path.exists(path):
             return None
-        from jax import export
-
         with open(path, "rb") as f:
             header, data = f.read().split(b"\n", 1)
-        exported = export.deserialize(bytearray(data))
+        return _runner(json.loads(header), data)
 
-        def run(*leaves):
-            return [np.asarray(x) for x in exported.call(*leaves)]
-
-        return json.loads(header), run
-
-    def save_function(self, key, fn, tree, leaves, describe=None) -> bool:
+    def save_function(self, key, fn, tree, leaves, describe=None):
         """Exports ``fn`` (of the tree ``tree`` of arguments, for ``leaves``' shapes and dtypes)
         as a function of the leaves returning its result's leaves, and stores it with the
         header ``describe(result)`` (a JSON-able dict of what the caller needs to read the
-        result's leaves). Where it cannot be exported, stores that (and why), so that later
-        messages do not try again."""
+        result's leaves); returns it as :meth:`load_function` does. Where it cannot be
+        exported, stores that (and why), so that later messages do not try again, and returns
+        ``False``."""
         from jax import export
 
         header = {}
@@ -178,4 +172,17 @@ class ExportStore:
             self._write(f"{key}.none", f"{type(exc).__name__}: {exc}".encode())
             return False
         self._write(f"{key}.jaxexp", json.dumps(header).encode() + b"\n" + data)
-        return True
+        return _runner(header, data)
+
+
+def _runner(header: dict, data: bytes):
+    """``(header, fn)``: the exported function serialized in ``data`` as ``fn(*leaves) ->
+    result leaves``."""
+    from jax import export
+
+    exported = export.deserialize(bytearray(data))
+
+    def run(*leaves):
+        return [np.asarray(x) for x in exported.call(*leaves)]
+
+    return header, run

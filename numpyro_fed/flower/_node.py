@@ -155,11 +155,22 @@ class _Lookup:
     ``run`` (``None``: not stored) with its ``header``, and how to store what it did not find
     (the rows it loaded to check the block's digest, the keys)."""
 
-    def __init__(self, store, rows=None, block_key=None, function_key=None, block=None, found=None):
+    def __init__(self, store, rows=None, block_key=None, request=(), block=None):
         self.store, self.rows, self.block = store, rows, block
-        self.block_key, self.function_key = block_key, function_key
+        self.block_key, self.request = block_key, request
+        self.take(None)
+
+    def take(self, found):
+        """What the store answered for the function: ``(header, run)``, ``None`` (nothing
+        stored) or ``False`` (not exportable)."""
         self.header, self.run = found if found else ({}, None)
         self.exportable = found is not False
+
+    def function_key(self) -> str:
+        """The stored function's key: its block's, then the request and the shapes of the
+        block's and the arguments' arrays."""
+        *request, leaves = self.request
+        return f"{self.block_key}.{signature(*request, self.block, leaves)}"
 
     def save(self, fn, block, args, describe=None) -> bool:
         """Stores the block (if new) and ``fn(block, *args)`` exported (if it can be); then
@@ -170,9 +181,7 @@ class _Lookup:
             leaves, tree = jax.tree_util.tree_flatten((block, *args))
             if self.block is None:
                 self.block = self.store.save_block(self.block_key, jax.tree_util.tree_leaves(block))
-                self.function_key = self.function_key(self.block)
-            if self.store.save_function(self.function_key, fn, tree, leaves, describe):
-                self.header, self.run = self.store.load_function(self.function_key)
+            self.take(self.store.save_function(self.function_key(), fn, tree, leaves, describe))
         return self.run is not None
 
     def __call__(self, *leaves):
@@ -348,30 +357,23 @@ class NodeHandler:
         store = ExportStore.for_node(_cache_dir(node_config))
         if (entry is not None and client in entry["blocks"]) or store is None:
             return _Lookup(None)
-        if bool(jax.config.jax_enable_x64) != recipe.x64:
-            jax.config.update("jax_enable_x64", recipe.x64)
+        recipe.use_precision()
         _configure_compilation_cache(node_config)
         with _phase("load_rows"):
             rows = self.load(node_config)
             run_id = getattr(getattr(msg, "metadata", None), "run_id", None)
             block_key = signature("block", run_id, recipe.digest, client, rows_digest(rows), recipe.x64)
         with _phase("load_exported"):
-            block = store.load_block(block_key)
-            function_key = None if block is None else f"{block_key}.{signature(table, name, request, block, leaves)}"
-            found = None if block is None else store.load_function(function_key)
-        lookup = _Lookup(store, rows, block_key, function_key, block, found)
-        if block is None:  # the key needs the block's shapes: known once it is built
-            lookup.function_key = lambda block_leaves: (
-                f"{block_key}.{signature(table, name, request, block_leaves, leaves)}"
-            )
+            lookup = _Lookup(store, rows, block_key, (table, name, request, leaves), store.load_block(block_key))
+            if lookup.block is not None:  # else the key needs the block's shapes: known once it is built
+                lookup.take(store.load_function(lookup.function_key()))
         return lookup
 
     def _entry(self, recipe, client, node_config, rows=None):
         from numpyro_fed.federation.base import check_block
         from numpyro_fed.flower.recipe import rebuild_program
 
-        if bool(jax.config.jax_enable_x64) != recipe.x64:
-            jax.config.update("jax_enable_x64", recipe.x64)
+        recipe.use_precision()
         digest = recipe.digest
         entry = _CACHE.get(digest)
         if entry is None:

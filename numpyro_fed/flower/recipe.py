@@ -76,6 +76,11 @@ class Recipe:
             int(config["num_clients"]),
         )
 
+    def use_precision(self):
+        """Makes this process compute in the run's precision (float64 or not), as the server."""
+        if bool(jax.config.jax_enable_x64) != self.x64:
+            jax.config.update("jax_enable_x64", self.x64)
+
     @property
     def digest(self) -> str:
         text = json.dumps(self.to_config(), sort_keys=True)
@@ -125,8 +130,7 @@ def rebuild_program(method, recipe: Recipe, loader):
     built here with ``loader`` (``m -> this node's model arguments``) as the clients' loader."""
     from numpyro_fed.flower._wire import decode_description
 
-    if bool(jax.config.jax_enable_x64) != recipe.x64:
-        jax.config.update("jax_enable_x64", recipe.x64)
+    recipe.use_precision()
     descriptions = [decode_description(d) for d in recipe.descriptions]
     clone = fresh_method(method, _described(descriptions, loader, recipe.num_clients))
     clone.progress_bar = False
