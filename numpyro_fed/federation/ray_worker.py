@@ -16,6 +16,8 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
+from numpyro_fed.federation.state_store import StateStore, passthrough_jit
+
 __all__ = ["ClientWorker", "import_ray", "state_folder", "thread_limits"]
 
 
@@ -51,7 +53,8 @@ def state_folder(state_dir, federation_id):
 
 class ClientWorker:
     """Client ``m``'s worker: its block, its functions compiled on first use, and its client
-    state (the last two versions, saved to its disk after each stateful call)."""
+    state (the last two versions, saved to its disk after each stateful call: the arrays a
+    call left unchanged are neither copied nor written again)."""
 
     def __init__(self, client, x64, state_dir=None, federation_id=None):
         jax.config.update("jax_enable_x64", bool(x64))
@@ -59,11 +62,11 @@ class ClientWorker:
         self.program = None
         self.block = None
         self.compiled = {}
-        self.states = {}  # version -> this client's state (numpy leaves)
-        self.state_file = (
+        self.states = {}  # version -> this client's state
+        self.store = (
             None
             if federation_id is None
-            else os.path.join(state_folder(state_dir, federation_id), f"client{self.client}.pkl")
+            else StateStore(os.path.join(state_folder(state_dir, federation_id), f"client{self.client}"))
         )
         self.busy = defaultdict(lambda: [0, 0.0])  # name -> [calls, seconds computing]
 
@@ -98,7 +101,9 @@ class ClientWorker:
         fn = self.compiled.get(key)
         if fn is None:
             raw = getattr(self.program, table)[name]
-            if in_axes is None:
+            if table == "stateful":
+                fn = passthrough_jit(raw)
+            elif in_axes is None:
                 fn = jax.jit(raw)
             else:
                 fn = jax.jit(jax.vmap(raw, in_axes=(None,) + tuple(in_axes)))
@@ -127,12 +132,12 @@ class ClientWorker:
             raise LookupError(
                 f"client {self.client} holds no client state of version {version} (it holds "
                 f"{'versions ' + str(held) if held else 'none'}): its worker restarted without its saved "
-                f"state ({self.state_file or 'not saved'}), or the state is from another run or federation"
+                f"state ({self.store.folder if self.store else 'not saved'}), or the state is from another run "
+                "or federation"
             )
         fn = self._compiled("stateful", name, None)
         start = time.perf_counter()
         new_state, reply = fn(self.block, self.states[version], *args)
-        new_state = jax.tree_util.tree_map(np.asarray, new_state)
         reply = jax.tree_util.tree_map(np.asarray, reply)
         self.states = {version: self.states[version], version + 1: new_state}
         self._save_state()
@@ -144,32 +149,25 @@ class ClientWorker:
     def set_state(self, initial):
         """Version 0 of this client's state (the versions a run reached stay until the next
         stateful call moves past them)."""
-        self.states[0] = jax.tree_util.tree_map(np.asarray, initial)
+        self.states[0] = jax.tree_util.tree_map(jnp.asarray, initial)
         self._save_state()
         return self.client
 
     def _save_state(self):
-        if self.state_file is None:
-            return
-        os.makedirs(os.path.dirname(self.state_file), exist_ok=True)
-        partial = f"{self.state_file}.{os.getpid()}.tmp"
-        with open(partial, "wb") as f:
-            pickle.dump(self.states, f, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(partial, self.state_file)  # a crash mid-write leaves the previous file
+        if self.store is not None:
+            self.store.save(self.states)
 
     def _restore_state(self):
-        if self.state_file is not None and os.path.exists(self.state_file):
-            with open(self.state_file, "rb") as f:
-                self.states = pickle.load(f)
+        if self.store is not None:
+            self.states = jax.tree_util.tree_map(jnp.asarray, self.store.load())
 
     def clear_state(self):
         """Forgets this client's state and removes its saved copy."""
         self.states = {}
-        if self.state_file is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(self.state_file)
+        if self.store is not None:
+            self.store.clear()
             with contextlib.suppress(OSError):
-                os.rmdir(os.path.dirname(self.state_file))
+                os.rmdir(os.path.dirname(self.store.folder))
         return self.client
 
     def call_packed(self, payload):

@@ -138,7 +138,7 @@ def test_on_ray_the_state_stays_on_the_workers(ray_session, tmp_path):
         np.testing.assert_array_equal(ledger["accumulate/bytes_from_client"], local_replies[0][:1].nbytes * cs.version)
         # each worker saved its state on its disk; close removes it
         folder = tmp_path / "numpyro_fed_state" / fed.federation_id
-        assert sorted(os.listdir(folder)) == [f"client{m}.pkl" for m in range(M)]
+        assert sorted(os.listdir(folder)) == [f"client{m}" for m in range(M)]
     assert not folder.exists()
 
 

@@ -1,0 +1,101 @@
+"""A worker's client state: what a stateful call leaves unchanged is neither copied nor saved
+again, and the saved versions read back as they were."""
+
+import os
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from numpyro_fed.federation.ray_worker import ClientWorker
+from numpyro_fed.federation.state_store import StateStore, passthrough_jit
+
+
+def step(block, state, x):
+    """A sampler's round: reads its large weights, updates its counter."""
+    return {"weights": state["weights"], "count": state["count"] + x}, (state["weights"] * block).sum() + x
+
+
+def initial(n=1000):
+    return {"weights": jnp.arange(n, dtype=jnp.float32), "count": jnp.zeros((), jnp.float32)}
+
+
+def test_unchanged_arrays_come_back_as_the_objects_given():
+    call = passthrough_jit(step)
+    state = initial()
+    new, reply = call(jnp.float32(2.0), state, 1.0)
+    assert new["weights"] is state["weights"]
+    assert new["count"] is not state["count"]
+    # the same values as the function run plainly
+    plain_state, plain_reply = jax.jit(step)(jnp.float32(2.0), state, 1.0)
+    for a, b in zip(jax.tree.leaves((new, reply)), jax.tree.leaves((plain_state, plain_reply))):
+        np.testing.assert_array_equal(a, b)
+    # a second call of the same signature (no new trace) and one of another shape
+    again, _ = call(jnp.float32(2.0), new, 2.0)
+    assert again["weights"] is state["weights"] and float(again["count"]) == 3.0
+    other = initial(7)
+    moved, _ = call(jnp.float32(1.0), other, 1.0)
+    assert moved["weights"] is other["weights"]
+
+
+def test_a_changed_array_is_a_new_one():
+    call = passthrough_jit(lambda block, state, x: ({"weights": state["weights"] * x, "count": state["count"]}, x))
+    state = initial(5)
+    new, _ = call(None, state, 2.0)
+    assert new["weights"] is not state["weights"] and new["count"] is state["count"]
+    np.testing.assert_array_equal(new["weights"], np.arange(5.0) * 2)
+
+
+def test_the_store_writes_an_array_once_and_reads_the_versions_back(tmp_path):
+    store = StateStore(str(tmp_path / "client0"))
+    call = passthrough_jit(step)
+    states = {0: initial()}
+    store.save(states)
+    files = set(os.listdir(store.folder))
+    assert len(files) == 3  # two arrays and the index
+    for version in range(3):
+        new, _ = call(jnp.float32(1.0), states[version], 1.0)
+        states = {version: states[version], version + 1: new}
+        store.save(states)
+    leaves = {name for name in os.listdir(store.folder) if name.startswith("leaf-")}
+    # the weights' one file, and the counters of the two versions kept; older ones removed
+    assert len(leaves) == 3
+    assert sorted(files & leaves) and len(files & leaves) == 1  # the weights were never written again
+    loaded = StateStore(store.folder).load()
+    assert sorted(loaded) == [2, 3]
+    for version in (2, 3):
+        for a, b in zip(jax.tree.leaves(loaded[version]), jax.tree.leaves(states[version])):
+            np.testing.assert_array_equal(a, b)
+    store.clear()
+    assert not os.path.exists(store.folder)
+    assert StateStore(store.folder).load() == {}
+
+
+def test_a_worker_answers_from_a_state_it_reloaded(tmp_path):
+    """A worker replaced mid-run reloads the versions its predecessor saved and gives the same
+    replies as the one that kept running (the Ray federation's restart, without Ray)."""
+
+    class Program:
+        functions, stateful = {}, {"step": step}
+
+    def worker():
+        w = ClientWorker(0, False, state_dir=str(tmp_path), federation_id="f")
+        w.program, w.block = Program(), jnp.float32(2.0)
+        return w
+
+    first = worker()
+    first.set_state(initial())
+    (reply1, v1) = first.call("step", (1.0,), None, 0)
+    (reply2, v2) = first.call("step", (1.0,), None, v1)
+    replaced = worker()
+    replaced._restore_state()
+    assert sorted(replaced.states) == [1, 2]
+    again, v = replaced.call("step", (1.0,), None, v1)  # the retried round, from version 1
+    np.testing.assert_array_equal(again, reply2)
+    assert v == v2
+    with pytest.raises(LookupError, match="holds no client state of version 0"):
+        replaced.call("step", (1.0,), None, 0)
+    replaced.clear_state()
+    assert not (tmp_path / "numpyro_fed_state" / "f").exists()
