@@ -67,9 +67,9 @@ class RayFederation(RemoteFederation):
         actor; the driver never holds a row (see :class:`~numpyro_fed.federation.Federation`).
     :param int num_clients: ``M``, with ``loader``.
     :param str state_dir: where each worker saves its client state (see
-        :class:`~numpyro_fed.federation.ClientState`) after every stateful call, on its own
-        machine: ``<state_dir>/numpyro_fed_state/<federation id>/client<m>/`` (an array is
-        written once, however many calls leave it unchanged); default
+        :class:`~numpyro_fed.federation.ClientState`) after every stateful call that changes
+        it, on its own machine: ``<state_dir>/numpyro_fed_state/<federation id>/client<m>/``
+        (an array is written once, however many calls leave it unchanged); default
         (``None``): the worker's temporary folder. A worker replaced by :meth:`restart`
         reloads it, so a run stopped by a dead worker resumes; :meth:`close` removes it.
 

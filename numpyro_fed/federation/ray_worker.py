@@ -41,6 +41,14 @@ def import_ray():
     return ray
 
 
+def _same_arrays(new, old) -> bool:
+    """``new`` is ``old``'s structure holding ``old``'s very arrays (a call that returned its
+    state unchanged, see :func:`~numpyro_fed.federation.state_store.passthrough_jit`)."""
+    new_leaves, new_def = jax.tree_util.tree_flatten(new)
+    old_leaves, old_def = jax.tree_util.tree_flatten(old)
+    return new_def == old_def and all(a is b for a, b in zip(new_leaves, old_leaves))
+
+
 # -- the actor --------------------------------------------------------------------------------
 
 
@@ -53,8 +61,8 @@ def state_folder(state_dir, federation_id):
 
 class ClientWorker:
     """Client ``m``'s worker: its block, its functions compiled on first use, and its client
-    state (the last two versions, saved to its disk after each stateful call: the arrays a
-    call left unchanged are neither copied nor written again)."""
+    state (the last two versions, saved to its disk after each stateful call that changes
+    it: the arrays a call left unchanged are neither copied nor written again)."""
 
     def __init__(self, client, x64, state_dir=None, federation_id=None):
         jax.config.update("jax_enable_x64", bool(x64))
@@ -63,6 +71,9 @@ class ClientWorker:
         self.block = None
         self.compiled = {}
         self.states = {}  # version -> this client's state
+        # after a restart: the newest version saved. A stateful call saves only when it changes
+        # the state, so every later version a run reached holds the same state
+        self.restored = None
         self.store = (
             None
             if federation_id is None
@@ -127,7 +138,11 @@ class ClientWorker:
         return reply
 
     def _call_stateful(self, name, args, version):
-        if version not in self.states:
+        state = self.states.get(version)
+        if state is None and self.restored is not None and version > self.restored:
+            # saved last at version `restored`: the calls after it left the state as it was
+            state = self.states[self.restored]
+        if state is None:
             held = sorted(self.states)
             raise LookupError(
                 f"client {self.client} holds no client state of version {version} (it holds "
@@ -137,10 +152,11 @@ class ClientWorker:
             )
         fn = self._compiled("stateful", name, None)
         start = time.perf_counter()
-        new_state, reply = fn(self.block, self.states[version], *args)
+        new_state, reply = fn(self.block, state, *args)
         reply = jax.tree_util.tree_map(np.asarray, reply)
-        self.states = {version: self.states[version], version + 1: new_state}
-        self._save_state()
+        self.states = {version: state, version + 1: new_state}
+        if not _same_arrays(new_state, state):  # a call that only reads its state saves nothing
+            self._save_state()
         busy = self.busy[name]
         busy[0] += 1
         busy[1] += time.perf_counter() - start
@@ -154,16 +170,18 @@ class ClientWorker:
         return self.client
 
     def _save_state(self):
+        self.restored = None
         if self.store is not None:
             self.store.save(self.states)
 
     def _restore_state(self):
         if self.store is not None:
             self.states = jax.tree_util.tree_map(jnp.asarray, self.store.load())
+            self.restored = max(self.states, default=None)
 
     def clear_state(self):
         """Forgets this client's state and removes its saved copy."""
-        self.states = {}
+        self.states, self.restored = {}, None
         if self.store is not None:
             self.store.clear()
             with contextlib.suppress(OSError):

@@ -74,7 +74,8 @@ class StateStore:
     """A client's state versions in ``folder``: one ``.npy`` file per array, written once, and
     an index (the versions' structures naming their files) replaced atomically after the new
     arrays are written, so a worker that dies mid-save leaves the previous versions readable.
-    Files no version names any more are removed after the index is replaced.
+    Files no version names any more are removed after the index is replaced (those of an
+    earlier worker in the same folder, by :meth:`clear`).
     """
 
     INDEX = "index.pkl"
@@ -103,8 +104,11 @@ class StateStore:
         with open(partial, "wb") as f:
             pickle.dump(index, f, protocol=pickle.HIGHEST_PROTOCOL)
         os.replace(partial, os.path.join(self.folder, self.INDEX))
+        dropped = {name for name, _ in self._written.values()} - {name for name, _ in written.values()}
         self._written = written
-        self._remove_unnamed({name for name, _ in written.values()})
+        for name in dropped:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(self.folder, name))
 
     def load(self) -> dict:
         """The saved ``{version: state}`` (NumPy arrays), or ``{}`` if none was saved."""

@@ -81,7 +81,7 @@ def test_a_worker_answers_from_a_state_it_reloaded(tmp_path):
         functions, stateful = {}, {"step": step}
 
     def worker():
-        w = ClientWorker(0, False, state_dir=str(tmp_path), federation_id="f")
+        w = ClientWorker(0, jax.config.jax_enable_x64, state_dir=str(tmp_path), federation_id="f")  # as this process
         w.program, w.block = Program(), jnp.float32(2.0)
         return w
 
@@ -99,3 +99,39 @@ def test_a_worker_answers_from_a_state_it_reloaded(tmp_path):
         replaced.call("step", (1.0,), None, 0)
     replaced.clear_state()
     assert not (tmp_path / "numpyro_fed_state" / "f").exists()
+
+
+def test_a_call_that_only_reads_its_state_saves_nothing_and_a_restart_still_answers(tmp_path):
+    """A sampler's rounds read the client's weights: no save after them, and a worker replaced
+    after such rounds answers the retried round from the state saved before them."""
+
+    def read(block, state, x):
+        return state, (state["weights"] * block).sum() + x
+
+    class Program:
+        functions, stateful = {}, {"step": step, "read": read}
+
+    def worker():
+        w = ClientWorker(0, jax.config.jax_enable_x64, state_dir=str(tmp_path), federation_id="f")  # as this process
+        w.program, w.block = Program(), jnp.float32(2.0)
+        return w
+
+    first = worker()
+    first.set_state(initial())
+    _, v = first.call("step", (1.0,), None, 0)  # changes the count: saved
+    index = tmp_path / "numpyro_fed_state" / "f" / "client0" / StateStore.INDEX
+    saved_at = index.stat().st_mtime_ns
+    replies = []
+    for _ in range(3):
+        reply, v = first.call("read", (1.0,), None, v)
+        replies.append(reply)
+    assert index.stat().st_mtime_ns == saved_at  # reads wrote nothing
+    replaced = worker()
+    replaced._restore_state()
+    assert sorted(replaced.states) == [0, 1]
+    again, v_again = replaced.call("read", (1.0,), None, v - 1)  # the last round, retried
+    np.testing.assert_array_equal(again, replies[-1])
+    assert v_again == v
+    # and a change after the restart is saved from the state the reads kept
+    _, v_next = replaced.call("step", (1.0,), None, v)
+    assert float(StateStore(str(index.parent)).load()[v_next]["count"]) == 2.0
