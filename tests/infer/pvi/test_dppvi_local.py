@@ -178,6 +178,37 @@ def test_random_intercepts_reach_the_mean_field_optimum():
     assert set(params["loc"]) == {"mu"}  # q covers the global latents
 
 
+@pytest.mark.parametrize("x64", [True, False])
+def test_structured_q_holds_the_exact_posterior(x64):
+    """``covariance="full"``: each client keeps ``q(a_m | mu)`` and fits a full-rank Gaussian over
+    ``(mu, a_m)``. The posterior here is Gaussian and its groups are independent given mu, so the
+    structured family holds it exactly: the exact means and marginal sds, mu's included (the
+    mean-field q above gets 0.45 of mu's sd and warns; before this family, ``"full"`` was refused).
+    Measured (10 rounds, float64 and float32): means within 0.04 posterior sd, sds within 4 %
+    (the stochastic local fits' jitter; 20000 draws add 0.7 %); so 0.15 sd and 12 %."""
+    model, group, y = random_intercepts()
+    mean, precision = exact_posterior(group, y)
+    jax.config.update("jax_enable_x64", x64)
+    try:
+        dtype = np.float64 if x64 else np.float32
+        pvi = DPPVI(model, covariance="full", progress_bar=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no mean-field warning: q(theta) is full-rank
+            result = pvi.run(jax.random.PRNGKey(1), 10, group.astype(np.int32), y.astype(dtype))
+        draws = pvi.get_samples(jax.random.PRNGKey(2), result, 20000)
+    finally:
+        jax.config.update("jax_enable_x64", True)
+    assert draws["a"].shape == (20000, NUM_GROUPS) and draws["a"].dtype == dtype
+    values = np.concatenate([np.asarray(draws["mu"], np.float64)[:, None], np.asarray(draws["a"], np.float64)], 1)
+    posterior_sd = np.sqrt(np.diag(np.linalg.inv(precision)))
+    assert np.all(np.abs(values.mean(0) - mean) / posterior_sd < 0.15), (values.mean(0) - mean) / posterior_sd
+    np.testing.assert_allclose(values.std(0), posterior_sd, rtol=0.12)
+    # the joint draws keep the posterior's correlation of mu with each group's intercept
+    exact_corr = np.linalg.inv(precision)[0, 1:] / (posterior_sd[0] * posterior_sd[1:])
+    fit_corr = np.corrcoef(values.T)[0, 1:]
+    assert np.all(np.abs(fit_corr - exact_corr) < 0.1), (fit_corr, exact_corr)
+
+
 def test_row_local_latents_reach_the_mean_field_optimum():
     """One latent per data row (``z_i ~ N(mu, 1)``, ``y_i ~ N(z_i, 1)``, inside the data plate):
     the row's client keeps its ``q(z_i)``. The posterior is Gaussian, so the mean-field optimum is
@@ -236,7 +267,6 @@ def test_eight_schools_float32(float32, schools_nuts):
     [
         (lambda m: DPPVI(m, dp="dpsgd", noise_multiplier=1.0, progress_bar=False), "privacy accounting"),
         (lambda m: DPPVI(m, dp="local_avg", noise_multiplier=1.0, progress_bar=False), "client-local"),
-        (lambda m: DPPVI(m, covariance="full", progress_bar=False), "mean-field"),
         (lambda m: BCM(m, dp=None, progress_bar=False), "client-local"),
         (lambda m: DPPVI(m, sampling_rate=0.5, progress_bar=False), "minibatches"),
     ],
