@@ -281,20 +281,27 @@ def test_refusals_name_the_design_limit(make, match):
 
 
 @pytest.mark.slow
-def test_on_ray_the_run_is_the_in_process_run(ray_federation):
-    """Each client a Ray worker keeping its q(z_m): the same key gives the same q, the same local
-    draws and the same ledger as in process (measured: bit for bit)."""
+@pytest.mark.parametrize("covariance", ["auto", "full"])
+def test_on_ray_the_run_is_the_in_process_run(ray_federation, covariance):
+    """Each client a Ray worker keeping its q(z_m) (or, ``"full"``, its q(z_m | theta)): the same
+    key gives the same q, the same local draws and the same ledger as in process (measured: bit
+    for bit mean-field; the full-rank fits' Newton start, choosing among step sizes, turns on the
+    last bits: 3e-5 relative on q's mean after 3 rounds, so 1 % of q's scale)."""
     model, group, y = random_intercepts()
     results = []
     for federation in (None, ray_federation):
-        pvi = DPPVI(model, progress_bar=False, federation=federation)
+        pvi = DPPVI(model, progress_bar=False, federation=federation, covariance=covariance)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             result = pvi.run(jax.random.PRNGKey(1), 3, group, y)
         results.append((result, pvi.get_samples(jax.random.PRNGKey(2), result, 50)))
     (local, local_draws), (ray, ray_draws) = results
-    np.testing.assert_allclose(ray.metrics["loc"], local.metrics["loc"], rtol=1e-12)
-    np.testing.assert_allclose(ray_draws["a"], local_draws["a"], rtol=1e-12)
+    if covariance == "auto":
+        np.testing.assert_allclose(ray.metrics["loc"], local.metrics["loc"], rtol=1e-12)
+        np.testing.assert_allclose(ray_draws["a"], local_draws["a"], rtol=1e-12)
+    else:
+        np.testing.assert_allclose(ray.metrics["loc"], local.metrics["loc"], atol=0.01 * local.metrics["scale"].min())
+        np.testing.assert_allclose(ray_draws["a"], local_draws["a"], atol=0.01 * local_draws["a"].std(0).min())
     assert set(ray.ledger) == set(local.ledger)
     for key in local.ledger:
         np.testing.assert_array_equal(ray.ledger[key], local.ledger[key])
