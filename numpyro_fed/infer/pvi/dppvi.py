@@ -412,7 +412,7 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
         )
         if self._local is None:
             return self._initial_state(prior, sizes.size)
-        full = self.full_rank(0)  # the clients' factors, then their own q(z_m) (or q(z_m | theta)) and keys
+        full = self.full_rank(self._local.check_width)  # the factors, then each q(z_m) (or q(z_m | theta)), keys
         state = initial_state(prior, num_clients, full_rank=full)
         key = jax.random.fold_in(rng_key, 1)
         clients = self._local.initial_clients(state.clients.values, key, federation, structured=full)
