@@ -83,7 +83,8 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
     :param model: a NumPyro model with one :func:`~numpyro_fed.federated_plate` over the data
         rows and continuous latent variables: global ones and client-local ones (sites in a
         ``federated_plate`` of clients, e.g. per-school effects: each client keeps its own
-        mean-field ``q(z_m)``, :mod:`~numpyro_fed.infer.pvi.local`; ``dp=None`` only). Any
+        ``q(z_m)``, mean-field, or ``q(z_m | theta)`` with ``covariance="full"``,
+        :mod:`~numpyro_fed.infer.pvi.local`; ``dp=None`` only). Any
         prior: ``Normal`` (and ``LogNormal``) priors are factors of ``q`` exactly, flat ones
         zero-precision factors, any other (a ``HalfCauchy`` scale, a hierarchical ``Normal(0,
         tau)``) a factor of its own that the server refines with a client's local update
@@ -94,7 +95,9 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
     :param str schedule: ``"sequential"`` or ``"synchronous"``.
     :param str covariance: ``q``'s family: ``"full"`` (full-rank; ``dp=None`` only),
         ``"diagonal"`` (mean-field) or ``"auto"`` (the default): full-rank without privacy up
-        to ``FULL_RANK_MAX_DIM`` (100) coordinates, mean-field otherwise. A mean-field ``q``
+        to ``FULL_RANK_MAX_DIM`` (100) coordinates, mean-field otherwise (with client-local
+        latents, mean-field: ``"full"`` asks for the structured ``q(theta) prod_m q(z_m |
+        theta)``, a full-rank Gaussian over ``(theta, z_m)`` on each client). A mean-field ``q``
         underestimates the sds of a correlated posterior; a non-private mean-field run checks
         this at its end (each client returns the curvature of its log-likelihood at draws of
         ``q``, ``"curvature"`` in the ledger) and warns. With the default optimizer a
@@ -297,9 +300,11 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
     def full_rank(self, num_latent: int) -> bool:
         """Whether ``q`` is full-rank for a model with ``num_latent`` unconstrained
         coordinates: ``covariance="full"``, or ``"auto"`` without privacy up to
-        ``FULL_RANK_MAX_DIM`` coordinates (mean-field with client-local latents)."""
+        ``FULL_RANK_MAX_DIM`` coordinates. With client-local latents only ``"full"``: the
+        structured ``q(theta) prod_m q(z_m | theta)`` (:mod:`~numpyro_fed.infer.pvi.conditional`);
+        ``"auto"`` keeps the mean-field ``q(theta) prod_m q(z_m)``."""
         if self._local is not None:
-            return False
+            return self.covariance == "full"
         if self.covariance == "auto":
             return self.dp is None and num_latent <= FULL_RANK_MAX_DIM
         return self.covariance == "full"
@@ -407,8 +412,10 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
         )
         if self._local is None:
             return self._initial_state(prior, sizes.size)
-        state = initial_state(prior, num_clients)  # the clients' factors, then their own q(z_m) and keys
-        clients = self._local.initial_clients(state.clients.values, jax.random.fold_in(rng_key, 1), federation)
+        full = self.full_rank(self._local.check_width)  # the factors, then each q(z_m) (or q(z_m | theta)), keys
+        state = initial_state(prior, num_clients, full_rank=full)
+        key = jax.random.fold_in(rng_key, 1)
+        clients = self._local.initial_clients(state.clients.values, key, federation, structured=full)
         return state._replace(clients=clients)
 
     def update(self, rng_key, state: PVIState, *args, **kwargs):

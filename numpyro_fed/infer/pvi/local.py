@@ -15,6 +15,12 @@ latents, :func:`~numpyro_fed.infer.pvi.client.optimize_local`, on the joint vect
 ``q(z_m)`` and sends the change of its factor ``t_m(theta)``: the same message, of the same
 size, as a client of a model with global latents only.
 
+With a full-rank ``q(theta)`` (``covariance="full"``) the family is structured instead,
+``q(theta) prod_m q(z_m | theta)``: the client keeps its conditional
+(:mod:`~numpyro_fed.infer.pvi.conditional`), fits the full-rank joint over ``(theta, z_m)``
+and keeps the new conditional; the message is the change of its full-rank factor of
+``theta``. The functions below tell the two apart by the shape of the state they hold.
+
 The client's term ``log p(y_m, z_m | theta)`` is the split potential's
 (:attr:`~numpyro_fed.FlatPotential.client_potential`), evaluated at the flat vector in which
 the global coordinates are ``theta`` and the client's own coordinates (those
@@ -40,10 +46,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from numpyro_fed.infer.base import RunResult, jit_round
+from numpyro_fed.infer.pvi import conditional
 from numpyro_fed.infer.pvi.client import LocalConfig, optimize_local
 from numpyro_fed.infer.pvi.core import ClientFactor, ClientReply, resolve_factor
 from numpyro_fed.infer.pvi.diagnostics import warn_mean_field
-from numpyro_fed.infer.pvi.gaussian import GaussianNatural, loc_scale, natural, sample, tree_sub
+from numpyro_fed.infer.pvi.gaussian import GaussianNatural, as_full, is_full, loc_scale, natural, sample, tree_sub
 
 __all__ = [
     "MEAN_FIELD_LIMIT",
@@ -115,8 +122,12 @@ class LocalClientState(NamedTuple):
     key: jax.Array
 
 
-def _concat(a: GaussianNatural, b: GaussianNatural) -> GaussianNatural:
-    return GaussianNatural(jnp.concatenate([a.eta1, b.eta1]), jnp.concatenate([a.eta2, b.eta2]))
+def _concat(a: GaussianNatural, b: GaussianNatural, full: bool = False) -> GaussianNatural:
+    """The independent product of ``a`` and ``b`` (``full``: full-rank, ``b`` diagonal)."""
+    if not full:
+        return GaussianNatural(jnp.concatenate([a.eta1, b.eta1]), jnp.concatenate([a.eta2, b.eta2]))
+    a, b = as_full(a), as_full(b)
+    return GaussianNatural(jnp.concatenate([a.eta1, b.eta1]), jax.scipy.linalg.block_diag(a.eta2, b.eta2))
 
 
 def _cut(eta: GaussianNatural, num_global: int):
@@ -141,7 +152,8 @@ def local_client_functions(
     * ``"curvature"``: ``(thetas) -> (H, S)``, ``(d_g, d_g)`` each: minus the Hessian of
       ``log p(y_m, z_m | theta)`` in ``theta``, and its Schur complement (``z_m`` integrated
       out, Laplace-style), each averaged over draws: what the mean-field check needs.
-    * ``"local_draws"``: ``(keys (S, 2)) -> (S, L)``, draws of ``q(z_m)``.
+    * ``"local_draws"``: ``(keys (S, 2), thetas (S, d_g)) -> (S, L)``, draws of ``q(z_m)``
+      (structured: of ``q(z_m | theta)`` at the global draws ``thetas``).
 
     :param client_potential: ``(x, block) -> scalar`` on the flat ``(num_latent,)`` vector.
     :param global_index: ``(d_g,)`` positions of the global coordinates.
@@ -156,17 +168,24 @@ def local_client_functions(
     def log_joint(w, lblock):
         return -client_potential(embed(w, lblock.local_index), lblock.block)
 
-    def draw_local(state, key, num_samples):
+    def draw_local(state, eps, thetas):
+        # q(z_m) (mean-field) or q(z_m | theta) at the global draws (structured)
+        if is_full(state.local):
+            return conditional.draw_conditional(state.local, thetas, eps)
         loc, scale = loc_scale(state.local)
-        return loc + scale * jax.random.normal(key, (num_samples,) + loc.shape, loc.dtype)
+        return loc + scale * eps
+
+    def local_entropy(state, valid):
+        if is_full(state.local):
+            return conditional.conditional_entropy(state.local, valid)
+        return jnp.sum(jnp.where(valid, jnp.log(loc_scale(state.local)[1]) + _HALF_LOG_2_PI_E, 0.0))
 
     def expected_log_lik(lblock: LocalBlock, state: LocalClientState, thetas):
         key, sub = jax.random.split(state.key)
-        zs = draw_local(state, sub, thetas.shape[0])
+        eps = jax.random.normal(sub, thetas.shape[:1] + state.local.eta1.shape, thetas.dtype)
+        zs = draw_local(state, eps, thetas)
         joint = jax.vmap(lambda w: log_joint(w, lblock))(jnp.concatenate([thetas, zs], axis=-1))
-        log_scale = jnp.log(loc_scale(state.local)[1])
-        entropy = jnp.sum(jnp.where(lblock.local_valid, log_scale + _HALF_LOG_2_PI_E, 0.0))
-        return state._replace(key=key), jnp.mean(joint) + entropy
+        return state._replace(key=key), jnp.mean(joint) + local_entropy(state, lblock.local_valid)
 
     def update(lblock: LocalBlock, state: LocalClientState, q, thetas, key, applied):
         state, log_lik = expected_log_lik(lblock, state, thetas)  # the loss's term, of q(z_m) before the update
@@ -174,15 +193,20 @@ def local_client_functions(
         # padding coordinates: a standard normal "cavity", where they start and stay
         dtype = q.eta1.dtype
         pad = GaussianNatural(jnp.zeros_like(state.local.eta1), jnp.where(lblock.local_valid, 0.0, -0.5).astype(dtype))
-        start = _concat(q, state.local)
-        cavity = _concat(tree_sub(q, factor), pad)
+        structured = is_full(state.local)
+        start = conditional.joint(q, state.local) if structured else _concat(q, state.local)
+        cavity = _concat(tree_sub(q, factor), pad, full=structured)
         rows, valid = [jnp.zeros((1,), dtype)], jnp.ones((1,), bool)  # the client's term is one "row"
 
         def row_log_lik(w, rows):
             return jnp.broadcast_to(log_joint(w, lblock), rows[0].shape[:1])
 
         new, _, residual = optimize_local(key, row_log_lik, start, cavity, rows, valid, config, with_residual=True)
-        new_q, new_local = _cut(new, num_global)
+        if structured:  # the new theta-marginal, and the conditional the client keeps
+            new_q, new_local = conditional.split(new, num_global)
+            new_local = conditional.mask_padding(new_local, lblock.local_valid)
+        else:
+            new_q, new_local = _cut(new, num_global)
         delta = tree_sub(new_q, q)
         own = ClientFactor(factor, jax.tree_util.tree_map(lambda d: damping * d, delta))
         reply = ClientReply(delta, jnp.zeros((), q.eta1.dtype), residual, log_lik)
@@ -190,7 +214,8 @@ def local_client_functions(
 
     def curvature(lblock: LocalBlock, state: LocalClientState, thetas):
         key, sub = jax.random.split(state.key)
-        draws = jnp.concatenate([thetas, draw_local(state, sub, thetas.shape[0])], axis=-1)
+        eps = jax.random.normal(sub, thetas.shape[:1] + state.local.eta1.shape, thetas.dtype)
+        draws = jnp.concatenate([thetas, draw_local(state, eps, thetas)], axis=-1)
         hessian = jax.hessian(lambda w: -log_joint(w, lblock))
         valid = lblock.local_valid
         both = valid[:, None] & valid[None, :]
@@ -212,10 +237,9 @@ def local_client_functions(
         h_gg = h_gg / draws.shape[0]
         return state._replace(key=key), (h_gg, jnp.where(count > 0, schur / jnp.maximum(count, 1.0), h_gg))
 
-    def local_draws(lblock: LocalBlock, state: LocalClientState, keys):
-        loc, scale = loc_scale(state.local)
-        eps = jax.vmap(lambda k: jax.random.normal(k, loc.shape, loc.dtype))(keys)
-        return state, loc + scale * eps
+    def local_draws(lblock: LocalBlock, state: LocalClientState, keys, thetas):
+        eps = jax.vmap(lambda k: jax.random.normal(k, state.local.eta1.shape, thetas.dtype))(keys)
+        return state, draw_local(state, eps, thetas)
 
     stateful = {
         "update": update,
@@ -264,7 +288,7 @@ class LocalLatents:
 
     def check_settings(self, dp, covariance, sampling="full") -> None:
         """Refuses, naming the design limit, what local latents do not support: the private
-        variants, a full-rank ``q`` and minibatches of rows."""
+        variants and minibatches of rows."""
         sites = list(self.local_sites)
         if dp is not None:
             raise ValueError(
@@ -273,12 +297,6 @@ class LocalLatents:
                 "it sends depends on every one of its rows through q(z_m), and clipping no longer bounds one "
                 "row's influence on what is released: the privacy accounting would not hold. Use dp=None, "
                 "or make the sites global (outside the federated plate)"
-            )
-        if covariance == "full":
-            raise ValueError(
-                f"covariance='full' cannot be used with client-local latent variables (site(s) {sites}): "
-                "q(theta) prod_m q(z_m) is mean-field (each client's q(z_m) diagonal and independent of "
-                "q(theta)); use covariance='diagonal' or 'auto'"
             )
         if sampling != "full":
             raise ValueError(
@@ -324,13 +342,19 @@ class LocalLatents:
             self._flat.client_potential, self.global_index, self.num_latent, config, damping=damping
         )
 
-    def initial_clients(self, own: ClientFactor, rng_key, federation):
+    def initial_clients(self, own: ClientFactor, rng_key, federation, *, structured: bool = False):
         """The clients' initial :class:`LocalClientState` (public values: ``q(z_m)`` at the
         init strategy's point with scale ``LOCAL_START_SCALE``, keys from ``rng_key``), given
-        to them through ``federation.init_state``."""
+        to them through ``federation.init_state``. ``structured``: each keeps ``q(z_m | theta)``
+        (:mod:`~numpyro_fed.infer.pvi.conditional`; starting independent of ``theta``), with a
+        full-rank ``q(theta)``; otherwise a mean-field ``q(z_m)``."""
         dtype = own.factor.eta1.dtype
         init = np.append(self._init, 0.0)[self.local_index]  # padding: 0
-        local = natural(jnp.asarray(init, dtype), jnp.full(init.shape, LOCAL_START_SCALE, dtype))
+        loc, scale = jnp.asarray(init, dtype), jnp.full(init.shape, LOCAL_START_SCALE, dtype)
+        if structured:
+            local = jax.vmap(lambda m, s: conditional.initial_conditional(m, s, self.num_global))(loc, scale)
+        else:
+            local = natural(loc, scale)
         keys = jax.random.split(rng_key, self.num_clients)
         return federation.init_state(LocalClientState(own, local, keys))
 
@@ -344,7 +368,7 @@ class LocalLatents:
 
     def draws(self, thetas, fetch: Callable | None, sites=None) -> dict:
         """Constrained draws by site from the global draws ``thetas (S, d_g)``: with
-        ``fetch`` (``keys (S, 2) -> (M, S, L)``, the clients' ``"local_draws"``) every site,
+        ``fetch`` (``() -> (M, S, L)``, the clients' ``"local_draws"`` at ``thetas``) every site,
         or the ``sites`` asked for; the clients are asked only when a local site is."""
         global_only = sites is not None and set(sites) <= set(self.global_sites)
         zs = None if global_only or fetch is None else fetch()
@@ -378,18 +402,18 @@ class ClientLatentsFace:
         return potential.flat().prior_potential if self._local is None else self._local.prior_potential
 
     def _read_clients(self, name: str):
-        """A compiled ``(x, clients, federation) -> replies`` of the clients' stateful call
-        ``name`` (a read: the state it returns is not kept)."""
+        """A compiled ``(args, clients, federation) -> replies`` of the clients' stateful call
+        ``name`` on the tuple ``args`` (a read: the state it returns is not kept)."""
         reads = self.__dict__.setdefault("_client_reads", {})
         if name not in reads:
-            reads[name] = jit_round(lambda x, clients, federation: federation.map(name, x, state=clients)[1])
+            reads[name] = jit_round(lambda x, clients, federation: federation.map(name, *x, state=clients)[1])
         return reads[name]
 
     def _curvatures(self, thetas, clients, federation):
         """``(joint, curvature)``: the sums over the clients of their ``"curvature"`` replies
         (with local latents, :func:`local_client_functions`'; without, ``joint`` is ``None``)."""
         if self._local is not None:
-            return jax.tree.map(lambda v: v.sum(0), self._read_clients("curvature")(thetas, clients, federation))
+            return jax.tree.map(lambda v: v.sum(0), self._read_clients("curvature")((thetas,), clients, federation))
         reads = self.__dict__.setdefault("_client_reads", {})
         if "curvature" not in reads:
             reads["curvature"] = jit_round(lambda x, federation: federation.map("curvature", x))
@@ -437,5 +461,5 @@ class ClientLatentsFace:
         in ``result.ledger``."""
         keys = jax.random.split(jax.random.fold_in(rng_key, 1), flat.shape[0])
         federation = self._require_plan().federation
-        fetch = lambda: self._read_clients("local_draws")(keys, result.state.clients, federation)  # noqa: E731
+        fetch = lambda: self._read_clients("local_draws")((keys, flat), result.state.clients, federation)  # noqa: E731
         return self._local.draws(flat, lambda: self.through_clients(fetch, result.ledger), sites)

@@ -178,6 +178,40 @@ def test_random_intercepts_reach_the_mean_field_optimum():
     assert set(params["loc"]) == {"mu"}  # q covers the global latents
 
 
+@pytest.mark.parametrize("x64", [True, False])
+def test_structured_q_holds_the_exact_posterior(x64):
+    """``covariance="full"``: each client keeps ``q(a_m | mu)`` and fits a full-rank Gaussian over
+    ``(mu, a_m)``. The posterior here is Gaussian and its groups are independent given mu, so the
+    structured family holds it exactly: the exact means and marginal sds, mu's included (the
+    mean-field q above gets 0.45 of mu's sd and warns; before this family, ``"full"`` was refused).
+    Measured over three keys, 6 rounds, float64 and float32: means within 0.021 posterior sd; mu's
+    sd 0.95-1.05 of the exact one, the intercepts' 0.88-1.09 (the stochastic local fits' jitter;
+    20000 draws add 0.7 %); mu's correlation with each intercept within 0.13 of the exact one. So
+    0.1 sd, 10 % on mu's sd (the mean-field q is 55 % short), 20 % on the others' and 0.2."""
+    model, group, y = random_intercepts()
+    mean, precision = exact_posterior(group, y)
+    jax.config.update("jax_enable_x64", x64)
+    try:
+        dtype = np.float64 if x64 else np.float32
+        pvi = DPPVI(model, covariance="full", progress_bar=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no mean-field warning: q(theta) is full-rank
+            result = pvi.run(jax.random.PRNGKey(1), 6, group.astype(np.int32), y.astype(dtype))
+        draws = pvi.get_samples(jax.random.PRNGKey(2), result, 20000)
+    finally:
+        jax.config.update("jax_enable_x64", True)
+    assert draws["a"].shape == (20000, NUM_GROUPS) and draws["a"].dtype == dtype
+    values = np.concatenate([np.asarray(draws["mu"], np.float64)[:, None], np.asarray(draws["a"], np.float64)], 1)
+    posterior_sd = np.sqrt(np.diag(np.linalg.inv(precision)))
+    assert np.all(np.abs(values.mean(0) - mean) / posterior_sd < 0.1), (values.mean(0) - mean) / posterior_sd
+    np.testing.assert_allclose(values.std(0)[0], posterior_sd[0], rtol=0.1)
+    np.testing.assert_allclose(values.std(0), posterior_sd, rtol=0.2)
+    # the joint draws keep the posterior's correlation of mu with each group's intercept
+    exact_corr = np.linalg.inv(precision)[0, 1:] / (posterior_sd[0] * posterior_sd[1:])
+    fit_corr = np.corrcoef(values.T)[0, 1:]
+    assert np.all(np.abs(fit_corr - exact_corr) < 0.2), (fit_corr, exact_corr)
+
+
 def test_row_local_latents_reach_the_mean_field_optimum():
     """One latent per data row (``z_i ~ N(mu, 1)``, ``y_i ~ N(z_i, 1)``, inside the data plate):
     the row's client keeps its ``q(z_i)``. The posterior is Gaussian, so the mean-field optimum is
@@ -236,7 +270,6 @@ def test_eight_schools_float32(float32, schools_nuts):
     [
         (lambda m: DPPVI(m, dp="dpsgd", noise_multiplier=1.0, progress_bar=False), "privacy accounting"),
         (lambda m: DPPVI(m, dp="local_avg", noise_multiplier=1.0, progress_bar=False), "client-local"),
-        (lambda m: DPPVI(m, covariance="full", progress_bar=False), "mean-field"),
         (lambda m: BCM(m, dp=None, progress_bar=False), "client-local"),
         (lambda m: DPPVI(m, sampling_rate=0.5, progress_bar=False), "minibatches"),
     ],
@@ -248,20 +281,27 @@ def test_refusals_name_the_design_limit(make, match):
 
 
 @pytest.mark.slow
-def test_on_ray_the_run_is_the_in_process_run(ray_federation):
-    """Each client a Ray worker keeping its q(z_m): the same key gives the same q, the same local
-    draws and the same ledger as in process (measured: bit for bit)."""
+@pytest.mark.parametrize("covariance", ["auto", "full"])
+def test_on_ray_the_run_is_the_in_process_run(ray_federation, covariance):
+    """Each client a Ray worker keeping its q(z_m) (or, ``"full"``, its q(z_m | theta)): the same
+    key gives the same q, the same local draws and the same ledger as in process (measured: bit
+    for bit mean-field; the full-rank fits' Newton start, choosing among step sizes, turns on the
+    last bits: 3e-5 relative on q's mean after 3 rounds, so 1 % of q's scale)."""
     model, group, y = random_intercepts()
     results = []
     for federation in (None, ray_federation):
-        pvi = DPPVI(model, progress_bar=False, federation=federation)
+        pvi = DPPVI(model, progress_bar=False, federation=federation, covariance=covariance)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             result = pvi.run(jax.random.PRNGKey(1), 3, group, y)
         results.append((result, pvi.get_samples(jax.random.PRNGKey(2), result, 50)))
     (local, local_draws), (ray, ray_draws) = results
-    np.testing.assert_allclose(ray.metrics["loc"], local.metrics["loc"], rtol=1e-12)
-    np.testing.assert_allclose(ray_draws["a"], local_draws["a"], rtol=1e-12)
+    if covariance == "auto":
+        np.testing.assert_allclose(ray.metrics["loc"], local.metrics["loc"], rtol=1e-12)
+        np.testing.assert_allclose(ray_draws["a"], local_draws["a"], rtol=1e-12)
+    else:
+        np.testing.assert_allclose(ray.metrics["loc"], local.metrics["loc"], atol=0.01 * local.metrics["scale"].min())
+        np.testing.assert_allclose(ray_draws["a"], local_draws["a"], atol=0.01 * local_draws["a"].std(0).min())
     assert set(ray.ledger) == set(local.ledger)
     for key in local.ledger:
         np.testing.assert_array_equal(ray.ledger[key], local.ledger[key])
