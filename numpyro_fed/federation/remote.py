@@ -251,12 +251,20 @@ class RemoteFederation(Federation):
         raise error
 
     def _count(self, name, calls, replies, messages):
-        for m, call in calls.items():
-            n = messages[m] if isinstance(messages, dict) else messages
-            answered = m in replies  # a failed call (partial): its request went, no reply came
-            self.ledger.add(name, "to_client", m, messages=n, nbytes=call.nbytes, rounds=n if answered else 0)
-            if answered:
-                self.ledger.add(name, "from_client", m, messages=n, nbytes=tree_nbytes(replies[m]))
+        """Counts a round of ``calls`` in the ledger: one update per direction, every client's
+        entry at once (a round is counted on the way of every call)."""
+        clients = np.fromiter(calls, dtype=np.int64, count=len(calls))
+        if isinstance(messages, dict):
+            n = np.array([messages[m] for m in clients], dtype=np.int64)
+        else:
+            n = np.full(clients.shape, messages, dtype=np.int64)
+        answered = np.array([m in replies for m in clients], dtype=bool)  # a failed call: no reply
+        sent = np.array([calls[m].nbytes for m in clients], dtype=np.int64)
+        self.ledger.add(name, "to_client", clients, messages=n, nbytes=sent, rounds=np.where(answered, n, 0))
+        if answered.any():
+            got = clients[answered]
+            received = np.array([tree_nbytes(replies[m]) for m in got], dtype=np.int64)
+            self.ledger.add(name, "from_client", got, messages=n[answered], nbytes=received)
         self.ledger.round_trips += 1
 
     @staticmethod
