@@ -63,6 +63,8 @@ class SubposteriorSummary(NamedTuple):
     :ivar precision: ``(d_g, d_g)`` the combination's weight (:func:`gaussian_refinement`).
     :ivar refined: ``(d_g,)`` 1 where the mean is the control-variate estimate, 0 where it is
         the sample mean; all 0 when the precision is the inverse sample covariance.
+    :ivar hessian_weight: 1 if the precision is the expected Hessian's, 0 if the inverse sample
+        covariance (the Hessian did not describe the draws).
     :ivar divergences: the number of divergent transitions after warmup (0 for a kernel
         that has none).
     :ivar rhat: ``(d_g,)`` split R-hat (:func:`split_rhat`).
@@ -78,6 +80,7 @@ class SubposteriorSummary(NamedTuple):
     cov: jax.Array | None
     precision: jax.Array
     refined: jax.Array
+    hessian_weight: jax.Array
     divergences: jax.Array
     rhat: jax.Array
     ess: jax.Array
@@ -164,7 +167,8 @@ def gaussian_refinement(chains, grads, hessians, d_g: int):
     (the whitened eigenvalues of the sample covariance times it outside
     :data:`PRECISION_AGREEMENT`), the inverse sample covariance and the sample mean.
 
-    :return: ``(mean (d_g,), sample_cov (d_g, d_g), precision (d_g, d_g), refined (d_g,))``.
+    :return: ``(mean (d_g,), sample_cov (d_g, d_g), precision (d_g, d_g), refined (d_g,),
+        trusted ())``, ``trusted`` whether the precision is the expected Hessian's.
     """
     pooled = chains.reshape((-1, chains.shape[-1]))
     theta = chains[..., :d_g]
@@ -184,7 +188,7 @@ def gaussian_refinement(chains, grads, hessians, d_g: int):
     refined = trusted & better
     mean = jnp.where(refined, jnp.mean(controlled.reshape((-1, d_g)), axis=0), sample_mean)
     precision = jnp.where(trusted, precision, _inverse_spd(sample_cov))
-    return mean, sample_cov, precision, refined.astype(sample_cov.dtype)
+    return mean, sample_cov, precision, refined.astype(sample_cov.dtype), trusted.astype(sample_cov.dtype)
 
 
 def _summaries(chains, grads, hessians, d_g, divergences, send_draws: bool) -> SubposteriorSummary:
@@ -195,7 +199,7 @@ def _summaries(chains, grads, hessians, d_g, divergences, send_draws: bool) -> S
         local_rhat = jnp.max(jnp.nan_to_num(split_rhat(z_chains), nan=1.0))
     else:
         local_rhat = jnp.ones((), theta_chains.dtype)
-    mean, cov, precision, refined = gaussian_refinement(chains, grads, hessians, d_g)
+    mean, cov, precision, refined, trusted = gaussian_refinement(chains, grads, hessians, d_g)
     draws = pooled - jnp.mean(pooled, axis=0) + mean  # the draws' shape, the refined mean
     return SubposteriorSummary(
         draws if send_draws else None,
@@ -203,6 +207,7 @@ def _summaries(chains, grads, hessians, d_g, divergences, send_draws: bool) -> S
         None if send_draws else cov,
         precision,
         refined,
+        trusted,
         jnp.sum(divergences).astype(jnp.int32),
         split_rhat(theta_chains),
         effective_sample_size(theta_chains),

@@ -295,7 +295,7 @@ class ConsensusMC(VariationalMethod):
         distance_sq, p_value = agreement(means, covs, np.asarray(state.mean))
         out = {
             name: np.asarray(getattr(replies, name))
-            for name in ("divergences", "rhat", "ess", "skewness", "kurtosis", "local_rhat", "refined")
+            for name in SubposteriorSummary._fields[4:]  # refined and the diagnostics
         }
         out.update(client_mean=means, distance_sq=distance_sq, p_agreement=p_value)
         return out

@@ -392,3 +392,25 @@ def test_large_logistic_case_is_the_posterior():
     error = (got.mean(0) - mean) / sd
     assert np.all(np.abs(error) < 0.05), error
     np.testing.assert_allclose(got.std(0), sd, rtol=0.1)
+
+
+def test_a_hessian_that_does_not_describe_the_draws_falls_back_and_warns():
+    """Draws of N(0, I) with Hessians of N(0, I / 10): the client's weight is its sample
+    covariance's inverse and its mean the sample mean; the server's check names the client."""
+    from numpyro_fed.infer.consensus.checks import warn_untrustworthy
+    from numpyro_fed.infer.consensus.core import gaussian_refinement
+
+    draws = jax.random.normal(jax.random.PRNGKey(0), (2, 500, 2))
+    hessians = jnp.broadcast_to(10.0 * jnp.eye(2), (8, 2, 2))
+    mean, cov, precision, refined, trusted = gaussian_refinement(draws, 10.0 * draws, hessians, 2)
+    np.testing.assert_allclose(precision, np.linalg.inv(np.cov(np.asarray(draws).reshape(-1, 2), rowvar=False)))
+    np.testing.assert_allclose(mean, np.asarray(draws).reshape(-1, 2).mean(0), rtol=1e-6)
+    assert float(trusted) == 0.0 and (np.asarray(refined) == 0).all()
+    good = gaussian_refinement(draws, draws, jnp.broadcast_to(jnp.eye(2), (8, 2, 2)), 2)
+    assert float(good[4]) == 1.0 and (np.asarray(good[3]) == 1).all()
+    ones = np.ones((M, 2))
+    metrics = dict(skewness=0 * ones, kurtosis=0 * ones, ess=1000 * ones, rhat=ones, local_rhat=np.ones(M),
+                   divergences=np.zeros(M, int), p_agreement=np.ones(M), distance_sq=np.ones(M),
+                   hessian_weight=np.array([1.0, 0.0, 1.0, 1.0]))  # fmt: skip
+    with pytest.warns(ConsensusWarning, match=r"client\(s\) \[1\] does not describe"):
+        warn_untrustworthy(metrics, ["a", "b"])
