@@ -23,7 +23,8 @@ Algorithms (``--algorithms``), at their defaults and the run lengths a NumPyro u
 * ``DADMMS``: ``MCMC(nf.DADMMS(model), num_warmup=50, num_samples=50, num_chains=100,
   chain_method="vectorized")`` (the paper's protocol: independent runs of the network);
 * ``ConsensusMC``: ``nf.ConsensusMC(model).run(key, ...)`` (NUTS on every sub-posterior, 500
-  warm-up steps and 1000 draws, Scott et al.'s weights).
+  warm-up steps and 1000 draws, Scott et al.'s combination, each client's expected Hessian
+  as its weight).
 
 The reference is NumPyro NUTS on the pooled data (``numpyro.plate``-equivalent: the same model
 run by ``MCMC(NUTS(model), num_warmup=500, num_samples=1500)``), run by this script (once per

@@ -15,11 +15,19 @@ latents are absent; with them, ``theta``'s product is the posterior too, because
 exact when every sub-posterior is Gaussian:
 
 * :func:`consensus_combine` (Scott et al. 2016): draw ``s`` of the posterior is the
-  precision-weighted average of draw ``s`` of every client, the weights the inverses of the
-  clients' sample covariances;
+  precision-weighted average of draw ``s`` of every client;
 * :func:`parametric_combine` (Neiswanger, Wang & Xing 2014): the product of the clients'
-  Gaussian approximations (their sample means and covariances), which needs no draws on the
-  wire.
+  Gaussian approximations, which needs no draws on the wire.
+
+The weights are the clients' precisions. Sample covariances of a few hundred effective draws
+make noisy weights, and a weight's error multiplies the distance between the clients' means
+(about one sub-posterior sd, ``sqrt(M)`` posterior sds): 0.14 posterior sd per coordinate at
+400 effective draws per client, d = 7, three times the error of the clients' means. So each
+client computes (:func:`gaussian_refinement`) its precision as the expected Hessian of its
+potential over its draws, with no Monte Carlo noise to speak of where the sub-posterior is
+nearly Gaussian, and its mean with the first-order control variate ``theta - (H^{-1} grad
+U)_theta`` (exact for a Gaussian, unbiased for any sub-posterior since ``E[grad U] = 0``); it
+falls back on its sample moments where the Hessian does not describe its draws.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ __all__ = [
     "SubposteriorSummary",
     "consensus_combine",
     "effective_sample_size",
+    "gaussian_refinement",
     "make_client_run",
     "parametric_combine",
     "split_rhat",
@@ -45,11 +54,17 @@ __all__ = [
 class SubposteriorSummary(NamedTuple):
     """What a client sends (its reply), every field about the global coordinates ``theta``.
 
-    :ivar draws: ``(num_chains * num_samples, d_g)``, its draws (``combine="consensus"``);
-        ``None`` when only moments cross (``"parametric"``).
-    :ivar mean: ``(d_g,)`` sample mean (``"parametric"``; else ``None``: the server computes it
-        from the draws).
+    :ivar draws: ``(num_chains * num_samples, d_g)``, its draws (``combine="consensus"``),
+        shifted to the refined mean (:func:`gaussian_refinement`); ``None`` when only moments
+        cross (``"parametric"``).
+    :ivar mean: ``(d_g,)`` the refined mean (``"parametric"``; else ``None``: the server takes
+        it from the draws).
     :ivar cov: ``(d_g, d_g)`` sample covariance (``"parametric"``; else ``None``).
+    :ivar precision: ``(d_g, d_g)`` the combination's weight (:func:`gaussian_refinement`).
+    :ivar refined: ``(d_g,)`` 1 where the mean is the control-variate estimate, 0 where it is
+        the sample mean; all 0 when the precision is the inverse sample covariance.
+    :ivar hessian_weight: 1 if the precision is the expected Hessian's, 0 if the inverse sample
+        covariance (the Hessian did not describe the draws).
     :ivar divergences: the number of divergent transitions after warmup (0 for a kernel
         that has none).
     :ivar rhat: ``(d_g,)`` split R-hat (:func:`split_rhat`).
@@ -63,6 +78,9 @@ class SubposteriorSummary(NamedTuple):
     draws: jax.Array | None
     mean: jax.Array | None
     cov: jax.Array | None
+    precision: jax.Array
+    refined: jax.Array
+    hessian_weight: jax.Array
     divergences: jax.Array
     rhat: jax.Array
     ess: jax.Array
@@ -121,20 +139,75 @@ def standardized_moments(draws):
     return jnp.mean(centred**3, axis=0) / var**1.5, jnp.mean(centred**4, axis=0) / var**2 - 3.0
 
 
-def _summaries(theta_chains, z_chains, divergences, send_draws: bool) -> SubposteriorSummary:
-    pooled = theta_chains.reshape((-1, theta_chains.shape[-1]))
+#: draws at which a client evaluates its potential's Hessian (evenly spaced over its draws)
+HESSIAN_DRAWS = 64
+#: the expected Hessian is the weight only if it describes the draws: the eigenvalues of the
+#: sample covariance times it (whitened) within these bounds (1 for a Gaussian)
+PRECISION_AGREEMENT = (1.0 / 3.0, 3.0)
+
+
+def _mcse_sq(x) -> jax.Array:
+    """Squared Monte Carlo standard error of the mean of ``(chains, draws, d)`` (0 where the
+    draws are constant)."""
+    var = jnp.var(x.reshape((-1, x.shape[-1])), axis=0)
+    ess = effective_sample_size(x)
+    return jnp.where(var > 1e-30 * (1 + jnp.mean(x.reshape((-1, x.shape[-1])), axis=0) ** 2), var / ess, 0.0)
+
+
+def gaussian_refinement(chains, grads, hessians, d_g: int):
+    """A client's weight and mean for the combination, from its draws ``chains`` (``(chains,
+    draws, D)`` in its joint coordinates ``(theta, z_m)``, ``theta`` the first ``d_g``), its
+    potential's gradients there (same shape) and its Hessians at some of them (``(K, D, D)``).
+
+    The precision of ``theta`` is ``((E[H]^{-1})_{theta theta})^{-1}``, the expected Hessian's
+    marginal (exact for a Gaussian); the mean, per coordinate, the mean of the control variate
+    ``theta - (E[H]^{-1} grad U)_theta`` (exact for a Gaussian; unbiased for any sub-posterior,
+    ``E[grad U] = 0``) where its Monte Carlo error is below the sample mean's, else the sample
+    mean. Where the expected Hessian is not positive definite or does not describe the draws
+    (the whitened eigenvalues of the sample covariance times it outside
+    :data:`PRECISION_AGREEMENT`), the inverse sample covariance and the sample mean.
+
+    :return: ``(mean (d_g,), sample_cov (d_g, d_g), precision (d_g, d_g), refined (d_g,),
+        trusted ())``, ``trusted`` whether the precision is the expected Hessian's.
+    """
+    pooled = chains.reshape((-1, chains.shape[-1]))
+    theta = chains[..., :d_g]
+    sample_mean = jnp.mean(pooled[:, :d_g], axis=0)
+    sample_cov = jnp.atleast_2d(jnp.cov(pooled[:, :d_g], rowvar=False))
+    expected = jnp.mean(hessians, axis=0)
+    expected = 0.5 * (expected + expected.T)
+    joint_cov = _inverse_spd(expected)  # NaN where it is not positive definite
+    precision = _inverse_spd(joint_cov[:d_g, :d_g])
+    chol = jnp.linalg.cholesky(sample_cov)
+    whitened = chol.T @ precision @ chol
+    eigenvalues = jnp.linalg.eigvalsh(0.5 * (whitened + whitened.T))
+    low, high = PRECISION_AGREEMENT
+    trusted = jnp.all(jnp.isfinite(precision)) & jnp.all((eigenvalues > low) & (eigenvalues < high))
+    controlled = theta - jnp.einsum("ij,csj->csi", jnp.nan_to_num(joint_cov[:d_g]), grads)
+    better = _mcse_sq(controlled) <= _mcse_sq(theta)
+    refined = trusted & better
+    mean = jnp.where(refined, jnp.mean(controlled.reshape((-1, d_g)), axis=0), sample_mean)
+    precision = jnp.where(trusted, precision, _inverse_spd(sample_cov))
+    return mean, sample_cov, precision, refined.astype(sample_cov.dtype), trusted.astype(sample_cov.dtype)
+
+
+def _summaries(chains, grads, hessians, d_g, divergences, send_draws: bool) -> SubposteriorSummary:
+    theta_chains, z_chains = chains[..., :d_g], chains[..., d_g:]
+    pooled = theta_chains.reshape((-1, d_g))
     skew, kurt = standardized_moments(pooled)
     if z_chains.shape[-1]:
         local_rhat = jnp.max(jnp.nan_to_num(split_rhat(z_chains), nan=1.0))
     else:
         local_rhat = jnp.ones((), theta_chains.dtype)
-    mean = cov = None
-    if not send_draws:
-        mean, cov = jnp.mean(pooled, axis=0), jnp.atleast_2d(jnp.cov(pooled, rowvar=False))
+    mean, cov, precision, refined, trusted = gaussian_refinement(chains, grads, hessians, d_g)
+    draws = pooled - jnp.mean(pooled, axis=0) + mean  # the draws' shape, the refined mean
     return SubposteriorSummary(
-        pooled if send_draws else None,
-        mean,
-        cov,
+        draws if send_draws else None,
+        None if send_draws else mean,
+        None if send_draws else cov,
+        precision,
+        refined,
+        trusted,
         jnp.sum(divergences).astype(jnp.int32),
         split_rhat(theta_chains),
         effective_sample_size(theta_chains),
@@ -195,7 +268,12 @@ def make_client_run(
             return ys[num_warmup:], diverging[num_warmup:]
 
         ys, diverging = jax.vmap(chain)(jax.random.split(rng_key, num_chains))
-        summary = _summaries(ys[..., :d_g], ys[..., d_g:], diverging, send_draws)
+        # one draw at a time (lax.map): a batch of draws times the client's rows can be large
+        pooled = ys.reshape((-1, ys.shape[-1]))
+        grads = lax.map(jax.grad(potential), pooled, batch_size=16).reshape(ys.shape)
+        every = max(1, pooled.shape[0] // HESSIAN_DRAWS)
+        hessians = lax.map(jax.hessian(potential), pooled[::every][:HESSIAN_DRAWS])
+        summary = _summaries(ys, grads, hessians, d_g, diverging, send_draws)
         return ys[..., d_g:].reshape((num_chains * num_samples, -1)), summary
 
     return run
@@ -207,20 +285,24 @@ def _inverse_spd(cov):
     return jax.scipy.linalg.cho_solve((jnp.linalg.cholesky(cov), True), eye)
 
 
-def consensus_combine(draws):
+def consensus_combine(draws, precisions=None):
     """Scott et al. (2016)'s consensus draws of ``(M, S, d)`` clients' draws: ``theta_s =
-    (sum_m W_m)^{-1} sum_m W_m theta_{m,s}``, ``W_m`` the inverse of client ``m``'s sample
-    covariance. Returns ``(S, d)``."""
-    covs = jax.vmap(lambda x: jnp.atleast_2d(jnp.cov(x, rowvar=False)))(draws)
-    weights = jax.vmap(_inverse_spd)(covs)
+    (sum_m W_m)^{-1} sum_m W_m theta_{m,s}``, ``W_m`` client ``m``'s precision (``(M, d, d)``;
+    by default the inverse of its sample covariance). Returns ``(S, d)``."""
+    if precisions is None:
+        covs = jax.vmap(lambda x: jnp.atleast_2d(jnp.cov(x, rowvar=False)))(draws)
+        precisions = jax.vmap(_inverse_spd)(covs)
+    weights = precisions
     total = jnp.sum(weights, axis=0)
     weighted = jnp.einsum("mij,msj->si", weights, draws)
     return jax.scipy.linalg.cho_solve((jnp.linalg.cholesky(total), True), weighted.T).T
 
 
-def parametric_combine(means, covs):
+def parametric_combine(means, covs=None, precisions=None):
     """Neiswanger et al. (2014)'s parametric combination: the product of the Gaussians
-    ``N(means[m], covs[m])``, returned as ``(mean (d,), cov (d, d))``."""
-    precisions = jax.vmap(_inverse_spd)(covs)
+    ``N(means[m], covs[m])`` (or of precisions ``precisions[m]``), returned as ``(mean (d,),
+    cov (d, d))``."""
+    if precisions is None:
+        precisions = jax.vmap(_inverse_spd)(covs)
     cov = _inverse_spd(jnp.sum(precisions, axis=0))
     return cov @ jnp.einsum("mij,mj->i", precisions, means), cov

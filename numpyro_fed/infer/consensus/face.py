@@ -246,10 +246,10 @@ class ConsensusMC(VariationalMethod):
             else:
                 kept, replies = federation.map("subposterior", per_client=per_client, state=state.local)
             if combine == "consensus":
-                draws = consensus_combine(replies.draws)
+                draws = consensus_combine(replies.draws, replies.precision)
                 mean, cov = jnp.mean(draws, axis=0), jnp.atleast_2d(jnp.cov(draws, rowvar=False))
             else:
-                draws, (mean, cov) = None, parametric_combine(replies.mean, replies.cov)
+                draws, (mean, cov) = None, parametric_combine(replies.mean, precisions=replies.precision)
             return ConsensusState(draws, mean, cov, replies, kept), None
 
         names = [fp.coordinate_names[i] for i in global_index]
@@ -295,7 +295,7 @@ class ConsensusMC(VariationalMethod):
         distance_sq, p_value = agreement(means, covs, np.asarray(state.mean))
         out = {
             name: np.asarray(getattr(replies, name))
-            for name in ("divergences", "rhat", "ess", "skewness", "kurtosis", "local_rhat")
+            for name in SubposteriorSummary._fields[4:]  # refined and the diagnostics
         }
         out.update(client_mean=means, distance_sq=distance_sq, p_agreement=p_value)
         return out
