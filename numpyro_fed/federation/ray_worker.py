@@ -71,8 +71,8 @@ class ClientWorker:
         self.block = None
         self.compiled = {}
         self.states = {}  # version -> this client's state
-        # after a restart: the newest version saved. A stateful call saves only when it changes
-        # the state, so every later version a run reached holds the same state
+        # after a restart: (the newest version saved, its state). A stateful call saves only
+        # when it changes the state, so every later version a run reached holds the same state
         self.restored = None
         self.store = (
             None
@@ -139,9 +139,9 @@ class ClientWorker:
 
     def _call_stateful(self, name, args, version):
         state = self.states.get(version)
-        if state is None and self.restored is not None and version > self.restored:
+        if state is None and self.restored is not None and version > self.restored[0]:
             # saved last at version `restored`: the calls after it left the state as it was
-            state = self.states[self.restored]
+            state = self.restored[1]
         if state is None:
             held = sorted(self.states)
             raise LookupError(
@@ -177,7 +177,8 @@ class ClientWorker:
     def _restore_state(self):
         if self.store is not None:
             self.states = jax.tree_util.tree_map(jnp.asarray, self.store.load())
-            self.restored = max(self.states, default=None)
+            newest = max(self.states, default=None)
+            self.restored = None if newest is None else (newest, self.states[newest])
 
     def clear_state(self):
         """Forgets this client's state and removes its saved copy."""

@@ -132,6 +132,9 @@ def test_a_call_that_only_reads_its_state_saves_nothing_and_a_restart_still_answ
     again, v_again = replaced.call("read", (1.0,), None, v - 1)  # the last round, retried
     np.testing.assert_array_equal(again, replies[-1])
     assert v_again == v
+    # the round before it too, though the worker now holds versions v - 1 and v only
+    before, _ = replaced.call("read", (1.0,), None, v - 2)
+    np.testing.assert_array_equal(before, replies[-2])
     # and a change after the restart is saved from the state the reads kept
     _, v_next = replaced.call("step", (1.0,), None, v)
     assert float(StateStore(str(index.parent)).load()[v_next]["count"]) == 2.0
