@@ -129,15 +129,12 @@ class StateStore:
     def clear(self) -> None:
         """Removes the saved versions and the folder."""
         self._written = {}
-        self._remove_unnamed(set())
+        with contextlib.suppress(FileNotFoundError):
+            for name in os.listdir(self.folder):  # this worker's arrays and any earlier worker's
+                if name.startswith("leaf-"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(os.path.join(self.folder, name))
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(self.folder, self.INDEX))
         with contextlib.suppress(OSError):
             os.rmdir(self.folder)
-
-    def _remove_unnamed(self, keep):
-        with contextlib.suppress(FileNotFoundError):
-            for name in os.listdir(self.folder):
-                if name.startswith("leaf-") and name not in keep:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.remove(os.path.join(self.folder, name))

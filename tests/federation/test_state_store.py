@@ -22,6 +22,19 @@ def initial(n=1000):
     return {"weights": jnp.arange(n, dtype=jnp.float32), "count": jnp.zeros((), jnp.float32)}
 
 
+def make_worker(tmp_path, **stateful):
+    """Client 0's worker of federation ``"f"`` saving in ``tmp_path``, with the stateful
+    functions ``stateful`` and the block 2 (the precision of this process)."""
+
+    class Program:
+        functions = {}
+
+    Program.stateful = stateful
+    w = ClientWorker(0, jax.config.jax_enable_x64, state_dir=str(tmp_path), federation_id="f")
+    w.program, w.block = Program(), jnp.float32(2.0)
+    return w
+
+
 def test_unchanged_arrays_come_back_as_the_objects_given():
     call = passthrough_jit(step)
     state = initial()
@@ -77,13 +90,8 @@ def test_a_worker_answers_from_a_state_it_reloaded(tmp_path):
     """A worker replaced mid-run reloads the versions its predecessor saved and gives the same
     replies as the one that kept running (the Ray federation's restart, without Ray)."""
 
-    class Program:
-        functions, stateful = {}, {"step": step}
-
     def worker():
-        w = ClientWorker(0, jax.config.jax_enable_x64, state_dir=str(tmp_path), federation_id="f")  # as this process
-        w.program, w.block = Program(), jnp.float32(2.0)
-        return w
+        return make_worker(tmp_path, step=step)
 
     first = worker()
     first.set_state(initial())
@@ -108,13 +116,8 @@ def test_a_call_that_only_reads_its_state_saves_nothing_and_a_restart_still_answ
     def read(block, state, x):
         return state, (state["weights"] * block).sum() + x
 
-    class Program:
-        functions, stateful = {}, {"step": step, "read": read}
-
     def worker():
-        w = ClientWorker(0, jax.config.jax_enable_x64, state_dir=str(tmp_path), federation_id="f")  # as this process
-        w.program, w.block = Program(), jnp.float32(2.0)
-        return w
+        return make_worker(tmp_path, step=step, read=read)
 
     first = worker()
     first.set_state(initial())
