@@ -117,6 +117,9 @@ def tree_nbytes(tree) -> int:
     """Bytes of every array leaf of ``tree`` (arrays, ``ShapeDtypeStruct``s or scalars)."""
     total = 0
     for leaf in jax.tree_util.tree_leaves(tree):
+        if isinstance(leaf, (np.ndarray, np.generic)):  # a reply's arrays: the common case, without a dtype lookup
+            total += leaf.nbytes
+            continue
         shape = np.shape(leaf) if not hasattr(leaf, "shape") else leaf.shape
         dtype = leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
         if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):

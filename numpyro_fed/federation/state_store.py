@@ -37,6 +37,7 @@ def passthrough_jit(fn):
     """
     forwarded = {}  # the arguments' signature -> (state's structure, per leaf: input index or None)
     traced = []  # what the trace of the current call found, if it traced
+    traces = []  # every trace's finding: while there is one, every call reuses it
 
     def changed_only(block, state, *args):
         new_state, reply = fn(block, state, *args)
@@ -44,6 +45,7 @@ def passthrough_jit(fn):
         leaves, treedef = jax.tree_util.tree_flatten(new_state)
         which = tuple(given.get(id(leaf)) for leaf in leaves)
         traced.append((treedef, which))
+        traces.append(traced[-1])
         return [leaf for leaf, i in zip(leaves, which) if i is None], reply
 
     compiled = jax.jit(changed_only)
@@ -51,13 +53,16 @@ def passthrough_jit(fn):
     def call(block, state, *args):
         traced.clear()
         changed, reply = compiled(block, state, *args)
-        signature = _signature(block, state, args)
-        if traced:
-            forwarded[signature] = traced[-1]
-        elif signature not in forwarded:  # jit's cache met these arguments under another signature
-            jax.eval_shape(changed_only, block, state, *args)
-            forwarded[signature] = traced[-1]
-        treedef, which = forwarded[signature]
+        if traced or len(traces) > 1:  # jit traced once: its only trace holds, no signature needed
+            signature = _signature(block, state, args)
+            if traced:
+                forwarded[signature] = traced[-1]
+            elif signature not in forwarded:  # jit's cache met these arguments under another signature
+                jax.eval_shape(changed_only, block, state, *args)
+                forwarded[signature] = traced[-1]
+            treedef, which = forwarded[signature]
+        else:
+            treedef, which = traces[0]
         given, changed = jax.tree_util.tree_leaves(state), iter(changed)
         leaves = [next(changed) if i is None else given[i] for i in which]
         return jax.tree_util.tree_unflatten(treedef, leaves), reply
@@ -67,7 +72,14 @@ def passthrough_jit(fn):
 
 def _signature(*trees):
     leaves, treedef = jax.tree_util.tree_flatten(trees)
-    return treedef, tuple((np.shape(leaf), str(getattr(leaf, "dtype", type(leaf))), type(leaf)) for leaf in leaves)
+    return treedef, tuple(_leaf_signature(leaf) for leaf in leaves)
+
+
+def _leaf_signature(leaf):
+    """What jit specializes on (shape and dtype, or a Python scalar's type), and the type."""
+    if hasattr(leaf, "dtype"):
+        return leaf.shape, leaf.dtype, type(leaf)
+    return np.shape(leaf), type(leaf)
 
 
 class StateStore:

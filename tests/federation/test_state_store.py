@@ -53,6 +53,23 @@ def test_unchanged_arrays_come_back_as_the_objects_given():
     assert moved["weights"] is other["weights"]
 
 
+def test_calls_of_earlier_signatures_forward_what_their_own_trace_forwarded():
+    """Once the function traced for two signatures whose states it forwards differently, a
+    call of either (a hit in jit's cache, no trace) forwards what that signature's trace did."""
+
+    def f(block, state, x):  # forwards a long state's weights, rewrites a short one's
+        weights = state["weights"] if state["weights"].shape[0] > 3 else state["weights"] + 0.0
+        return {"weights": weights, "count": state["count"] + x}, x
+
+    call = passthrough_jit(f)
+    long, short = initial(5), initial(2)
+    for _ in range(2):
+        assert call(None, long, 1.0)[0]["weights"] is long["weights"]
+        new = call(None, short, 1.0)[0]
+        assert new["weights"] is not short["weights"]
+        np.testing.assert_array_equal(new["weights"], short["weights"])
+
+
 def test_a_changed_array_is_a_new_one():
     call = passthrough_jit(lambda block, state, x: ({"weights": state["weights"] * x, "count": state["count"]}, x))
     state = initial(5)
