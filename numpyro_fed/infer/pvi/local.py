@@ -180,12 +180,17 @@ def local_client_functions(
             return conditional.conditional_entropy(state.local, valid)
         return jnp.sum(jnp.where(valid, jnp.log(loc_scale(state.local)[1]) + _HALF_LOG_2_PI_E, 0.0))
 
-    def expected_log_lik(lblock: LocalBlock, state: LocalClientState, thetas):
+    def joint_draws(state, thetas):
+        """Draws of ``(theta, z_m)`` at the global draws ``thetas``, and the state with its key
+        moved on."""
         key, sub = jax.random.split(state.key)
         eps = jax.random.normal(sub, thetas.shape[:1] + state.local.eta1.shape, thetas.dtype)
-        zs = draw_local(state, eps, thetas)
-        joint = jax.vmap(lambda w: log_joint(w, lblock))(jnp.concatenate([thetas, zs], axis=-1))
-        return state._replace(key=key), jnp.mean(joint) + local_entropy(state, lblock.local_valid)
+        return state._replace(key=key), jnp.concatenate([thetas, draw_local(state, eps, thetas)], axis=-1)
+
+    def expected_log_lik(lblock: LocalBlock, state: LocalClientState, thetas):
+        state, draws = joint_draws(state, thetas)
+        joint = jax.vmap(lambda w: log_joint(w, lblock))(draws)
+        return state, jnp.mean(joint) + local_entropy(state, lblock.local_valid)
 
     def update(lblock: LocalBlock, state: LocalClientState, q, thetas, key, applied):
         state, log_lik = expected_log_lik(lblock, state, thetas)  # the loss's term, of q(z_m) before the update
@@ -213,9 +218,7 @@ def local_client_functions(
         return LocalClientState(own, new_local, state.key), reply
 
     def curvature(lblock: LocalBlock, state: LocalClientState, thetas):
-        key, sub = jax.random.split(state.key)
-        eps = jax.random.normal(sub, thetas.shape[:1] + state.local.eta1.shape, thetas.dtype)
-        draws = jnp.concatenate([thetas, draw_local(state, eps, thetas)], axis=-1)
+        state, draws = joint_draws(state, thetas)
         hessian = jax.hessian(lambda w: -log_joint(w, lblock))
         valid = lblock.local_valid
         both = valid[:, None] & valid[None, :]
@@ -235,7 +238,7 @@ def local_client_functions(
         zeros = jnp.zeros((num_global, num_global), draws.dtype)
         (h_gg, schur, count), _ = lax.scan(blocks, (zeros, zeros, jnp.zeros((), draws.dtype)), draws)
         h_gg = h_gg / draws.shape[0]
-        return state._replace(key=key), (h_gg, jnp.where(count > 0, schur / jnp.maximum(count, 1.0), h_gg))
+        return state, (h_gg, jnp.where(count > 0, schur / jnp.maximum(count, 1.0), h_gg))
 
     def local_draws(lblock: LocalBlock, state: LocalClientState, keys, thetas):
         eps = jax.vmap(lambda k: jax.random.normal(k, state.local.eta1.shape, thetas.dtype))(keys)
