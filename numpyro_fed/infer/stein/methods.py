@@ -25,6 +25,7 @@ from numpyro_fed.infer.stein.checks import runaway_problems, warn_runaway
 from numpyro_fed.infer.stein.client_order import check_client_order
 from numpyro_fed.infer.stein.face import ParticleMethod, kernel_stein_discrepancy
 from numpyro_fed.infer.stein.kde import check_kde_bandwidth
+from numpyro_fed.infer.stein.moments import GAUSSIAN_RESIDUAL, MOMENT_CORRECTION, can_correct, stein_moment_correction
 from numpyro_fed.infer.stein.optim import adagrad_momentum, check_optim
 
 __all__ = ["DSVGD", "PDSVGD", "UDSVGD"]
@@ -189,6 +190,7 @@ class DSVGD(ParticleMethod):
         batch_size: int | None = None,
         federation=None,
         min_clients: int | None = None,
+        moment_correction: int | None = None,
     ):
         super().__init__(
             model,
@@ -210,6 +212,9 @@ class DSVGD(ParticleMethod):
         self.svgd_bandwidth = None if svgd_bandwidth is None else check_positive(svgd_bandwidth, "svgd_bandwidth")
         self.client_order = check_client_order(client_order)
         self.min_clients = check_min_clients(min_clients)
+        if moment_correction is None:
+            moment_correction = MOMENT_CORRECTION if self.kde_bandwidth == "auto" else 0
+        self.moment_correction = check_int(moment_correction, "moment_correction", minimum=0)
         if self.min_clients is not None and type(self) is not DSVGD:
             raise ValueError(
                 f"min_clients={min_clients}: {type(self).__name__} does not skip clients that drop out; "
@@ -389,7 +394,6 @@ class DSVGD(ParticleMethod):
         if particles.shape[1] < 2:
             return result
         stein_mean, stein_scale = self._stein_metrics(particles, result.ledger)
-        result.metrics["stein_mean"], result.metrics["stein_scale"] = stein_mean, stein_scale
         all_visited = self._all_visited(result.metrics)
         problems = runaway_problems(
             self._initial_particles,
@@ -399,10 +403,55 @@ class DSVGD(ParticleMethod):
             from_prior=self._from_prior,
             all_visited=all_visited,
         )
+        if self.moment_correction and all_visited and can_correct(*particles.shape[1:]):
+            result, problems = self._correct_moments(result, problems)
+            particles = result.metrics["particles"]
+            mean, scale = self._stein_metrics(particles[-1:], result.ledger)
+            stein_mean, stein_scale = np.concatenate([stein_mean[:-1], mean]), np.concatenate([stein_scale[:-1], scale])
+            problems = problems + runaway_problems(
+                self._initial_particles,
+                particles[-1],
+                stein_mean[-1],
+                stein_scale[-1],
+                from_prior=self._from_prior,
+                all_visited=all_visited,
+            )
+        result.metrics["stein_mean"], result.metrics["stein_scale"] = stein_mean, stein_scale
         warn_runaway(
             type(self).__name__, particles.shape[0], problems, fixed_kde=self.kde_bandwidth != "auto", stacklevel=4
         )
         return result
+
+    def _correct_moments(self, result, problems):
+        """Stein's moment correction of the last round's particles
+        (:func:`~numpyro_fed.infer.stein.moments.stein_moment_correction`, ``moment_correction``
+        times, each with every client's full-batch gradient at the particles: a
+        ``"potential_grad"`` call, in the ledger): the corrected particles become the state's
+        global particles and the last round's ``particles``. ``problems``: Stein's check of the
+        uncorrected particles; returned only where the target is not close to Gaussian over
+        the particles (the correction then rests on their shape), as a problem of the run."""
+        score = self._target_score()
+        step = jax.jit(lambda x: stein_moment_correction(x, score(x)))
+        x = jnp.asarray(result.metrics["particles"][-1])
+        residuals = []
+        for _ in range(self.moment_correction):
+            x, residual = self.through_clients(lambda x=x: step(x), result.ledger)
+            residuals.append(float(residual))
+        particles = np.array(result.metrics["particles"])
+        particles[-1] = np.asarray(x)
+        result.metrics["particles"] = particles
+        result.metrics["moment_residual"] = np.full(particles.shape[0], np.nan)
+        result.metrics["moment_residual"][-1] = residuals[-1]
+        state = result.state._replace(global_particles=jnp.asarray(x, result.state.global_particles.dtype))
+        result = result._replace(state=state)
+        kept = []
+        if problems and residuals[-1] > GAUSSIAN_RESIDUAL:
+            kept = [
+                f"before Stein's moment correction {'; '.join(problems)}, and the target is not close to "
+                f"Gaussian over the particles (a linear score leaves {residuals[-1]:.3g} of its variance, "
+                f"more than {GAUSSIAN_RESIDUAL}), so the correction cannot be trusted to fix it"
+            ]
+        return result, kept
 
 
 class PDSVGD(DSVGD):
