@@ -100,6 +100,16 @@ class DSVGD(ParticleMethod):
         ``ClientError`` only when fewer than ``min_clients`` clients are in (those whose last
         scheduled round answered, or not scheduled yet). DSVGD only (not its variants). The
         guide's *Nodes that drop out*.
+    :param int moment_correction: ``None`` (default): 3 with ``kde_bandwidth="auto"``, 0
+        with a fixed bandwidth. Corrections of the last round's global particles once every
+        client has been scheduled (:func:`~numpyro_fed.infer.stein.moments.stein_moment_correction`):
+        each asks every client for its full-batch gradient at the particles (the
+        ``"potential_grad"`` call of Stein's check) and moves them by the affine map that gives
+        them the mean and covariance of the Gaussian whose score best fits the target's in
+        least squares, keeping their shape. Exact for a Gaussian posterior; consistent for any
+        posterior the particles follow in shape. Needs ``N > d + 1`` (otherwise not applied).
+        0: the particles of the rounds, as in the paper. The DSVGD guide, *Stein's moment
+        correction*.
     :param federation: where the clients run: ``None`` (the default: in this process) or a
         :class:`~numpyro_fed.federation.Federation` such as :class:`~numpyro_fed.RayFederation`
         (each client a worker holding only its own rows); same key, same answer. Each round
@@ -138,7 +148,12 @@ class DSVGD(ParticleMethod):
     the last round, a mean more than 0.3 posterior sds off by that measure, ``stein_scale``
     outside ``[1/1.5^2, 1.5^2]`` (the limits of agreement with a reference), or (in a run
     from the init strategy's draws) a spread or a distance from them of more than 1000 of
-    their sds, is reported by a :class:`RuntimeWarning` that names what to change.
+    their sds, is reported by a :class:`RuntimeWarning` that names what to change. With
+    ``moment_correction``, the last round's statistics are those of the corrected particles
+    (what :meth:`get_samples` returns; ``metrics["moment_residual"]`` holds the fraction of
+    the score's variance its linear fit left), and a failed check of the uncorrected
+    particles still warns where that fraction exceeds 0.05 (the target is then not close to
+    Gaussian over the particles).
 
     **Example**
 
@@ -167,6 +182,7 @@ class DSVGD(ParticleMethod):
         "temperature",
         "client_order",
         "batch_size",
+        "moment_correction",
     )
 
     def __init__(
