@@ -356,6 +356,8 @@ class DSVGD(ParticleMethod):
             from_prior=self._from_prior,
             all_visited=all_visited,
         )
+        if problems:  # the remedy of a centred hierarchy, whose runs end here or non-finite
+            problems.append(self.divergence_advice.replace("; otherwise lower learning_rate", ""))
         warn_runaway(
             type(self).__name__,
             len(result.metrics["client"]),
