@@ -426,7 +426,7 @@ class DSVGD(ParticleMethod):
             particles = result.metrics["particles"]
             mean, scale = self._stein_metrics(particles[-1:], result.ledger)
             stein_mean, stein_scale = np.concatenate([stein_mean[:-1], mean]), np.concatenate([stein_scale[:-1], scale])
-            problems = problems + runaway_problems(
+            after = runaway_problems(
                 self._initial_particles,
                 particles[-1],
                 stein_mean[-1],
@@ -434,6 +434,7 @@ class DSVGD(ParticleMethod):
                 from_prior=self._from_prior,
                 all_visited=all_visited,
             )
+            problems = problems + [p for p in after if p not in problems]
         result.metrics["stein_mean"], result.metrics["stein_scale"] = stein_mean, stein_scale
         warn_runaway(
             type(self).__name__, particles.shape[0], problems, fixed_kde=self.kde_bandwidth != "auto", stacklevel=4
@@ -453,7 +454,10 @@ class DSVGD(ParticleMethod):
         x = jnp.asarray(result.metrics["particles"][-1])
         residuals = []
         for _ in range(self.moment_correction):
-            x, residual = self.through_clients(lambda x=x: step(x), result.ledger)
+            moved, residual = self.through_clients(lambda x=x: step(x), result.ledger)
+            if not np.all(np.isfinite(moved)):  # a non-finite score: keep the particles it had
+                return result, problems + ["Stein's moment correction met a non-finite score at the particles"]
+            x = jnp.asarray(moved)
             residuals.append(float(residual))
         particles = np.array(result.metrics["particles"])
         particles[-1] = np.asarray(x)
