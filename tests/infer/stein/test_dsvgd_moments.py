@@ -37,8 +37,8 @@ def test_directions_that_are_not_log_concave_keep_their_scale():
     x = jax.random.normal(jax.random.PRNGKey(0), (50, 2), jnp.float64)
     scores = jnp.stack([-x[:, 0], x[:, 1]], 1)  # concave in the first, convex in the second
     y, _ = stein_moment_correction(x, scores)
-    assert abs(float(y[:, 1].std() / x[:, 1].std()) - 1.0) < 0.01
-    assert abs(float(y[:, 0].std()) - 1.0) < 0.01
+    assert abs(float(y[:, 1].std() / x[:, 1].std()) - 1.0) < 0.05
+    assert abs(float(y[:, 0].std()) - 1.0) < 0.05
 
 
 def raw_regression(seed=0):
