@@ -101,8 +101,9 @@ class DSVGD(ParticleMethod):
         scheduled round answered, or not scheduled yet). DSVGD only (not its variants). The
         guide's *Nodes that drop out*.
     :param int moment_correction: ``None`` (default): 3 with ``kde_bandwidth="auto"``, 0
-        with a fixed bandwidth. Corrections of the last round's global particles once every
-        client has been scheduled (:func:`~numpyro_fed.infer.stein.moments.stein_moment_correction`):
+        with a fixed bandwidth (and in U-DSVGD, whose clients keep the global iterates).
+        Corrections of the last round's global particles once every client has been
+        scheduled (:func:`~numpyro_fed.infer.stein.moments.stein_moment_correction`):
         each asks every client for its full-batch gradient at the particles (the
         ``"potential_grad"`` call of Stein's check) and moves them by the affine map that gives
         them the mean and covariance of the Gaussian whose score best fits the target's in
@@ -229,7 +230,7 @@ class DSVGD(ParticleMethod):
         self.client_order = check_client_order(client_order)
         self.min_clients = check_min_clients(min_clients)
         if moment_correction is None:
-            moment_correction = MOMENT_CORRECTION if self.kde_bandwidth == "auto" else 0
+            moment_correction = MOMENT_CORRECTION if self.kde_bandwidth == "auto" and self.corrects_moments else 0
         self.moment_correction = check_int(moment_correction, "moment_correction", minimum=0)
         if self.min_clients is not None and type(self) is not DSVGD:
             raise ValueError(
@@ -239,6 +240,9 @@ class DSVGD(ParticleMethod):
 
     local_latents = True
     _layout = None  # the LatentLayout of a model with client-local latents
+    #: whether ``moment_correction=None`` means :data:`~numpyro_fed.infer.stein.moments.MOMENT_CORRECTION`
+    #: corrections with ``kde_bandwidth="auto"`` (U-DSVGD: 0, its clients keep the global iterates)
+    corrects_moments = True
 
     @property
     def divergence_advice(self) -> str:
@@ -587,6 +591,10 @@ class UDSVGD(DSVGD):
     >>> udsvgd.run(jax.random.PRNGKey(0), 3, jnp.arange(4.0)).state.clients.values.history.shape
     (2, 4, 20, 1)
     """
+
+    # its clients' buffers hold the global iterates, the recursion (15) of a continued run too:
+    # the default leaves the last iterate as the rounds made it
+    corrects_moments = False
 
     repr_fields = ("num_particles", "num_local_steps", "kde_bandwidth", "temperature", "client_order", "batch_size")
     local_latents = False
