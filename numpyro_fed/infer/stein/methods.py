@@ -25,6 +25,7 @@ from numpyro_fed.infer.stein.checks import runaway_problems, warn_runaway
 from numpyro_fed.infer.stein.client_order import check_client_order
 from numpyro_fed.infer.stein.face import ParticleMethod, kernel_stein_discrepancy
 from numpyro_fed.infer.stein.kde import check_kde_bandwidth
+from numpyro_fed.infer.stein.moments import GAUSSIAN_RESIDUAL, MOMENT_CORRECTION, can_correct, stein_moment_correction
 from numpyro_fed.infer.stein.optim import adagrad_momentum, check_optim
 
 __all__ = ["DSVGD", "PDSVGD", "UDSVGD"]
@@ -99,6 +100,17 @@ class DSVGD(ParticleMethod):
         ``ClientError`` only when fewer than ``min_clients`` clients are in (those whose last
         scheduled round answered, or not scheduled yet). DSVGD only (not its variants). The
         guide's *Nodes that drop out*.
+    :param int moment_correction: ``None`` (default): 3 with ``kde_bandwidth="auto"``, 0
+        with a fixed bandwidth (and in U-DSVGD, whose clients keep the global iterates).
+        Corrections of the last round's global particles once every client has been
+        scheduled (:func:`~numpyro_fed.infer.stein.moments.stein_moment_correction`):
+        each asks every client for its full-batch gradient at the particles (the
+        ``"potential_grad"`` call of Stein's check) and moves them by the affine map that gives
+        them the mean and covariance of the Gaussian whose score best fits the target's in
+        least squares, keeping their shape. Exact for a Gaussian posterior; consistent for any
+        posterior the particles follow in shape. Needs ``N > d + 1`` (otherwise not applied).
+        0: the particles of the rounds, as in the paper. The DSVGD guide, *Stein's moment
+        correction*.
     :param federation: where the clients run: ``None`` (the default: in this process) or a
         :class:`~numpyro_fed.federation.Federation` such as :class:`~numpyro_fed.RayFederation`
         (each client a worker holding only its own rows); same key, same answer. Each round
@@ -137,7 +149,12 @@ class DSVGD(ParticleMethod):
     the last round, a mean more than 0.3 posterior sds off by that measure, ``stein_scale``
     outside ``[1/1.5^2, 1.5^2]`` (the limits of agreement with a reference), or (in a run
     from the init strategy's draws) a spread or a distance from them of more than 1000 of
-    their sds, is reported by a :class:`RuntimeWarning` that names what to change.
+    their sds, is reported by a :class:`RuntimeWarning` that names what to change. With
+    ``moment_correction``, the last round's statistics are those of the corrected particles
+    (what :meth:`get_samples` returns; ``metrics["moment_residual"]`` holds the fraction of
+    the score's variance its linear fit left), and a failed check of the uncorrected
+    particles still warns where that fraction exceeds 0.05 (the target is then not close to
+    Gaussian over the particles).
 
     **Example**
 
@@ -166,6 +183,7 @@ class DSVGD(ParticleMethod):
         "temperature",
         "client_order",
         "batch_size",
+        "moment_correction",
     )
 
     def __init__(
@@ -189,6 +207,7 @@ class DSVGD(ParticleMethod):
         batch_size: int | None = None,
         federation=None,
         min_clients: int | None = None,
+        moment_correction: int | None = None,
     ):
         super().__init__(
             model,
@@ -210,6 +229,9 @@ class DSVGD(ParticleMethod):
         self.svgd_bandwidth = None if svgd_bandwidth is None else check_positive(svgd_bandwidth, "svgd_bandwidth")
         self.client_order = check_client_order(client_order)
         self.min_clients = check_min_clients(min_clients)
+        if moment_correction is None:
+            moment_correction = MOMENT_CORRECTION if self.kde_bandwidth == "auto" and self.corrects_moments else 0
+        self.moment_correction = check_int(moment_correction, "moment_correction", minimum=0)
         if self.min_clients is not None and type(self) is not DSVGD:
             raise ValueError(
                 f"min_clients={min_clients}: {type(self).__name__} does not skip clients that drop out; "
@@ -218,6 +240,9 @@ class DSVGD(ParticleMethod):
 
     local_latents = True
     _layout = None  # the LatentLayout of a model with client-local latents
+    #: whether ``moment_correction=None`` means :data:`~numpyro_fed.infer.stein.moments.MOMENT_CORRECTION`
+    #: corrections with ``kde_bandwidth="auto"`` (U-DSVGD: 0, its clients keep the global iterates)
+    corrects_moments = True
 
     @property
     def divergence_advice(self) -> str:
@@ -335,6 +360,8 @@ class DSVGD(ParticleMethod):
             from_prior=self._from_prior,
             all_visited=all_visited,
         )
+        if problems:  # the remedy of a centred hierarchy, whose runs end here or non-finite
+            problems.append(self.divergence_advice.replace("; otherwise lower learning_rate", ""))
         warn_runaway(
             type(self).__name__,
             len(result.metrics["client"]),
@@ -389,7 +416,6 @@ class DSVGD(ParticleMethod):
         if particles.shape[1] < 2:
             return result
         stein_mean, stein_scale = self._stein_metrics(particles, result.ledger)
-        result.metrics["stein_mean"], result.metrics["stein_scale"] = stein_mean, stein_scale
         all_visited = self._all_visited(result.metrics)
         problems = runaway_problems(
             self._initial_particles,
@@ -399,10 +425,59 @@ class DSVGD(ParticleMethod):
             from_prior=self._from_prior,
             all_visited=all_visited,
         )
+        if self.moment_correction and all_visited and can_correct(*particles.shape[1:]):
+            result, problems = self._correct_moments(result, problems)
+            particles = result.metrics["particles"]
+            mean, scale = self._stein_metrics(particles[-1:], result.ledger)
+            stein_mean, stein_scale = np.concatenate([stein_mean[:-1], mean]), np.concatenate([stein_scale[:-1], scale])
+            after = runaway_problems(
+                self._initial_particles,
+                particles[-1],
+                stein_mean[-1],
+                stein_scale[-1],
+                from_prior=self._from_prior,
+                all_visited=all_visited,
+            )
+            problems = problems + [p for p in after if p not in problems]
+        result.metrics["stein_mean"], result.metrics["stein_scale"] = stein_mean, stein_scale
         warn_runaway(
             type(self).__name__, particles.shape[0], problems, fixed_kde=self.kde_bandwidth != "auto", stacklevel=4
         )
         return result
+
+    def _correct_moments(self, result, problems):
+        """Stein's moment correction of the last round's particles
+        (:func:`~numpyro_fed.infer.stein.moments.stein_moment_correction`, ``moment_correction``
+        times, each with every client's full-batch gradient at the particles: a
+        ``"potential_grad"`` call, in the ledger): the corrected particles become the state's
+        global particles and the last round's ``particles``. ``problems``: Stein's check of the
+        uncorrected particles; returned only where the target is not close to Gaussian over
+        the particles (the correction then rests on their shape), as a problem of the run."""
+        score = self._target_score()
+        step = jax.jit(lambda x: stein_moment_correction(x, score(x)))
+        x = jnp.asarray(result.metrics["particles"][-1])
+        residuals = []
+        for _ in range(self.moment_correction):
+            moved, residual = self.through_clients(lambda x=x: step(x), result.ledger)
+            if not np.all(np.isfinite(moved)):  # a non-finite score: keep the particles it had
+                return result, problems + ["Stein's moment correction met a non-finite score at the particles"]
+            x = jnp.asarray(moved)
+            residuals.append(float(residual))
+        particles = np.array(result.metrics["particles"])
+        particles[-1] = np.asarray(x)
+        result.metrics["particles"] = particles
+        result.metrics["moment_residual"] = np.full(particles.shape[0], np.nan)
+        result.metrics["moment_residual"][-1] = residuals[-1]
+        state = result.state._replace(global_particles=jnp.asarray(x, result.state.global_particles.dtype))
+        result = result._replace(state=state)
+        kept = []
+        if problems and residuals[-1] > GAUSSIAN_RESIDUAL:
+            kept = [
+                f"before Stein's moment correction {'; '.join(problems)}, and the target is not close to "
+                f"Gaussian over the particles (a linear score leaves {residuals[-1]:.3g} of its variance, "
+                f"more than {GAUSSIAN_RESIDUAL}), so the correction cannot be trusted to fix it"
+            ]
+        return result, kept
 
 
 class PDSVGD(DSVGD):
@@ -516,6 +591,10 @@ class UDSVGD(DSVGD):
     >>> udsvgd.run(jax.random.PRNGKey(0), 3, jnp.arange(4.0)).state.clients.values.history.shape
     (2, 4, 20, 1)
     """
+
+    # its clients' buffers hold the global iterates, the recursion (15) of a continued run too:
+    # the default leaves the last iterate as the rounds made it
+    corrects_moments = False
 
     repr_fields = ("num_particles", "num_local_steps", "kde_bandwidth", "temperature", "client_order", "batch_size")
     local_latents = False
