@@ -452,13 +452,15 @@ class DecentralizedKernel(FederatedMCMCKernel):
         values = mcmc.get_extra_fields().get("agents")
         if values is None:
             return 0, 0
-        bad, total = 0, 0
+        # an iterate (one agent, iteration and chain) is bad when any of its sites is not finite
+        bad = None
         for v in jax.tree.leaves(values):
             v = np.asarray(jax.device_get(v))
             per_iterate = ~np.isfinite(v.reshape(v.shape[:2] + (-1,))).all(-1)
-            bad += int(per_iterate.sum())
-            total = per_iterate.size
-        return bad, total
+            bad = per_iterate if bad is None else bad | per_iterate
+        if bad is None:
+            return 0, 0
+        return int(bad.sum()), int(bad.size)
 
     # -- what to_inference_data reads -------------------------------------------------------
     def extra_groups(self, mcmc):
