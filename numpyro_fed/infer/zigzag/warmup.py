@@ -16,6 +16,17 @@ The estimates are refreshed at ``1/8``, ``1/4``, ``1/2`` and the end of the warm
 the first from the whole path after ``1/8``, which drops the approach to equilibrium); after
 the warmup the interval is fixed and the chain is an exact Zig-Zag process sampled at equal
 times.
+
+**The interval and the slowest direction.** Three sds of the smallest coordinate is enough
+where the coordinates mix at the pace of their own scales; on a posterior the process
+crosses slowly (a centred hierarchy, where the group scale moves only as fast as the spread of
+its many effects) a draw that short is correlated with many after it. Over the last warmup
+window (the interval is constant there) the draws' autocorrelations at lags 1, 2, 4, ..., 64
+are accumulated for every coordinate; at the end of the warmup the largest integrated
+autocorrelation time ``tau`` (in draws; its tail past the last lag extrapolated
+geometrically) sets a floor: the interval is at least the window's interval times
+``tau / TARGET_AUTOCORRELATION``, at most ``MAX_INTERVAL_GROWTH`` times it, so that the
+slowest coordinate keeps a good share of its draws effective (see :data:`TARGET_AUTOCORRELATION`).
 """
 
 from __future__ import annotations
@@ -41,8 +52,13 @@ __all__ = [
     "DEFAULT_INTERVAL",
     "INITIAL_INTERVAL",
     "INTERVAL_SDS",
+    "LAGS",
+    "MAX_INTERVAL_GROWTH",
     "STALL_MIN_PROPOSALS",
+    "TARGET_AUTOCORRELATION",
     "WarmupState",
+    "accumulate_lags",
+    "autocorrelation_time",
     "init_warmup",
     "interval_windows",
     "warmup_adaptation",
@@ -69,6 +85,18 @@ INTERVAL_SDS = 3.0
 INITIAL_INTERVAL = 0.1
 #: ``sample_interval`` when it is not given and there is no warmup to adapt it
 DEFAULT_INTERVAL = 1.0
+#: the lags (in draws) at which the last warmup window's autocorrelations are measured
+LAGS = (1, 2, 4, 8, 16, 32, 64)
+#: the integrated autocorrelation time (in draws) the adapted interval allows the slowest
+#: coordinate, as the warmup estimates it. The estimate from one window of a few hundred
+#: draws is noisy and runs low where the autocorrelation time is long against the window: on
+#: the centred radon model (tests/zoo/real_models.py) it gave 15 draws where the sampling
+#: phase's draws at the same interval had 30. With 2.5 the slowest coordinate keeps about one
+#: effective draw in 5 at such an estimate (the real tier's target is 1 in 10)
+TARGET_AUTOCORRELATION = 2.5
+#: the autocorrelation may lengthen the interval at most this many times (a bound on the cost
+#: of a draw; a chain that needs more is left to ``check_run``'s effective-draws warning)
+MAX_INTERVAL_GROWTH = 16.0
 
 
 class WarmupState(NamedTuple):
@@ -79,7 +107,10 @@ class WarmupState(NamedTuple):
     interval: ``interval`` (process time between draws, fixed after the warmup), the path's
     integrals of ``x`` and ``x^2`` (its diagonal) and its duration and switches since the
     current estimation window began (``scale_sum``, ``scale_square``, ``scale_time``,
-    ``scale_events``)."""
+    ``scale_events``); over the last window, the draws' sums, sums of squares and lagged
+    products (:data:`LAGS`) about the window's first draw and the last ``max(LAGS)`` draws
+    (``lag_shift``, ``lag_sum``, ``lag_square``, ``lag_products``, ``lag_counts``,
+    ``lag_ring``)."""
 
     reference: ControlVariates | None
     active: jax.Array
@@ -92,6 +123,12 @@ class WarmupState(NamedTuple):
     scale_square: jax.Array
     scale_time: jax.Array
     scale_events: jax.Array
+    lag_shift: jax.Array | None = None
+    lag_sum: jax.Array | None = None
+    lag_square: jax.Array | None = None
+    lag_products: jax.Array | None = None
+    lag_counts: jax.Array | None = None
+    lag_ring: jax.Array | None = None
 
 
 def init_warmup(reference: ControlVariates | None, active: bool, u, interval=DEFAULT_INTERVAL) -> WarmupState:
@@ -109,6 +146,12 @@ def init_warmup(reference: ControlVariates | None, active: bool, u, interval=DEF
         scale_square=jnp.zeros_like(u),
         scale_time=jnp.zeros((), u.dtype),
         scale_events=jnp.zeros((), u.dtype),
+        lag_shift=jnp.zeros_like(u),
+        lag_sum=jnp.zeros_like(u),
+        lag_square=jnp.zeros_like(u),
+        lag_products=jnp.zeros((len(LAGS),) + u.shape, u.dtype),
+        lag_counts=jnp.zeros(len(LAGS), u.dtype),
+        lag_ring=jnp.zeros((max(LAGS),) + u.shape, u.dtype),
     )
 
 
@@ -122,7 +165,62 @@ def interval_windows(num_warmup: int) -> list[int]:
     return sorted({max(1, math.ceil(f * num_warmup)) for f in (1 / 8, 1 / 4, 1 / 2, 1)}) if num_warmup else []
 
 
-def _adapt_interval(adapt: WarmupState, info: SampleInfo, i, ends):
+def accumulate_lags(adapt: WarmupState, x, i, start):
+    """The draw ``x`` (number ``i``) added to the last window's lagged products (the window
+    begins at draw ``start``)."""
+    k = i - start  # the draw's place in the window
+    first = k == 0
+    shift = jnp.where(first, x, adapt.lag_shift)
+    y = x - shift
+    size = adapt.lag_ring.shape[0]
+    lags = jnp.asarray(LAGS)
+    earlier = adapt.lag_ring[(k - lags) % size]  # (lags, d): the draws ``lag`` before this one
+    has = (lags <= k).astype(x.dtype)
+    return adapt._replace(
+        lag_shift=shift,
+        lag_sum=adapt.lag_sum + y,
+        lag_square=adapt.lag_square + y * y,
+        lag_products=adapt.lag_products + has[:, None] * earlier * y,
+        lag_counts=adapt.lag_counts + has,
+        lag_ring=adapt.lag_ring.at[k % size].set(y),
+    )
+
+
+def autocorrelation_time(adapt: WarmupState):
+    """``(d,)`` integrated autocorrelation times (in draws) of the last window's draws: twice
+    the integral of the autocorrelation over the lags (1 at lag 0, made non-increasing, and
+    geometric between :data:`LAGS`), cut where it first falls to 0.05 or below, or continued past the last lag by
+    the geometric decay of the last two (at most ``4 max(LAGS)`` more). A lag counts where three
+    quarters of the window's draws have a partner that far back; a coordinate that did not
+    move has 1."""
+    dtype = adapt.lag_sum.dtype
+    n = jnp.maximum(adapt.lag_counts[0] + 1, 1.0)
+    mean = adapt.lag_sum / n
+    variance = adapt.lag_square / n - mean * mean
+    counts = jnp.maximum(adapt.lag_counts, 1.0)
+    rho = (adapt.lag_products / counts[:, None] - mean * mean) / jnp.where(variance > 0, variance, 1.0)
+    usable = (adapt.lag_counts >= 0.75 * n)[:, None] & (variance > 0)
+    lags = jnp.asarray((0,) + LAGS, dtype)
+    rho = jnp.concatenate([jnp.ones_like(mean)[None], jnp.where(usable, rho, 0.0)])
+    rho = lax.cummin(rho, axis=0)  # monotone, as Geyer's initial sequence: no rise from noise
+    # cut at the first lag whose autocorrelation is small: from there on it adds noise only
+    small = jnp.cumsum(rho <= 0.05, axis=0) > 0
+    rho = jnp.where(small, jnp.maximum(rho, 0.0), rho)
+    rho = jnp.where(jnp.cumsum(small, axis=0) > 1, 0.0, rho)
+    # each segment's integral exact for a geometric decay between positive ends, else linear
+    upper, lower, width = rho[:-1], rho[1:], (lags[1:] - lags[:-1])[:, None]
+    geometric = (lower > 0) & (upper > lower * (1 + 1e-6))
+    ratio = jnp.log(jnp.where(geometric, upper / jnp.where(geometric, lower, 1.0), 2.0))
+    area = jnp.sum(width * jnp.where(geometric, (upper - lower) / ratio, (upper + lower) / 2), axis=0)
+    last, before = rho[-1], rho[-2]
+    decay = jnp.clip(jnp.where((last > 0.05) & (before > last), last / before, 0.0), 0.0, 0.999)
+    per_lag = -(lags[-1] - lags[-2]) / jnp.log(jnp.where(decay > 0, decay, 0.5))
+    tail = jnp.where(decay > 0, last * jnp.minimum(per_lag, 4 * lags[-1]), 0.0)
+    tau = 2 * (area + tail)
+    return jnp.where(variance > 0, jnp.maximum(tau, 1.0), 1.0).astype(dtype)
+
+
+def _adapt_interval(adapt: WarmupState, info: SampleInfo, i, ends, x=None):
     """The interval after warmup draw ``i`` (see the module's docstring)."""
     dtype = adapt.interval.dtype
     d = adapt.scale_sum.shape[-1]
@@ -149,6 +247,12 @@ def _adapt_interval(adapt: WarmupState, info: SampleInfo, i, ends):
 
     interval = jnp.where((i + 1 < ends[0]) & usable(by_rate), by_rate, adapt.interval)
     interval = jnp.where(at_end & usable(by_sd), by_sd, interval)
+    if x is not None and ends.shape[0] > 1:  # the last window's autocorrelation
+        start = ends[-2]
+        adapt = lax.cond(i >= start, lambda a: accumulate_lags(a, x, i, start), lambda a: a, adapt)
+        tau = jnp.max(autocorrelation_time(adapt))
+        slowest = adapt.interval * jnp.minimum(tau / TARGET_AUTOCORRELATION, MAX_INTERVAL_GROWTH)
+        interval = jnp.where((i + 1 == ends[-1]) & usable(slowest), jnp.maximum(interval, slowest), interval)
     adapt = adapt._replace(interval=interval.astype(dtype))
     # the first window (the approach to equilibrium) is forgotten
     restart = i + 1 == ends[0]
@@ -202,7 +306,7 @@ def warmup_adaptation(
         warm = i < num_warmup
         if interval_warmup:
             adapt = lax.cond(
-                i < interval_warmup, lambda a: _adapt_interval(a, info, i, interval_ends), lambda a: a, adapt
+                i < interval_warmup, lambda a: _adapt_interval(a, info, i, interval_ends, state.x), lambda a: a, adapt
             )
         fallback_possible = can_switch_off and adapt.reference is not None
         stalled_now = (

@@ -3,6 +3,7 @@
 import warnings
 
 import numpy as np
+import pytest
 
 import jax
 
@@ -156,3 +157,52 @@ def test_float32_adapts_silently():
     # 1000 draws three sds apart: ESS above 500, so 4.5 standard errors is 0.2 sd
     assert abs(mu.mean() - exact) < 0.2 * sd
     assert abs(mu.std() / sd - 1) < 4.5 / np.sqrt(2 * 500)
+
+
+def regression(x, y):
+    w = numpyro.sample("w", dist.Normal(0, 100).expand([2]).to_event(1))
+    with nf.federated_plate("data", y.shape[0], clients=4):
+        numpyro.sample("y", dist.Normal(w[0] + w[1] * x, 1.0), obs=y)
+
+
+@pytest.mark.long
+def test_slowly_mixing_posterior_gets_a_longer_interval_from_the_warmups_autocorrelation():
+    # intercept and slope with a raw covariate around 3: posterior correlation -0.95, run in x
+    # (no preconditioner), where the process crosses the ridge slowly. Three sds of the
+    # smallest coordinate per draw gave 141-177 effective draws of 1000 (two keys); the warmup's
+    # autocorrelation lengthens the interval about 2.3x and gives 370-420
+    n = 200
+    k_x, k_y = jax.random.split(jax.random.PRNGKey(0))
+    x = 3.0 + jax.random.normal(k_x, (n,))
+    y = 1.0 + 0.5 * x + jax.random.normal(k_y, (n,))
+    design = np.stack([np.ones(n), np.asarray(x)], 1)
+    cov = np.linalg.inv(design.T @ design + np.eye(2) / 100**2)
+    mean, sd = cov @ design.T @ np.asarray(y), np.sqrt(np.diag(cov))
+    _, post, mcmc = _intervals(nf.FedZigZag(regression, preconditioner=None), x, y, num_warmup=500, num_samples=1000)
+    assert post[0] > 1.5 * INTERVAL_SDS * sd.min()
+    draws = np.asarray(mcmc.get_samples()["w"])
+    ess = np.asarray(effective_sample_size(draws[None]))
+    assert ess.min() >= 250, ess
+    assert np.all(np.abs(draws.mean(0) - mean) < 4.5 * sd / np.sqrt(ess))
+    assert np.all(np.abs(draws.std(0) / sd - 1) < 4.5 / np.sqrt(2 * ess))
+
+
+def test_autocorrelation_time_of_ar1_draws():
+    # the estimator the interval's floor uses, on AR(1) series (tau = (1 + phi) / (1 - phi)):
+    # within 40% of the truth for 0.5 and 0.9 over 2000 draws (about 100 effective draws at
+    # 0.9), 1 for independent draws
+    from numpyro_fed.infer.zigzag.warmup import accumulate_lags, autocorrelation_time, init_warmup
+
+    rng = np.random.default_rng(0)
+    n, d = 2000, 3
+    for phi in (0.0, 0.5, 0.9):
+        x = np.zeros((n, d))
+        x[0] = rng.normal(size=d) / np.sqrt(1 - phi**2)
+        for t in range(1, n):
+            x[t] = phi * x[t - 1] + rng.normal(size=d)
+        adapt = init_warmup(None, False, jax.numpy.zeros(d))
+        add = jax.jit(lambda a, xt, t: accumulate_lags(a, xt, t, 0))
+        for t in range(n):
+            adapt = add(adapt, jax.numpy.asarray(5.0 + x[t]), t)
+        tau = np.asarray(autocorrelation_time(adapt))
+        assert np.all(np.abs(tau / ((1 + phi) / (1 - phi)) - 1) < 0.4), (phi, tau)
