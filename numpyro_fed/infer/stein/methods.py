@@ -417,20 +417,9 @@ class DSVGD(ParticleMethod):
             return result
         stein_mean, stein_scale = self._stein_metrics(particles, result.ledger)
         all_visited = self._all_visited(result.metrics)
-        problems = runaway_problems(
-            self._initial_particles,
-            particles[-1],
-            stein_mean[-1],
-            stein_scale[-1],
-            from_prior=self._from_prior,
-            all_visited=all_visited,
-        )
-        if self.moment_correction and all_visited and can_correct(*particles.shape[1:]):
-            result, problems = self._correct_moments(result, problems)
-            particles = result.metrics["particles"]
-            mean, scale = self._stein_metrics(particles[-1:], result.ledger)
-            stein_mean, stein_scale = np.concatenate([stein_mean[:-1], mean]), np.concatenate([stein_scale[:-1], scale])
-            after = runaway_problems(
+
+        def last_round_problems():
+            return runaway_problems(
                 self._initial_particles,
                 particles[-1],
                 stein_mean[-1],
@@ -438,6 +427,14 @@ class DSVGD(ParticleMethod):
                 from_prior=self._from_prior,
                 all_visited=all_visited,
             )
+
+        problems = last_round_problems()
+        if self.moment_correction and all_visited and can_correct(*particles.shape[1:]):
+            result, problems = self._correct_moments(result, problems)
+            particles = result.metrics["particles"]
+            mean, scale = self._stein_metrics(particles[-1:], result.ledger)
+            stein_mean, stein_scale = np.concatenate([stein_mean[:-1], mean]), np.concatenate([stein_scale[:-1], scale])
+            after = last_round_problems()
             problems = problems + [p for p in after if p not in problems]
         result.metrics["stein_mean"], result.metrics["stein_scale"] = stein_mean, stein_scale
         warn_runaway(

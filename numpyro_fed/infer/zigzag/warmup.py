@@ -250,9 +250,14 @@ def _adapt_interval(adapt: WarmupState, info: SampleInfo, i, ends, x=None):
     if x is not None and ends.shape[0] > 1:  # the last window's autocorrelation
         start = ends[-2]
         adapt = lax.cond(i >= start, lambda a: accumulate_lags(a, x, i, start), lambda a: a, adapt)
-        tau = jnp.max(autocorrelation_time(adapt))
-        slowest = adapt.interval * jnp.minimum(tau / TARGET_AUTOCORRELATION, MAX_INTERVAL_GROWTH)
-        interval = jnp.where((i + 1 == ends[-1]) & usable(slowest), jnp.maximum(interval, slowest), interval)
+        window = adapt
+
+        def with_floor(interval):  # at the warmup's last draw only: the window's estimate
+            tau = jnp.max(autocorrelation_time(window))
+            slowest = window.interval * jnp.minimum(tau / TARGET_AUTOCORRELATION, MAX_INTERVAL_GROWTH)
+            return jnp.where(usable(slowest), jnp.maximum(interval, slowest), interval).astype(interval.dtype)
+
+        interval = lax.cond(i + 1 == ends[-1], with_floor, lambda v: v, interval)
     adapt = adapt._replace(interval=interval.astype(dtype))
     # the first window (the approach to equilibrium) is forgotten
     restart = i + 1 == ends[0]
