@@ -36,7 +36,6 @@ def passthrough_jit(fn):
     (True, 1.0)
     """
     forwarded = {}  # the arguments' signature -> (state's structure, per leaf: input index or None)
-    traced = []  # what the trace of the current call found, if it traced
     traces = []  # every trace's finding: while there is one, every call reuses it
 
     def changed_only(block, state, *args):
@@ -44,22 +43,22 @@ def passthrough_jit(fn):
         given = {id(leaf): i for i, leaf in enumerate(jax.tree_util.tree_leaves(state))}
         leaves, treedef = jax.tree_util.tree_flatten(new_state)
         which = tuple(given.get(id(leaf)) for leaf in leaves)
-        traced.append((treedef, which))
-        traces.append(traced[-1])
+        traces.append((treedef, which))
         return [leaf for leaf, i in zip(leaves, which) if i is None], reply
 
     compiled = jax.jit(changed_only)
 
     def call(block, state, *args):
-        traced.clear()
+        seen = len(traces)
         changed, reply = compiled(block, state, *args)
+        traced = len(traces) > seen  # this call traced
         if traced or len(traces) > 1:  # jit traced once: its only trace holds, no signature needed
             signature = _signature(block, state, args)
             if traced:
-                forwarded[signature] = traced[-1]
+                forwarded[signature] = traces[-1]
             elif signature not in forwarded:  # jit's cache met these arguments under another signature
                 jax.eval_shape(changed_only, block, state, *args)
-                forwarded[signature] = traced[-1]
+                forwarded[signature] = traces[-1]
             treedef, which = forwarded[signature]
         else:
             treedef, which = traces[0]
