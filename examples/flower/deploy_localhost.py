@@ -6,6 +6,7 @@ localhost, each node loading its own shard (a ``.npz`` file named in its node co
     python deploy_localhost.py --simulation        # the same app in Flower's simulation
     python deploy_localhost.py --methods dppvi-dpsgd --num-rounds 3 --out results/
     python deploy_localhost.py --insecure          # no TLS, no node authentication (a demonstration only)
+    python deploy_localhost.py --x64               # in float64 (the nodes compute in the server's precision)
 
 By default the set-up is the one a silo would run: TLS on every connection (a certificate
 authority and the SuperLink's certificate made here, in a temporary folder) and SuperNode
@@ -175,14 +176,21 @@ def parse(argv):
         default=0,
         help="also start this many SuperNodes whose keys are not registered (the SuperLink must refuse them)",
     )
+    parser.add_argument(
+        "--x64",
+        action="store_true",
+        help="compute in float64 (JAX_ENABLE_X64=1 for the server app; the nodes follow the server's precision)",
+    )
     parser.add_argument("--app", default=HERE, help="the Flower app to run (default: this folder's)")
     parser.add_argument("--node-config", default="", help="more node config for every SuperNode (e.g. jax-cache-dir)")
     return parser.parse_args(argv)
 
 
-def environment(work: str) -> dict:
+def environment(work: str, x64: bool = False) -> dict:
     env = dict(os.environ, FLWR_HOME=os.path.join(work, "flwr-home"), FLWR_TELEMETRY_ENABLED="0")
     env["FLWR_DISABLE_UPDATE_CHECK"] = "1"
+    if x64:  # the server app's processes inherit it; the nodes compute in the precision it sends
+        env["JAX_ENABLE_X64"] = "1"
     # the package and the app's modules from this checkout (a silo would pip install them)
     root = os.path.dirname(os.path.dirname(HERE))
     env["PYTHONPATH"] = os.pathsep.join([root, HERE] + [p for p in [os.environ.get("PYTHONPATH")] if p])
@@ -198,7 +206,7 @@ def main(argv=None) -> dict:
     secure = not args.insecure
     work = tempfile.mkdtemp(prefix="numpyro_fed_flower_")
     out = os.path.abspath(args.out or os.path.join(work, "results"))
-    env = environment(work)
+    env = environment(work, args.x64)
     if args.strangers and (not secure or args.simulation):
         raise ValueError("--strangers needs a deployment with node authentication (not --insecure, --simulation)")
     credentials = make_credentials(work, args.num_nodes + args.strangers) if secure else None

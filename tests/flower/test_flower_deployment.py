@@ -47,14 +47,14 @@ def example():
     sys.path.remove(os.path.abspath(EXAMPLE))
 
 
-def in_process_means(task, name, rounds):
-    """The posterior means the app's server writes, from the in-process deployed run (in
-    float32, as the app's processes run)."""
+def in_process_means(task, name, rounds, x64=False):
+    """The posterior means the app's server writes, from the in-process run (in float64 or
+    float32, as the app's processes ran)."""
     import copy
 
     import numpyro_fed as nf
 
-    with jax.enable_x64(False):
+    with jax.enable_x64(x64):
         method = copy.copy(task.METHODS[name])  # the app's method, never run, on this federation
         method.federation = nf.InProcess(loader=lambda m: task.load({"partition-id": m}), num_clients=task.NUM_NODES)
         result = method.run(jax.random.PRNGKey(0), rounds)
@@ -65,20 +65,21 @@ def in_process_means(task, name, rounds):
 def test_localhost_deployment_gives_the_in_process_answer(example, tmp_path):
     deploy, task = example
     argv = ["--num-rounds", "2", "--methods", "dppvi", "--out", str(tmp_path), "--timeout", "900", "--strangers", "1"]
+    argv += ["--x64"]
     runs_before = set(glob.glob(os.path.join(tempfile.gettempdir(), "numpyro_fed_flower_*")))
     results = deploy.main(argv)
     # the run's folder (the CA's and the nodes' private keys, logs) is not left behind
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "numpyro_fed_flower_*"))) <= runs_before
     summary = results["dppvi"]
-    assert summary["rounds"] == 2
+    assert summary["rounds"] == 2 and summary["x64"] is True  # the server and the nodes in float64
     # the shards the nodes loaded are the app's synthetic ones
-    means, result = in_process_means(task, "dppvi", 2)
+    means, result = in_process_means(task, "dppvi", 2, x64=True)
     # Each node computes its client alone, in its own process; the in-process run computes the
-    # three clients in one vmap. XLA may fuse the two differently, so float32 sums can differ in
-    # the last bits: equal to float32 round-off carried through the full-rank local fit (CI
-    # measured 9e-8 on means of order 0.1 before the fit whitened its coordinates and started
-    # from variational Newton steps, 5.8e-7 since: a few dozen ulps).
-    np.testing.assert_allclose(np.asarray(summary["posterior_mean"]["w"], np.float32), means["w"], rtol=2e-5, atol=1e-6)
+    # three clients in one vmap. XLA may fuse the two differently, so sums can differ in the
+    # last bits, which the local fit's solves carry on. In float32 that came to 4.7e-6 on a
+    # mean of 0.11 (about 600 ulps; the same on two machines with one set of package versions,
+    # 5.8e-7 with the set before), so the comparison runs in float64: measured 1.4e-17 (1 ulp).
+    np.testing.assert_allclose(summary["posterior_mean"]["w"], means["w"], rtol=1e-12, atol=1e-15)
     assert summary["bytes_to_clients"] == int(result.ledger["bytes_to_client"].sum())
     assert summary["bytes_from_clients"] == int(result.ledger["bytes_from_client"].sum())
     with open(tmp_path / "dppvi.json") as f:

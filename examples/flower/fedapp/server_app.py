@@ -19,6 +19,7 @@ def save(name, result, context):
     draws = result.method.get_samples(jax.random.PRNGKey(1), result, 1000)
     summary = {
         "method": name,
+        "x64": bool(jax.config.jax_enable_x64),
         "rounds": int(len(result.metrics["wall_time"])),
         "round_seconds": np.diff(np.concatenate([[0.0], result.metrics["wall_time"]])).tolist(),
         "posterior_mean": {k: np.asarray(v).mean(axis=0).tolist() for k, v in draws.items()},
