@@ -9,9 +9,8 @@ import numpy as np
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-__all__ = ["OFFSET_LIMIT", "SCALE_LIMITS", "runaway_problems", "stein_statistics", "warn_runaway"]
+__all__ = ["OFFSET_LIMIT", "SCALE_LIMITS", "runaway_problems", "stein_moments", "stein_statistics", "warn_runaway"]
 
 #: Stein's check warns past these: a mean offset (``|stein_mean| / sqrt(stein_scale)``, in
 #: posterior sds for a Gaussian target) and a variance ratio (``stein_scale``) outside these
@@ -32,7 +31,8 @@ def stein_statistics(score_fn: Callable) -> Callable:
     ``r``, they are ``sqrt(r)`` times the mean's offset in posterior sds (``-(m - mu) /
     sd``; with uncorrelated coordinates, ``g_j sd_j``), and ``r``.
 
-    :param score_fn: ``(N, d) -> (N, d)``, the target's full ``grad log p``.
+    :param score_fn: ``(N, d) -> (N, d)``, the target's full ``grad log p`` (called once per
+        set of particles: jit it, and it compiles once for all of them).
 
     >>> import jax, jax.numpy as jnp
     >>> x = jax.random.normal(jax.random.PRNGKey(0), (1, 4000, 1))
@@ -41,18 +41,25 @@ def stein_statistics(score_fn: Callable) -> Callable:
     (True, True)
     """
 
-    def one(x):
-        score = score_fn(x)
-        mean = jnp.mean(x, axis=0)
-        centered = x - mean
-        sd = jnp.std(x, axis=0)
-        # C g / sd (C the particles' covariance, g the mean score): for a Gaussian target
-        # N(mu, S) with C = S, g = -S^-1 (m - mu) and C g / sd = -(m - mu) / sd, the mean's
-        # offset in sds, also where the coordinates are correlated (then g_j sd_j is not).
-        covariance_times_g = centered.T @ (centered @ jnp.mean(score, axis=0)) / x.shape[0]
-        return covariance_times_g / jnp.where(sd > 0, sd, 1.0), -jnp.mean(score * centered, axis=0)
+    def history(particles):
+        moments = [stein_moments(x, score_fn(x)) for x in particles]
+        return jnp.stack([m for m, _ in moments]), jnp.stack([s for _, s in moments])
 
-    return jax.jit(lambda history: lax.map(one, history))
+    return history
+
+
+@jax.jit
+def stein_moments(x, score):
+    """``(stein_mean, stein_scale)``, each ``(d,)``, of one ``(N, d)`` set of particles ``x``
+    and the target's score at them (see :func:`stein_statistics`)."""
+    mean = jnp.mean(x, axis=0)
+    centered = x - mean
+    sd = jnp.std(x, axis=0)
+    # C g / sd (C the particles' covariance, g the mean score): for a Gaussian target
+    # N(mu, S) with C = S, g = -S^-1 (m - mu) and C g / sd = -(m - mu) / sd, the mean's
+    # offset in sds, also where the coordinates are correlated (then g_j sd_j is not).
+    covariance_times_g = centered.T @ (centered @ jnp.mean(score, axis=0)) / x.shape[0]
+    return covariance_times_g / jnp.where(sd > 0, sd, 1.0), -jnp.mean(score * centered, axis=0)
 
 
 def runaway_problems(start, end, stein_mean, stein_scale, *, from_prior: bool, all_visited: bool) -> list[str]:

@@ -350,13 +350,14 @@ class ParticleMethod(VariationalMethod):
         dicts["sample_stats"].pop("particles", None)
         return dicts
 
-    def _stein_metrics(self, particles, ledger: dict | None = None):
+    def _stein_metrics(self, particles, ledger: dict | None = None, score: Callable | None = None):
         """``stein_mean``, ``stein_scale`` per round (see
         :func:`~numpyro_fed.infer.stein.checks.stein_statistics`) of ``(R, N, d)`` particles
         (on a federation: one ``"potential_grad"`` call per round's particles, added to
-        ``ledger``)."""
+        ``ledger``). ``score``: the jitted :meth:`_target_score` to use (a run's finish
+        passes one, compiled once for all its checks)."""
         particles = jnp.asarray(particles)
-        statistics = stein_statistics(self._target_score())
+        statistics = stein_statistics(jax.jit(self._target_score()) if score is None else score)
         return self.through_clients(lambda: statistics(particles), ledger)
 
     def _run_keys(self, rng_key):

@@ -31,6 +31,10 @@ from numpyro_fed.infer.stein.optim import adagrad_momentum, check_optim
 __all__ = ["DSVGD", "PDSVGD", "UDSVGD"]
 
 
+#: one step of Stein's moment correction, compiled once per shape for every run
+_moment_step = jax.jit(stein_moment_correction)
+
+
 class DSVGD(ParticleMethod):
     """Distributed Stein variational gradient descent (Kassab & Simeone, Algorithm 1).
 
@@ -415,7 +419,8 @@ class DSVGD(ParticleMethod):
         particles = result.metrics["particles"]
         if particles.shape[1] < 2:
             return result
-        stein_mean, stein_scale = self._stein_metrics(particles, result.ledger)
+        score = jax.jit(self._target_score())  # compiled once for the checks and the correction
+        stein_mean, stein_scale = self._stein_metrics(particles, result.ledger, score)
         all_visited = self._all_visited(result.metrics)
 
         def last_round_problems():
@@ -430,9 +435,9 @@ class DSVGD(ParticleMethod):
 
         problems = last_round_problems()
         if self.moment_correction and all_visited and can_correct(*particles.shape[1:]):
-            result, problems = self._correct_moments(result, problems)
+            result, problems = self._correct_moments(result, problems, score)
             particles = result.metrics["particles"]
-            mean, scale = self._stein_metrics(particles[-1:], result.ledger)
+            mean, scale = self._stein_metrics(particles[-1:], result.ledger, score)
             stein_mean, stein_scale = np.concatenate([stein_mean[:-1], mean]), np.concatenate([stein_scale[:-1], scale])
             after = last_round_problems()
             problems = problems + [p for p in after if p not in problems]
@@ -442,20 +447,19 @@ class DSVGD(ParticleMethod):
         )
         return result
 
-    def _correct_moments(self, result, problems):
+    def _correct_moments(self, result, problems, score):
         """Stein's moment correction of the last round's particles
         (:func:`~numpyro_fed.infer.stein.moments.stein_moment_correction`, ``moment_correction``
         times, each with every client's full-batch gradient at the particles: a
         ``"potential_grad"`` call, in the ledger): the corrected particles become the state's
         global particles and the last round's ``particles``. ``problems``: Stein's check of the
         uncorrected particles; returned only where the target is not close to Gaussian over
-        the particles (the correction then rests on their shape), as a problem of the run."""
-        score = self._target_score()
-        step = jax.jit(lambda x: stein_moment_correction(x, score(x)))
+        the particles (the correction then rests on their shape), as a problem of the run.
+        ``score``: the jitted :meth:`_target_score` (the Stein checks' too)."""
         x = jnp.asarray(result.metrics["particles"][-1])
         residuals = []
         for _ in range(self.moment_correction):
-            moved, residual = self.through_clients(lambda x=x: step(x), result.ledger)
+            moved, residual = self.through_clients(lambda x=x: _moment_step(x, score(x)), result.ledger)
             if not np.all(np.isfinite(moved)):  # a non-finite score: keep the particles it had
                 return result, problems + ["Stein's moment correction met a non-finite score at the particles"]
             x = jnp.asarray(moved)
