@@ -9,6 +9,22 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 SHARED_DATA = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "shared", "data")
 
+# JAX's persistent compilation cache: tests build the same programs many times over (a method
+# per test, the same model in several tests, in this process and its children: Ray's workers,
+# Flower's nodes, the zoo's runs), and compiling is most of a small run's time. Set
+# JAX_COMPILATION_CACHE_DIR to another folder, or to "" to compile everything afresh.
+JAX_CACHE = os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(__file__), os.pardir, ".jax_cache")
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+if JAX_CACHE:
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", os.path.abspath(JAX_CACHE))
+    jax.config.update(
+        "jax_persistent_cache_min_compile_time_secs", float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"])
+    )
+
 
 import pytest  # noqa: E402
 
