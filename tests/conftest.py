@@ -11,12 +11,19 @@ SHARED_DATA = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "sha
 
 # JAX's persistent compilation cache: tests build the same programs many times over (a method
 # per test, the same model in several tests, in this process and its children: Ray's workers,
-# Flower's nodes, the zoo's runs), and compiling is most of a small run's time. Set
-# JAX_COMPILATION_CACHE_DIR to another folder, or to "" to compile everything afresh.
+# Flower's nodes, the zoo's runs), and compiling is most of a small run's time. The size limit
+# turns on JAX's file lock, which keeps concurrent processes from reading an entry another is
+# writing (so without filelock there is no cache). Set JAX_COMPILATION_CACHE_DIR to another
+# folder, or to "" to compile everything afresh.
+try:
+    import filelock  # noqa: F401
+except ImportError:
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", "")
 JAX_CACHE = os.environ.setdefault(
-    "JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(__file__), os.pardir, ".jax_cache")
+    "JAX_COMPILATION_CACHE_DIR", os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, ".jax_cache"))
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 * 1024**3))
 if JAX_CACHE:
     import jax
 
@@ -24,6 +31,7 @@ if JAX_CACHE:
     jax.config.update(
         "jax_persistent_cache_min_compile_time_secs", float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"])
     )
+    jax.config.update("jax_compilation_cache_max_size", int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"]))
 
 
 import pytest  # noqa: E402
