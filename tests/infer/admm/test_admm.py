@@ -774,3 +774,20 @@ def test_newton_proximal_step_factors_the_hessian_once_per_solve():
     x, iterations, converged = jax.jit(solve)(3.0 * jnp.ones(6), jnp.ones(6), zero, 0.5)
     g = jax.grad(fn)(x) + 0.5 * (x - 1.0)
     assert bool(converged) and int(iterations) <= 12 and float(jnp.max(jnp.abs(g))) < 1e-9
+
+
+def test_the_diverged_count_counts_iterates_whatever_the_sites_shapes():
+    """An iterate (one draw of one agent) is counted once however many of its sites and
+    coordinates are not finite: 2 of 3 x 2 here, with a scalar site and a vector one."""
+
+    class Run:
+        def get_extra_fields(self):
+            scalar = np.zeros((3, 2))
+            vector = np.zeros((3, 2, 4))
+            scalar[0, 1] = np.nan  # draw 0, agent 1: one site
+            vector[0, 1, :] = np.inf  # the same iterate: the other site too
+            vector[2, 0, 3] = np.nan  # draw 2, agent 0: one coordinate
+            return {"agents": {"s": scalar, "v": vector}}
+
+    kernel = nf.DADMMS(linear_model)
+    assert kernel._count_nonfinite(Run()) == (2, 6)
