@@ -103,17 +103,30 @@ def runaway_problems(start, end, stein_mean, stein_scale, *, from_prior: bool, a
     return problems
 
 
-def warn_runaway(method_name: str, num_rounds: int, problems: list[str], *, fixed_kde: bool, stacklevel: int = 3):
-    """A :class:`RuntimeWarning` naming the ``problems`` and what to change."""
+def warn_runaway(
+    method_name: str,
+    num_rounds: int,
+    problems: list[str],
+    *,
+    fixed_kde: bool,
+    stacklevel: int = 3,
+    advice: str | None = None,
+):
+    """A :class:`RuntimeWarning` naming the ``problems`` and what to change (``advice``, where
+    the method knows better than the settings)."""
     if not problems:
         return
     remedy = "use kde_bandwidth='auto' (the default), which adapts to the particles' scale, " if fixed_kde else ""
     warnings.warn(
         f"{method_name}'s particles ran away or did not converge after {num_rounds} rounds: "
         + "; ".join(problems)
-        + ". Change the settings: "
-        + remedy
-        + "lower learning_rate, use more num_particles, num_local_steps or rounds",
+        + (
+            f"; {advice}"
+            if advice
+            else ". Change the settings: "
+            + remedy
+            + "lower learning_rate, use more num_particles, num_local_steps or rounds"
+        ),
         RuntimeWarning,
         stacklevel=stacklevel,
     )

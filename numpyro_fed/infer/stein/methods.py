@@ -251,15 +251,30 @@ class DSVGD(ParticleMethod):
     @property
     def divergence_advice(self) -> str:
         """What to change when the particles turn non-finite: the step size, and with
-        client-local latents the parametrisation (measured: a centred hierarchy diverges)."""
+        client-local latents the parametrisation (measured: a centred hierarchy diverges), and
+        where a client holds fewer rows than the model has coordinates, the split."""
         if self._layout is None:
-            return "lower learning_rate"
+            return self._small_clients_advice() or "lower learning_rate"
         sites = ", ".join(f"'{s}'" for s in self._layout.local_sites)
         return (
             f"with client-local latents ({sites}) a centred hierarchy (a local effect drawn as "
             "Normal(mu, sigma) with its scale sigma a global latent) makes each client's joint target a funnel "
             "that DSVGD's joint particles cannot follow: write the model non-centred (draw the effect as "
             "Normal(0, 1) and use mu + sigma * effect), as in eight schools; otherwise lower learning_rate"
+        )
+
+    def _small_clients_advice(self) -> str | None:
+        """What to change where a client holds fewer rows than the particles have coordinates
+        (its term alone is then flat in some directions, and its local steps run along them:
+        measured over 4 and 8 clients of mtcars' 32 rows, where a lower learning_rate did not
+        help); ``None`` elsewhere."""
+        sizes = getattr(getattr(self, "federated_potential", None), "client_sizes", None)
+        if sizes is None or not 0 < int(np.min(sizes)) < self._state_dim():
+            return None
+        return (
+            f"a client holds {int(np.min(sizes))} rows for {self._state_dim()} unconstrained coordinates, so its "
+            "term alone leaves directions that only the prior bounds and its local steps can run far along them "
+            "(a lower learning_rate does not help there): use fewer, larger clients, or DPPVI or FedZigZag"
         )
 
     def particles(self, state):
@@ -443,7 +458,12 @@ class DSVGD(ParticleMethod):
             problems = problems + [p for p in after if p not in problems]
         result.metrics["stein_mean"], result.metrics["stein_scale"] = stein_mean, stein_scale
         warn_runaway(
-            type(self).__name__, particles.shape[0], problems, fixed_kde=self.kde_bandwidth != "auto", stacklevel=4
+            type(self).__name__,
+            particles.shape[0],
+            problems,
+            fixed_kde=self.kde_bandwidth != "auto",
+            stacklevel=4,
+            advice=self._small_clients_advice(),
         )
         return result
 

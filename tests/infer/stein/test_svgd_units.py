@@ -22,6 +22,7 @@ from numpyro.infer import MCMC, NUTS
 
 import numpyro_fed as nf
 from numpyro_fed.infer import stein
+from numpyro_fed.infer.stein.checks import warn_runaway
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "..")  # the repository
 
@@ -291,3 +292,24 @@ def test_udsvgd_and_pdsvgd_defaults_in_two_units(scale, shift):
         # sds off, variance ratios 0.94-0.96)
         assert abs(x.mean() - mean) < 3 * sd / math.sqrt(n), type(method).__name__
         assert abs(x.var() / sd**2 - 1) < 3 * math.sqrt(2 / n), type(method).__name__
+
+
+def test_clients_smaller_than_the_model_get_advice_that_names_the_split():
+    # mtcars over 4 and 8 clients (8 and 4 rows for 12 coordinates) ran away or diverged, and
+    # a lower learning_rate did not help: the advice names the rows and the coordinates.
+    X = np.random.default_rng(0).normal(size=(12, 5))
+    y = X.sum(axis=1)
+
+    def regression(X, y):
+        beta = numpyro.sample("beta", dist.Normal(0, 10).expand([5]).to_event(1))
+        sigma = numpyro.sample("sigma", dist.HalfCauchy(2.5))
+        with nf.federated_plate("data", X.shape[0], clients=4):
+            numpyro.sample("y", dist.Normal(X @ beta, sigma), obs=y)
+
+    method = nf.DSVGD(regression, progress_bar=False)
+    method.init(jax.random.PRNGKey(0), X, y)
+    assert method.divergence_advice.startswith("a client holds 3 rows for 6 unconstrained coordinates")
+    assert "fewer, larger clients" in method.divergence_advice
+    with pytest.warns(RuntimeWarning, match=r"ran away.*coordinate 0; a client holds 3 rows") as record:
+        warn_runaway("DSVGD", 5, ["coordinate 0"], fixed_kde=False, advice=method._small_clients_advice())
+    assert "Change the settings" not in str(record[0].message)
