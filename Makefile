@@ -93,4 +93,4 @@ notebooks: $(STAMP)
 	$(PY) tools/run_notebooks.py notebooks/*.ipynb
 
 clean:
-	rm -rf $(VENV) $(COMPAT_VENV) site .pytest_cache
+	rm -rf $(VENV) $(COMPAT_VENV) site .pytest_cache .jax_cache

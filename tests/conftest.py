@@ -10,28 +10,25 @@ sys.path.insert(0, os.path.dirname(__file__))
 SHARED_DATA = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "shared", "data")
 
 # JAX's persistent compilation cache: tests build the same programs many times over (a method
-# per test, the same model in several tests, in this process and its children: Ray's workers,
-# Flower's nodes, the zoo's runs), and compiling is most of a small run's time. The size limit
-# turns on JAX's file lock, which keeps concurrent processes from reading an entry another is
-# writing (so without filelock there is no cache). Set JAX_COMPILATION_CACHE_DIR to another
-# folder, or to "" to compile everything afresh.
-try:
-    import filelock  # noqa: F401
-except ImportError:
-    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", "")
-JAX_CACHE = os.environ.setdefault(
-    "JAX_COMPILATION_CACHE_DIR", os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, ".jax_cache"))
-)
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 * 1024**3))
-if JAX_CACHE:
+# per test, the same model in several tests), and compiling is most of a small run's time.
+# One folder per test process (pytest-xdist's workers each have theirs): JAX writes an entry
+# without a lock unless the cache has a size limit, whose eviction then rescans the whole folder
+# at every write (measured: 40 % of a make test run's time in that scan and its lock), so
+# processes do not share one. This process's setting only: the processes that tests start
+# (Ray's workers, Flower's nodes, subprocesses) compile as before. JAX_COMPILATION_CACHE_DIR=""
+# turns it off (``make clean`` removes the folders).
+if os.environ.get("JAX_COMPILATION_CACHE_DIR", None) != "":
     import jax
 
-    jax.config.update("jax_compilation_cache_dir", os.path.abspath(JAX_CACHE))
     jax.config.update(
-        "jax_persistent_cache_min_compile_time_secs", float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"])
+        "jax_compilation_cache_dir",
+        os.path.join(
+            os.environ.get("JAX_COMPILATION_CACHE_DIR")
+            or os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, ".jax_cache"),
+            os.environ.get("PYTEST_XDIST_WORKER", "main"),
+        ),
     )
-    jax.config.update("jax_compilation_cache_max_size", int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"]))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 
 
 import pytest  # noqa: E402
