@@ -146,6 +146,10 @@ def test_udsvgd_ledger_counts_the_global_particles_and_the_round(data):
     assert buffers.mine.sum(axis=1).tolist() == visits.tolist()
 
 
+#: the guard entry at which a run's first round fails (the first entry is its set-up's)
+FIRST_ROUND = 2
+
+
 @jax.tree_util.register_pytree_node_class
 class FailingInProcess(InProcess):
     """In-process clients whose ``fail_at``-th round fails as a dead worker's would."""
@@ -207,6 +211,17 @@ def test_a_client_fault_stops_the_run_and_the_checkpoint_resumes_it(data, method
         np.testing.assert_array_equal(resumed.ledger[name], value, err_msg=name)
     with pytest.raises(ValueError, match="num_rounds"):
         make().run(key, rounds + 1, *data, init_state=checkpoint)
+
+
+@pytest.mark.parametrize("name", ["DPPVI", "DSVGD"])
+def test_a_fault_in_the_first_round_is_the_client_error(data, name):
+    """A run whose clients fail before any round ends raises the ClientError naming them (its
+    partial result has no loss to shift), not an error of the bookkeeping after it."""
+    federation = FailingInProcess(fail_at=FIRST_ROUND)
+    method = getattr(nf, name)(model, num_local_steps=5, progress_bar=False, federation=federation)
+    with pytest.raises(ClientError, match="client 1") as info:
+        method.run(jax.random.PRNGKey(1), 3, *data)
+    assert info.value.state.rounds_done == 0
 
 
 def test_federation_must_be_a_federation(data):

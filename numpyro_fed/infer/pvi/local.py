@@ -448,7 +448,10 @@ class ClientLatentsFace:
         loss of ``q`` as each started (:func:`~numpyro_fed.infer.pvi.core.build_step`), so
         round ``t``'s came with round ``t + 1``'s, and the last round's is one more call to the
         clients (:meth:`evaluate` with ``rng_key``, counted in ``result.ledger``; ``None``:
-        unknown, ``nan``, a run stopped by a failed client)."""
+        unknown, ``nan``, a run stopped by a failed client; a run stopped in its first round
+        has no loss)."""
+        if "loss" not in result.metrics:
+            return result
         losses = np.asarray(result.metrics["loss"])
         if rng_key is None:
             last = np.full((), np.nan, losses.dtype)
