@@ -266,7 +266,7 @@ class DSVGD(ParticleMethod):
     def _small_clients_advice(self) -> str | None:
         """What to change where a client holds fewer rows than the particles have coordinates
         (its term alone is then flat in some directions, and its local steps run along them:
-        measured over 4 and 8 clients of mtcars' 32 rows, where a lower learning_rate did not
+        measured on mtcars' 32 rows over 8 clients, where a lower learning_rate did not
         help); ``None`` elsewhere."""
         sizes = getattr(getattr(self, "federated_potential", None), "client_sizes", None)
         if sizes is None or not 0 < int(np.min(sizes)) < self._state_dim():
