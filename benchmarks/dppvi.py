@@ -66,11 +66,8 @@ VARIANTS = {
             damping=0.5,
         ),
     ),
-    # given only the budget: the automatic rate and clip norm (refused when the predicted
-    # error of the noise exceeds a posterior sd: the refusal is printed) ...
+    # given only the budget: the automatic rate, clip norm and damping (a refusal is printed)
     "dpsgd, budget only": dict(cls=DPPVI, rounds=2, kwargs=dict(dp="dpsgd")),
-    # ... and the same automatic settings run anyway (the rule's rate given explicitly)
-    "dpsgd, budget only, forced": dict(cls=DPPVI, rounds=2, kwargs=dict(dp="dpsgd"), force=True),
     "local avg": dict(
         cls=DPPVI,
         rounds=2,
@@ -271,7 +268,6 @@ SHORT = {
     "pvi": "pvi (non-private)",
     "dpsgd": "dpsgd",
     "dpsgd_budget": "dpsgd, budget only",
-    "dpsgd_budget_forced": "dpsgd, budget only, forced",
     "local_avg": "local avg",
     "virtual": "virtual",
     "local_avg_trusted": "local avg, trusted aggr.",
@@ -336,8 +332,6 @@ def run_variant(name, spec, X, y, owner, X_test, y_test, epsilon, delta, seed, n
         kwargs.update(target_epsilon=epsilon, delta=delta)
     model_clients = owner
     model_fn, logits_fn = MODELS[model]
-    if spec.get("force"):
-        kwargs.update(sampling="poisson", sampling_rate=forced_rate(kwargs, np.bincount(owner), spec["rounds"]))
     method = spec["cls"](lambda X, y=None: model_fn(X, y, clients=model_clients), **kwargs)
     key = jax.random.PRNGKey(seed)
     start = time.perf_counter()
@@ -479,11 +473,6 @@ DEFAULT_PROBLEMS = {
         dict(dp="dpsgd", target_epsilon=1.0),
         2,
     ),
-    "logistic 5x4000 d5, eps 1, budget only, forced": (
-        lambda: _logistic_problem(20000, 5, coef=_COEF5),
-        dict(dp="dpsgd", target_epsilon=1.0, force=True),
-        2,
-    ),
     "logistic 5x4000 d5, eps 1, hand-tuned": (
         lambda: _logistic_problem(20000, 5, coef=_COEF5),
         dict(VARIANTS["dpsgd"]["kwargs"], target_epsilon=1.0),
@@ -509,11 +498,7 @@ def run_defaults(seeds, names=None):
             continue
         model, data, mean, sd, heldout = make()
         for seed in seeds:
-            kw = dict(kwargs)
-            if kw.pop("force", False):  # the budget-only rule's settings, run anyway
-                sizes = np.full(4 if "4x" in name else 5, data[0].shape[0] // (4 if "4x" in name else 5))
-                kw.update(sampling="poisson", sampling_rate=forced_rate(kw, sizes, rounds))
-            method = DPPVI(model, progress_bar=False, **kw)
+            method = DPPVI(model, progress_bar=False, **kwargs)
             start = time.perf_counter()
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -559,6 +544,8 @@ def run_defaults(seeds, names=None):
 #: (rows per client, coefficients, epsilon); 5 clients, 2 rounds, delta 1e-5
 GRID = [(4000, 5, 1.0), (4000, 5, 4.0), (1000, 5, 4.0), (16000, 5, 1.0), (4000, 2, 1.0), (4000, 10, 2.0)]
 GRID += [(16000, 10, 4.0), (1000, 2, 4.0)]
+# added with the refusal threshold (REFUSE_DP_ERROR) and the largest checked dimension (FIT_MAX_DIM)
+GRID += [(250, 5, 1.0), (1000, 5, 1.0), (4000, 20, 4.0)]
 GRID_CLIENTS, GRID_TEST = 5, 5000
 
 

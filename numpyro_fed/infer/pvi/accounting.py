@@ -389,8 +389,10 @@ class PrivacyAccounting:
 
     def planned_dp_error(self, sigmas, num_rounds, sizes, num_latent, privacy) -> float:
         """The run's :meth:`predicted_dp_error` (``0`` without a guarantee); past
-        ``MAX_DP_ERROR`` the run is refused (automatic settings) or warned about (the user's
-        settings): the privacy noise would dominate the answer."""
+        ``MAX_DP_ERROR`` the privacy noise would dominate ``q``'s means: the run warns before
+        its first round, or, with the automatic settings where the prediction was fitted and
+        past ``REFUSE_DP_ERROR`` (:func:`~numpyro_fed.infer.pvi.dp_defaults.refuses`),
+        refuses."""
         if privacy is None:
             return 0.0
         dp_error = self.predicted_dp_error(sigmas, num_rounds, sizes, num_latent)
@@ -402,9 +404,30 @@ class PrivacyAccounting:
             else f"noise_multiplier={self.noise_multiplier}"
         )
         floor = self.dp_error_floor(sizes, num_latent)
-        message = dp_defaults.noise_dominates_message(budget, dp_error, num_rounds, self.num_local_steps, sizes, floor)
-        if self.auto_sampling and self.auto_clip:
+        automatic = self.auto_sampling and self.auto_clip
+        if num_latent > dp_defaults.FIT_MAX_DIM:
+            floor = float("nan")  # as far extrapolated as the prediction: not stated
+        args = (budget, dp_error, num_rounds, self.num_local_steps, sizes, floor)
+        if automatic and dp_defaults.refuses(dp_error, num_latent):
+            message = dp_defaults.noise_dominates_message(*args)
             raise ValueError(message + "; or set sampling, sampling_rate and clip_norm yourself to run anyway")
+        if not automatic:  # the user's clip norm: the prediction is a lower bound
+            verdict = None
+        elif num_latent > dp_defaults.FIT_MAX_DIM:
+            verdict = (
+                f"going ahead, as the prediction is extrapolated beyond the {dp_defaults.FIT_MAX_DIM} "
+                "coordinates of the grid it was checked on and can be far too high (UCI Adult, 109 "
+                "coordinates: predicted 435, measured 17 at most and 1.6 at the median); still, read "
+                "q's means as noisy and its scales as leaving that noise out"
+            )
+        else:
+            verdict = (
+                "going ahead, but q's means will be noisy (measured 0.2 to 2.5 times the prediction on "
+                "a benchmark grid) and its scales leave that noise out; predictions can stay close (5 "
+                "clients x 4,000 rows, 5 coefficients, epsilon 1: predicted 4.2, measured 3.0-3.6, "
+                "held-out log predictive density within 0.001 nats/row of NUTS's)"
+            )
+        message = dp_defaults.noise_dominates_message(*args, verdict=verdict)
         warnings.warn(message, RuntimeWarning, stacklevel=5)  # run -> init -> plan_clients -> here
         return dp_error
 

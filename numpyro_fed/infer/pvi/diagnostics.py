@@ -14,9 +14,10 @@ from numpyro_fed.infer.pvi.accounting import MAX_DP_ERROR
 
 __all__ = ["judge_run", "last_move", "mean_field_inflation", "warn_mean_field"]
 
-# predicted_dp_error above which a run that goes ahead warns: measured errors were 0.6 to 2.5
-# times the prediction on the grid it was fitted to (docs/guide/dppvi.md; up to 5 times the
-# earlier formula's), so 0.2 can mean half a posterior sd and more off the grid.
+# predicted_dp_error above which a run that goes ahead warns at its end (above MAX_DP_ERROR it
+# has warned before its first round): measured errors were 0.2 to 2.5 times the prediction on
+# the grid it was fitted to (docs/guide/dppvi.md; up to 5 times the earlier formula's), so 0.2
+# can mean half a posterior sd and more off the grid.
 WARN_DP_ERROR = 0.2
 MAX_LAST_MOVE = 0.1  # non-private: largest move of q's means per round, in q's scales,
 LAST_MOVE_SPAN = 3  # averaged over the last 3 rounds (or fewer in a shorter run)

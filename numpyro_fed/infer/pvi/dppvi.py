@@ -160,8 +160,10 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
     :meth:`update` run rounds one at a time; :meth:`get_params`, :meth:`get_samples` read ``q``.
 
     **Defaults.** Without ``optim``, :func:`~numpyro_fed.infer.pvi.settings.default_optimizer`;
-    given only a budget, DP-SGD chooses its settings (:mod:`~numpyro_fed.infer.pvi.dp_defaults`)
-    or refuses (:meth:`predicted_dp_error`): the guide's *Default settings*.
+    given only a budget, DP-SGD chooses its settings (:mod:`~numpyro_fed.infer.pvi.dp_defaults`),
+    warns where the privacy noise is predicted to move ``q``'s means by more than a posterior
+    sd and refuses where it would dominate them (:meth:`predicted_dp_error`,
+    :func:`~numpyro_fed.infer.pvi.dp_defaults.refuses`): the guide's *Default settings*.
 
     **Example**
 
