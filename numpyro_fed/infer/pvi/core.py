@@ -73,6 +73,7 @@ __all__ = [
     "PVIInfo",
     "PVIState",
     "ClientReply",
+    "accepts",
     "build_client_step",
     "build_loss",
     "build_step",
@@ -237,15 +238,16 @@ def client_factors(state: PVIState) -> GaussianNatural:
     return jax.vmap(resolve_factor)(state.clients.values, state.applied)
 
 
-def server_update(state: PVIState, new_q, new_factors):
+def server_update(state: PVIState, new_q, new_factors, accept=True):
     """Applies a proposed ``q`` and the server's record of the factors, coordinate by
     coordinate: where the new ``q`` would not be a proper Gaussian (or not finite), the
     coordinate keeps its old values (one coordinate's noise must not discard a whole update).
+    ``accept`` false (a scalar) keeps every coordinate (:func:`accepts`).
 
     :return: ``(state, ok)``: ``ok`` (``(d,)`` bool) the coordinates applied (the clients
         whose update it was learn it with their next request).
     """
-    ok = proper(new_q)
+    ok = proper(new_q) & accept
     pick = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new, old)
     return state._replace(q=pick(new_q, state.q), factors=pick(new_factors, state.factors)), ok
 
@@ -364,7 +366,22 @@ def _skip_absent(answered, new: PVIState, old: PVIState) -> PVIState:
     return new._replace(q=q, factors=factors, applied=applied)
 
 
-def build_visit(*, damping: float = 1.0, auto_clip: bool = False, partial: bool = False) -> Callable:
+def accepts(residual, max_residual):
+    """Whether the server applies an update whose local fit ended with ``residual`` (in
+    ``q``'s scales; ``(M,)`` or a scalar): always with ``max_residual=None`` (a private run,
+    where the residual, computed from the rows, must not decide what is released), else when
+    it is finite and at most ``max_residual``. An update from a fit that failed by orders of
+    magnitude is rejected whole, as one that would make ``q`` improper is coordinate by
+    coordinate: ``q`` and the client's factor stay, and the client is told none of it was
+    applied."""
+    if max_residual is None:
+        return jnp.ones(jnp.shape(residual), bool)
+    return jnp.isfinite(residual) & (residual <= max_residual)
+
+
+def build_visit(
+    *, damping: float = 1.0, auto_clip: bool = False, partial: bool = False, max_residual: float | None = None
+) -> Callable:
     """A pure ``visit(state, m, key, federation, thetas=None) -> (state, (rejected, clipped,
     residual, answered, log_lik))``: client ``m``'s update (its key of the round ``key``) and
     the server's update after it.
@@ -377,6 +394,8 @@ def build_visit(*, damping: float = 1.0, auto_clip: bool = False, partial: bool 
     server (:func:`server_update`) adds ``damping`` times the reply to ``q`` and to its record
     of client ``m``'s factor. ``partial``: a client that fails or does not answer is skipped
     (``answered`` false): ``q``, its factor and its client state stay as they were.
+    ``max_residual``: an update whose local fit's residual is above it (or not finite) is not
+    applied (:func:`accepts`; counted in ``rejected`` as all of its coordinates).
     """
 
     def visit(state: PVIState, m, key, federation, thetas=None):
@@ -387,7 +406,8 @@ def build_visit(*, damping: float = 1.0, auto_clip: bool = False, partial: bool 
         clients, reply, answered = out if partial else out + (jnp.asarray(True),)
         delta = reply.delta
         new_factors = jax.tree_util.tree_map(lambda all_, d: all_.at[m].add(damping * d), state.factors, delta)
-        new, ok = server_update(state, tree_add(state.q, delta, damping), new_factors)
+        accept = accepts(reply.residual, max_residual)
+        new, ok = server_update(state, tree_add(state.q, delta, damping), new_factors, accept)
         new = new._replace(clients=clients, applied=new.applied.at[m].set(ok))
         if partial:
             new = _skip_absent(answered, new, state)
@@ -444,6 +464,7 @@ def build_step(
     prior_update: Callable | None = None,
     prior_potential: Callable | None = None,
     min_clients: int | None = None,
+    max_residual: float | None = None,
 ) -> Callable:
     """A pure ``step(rng_key, state, federation) -> (state, info)``: one round, visiting
     every client once through ``federation`` (a started
@@ -473,6 +494,9 @@ def build_step(
     from its client state. A round after which fewer than ``min_clients`` clients answered
     raises the :class:`~numpyro_fed.federation.ClientError` naming those out.
     ``info.participated`` records who took part.
+
+    ``max_residual`` (non-private runs): an update whose local fit failed (residual above
+    it, or not finite) is not applied (:func:`accepts`).
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -482,16 +506,20 @@ def build_step(
         sent = (state.q, thetas, state.round == 0) if auto_clip else (state.q, thetas)
         out = federation.map("update", *sent, per_client=(keys, state.applied), state=state.clients, partial=partial)
         clients, reply, answered = out if partial else out + (jnp.ones(num_clients, bool),)
-        rows = lambda x: jnp.reshape(answered, (num_clients,) + (1,) * (jnp.ndim(x) - 1))  # noqa: E731
-        deltas = jax.tree_util.tree_map(lambda d: jnp.where(rows(d), d, 0), reply.delta)  # none of who failed
+        accept = accepts(reply.residual, max_residual)
+        take = answered & accept
+        rows = lambda a, x: jnp.reshape(a, (num_clients,) + (1,) * (jnp.ndim(x) - 1))  # noqa: E731
+        deltas = jax.tree_util.tree_map(lambda d: jnp.where(rows(take, d), d, 0), reply.delta)  # none of who failed
         new_factors = tree_add(state.factors, deltas, damping)
         total = jax.tree_util.tree_map(lambda x: jnp.sum(x, axis=0), deltas)
         new, ok = server_update(state, tree_add(state.q, total, damping), new_factors)
-        applied = jnp.where(rows(state.applied), jnp.broadcast_to(ok, state.applied.shape), state.applied)
+        mine = jnp.where(rows(accept, state.applied), jnp.broadcast_to(ok, state.applied.shape), False)
+        applied = jnp.where(rows(answered, state.applied), mine, state.applied)
         new = new._replace(clients=clients, applied=applied)
-        return new, (jnp.sum(~ok), reply.clipped, reply.residual, answered, reply.log_lik)
+        rejected = jnp.sum(~ok) + jnp.sum(answered & ~accept) * ok.size
+        return new, (rejected, reply.clipped, reply.residual, answered, reply.log_lik)
 
-    visit = build_visit(damping=damping, auto_clip=auto_clip, partial=partial)
+    visit = build_visit(damping=damping, auto_clip=auto_clip, partial=partial, max_residual=max_residual)
 
     def sequential(keys, state, federation, thetas):
         visit_m = lambda state, m: visit(state, m, keys[m], federation, thetas)  # noqa: E731
@@ -519,6 +547,7 @@ def build_client_step(
     prior_update: Callable | None = None,
     prior_potential: Callable | None = None,
     min_clients: int | None = None,
+    max_residual: float | None = None,
 ) -> Callable:
     """A pure ``step(rng_key, state, federation, client) -> (state, info)``: a round that
     visits only ``client`` (:func:`build_visit`, with ``rng_key`` as the client's key), as
@@ -529,8 +558,9 @@ def build_client_step(
     ``min_clients``: a scheduled client that fails is skipped (``q`` and its factor stay) and
     counted out (``state.absent``) until a later visit of it answers; the run stops with the
     :class:`~numpyro_fed.federation.ClientError` when fewer than ``min_clients`` clients are
-    in (the clients whose last visit answered, or not yet visited)."""
-    visit = build_visit(damping=damping, partial=min_clients is not None)
+    in (the clients whose last visit answered, or not yet visited). ``max_residual``: as
+    :func:`build_step`'s."""
+    visit = build_visit(damping=damping, partial=min_clients is not None, max_residual=max_residual)
 
     def step(rng_key, state: PVIState, federation, client):
         num_clients = state.applied.shape[0]

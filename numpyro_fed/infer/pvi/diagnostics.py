@@ -12,7 +12,7 @@ import numpy as np
 
 from numpyro_fed.infer.pvi.accounting import MAX_DP_ERROR
 
-__all__ = ["judge_run", "last_move", "mean_field_inflation", "warn_mean_field"]
+__all__ = ["FAILED_FIT_RESIDUAL", "judge_run", "last_move", "mean_field_inflation", "warn_mean_field"]
 
 # predicted_dp_error above which a run that goes ahead warns at its end (above MAX_DP_ERROR it
 # has warned before its first round): measured errors were 0.2 to 2.5 times the prediction on
@@ -23,6 +23,11 @@ MAX_LAST_MOVE = 0.1  # non-private: largest move of q's means per round, in q's 
 LAST_MOVE_SPAN = 3  # averaged over the last 3 rounds (or fewer in a shorter run)
 MOSTLY_CLIPPED = 0.99  # update perturbation: share of clipped changes that bounds q's moves
 MAX_RESIDUAL = 0.25  # local-optimization residual (in q's scales) above which it has not converged
+# residual above which a non-private run's server does not apply a client's update at all (the
+# fit failed: core.accepts). Converged fits end near 0.01-0.05; on kidiq_interaction over 8
+# clients in float32 one fit ended non-finite and, applied, the next four ended 350 to 1.9e4
+# scales away and q ran to alpha = -48,000
+FAILED_FIT_RESIDUAL = 100.0
 # largest single-round move of q's means (in q's scales) over the last LAST_MOVE_SPAN rounds:
 # above it the rounds' answers scatter by more than q's width (a Student-t's log nu in float32
 # jumped 1.9 and 2.3 scales between rounds while last_move, a net move, read 0.016); converged

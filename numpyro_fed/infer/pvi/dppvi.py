@@ -34,7 +34,7 @@ from numpyro_fed.infer.base import (
 from numpyro_fed.infer.pvi import core
 from numpyro_fed.infer.pvi.accounting import PrivacyAccounting
 from numpyro_fed.infer.pvi.core import PVIState
-from numpyro_fed.infer.pvi.diagnostics import judge_run, last_move
+from numpyro_fed.infer.pvi.diagnostics import FAILED_FIT_RESIDUAL, judge_run, last_move
 from numpyro_fed.infer.pvi.dp_defaults import default_damping, local_config
 from numpyro_fed.infer.pvi.gaussian import loc_scale, sample
 from numpyro_fed.infer.pvi.local import ClientLatentsFace
@@ -399,6 +399,7 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
             prior_update=prior_update,
             prior_potential=prior_potential,
             min_clients=core.check_dropout(self.min_clients, num_clients, self.trusted_aggregator),
+            max_residual=None if privacy is not None else FAILED_FIT_RESIDUAL,
         )
         self._plan = _RunPlan(
             num_rounds,

@@ -19,6 +19,7 @@ from numpyro_fed.federation.base import check_min_clients, resolve_min_clients
 from numpyro_fed.infer.base import ClientSpec, RunResult, VariationalMethod, jit_round
 from numpyro_fed.infer.pvi import core
 from numpyro_fed.infer.pvi.client import LocalConfig
+from numpyro_fed.infer.pvi.diagnostics import FAILED_FIT_RESIDUAL
 from numpyro_fed.infer.pvi.gaussian import loc_scale, sample
 from numpyro_fed.infer.pvi.prior import build_prior_update, initial_state, prior_remainder, split_prior
 from numpyro_fed.infer.stein.client_order import check_client_order, make_client_order
@@ -188,6 +189,7 @@ class GaussianPVI(VariationalMethod):
             prior_update=prior_update,
             prior_potential=prior_potential,
             min_clients=resolve_min_clients(self.min_clients, fp.num_clients),
+            max_residual=FAILED_FIT_RESIDUAL,
         )
 
         @jit_round
