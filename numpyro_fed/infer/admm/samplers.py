@@ -40,6 +40,14 @@ __all__ = ["ADMM", "DADMMS", "DSGHMC", "DSGLD", "DULA"]
 
 _SOLVERS = ("auto", "quadratic", "newton")
 _PAPER_RHO = 5.0
+# what was measured on the centred radon model (docs/guide/dadmms.md, "Models without a mode")
+_RUNAWAY_ADVICE = (
+    "On the centred radon model (85 county intercepts) the iterates ran down the county scale "
+    "and stopped being finite from iteration 30-47, also with rho='auto' scaled at the search's "
+    "positive definite point; written non-centred (numpyro.infer.reparam.LocScaleReparam) the run "
+    "has a mode and stays finite, but its group scale was 5.5 posterior sds high. For this "
+    "posterior use FedZigZag (exact)"
+)
 
 
 class DADMMS(DecentralizedKernel):
@@ -217,16 +225,27 @@ class DADMMS(DecentralizedKernel):
         rho, self.scaling = self.rho, None
         self._setup_itemsize = jnp.asarray(x0).dtype.itemsize  # the set-up's messages are in this dtype
         noise_scale = 1.0 if self.noise_scale is None else self.noise_scale
+        self.divergence_advice = type(self).divergence_advice
         if rho == "auto":
-            self.scaling = laplace_scaling(potentials, x0)
+            search = {}
+            self.scaling = laplace_scaling(potentials, x0, report=search)
             if self.scaling is None:
                 rho = _PAPER_RHO
+                runaway = self._runaway(search)
+                if runaway:
+                    self.divergence_advice = runaway + ". " + _RUNAWAY_ADVICE
                 warn_user(
                     f"{type(self).__name__}: rho='auto' found no mode with a positive definite Hessian "
                     "(e.g. a centred hierarchical model, an improper posterior), so the proximal steps "
                     f"are not scaled to the posterior: running the paper's rho={_PAPER_RHO:g} in the "
-                    "model's units. Reparametrize (numpyro.infer.reparam.LocScaleReparam) or give "
-                    "proper priors; the end-of-run check reports the measured spread",
+                    "model's units. "
+                    + (
+                        runaway[0].upper() + runaway[1:] + "; D-ADMMS's proximal steps are minimizations and follow the same way, "
+                        "so expect its iterates to run down there and stop being finite. " + _RUNAWAY_ADVICE
+                        if runaway
+                        else "Reparametrize (numpyro.infer.reparam.LocScaleReparam) or give proper priors; "
+                        "the end-of-run check reports the measured spread"
+                    ),
                     RuntimeWarning,
                 )
             else:
@@ -259,6 +278,25 @@ class DADMMS(DecentralizedKernel):
             max_iterations=self.max_inner_iterations,
         )
         return init, program
+
+    def _runaway(self, search) -> str | None:
+        """What the set-up's mode search measured when it found no mode: the coordinate it moved
+        farthest while the potential kept falling (e.g. a centred hierarchy's log scale running
+        down its funnel), worded; ``None`` when it did not run away (a potential not finite at
+        the start, a search that ended where the Hessian is not positive definite)."""
+        if not search or search.get("converged") or "end" not in search:
+            return None
+        start, end = search["start"], search["end"]
+        moved = np.abs(end - start)
+        if not (np.all(np.isfinite(moved)) and search["value_end"] < search["value_start"]) or moved.max() < 5.0:
+            return None
+        j = int(np.argmax(moved))
+        name = self.federated_potential.coordinate_names[j]
+        return (
+            f"the set-up's mode search ({search['rounds']} rounds) lowered the potential from {search['value_start']:.4g} to "
+            f"{search['value_end']:.4g} while moving {name} (unconstrained) from {start[j]:.3g} to {end[j]:.3g}: "
+            "the density grows without bound that way (a centred hierarchy's funnel as its scale goes to 0)"
+        )
 
     def record_setup(self, ledger) -> None:
         """``rho="auto"``'s set-up (:func:`~numpyro_fed.infer.admm.scaling.laplace_scaling`):

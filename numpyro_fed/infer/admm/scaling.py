@@ -51,6 +51,8 @@ class LaplaceScaling(NamedTuple):
     :ivar shares: ``(N,)`` each agent's share of the curvature, ``tr(T^T H_i T) / d`` (they
         sum to one).
     :ivar int rounds: set-up rounds (each agent sent one message per round).
+    :ivar bool mode: ``True`` when ``center`` is the MAP; ``False`` for the surrogate of a
+        posterior without a mode (see :func:`laplace_scaling`'s ``surrogate``).
     """
 
     center: np.ndarray
@@ -58,6 +60,7 @@ class LaplaceScaling(NamedTuple):
     inverse: np.ndarray
     shares: np.ndarray
     rounds: int
+    mode: bool = True
 
 
 def _value_grad_hess(fn, block, prior_weight, x):
@@ -66,11 +69,22 @@ def _value_grad_hess(fn, block, prior_weight, x):
     return value, grad, jax.hessian(fn)(x, block, prior_weight)
 
 
-def laplace_scaling(potentials: AgentPotentials, x0, *, max_rounds: int = 200) -> LaplaceScaling | None:
+def laplace_scaling(
+    potentials: AgentPotentials, x0, *, max_rounds: int = 200, surrogate: bool = False, report: dict | None = None
+) -> LaplaceScaling | None:
     """The MAP and the Hessian there by a damped Newton method over the agents' sums (see the
     module's docstring), or ``None`` when there is none (a potential not finite at ``x0``, a
     posterior without a mode, e.g. a centred funnel, or a Hessian that is not positive
     definite at the end).
+
+    With ``surrogate``, a search that finds no mode returns instead the scaling at the point
+    where it left the first stretch of its path on which the summed Hessian was positive
+    definite (``mode=False``), or ``None`` if it never met one: on a centred hierarchy the
+    search runs down the funnel, and that point is where it crossed the posterior's bulk.
+
+    ``report``, a dict, receives what the search measured: ``start`` and ``end`` (its first
+    and last points, float64), ``value_start`` and ``value_end`` (the potential there),
+    ``rounds`` and ``converged``; a search without a mode shows there where it ran away.
 
     >>> pots = AgentPotentials(lambda x, b, w: 0.5 * jnp.sum((x - b) ** 2) * 4.0,
     ...                        jnp.array([0.0, 1.0]), jnp.array([0.5, 0.5]), 2, 1)
@@ -93,11 +107,18 @@ def laplace_scaling(potentials: AgentPotentials, x0, *, max_rounds: int = 200) -
     eps = float(jnp.finfo(dtype).eps)
     x = np.asarray(x0, dtype=np.float64)
     value, grad, hessians, hessian = totals(x)
+    start_value = float(value)
     rounds = 1
     converged = False
+    first_pd, left_pd = None, False  # the last point of the path's first positive definite stretch
     while rounds < max_rounds and np.isfinite(value) and np.all(np.isfinite(hessian)):
         hessian = (hessian + hessian.T) / 2
         eigenvalues, vectors = np.linalg.eigh(hessian)
+        if not left_pd:
+            if eigenvalues.min() > 0:
+                first_pd = (x, hessians, hessian)
+            elif first_pd is not None:
+                left_pd = True
         floor = max(abs(eigenvalues).max(), 1e-300) * 1e-10
         # Newton on the positive part; a saddle's negative directions move downhill by |lambda|
         step = -vectors @ ((vectors.T @ grad) / np.maximum(np.abs(eigenvalues), floor))
@@ -121,8 +142,20 @@ def laplace_scaling(potentials: AgentPotentials, x0, *, max_rounds: int = 200) -
             break
         x = x + t * step
         value, grad, hessians, hessian = trial
+    if report is not None:
+        report.update(
+            start=np.asarray(x0, dtype=np.float64),
+            end=x,
+            value_start=start_value,
+            value_end=float(value),
+            rounds=rounds,
+            converged=converged,
+        )
+    mode = True
     if not converged:
-        return None
+        if not surrogate or first_pd is None:
+            return None
+        (x, hessians, hessian), mode = first_pd, False
     # Cholesky, not an eigendecomposition: rescaling the coordinates by a positive diagonal D
     # rescales the factor by D exactly, so the whitened problem, its noise draws and hence the
     # draws are the same in any units of the covariates
@@ -136,7 +169,7 @@ def laplace_scaling(potentials: AgentPotentials, x0, *, max_rounds: int = 200) -
         return None
     whitened = np.einsum("ji,njk,kl->nil", transform, (hessians + np.swapaxes(hessians, 1, 2)) / 2, transform)
     shares = np.clip(np.trace(whitened, axis1=1, axis2=2) / x.size, 0.0, None)
-    return LaplaceScaling(x, transform, inverse, shares / shares.sum(), rounds)
+    return LaplaceScaling(x, transform, inverse, shares / shares.sum(), rounds, mode)
 
 
 def whitened_potentials(potentials: AgentPotentials, scaling: LaplaceScaling) -> AgentPotentials:
