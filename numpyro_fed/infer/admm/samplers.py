@@ -48,11 +48,10 @@ _SOLVERS = ("auto", "quadratic", "newton")
 _PAPER_RHO = 5.0
 # what was measured on the centred radon model (docs/guide/dadmms.md, "Models without a mode")
 _RUNAWAY_ADVICE = (
-    "On the centred radon model (85 county intercepts) the iterates ran down the county scale "
-    "and stopped being finite from iteration 30-47, also with rho='auto' scaled at the search's "
-    "positive definite point; written non-centred (numpyro.infer.reparam.LocScaleReparam) the run "
-    "has a mode and stays finite, but its group scale was 5.5 posterior sds high. For this "
-    "posterior use FedZigZag (exact)"
+    "On the centred radon model (85 county intercepts) at rho=5 the iterates ran down the county "
+    "scale and stopped being finite from iteration 30-47; written non-centred "
+    "(numpyro.infer.reparam.LocScaleReparam) the run has a mode and stays finite, but its group "
+    "scale was 5.5 posterior sds high. For this posterior use FedZigZag (exact)"
 )
 _SURROGATE_MEASURED = (
     "Measured so on the centred radon model (4 clients, 20 chains of 100 draws after 1000): every "
@@ -89,8 +88,10 @@ class DADMMS(DecentralizedKernel):
     (``H = L L^T``), ``rho`` is set for mixing and the noise is scaled so that, on the
     linearized recursion (its discrete Lyapunov equation), the reporting agent's stationary
     sd is the posterior's (see :mod:`~numpyro_fed.infer.admm.scaling`). The draws are then the
-    same in any units of the covariates. Without a mode (a centred hierarchical model, an
-    improper posterior) it warns and runs the paper's ``rho = 5``. The end-of-run check warns
+    same in any units of the covariates. Without a mode, where the set-up's search ran away (a
+    centred hierarchy's funnel), it warns and scales the agents at a point of the posterior's
+    bulk with the network's average at temperature one (the guide, "Models without a mode");
+    otherwise (an improper posterior) it warns and runs the paper's ``rho = 5``. The end-of-run check warns
     when a coordinate's sd is off by more than a factor 1.4, with the measured ratio.
 
     :param model: a NumPyro model with a :class:`~numpyro_fed.federated_plate`.
