@@ -248,10 +248,10 @@ class DADMMS(DecentralizedKernel):
                 self.scaling, rounds = surrogate_scaling(potentials, x0, starts=7)
                 if self.scaling is not None:
                     self.scaling = self.scaling._replace(rounds=rounds + search["rounds"])
+            if runaway:
+                self.divergence_advice = runaway + ". " + _RUNAWAY_ADVICE
             if self.scaling is None:
                 rho = _PAPER_RHO
-                if runaway:
-                    self.divergence_advice = runaway + ". " + _RUNAWAY_ADVICE
                 warn_user(
                     f"{type(self).__name__}: rho='auto' found no mode with a positive definite Hessian "
                     "(e.g. a centred hierarchical model, an improper posterior), so the proximal steps "

@@ -81,8 +81,9 @@ def laplace_scaling(
 
     With ``surrogate``, a search that finds no mode returns instead the scaling at the point
     where it left the first stretch of its path on which the summed Hessian was positive
-    definite (``mode=False``), or ``None`` if it never met one: on a centred hierarchy the
-    search runs down the funnel, and that point is where it crossed the posterior's bulk.
+    definite with a condition number below ``min(1e6, 0.01 / eps)`` (``mode=False``), or
+    ``None`` if it never met one: on a centred hierarchy the search runs down the funnel, and
+    that point is where it crossed the posterior's bulk (condition number 888 on radon).
 
     ``report``, a dict, receives what the search measured: ``start`` and ``end`` (its first
     and last points, float64), ``value_start`` and ``value_end`` (the potential there),
@@ -113,11 +114,14 @@ def laplace_scaling(
     rounds = 1
     converged = False
     first_pd, left_pd = None, False  # the last point of the path's first positive definite stretch
+    max_condition = min(1e6, 1e-2 / eps)
     while rounds < max_rounds and np.isfinite(value) and np.all(np.isfinite(hessian)):
         hessian = (hessian + hessian.T) / 2
         eigenvalues, vectors = np.linalg.eigh(hessian)
         if not left_pd:
-            if eigenvalues.min() > 0:
+            # positive definite and well conditioned: deep in a funnel the Hessian can be positive
+            # definite again with a condition number past 1e16 (the centred eight schools)
+            if eigenvalues.min() > eigenvalues.max() / max_condition:
                 first_pd = (x, hessians, hessian)
             elif first_pd is not None:
                 left_pd = True
