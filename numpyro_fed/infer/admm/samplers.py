@@ -332,7 +332,7 @@ class DADMMS(DecentralizedKernel):
             f"the set-up's mode search ({search['rounds']} rounds) lowered the potential from "
             f"{search['value_start']:.4g} to {search['value_end']:.4g} while moving {name} (unconstrained) "
             f"from {start[j]:.3g} to {end[j]:.3g}: "
-            "the density grows without bound that way (a centred hierarchy's funnel as its scale goes to 0)"
+            "the density grows without bound that way (e.g. a centred hierarchy's funnel as its scale goes to 0)"
         )
 
     def record_setup(self, ledger) -> None:
