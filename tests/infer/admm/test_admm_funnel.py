@@ -53,6 +53,7 @@ def test_mode_search_reports_where_it_ran_away():
     assert int(np.argmax(np.abs(search["end"] - search["start"]))) == j
 
 
+@pytest.mark.long  # 15-21 s on 2 cores
 def test_dadmms_names_the_funnel_at_set_up():
     kernel = nf.DADMMS(centred)
     mcmc = MCMC(kernel, num_warmup=0, num_samples=2, progress_bar=False)
@@ -74,6 +75,7 @@ def test_dadmms_names_the_funnel_at_set_up():
     assert temperature == pytest.approx(1.0)
 
 
+@pytest.mark.long  # 15-21 s on 2 cores
 def test_paper_rho_runs_down_the_funnel_and_the_run_says_where():
     """The fixed ``rho = 5``: the network's average runs at temperature 0.2, below the funnel's
     ``(J - 1) / J``, and the iterates run down ``log tau`` (the end-of-run check says so)."""
