@@ -403,17 +403,17 @@ class PrivacyAccounting:
             if self.target_epsilon is not None
             else f"noise_multiplier={self.noise_multiplier}"
         )
-        floor = self.dp_error_floor(sizes, num_latent)
         automatic = self.auto_sampling and self.auto_clip
-        if num_latent > dp_defaults.FIT_MAX_DIM:
-            floor = float("nan")  # as far extrapolated as the prediction: not stated
+        extrapolated = num_latent > dp_defaults.FIT_MAX_DIM
+        # beyond the grid the floor is as far extrapolated as the prediction: not stated
+        floor = float("nan") if extrapolated else self.dp_error_floor(sizes, num_latent)
         args = (budget, dp_error, num_rounds, self.num_local_steps, sizes, floor)
         if automatic and dp_defaults.refuses(dp_error, num_latent):
             message = dp_defaults.noise_dominates_message(*args)
             raise ValueError(message + "; or set sampling, sampling_rate and clip_norm yourself to run anyway")
         if not automatic:  # the user's clip norm: the prediction is a lower bound
             verdict = None
-        elif num_latent > dp_defaults.FIT_MAX_DIM:
+        elif extrapolated:
             verdict = (
                 f"going ahead, as the prediction is extrapolated beyond the {dp_defaults.FIT_MAX_DIM} "
                 "coordinates of the grid it was checked on and can be far too high (UCI Adult, 109 "
