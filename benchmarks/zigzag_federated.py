@@ -22,10 +22,14 @@ evaluations times the rows each evaluates, warmup included) and its ratio to the
 run, rounds per switch and per effective sample, wall time (compilation included) and JAX's
 compilation time in it. On Ray, Ray's bare round trip (``M`` actors, a vector out, a number
 back; median of 200) is measured after the runs and the wall time per effective sample is
-compared with rounds per effective sample times that round trip.
+compared with rounds per effective sample times that round trip. With ``--floor`` it also
+measures the same actors answering a packed call after spending 0.5 and 1 ms of CPU on it
+(``round_floor``): what a round costs when the clients compute, before any code of this
+package runs.
 
     python benchmarks/zigzag_federated.py --sizes 100000          # about 2-4 minutes here
     python benchmarks/zigzag_federated.py --sizes 1000000 --engine ray --clients 8   # a quiet machine
+    python benchmarks/zigzag_federated.py --sizes 100000 --engine ray --warmup 100 --samples 300 --floor
 
 Results: a table on stdout and ``benchmarks/results/zigzag_federated.json`` (``--out``).
 """
@@ -101,6 +105,17 @@ def measure(name, X, y, clients, *, num_warmup, num_samples, seed, **options):
 
 def bare_round_trip_ms(clients: int, repeats: int = 200) -> float:
     """Ray's bare round trip with ``clients`` actors: a vector out, a number back (median ms)."""
+    return round_floor(clients, (), repeats)["bare"]["ms"]
+
+
+def round_floor(clients: int, busy_ms=(0.5, 1.0), repeats: int = 400) -> dict:
+    """What a Ray round costs before any of this package's code runs: ``clients`` actors
+    answering a vector with a number (``"bare"``), then a small ``bytes`` payload with a
+    ``bytes`` reply (as ``RayFederation`` packs a small call) after each actor spent ``c`` ms
+    of CPU on it, for ``c`` in ``busy_ms``. Per variant: the median ms per round, and the CPU
+    per round of the driver and per call of one actor (``time.process_time``)."""
+    import pickle
+
     import ray
 
     @ray.remote
@@ -108,17 +123,41 @@ def bare_round_trip_ms(clients: int, repeats: int = 200) -> float:
         def dot(self, v):
             return float(np.sum(v))
 
+        def packed(self, payload, busy_ms):
+            start = time.process_time()
+            value = pickle.loads(payload)
+            while (time.process_time() - start) * 1e3 < busy_ms:
+                pass
+            return pickle.dumps(value[:2])
+
+        def cpu(self):
+            return time.process_time()
+
     actors = [Echo.remote() for _ in range(clients)]
     v = np.ones(6)
+    payload = pickle.dumps(("propose",) + tuple(np.ones(6, np.float32) for _ in range(13)), protocol=5)
     ray.get([a.dot.remote(v) for a in actors])
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        ray.get([a.dot.remote(v) for a in actors])
-        times.append(1e3 * (time.perf_counter() - start))
+
+    def measure(one_round):
+        workers, driver = sum(ray.get([a.cpu.remote() for a in actors])), time.process_time()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            one_round()
+            times.append(1e3 * (time.perf_counter() - start))
+        workers = sum(ray.get([a.cpu.remote() for a in actors])) - workers
+        return {
+            "ms": float(np.median(times)),
+            "driver_cpu_ms": 1e3 * (time.process_time() - driver) / repeats,
+            "worker_cpu_ms": 1e3 * workers / repeats / clients,
+        }
+
+    out = {"bare": measure(lambda: ray.get([a.dot.remote(v) for a in actors]))}
+    for c in busy_ms:
+        out[f"busy {c} ms"] = measure(lambda c=c: ray.get([a.packed.remote(payload, c) for a in actors]))
     for a in actors:
         ray.kill(a)
-    return float(np.median(times))
+    return out
 
 
 def print_rows(rows, bare_ms=None):
@@ -158,6 +197,9 @@ def main(argv=None):
     parser.add_argument("--samples", type=int, default=1000)
     parser.add_argument("--x64", action="store_true", help="float64 (default: NumPyro's float32)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--floor", action="store_true", help="on Ray: also the round when each actor spends 0.5 and 1 ms of CPU"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     print(
@@ -189,9 +231,17 @@ def main(argv=None):
                 f"{row['rounds_per_switch']:.3f} rounds per switch, {row['wall_s']:.1f} s",
                 flush=True,
             )
-    bare = bare_round_trip_ms(args.clients) if args.engine == "ray" else None
+    floor = round_floor(args.clients, (0.5, 1.0) if args.floor else ()) if args.engine == "ray" else None
+    bare = floor["bare"]["ms"] if floor else None
     print_rows(rows, bare)
-    meta = {"argv": sys.argv[1:], "loadavg": os.getloadavg(), "bare_round_trip_ms": bare}
+    if floor and args.floor:
+        print(f"\nA Ray round before this package's code, {args.clients} actors (median ms; CPU per round / per call):")
+        for name, r in floor.items():
+            print(
+                f"  {name:12s} {r['ms']:6.2f} ms ({r['ms'] / bare:.2f} x bare), driver {r['driver_cpu_ms']:.2f} ms, "
+                f"each actor {r['worker_cpu_ms']:.2f} ms of CPU"
+            )
+    meta = {"argv": sys.argv[1:], "loadavg": os.getloadavg(), "bare_round_trip_ms": bare, "round_floor": floor}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"wrote {args.out}")
