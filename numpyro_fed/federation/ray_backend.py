@@ -19,7 +19,6 @@ import sys
 import time
 import uuid
 import warnings
-from typing import NamedTuple
 
 import numpy as np
 
@@ -35,30 +34,6 @@ __all__ = ["RayFederation"]
 
 
 # -- the federation -----------------------------------------------------------------------------
-
-
-class SharedArguments(NamedTuple):
-    """The arrays a round's calls all hold (the broadcast ones): their places among a call's
-    leaves, and ``blob``, ``pickle.dumps((treedef, positions, arrays))``."""
-
-    positions: frozenset
-    blob: bytes
-
-
-def shared_arguments(calls_args) -> SharedArguments | None:
-    """What the calls of a round share (the same array objects at the same places of the
-    same structure), pickled once: the driver then pickles only each client's own arrays
-    (13 small arrays cost about 0.1-0.2 ms to pickle, 8 times a round on 8 clients).
-    ``None`` when they share nothing or differ in structure."""
-    flat = [jax.tree_util.tree_flatten(args) for args in calls_args]
-    (first, treedef), rest = flat[0], flat[1:]
-    if any(d != treedef for _, d in rest):
-        return None
-    positions = [i for i, leaf in enumerate(first) if all(leaves[i] is leaf for leaves, _ in rest)]
-    if not positions:
-        return None
-    blob = pickle.dumps((treedef, positions, [first[i] for i in positions]), protocol=pickle.HIGHEST_PROTOCOL)
-    return SharedArguments(frozenset(positions), blob)
 
 
 #: calls whose arguments are smaller than this many bytes are pickled into one buffer (see
@@ -390,15 +365,12 @@ class RayFederation(RemoteFederation):
             raise error
         return results
 
-    def _submit(self, m, name, args, in_axes, nbytes, version=None, shared=None):
-        """Client ``m``'s call, sent as one pickled buffer when it is small (with the
-        round's ``shared`` arguments, see :func:`shared_arguments`, pickled once for all)."""
+    def _submit(self, m, name, args, in_axes, nbytes, version=None):
+        """Client ``m``'s call, sent as one pickled buffer when it is small."""
         actor = self._actors[m]
         if nbytes < self.pack_limit:
-            if shared is not None:
-                args = [leaf for i, leaf in enumerate(jax.tree_util.tree_leaves(args)) if i not in shared.positions]
             return actor.call_packed.remote(
-                pickle.dumps((name, args, in_axes, version, shared and shared.blob), protocol=pickle.HIGHEST_PROTOCOL)
+                pickle.dumps((name, args, in_axes, version), protocol=pickle.HIGHEST_PROTOCOL)
             )
         return actor.call.remote(name, args, in_axes, version)
 
@@ -424,10 +396,8 @@ class RayFederation(RemoteFederation):
 
     # -- transport hooks (see RemoteFederation) ------------------------------------------------
     def send_calls(self, name, calls):
-        small = [call.args for call in calls.values() if call.nbytes < self.pack_limit]
-        shared = shared_arguments(small) if len(small) > 1 else None
         refs = {
-            m: self._submit(m, name, call.args, call.in_axes, call.nbytes, version=call.version, shared=shared)
+            m: self._submit(m, name, call.args, call.in_axes, call.nbytes, version=call.version)
             for m, call in calls.items()
         }
         return self._replies(name, refs)  # a stateful call's worker answers (reply, its new version)

@@ -193,16 +193,8 @@ class ClientWorker:
         """:meth:`call` with its arguments and reply pickled into one ``bytes`` each: Ray
         serializes every argument and return value on its own (msgpack and pickle framing
         each time), which costs more than a small call's arrays; one buffer each way costs
-        one. With ``shared`` (the round's arrays every client gets, pickled once by the
-        driver: ``(treedef, positions, arrays)``), ``args`` holds only this client's own
-        arrays."""
-        name, args, in_axes, version, shared = pickle.loads(payload)
-        if shared is not None:
-            treedef, positions, arrays = pickle.loads(shared)
-            own, given = iter(args), dict(zip(positions, arrays))
-            args = jax.tree_util.tree_unflatten(
-                treedef, [given[i] if i in given else next(own) for i in range(treedef.num_leaves)]
-            )
+        one."""
+        name, args, in_axes, version = pickle.loads(payload)
         return pickle.dumps(self.call(name, args, in_axes, version), protocol=pickle.HIGHEST_PROTOCOL)
 
     def compute_time(self):

@@ -112,9 +112,9 @@ def test_on_ray_the_state_stays_on_the_workers(ray_session, tmp_path):
         sent, received = [], []
         submit, replies_of = fed._submit, fed._replies
 
-        def spy_submit(m, name, args, in_axes, nbytes, version=None, shared=None):
-            sent.append(np.asarray(args, dtype=object))  # all of the call's arguments, shared ones too
-            return submit(m, name, args, in_axes, nbytes, version, shared)
+        def spy_submit(m, name, args, in_axes, nbytes, version=None):
+            sent.append(np.asarray(args, dtype=object))
+            return submit(m, name, args, in_axes, nbytes, version)
 
         def spy_replies(call, refs):
             out = replies_of(call, refs)

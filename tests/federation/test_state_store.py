@@ -158,31 +158,3 @@ def test_a_call_that_only_reads_its_state_saves_nothing_and_a_restart_still_answ
     # and a change after the restart is saved from the state the reads kept
     _, v_next = replaced.call("step", (1.0,), None, v)
     assert float(StateStore(str(index.parent)).load()[v_next]["count"]) == 2.0
-
-
-def test_a_rounds_shared_arguments_are_pickled_once_and_each_worker_gets_the_same_call(tmp_path):
-    """The driver pickles the arrays every client gets (the same objects) once a round and
-    each client's own arrays apart; the worker puts them back in place: the same reply as
-    the plain call, and calls of other structures share nothing."""
-    import pickle
-
-    from numpyro_fed.federation.ray_backend import shared_arguments
-
-    def mix(block, state, x, pair, own):
-        return state, (x * block + pair[0] - pair[1]) * own
-
-    w = make_worker(tmp_path, mix=mix)
-    w.set_state(initial(4))
-    x, pair = np.float32(3.0), (np.arange(2, dtype=np.float32), np.float32(0.5))
-    calls = [(x, pair, np.float32(m + 1)) for m in range(3)]
-    shared = shared_arguments(calls)
-    assert sorted(shared.positions) == [0, 1, 2]  # x and pair; each client's own array is not shared
-    for m, args in enumerate(calls):
-        own = [leaf for i, leaf in enumerate(jax.tree.leaves(args)) if i not in shared.positions]
-        assert len(own) == 1 and own[0] == m + 1
-        packed = pickle.loads(w.call_packed(pickle.dumps(("mix", own, None, 0, shared.blob))))
-        plain = w.call("mix", args, None, 0)
-        np.testing.assert_array_equal(packed[0], plain[0])
-        np.testing.assert_array_equal(packed[0], (3.0 * 2.0 + np.arange(2) - 0.5) * (m + 1))
-    assert shared_arguments([(x,), (x, x)]) is None  # another structure
-    assert shared_arguments([(np.float32(1),), (np.float32(1),)]) is None  # equal values, other objects
