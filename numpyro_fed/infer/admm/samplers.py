@@ -32,32 +32,13 @@ from numpyro_fed.infer.admm.gradient import (
     init_dula,
     largest_curvatures,
 )
-from numpyro_fed.infer.admm.scaling import (
-    auto_settings,
-    laplace_scaling,
-    surrogate_scaling,
-    tempered_settings,
-    whitened_potentials,
-)
-from numpyro_fed.infer.admm.topology import metropolis_weights, num_components
+from numpyro_fed.infer.admm.setup import PAPER_RHO, RUNAWAY_ADVICE, auto_setup
+from numpyro_fed.infer.admm.topology import metropolis_weights
 from numpyro_fed.infer.kernel import RunCheck
 
 __all__ = ["ADMM", "DADMMS", "DSGHMC", "DSGLD", "DULA"]
 
 _SOLVERS = ("auto", "quadratic", "newton")
-_PAPER_RHO = 5.0
-# what was measured on the centred radon model (docs/guide/dadmms.md, "Models without a mode")
-_RUNAWAY_ADVICE = (
-    "On the centred radon model (85 county intercepts) at rho=5 the iterates ran down the county "
-    "scale and stopped being finite from iteration 30-47; written non-centred "
-    "(numpyro.infer.reparam.LocScaleReparam) the run has a mode and stays finite, but its group "
-    "scale was 5.5 posterior sds high. For this posterior use FedZigZag (exact)"
-)
-_SURROGATE_MEASURED = (
-    "Measured so on the centred radon model (4 clients, 20 chains of 100 draws after 1000): every "
-    "sd within 0.82-1.35 of NUTS's, means within 0.3 posterior sd on 84 of 89 coordinates (0.50 "
-    "the worst); the end-of-run check reports the measured spread"
-)
 
 
 class DADMMS(DecentralizedKernel):
@@ -239,60 +220,20 @@ class DADMMS(DecentralizedKernel):
         noise_scale = 1.0 if self.noise_scale is None else self.noise_scale
         self.divergence_advice = type(self).divergence_advice
         if rho == "auto":
-            search = {}
-            self.scaling = laplace_scaling(potentials, x0, report=search, surrogate=True)
-            runaway = None if self.scaling is not None and self.scaling.mode else self._runaway(search)
-            if self.scaling is not None and not (self.scaling.mode or runaway):
-                self.scaling = None  # a surrogate only where the search ran away (a funnel)
-            if self.scaling is None and runaway:  # no mode: scale at a point of the bulk, from other starts
-                self.scaling, rounds = surrogate_scaling(potentials, x0, starts=7)
-                if self.scaling is not None:
-                    self.scaling = self.scaling._replace(rounds=rounds + search["rounds"])
-            if runaway:
-                self.divergence_advice = runaway + ". " + _RUNAWAY_ADVICE
-            if self.scaling is None:
-                rho = _PAPER_RHO
-                warn_user(
-                    f"{type(self).__name__}: rho='auto' found no mode with a positive definite Hessian "
-                    "(e.g. a centred hierarchical model, an improper posterior), so the proximal steps "
-                    f"are not scaled to the posterior: running the paper's rho={_PAPER_RHO:g} in the "
-                    "model's units. "
-                    + (
-                        runaway[0].upper()
-                        + runaway[1:]
-                        + ", and no search from 8 starts (the run's and 7 drawn in (-2, 2)) crossed a point "
-                        "where the Hessian is positive definite; D-ADMMS's proximal steps are minimizations "
-                        "and follow the same way, "
-                        "so expect its iterates to run down there and stop being finite. " + _RUNAWAY_ADVICE
-                        if runaway
-                        else "Reparametrize (numpyro.infer.reparam.LocScaleReparam) or give proper priors; "
-                        "the end-of-run check reports the measured spread"
-                    ),
-                    RuntimeWarning,
-                )
-            else:
-                potentials = whitened_potentials(potentials, self.scaling)
-                x0 = jnp.zeros_like(x0)  # the MAP (or its surrogate), in the posterior's units
-                if num_components(topology.adjacency) != 1:  # agents that never meet have no common law
-                    rho = _PAPER_RHO
-                elif self.scaling.mode or self.noise_scale is not None:
-                    rho, noise_scale = auto_settings(
-                        topology.adjacency, self.scaling.shares, self.agent, noise_scale=self.noise_scale
-                    )
-                else:
-                    rho, noise_scale = tempered_settings(topology.adjacency, self.scaling.shares, self.agent)
-                if not self.scaling.mode:
-                    warn_user(
-                        f"{type(self).__name__}: rho='auto' found no mode with a positive definite Hessian. "
-                        + runaway[0].upper()
-                        + runaway[1:]
-                        + ". The agents run in the units of the Hessian where a search crossed the "
-                        "posterior's bulk (where it was positive definite, not a mode), with "
-                        f"rho={rho:g} and noise_scale={noise_scale:.3g} there, so that the network's "
-                        "average moves at temperature one (below it a centred hierarchy's funnel "
-                        "swallows the iterates). " + _SURROGATE_MEASURED,
-                        RuntimeWarning,
-                    )
+            setup = auto_setup(
+                type(self).__name__,
+                potentials,
+                x0,
+                topology,
+                self.agent,
+                noise_scale=self.noise_scale,
+                coordinate_names=self.federated_potential.coordinate_names,
+            )
+            potentials, x0, rho, noise_scale = setup.potentials, setup.x0, setup.rho, setup.noise_scale
+            self.scaling = setup.scaling
+            if setup.runaway:
+                self.divergence_advice = setup.runaway + ". " + RUNAWAY_ADVICE
+            if self.scaling is not None:
                 self.coordinates = (self.scaling.center, self.scaling.transform, self.scaling.inverse)
         self.rho_used, self.noise_scale_used = rho, noise_scale
         quadratic = None
@@ -314,26 +255,6 @@ class DADMMS(DecentralizedKernel):
             max_iterations=self.max_inner_iterations,
         )
         return init, program
-
-    def _runaway(self, search) -> str | None:
-        """What the set-up's mode search measured when it found no mode: the coordinate it moved
-        farthest while the potential kept falling (e.g. a centred hierarchy's log scale running
-        down its funnel), worded; ``None`` when it did not run away (a potential not finite at
-        the start, a search that ended where the Hessian is not positive definite)."""
-        if not search or search.get("converged") or "end" not in search:
-            return None
-        start, end = search["start"], search["end"]
-        moved = np.abs(end - start)
-        if not (np.all(np.isfinite(moved)) and search["value_end"] < search["value_start"]) or moved.max() < 5.0:
-            return None
-        j = int(np.argmax(moved))
-        name = self.federated_potential.coordinate_names[j]
-        return (
-            f"the set-up's mode search ({search['rounds']} rounds) lowered the potential from "
-            f"{search['value_start']:.4g} to {search['value_end']:.4g} while moving {name} (unconstrained) "
-            f"from {start[j]:.3g} to {end[j]:.3g}: "
-            "the density grows without bound that way (e.g. a centred hierarchy's funnel as its scale goes to 0)"
-        )
 
     def record_setup(self, ledger) -> None:
         """``rho="auto"``'s set-up (:func:`~numpyro_fed.infer.admm.scaling.laplace_scaling`):
@@ -398,7 +319,7 @@ class ADMM(DADMMS):
 
     samples_posterior = False  # an optimizer: its iterates converge to the MAP
 
-    def __init__(self, model, *, rho: float | str = _PAPER_RHO, **kwargs):
+    def __init__(self, model, *, rho: float | str = PAPER_RHO, **kwargs):
         if "noise_scale" in kwargs:
             raise TypeError("ADMM has no noise_scale: it is D-ADMMS with noise_scale=0")
         super().__init__(model, rho=rho, noise_scale=0.0, **kwargs)
