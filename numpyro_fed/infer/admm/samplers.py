@@ -20,6 +20,7 @@ import numpy as np
 import jax.numpy as jnp
 
 from numpyro_fed._checks import check_int, check_positive, check_real, warn_user
+from numpyro_fed.infer.admm.auto import PAPER_RHO, RUNAWAY_ADVICE, auto_setup
 from numpyro_fed.infer.admm.dadmms import ADMMInfo, build_program, init, quadratic_potentials
 from numpyro_fed.infer.admm.face import DecentralizedKernel
 from numpyro_fed.infer.admm.gradient import (
@@ -32,7 +33,6 @@ from numpyro_fed.infer.admm.gradient import (
     init_dula,
     largest_curvatures,
 )
-from numpyro_fed.infer.admm.setup import PAPER_RHO, RUNAWAY_ADVICE, auto_setup
 from numpyro_fed.infer.admm.topology import metropolis_weights
 from numpyro_fed.infer.kernel import RunCheck
 
