@@ -21,7 +21,7 @@ Columns: the smallest ESS, gradient rows per effective sample (the clients' grad
 evaluations times the rows each evaluates, warmup included) and its ratio to the in-process
 run, rounds per switch and per effective sample, wall time (compilation included) and JAX's
 compilation time in it. On Ray, Ray's bare round trip (``M`` actors, a vector out, a number
-back; median of 200) is measured after the runs and the wall time per effective sample is
+back; median of 400) is measured after the runs and the wall time per effective sample is
 compared with rounds per effective sample times that round trip. With ``--floor`` it also
 measures the same actors answering a packed call after spending 0.5 and 1 ms of CPU on it
 (``round_floor``): what a round costs when the clients compute, before any code of this
