@@ -103,14 +103,9 @@ def measure(name, X, y, clients, *, num_warmup, num_samples, seed, **options):
     }
 
 
-def bare_round_trip_ms(clients: int, repeats: int = 200) -> float:
-    """Ray's bare round trip with ``clients`` actors: a vector out, a number back (median ms)."""
-    return round_floor(clients, (), repeats)["bare"]["ms"]
-
-
 def round_floor(clients: int, busy_ms=(0.5, 1.0), repeats: int = 400) -> dict:
     """What a Ray round costs before any of this package's code runs: ``clients`` actors
-    answering a vector with a number (``"bare"``), then a small ``bytes`` payload with a
+    answering a vector with a number (``"bare"``, Ray's bare round trip), then a small ``bytes`` payload with a
     ``bytes`` reply (as ``RayFederation`` packs a small call) after each actor spent ``c`` ms
     of CPU on it, for ``c`` in ``busy_ms``. Per variant: the median ms per round, and the CPU
     per round of the driver and per call of one actor (``time.process_time``)."""
