@@ -25,10 +25,12 @@ from numpyro_fed.infer.admm.scaling import (
 )
 from numpyro_fed.infer.admm.topology import num_components
 
-__all__ = ["PAPER_RHO", "RUNAWAY_ADVICE", "AutoSetup", "auto_setup", "runaway"]
+__all__ = ["NOISE_SCALE", "PAPER_RHO", "RUNAWAY_ADVICE", "AutoSetup", "auto_setup", "runaway"]
 
 #: the paper's step size, in the model's units (its linear regression, Section 6.2.2)
 PAPER_RHO = 5.0
+#: the noise's scale where neither the user nor the set-up chose one (the paper's)
+NOISE_SCALE = 1.0
 #: what was measured on the centred radon model (docs/guide/dadmms.md, "Models without a mode")
 RUNAWAY_ADVICE = (
     "On the centred radon model (85 county intercepts) at rho=5 the iterates ran down the county "
@@ -108,7 +110,7 @@ def auto_setup(name, potentials, x0, topology, agent, noise_scale=None, coordina
     temperature one); with no scaling, the paper's ``rho`` in the model's units. Warns where
     there is no mode, saying which of these ran. ``noise_scale``: the user's, or ``None``."""
     scaling, ran = _scaling(potentials, x0, coordinate_names)
-    rho, noise = PAPER_RHO, 1.0 if noise_scale is None else noise_scale
+    rho, noise = PAPER_RHO, NOISE_SCALE if noise_scale is None else noise_scale
     if scaling is None:
         warn_user(
             f"{name}: rho='auto' found no mode with a positive definite Hessian "

@@ -20,7 +20,7 @@ import numpy as np
 import jax.numpy as jnp
 
 from numpyro_fed._checks import check_int, check_positive, check_real, warn_user
-from numpyro_fed.infer.admm.auto import PAPER_RHO, RUNAWAY_ADVICE, auto_setup
+from numpyro_fed.infer.admm.auto import NOISE_SCALE, PAPER_RHO, RUNAWAY_ADVICE, auto_setup
 from numpyro_fed.infer.admm.dadmms import ADMMInfo, build_program, init, quadratic_potentials
 from numpyro_fed.infer.admm.face import DecentralizedKernel
 from numpyro_fed.infer.admm.gradient import (
@@ -217,7 +217,7 @@ class DADMMS(DecentralizedKernel):
             )
         rho, self.scaling = self.rho, None
         self._setup_itemsize = jnp.asarray(x0).dtype.itemsize  # the set-up's messages are in this dtype
-        noise_scale = 1.0 if self.noise_scale is None else self.noise_scale
+        noise_scale = NOISE_SCALE if self.noise_scale is None else self.noise_scale
         self.divergence_advice = type(self).divergence_advice
         if rho == "auto":
             setup = auto_setup(
