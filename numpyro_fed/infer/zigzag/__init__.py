@@ -33,7 +33,7 @@ from numpyro_fed.infer.zigzag.bounds import GradientBound, HessianBound, per_pro
 from numpyro_fed.infer.zigzag.control_variates import ControlVariates, control_variate_reference
 from numpyro_fed.infer.zigzag.draws import FedZigZagState
 from numpyro_fed.infer.zigzag.kernel import advance, build_kernel, init, kernel_config, step
-from numpyro_fed.infer.zigzag.mode import ModeSearch
+from numpyro_fed.infer.zigzag.mode import ModeSearch, OtherMode
 from numpyro_fed.infer.zigzag.preconditioning import Preconditioner, precondition
 from numpyro_fed.infer.zigzag.proposers import (
     ClientFunctions,
@@ -56,6 +56,7 @@ __all__ = [
     "HessianBound",
     "KernelConfig",
     "ModeSearch",
+    "OtherMode",
     "Preconditioner",
     "Proposers",
     "RowHessianBound",

@@ -75,8 +75,10 @@ def few_effective_draws(samples_by_chain: dict, min_ess: float, *, preconditione
         if ess.min() < min_ess:
             j = int(np.argmin(ess))
             where = f"{site!r}" + (f" (element {j} of {ess.size})" if ess.size > 1 else "")
+            # NumPyro's estimator can go below 1, even negative, on a few strongly correlated draws
+            count = f"{ess[j]:.3g} effective draws" if ess[j] >= 1 else "less than one effective draw"
             problems.append(
-                f"{where} has {ess[j]:.3g} effective draws (fewer than {min_ess:g}): its summaries "
+                f"{where} has {count} (fewer than {min_ess:g}): its summaries "
                 "carry a large Monte Carlo error; run more num_samples (or chains), a longer "
                 "num_warmup, or a larger sample_interval"
                 + (

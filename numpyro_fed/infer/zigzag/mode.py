@@ -6,13 +6,21 @@ from __future__ import annotations
 import contextlib
 import math
 from functools import partial
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.scipy.optimize import minimize
 
-__all__ = ["ModeSearch", "describe_no_mode", "find_mode", "levenberg_marquardt"]
+__all__ = [
+    "ModeSearch",
+    "OtherMode",
+    "describe_no_mode",
+    "describe_other_mode",
+    "find_mode",
+    "levenberg_marquardt",
+    "pick_mode",
+]
 
 
 class ModeSearch(NamedTuple):
@@ -26,6 +34,12 @@ class ModeSearch(NamedTuple):
         in Laplace posterior sds (``inf`` when the Hessian is not positive definite).
     :ivar max_grad: ``max |grad U|`` at ``point``.
     :ivar attempts: BFGS runs made (each from where the previous one stopped).
+    :ivar value: the potential at ``point``.
+    :ivar laplace_log_mass: ``-value - log det(H) / 2`` there, the log of the posterior mass
+        the Laplace approximation gives the mode, up to a constant shared by every mode
+        (``-inf`` without a positive definite Hessian).
+    :ivar laplace_sd: ``(d,)`` the Laplace posterior sds there (``inf`` without a positive
+        definite Hessian).
     """
 
     point: jax.Array
@@ -33,6 +47,9 @@ class ModeSearch(NamedTuple):
     newton_step: float
     max_grad: float
     attempts: int
+    value: float = math.nan
+    laplace_log_mass: float = -math.inf
+    laplace_sd: Any = None
 
 
 def find_mode(
@@ -101,19 +118,22 @@ def find_mode(
         sd = jnp.sqrt(jnp.diag(jax.scipy.linalg.cho_solve((chol, True), jnp.eye(x.shape[0], dtype=dtype))))
         # below the float resolution of x a step cannot be taken: it does not count
         floor = 8 * eps * (1.0 + jnp.abs(x))
-        return value, positive, g, step, jnp.max(jnp.maximum(jnp.abs(step) - floor, 0.0) / sd)
+        size = jnp.max(jnp.maximum(jnp.abs(step) - floor, 0.0) / sd)
+        return value, positive, g, step, size, jnp.sum(jnp.log(jnp.diag(chol))), sd
 
     def newton_step(x):
-        """``(size, gradient, direction, value)`` at ``x``: the Newton step's size in Laplace
-        sds (``inf`` without a positive definite Hessian, then no direction)."""
-        value, positive, g, step, size = newton(x)
+        """``(size, gradient, direction, value, laplace)`` at ``x``: the Newton step's size in
+        Laplace sds (``inf`` without a positive definite Hessian, then no direction), and the
+        Laplace approximation's ``(log mass, sds)``."""
+        value, positive, g, step, size, half_log_det, sd = newton(x)
         if not bool(positive):
-            return math.inf, g, None, float(value)
+            return math.inf, g, None, float(value), (-math.inf, jnp.full_like(x, jnp.inf))
         size = float(size)
-        return (size if math.isfinite(size) else math.inf), g, step, float(value)
+        laplace = (-float(value) - float(half_log_det), sd)
+        return (size if math.isfinite(size) else math.inf), g, step, float(value), laplace
 
     x, attempts = x0, 0
-    step, g, direction, fx = newton_step(x)
+    step, g, direction, fx, laplace = newton_step(x)
     scale = 1.0 + float(jnp.max(jnp.abs(g)))
     gtol = math.sqrt(eps) * scale if math.isfinite(scale) else 1.0
 
@@ -133,7 +153,7 @@ def find_mode(
         if not found[3] <= fx:
             break
         moved = float(jnp.max(jnp.abs(candidate - x)))
-        x, (step, g, direction, fx) = candidate, found
+        x, (step, g, direction, fx, laplace) = candidate, found
         if moved == 0.0:
             break
     if step > newton_tolerance and direction is None:
@@ -142,7 +162,7 @@ def find_mode(
         # overflow or its line search fails in float32; Levenberg-Marquardt's damped Newton
         # steps get there (each step one value, gradient and Hessian call)
         x = levenberg_marquardt(fn, hessian, x, max_steps=max_damped_steps)
-        step, g, direction, fx = newton_step(x)
+        step, g, direction, fx, laplace = newton_step(x)
     # Newton's steps where BFGS stopped short: with many rows in float32 the potential's
     # value is too coarse for BFGS's line search near the mode, while the gradient and the
     # Hessian still point to it; a step is kept when the next Newton step is shorter (in
@@ -152,13 +172,63 @@ def find_mode(
         newton_steps += 1
         for fraction in (1.0, 0.5, 0.25, 0.125, 0.0625):
             candidate = x - fraction * direction
-            new_step, new_g, new_direction, new_value = newton_step(candidate)
+            new_step, new_g, new_direction, new_value, new_laplace = newton_step(candidate)
             if new_step < step:
                 break
         else:
             break
-        x, step, g, direction, fx = candidate, new_step, new_g, new_direction, new_value
-    return ModeSearch(x, step <= newton_tolerance, step, float(jnp.max(jnp.abs(g))), attempts)
+        x, step, g, direction, fx, laplace = candidate, new_step, new_g, new_direction, new_value, new_laplace
+    log_mass, sd = laplace
+    return ModeSearch(x, step <= newton_tolerance, step, float(jnp.max(jnp.abs(g))), attempts, fx, log_mass, sd)
+
+
+class OtherMode(NamedTuple):
+    """A mode other than the one a chain starts at, found by the search from a second start
+    (:attr:`~numpyro_fed.FedZigZag.other_mode`).
+
+    :ivar point: the mode ``(d,)`` (flat, unconstrained).
+    :ivar value: the potential there.
+    :ivar share: the share of the two modes' posterior mass that the Laplace approximations
+        give this one.
+    :ivar distance: ``max_i |x_i - y_i| / sd_i`` between the two modes, in the Laplace
+        posterior sds of either (the larger).
+    """
+
+    point: jax.Array
+    value: float
+    share: float
+    distance: float
+
+
+def pick_mode(first: ModeSearch, second: ModeSearch, *, separation: float = 3.0):
+    """``(search, other)``: of two searches from different starts, the mode a chain should
+    start at and the other mode (an :class:`OtherMode`), or ``None`` when there is one.
+
+    Two modes closer than ``separation`` Laplace sds in every coordinate are one (the first is
+    kept, so a posterior with one mode is treated as a single search treats it); of two
+    separated modes the one with the larger Laplace mass is taken. A search that found no mode
+    is passed over.
+
+    >>> import jax.numpy as jnp
+    >>> def search(x, value):  # two modes with unit Laplace sds, 6 nats apart
+    ...     return ModeSearch(jnp.array([x]), True, 0.0, 0.0, 1, value, -value, jnp.ones(1))
+    >>> mode, other = pick_mode(search(-3.0, 6.0), search(3.0, 0.0))
+    >>> float(mode.point[0]), round(other.share, 4), other.distance
+    (3.0, 0.0025, 6.0)
+    >>> pick_mode(search(0.0, 0.0), search(0.01, 0.0))[1] is None
+    True
+    """
+    if not second.is_mode:
+        return first, None
+    if not first.is_mode:
+        return second, None
+    best, other = (first, second) if first.laplace_log_mass >= second.laplace_log_mass else (second, first)
+    gap = jnp.abs(other.point - best.point)
+    distance = float(jnp.maximum(jnp.max(gap / best.laplace_sd), jnp.max(gap / other.laplace_sd)))
+    if not distance > separation:
+        return first, None
+    share = 1.0 / (1.0 + math.exp(min(best.laplace_log_mass - other.laplace_log_mass, 700.0)))
+    return best, OtherMode(other.point, other.value, share, distance)
 
 
 def levenberg_marquardt(fn, hessian, x, *, max_steps: int = 50):
@@ -214,3 +284,19 @@ def describe_no_mode(search: ModeSearch) -> str:
         else f"a Newton step is still {search.newton_step:.3g} posterior sds long"
     )
     return f"after {search.attempts} BFGS runs max |grad U| = {search.max_grad:.3g} and {reason}"
+
+
+def describe_other_mode(search: ModeSearch, other: OtherMode, names) -> str:
+    """The warning that a chain starting at ``search``'s mode may miss ``other`` (``names``:
+    the flat coordinates' names)."""
+    far = int(jnp.argmax(jnp.abs(other.point - search.point) / search.laplace_sd))
+    return (
+        f"the posterior has at least two modes: searches from two starts found modes "
+        f"{other.distance:.3g} Laplace sds apart ({names[far]} unconstrained "
+        f"{float(search.point[far]):.4g} and {float(other.point[far]):.4g}, potentials "
+        f"{search.value:.6g} and {other.value:.6g}); by their Laplace approximations the other "
+        f"holds {other.share:.1%} of the mass. The chain starts at the larger, and a Zig-Zag "
+        "process rarely crosses between separated modes, so its draws may miss the other: run "
+        "chains from several init_strategy starts and compare them, or reparametrize (e.g. order "
+        "a mixture's components)"
+    )

@@ -19,7 +19,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from numpyro.infer.initialization import init_to_uniform
+from numpyro.infer.initialization import init_to_median, init_to_uniform
 from numpyro.util import is_prng_key
 
 from numpyro_fed._checks import user_origin, warn_user
@@ -32,7 +32,7 @@ from numpyro_fed.infer.zigzag.diagnostics import (
 from numpyro_fed.infer.zigzag.draws import DrawSettings, FirstDraw, first_draw, next_draw
 from numpyro_fed.infer.zigzag.federated import build_federated_kernel, federated_init
 from numpyro_fed.infer.zigzag.kernel import build_kernel, init
-from numpyro_fed.infer.zigzag.mode import describe_no_mode, find_mode
+from numpyro_fed.infer.zigzag.mode import describe_no_mode, describe_other_mode, find_mode, pick_mode
 from numpyro_fed.infer.zigzag.options import check_options
 from numpyro_fed.infer.zigzag.preconditioning import (
     laplace_preconditioner,
@@ -64,6 +64,11 @@ class _Plan(NamedTuple):
     redistribution_rate: float
     bounds: Any
     data_key: Any = None
+
+
+#: the share of the posterior mass (by Laplace approximations) a second mode must hold for the
+#: set-up to warn that the chain may miss it
+OTHER_MODE_WARNING = 0.01
 
 
 class FedZigZag(ZigZagReports, FederatedMCMCKernel):
@@ -223,10 +228,11 @@ class FedZigZag(ZigZagReports, FederatedMCMCKernel):
         self.ledger_baseline = None
         self.message_dims = None
         #: after ``init``: the :class:`~numpyro_fed.infer.zigzag.Preconditioner` (or ``None``),
-        #: the mode (or ``None``) and the search for it (a :class:`ModeSearch`)
+        #: the mode (or ``None``) and the search for it (a :class:`ModeSearch`); a second mode
+        #: the search from a second start found (an :class:`OtherMode`), or ``None``
         self.preconditioning = None
         self.reference_point = None
-        self.mode_search = None
+        self.mode_search = self.other_mode = None
         #: row gradients one gradient evaluation of each client costs (``(M,)``, after
         #: ``init``): its rows, or with ``subsample_size`` the rows one estimate evaluates
         self.rows_per_gradient = None
@@ -278,11 +284,13 @@ class FedZigZag(ZigZagReports, FederatedMCMCKernel):
                 self.federation, clients.prior_grad_and_slope, potential.num_clients, prior=self.prior
             )
         self.reference_point = None
-        self.mode_search = None
+        self.mode_search = self.other_mode = None
         self._client_state = None
         use_cv, recenter = plan.use_cv, False  # recenter: the control variates on the warmup trajectory
         if use_cv or isinstance(self.preconditioner, str):
-            start, found_cv, recenter = self._search_mode(terms, start, init_params, ravel, vectorized, num_warmup)
+            start, found_cv, recenter = self._search_mode(
+                terms, start, init_params, ravel, vectorized, num_warmup, jax.random.fold_in(first_key, 1)
+            )
             use_cv = use_cv and found_cv
             if plan.layout is not None and not self.mode_search.is_mode:
                 raise ValueError(
@@ -550,9 +558,17 @@ class FedZigZag(ZigZagReports, FederatedMCMCKernel):
 
         return run
 
-    def _search_mode(self, terms, start, init_params, ravel, vectorized, num_warmup):
+    def _search_mode(self, terms, start, init_params, ravel, vectorized, num_warmup, rng_key):
         """``(start, use_cv, recenter)`` after looking for the mode when the control variates
-        or a Laplace preconditioner need it (one mode for all chains: it is the target's)."""
+        or a Laplace preconditioner need it (one mode for all chains: it is the target's).
+
+        Without ``init_params`` the search runs from two starts, ``init_strategy``'s point and
+        the prior's medians (:func:`~numpyro.infer.initialization.init_to_median`; with that
+        strategy already, a point of :func:`~numpyro.infer.initialization.init_to_uniform`),
+        and the chain starts at the mode with the larger Laplace mass: a Zig-Zag process
+        rarely crosses between separated modes, so a start in a minor one (a mixture's
+        label-swapped mode) would stay there. A second mode with at least
+        :data:`OTHER_MODE_WARNING` of the mass is a warning (:attr:`other_mode`)."""
         kind = self._bound_kind()
         search_from = start
         if init_params is not None:
@@ -560,6 +576,8 @@ class FedZigZag(ZigZagReports, FederatedMCMCKernel):
         search = self.mode_search = find_mode(
             terms.potential, search_from, hessian=terms.hessian, counted_evaluations=terms.counted_evaluations
         )
+        if init_params is None:
+            search = self.mode_search = self._second_start(terms, search, rng_key)
         if search.is_mode:
             self.reference_point = search.point
             return search.point, True, False
@@ -585,6 +603,23 @@ class FedZigZag(ZigZagReports, FederatedMCMCKernel):
             RuntimeWarning,
         )
         return start, False, False
+
+    def _second_start(self, terms, search, rng_key):
+        """The mode a chain starts at, after a second search (see :meth:`_search_mode`)."""
+        potential = self.federated_potential
+        strategy = self.init_strategy
+        second = (
+            init_to_uniform if getattr(strategy, "func", strategy) is init_to_median else init_to_median(num_samples=15)
+        )
+        x0 = potential.ravel(potential.init_point(second, rng_key)).astype(search.point.dtype)
+        other_search = find_mode(
+            terms.potential, x0, hessian=terms.hessian, counted_evaluations=terms.counted_evaluations
+        )
+        search, other = pick_mode(search, other_search)
+        self.other_mode = other
+        if other is not None and other.share >= OTHER_MODE_WARNING:
+            warn_user(f"FedZigZag: {describe_other_mode(search, other, potential.coordinate_names)}", RuntimeWarning)
+        return search
 
     def _preconditioning(self, flat_potential, d, dtype, *, hessian=None):
         """The :class:`~numpyro_fed.infer.zigzag.Preconditioner` asked for, or ``None``."""

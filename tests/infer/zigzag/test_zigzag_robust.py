@@ -289,3 +289,14 @@ def test_float32_mode_search_reaches_the_mode_of_a_regression_on_raw_covariates_
     np.testing.assert_array_less(
         np.abs(np.asarray(found[np.float32].point, np.float64) - np.asarray(found[np.float64].point)), 0.05 * sd
     )
+
+
+def test_an_estimate_below_one_effective_draw_is_not_printed():
+    """NumPyro's estimator goes negative on a few draws of chains that disagree (-79 here):
+    the message says "less than one", not a negative count."""
+    from numpyro_fed.infer.zigzag.diagnostics import few_effective_draws
+
+    draws = np.array([[-0.518, -0.534, 0.451, -0.033, -1.31, 1.011], [0.726, -0.62, 0.111, 0.206, 0.035, -0.225]])
+    assert float(effective_sample_size(draws)) < 0
+    (message,) = few_effective_draws({"mu": draws}, 50)
+    assert message.startswith("'mu' has less than one effective draw (fewer than 50)")
