@@ -85,31 +85,65 @@ def runaway(search, coordinate_names) -> str | None:
     )
 
 
-def _scaling(potentials, x0, coordinate_names):
-    """The scaling to run in: the mode's (Laplace), or where the search ran away a point of
-    the bulk from other starts (``surrogate_scaling``), or ``None``; and the runaway."""
+def _log_mass(scaling, report) -> float:
+    """The Laplace approximation's log mass of a mode, ``-U - log det(H) / 2``, up to a
+    constant shared by every mode (``T = L^-T`` is triangular: ``log det T = -log det H / 2``)."""
+    return -report["value_end"] + float(np.sum(np.log(np.abs(np.diag(scaling.transform)))))
+
+
+def _larger_mode(first, first_report, second, second_report, separation=3.0):
+    """Of two searches' scalings, the mode to run at: the second where only it found one, or
+    where both did, more than ``separation`` Laplace sds apart, and its Laplace mass is the
+    larger (a mixture's label-swapped mode); else the first."""
+    if second is None or not second.mode:
+        return first
+    if first is None or not first.mode:
+        return second
+    sd = np.sqrt(np.minimum(np.sum(first.transform**2, 1), np.sum(second.transform**2, 1)))
+    if not np.max(np.abs(first.center - second.center) / sd) > separation:
+        return first
+    return second if _log_mass(second, second_report) > _log_mass(first, first_report) else first
+
+
+def _scaling(potentials, x0, coordinate_names, second_start=None):
+    """The scaling to run in: the mode's (Laplace; from two starts with ``second_start``, the
+    mode whose Laplace mass is the larger), or where the search ran away a point of the bulk
+    from other starts (``surrogate_scaling``), or ``None``; and the runaway."""
     search = {}
     scaling = laplace_scaling(potentials, x0, report=search, surrogate=True)
+    rounds = search.get("rounds", 1)  # every search's rounds: what the ledger counts
+    if second_start is not None:
+        other_search = {}
+        other = laplace_scaling(potentials, second_start, report=other_search, surrogate=True)
+        rounds += other_search.get("rounds", 1)
+        chosen = _larger_mode(scaling, search, other, other_search)
+        if chosen is not None and chosen is other:
+            return chosen._replace(rounds=rounds), None
+        scaling = None if chosen is None else chosen._replace(rounds=rounds)
     if scaling is not None and scaling.mode:
         return scaling, None
     ran = runaway(search, coordinate_names)
     if not ran:
         return None, None  # a surrogate only where the search ran away (a funnel)
     if scaling is None:  # no mode: scale at a point of the bulk, from other starts
-        scaling, rounds = surrogate_scaling(potentials, x0, starts=7)
+        scaling, more = surrogate_scaling(potentials, x0, starts=7)
         if scaling is not None:
-            scaling = scaling._replace(rounds=rounds + search["rounds"])
+            scaling = scaling._replace(rounds=rounds + more)
     return scaling, ran
 
 
-def auto_setup(name, potentials, x0, topology, agent, noise_scale=None, coordinate_names=()) -> AutoSetup:
+def auto_setup(
+    name, potentials, x0, topology, agent, noise_scale=None, coordinate_names=(), second_start=None
+) -> AutoSetup:
     """``rho="auto"``: scale the potentials to the posterior (its Hessian at the mode, or
     where there is none at a point of its bulk, see :func:`_scaling`) and choose ``rho`` and
     the noise there (:func:`~numpyro_fed.infer.admm.scaling.auto_settings`; without a mode
     :func:`~numpyro_fed.infer.admm.scaling.tempered_settings`, the network's average at
     temperature one); with no scaling, the paper's ``rho`` in the model's units. Warns where
-    there is no mode, saying which of these ran. ``noise_scale``: the user's, or ``None``."""
-    scaling, ran = _scaling(potentials, x0, coordinate_names)
+    there is no mode, saying which of these ran. ``noise_scale``: the user's, or ``None``.
+    ``second_start``: a second start of the mode search (the prior's medians), whose mode is
+    taken where the first search found none, or a separate one with less Laplace mass."""
+    scaling, ran = _scaling(potentials, x0, coordinate_names, second_start)
     rho, noise = PAPER_RHO, NOISE_SCALE if noise_scale is None else noise_scale
     if scaling is None:
         warn_user(

@@ -17,7 +17,10 @@ import warnings
 
 import numpy as np
 
+import jax
 import jax.numpy as jnp
+
+from numpyro.infer.initialization import init_to_median
 
 from numpyro_fed._checks import check_int, check_positive, check_real, warn_user
 from numpyro_fed.infer.admm.auto import NOISE_SCALE, PAPER_RHO, RUNAWAY_ADVICE, auto_setup
@@ -228,6 +231,7 @@ class DADMMS(DecentralizedKernel):
                 self.agent,
                 noise_scale=self.noise_scale,
                 coordinate_names=self.federated_potential.coordinate_names,
+                second_start=self._second_start(x0),
             )
             potentials, x0, rho, noise_scale = setup.potentials, setup.x0, setup.rho, setup.noise_scale
             self.scaling = setup.scaling
@@ -255,6 +259,12 @@ class DADMMS(DecentralizedKernel):
             max_iterations=self.max_inner_iterations,
         )
         return init, program
+
+    def _second_start(self, x0):
+        """The prior's medians (NumPyro's ``init_to_median``), flat: the set-up's second start."""
+        potential = self.federated_potential
+        z = potential.init_point(init_to_median(num_samples=15), jax.random.PRNGKey(0))
+        return potential.ravel(z).astype(jnp.asarray(x0).dtype)
 
     def record_setup(self, ledger) -> None:
         """``rho="auto"``'s set-up (:func:`~numpyro_fed.infer.admm.scaling.laplace_scaling`):

@@ -107,3 +107,32 @@ def test_default_draws_do_not_depend_on_the_units_of_the_covariates(dtype):
     tolerance = 1e-6 if dtype == jnp.float64 else 0.05
     in_model_units = np.column_stack([rescaled[:, :1], rescaled[:, 1:] / scale])
     assert np.max(np.abs(in_model_units - draws) / sd) < tolerance
+
+
+def squared(y):
+    """``y ~ Normal(mu^2, 0.5)`` with ``mu ~ Normal(3, 1)``: modes near ``mu = +-2``, 90
+    posterior sds apart, the prior putting all but 1e-5 of the mass at ``+2``."""
+    mu = numpyro.sample("mu", dist.Normal(3.0, 1.0))
+    with nf.federated_plate("data", y.shape[0], clients=4):
+        numpyro.sample("y", dist.Normal(mu**2, 0.5), obs=y)
+
+
+def test_set_up_runs_at_the_mode_with_the_mass():
+    """The set-up's mode search runs from the run's start and from the prior's medians, and
+    keeps the mode with the larger Laplace mass. Seed 0's start (``init_to_uniform``) is at a
+    negative ``mu``: from there alone the set-up scaled and started the agents at ``-2``, and
+    the draws sat there (mean -1.995, without a warning: they match the local score)."""
+    y = 4.0 + 0.5 * jax.random.normal(jax.random.PRNGKey(3), (8,))
+    grid = np.linspace(-4, 4, 400_001)
+    log_p = -0.5 * (grid - 3.0) ** 2 - 0.5 * (((np.asarray(y)[:, None] - grid**2) / 0.5) ** 2).sum(0)
+    p = np.exp(log_p - log_p.max())
+    p /= p.sum()
+    mean = (p * grid).sum()
+    sd = np.sqrt((p * (grid - mean) ** 2).sum())
+    sampler = nf.DADMMS(squared)
+    mcmc = MCMC(sampler, num_warmup=300, num_samples=100, num_chains=10, chain_method="vectorized", progress_bar=False)
+    mcmc.run(jax.random.PRNGKey(0), y)
+    assert float(sampler.federated_potential.init_params["mu"]) < 0  # the start the case is about
+    assert sampler.scaling.mode and sampler.scaling.center[0] == pytest.approx(2.0104, abs=1e-3)
+    mu = np.asarray(mcmc.get_samples()["mu"])
+    assert abs(mu.mean() - mean) < 0.3 * sd and 1 / 1.4 < mu.std() / sd < 1.4
