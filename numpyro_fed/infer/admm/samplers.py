@@ -261,10 +261,12 @@ class DADMMS(DecentralizedKernel):
         return init, program
 
     def _second_start(self, x0):
-        """The prior's medians (NumPyro's ``init_to_median``), flat: the set-up's second start."""
+        """The prior's medians (NumPyro's ``init_to_median``), flat: the set-up's second start
+        (``None`` where they are not finite)."""
         potential = self.federated_potential
         z = potential.init_point(init_to_median(num_samples=15), jax.random.PRNGKey(0))
-        return potential.ravel(z).astype(jnp.asarray(x0).dtype)
+        start = potential.ravel(z).astype(jnp.asarray(x0).dtype)
+        return start if bool(jnp.all(jnp.isfinite(start))) else None  # e.g. from deployment's stand-ins
 
     def record_setup(self, ledger) -> None:
         """``rho="auto"``'s set-up (:func:`~numpyro_fed.infer.admm.scaling.laplace_scaling`):

@@ -612,6 +612,8 @@ class FedZigZag(ZigZagReports, FederatedMCMCKernel):
             init_to_uniform if getattr(strategy, "func", strategy) is init_to_median else init_to_median(num_samples=15)
         )
         x0 = potential.ravel(potential.init_point(second, rng_key)).astype(search.point.dtype)
+        if not bool(jnp.all(jnp.isfinite(x0))):  # e.g. a median of the deployment's stand-ins
+            return search
         other_search = find_mode(
             terms.potential, x0, hessian=terms.hessian, counted_evaluations=terms.counted_evaluations
         )
