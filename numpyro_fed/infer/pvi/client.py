@@ -365,22 +365,33 @@ def newton_start(
         value = value + cavity.eta1 @ loc + jnp.sum(cavity.eta2 * (cov + jnp.outer(loc, loc)))
         return jnp.where(jnp.isfinite(value), value, -jnp.inf), thetas
 
+    def absolute(hessian):
+        values, vectors = jnp.linalg.eigh(-0.5 * (hessian + hessian.T))
+        floor = jnp.finfo(dtype).eps * jnp.max(jnp.abs(values)) * d
+        return (vectors * jnp.maximum(jnp.abs(values), floor)) @ vectors.T
+
     def newton(carry, key):
         loc, precision = carry
         eps = antithetic_normal(key, num_draws, d, dtype)
         current, thetas = elbo(loc, precision, eps)
         grad = jnp.mean(jax.vmap(jax.grad(log_lik))(thetas), axis=0) + cavity.eta1 + 2.0 * cavity.eta2 @ loc
         hessian = jnp.mean(jax.vmap(jax.hessian(log_lik))(thetas), axis=0) + 2.0 * cavity.eta2
-        values, vectors = jnp.linalg.eigh(-0.5 * (hessian + hessian.T))
-        floor = jnp.finfo(dtype).eps * jnp.max(jnp.abs(values)) * d
-        target = (vectors * jnp.maximum(jnp.abs(values), floor)) @ vectors.T
+        # the same step at q's mean alone (Laplace's): where q is much wider than the tilted
+        # distribution its draws saturate the likelihood (a logistic regression's logits of
+        # hundreds on raw covariates), the average Hessian vanishes and no averaged step
+        # improves the ELBO; the mean's curvature still points to the tilted distribution
+        point_grad = jax.grad(log_lik)(loc) + cavity.eta1 + 2.0 * cavity.eta2 @ loc
+        point_hessian = jax.hessian(log_lik)(loc) + 2.0 * cavity.eta2
+        targets, grads = jnp.stack([absolute(hessian), absolute(point_hessian)]), jnp.stack([grad, point_grad])
 
-        def candidate(size):
+        def candidate(size, target, grad):
             new_precision = (1.0 - size) * precision + size * target
             new_precision = 0.5 * (new_precision + new_precision.T)
             return loc + size * jnp.linalg.solve(new_precision, grad), new_precision
 
-        locs, precisions = jax.vmap(candidate)(jnp.asarray(NEWTON_STEP_SIZES, dtype))
+        sizes = jnp.tile(jnp.asarray(NEWTON_STEP_SIZES, dtype), 2)
+        which = jnp.repeat(jnp.arange(2), len(NEWTON_STEP_SIZES))
+        locs, precisions = jax.vmap(candidate)(sizes, targets[which], grads[which])
         values = jax.vmap(lambda m, p: elbo(m, p, eps)[0])(locs, precisions)
         values = jnp.where(jnp.isfinite(values), values, -jnp.inf)
         best = jnp.argmax(values)
