@@ -24,6 +24,7 @@ from numpyro_fed.infer.admm.scaling import (
     whitened_potentials,
 )
 from numpyro_fed.infer.admm.topology import num_components
+from numpyro_fed.infer.modes import compare_modes
 
 __all__ = ["NOISE_SCALE", "PAPER_RHO", "RUNAWAY_ADVICE", "AutoSetup", "auto_setup", "runaway"]
 
@@ -91,18 +92,21 @@ def _log_mass(scaling, report) -> float:
     return -report["value_end"] + float(np.sum(np.log(np.abs(np.diag(scaling.transform)))))
 
 
-def _larger_mode(first, first_report, second, second_report, separation=3.0):
+def _larger_mode(first, first_report, second, second_report):
     """Of two searches' scalings, the mode to run at: the second where only it found one, or
-    where both did, more than ``separation`` Laplace sds apart, and its Laplace mass is the
-    larger (a mixture's label-swapped mode); else the first."""
+    where both did, apart, and its Laplace mass is the larger
+    (:func:`~numpyro_fed.infer.modes.compare_modes`: a mixture's label-swapped mode); else the
+    first."""
     if second is None or not second.mode:
         return first
     if first is None or not first.mode:
         return second
-    sd = np.sqrt(np.minimum(np.sum(first.transform**2, 1), np.sum(second.transform**2, 1)))
-    if not np.max(np.abs(first.center - second.center) / sd) > separation:
-        return first
-    return second if _log_mass(second, second_report) > _log_mass(first, first_report) else first
+
+    def mode(scaling, report):  # H^-1 = T T^T: the Laplace sds are the rows' norms
+        return scaling.center, np.sqrt(np.sum(scaling.transform**2, 1)), _log_mass(scaling, report)
+
+    found = compare_modes(mode(first, first_report), mode(second, second_report))
+    return second if found is not None and found.take_second else first
 
 
 def _scaling(potentials, x0, coordinate_names, second_start=None):

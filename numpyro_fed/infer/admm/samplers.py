@@ -20,8 +20,6 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from numpyro.infer.initialization import init_to_median
-
 from numpyro_fed._checks import check_int, check_positive, check_real, warn_user
 from numpyro_fed.infer.admm.auto import NOISE_SCALE, PAPER_RHO, RUNAWAY_ADVICE, auto_setup
 from numpyro_fed.infer.admm.dadmms import ADMMInfo, build_program, init, quadratic_potentials
@@ -38,6 +36,7 @@ from numpyro_fed.infer.admm.gradient import (
 )
 from numpyro_fed.infer.admm.topology import metropolis_weights
 from numpyro_fed.infer.kernel import RunCheck
+from numpyro_fed.infer.modes import second_start
 
 __all__ = ["ADMM", "DADMMS", "DSGHMC", "DSGLD", "DULA"]
 
@@ -231,7 +230,9 @@ class DADMMS(DecentralizedKernel):
                 self.agent,
                 noise_scale=self.noise_scale,
                 coordinate_names=self.federated_potential.coordinate_names,
-                second_start=self._second_start(x0),
+                second_start=second_start(
+                    self.federated_potential, self.init_strategy, jax.random.PRNGKey(0), jnp.asarray(x0).dtype
+                ),
             )
             potentials, x0, rho, noise_scale = setup.potentials, setup.x0, setup.rho, setup.noise_scale
             self.scaling = setup.scaling
@@ -259,14 +260,6 @@ class DADMMS(DecentralizedKernel):
             max_iterations=self.max_inner_iterations,
         )
         return init, program
-
-    def _second_start(self, x0):
-        """The prior's medians (NumPyro's ``init_to_median``), flat: the set-up's second start
-        (``None`` where they are not finite)."""
-        potential = self.federated_potential
-        z = potential.init_point(init_to_median(num_samples=15), jax.random.PRNGKey(0))
-        start = potential.ravel(z).astype(jnp.asarray(x0).dtype)
-        return start if bool(jnp.all(jnp.isfinite(start))) else None  # e.g. from deployment's stand-ins
 
     def record_setup(self, ledger) -> None:
         """``rho="auto"``'s set-up (:func:`~numpyro_fed.infer.admm.scaling.laplace_scaling`):

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 from jax.scipy.optimize import minimize
 
+from numpyro_fed.infer.modes import compare_modes
+
 __all__ = [
     "ModeSearch",
     "OtherMode",
@@ -222,13 +224,15 @@ def pick_mode(first: ModeSearch, second: ModeSearch, *, separation: float = 3.0)
         return first, None
     if not first.is_mode:
         return second, None
-    best, other = (first, second) if first.laplace_log_mass >= second.laplace_log_mass else (second, first)
-    gap = jnp.abs(other.point - best.point)
-    distance = float(jnp.maximum(jnp.max(gap / best.laplace_sd), jnp.max(gap / other.laplace_sd)))
-    if not distance > separation:
+    found = compare_modes(
+        (first.point, first.laplace_sd, first.laplace_log_mass),
+        (second.point, second.laplace_sd, second.laplace_log_mass),
+        separation=separation,
+    )
+    if found is None:
         return first, None
-    share = 1.0 / (1.0 + math.exp(min(best.laplace_log_mass - other.laplace_log_mass, 700.0)))
-    return best, OtherMode(other.point, other.value, share, distance)
+    best, other = (second, first) if found.take_second else (first, second)
+    return best, OtherMode(other.point, other.value, found.share, found.distance)
 
 
 def levenberg_marquardt(fn, hessian, x, *, max_steps: int = 50):

@@ -19,11 +19,12 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from numpyro.infer.initialization import init_to_median, init_to_uniform
+from numpyro.infer.initialization import init_to_uniform
 from numpyro.util import is_prng_key
 
 from numpyro_fed._checks import user_origin, warn_user
 from numpyro_fed.infer.kernel import FederatedMCMCKernel
+from numpyro_fed.infer.modes import second_start
 from numpyro_fed.infer.zigzag.bounds import HessianBound, per_proposer_bound
 from numpyro_fed.infer.zigzag.control_variates import ControlVariates
 from numpyro_fed.infer.zigzag.diagnostics import (
@@ -607,12 +608,8 @@ class FedZigZag(ZigZagReports, FederatedMCMCKernel):
     def _second_start(self, terms, search, rng_key):
         """The mode a chain starts at, after a second search (see :meth:`_search_mode`)."""
         potential = self.federated_potential
-        strategy = self.init_strategy
-        second = (
-            init_to_uniform if getattr(strategy, "func", strategy) is init_to_median else init_to_median(num_samples=15)
-        )
-        x0 = potential.ravel(potential.init_point(second, rng_key)).astype(search.point.dtype)
-        if not bool(jnp.all(jnp.isfinite(x0))):  # e.g. a median of the deployment's stand-ins
+        x0 = second_start(potential, self.init_strategy, rng_key, search.point.dtype)
+        if x0 is None:
             return search
         other_search = find_mode(
             terms.potential, x0, hessian=terms.hessian, counted_evaluations=terms.counted_evaluations
