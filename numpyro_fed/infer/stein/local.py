@@ -33,7 +33,7 @@ that its fixed points are exactly ``p(z_k | theta, D_k)`` for the given ``theta`
 That is the ``"latents"`` call a result's draws of the local sites come from.
 
 Each round a client also spreads its particles of ``p_0 t_k`` to at least the global
-particles' sd per coordinate (:func:`no_wider_cavity`): in a direction its own term leaves
+particles' covariance in every direction (:func:`no_wider_cavity`): in a direction its own term leaves
 flat (a hierarchical scale as it goes to 0), a cavity ``q / (p_0 t_k)`` of negative precision,
 the noise of two KDEs of ``N`` particles, would make the tilted distribution improper.
 
@@ -203,24 +203,47 @@ def initial_local_states(particles, layout: LatentLayout, rng_key=None) -> Joint
     return JointLocalState(jnp.broadcast_to(theta, (num_clients,) + theta.shape), z, jnp.zeros(num_clients, bool))
 
 
-def no_wider_cavity(local_u):
-    """The client's particles of ``p_0 t_k`` in a round's coordinates (those that whiten the
-    global particles: ``q``'s particles have sd 1 per coordinate), spread about their mean to
-    sd at least 1 per coordinate.
+def no_wider_cavity(local_u, u):
+    """The client's particles of ``p_0 t_k`` (``local_u``, ``(N, d)``) in a round's
+    coordinates, spread about their mean so that their covariance is at least that of ``q``'s
+    particles ``u`` in every direction (``C_local - C_q`` positive semi-definite; with the
+    round's full whitening ``C_q`` is the identity). Directions in which they are already as
+    wide are left as they are.
 
     ``p_0 t_k`` is never narrower than ``q = p_0 t_k prod_{j != k} t_j`` where the other
     factors carry information, so a narrower set of particles is the noise of ``N`` particles
-    (an sd from 20 particles is uncertain by 16 %). Both KDEs have per-coordinate kernels of
-    0.85 of their particles' sd, so in the tails the cavity ``q / (p_0 t_k)`` has precision
-    ``(1 - 1 / sd_k^2) / 0.85^2`` per coordinate: negative for a narrower ``p_0 t_k``, the
-    cavity then grows without bound, and where the client's own term is flat (a hierarchical
-    scale in the client's latents: ``tau -> 0`` leaves each client's likelihood unchanged)
-    the tilted distribution is improper and its particles run away. Spread, the cavity is at
-    worst flat in that coordinate for the round."""
+    (an sd from 20 particles is uncertain by 16 %). Both KDEs have kernels of 0.85 of their
+    particles' covariance (:func:`~numpyro_fed.infer.stein.kde.kde_score_fn`), so in the
+    tails the cavity ``q / (p_0 t_k)`` has precision ``(C_q^{-1} - C_local^{-1}) / 0.85^2``:
+    negative in a direction where ``p_0 t_k``'s particles are narrower, the cavity then grows
+    without bound along it, and where the client's own term is flat (a hierarchical scale in
+    the client's latents: ``tau -> 0`` leaves each client's likelihood unchanged) the tilted
+    distribution is improper and its particles run away. A per-coordinate sd is not enough:
+    particles as wide as ``q``'s in each coordinate can be narrower along a diagonal (eight
+    schools' ``mu`` and ``log tau`` ran away together, 313 posterior sds). Spread, the cavity
+    is at worst flat in any direction for the round.
+
+    >>> import jax, jax.numpy as jnp
+    >>> u = jax.random.normal(jax.random.PRNGKey(0), (400, 2))
+    >>> u = (u - u.mean(0)) @ jnp.linalg.inv(jnp.linalg.cholesky(jnp.cov(u.T, bias=True))).T
+    >>> local = u @ jnp.array([[1.2, 1.1], [0.0, 0.3]])  # sds 1.2 and 1.14, but 0.17 along (1, -1)
+    >>> c = no_wider_cavity(local, u)
+    >>> bool(jnp.linalg.eigvalsh(jnp.cov(c.T, bias=True)).min() > 1 - 1e-6)
+    True
+    """
+    dtype = local_u.dtype
+    eps = jnp.finfo(dtype).eps
+    centered_q = u - jnp.mean(u, axis=0)
+    cov_q = centered_q.T @ centered_q / u.shape[0]
+    cov_q = cov_q + jnp.diag(jnp.sqrt(eps) * jnp.diag(cov_q) + jnp.finfo(dtype).tiny)
+    chol = jnp.linalg.cholesky(cov_q)
     mean = jnp.mean(local_u, axis=0)
-    sd = jnp.std(local_u, axis=0)
-    stretch = jnp.where(sd < 1.0, 1.0 / jnp.maximum(sd, 1e-6), 1.0)
-    return mean + (local_u - mean) * stretch
+    w = jax.scipy.linalg.solve_triangular(chol, (local_u - mean).T, lower=True).T  # q's covariance -> I
+    values, vectors = jnp.linalg.eigh(w.T @ w / w.shape[0])
+    spread = values > jnp.sqrt(eps) * jnp.max(values) + jnp.finfo(dtype).tiny  # a null direction cannot be spread
+    stretch = jnp.where(spread & (values < 1.0), 1.0 / jnp.sqrt(jnp.where(spread, values, 1.0)), 1.0)
+    w = ((w @ vectors) * stretch) @ vectors.T
+    return mean + w @ chol.T
 
 
 def _identity_frame(theta) -> Whitening:
@@ -349,7 +372,7 @@ def client_functions(
         u = frame.to_z(theta)
         local_u = frame.to_z(local.local_particles)
         if config.kde_bandwidth == "auto":
-            local_u = no_wider_cavity(local_u)
+            local_u = no_wider_cavity(local_u, u)
         score_previous, score_local = round_scores(
             u, local_u, prior_score, kde_score, visited=local.visited, first=first
         )

@@ -257,9 +257,9 @@ class DSVGD(ParticleMethod):
             return self._small_clients_advice() or "lower learning_rate"
         sites = ", ".join(f"'{s}'" for s in self._layout.local_sites)
         return (
-            f"with client-local latents ({sites}) a centred hierarchy (a local effect drawn as "
-            "Normal(mu, sigma) with its scale sigma a global latent) makes each client's joint target a funnel "
-            "that DSVGD's joint particles cannot follow: write the model non-centred (draw the effect as "
+            f"with client-local latents ({sites}): if the model is a centred hierarchy (a local effect drawn "
+            "as Normal(mu, sigma) with its scale sigma a global latent), each client's joint target is a funnel "
+            "that DSVGD's joint particles cannot follow: write it non-centred (draw the effect as "
             "Normal(0, 1) and use mu + sigma * effect), as in eight schools; otherwise lower learning_rate"
         )
 
