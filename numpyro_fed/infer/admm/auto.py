@@ -18,6 +18,7 @@ from numpyro_fed._checks import warn_user
 from numpyro_fed.infer.admm.scaling import (
     LaplaceScaling,
     auto_settings,
+    calibrated_noise,
     laplace_scaling,
     surrogate_scaling,
     tempered_settings,
@@ -56,6 +57,11 @@ class AutoSetup(NamedTuple):
         model's units).
     :ivar runaway: the mode search's run down a direction without a mode, worded (see
         :func:`runaway`), or ``None``.
+    :ivar noise_shape: ``(d, d)`` the noise's shape in the whitened coordinates (each agent's
+        noise is ``noise_scale * noise_shape @ w``, ``w`` standard normal), ``None`` for the
+        paper's isotropic noise: where the agents' Hessians are not proportional, the noise
+        that makes the reporting agent's stationary covariance the posterior's in every
+        direction (:func:`~numpyro_fed.infer.admm.scaling.calibrated_noise`).
     """
 
     potentials: object
@@ -64,6 +70,7 @@ class AutoSetup(NamedTuple):
     noise_scale: float
     scaling: LaplaceScaling | None
     runaway: str | None
+    noise_shape: np.ndarray | None = None
 
 
 def runaway(search, coordinate_names) -> str | None:
@@ -171,9 +178,12 @@ def auto_setup(
         return AutoSetup(potentials, x0, rho, noise, None, ran)
     potentials = whitened_potentials(potentials, scaling)
     x0 = jnp.zeros_like(x0)  # the MAP (or its surrogate), in the posterior's units
+    shape = None
     if num_components(topology.adjacency) == 1:  # agents that never meet have no common law
         if scaling.mode or noise_scale is not None:
             rho, noise = auto_settings(topology.adjacency, scaling.shares, agent, noise_scale=noise_scale)
+            if scaling.mode and noise_scale is None and scaling.hessians is not None:
+                rho, noise, shape = _shaped_noise(topology.adjacency, scaling.hessians, agent, rho, noise)
         else:
             rho, noise = tempered_settings(topology.adjacency, scaling.shares, agent)
     if not scaling.mode:
@@ -188,4 +198,19 @@ def auto_setup(
             "swallows the iterates). " + SURROGATE_MEASURED,
             RuntimeWarning,
         )
-    return AutoSetup(potentials, x0, rho, noise, scaling, ran)
+    return AutoSetup(potentials, x0, rho, noise, scaling, ran, shape)
+
+
+def _shaped_noise(adjacency, hessians, agent, rho, noise):
+    """``(rho, noise_scale, noise_shape)``: the noise of
+    :func:`~numpyro_fed.infer.admm.scaling.calibrated_noise` at ``rho`` as a scale (its
+    covariance's mean variance) and a shape (``None`` where the scalar ``noise`` is already
+    right in every direction, to 1e-6, or no calibration was found)."""
+    covariance = calibrated_noise(adjacency, hessians, rho, agent)
+    if covariance is None:
+        return rho, noise, None
+    scale = float(np.sqrt(np.mean(np.diag(covariance))))
+    shape = np.linalg.cholesky(covariance) / scale
+    if np.allclose(shape, np.eye(shape.shape[0]), atol=1e-6):
+        return rho, noise, None
+    return rho, scale, shape

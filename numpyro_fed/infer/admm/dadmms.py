@@ -330,6 +330,7 @@ def build_agent(
     quadratic: QuadraticPotentials | None = None,
     tolerance: float | None = None,
     max_iterations: int = 50,
+    noise_shape=None,
 ) -> ADMMAgent:
     """The agents' functions of D-ADMMS (Algorithm 1): see :class:`ADMMAgent` and
     :func:`build_program` for the arguments (``degrees``: ``(N,)`` number of neighbors of
@@ -359,6 +360,7 @@ def build_agent(
     dtype = potentials.prior_weights.dtype
     degrees = jnp.asarray(degrees, dtype=dtype)
     noise_sd = noise_scale * math.sqrt(2.0) / (2.0 * rho)
+    shape = None if noise_shape is None else jnp.asarray(noise_shape, dtype)
 
     attach = None
     if isinstance(quadratic, AgentQuadratics):
@@ -398,6 +400,8 @@ def build_agent(
     def primal(noise, x, p, neighbor_sum, degree, local):
         # mean over the neighbors of the edge averages (x_i + x_j) / 2 (none: no proximal term)
         edge_mean = jnp.where(degree > 0, (degree * x + neighbor_sum) / (2.0 * jnp.maximum(degree, 1.0)), 0.0)
+        if shape is not None:  # the noise's shape in the posterior's whitened units (rho="auto")
+            noise = noise @ shape.T
         return prox(x, edge_mean - noise_sd * noise, p, 2.0 * rho * degree, local)
 
     def dual(p, x_new, neighbor_sum_new, degree):
@@ -415,6 +419,7 @@ def build_program(
     quadratic: QuadraticPotentials | None = None,
     tolerance: float | None = None,
     max_iterations: int = 50,
+    noise_shape=None,
 ) -> AgentProgram:
     """D-ADMMS (Algorithm 1) as an :class:`~numpyro_fed.federation.decentralized.AgentProgram`:
     what each agent runs, on any network (in this process or one Ray actor per agent).
@@ -437,6 +442,8 @@ def build_program(
     :param float tolerance: Newton's step tolerance (default ``1e-10`` in float64,
         ``1e-5`` in float32).
     :param int max_iterations: Newton's iteration cap per proximal step.
+    :param noise_shape: ``(d, d)``: each agent's noise is ``noise_shape @ w`` (``w`` standard
+        normal) times ``noise_scale``; ``None`` (default): isotropic, the paper's.
 
     **Example** (two agents, Gaussian potentials ``f_i(x) = (x - i)^2 / 2``, C-ADMM finds
     the minimizer of the sum), run in this process by
@@ -465,6 +472,7 @@ def build_program(
         quadratic=quadratic,
         tolerance=tolerance,
         max_iterations=max_iterations,
+        noise_shape=noise_shape,
     )
     # the functions only: `agent.local` holds every agent's data, and each agent gets its own
     primal, dual = agent.primal, agent.dual

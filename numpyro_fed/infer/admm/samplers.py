@@ -100,7 +100,12 @@ class DADMMS(DecentralizedKernel):
         :class:`ADMM`). ``None`` (default): 1 at a fixed ``rho``; with ``rho="auto"``,
         calibrated with ``rho`` (given with ``rho="auto"``, ``rho`` is calibrated instead:
         ``noise_scale=1.0`` is the paper's algorithm in the posterior's units, which mixes
-        slower).
+        slower). Calibrated, the noise is also shaped (:attr:`noise_shape_used`, ``(d, d)`` in
+        the posterior's whitened units) where the agents' Hessians are not proportional (each
+        holds a different share of the curvature in different directions, as when clients
+        hold different ranges of a covariate), so that the reporting agent's stationary
+        covariance is the posterior's in every direction on a Gaussian posterior
+        (:func:`~numpyro_fed.infer.admm.scaling.calibrated_noise`).
     :param dict partition: as for :func:`~numpyro_fed.split_potential`.
     :param int agent: the agent whose iterates are the MCMC samples (default 0).
     :param federation: where the agents run: ``None`` or
@@ -206,6 +211,7 @@ class DADMMS(DecentralizedKernel):
             raise ValueError(f"noise_scale must be >= 0, got {noise_scale}")
         self.solver_used = None
         self.noise_scale_used = None
+        self.noise_shape_used = None
 
     def build_core(self, potentials, topology, x0):
         if potentials.num_agents == 1 and self.noise_scale != 0:
@@ -217,7 +223,7 @@ class DADMMS(DecentralizedKernel):
                 "and its draws have no spread. Split the data over several clients, or use "
                 "FedZigZag (exact with one client) or NUTS"
             )
-        rho, self.scaling = self.rho, None
+        rho, self.scaling, noise_shape = self.rho, None, None
         self._setup_itemsize = jnp.asarray(x0).dtype.itemsize  # the set-up's messages are in this dtype
         noise_scale = NOISE_SCALE if self.noise_scale is None else self.noise_scale
         self.divergence_advice = type(self).divergence_advice
@@ -235,12 +241,13 @@ class DADMMS(DecentralizedKernel):
                 ),
             )
             potentials, x0, rho, noise_scale = setup.potentials, setup.x0, setup.rho, setup.noise_scale
+            noise_shape = setup.noise_shape
             self.scaling = setup.scaling
             if setup.runaway:
                 self.divergence_advice = setup.runaway + ". " + RUNAWAY_ADVICE
             if self.scaling is not None:
                 self.coordinates = (self.scaling.center, self.scaling.transform, self.scaling.inverse)
-        self.rho_used, self.noise_scale_used = rho, noise_scale
+        self.rho_used, self.noise_scale_used, self.noise_shape_used = rho, noise_scale, noise_shape
         quadratic = None
         if self.solver in ("auto", "quadratic"):
             quadratic = quadratic_potentials(potentials, x0)
@@ -258,6 +265,7 @@ class DADMMS(DecentralizedKernel):
             quadratic=quadratic,
             tolerance=self.tolerance,
             max_iterations=self.max_inner_iterations,
+            noise_shape=noise_shape,
         )
         return init, program
 
