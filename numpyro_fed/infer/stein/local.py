@@ -232,15 +232,12 @@ def no_wider_cavity(local_u, u):
     True
     """
     dtype = local_u.dtype
-    eps = jnp.finfo(dtype).eps
-    centered_q = u - jnp.mean(u, axis=0)
-    cov_q = centered_q.T @ centered_q / u.shape[0]
-    cov_q = cov_q + jnp.diag(jnp.sqrt(eps) * jnp.diag(cov_q) + jnp.finfo(dtype).tiny)
-    chol = jnp.linalg.cholesky(cov_q)
+    chol = whitening(u, full=True).chol  # q's covariance (with its ridge) -> I
     mean = jnp.mean(local_u, axis=0)
-    w = jax.scipy.linalg.solve_triangular(chol, (local_u - mean).T, lower=True).T  # q's covariance -> I
+    w = jax.scipy.linalg.solve_triangular(chol, (local_u - mean).T, lower=True).T
     values, vectors = jnp.linalg.eigh(w.T @ w / w.shape[0])
-    spread = values > jnp.sqrt(eps) * jnp.max(values) + jnp.finfo(dtype).tiny  # a null direction cannot be spread
+    # a null direction (fewer particles than coordinates) cannot be spread
+    spread = values > jnp.sqrt(jnp.finfo(dtype).eps) * jnp.max(values) + jnp.finfo(dtype).tiny
     stretch = jnp.where(spread & (values < 1.0), 1.0 / jnp.sqrt(jnp.where(spread, values, 1.0)), 1.0)
     w = ((w @ vectors) * stretch) @ vectors.T
     return mean + w @ chol.T
