@@ -183,7 +183,7 @@ def auto_setup(
         if scaling.mode or noise_scale is not None:
             rho, noise = auto_settings(topology.adjacency, scaling.shares, agent, noise_scale=noise_scale)
             if scaling.mode and noise_scale is None and scaling.hessians is not None:
-                rho, noise, shape = _shaped_noise(topology.adjacency, scaling.hessians, agent, rho, noise)
+                noise, shape = _shaped_noise(topology.adjacency, scaling.hessians, agent, rho, noise)
         else:
             rho, noise = tempered_settings(topology.adjacency, scaling.shares, agent)
     if not scaling.mode:
@@ -202,15 +202,15 @@ def auto_setup(
 
 
 def _shaped_noise(adjacency, hessians, agent, rho, noise):
-    """``(rho, noise_scale, noise_shape)``: the noise of
+    """``(noise_scale, noise_shape)``: the noise of
     :func:`~numpyro_fed.infer.admm.scaling.calibrated_noise` at ``rho`` as a scale (its
-    covariance's mean variance) and a shape (``None`` where the scalar ``noise`` is already
-    right in every direction, to 1e-6, or no calibration was found)."""
+    covariance's mean variance) and a shape; the scalar ``noise`` and ``None`` where that is
+    already right in every direction, to 1e-6, or no calibration was found."""
     covariance = calibrated_noise(adjacency, hessians, rho, agent)
     if covariance is None:
-        return rho, noise, None
+        return noise, None
     scale = float(np.sqrt(np.mean(np.diag(covariance))))
     shape = np.linalg.cholesky(covariance) / scale
     if np.allclose(shape, np.eye(shape.shape[0]), atol=1e-6):
-        return rho, noise, None
-    return rho, scale, shape
+        return noise, None
+    return scale, shape
