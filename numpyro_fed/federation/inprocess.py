@@ -40,11 +40,13 @@ class _Shared:
         self.error = None  # the ClientError a host callback raised (see guard)
         self.absences = {}  # client -> why its last partial call failed
 
-    def count(self, name, calls, _batch, answered=None) -> None:
+    def count(self, name, calls, _batch, answered=None, sizes=None) -> None:
         """Host side, called by the compiled code at every call it makes (``calls``: ``(M,)``
         messages per client; one call per element of a ``vmap`` whose requests differ;
-        ``answered``: ``(M,)``, whether each client's reply came, of a partial call)."""
-        down, up = self.sizes[name]
+        ``answered``: ``(M,)``, whether each client's reply came, of a partial call;
+        ``sizes``: the call's ``(bytes down, bytes up)`` per client as it was traced, default
+        the last traced call of that name's)."""
+        down, up = self.sizes[name] if sizes is None else sizes
         calls = np.asarray(calls, dtype=np.int64)
         replied = calls if answered is None else calls * np.asarray(answered, np.int64)
         self.ledger.add(name, "to_client", None, messages=calls, nbytes=calls * down, rounds=replied)
@@ -212,7 +214,10 @@ class InProcess(Federation):
             if hasattr(x, "dtype") and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
         ]
         batch = jnp.ravel(jnp.asarray(leaves[0]))[:1] if leaves else jnp.zeros(1, jnp.int32)
-        jax.debug.callback(partial(self._shared.count, name), calls, batch, answered)
+        # this call's own sizes: one call name may carry requests of different shapes (one
+        # point and a batch of them)
+        count = partial(self._shared.count, name, sizes=(int(down), int(up)))
+        jax.debug.callback(count, calls, batch, answered)
 
     def _answered(self, name, clients, partial):
         """``(C,)`` bool: which of ``clients`` (``(C,)`` ints) answer call ``name``: all
