@@ -398,16 +398,18 @@ class VariationalMethod:
         is_finite: Callable | None = None,
         desc: str | None = None,
         context: dict | None = None,
+        ledger: dict | None = None,
     ) -> RunResult:
         """:func:`run_rounds` with this method's settings, its federation's guard and ledger:
         the :class:`RunResult` before :meth:`finish`. ``resume``: a :class:`RunCheckpoint` to
-        continue. A :class:`~numpyro_fed.federation.ClientError` gets ``error.state`` (the
+        continue. ``ledger``: the calls a fresh run made before its rounds (a set-up's), counted
+        in its ledger. A :class:`~numpyro_fed.federation.ClientError` gets ``error.state`` (the
         checkpoint, whose context holds ``context`` and the ledger so far) and
         ``error.result`` (the rounds completed, a :class:`RunResult`)."""
         from numpyro_fed.federation import ClientError
 
         federation = getattr(self, "_active_federation", None)
-        previous = None if resume is None else resume.context.get("ledger")
+        previous = ledger if resume is None else resume.context.get("ledger")
         baseline = None if federation is None else federation.ledger.summary()
         context = dict(resume.context if resume is not None else (context or {}))
         try:

@@ -1,5 +1,5 @@
 """What the samplers' set-ups share when they look for the posterior's mode from two starts
-(FedZigZag's reference point, D-ADMMS's ``rho="auto"`` scaling): the second start, and the
+(FedZigZag's reference point, D-ADMMS's ``rho="auto"`` scaling, DSVGD's start): the second start, and the
 choice between the modes the two searches found.
 
 A sampler that starts at the mode its set-up found stays near it when the posterior has
@@ -19,7 +19,11 @@ import jax.numpy as jnp
 
 from numpyro.infer.initialization import init_to_median, init_to_uniform
 
-__all__ = ["ModeComparison", "compare_modes", "second_start"]
+__all__ = ["OTHER_MODE_WARNING", "ModeComparison", "compare_modes", "second_start"]
+
+#: the share of the posterior mass (by Laplace approximations) a second mode must hold for a
+#: set-up to warn that the run, which starts at the other, may miss it
+OTHER_MODE_WARNING = 0.01
 
 
 def second_start(potential, init_strategy, rng_key, dtype):

@@ -18,11 +18,24 @@ import jax.numpy as jnp
 from numpyro_fed.infer.stein.kde import dtype_eps
 from numpyro_fed.infer.stein.whitening import whitening
 
-__all__ = ["Affine", "Frame", "NEWTON_ITERATIONS", "curvature_whitening", "laplace_start", "newton_mode", "round_frame"]
+__all__ = [
+    "CONVERGED_DECREMENT",
+    "NEWTON_ITERATIONS",
+    "Affine",
+    "Frame",
+    "curvature_whitening",
+    "laplace_start",
+    "newton_mode",
+    "newton_modes",
+    "round_frame",
+]
 
 #: damped Newton iterations of :func:`newton_mode` (each: one Hessian, a line search of
 #: :data:`_TRIALS` halvings evaluated at once).
 NEWTON_ITERATIONS = 40
+#: a Newton decrement ``g^T A^-1 g`` (the squared Newton step in the target's sds) at or below
+#: which :func:`newton_mode`'s search has converged
+CONVERGED_DECREMENT = 1e-4
 _TRIALS = 12
 
 
@@ -51,12 +64,13 @@ def _point_score(score_fn: Callable) -> Callable:
     return lambda v: score_fn(v[None])[0]
 
 
-def _positive_curvature(score_fn: Callable, at, relative_floor):
-    """Eigenvectors and eigenvalues of ``-sym(d score / dx)`` at ``at``, the eigenvalues made
+def _positive_curvature(score_fn: Callable, at, relative_floor, hessian_fn: Callable | None = None):
+    """Eigenvectors and eigenvalues of ``-sym(d score / dx)`` at ``at`` (``hessian_fn(at)``
+    where given: the negative Hessian of ``log p``, ``(d,) -> (d, d)``), the eigenvalues made
     positive (absolute values, at least ``relative_floor`` times the largest): a saddle-free
     stand-in for the negative Hessian of ``log p``. Identity where it is not finite."""
     d = at.shape[-1]
-    jac = jax.jacfwd(_point_score(score_fn))(at)
+    jac = -hessian_fn(at) if hessian_fn is not None else jax.jacfwd(_point_score(score_fn))(at)
     a = -(jac + jac.T) / 2.0
     finite = jnp.all(jnp.isfinite(a))
     a = jnp.where(finite, a, jnp.eye(d, dtype=at.dtype))
@@ -107,10 +121,22 @@ def curvature_whitening(particles, score_fn: Callable) -> Affine:
     return Affine(w.mean, jnp.where(ok, matrix, w.chol), jnp.where(ok, inverse, chol_inverse))
 
 
-def newton_mode(score_fn: Callable, starts, num_iterations: int = NEWTON_ITERATIONS):
-    """A mode of the target (a root of ``score_fn``, ``(N, d) -> (N, d)``) by damped Newton
-    from each of ``starts`` (``(S, d)``); returns the end point with the smallest Newton
-    decrement ``g^T A^-1 g``.
+def newton_modes(
+    score_fn: Callable,
+    starts,
+    num_iterations: int = NEWTON_ITERATIONS,
+    hessian_fn: Callable | None = None,
+    tolerance: float = 0.0,
+):
+    """Modes of the target (roots of ``score_fn``, ``(N, d) -> (N, d)``) by damped Newton
+    from each of ``starts`` (``(S, d)``): ``(ends (S, d), decrements (S,))``, each end's Newton
+    decrement ``g^T A^-1 g`` (the squared Newton step in the target's sds; ``inf`` where not
+    finite). ``hessian_fn``: ``(d,) -> (d, d)``, the negative Hessian of ``log p`` (default:
+    ``score_fn``'s Jacobian); given one, the starts are searched one after the other (a
+    :class:`~numpyro_fed.federation.Federation`'s calls in ``score_fn`` and ``hessian_fn`` may not
+    run under a ``vmap``), otherwise at once. A search stops after ``num_iterations`` steps, or
+    where the decrement is at most ``tolerance`` (through a federation every step is three
+    round trips).
 
     Saddle-free steps ``Delta = A^-1 g`` (``A`` the negative Hessian with its eigenvalues made
     positive: an ascent direction of ``log p``), no longer than a trust radius (4 units at
@@ -121,17 +147,18 @@ def newton_mode(score_fn: Callable, starts, num_iterations: int = NEWTON_ITERATI
     logits saturate).
 
     >>> import jax.numpy as jnp
-    >>> mode = newton_mode(lambda x: -(x - 9.5) / 0.04**2 - (x - 9.5) ** 3, jnp.array([[0.0]]))
-    >>> round(float(mode[0]), 4)
-    9.5
+    >>> ends, decrements = newton_modes(lambda x: -(x - 9.5) / 0.04**2 - (x - 9.5) ** 3, jnp.array([[0.0]]))
+    >>> round(float(ends[0, 0]), 4), bool(decrements[0] < 1e-12)
+    (9.5, True)
     """
     dtype = starts.dtype
     ts = 0.5 ** jnp.arange(_TRIALS, dtype=dtype)
 
-    def step(_, carry):
-        x, radius = carry
+    def step(carry):
+        i, x, radius, _ = carry
         g = _point_score(score_fn)(x)
-        vectors, values = _positive_curvature(score_fn, x, 1e-10)
+        vectors, values = _positive_curvature(score_fn, x, 1e-10, hessian_fn)
+        decrement = jnp.sum((g @ vectors) ** 2 / values)
         delta = ((g @ vectors) / values) @ vectors.T
         length = jnp.linalg.norm(delta)
         delta = delta * jnp.minimum(1.0, radius / jnp.where(length > 0, length, 1.0))
@@ -140,18 +167,40 @@ def newton_mode(score_fn: Callable, starts, num_iterations: int = NEWTON_ITERATI
         ok = (slopes > 0) & jnp.all(jnp.isfinite(candidates), axis=-1) & jnp.isfinite(slopes)
         pick = jnp.where(jnp.any(ok), jnp.argmax(ok), _TRIALS - 1)  # the longest step still going up
         new = candidates[pick]
-        good = jnp.all(jnp.isfinite(new)) & jnp.all(jnp.isfinite(delta))
-        return jnp.where(good, new, x), jnp.where(good & (pick == 0), 2.0 * radius, radius / 2.0)
+        good = jnp.all(jnp.isfinite(new)) & jnp.all(jnp.isfinite(delta)) & (decrement > tolerance)
+        radius = jnp.where(good & (pick == 0), 2.0 * radius, radius / 2.0)
+        return i + 1, jnp.where(good, new, x), radius, jnp.where(jnp.isfinite(decrement), decrement, jnp.inf)
+
+    def going(carry):
+        i, _, _, decrement = carry
+        return (i < num_iterations) & (decrement > tolerance)
 
     def run(start):
-        x, _ = jax.lax.fori_loop(0, num_iterations, step, (start, jnp.asarray(4.0, dtype)))
+        inf = jnp.asarray(jnp.inf, dtype)
+        _, x, _, _ = jax.lax.while_loop(going, step, (0, start, jnp.asarray(4.0, dtype), inf))
         g = _point_score(score_fn)(x)
-        vectors, values = _positive_curvature(score_fn, x, 1e-10)
+        vectors, values = _positive_curvature(score_fn, x, 1e-10, hessian_fn)
         decrement = jnp.sum((g @ vectors) ** 2 / values)
         return x, jnp.where(jnp.isfinite(decrement) & jnp.all(jnp.isfinite(x)), decrement, jnp.inf)
 
-    ends, decrements = jax.vmap(run)(starts)
-    return ends[jnp.argmin(decrements)]
+    return jax.lax.map(run, starts) if hessian_fn is not None else jax.vmap(run)(starts)
+
+
+def newton_mode(score_fn: Callable, starts, num_iterations: int = NEWTON_ITERATIONS):
+    """A mode of the target (a root of ``score_fn``, ``(N, d) -> (N, d)``) by
+    :func:`newton_modes` from each of ``starts`` (``(S, d)``): the first start's end point
+    where its search converged (Newton decrement at most :data:`CONVERGED_DECREMENT`), else
+    the end point with the smallest decrement. Where the target has two modes the first
+    start's is kept: a caller that knows where to look puts that start first.
+
+    >>> import jax.numpy as jnp
+    >>> mode = newton_mode(lambda x: -(x - 9.5) / 0.04**2 - (x - 9.5) ** 3, jnp.array([[0.0]]))
+    >>> round(float(mode[0]), 4)
+    9.5
+    """
+    ends, decrements = newton_modes(score_fn, starts, num_iterations)
+    first = decrements[0] <= CONVERGED_DECREMENT
+    return ends[jnp.where(first, 0, jnp.argmin(decrements))]
 
 
 def laplace_start(particles, score_fn: Callable):

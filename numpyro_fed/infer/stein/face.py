@@ -103,6 +103,7 @@ class ParticleMethod(VariationalMethod):
     local_latents = False
     local_latents_advice = ""
     _from_prior = True  # whether the current run started from prior draws
+    _start_ledger: dict | None = None  # the calls _start_particles made (a run counts them)
 
     def __init__(
         self,
@@ -175,7 +176,13 @@ class ParticleMethod(VariationalMethod):
         self._configure(fp)
         functions, stateful = self.client_functions()
         client_grad = jax.vmap(self.gradients.client_grad, in_axes=(0, None))
-        return ClientSpec({"potential_grad": lambda block, x: client_grad(x, block), **functions}, stateful=stateful)
+        functions = {"potential_grad": lambda block, x: client_grad(x, block), **self._setup_functions(fp), **functions}
+        return ClientSpec(functions, stateful=stateful)
+
+    def _setup_functions(self, fp) -> dict:
+        """Further calls of the clients before the rounds (:class:`DSVGD`'s mode search); none
+        here."""
+        return {}
 
     def _configure(self, fp):
         """Checks that need the potential (e.g. the number of clients)."""
@@ -242,9 +249,16 @@ class ParticleMethod(VariationalMethod):
             particles = initial_particles(
                 self.model, self.federated_potential, rng_key, args, kwargs, self.num_particles, self.init_strategy
             )
+            particles = self._start_particles(particles, rng_key)
         else:
             particles = self._check_particles(init_particles, "init_particles")
         return self.initial_state(particles, num_rounds)
+
+    def _start_particles(self, particles, rng_key):
+        """The initial particles of a run from the init strategy's draws (``(N, d)``), where
+        the method moves them before its first round (DSVGD's start at the posterior's mode;
+        the calls of the clients it makes go to ``_start_ledger``); as drawn here."""
+        return particles
 
     def init_key(self, rng_key):
         return self._run_keys(rng_key)[0]
@@ -408,6 +422,7 @@ class ParticleMethod(VariationalMethod):
         def update(key, s):
             return self._round(self._round_key(key), s, order[self._rounds_done(s) - start])
 
+        start_ledger, self._start_ledger = self._start_ledger, None
         result = self.drive(
             update,
             k_rounds,
@@ -416,5 +431,6 @@ class ParticleMethod(VariationalMethod):
             resume=resume,
             is_finite=lambda s: bool(jnp.all(jnp.isfinite(self.particles(s)))),
             context={"from_prior": self._from_prior, "initial_particles": self._initial_particles, "start": start},
+            ledger=start_ledger if init_state is None else None,
         )
         return self.finish(result)

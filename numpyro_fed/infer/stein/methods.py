@@ -14,25 +14,35 @@ import jax.numpy as jnp
 
 from numpyro.infer.initialization import init_to_sample
 
-from numpyro_fed._checks import check_int, check_positive
+from numpyro_fed._checks import check_int, check_positive, warn_user
 from numpyro_fed.federation.base import check_min_clients, resolve_min_clients
 from numpyro_fed.infer.base import adopt_client_state, jit_round
+from numpyro_fed.infer.modes import OTHER_MODE_WARNING, compare_modes
 from numpyro_fed.infer.stein import dsvgd as dsvgd_core
 from numpyro_fed.infer.stein import local as local_core
 from numpyro_fed.infer.stein import pdsvgd as pdsvgd_core
 from numpyro_fed.infer.stein import udsvgd as udsvgd_core
 from numpyro_fed.infer.stein.checks import runaway_problems, warn_runaway
 from numpyro_fed.infer.stein.client_order import check_client_order
+from numpyro_fed.infer.stein.curvature import CONVERGED_DECREMENT, newton_modes
 from numpyro_fed.infer.stein.face import ParticleMethod, kernel_stein_discrepancy
 from numpyro_fed.infer.stein.kde import check_kde_bandwidth
 from numpyro_fed.infer.stein.moments import GAUSSIAN_RESIDUAL, MOMENT_CORRECTION, can_correct, stein_moment_correction
 from numpyro_fed.infer.stein.optim import adagrad_momentum, check_optim
+from numpyro_fed.infer.stein.whitening import whitening
+from numpyro_fed.infer.zigzag.mode import OtherMode
+from numpyro_fed.infer.zigzag.setup import setup_functions
 
 __all__ = ["DSVGD", "PDSVGD", "UDSVGD"]
 
 
 #: one step of Stein's moment correction, compiled once per shape for every run
 _moment_step = jax.jit(stein_moment_correction)
+
+
+#: the Newton decrement (squared Newton step, in posterior sds) at which the search for the
+#: posterior's mode before the first round stops (:meth:`DSVGD._start_particles`)
+MODE_TOLERANCE = 1e-6
 
 
 class DSVGD(ParticleMethod):
@@ -88,8 +98,10 @@ class DSVGD(ParticleMethod):
     :param init_strategy: NumPyro init strategy of the initial particles, run once per
         particle; default ``init_to_sample``: prior draws (Algorithm 1, line 1) and, where the
         prior cannot be sampled (flat ``ImproperUniform`` priors), NumPyro's uniform ``(-2,
-        2)`` on the unconstrained space. With ``kde_bandwidth="auto"`` the first round
-        starts from the Laplace approximation of its target wherever the particles start.
+        2)`` on the unconstrained space. With ``kde_bandwidth="auto"`` and global latents,
+        the particles' mean first moves to the posterior's mode (the one with the larger
+        Laplace mass where a search from two starts finds two; :meth:`_start_particles`), and
+        the first round starts from the Laplace approximation of its target.
     :param bool progress_bar: a progress bar over rounds.
     :param int batch_size: rows of the client's data per SVGD step (drawn afresh at every
         step, without replacement, the gradient scaled by ``n_k / batch_size``), as in the
@@ -124,7 +136,8 @@ class DSVGD(ParticleMethod):
         its client state (:class:`~numpyro_fed.federation.ClientState`), kept where it lives
         and never sent (on Ray, on its worker; in process, in ``result.state.clients``).
         ``result.ledger`` counts it, and the diagnostics' ``"potential_grad"`` calls
-        (Stein's checks, :meth:`evaluate`). A client
+        (Stein's checks, :meth:`evaluate`) and the start's mode search (``"potential_grad"``,
+        ``"hessian"`` and ``"value_and_grad"`` calls of one point each). A client
         that dies or stops answering stops the run with a
         :class:`~numpyro_fed.federation.ClientError` whose ``state`` resumes it, unless
         ``min_clients`` lets the run go on without it.
@@ -244,6 +257,9 @@ class DSVGD(ParticleMethod):
 
     local_latents = True
     _layout = None  # the LatentLayout of a model with client-local latents
+    #: the mode the particles did not start at, where the search before the first round found
+    #: two (:meth:`_start_particles`); ``None`` otherwise
+    other_mode: OtherMode | None = None
     #: whether ``moment_correction=None`` means :data:`~numpyro_fed.infer.stein.moments.MOMENT_CORRECTION`
     #: corrections with ``kde_bandwidth="auto"`` (U-DSVGD: 0, its clients keep the global iterates)
     corrects_moments = True
@@ -299,6 +315,99 @@ class DSVGD(ParticleMethod):
 
     def _state_dim(self):
         return super()._state_dim() if self._layout is None else self._layout.num_global
+
+    # -- the start: one mode of two (see _start_particles) -------------------------------------
+    def _searches_modes(self) -> bool:
+        return self._layout is None and self.kde_bandwidth == "auto"
+
+    def _setup_functions(self, fp) -> dict:
+        """The mode search's ``"value_and_grad"`` and ``"hessian"`` calls (FedZigZag's, of the
+        client's term at one point)."""
+        return setup_functions(fp.flat().client_potential) if self._searches_modes() else {}
+
+    def _start_particles(self, particles, rng_key):
+        """The particles drawn from the init strategy, moved (their mean, not their spread) to
+        the posterior's mode, the one with the larger Laplace mass where it has two.
+
+        The first round starts from the Laplace approximation of the first client's own
+        posterior, found by Newton's method from the particles' mean
+        (:func:`~numpyro_fed.infer.stein.curvature.laplace_start`), and the rounds stay near
+        the mode they start at: on a two-component mixture split over 8 clients, from the
+        prior's draws, that was the label-swapped mode, where the posterior holds far less mass.
+        Before the first round the server looks for the posterior's mode with the same Newton
+        iteration (:func:`~numpyro_fed.infer.stein.curvature.newton_modes`, in the coordinates
+        that whiten the particles, until its step is 0.001 posterior sds) from the particles'
+        mean and from the origin of the unconstrained space (the first round's two starts),
+        asking the clients for their terms' gradients (``"potential_grad"``), Hessians
+        (``"hessian"``) and values (``"value_and_grad"``, at the two ends), calls in the run's
+        ledger: three round trips a Newton step. Of two separated modes
+        it takes the one with the larger Laplace mass
+        (:func:`~numpyro_fed.infer.modes.compare_modes`; :attr:`other_mode` records the other).
+        Where the other holds at least 1% of the mass
+        (:data:`~numpyro_fed.infer.modes.OTHER_MODE_WARNING`) a :class:`RuntimeWarning` says so.
+        Where neither search ends at a mode the particles stay as drawn. With global latents
+        and ``kde_bandwidth="auto"`` only."""
+        self.other_mode, self._start_ledger = None, {}
+        if not self._searches_modes():
+            return particles
+        fp, temperature, federation = self.federated_potential, self.temperature, self._active_federation
+        mean = jnp.mean(particles, axis=0)
+        starts = jnp.stack([mean, jnp.zeros_like(mean)])
+        prior = fp.flat().prior_potential
+        score = self._target_score()
+
+        def hessian(x):  # of the tempered potential, prior + sum_k L_k / alpha
+            return jax.hessian(prior)(x) + jnp.sum(federation.map("hessian", x), axis=0) / temperature
+
+        def log_mass(x):  # Laplace's: -U - log det(H) / 2, and the sds; -inf without a mode
+            values, _ = federation.map("value_and_grad", x)
+            h = hessian(x)
+            chol = jnp.linalg.cholesky((h + h.T) / 2)
+            sd = jnp.sqrt(jnp.diag(jax.scipy.linalg.cho_solve((chol, True), jnp.eye(x.shape[0], dtype=x.dtype))))
+            mass = -(prior(x) + jnp.sum(values) / temperature) - jnp.sum(jnp.log(jnp.diag(chol)))
+            ok = jnp.all(jnp.isfinite(chol)) & jnp.isfinite(mass)
+            return jnp.where(ok, mass, -jnp.inf), sd
+
+        w = whitening(particles)
+
+        @jax.jit
+        def search(starts):
+            def score_z(z):
+                return w.score_to_z(score(w.from_z(z)))
+
+            def hessian_z(z):  # chol^T H chol
+                return w.score_to_z(w.score_to_z(hessian(w.from_z(z))).T)
+
+            ends, decrements = newton_modes(score_z, w.to_z(starts), hessian_fn=hessian_z, tolerance=MODE_TOLERANCE)
+            ends = w.from_z(ends)
+            masses, sds = jax.lax.map(log_mass, ends)
+            return ends, decrements, masses, sds
+
+        ends, decrements, masses, sds = self.through_clients(lambda: search(starts), self._start_ledger)
+        modes = [
+            (ends[i], sds[i], masses[i])
+            for i in range(len(starts))
+            if decrements[i] <= CONVERGED_DECREMENT and np.isfinite(masses[i])
+        ]
+        if not modes:
+            return particles
+        mode = modes[0]
+        if len(modes) == 2:
+            found = compare_modes(*modes)
+            if found is not None:
+                mode, other = modes[::-1] if found.take_second else modes
+                self.other_mode = OtherMode(jnp.asarray(other[0]), -float(other[2]), found.share, found.distance)
+                if found.share >= OTHER_MODE_WARNING:
+                    warn_user(
+                        f"{type(self).__name__}: the posterior has at least two modes: searches from two starts "
+                        f"found modes {found.distance:.3g} Laplace sds apart, and by their Laplace approximations "
+                        f"the other holds {found.share:.1%} of the mass. The particles start at the larger, and "
+                        "the rounds stay near the mode they start from, so the draws may miss the other: compare "
+                        "runs from init_particles at each (other_mode.point), or reparametrize (e.g. order a "
+                        "mixture's components)",
+                        RuntimeWarning,
+                    )
+        return particles + (jnp.asarray(mode[0], particles.dtype) - mean)
 
     def _client_call(self, name: str):
         """The stateful call ``name`` of the clients on the global particles, compiled once:

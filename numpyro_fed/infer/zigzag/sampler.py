@@ -24,7 +24,7 @@ from numpyro.util import is_prng_key
 
 from numpyro_fed._checks import user_origin, warn_user
 from numpyro_fed.infer.kernel import FederatedMCMCKernel
-from numpyro_fed.infer.modes import second_start
+from numpyro_fed.infer.modes import OTHER_MODE_WARNING, second_start
 from numpyro_fed.infer.zigzag.bounds import HessianBound, per_proposer_bound
 from numpyro_fed.infer.zigzag.control_variates import ControlVariates
 from numpyro_fed.infer.zigzag.diagnostics import (
@@ -65,11 +65,6 @@ class _Plan(NamedTuple):
     redistribution_rate: float
     bounds: Any
     data_key: Any = None
-
-
-#: the share of the posterior mass (by Laplace approximations) a second mode must hold for the
-#: set-up to warn that the chain may miss it
-OTHER_MODE_WARNING = 0.01
 
 
 class FedZigZag(ZigZagReports, FederatedMCMCKernel):
@@ -569,7 +564,7 @@ class FedZigZag(ZigZagReports, FederatedMCMCKernel):
         and the chain starts at the mode with the larger Laplace mass: a Zig-Zag process
         rarely crosses between separated modes, so a start in a minor one (a mixture's
         label-swapped mode) would stay there. A second mode with at least
-        :data:`OTHER_MODE_WARNING` of the mass is a warning (:attr:`other_mode`)."""
+        :data:`~numpyro_fed.infer.modes.OTHER_MODE_WARNING` of the mass is a warning (:attr:`other_mode`)."""
         kind = self._bound_kind()
         search_from = start
         if init_params is not None:

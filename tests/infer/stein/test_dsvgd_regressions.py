@@ -109,7 +109,8 @@ def test_halfcauchy_scale_and_flat_intercept_agree_with_nuts():
 
 def test_flat_priors_start_from_the_init_strategy():
     # Prior draws are impossible under ImproperUniform: the default init_to_sample falls back to
-    # NumPyro's uniform (-2, 2) on the unconstrained space for those sites only.
+    # NumPyro's uniform (-2, 2) on the unconstrained space for those sites only (the particles'
+    # mean then moves to the posterior's mode: their spread is the draws').
     X, y = raw_covariates()
     method = nf.DSVGD(halfcauchy_regression, progress_bar=False)
     state = method.init(jax.random.PRNGKey(0), X, y)
@@ -117,7 +118,7 @@ def test_flat_priors_start_from_the_init_strategy():
     names = sorted(method.federated_potential.init_params)
     assert names == ["b", "sigma", "w"]
     b = x[:, 0]  # the flat intercept: uniform in (-2, 2)
-    assert np.all(np.abs(b) < 2) and b.std() > 0.3
+    assert np.ptp(b) < 4 and b.std() > 0.3
     assert x[:, 2:].std() > 3  # w: draws of its N(0, 10) prior
 
 
