@@ -22,7 +22,7 @@ from numpyro_fed.infer.stein import dsvgd as dsvgd_core
 from numpyro_fed.infer.stein import local as local_core
 from numpyro_fed.infer.stein import pdsvgd as pdsvgd_core
 from numpyro_fed.infer.stein import udsvgd as udsvgd_core
-from numpyro_fed.infer.stein.checks import runaway_problems, warn_runaway
+from numpyro_fed.infer.stein.checks import runaway_problems, unsettled_rounds, warn_runaway
 from numpyro_fed.infer.stein.client_order import check_client_order
 from numpyro_fed.infer.stein.curvature import CONVERGED_DECREMENT, newton_modes
 from numpyro_fed.infer.stein.face import ParticleMethod, kernel_stein_discrepancy
@@ -488,14 +488,22 @@ class DSVGD(ParticleMethod):
             from_prior=self._from_prior,
             all_visited=all_visited,
         )
+        advice = None
         if problems:  # the remedy of a centred hierarchy, whose runs end here or non-finite
             problems.append(self.divergence_advice.replace("; otherwise lower learning_rate", ""))
+        elif all_visited:  # the rounds' particles are the answer here (no moment correction)
+            problems = unsettled_rounds(result.metrics["particles"], self.federated_potential.num_clients)
+            advice = (
+                "use more num_particles (the global latents' KDEs resolve a skewed posterior better: eight schools "
+                "over 4 clients settled with 50), or FedZigZag, which samples it exactly"
+            )
         warn_runaway(
             type(self).__name__,
             len(result.metrics["client"]),
             problems,
             fixed_kde=self.kde_bandwidth != "auto",
             stacklevel=5,
+            advice=advice,
         )
         return result
 
