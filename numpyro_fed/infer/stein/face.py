@@ -104,6 +104,7 @@ class ParticleMethod(VariationalMethod):
     local_latents_advice = ""
     _from_prior = True  # whether the current run started from prior draws
     _start_ledger: dict | None = None  # the calls _start_particles made (a run counts them)
+    _start_search = None  # _start_particles' compiled program, once per split of the model
 
     def __init__(
         self,
@@ -172,7 +173,7 @@ class ParticleMethod(VariationalMethod):
         self.gradients = flat_gradients(fp)
         self.stochastic_client_grad = None if self.batch_size is None else minibatch_client_grad(fp, self.batch_size)
         self._postprocess = jax.jit(jax.vmap(fp.flat().postprocess))
-        self._step = None
+        self._step = self._start_search = None
         self._configure(fp)
         functions, stateful = self.client_functions()
         client_grad = jax.vmap(self.gradients.client_grad, in_axes=(0, None))
@@ -200,13 +201,15 @@ class ParticleMethod(VariationalMethod):
             )
         return particles
 
-    def _target_score(self) -> Callable:
+    def _target_score(self, federation=None) -> Callable:
         """``(N, d) -> (N, d)``: the full-batch score of the tempered posterior, for
         diagnostics: each client computes its term's gradient at the points
         (``"potential_grad"``: the points down, ``(N, d)`` up; run it inside
-        :meth:`through_clients`)."""
+        :meth:`through_clients`). ``federation``: the started one to ask (default the active
+        one)."""
         prior_score = jax.vmap(lambda x: -self.gradients.prior_grad(x))
-        temperature, federation = self.temperature, self._active_federation
+        temperature = self.temperature
+        federation = self._active_federation if federation is None else federation
 
         def score(x):
             return prior_score(x) - jnp.sum(federation.map("potential_grad", x), axis=0) / temperature
@@ -249,12 +252,12 @@ class ParticleMethod(VariationalMethod):
             particles = initial_particles(
                 self.model, self.federated_potential, rng_key, args, kwargs, self.num_particles, self.init_strategy
             )
-            particles = self._start_particles(particles, rng_key)
+            particles = self._start_particles(particles)
         else:
             particles = self._check_particles(init_particles, "init_particles")
         return self.initial_state(particles, num_rounds)
 
-    def _start_particles(self, particles, rng_key):
+    def _start_particles(self, particles):
         """The initial particles of a run from the init strategy's draws (``(N, d)``), where
         the method moves them before its first round (DSVGD's start at the posterior's mode;
         the calls of the clients it makes go to ``_start_ledger``); as drawn here."""

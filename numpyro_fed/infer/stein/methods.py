@@ -325,7 +325,38 @@ class DSVGD(ParticleMethod):
         client's term at one point)."""
         return setup_functions(fp.flat().client_potential) if self._searches_modes() else {}
 
-    def _start_particles(self, particles, rng_key):
+    def _mode_search(self, starts, w, federation):
+        """:meth:`_start_particles`' search, ``(ends, decrements, masses, sds)``: Newton from
+        ``starts`` (``(2, d)``) in the coordinates ``w`` whitens to (a
+        :class:`~numpyro_fed.infer.stein.whitening.Whitening`), then each end's Laplace log
+        mass (``-U - log det(H) / 2``; ``-inf`` without a mode) and sds."""
+        prior, temperature = self.federated_potential.flat().prior_potential, self.temperature
+        score = self._target_score(federation)
+
+        def hessian(x):  # of the tempered potential, prior + sum_k L_k / alpha
+            return jax.hessian(prior)(x) + jnp.sum(federation.map("hessian", x), axis=0) / temperature
+
+        def log_mass(x):
+            values, _ = federation.map("value_and_grad", x)
+            h = hessian(x)
+            chol = jnp.linalg.cholesky((h + h.T) / 2)
+            sd = jnp.sqrt(jnp.diag(jax.scipy.linalg.cho_solve((chol, True), jnp.eye(x.shape[0], dtype=x.dtype))))
+            mass = -(prior(x) + jnp.sum(values) / temperature) - jnp.sum(jnp.log(jnp.diag(chol)))
+            ok = jnp.all(jnp.isfinite(chol)) & jnp.isfinite(mass)
+            return jnp.where(ok, mass, -jnp.inf), sd
+
+        def score_z(z):
+            return w.score_to_z(score(w.from_z(z)))
+
+        def hessian_z(z):  # chol^T H chol
+            return w.score_to_z(w.score_to_z(hessian(w.from_z(z))).T)
+
+        ends, decrements = newton_modes(score_z, w.to_z(starts), hessian_fn=hessian_z, tolerance=MODE_TOLERANCE)
+        ends = w.from_z(ends)
+        masses, sds = jax.lax.map(log_mass, ends)
+        return ends, decrements, masses, sds
+
+    def _start_particles(self, particles):
         """The particles drawn from the init strategy, moved (their mean, not their spread) to
         the posterior's mode, the one with the larger Laplace mass where it has two.
 
@@ -350,40 +381,13 @@ class DSVGD(ParticleMethod):
         self.other_mode, self._start_ledger = None, {}
         if not self._searches_modes():
             return particles
-        fp, temperature, federation = self.federated_potential, self.temperature, self._active_federation
         mean = jnp.mean(particles, axis=0)
-        starts = jnp.stack([mean, jnp.zeros_like(mean)])
-        prior = fp.flat().prior_potential
-        score = self._target_score()
-
-        def hessian(x):  # of the tempered potential, prior + sum_k L_k / alpha
-            return jax.hessian(prior)(x) + jnp.sum(federation.map("hessian", x), axis=0) / temperature
-
-        def log_mass(x):  # Laplace's: -U - log det(H) / 2, and the sds; -inf without a mode
-            values, _ = federation.map("value_and_grad", x)
-            h = hessian(x)
-            chol = jnp.linalg.cholesky((h + h.T) / 2)
-            sd = jnp.sqrt(jnp.diag(jax.scipy.linalg.cho_solve((chol, True), jnp.eye(x.shape[0], dtype=x.dtype))))
-            mass = -(prior(x) + jnp.sum(values) / temperature) - jnp.sum(jnp.log(jnp.diag(chol)))
-            ok = jnp.all(jnp.isfinite(chol)) & jnp.isfinite(mass)
-            return jnp.where(ok, mass, -jnp.inf), sd
-
-        w = whitening(particles)
-
-        @jax.jit
-        def search(starts):
-            def score_z(z):
-                return w.score_to_z(score(w.from_z(z)))
-
-            def hessian_z(z):  # chol^T H chol
-                return w.score_to_z(w.score_to_z(hessian(w.from_z(z))).T)
-
-            ends, decrements = newton_modes(score_z, w.to_z(starts), hessian_fn=hessian_z, tolerance=MODE_TOLERANCE)
-            ends = w.from_z(ends)
-            masses, sds = jax.lax.map(log_mass, ends)
-            return ends, decrements, masses, sds
-
-        ends, decrements, masses, sds = self.through_clients(lambda: search(starts), self._start_ledger)
+        starts, w = jnp.stack([mean, jnp.zeros_like(mean)]), whitening(particles)
+        if self._start_search is None:  # compiled once per split of the model, for every run
+            self._start_search = jit_round(self._mode_search)
+        federation = self._active_federation
+        search = self._start_search
+        ends, decrements, masses, sds = self.through_clients(lambda: search(starts, w, federation), self._start_ledger)
         modes = [
             (ends[i], sds[i], masses[i])
             for i in range(len(starts))

@@ -86,6 +86,6 @@ def test_dsvgd_agrees_where_its_first_client_alone_would_pick_the_minor_mode(mon
     assert np.all(result.ledger["value_and_grad/messages_to_client"] == 2)
     # from the prior's draws as they were (the start before this search), the run ends at the
     # minor mode, 20 posterior sds away (and its Stein check warns)
-    monkeypatch.setattr(methods.DSVGD, "_start_particles", lambda self, particles, rng_key: particles)
+    monkeypatch.setattr(methods.DSVGD, "_start_particles", lambda self, particles: particles)
     draws, _, warned = run()
     assert abs(draws.mean() - mean) > 10 * sd and warned
