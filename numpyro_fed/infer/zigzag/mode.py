@@ -158,28 +158,35 @@ def find_mode(
         x, (step, g, direction, fx, laplace) = candidate, found
         if moved == 0.0:
             break
-    if step > newton_tolerance and direction is None:
-        # BFGS did not reach a point with a positive definite Hessian: from a start far out in a
-        # badly scaled posterior (raw covariates, a noise scale far too small) its first steps
-        # overflow or its line search fails in float32; Levenberg-Marquardt's damped Newton
-        # steps get there (each step one value, gradient and Hessian call)
-        x = levenberg_marquardt(fn, hessian, x, max_steps=max_damped_steps)
-        step, g, direction, fx, laplace = newton_step(x)
-    # Newton's steps where BFGS stopped short: with many rows in float32 the potential's
-    # value is too coarse for BFGS's line search near the mode, while the gradient and the
-    # Hessian still point to it; a step is kept when the next Newton step is shorter (in
-    # posterior sds), halved up to 4 times otherwise
-    newton_steps = 0
-    while step > newton_tolerance and direction is not None and newton_steps < max_newton_steps:
-        newton_steps += 1
-        for fraction in (1.0, 0.5, 0.25, 0.125, 0.0625):
-            candidate = x - fraction * direction
-            new_step, new_g, new_direction, new_value, new_laplace = newton_step(candidate)
-            if new_step < step:
+    for damped_first in (direction is None, True):
+        if step > newton_tolerance and damped_first:
+            # BFGS did not reach a point with a positive definite Hessian (from a start far out
+            # in a badly scaled posterior, raw covariates or a noise scale far too small, its
+            # first steps overflow or its line search fails in float32), or neither it nor
+            # Newton's steps below reached the mode (a log-linear model started where its rates
+            # overflow: each Newton step lowers every linear predictor by about one, and the
+            # Newton step in sds does not shrink on the way). Levenberg-Marquardt's damped
+            # Newton steps, kept where they lower the potential, get there (each step one
+            # value, gradient and Hessian call); a point they reach is kept where it is lower.
+            candidate = levenberg_marquardt(fn, hessian, x, max_steps=max_damped_steps)
+            found = newton_step(candidate)
+            if found[3] <= fx:
+                x, (step, g, direction, fx, laplace) = candidate, found
+        # Newton's steps where BFGS stopped short: with many rows in float32 the potential's
+        # value is too coarse for BFGS's line search near the mode, while the gradient and the
+        # Hessian still point to it; a step is kept when the next Newton step is shorter (in
+        # posterior sds), halved up to 4 times otherwise
+        newton_steps = 0
+        while step > newton_tolerance and direction is not None and newton_steps < max_newton_steps:
+            newton_steps += 1
+            for fraction in (1.0, 0.5, 0.25, 0.125, 0.0625):
+                candidate = x - fraction * direction
+                new_step, new_g, new_direction, new_value, new_laplace = newton_step(candidate)
+                if new_step < step:
+                    break
+            else:
                 break
-        else:
-            break
-        x, step, g, direction, fx, laplace = candidate, new_step, new_g, new_direction, new_value, new_laplace
+            x, step, g, direction, fx, laplace = candidate, new_step, new_g, new_direction, new_value, new_laplace
     log_mass, sd = laplace
     return ModeSearch(x, step <= newton_tolerance, step, float(jnp.max(jnp.abs(g))), attempts, fx, log_mass, sd)
 
@@ -258,7 +265,14 @@ def levenberg_marquardt(fn, hessian, x, *, max_steps: int = 50):
 
     @jax.jit
     def damped(g, h, lam):
-        chol = jnp.linalg.cholesky(h + lam * jnp.diag(jnp.maximum(jnp.abs(jnp.diag(h)), jnp.finfo(h.dtype).tiny)))
+        # A Hessian that is not finite where the gradient is (autodiff of log(exp(eta)) far out
+        # in a log-linear model: the rate's square underflows to 0 / 0) leaves the gradient's
+        # signs: with the scaling |g| the damped step is sign(g) / lam, a step of 1 / lam in
+        # every coordinate that the refusals shorten until it lowers fn
+        finite = jnp.all(jnp.isfinite(h))
+        scale = jnp.where(finite, jnp.abs(jnp.diag(h)), jnp.abs(g))
+        h = jnp.where(finite, h, 0.0)
+        chol = jnp.linalg.cholesky(h + lam * jnp.diag(jnp.maximum(scale, jnp.finfo(h.dtype).tiny)))
         return jnp.all(jnp.isfinite(chol)), jax.scipy.linalg.cho_solve((chol, True), g)
 
     value, g, h = curvature(x)

@@ -291,6 +291,50 @@ def test_float32_mode_search_reaches_the_mode_of_a_regression_on_raw_covariates_
     )
 
 
+def test_mode_search_of_a_log_linear_model_reaches_the_mode_where_its_rates_overflow_or_underflow():
+    """Counts against a raw dose near 1000: a slope of 0.05 puts the rates at ``exp(50)`` (each
+    Newton step lowers every linear predictor by about one and the step in sds does not
+    shrink: the search used to end without a mode, and the chain stalled), one of -0.59 at
+    ``exp(-590)``, whose squares underflow in the Hessian's autodiff (a NaN Hessian, a finite
+    gradient: the search used to stay at its start). From each start the search must end
+    within 0.05 Laplace sds of the mode scipy finds from a start near it."""
+    from scipy.optimize import minimize
+
+    from numpyro_fed.infer.zigzag.mode import find_mode
+
+    rng = np.random.default_rng(0)
+    dose = rng.normal(1000.0, 50.0, 120)
+    counts = rng.poisson(np.exp(0.5 + 0.001 * dose)) * 1.0
+
+    def model(dose, counts):
+        a = numpyro.sample("a", dist.Normal(0.0, 5.0))
+        b = numpyro.sample("b", dist.Normal(0.0, 1.0))
+        with nf.federated_plate("data", dose.shape[0], clients=4):
+            numpyro.sample("counts", dist.Poisson(jnp.exp(a + b * dose)), obs=counts)
+
+    flat = nf.split_potential(model, (dose, counts)).flat()
+    value_and_grad = jax.jit(jax.value_and_grad(flat.potential))
+    hessian = jax.jit(jax.hessian(flat.potential))
+    reference = minimize(
+        lambda x: tuple(np.asarray(v, np.float64) for v in value_and_grad(jnp.asarray(x))),
+        np.array([1.0, 0.0]),
+        jac=True,
+        hess=lambda x: np.asarray(hessian(jnp.asarray(x)), np.float64),
+        method="trust-exact",
+        options={"gtol": 1e-6},
+    )
+    reference = reference.x  # "a bad approximation" stops it at float64's resolution: checked below
+    inverse = np.linalg.inv(np.asarray(hessian(jnp.asarray(reference))))
+    sd = np.sqrt(np.diag(inverse))
+    newton = inverse @ np.asarray(value_and_grad(jnp.asarray(reference))[1])
+    np.testing.assert_array_less(np.abs(newton), 1e-3 * sd)  # scipy's point is the mode
+    assert not np.all(np.isfinite(np.asarray(hessian(jnp.array([0.68, -0.59])))))
+    for start in ([0.68, -0.59], [0.0, 0.3], [0.0, 0.05], [0.0, -0.05], [1.0, 0.0]):
+        search = find_mode(flat.potential, jnp.array(start))
+        assert search.is_mode, start
+        np.testing.assert_array_less(np.abs(np.asarray(search.point) - reference), 0.05 * sd)
+
+
 def test_an_estimate_below_one_effective_draw_is_not_printed():
     """NumPyro's estimator goes negative on a few draws of chains that disagree (-79 here):
     the message says "less than one", not a negative count."""
