@@ -43,6 +43,7 @@ from numpyro_fed.potential.trace import (
     describe_leaves,
     discovery_trace,
     find_row_leaves,
+    finite_start,
     owner_of_coordinates,
     unconstrained_init,
     validate_split,
@@ -326,7 +327,10 @@ def split_potential(
     :param dict partition: federate an unmodified model from outside: ``{plate_name:
         clients}`` with ``clients`` in any form ``federated_plate`` accepts.
     :param init_strategy: NumPyro init strategy for :attr:`FederatedPotential.init_params`.
-    :param rng_key: key for the initial point (default ``PRNGKey(0)``).
+        Where its point's potential is not finite (with ``validate`` and the rows here), up to
+        100 points are drawn, as NumPyro's MCMC does, and the first finite one is kept.
+    :param rng_key: key for the initial point (default ``PRNGKey(0)``; the further draws use
+        ``fold_in(rng_key, i)``).
     :param bool validate: check, at the initial point, that the prior term does not depend
         on client data and that the split sums to NumPyro's potential energy (the pooled
         self-check; in deployment only the first check, as there is no pooled data).
@@ -404,7 +408,13 @@ def split_potential(
     client_data = client_blocks(leaves, row_leaves, plates, num_clients)
     views = ModelViews(model, model_trace, plates, latent_sites, enumerated, leaves, row_leaves, treedef)
 
-    z0 = unconstrained_init(model_trace, latent_sites)
+    pooled_fn, tries = None, 1
+    if validate and deployment is None:  # deployment: no pooled rows to evaluate a start on
+        model_trace, z0, pooled_fn, tries = finite_start(
+            model, model_args, model_kwargs, model_trace, latent_sites, enumerated, rng_key, init_strategy, partition
+        )
+    else:
+        z0 = unconstrained_init(model_trace, latent_sites)
     # Deterministic sites computed from client data stay with the clients.
     server_outputs = data_free_outputs(views.server_values, z0, views.placeholders)
     views.check_row_local_values_data_free(z0, client_data)
@@ -458,5 +468,7 @@ def split_potential(
             views.prior_site_log_probs,
             views.placeholders,
             pooled=deployment is None,
+            pooled_fn=pooled_fn,
+            tries=tries,
         )
     return potential

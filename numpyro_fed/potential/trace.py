@@ -495,8 +495,46 @@ def data_free_outputs(server_values, z0, placeholders):
     return {name for name, tainted in flags.items() if not tainted}
 
 
+#: How many initial points :func:`finite_start` tries, as NumPyro's ``find_valid_initial_params``.
+MAX_INIT_TRIES = 100
+
+
+def finite_start(
+    model, model_args, model_kwargs, model_trace, latent_sites, enumerated, rng_key, init_strategy, partition
+):
+    """``(trace, z0, pooled, tries)``: the model's trace at the first of up to
+    :data:`MAX_INIT_TRIES` initial points where NumPyro's potential on the pooled data is
+    finite (the first is the one ``rng_key`` gives; the others ``fold_in(rng_key, i)``), as
+    NumPyro's MCMC retries its init strategy. A prior draw of a coefficient of a raw covariate
+    (ages near 40 under ``Normal(0, 2)``) easily overflows an ``exp`` in float32. Where none is
+    finite, the first point, for :func:`validate_split` to refuse. ``pooled`` is the compiled
+    pooled potential, ``tries`` how many points were tried."""
+    pooled = _pooled_potential(model, model_args, model_kwargs, model_trace, enumerated)
+    first = (model_trace, unconstrained_init(model_trace, latent_sites))
+    trace_i, z0 = first
+    for attempt in range(MAX_INIT_TRIES):
+        if attempt:
+            trace_i = discovery_trace(
+                model, model_args, model_kwargs, jax.random.fold_in(rng_key, attempt), init_strategy, partition
+            )
+            z0 = unconstrained_init(trace_i, latent_sites)
+        if np.isfinite(float(pooled(z0))):
+            return trace_i, z0, pooled, attempt + 1
+    return first + (pooled, MAX_INIT_TRIES)
+
+
 def validate_split(
-    potential, model, model_args, model_kwargs, model_trace, enumerated, prior_site_log_probs, placeholders, pooled=True
+    potential,
+    model,
+    model_args,
+    model_kwargs,
+    model_trace,
+    enumerated,
+    prior_site_log_probs,
+    placeholders,
+    pooled=True,
+    pooled_fn=None,
+    tries=1,
 ):
     z0 = potential.init_params
     flags = tainted_outputs(prior_site_log_probs, (z0, placeholders), 1)
@@ -520,14 +558,19 @@ def validate_split(
             "from the model arguments (e.g. `X.shape[0]`), not from constants captured by "
             f"the model. The error was: {type(exc).__name__}: {exc}"
         ) from exc
-    pooled = float(_pooled_potential(model, model_args, model_kwargs, model_trace, enumerated)(z0))
+    if pooled_fn is None:
+        pooled_fn = _pooled_potential(model, model_args, model_kwargs, model_trace, enumerated)
+    pooled = float(pooled_fn(z0))
     split = prior + clients.sum()
     scale = abs(prior) + np.abs(clients).sum() + 1.0
     rtol = 1e-9 if jnp.zeros(()).dtype == jnp.float64 else 1e-4
     if not np.isfinite(split) or not np.isfinite(pooled):
+        values = f"prior {prior}, clients {clients.tolist()}, NumPyro {pooled}"
+        where = f"the initial point ({values})"
+        if tries > 1:
+            where = f"any of {tries} initial points the init_strategy drew ({values} at the first)"
         raise ValueError(
-            f"the potential is not finite at the initial point (prior {prior}, clients "
-            f"{clients.tolist()}, NumPyro {pooled}); try another init_strategy or rng_key"
+            f"the potential is not finite at {where}; try another init_strategy (e.g. init_to_median) or rng_key"
         )
     if abs(split - pooled) > rtol * scale:
         raise ValueError(
