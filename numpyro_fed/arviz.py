@@ -170,6 +170,8 @@ def _add_client_data(idata, model, *, log_likelihood=False, observed_data=False,
             "log_likelihood=True and observed_data=True need the data the result was "
             "fitted to: pass model_args=(...) (and model_kwargs=) to to_inference_data"
         )
+    from numpyro_fed.potential.trace import site_dims
+
     groups = _groups_of(idata)
     trace = _trace(model, model_args, model_kwargs)
     observed = {name: site for name, site in trace.items() if site["type"] == "sample" and site["is_observed"]}
@@ -187,7 +189,7 @@ def _add_client_data(idata, model, *, log_likelihood=False, observed_data=False,
     if observed_data:
         groups["observed_data"] = _dataset(
             {k: site["value"] for k, site in observed.items()},
-            dims={k: _site_dims(site) for k, site in observed.items()},
+            dims={k: site_dims(site) for k, site in observed.items()},
             coords=None,
             sample_dims=(),
         )
@@ -246,21 +248,14 @@ def _trace(model, args, kwargs):
     return handlers.trace(seeded).get_trace(*args, **kwargs)
 
 
-def _site_dims(site) -> list[str]:
-    batch = [frame.name for frame in sorted(site["cond_indep_stack"], key=lambda f: f.dim)]
-    return batch + list(site.get("infer", {}).get("event_dims", []))
-
-
 def _plate_dims(model, args, kwargs) -> dict[str, list[str]]:
     """Dims of every site named after its plates (and event dims), from one concrete trace of
     the model. ArviZ's own inference (``jax.eval_shape`` of a trace) fails on a second call
     with other data arrays: a federated plate carries its client assignment, an array, in
     metadata that JAX compares between calls."""
-    dims = {}
-    for name, site in _trace(model, args, kwargs).items():
-        if site["type"] in ("sample", "deterministic") and _site_dims(site):
-            dims[name] = _site_dims(site)
-    return dims
+    from numpyro_fed.potential.trace import model_site_dims
+
+    return model_site_dims(_trace(model, args, kwargs))
 
 
 # -- NumPyro's MCMC (NUTS, and this project's MCMC kernels) ----------------------------------

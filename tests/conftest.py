@@ -78,6 +78,7 @@ def ray_federation(ray_session):
 # ``make test-long`` and CI, not by ``make test``. Each algorithm keeps faster checks of its
 # distribution in ``make test``. By node id prefix (a parametrized test: all of its cases).
 LONG = (
+    "tests/potential/test_row_deterministic.py::test_every_algorithm_returns_the_group_effects_with_the_plate_as_their",
     "tests/potential/test_initial_point.py::test_the_algorithms_agree_with_nuts_at_defaults_where_the_first",
     "tests/flower/test_flower_node_store.py::test_rows_that_change_to_the_same_shapes",
     "tests/flower/test_flower_node_store.py::test_a_new_flower_run_never_runs",

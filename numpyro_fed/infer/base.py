@@ -311,7 +311,8 @@ class VariationalMethod:
         """The keyword arguments of :func:`numpyro_fed.arviz.from_dicts` for this result
         (plain arrays): ``posterior`` (one chain of :meth:`get_samples`), ``sample_stats``
         (every per-round metric, dim ``round`` first, and the message ledger,
-        ``ledger.<call>.<count>``, dim ``client``), ``coords`` and ``attrs``."""
+        ``ledger.<call>.<count>``, dim ``client``), ``coords``, ``attrs`` and ``dims`` (a
+        site's plates, as NumPyro's MCMC conversion names them)."""
         from numpyro_fed.arviz import federation_attrs
 
         rng_key = jax.random.PRNGKey(0) if rng_key is None else rng_key
@@ -334,7 +335,8 @@ class VariationalMethod:
             attrs.update(result.privacy.as_attrs())
         if self.federation is not None:
             attrs["federation"] = type(self.federation).__name__
-        return {"posterior": posterior, "sample_stats": sample_stats, "coords": coords, "attrs": attrs}
+        dims = {} if self.federated_potential is None else dict(self.federated_potential.site_dims)
+        return {"posterior": posterior, "sample_stats": sample_stats, "coords": coords, "attrs": attrs, "dims": dims}
 
     # -- the driver --------------------------------------------------------------------------
     def plan_clients(self, rng_key, args, kwargs, *, num_rounds: int | None = None) -> ClientSpec:

@@ -44,6 +44,7 @@ from numpyro_fed.potential.trace import (
     discovery_trace,
     find_row_leaves,
     finite_start,
+    model_site_dims,
     owner_of_coordinates,
     unconstrained_init,
     validate_split,
@@ -118,6 +119,9 @@ class FederatedPotential:
     :ivar tuple row_local_sites: names of the latent sites that live in a federated data
         plate (one value per data row, held by the row's client).
     :ivar dict row_arguments: the model arguments cut per client (path -> plate name).
+    :ivar dict site_dims: ``{site: dims}``: the plates (outermost first) and declared event
+        dims of every sample and deterministic site that has any, what the ArviZ conversion
+        names a site's dims after.
     :ivar stand_in_arguments: deployment only (else ``None``): ``(args, kwargs)`` shaped like
         the pooled model arguments with zeros for every row (what the driver traces the model
         with, e.g. for the plate dims of an ArviZ object); never a client's value.
@@ -456,6 +460,7 @@ def split_potential(
         postprocess_fn=postprocess_fn,
         row_arguments=describe_leaves(treedef, len(leaves), row_leaves),
         stand_in_arguments=None if deployment is None else (tuple(model_args), dict(model_kwargs or {})),
+        site_dims=model_site_dims(model_trace),
     )
     if validate:
         validate_split(

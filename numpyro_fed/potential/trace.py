@@ -132,6 +132,23 @@ def in_plates(site, plates) -> bool:
     return any(f.name in plates for f in site["cond_indep_stack"])
 
 
+def site_dims(site) -> list[str]:
+    """A sample or deterministic site's dims for ArviZ: its plates, outermost first, then the
+    event dims it declares (``infer={"event_dims": [...]}``)."""
+    batch = [frame.name for frame in sorted(site["cond_indep_stack"], key=lambda f: f.dim)]
+    return batch + list(site.get("infer", {}).get("event_dims", []))
+
+
+def model_site_dims(model_trace) -> dict[str, list[str]]:
+    """``{site: dims}`` of every sample and deterministic site of ``model_trace`` that has any
+    (:func:`site_dims`)."""
+    return {
+        name: site_dims(site)
+        for name, site in model_trace.items()
+        if site["type"] in ("sample", "deterministic") and site_dims(site)
+    }
+
+
 def _is_factor(site) -> bool:
     fn = site["fn"]
     while isinstance(fn, (dist.MaskedDistribution, dist.ExpandedDistribution, dist.Independent)):

@@ -233,8 +233,10 @@ class ModelViews:
         return -log_joint
 
     def server_values(self, z, row_values):
-        """Values of the global latent sites and of the deterministic sites outside
-        federated plates, by site."""
+        """Values of the global latent sites and of the deterministic sites outside federated
+        data plates, by site: a deterministic site in a federated plate of groups (eight
+        schools' ``theta = mu + tau * theta_tilde``) has its whole plate here, as the groups'
+        latents do (those inside a data plate are :attr:`row_deterministic`)."""
         view, args, kwargs = self.server_view(z, row_values)
         with self.server_plates():
             tr = trace(view).get_trace(*args, **kwargs)
@@ -242,7 +244,7 @@ class ModelViews:
         for name, site in tr.items():
             if name in self.latent_sites and self.latent_sites[name].plate not in self.data_plate_names:
                 values[name] = site["value"]
-            elif site["type"] == "deterministic" and not in_plates(site, self.plates):
+            elif site["type"] == "deterministic" and not in_plates(site, self.data_plate_names):
                 values[name] = site["value"]
         return values
 

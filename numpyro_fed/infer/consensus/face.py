@@ -355,4 +355,5 @@ class ConsensusMC(VariationalMethod):
         attrs = {"algorithm": "ConsensusMC", "federation": type(self.federation).__name__}
         attrs.update({name: getattr(self, name) for name in self.repr_fields})
         attrs.update(federation_attrs(self.federated_potential))
-        return {"posterior": posterior, "sample_stats": sample_stats, "coords": coords, "attrs": attrs}
+        dims = dict(self.federated_potential.site_dims)
+        return {"posterior": posterior, "sample_stats": sample_stats, "coords": coords, "attrs": attrs, "dims": dims}
