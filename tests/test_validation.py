@@ -120,6 +120,29 @@ def test_non_finite_observation_that_is_not_an_argument():
         nf.split_potential(model, (jnp.abs(X).at[0, 0].set(0.0),))
 
 
+def test_numpy_on_a_row_argument_is_refused_naming_the_arguments_and_the_remedy():
+    """NumPyro's NUTS runs this model (its data are constants there); a client's functions trace
+    the rows, where a NumPy owner indexed by a row argument cannot be evaluated: a ValueError
+    of ours, not JAX's TracerArrayConversionError."""
+    group_scale = np.array([1.0, 2.0, 0.5])
+
+    def model(X, group, y):
+        w = numpyro.sample("w", dist.Normal(0, 1).expand([3]).to_event(1))
+        with nf.federated_plate("data", X.shape[0], clients=2):
+            numpyro.sample("y", dist.Normal(X @ w, group_scale[group]), obs=y)
+
+    group = np.arange(X.shape[0]) % 3
+    with pytest.raises(ValueError, match=r"cannot run on its rows as JAX arrays.*\(X, group, y\) traced.*jnp\.asarray"):
+        nf.split_potential(model, (X, group, Y))
+
+    def fixed(X, group, y):  # the remedy the message gives
+        w = numpyro.sample("w", dist.Normal(0, 1).expand([3]).to_event(1))
+        with nf.federated_plate("data", X.shape[0], clients=2):
+            numpyro.sample("y", dist.Normal(X @ w, jnp.asarray(group_scale)[group]), obs=y)
+
+    assert nf.split_potential(fixed, (X, group, Y)).num_clients == 2
+
+
 def test_prior_that_depends_on_client_data():
     def model(X, y):
         w = numpyro.sample("w", dist.Normal(0, jnp.std(X)).expand([3]).to_event(1))

@@ -46,6 +46,7 @@ from numpyro_fed.potential.trace import (
     finite_start,
     model_site_dims,
     owner_of_coordinates,
+    row_argument_names,
     unconstrained_init,
     validate_split,
 )
@@ -420,7 +421,9 @@ def split_potential(
     else:
         z0 = unconstrained_init(model_trace, latent_sites)
     # Deterministic sites computed from client data stay with the clients.
-    server_outputs = data_free_outputs(views.server_values, z0, views.placeholders)
+    server_outputs = data_free_outputs(
+        views.server_values, z0, views.placeholders, row_argument_names(model, model_args, model_kwargs, plates)
+    )
     views.check_row_local_values_data_free(z0, client_data)
     owner_tree = {name: owner_of_coordinates(site, plates, jnp.shape(z0[name])) for name, site in latent_sites.items()}
     coordinate_owner = np.concatenate(

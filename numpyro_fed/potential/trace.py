@@ -507,8 +507,39 @@ def tainted_outputs(fn, args, taint_argnum):
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), flags)
 
 
-def data_free_outputs(server_values, z0, placeholders):
-    flags = tainted_outputs(server_values, (z0, placeholders), 1)
+def row_argument_names(model, model_args, model_kwargs, plates) -> list[str]:
+    """The names of the model's parameters that hold rows (an array whose leading axis has a
+    federated data plate's size), for messages; positions (``#0``) without a signature."""
+    sizes = {p.size for p in plates.values() if p.holds_data}
+    try:
+        bound = inspect.signature(model).bind(*model_args, **model_kwargs).arguments
+    except (TypeError, ValueError):
+        bound = {f"#{i}": a for i, a in enumerate(model_args)} | dict(model_kwargs)
+    return [
+        name
+        for name, value in bound.items()
+        if any(np.ndim(x) >= 1 and np.shape(x)[0] in sizes for x in jax.tree_util.tree_leaves(value))
+    ]
+
+
+def data_free_outputs(server_values, z0, placeholders, row_arguments=()):
+    """The outputs of ``server_values`` that do not depend on the rows. The first tracing of
+    the model with its row arguments as JAX arrays: a model that computes with them through
+    NumPy or Python (``owner[hosp]`` with a NumPy ``owner``, ``if y.sum() > 0``) cannot be
+    traced, which is a ``ValueError`` naming the arguments (``row_arguments``) and the remedy,
+    not JAX's error."""
+    try:
+        flags = tainted_outputs(server_values, (z0, placeholders), 1)
+    except jax.errors.JAXTypeError as exc:
+        first = str(exc).strip().splitlines()[0]
+        raise ValueError(
+            f"the model cannot run on its rows as JAX arrays ({type(exc).__name__}: {first}). Each client's "
+            f"functions run the model under jit and vmap with its row arguments ({', '.join(row_arguments)}) traced, "
+            "so the model must compute with them through jax.numpy: NumPy or Python on a row argument (e.g. "
+            "`owner[hosp]` with a NumPy `owner`, or `if y.sum() > 0`) cannot be traced. Use jnp (e.g. "
+            "`jnp.asarray(owner)[hosp]`), or compute the value outside the model and pass it; a federated_plate's "
+            "clients= must be computed outside the model"
+        ) from exc
     return {name for name, tainted in flags.items() if not tainted}
 
 
