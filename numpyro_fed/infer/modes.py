@@ -1,6 +1,7 @@
 """What the samplers' set-ups share when they look for the posterior's mode from two starts
-(FedZigZag's reference point, D-ADMMS's ``rho="auto"`` scaling, DSVGD's start): the second start, and the
-choice between the modes the two searches found.
+(FedZigZag's reference point, D-ADMMS's ``rho="auto"`` scaling, DSVGD's start): the second start,
+the Laplace approximation at a search's end, and the choice between the modes the two searches
+found.
 
 A sampler that starts at the mode its set-up found stays near it when the posterior has
 separated modes (a mixture's label-swapped one), so where one search ended decided the answer.
@@ -15,11 +16,12 @@ from typing import NamedTuple
 
 import numpy as np
 
+import jax
 import jax.numpy as jnp
 
 from numpyro.infer.initialization import init_to_median, init_to_uniform
 
-__all__ = ["OTHER_MODE_WARNING", "ModeComparison", "compare_modes", "second_start"]
+__all__ = ["OTHER_MODE_WARNING", "Laplace", "ModeComparison", "compare_modes", "laplace", "second_start"]
 
 #: the share of the posterior mass (by Laplace approximations) a second mode must hold for a
 #: set-up to warn that the run, which starts at the other, may miss it
@@ -36,6 +38,38 @@ def second_start(potential, init_strategy, rng_key, dtype):
     strategy = init_to_uniform if median else init_to_median(num_samples=15)
     start = potential.ravel(potential.init_point(strategy, rng_key)).astype(dtype)
     return start if bool(jnp.all(jnp.isfinite(start))) else None
+
+
+class Laplace(NamedTuple):
+    """The Laplace approximation at a point (:func:`laplace`).
+
+    :ivar log_mass: ``-U - log det(H) / 2`` (up to a constant shared by every point): what
+        :func:`compare_modes` compares; not finite where ``H`` is not positive definite.
+    :ivar sd: ``sqrt(diag(H^-1))``, the approximation's sds.
+    :ivar chol: the lower Cholesky factor of ``H`` (not finite where ``H`` is not positive
+        definite), for a Newton step ``cho_solve((chol, True), grad)``.
+    """
+
+    log_mass: jax.Array
+    sd: jax.Array
+    chol: jax.Array
+
+
+def laplace(value, hessian) -> Laplace:
+    """The Laplace approximation at a point where the potential is ``value`` and its Hessian
+    ``hessian`` (``(d, d)``, symmetrised here), traceable: the one computation behind
+    FedZigZag's mode test and DSVGD's choice of start.
+
+    >>> import jax.numpy as jnp
+    >>> approx = laplace(jnp.asarray(1.0), jnp.diag(jnp.array([4.0, 0.25])))
+    >>> float(approx.log_mass), approx.sd.tolist()
+    (-1.0, [0.5, 2.0])
+    """
+    h = (hessian + hessian.T) / 2
+    chol = jnp.linalg.cholesky(h)
+    eye = jnp.eye(h.shape[0], dtype=h.dtype)
+    sd = jnp.sqrt(jnp.diag(jax.scipy.linalg.cho_solve((chol, True), eye)))
+    return Laplace(-value - jnp.sum(jnp.log(jnp.diag(chol))), sd, chol)
 
 
 class ModeComparison(NamedTuple):

@@ -17,7 +17,7 @@ from numpyro.infer.initialization import init_to_sample
 from numpyro_fed._checks import check_int, check_positive, warn_user
 from numpyro_fed.federation.base import check_min_clients, resolve_min_clients
 from numpyro_fed.infer.base import adopt_client_state, jit_round
-from numpyro_fed.infer.modes import OTHER_MODE_WARNING, compare_modes
+from numpyro_fed.infer.modes import OTHER_MODE_WARNING, compare_modes, laplace
 from numpyro_fed.infer.stein import dsvgd as dsvgd_core
 from numpyro_fed.infer.stein import local as local_core
 from numpyro_fed.infer.stein import pdsvgd as pdsvgd_core
@@ -338,12 +338,9 @@ class DSVGD(ParticleMethod):
 
         def log_mass(x):
             values, _ = federation.map("value_and_grad", x)
-            h = hessian(x)
-            chol = jnp.linalg.cholesky((h + h.T) / 2)
-            sd = jnp.sqrt(jnp.diag(jax.scipy.linalg.cho_solve((chol, True), jnp.eye(x.shape[0], dtype=x.dtype))))
-            mass = -(prior(x) + jnp.sum(values) / temperature) - jnp.sum(jnp.log(jnp.diag(chol)))
-            ok = jnp.all(jnp.isfinite(chol)) & jnp.isfinite(mass)
-            return jnp.where(ok, mass, -jnp.inf), sd
+            approx = laplace(prior(x) + jnp.sum(values) / temperature, hessian(x))
+            ok = jnp.all(jnp.isfinite(approx.chol)) & jnp.isfinite(approx.log_mass)
+            return jnp.where(ok, approx.log_mass, -jnp.inf), approx.sd
 
         def score_z(z):
             return w.score_to_z(score(w.from_z(z)))

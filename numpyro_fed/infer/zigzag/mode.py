@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.scipy.optimize import minimize
 
+from numpyro_fed.infer import modes
 from numpyro_fed.infer.modes import compare_modes
 
 __all__ = [
@@ -112,27 +113,23 @@ def find_mode(
     @jax.jit
     def newton(x):  # one compiled call (through a federation: one value, one Hessian call)
         value, g = jax.value_and_grad(fn)(x)
-        h = hessian(x)
-        h = (h + h.T) / 2
-        chol = jnp.linalg.cholesky(h)
-        positive = jnp.all(jnp.isfinite(chol))
-        step = jax.scipy.linalg.cho_solve((chol, True), g)
-        sd = jnp.sqrt(jnp.diag(jax.scipy.linalg.cho_solve((chol, True), jnp.eye(x.shape[0], dtype=dtype))))
+        approx = modes.laplace(value, hessian(x))
+        positive = jnp.all(jnp.isfinite(approx.chol))
+        step = jax.scipy.linalg.cho_solve((approx.chol, True), g)
         # below the float resolution of x a step cannot be taken: it does not count
         floor = 8 * eps * (1.0 + jnp.abs(x))
-        size = jnp.max(jnp.maximum(jnp.abs(step) - floor, 0.0) / sd)
-        return value, positive, g, step, size, jnp.sum(jnp.log(jnp.diag(chol))), sd
+        size = jnp.max(jnp.maximum(jnp.abs(step) - floor, 0.0) / approx.sd)
+        return value, positive, g, step, size, approx.log_mass, approx.sd
 
     def newton_step(x):
         """``(size, gradient, direction, value, laplace)`` at ``x``: the Newton step's size in
         Laplace sds (``inf`` without a positive definite Hessian, then no direction), and the
         Laplace approximation's ``(log mass, sds)``."""
-        value, positive, g, step, size, half_log_det, sd = newton(x)
+        value, positive, g, step, size, log_mass, sd = newton(x)
         if not bool(positive):
             return math.inf, g, None, float(value), (-math.inf, jnp.full_like(x, jnp.inf))
         size = float(size)
-        laplace = (-float(value) - float(half_log_det), sd)
-        return (size if math.isfinite(size) else math.inf), g, step, float(value), laplace
+        return (size if math.isfinite(size) else math.inf), g, step, float(value), (float(log_mass), sd)
 
     x, attempts = x0, 0
     step, g, direction, fx, laplace = newton_step(x)
