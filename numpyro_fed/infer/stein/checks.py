@@ -30,10 +30,15 @@ SCALE_LIMITS = (1 / 1.5**2, 1.5**2)
 #: :func:`unsettled_rounds` reports a global coordinate whose particles' sd varied by more than
 #: this factor over the last cycle of rounds. Measured (DSVGD, 20 particles unless said, the
 #: zoo's eight schools over 4 clients and the tests' random intercepts over 3): 1.03-1.05 on
-#: the random intercepts (3 seeds, agreeing); 1.15-1.16 on eight schools with 50 particles
-#: (agreeing); 1.54-1.57 on eight schools at 20 particles where ``log tau`` ended 0.30-0.73
-#: reference sd off or with an sd ratio of 1.5 (3 seeds, one of them passing Stein's check).
-SETTLED_LIMIT = 1.3
+#: the random intercepts (3 seeds, agreeing); 1.11-1.16 on eight schools with 50 particles
+#: (3 runs agreeing, one of them warned by Stein's check); 1.54-1.57 on eight schools at 20
+#: particles where ``log tau`` ended 0.30-0.73 reference sd off or with an sd ratio of 1.5 (3
+#: seeds, one of them passing Stein's check). The statistic does not separate the two cleanly
+#: near the targets: on another CPU (float32 rounds differently there) the zoo's float32 cell
+#: read 1.18 and ended 0.47 sd off, passing Stein's check, and the next seed read 1.20 and
+#: agreed at the edge (0.22 sd, an sd ratio of 1.49). The limit lies below the silent failure;
+#: a run near the targets may warn.
+SETTLED_LIMIT = 1.17
 
 
 def stein_statistics(score_fn: Callable) -> Callable:

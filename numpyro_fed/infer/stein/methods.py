@@ -495,8 +495,8 @@ class DSVGD(ParticleMethod):
         elif all_visited:  # the rounds' particles are the answer here (no moment correction)
             problems = unsettled_rounds(result.metrics["particles"], self.federated_potential.num_clients)
             advice = (
-                "use more num_particles (the global latents' KDEs resolve a skewed posterior better: eight schools "
-                "over 4 clients settled with 50), or FedZigZag, which samples it exactly"
+                "use more num_particles (the global latents' KDEs resolve a skewed posterior better), or FedZigZag, "
+                "which samples it exactly"
             )
         warn_runaway(
             type(self).__name__,
