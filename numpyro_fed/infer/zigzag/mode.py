@@ -78,7 +78,9 @@ def find_mode(
     potential's value no longer resolves the last sds, its gradient does). Where BFGS does not
     reach a point with a positive definite Hessian at all (in float32, from a start far out in
     a badly scaled posterior, its line search fails), up to ``max_damped_steps``
-    Levenberg-Marquardt steps (:func:`levenberg_marquardt`) take over.
+    Levenberg-Marquardt steps (:func:`levenberg_marquardt`) take over; they run again where
+    Newton's steps stop short of the mode (a log-linear model started where its rates
+    overflow), and their end is kept where it is lower.
     BFGS's own gradient tolerance follows the dtype: ``sqrt(eps)`` times the gradient's scale
     at the start, a precision every float type reaches. A funnel (a hierarchical scale with
     client-local effects) has no mode: BFGS walks down its neck, where the Hessian is
