@@ -413,9 +413,9 @@ def split_potential(
     client_data = client_blocks(leaves, row_leaves, plates, num_clients)
     views = ModelViews(model, model_trace, plates, latent_sites, enumerated, leaves, row_leaves, treedef)
 
-    pooled_fn, tries = None, 1
+    pooled, tries = None, 1
     if validate and deployment is None:  # deployment: no pooled rows to evaluate a start on
-        model_trace, z0, pooled_fn, tries = finite_start(
+        model_trace, z0, pooled, tries = finite_start(
             model, model_args, model_kwargs, model_trace, latent_sites, enumerated, rng_key, init_strategy, partition
         )
     else:
@@ -466,17 +466,5 @@ def split_potential(
         site_dims=model_site_dims(model_trace),
     )
     if validate:
-        validate_split(
-            potential,
-            model,
-            model_args,
-            model_kwargs,
-            model_trace,
-            enumerated,
-            views.prior_site_log_probs,
-            views.placeholders,
-            pooled=deployment is None,
-            pooled_fn=pooled_fn,
-            tries=tries,
-        )
+        validate_split(potential, views.prior_site_log_probs, views.placeholders, pooled=pooled, tries=tries)
     return potential

@@ -430,14 +430,21 @@ def _federated_latent_candidate(site, partition) -> bool:
     return _federated_plate_of(site, partition) is not None
 
 
-def _arguments_left_none(model, model_args, model_kwargs) -> list[str]:
-    """The names of the model's parameters whose value in this call is ``None``."""
+def _bound_arguments(model, model_args, model_kwargs) -> dict | None:
+    """``{parameter name: value}`` of this call of ``model``, defaults included; ``None``
+    without a signature, or for arguments it does not take (NumPyro says so later)."""
     try:
         bound = inspect.signature(model).bind(*model_args, **model_kwargs)
-    except (TypeError, ValueError):  # no signature, or arguments it does not take (NumPyro says so later)
-        return []
+    except (TypeError, ValueError):
+        return None
     bound.apply_defaults()
-    return [name for name, value in bound.arguments.items() if value is None]
+    return dict(bound.arguments)
+
+
+def _arguments_left_none(model, model_args, model_kwargs) -> list[str]:
+    """The names of the model's parameters whose value in this call is ``None``."""
+    bound = _bound_arguments(model, model_args, model_kwargs) or {}
+    return [name for name, value in bound.items() if value is None]
 
 
 def _children(model, model_args, model_kwargs):
@@ -511,9 +518,8 @@ def row_argument_names(model, model_args, model_kwargs, plates) -> list[str]:
     """The names of the model's parameters that hold rows (an array whose leading axis has a
     federated data plate's size), for messages; positions (``#0``) without a signature."""
     sizes = {p.size for p in plates.values() if p.holds_data}
-    try:
-        bound = inspect.signature(model).bind(*model_args, **model_kwargs).arguments
-    except (TypeError, ValueError):
+    bound = _bound_arguments(model, model_args, model_kwargs)
+    if bound is None:
         bound = {f"#{i}": a for i, a in enumerate(model_args)} | dict(model_kwargs)
     return [
         name
@@ -555,35 +561,27 @@ def finite_start(
     finite (the first is the one ``rng_key`` gives; the others ``fold_in(rng_key, i)``), as
     NumPyro's MCMC retries its init strategy. A prior draw of a coefficient of a raw covariate
     (ages near 40 under ``Normal(0, 2)``) easily overflows an ``exp`` in float32. Where none is
-    finite, the first point, for :func:`validate_split` to refuse. ``pooled`` is the compiled
-    pooled potential, ``tries`` how many points were tried."""
-    pooled = _pooled_potential(model, model_args, model_kwargs, model_trace, enumerated)
-    first = (model_trace, unconstrained_init(model_trace, latent_sites))
-    trace_i, z0 = first
+    finite, the first point, for :func:`validate_split` to refuse. ``pooled`` is NumPyro's
+    potential at ``z0``, ``tries`` how many points were tried."""
+    potential = _pooled_potential(model, model_args, model_kwargs, model_trace, enumerated)
+    first = None
     for attempt in range(MAX_INIT_TRIES):
         if attempt:
-            trace_i = discovery_trace(
-                model, model_args, model_kwargs, jax.random.fold_in(rng_key, attempt), init_strategy, partition
-            )
-            z0 = unconstrained_init(trace_i, latent_sites)
-        if np.isfinite(float(pooled(z0))):
-            return trace_i, z0, pooled, attempt + 1
-    return first + (pooled, MAX_INIT_TRIES)
+            key = jax.random.fold_in(rng_key, attempt)
+            model_trace = discovery_trace(model, model_args, model_kwargs, key, init_strategy, partition)
+        z0 = unconstrained_init(model_trace, latent_sites)
+        pooled = float(potential(z0))
+        if np.isfinite(pooled):
+            return model_trace, z0, pooled, attempt + 1
+        first = first or (model_trace, z0, pooled)
+    return first + (MAX_INIT_TRIES,)
 
 
-def validate_split(
-    potential,
-    model,
-    model_args,
-    model_kwargs,
-    model_trace,
-    enumerated,
-    prior_site_log_probs,
-    placeholders,
-    pooled=True,
-    pooled_fn=None,
-    tries=1,
-):
+def validate_split(potential, prior_site_log_probs, placeholders, pooled=None, tries=1):
+    """Refuses a split whose prior term depends on the rows; with ``pooled`` (NumPyro's
+    potential on the pooled data at ``potential.init_params``, from :func:`finite_start`;
+    ``None`` in deployment, where there are no rows here) also one whose terms are not finite
+    there or do not sum to it."""
     z0 = potential.init_params
     flags = tainted_outputs(prior_site_log_probs, (z0, placeholders), 1)
     dependent = sorted(name for name, tainted in flags.items() if tainted)
@@ -593,7 +591,7 @@ def validate_split(
             f"{sorted(potential.row_arguments)}): everything outside federated plates must "
             "be computable by the server without the clients' rows"
         )
-    if not pooled:  # deployment: no rows here to compare against NumPyro
+    if pooled is None:  # deployment: no rows here to compare against NumPyro
         return
 
     try:
@@ -606,16 +604,13 @@ def validate_split(
             "from the model arguments (e.g. `X.shape[0]`), not from constants captured by "
             f"the model. The error was: {type(exc).__name__}: {exc}"
         ) from exc
-    if pooled_fn is None:
-        pooled_fn = _pooled_potential(model, model_args, model_kwargs, model_trace, enumerated)
-    pooled = float(pooled_fn(z0))
     split = prior + clients.sum()
     scale = abs(prior) + np.abs(clients).sum() + 1.0
     rtol = 1e-9 if jnp.zeros(()).dtype == jnp.float64 else 1e-4
     if not np.isfinite(split) or not np.isfinite(pooled):
         values = f"prior {prior}, clients {clients.tolist()}, NumPyro {pooled}"
         where = f"the initial point ({values})"
-        if tries > 1:
+        if tries > 1 and not np.isfinite(pooled):  # no draw was finite (a finite one is kept)
             where = f"any of {tries} initial points the init_strategy drew ({values} at the first)"
         raise ValueError(
             f"the potential is not finite at {where}; try another init_strategy (e.g. init_to_median) or rng_key"
