@@ -31,8 +31,9 @@ def assert_same_run(remote_result, local_result, *, interrupted=False, state_rto
         if is_client_state(cs):
             assert jax.tree.leaves(cs.values) == []
     # The server's state is bit-for-bit the in-process run's: the same client functions on
-    # the same blocks with the same keys. The loss (a diagnostic summed from the clients'
-    # terms, each compiled alone on its client rather than vmapped) agrees to round-off.
+    # the same blocks with the same keys. The loss and DPPVI's Pareto k-hat (diagnostics
+    # summed from the clients' terms, each compiled alone on its client rather than vmapped)
+    # agree to round-off.
     remote_state, local_state = server_view(remote_result.state), server_view(local_result.state)
     assert jax.tree.structure(remote_state) == jax.tree.structure(local_state)
     for a, b in zip(jax.tree.leaves(remote_state), jax.tree.leaves(local_state)):
@@ -41,7 +42,7 @@ def assert_same_run(remote_result, local_result, *, interrupted=False, state_rto
         else:
             np.testing.assert_array_equal(a, b)
     for name, value in local_result.metrics.items():
-        if name == "loss" or (state_rtol and name != "wall_time"):  # a metric of a state equal to round-off
+        if name in ("loss", "pareto_k") or (state_rtol and name != "wall_time"):  # a metric of a state equal to round-off
             np.testing.assert_allclose(remote_result.metrics[name], value, rtol=max(state_rtol, 1e-12))
         elif name != "wall_time":
             np.testing.assert_array_equal(remote_result.metrics[name], value, err_msg=name)

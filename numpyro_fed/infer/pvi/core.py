@@ -92,6 +92,8 @@ __all__ = [
 
 #: ``build_step``'s schedules of the clients' visits within a round.
 SCHEDULES = ("sequential", "synchronous")
+#: draws of q a client evaluates at once in the importance check ("log_lik_draws")
+DRAW_BATCH = 16
 
 
 class ClientFactor(NamedTuple):
@@ -300,6 +302,11 @@ def client_functions(
       client's rows of the Monte Carlo estimate of ``E_q[log p(x | theta)]`` at the draws
       ``thetas``: the diagnostic behind :func:`negative_elbo` (not one of the algorithm's
       messages).
+    * ``functions["curvature"]``: ``(block, thetas (S, d)) -> (d, d)``, minus the Hessian of
+      the client's log-likelihood averaged over the draws: the mean-field check's.
+    * ``functions["log_lik_draws"]``: ``(block, thetas (S, d)) -> (S,)``, the client's
+      log-likelihood at each draw: its term of the importance check's ratios ``p / q``
+      (:func:`~numpyro_fed.infer.pvi.diagnostics.importance_check`).
     """
     noise_divisor = float(np.sqrt(num_clients)) if trusted_aggregator else 1.0
 
@@ -352,7 +359,19 @@ def client_functions(
 
         return -jnp.mean(jax.vmap(jax.hessian(log_lik))(thetas), axis=0)
 
-    functions = {"expected_log_lik": client_expected_log_lik, "curvature": curvature}
+    def log_lik_draws(block, thetas):
+        # the client's log-likelihood at each draw (S,): its term of the importance ratios; in
+        # batches of draws, so that the (draws, rows) values held at once stay small
+        def log_lik(theta):
+            return jnp.sum(jnp.where(block.valid, row_log_lik(theta, block.rows), 0.0))
+
+        return lax.map(log_lik, thetas, batch_size=DRAW_BATCH)
+
+    functions = {
+        "expected_log_lik": client_expected_log_lik,
+        "curvature": curvature,
+        "log_lik_draws": log_lik_draws,
+    }
     return functions, {"update": update}
 
 

@@ -100,7 +100,12 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
         theta)``, a full-rank Gaussian over ``(theta, z_m)`` on each client). A mean-field ``q``
         underestimates the sds of a correlated posterior; a non-private mean-field run checks
         this at its end (each client returns the curvature of its log-likelihood at draws of
-        ``q``, ``"curvature"`` in the ledger) and warns. With the default optimizer a
+        ``q``, ``"curvature"`` in the ledger) and warns. Every non-private run (either
+        family) also checks ``q``'s shape by importance weighting its draws towards the
+        posterior (the clients return their log-likelihood at 1000 draws of ``q``,
+        ``"log_lik_draws"`` or ``"log_weights"`` in the ledger; Pareto k-hat in
+        ``metrics["pareto_k"]``) and warns where ``q``'s tails are too light and the weights
+        move its means or sds (the guide's *Did it work?*). With the default optimizer a
         full-rank local fit starts from safeguarded variational Newton steps (expectations
         over draws of ``q``, ``LocalConfig.newton_start``).
     :param optim: an optax optimizer for the local optimization, run on ``(loc, log_scale)``
@@ -485,6 +490,8 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
         result = self.finish(result)
         if self.dp is None and not self.full_rank(self.federated_potential.num_latent):
             result = self._check_mean_field(result)
+        if self.dp is None:
+            result = self._check_importance(result)
         return result
 
     def record(self, state: PVIState, info) -> dict:
@@ -590,6 +597,8 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
             "communications": (metrics["communications"], ["round"]),
         }
         out["attrs"]["num_rounds"] = int(rejected.shape[0])  # the guarantee's privacy_* are the face's
+        if "pareto_k" in metrics:  # the importance check's, after the last round
+            out["attrs"]["pareto_k"] = float(np.asarray(metrics["pareto_k"])[-1])
         return out
 
     # -- hooks for the baselines ---------------------------------------------------------------

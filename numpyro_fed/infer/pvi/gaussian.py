@@ -26,6 +26,7 @@ __all__ = [
     "proper",
     "proper_cavity",
     "sample",
+    "sample_log_density",
     "whiten",
 ]
 
@@ -94,9 +95,24 @@ def loc_scale(eta: GaussianNatural):
 
 def sample(rng_key, eta: GaussianNatural, num_samples: int):
     """``(num_samples, d)`` draws of the Gaussian ``eta`` (either family)."""
+    return sample_log_density(rng_key, eta, num_samples)[0]
+
+
+def sample_log_density(rng_key, eta: GaussianNatural, num_samples: int):
+    """``(draws, log_q)``: :func:`sample`'s draws (the same, from the same key) and the log
+    density of ``eta`` at each, ``(num_samples,)``.
+
+    >>> x, log_q = sample_log_density(jax.random.PRNGKey(0), natural(jnp.zeros(2), jnp.ones(2)), 3)
+    >>> bool(jnp.allclose(log_q, jax.scipy.stats.norm.logpdf(x).sum(-1)))
+    True
+    """
     loc, factor = loc_cov_factor(eta)
     eps = jax.random.normal(rng_key, (num_samples,) + loc.shape, loc.dtype)
-    return loc + (eps @ factor.T if is_full(eta) else factor * eps)
+    draws = loc + (eps @ factor.T if is_full(eta) else factor * eps)
+    # x = loc + L eps: log q(x) = log N(eps; 0, I) - log |det L| (L triangular or a diagonal)
+    log_det = jnp.sum(jnp.log(jnp.abs(jnp.diagonal(factor) if is_full(eta) else factor)))
+    log_q = -0.5 * jnp.sum(jnp.square(eps), axis=-1) - 0.5 * loc.shape[-1] * jnp.log(2 * jnp.pi) - log_det
+    return draws, log_q
 
 
 def proper(eta: GaussianNatural):

@@ -48,9 +48,18 @@ from jax import lax
 from numpyro_fed.infer.base import RunResult, jit_round
 from numpyro_fed.infer.pvi import conditional
 from numpyro_fed.infer.pvi.client import LocalConfig, optimize_local
-from numpyro_fed.infer.pvi.core import ClientFactor, ClientReply, resolve_factor
-from numpyro_fed.infer.pvi.diagnostics import warn_mean_field
-from numpyro_fed.infer.pvi.gaussian import GaussianNatural, as_full, is_full, loc_scale, natural, sample, tree_sub
+from numpyro_fed.infer.pvi.core import DRAW_BATCH, ClientFactor, ClientReply, resolve_factor
+from numpyro_fed.infer.pvi.diagnostics import importance_check, warn_importance, warn_mean_field
+from numpyro_fed.infer.pvi.gaussian import (
+    GaussianNatural,
+    as_full,
+    is_full,
+    loc_scale,
+    natural,
+    sample,
+    sample_log_density,
+    tree_sub,
+)
 
 __all__ = [
     "MEAN_FIELD_LIMIT",
@@ -69,6 +78,8 @@ LOCAL_START_SCALE = 1.0
 MEAN_FIELD_CHECK_MAX_DIM = 1000
 #: the mean-field check with client-local latents averages the curvatures over this many draws
 LOCAL_CHECK_DRAWS = 200
+#: draws of q in the importance check (PSIS's k-hat needs its tail: about 3 sqrt(S) of them)
+IMPORTANCE_DRAWS = 1000
 #: what the mean-field check says when q's sds of the global latents are too small
 MEAN_FIELD_LIMIT = (
     "with client-local latents q is mean-field by design (q(theta) prod_m q(z_m)): read its sds of "
@@ -154,6 +165,9 @@ def local_client_functions(
       out, Laplace-style), each averaged over draws: what the mean-field check needs.
     * ``"local_draws"``: ``(keys (S, 2), thetas (S, d_g)) -> (S, L)``, draws of ``q(z_m)``
       (structured: of ``q(z_m | theta)`` at the global draws ``thetas``).
+    * ``"log_weights"``: ``(keys, thetas) -> (S,)``: at each global draw, the client's term of
+      the importance check's log ratios, ``log p(y_m, z_m | theta) - log q(z_m | theta)`` at a
+      draw of its ``q(z_m | theta)`` (that of ``"local_draws"`` with the same keys).
 
     :param client_potential: ``(x, block) -> scalar`` on the flat ``(num_latent,)`` vector.
     :param global_index: ``(d_g,)`` positions of the global coordinates.
@@ -240,15 +254,28 @@ def local_client_functions(
         h_gg = h_gg / draws.shape[0]
         return state, (h_gg, jnp.where(count > 0, schur / jnp.maximum(count, 1.0), h_gg))
 
+    def local_eps(state, keys, thetas):
+        return jax.vmap(lambda k: jax.random.normal(k, state.local.eta1.shape, thetas.dtype))(keys)
+
     def local_draws(lblock: LocalBlock, state: LocalClientState, keys, thetas):
-        eps = jax.vmap(lambda k: jax.random.normal(k, state.local.eta1.shape, thetas.dtype))(keys)
-        return state, draw_local(state, eps, thetas)
+        return state, draw_local(state, local_eps(state, keys, thetas), thetas)
+
+    def log_weights(lblock: LocalBlock, state: LocalClientState, keys, thetas):
+        # at each global draw, a draw of q(z_m | theta) (that of "local_draws" with the same
+        # keys) and log p(y_m, z_m | theta) - log q(z_m | theta); z = mean + C^-T eps, so
+        # log q(z | theta) = log N(eps) + sum log C_ii = -H[q(z_m | theta)] + sum (1 - eps^2) / 2
+        eps = local_eps(state, keys, thetas)
+        draws = jnp.concatenate([thetas, draw_local(state, eps, thetas)], axis=-1)
+        joint = lax.map(lambda w: log_joint(w, lblock), draws, batch_size=DRAW_BATCH)
+        centred = jnp.sum(jnp.where(lblock.local_valid, 0.5 * (1.0 - jnp.square(eps)), 0.0), axis=-1)
+        return state, joint - (centred - local_entropy(state, lblock.local_valid))
 
     stateful = {
         "update": update,
         "expected_log_lik": expected_log_lik,
         "curvature": curvature,
         "local_draws": local_draws,
+        "log_weights": log_weights,
     }
     return {}, stateful
 
@@ -442,6 +469,52 @@ class ClientLatentsFace:
         remedy = {} if joint is None else {"remedy": MEAN_FIELD_LIMIT}
         warn_mean_field(np.asarray(curvature + prior_hessian), diagonal=diagonal, **remedy, stacklevel=3)
         return result
+
+    def _check_importance(self, result):
+        """A non-private run's importance check (:func:`~numpyro_fed.infer.pvi.diagnostics.importance_check`
+        of :meth:`_importance_ratios`): the Pareto k-hat is ``metrics["pareto_k"]`` (the last
+        round's; ``nan`` before it) and the run warns where ``q`` is not the posterior's shape
+        (:func:`~numpyro_fed.infer.pvi.diagnostics.warn_importance`)."""
+        ledger = None if result.ledger is None else dict(result.ledger)  # the run's ledger counts the check
+        thetas, log_ratios = self._importance_ratios(result, ledger)
+        check = importance_check(log_ratios, thetas)
+        pareto_k = np.full(np.shape(result.metrics["loc"])[0], np.nan)
+        pareto_k[-1] = np.nan if check is None else check.pareto_k
+        result = result._replace(ledger=ledger, metrics=dict(result.metrics, pareto_k=pareto_k))
+        warn_importance(check, self._global_names(), stacklevel=3)
+        return result
+
+    def _importance_ratios(self, result, ledger=None, num_draws: int = IMPORTANCE_DRAWS):
+        """``(thetas (S, d_g), log_ratios (S,))``: draws of ``q(theta)`` (key ``PRNGKey(1)``)
+        and ``log p(theta, z, y) - log q(theta, z)`` at them. The draws go to the clients; each
+        returns its term at each (``"log_lik_draws"``, its log-likelihood; with client-local
+        latents ``"log_weights"``, ``log p(y_m, z_m | theta) - log q(z_m | theta)`` at a draw of
+        its ``q(z_m | theta)`` with keys ``split(PRNGKey(2), S)``; counted in ``ledger``), and
+        the server adds the log prior and ``-log q(theta)``."""
+        plan = self._require_plan()
+        thetas, log_q = sample_log_density(jax.random.PRNGKey(1), result.state.q, num_draws)
+        if self._local is None:
+            reads = self.__dict__.setdefault("_client_reads", {})
+            if "log_lik_draws" not in reads:
+                reads["log_lik_draws"] = jit_round(lambda x, federation: federation.map("log_lik_draws", x))
+            terms = self.through_clients(lambda: reads["log_lik_draws"](thetas, plan.federation), ledger)
+        else:
+            keys = jax.random.split(jax.random.PRNGKey(2), num_draws)
+            read = self._read_clients("log_weights")
+            terms = self.through_clients(lambda: read((keys, thetas), result.state.clients, plan.federation), ledger)
+        log_prior = -jax.vmap(self._prior_potential(self.federated_potential))(thetas)
+        log_ratios = np.asarray(log_prior, np.float64) + np.sum(np.asarray(terms, np.float64), axis=0)
+        return np.asarray(thetas), log_ratios - np.asarray(log_q, np.float64)
+
+    def _global_names(self) -> list:
+        """The names of ``q``'s coordinates (``"beta[2]"``), in its order."""
+        potential = self.federated_potential
+        names = [""] * potential.num_latent
+        for name, positions in potential.unravel(np.arange(potential.num_latent, dtype=np.float64)).items():
+            positions = np.rint(np.asarray(positions)).astype(int)
+            for idx in np.ndindex(positions.shape):
+                names[positions[idx]] = name + ("" if not idx else "[" + ",".join(map(str, idx)) + "]")
+        return names if self._local is None else [names[i] for i in self._local.global_index]
 
     def _loss_after_rounds(self, result: RunResult, rng_key) -> RunResult:
         """``metrics["loss"]`` as the loss of ``q`` after each round: the rounds returned the
