@@ -42,7 +42,8 @@ def assert_same_run(remote_result, local_result, *, interrupted=False, state_rto
         else:
             np.testing.assert_array_equal(a, b)
     for name, value in local_result.metrics.items():
-        if name in ("loss", "pareto_k") or (state_rtol and name != "wall_time"):  # a metric of a state equal to round-off
+        # a diagnostic of the clients' terms, or a metric of a state equal to round-off
+        if name in ("loss", "pareto_k") or (state_rtol and name != "wall_time"):
             np.testing.assert_allclose(remote_result.metrics[name], value, rtol=max(state_rtol, 1e-12))
         elif name != "wall_time":
             np.testing.assert_array_equal(remote_result.metrics[name], value, err_msg=name)
