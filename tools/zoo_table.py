@@ -213,6 +213,18 @@ def main():
         with open(results_path) as f:
             previous = json.load(f)
         old = [dict(r, commit=r.get("commit", previous["commit"])) for r in previous["runs"]]
+    if args.case or args.algorithm or args.dtype:
+        # the page is rewritten from the selected runs and the JSON's others: without every other
+        # cell in the JSON (it is not in git; a fresh checkout has none) the table would lose them
+        missing = (
+            set(harness.all_runs(args.tier)) - set(selection) - {(r["case"], r["algorithm"], r["dtype"]) for r in old}
+        )
+        if missing:
+            raise SystemExit(
+                f"zoo_table: --case/--algorithm/--dtype re-run part of the table, whose other cells come from "
+                f"{os.path.relpath(results_path, REPO)}, which lacks {len(missing)} of them (e.g. "
+                f"{sorted(missing)[0]}): run the whole tier, or copy the JSON of the last full run there"
+            )
     commit = _git("rev-parse", "--short", "HEAD") + " + uncommitted edits"
 
     def save(results):
