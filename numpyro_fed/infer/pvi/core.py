@@ -352,20 +352,18 @@ def client_functions(
     def client_expected_log_lik(block, thetas):
         return expected_log_lik(row_log_lik, thetas, block.rows, block.valid)
 
+    def client_log_lik(block):
+        # the client's log-likelihood, a function of theta: the sum over its valid rows
+        return lambda theta: jnp.sum(jnp.where(block.valid, row_log_lik(theta, block.rows), 0.0))
+
     def curvature(block, thetas):
         # minus the Hessian of the client's log-likelihood, averaged over the draws thetas
-        def log_lik(theta):
-            return jnp.sum(jnp.where(block.valid, row_log_lik(theta, block.rows), 0.0))
-
-        return -jnp.mean(jax.vmap(jax.hessian(log_lik))(thetas), axis=0)
+        return -jnp.mean(jax.vmap(jax.hessian(client_log_lik(block)))(thetas), axis=0)
 
     def log_lik_draws(block, thetas):
         # the client's log-likelihood at each draw (S,): its term of the importance ratios; in
         # batches of draws, so that the (draws, rows) values held at once stay small
-        def log_lik(theta):
-            return jnp.sum(jnp.where(block.valid, row_log_lik(theta, block.rows), 0.0))
-
-        return lax.map(log_lik, thetas, batch_size=DRAW_BATCH)
+        return lax.map(client_log_lik(block), thetas, batch_size=DRAW_BATCH)
 
     functions = {
         "expected_log_lik": client_expected_log_lik,

@@ -439,15 +439,20 @@ class ClientLatentsFace:
             reads[name] = jit_round(lambda x, clients, federation: federation.map(name, *x, state=clients)[1])
         return reads[name]
 
+    def _map_clients(self, name: str):
+        """A compiled ``(x, federation) -> replies`` of the clients' (stateless) function
+        ``name`` on ``x``."""
+        reads = self.__dict__.setdefault("_client_maps", {})
+        if name not in reads:
+            reads[name] = jit_round(lambda x, federation: federation.map(name, x))
+        return reads[name]
+
     def _curvatures(self, thetas, clients, federation):
         """``(joint, curvature)``: the sums over the clients of their ``"curvature"`` replies
         (with local latents, :func:`local_client_functions`'; without, ``joint`` is ``None``)."""
         if self._local is not None:
             return jax.tree.map(lambda v: v.sum(0), self._read_clients("curvature")((thetas,), clients, federation))
-        reads = self.__dict__.setdefault("_client_reads", {})
-        if "curvature" not in reads:
-            reads["curvature"] = jit_round(lambda x, federation: federation.map("curvature", x))
-        return None, jnp.sum(reads["curvature"](thetas, federation), axis=0)
+        return None, jnp.sum(self._map_clients("curvature")(thetas, federation), axis=0)
 
     def _check_mean_field(self, result):
         """A mean-field ``q`` of a non-private run: the clients return the curvature of their
@@ -481,7 +486,10 @@ class ClientLatentsFace:
         pareto_k = np.full(np.shape(result.metrics["loc"])[0], np.nan)
         pareto_k[-1] = np.nan if check is None else check.pareto_k
         result = result._replace(ledger=ledger, metrics=dict(result.metrics, pareto_k=pareto_k))
-        warn_importance(check, self._global_names(), stacklevel=3)
+        names = self.federated_potential.coordinate_names
+        warn_importance(
+            check, names if self._local is None else [names[i] for i in self._local.global_index], stacklevel=3
+        )
         return result
 
     def _importance_ratios(self, result, ledger=None, num_draws: int = IMPORTANCE_DRAWS):
@@ -494,10 +502,8 @@ class ClientLatentsFace:
         plan = self._require_plan()
         thetas, log_q = sample_log_density(jax.random.PRNGKey(1), result.state.q, num_draws)
         if self._local is None:
-            reads = self.__dict__.setdefault("_client_reads", {})
-            if "log_lik_draws" not in reads:
-                reads["log_lik_draws"] = jit_round(lambda x, federation: federation.map("log_lik_draws", x))
-            terms = self.through_clients(lambda: reads["log_lik_draws"](thetas, plan.federation), ledger)
+            read = self._map_clients("log_lik_draws")
+            terms = self.through_clients(lambda: read(thetas, plan.federation), ledger)
         else:
             keys = jax.random.split(jax.random.PRNGKey(2), num_draws)
             read = self._read_clients("log_weights")
@@ -505,16 +511,6 @@ class ClientLatentsFace:
         log_prior = -jax.vmap(self._prior_potential(self.federated_potential))(thetas)
         log_ratios = np.asarray(log_prior, np.float64) + np.sum(np.asarray(terms, np.float64), axis=0)
         return np.asarray(thetas), log_ratios - np.asarray(log_q, np.float64)
-
-    def _global_names(self) -> list:
-        """The names of ``q``'s coordinates (``"beta[2]"``), in its order."""
-        potential = self.federated_potential
-        names = [""] * potential.num_latent
-        for name, positions in potential.unravel(np.arange(potential.num_latent, dtype=np.float64)).items():
-            positions = np.rint(np.asarray(positions)).astype(int)
-            for idx in np.ndindex(positions.shape):
-                names[positions[idx]] = name + ("" if not idx else "[" + ",".join(map(str, idx)) + "]")
-        return names if self._local is None else [names[i] for i in self._local.global_index]
 
     def _loss_after_rounds(self, result: RunResult, rng_key) -> RunResult:
         """``metrics["loss"]`` as the loss of ``q`` after each round: the rounds returned the
