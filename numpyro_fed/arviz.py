@@ -1,7 +1,9 @@
 """Conversion of every result of the project to ArviZ's data structure.
 
-This is the only module that builds ArviZ objects, and it imports ArviZ only when a result
-is converted (``import numpyro_fed`` does not import ArviZ, as ``import numpyro`` does not).
+This is the only module that builds ArviZ objects or calls ArviZ's statistics, and it imports
+ArviZ only when a result is converted or a check reads ArviZ's Pareto-smoothed importance
+sampling (:func:`psis_log_weights`; ``import numpyro_fed`` does not import ArviZ, as ``import
+numpyro`` does not).
 It returns what ArviZ's own :func:`arviz.from_numpyro` returns for the installed ArviZ: an
 :class:`xarray.DataTree` on ArviZ 1.x (Python >= 3.12), an :class:`arviz.InferenceData` on
 ArviZ 0.2x (Python 3.10 and 3.11, where ArviZ 1.x cannot be installed). Both have the groups
@@ -109,6 +111,23 @@ def _arviz_major() -> int:
     import arviz
 
     return int(arviz.__version__.split(".")[0])
+
+
+def psis_log_weights(log_ratios):
+    """``(smoothed log weights, Pareto k-hat)`` of the importance ratios ``exp(log_ratios)``
+    ``(S,)`` by ArviZ's Pareto-smoothed importance sampling (imports ArviZ). ArviZ 1.x's
+    ``arviz_stats`` takes a log-likelihood and smooths ``exp(-ary)`` (LOO's ratios), ArviZ
+    0.2x's ``arviz.psislw`` the log weights themselves."""
+    log_ratios = np.asarray(log_ratios, np.float64)
+    if _arviz_major() >= 1:
+        from arviz_stats.base import array_stats
+
+        log_weights, pareto_k = array_stats.psislw(-log_ratios)
+    else:
+        from arviz import psislw
+
+        log_weights, pareto_k = psislw(log_ratios)
+    return np.asarray(log_weights), float(np.asarray(pareto_k))
 
 
 def from_dicts(

@@ -285,11 +285,13 @@ def importance_check(log_ratios, draws) -> ImportanceCheck | None:
     finite = np.isfinite(log_ratios) & np.all(np.isfinite(draws), axis=-1)
     if not finite.any():
         return None
+    from numpyro_fed.arviz import psis_log_weights
+
     shifted = np.where(finite, log_ratios - log_ratios[finite].max(), -np.inf)
     try:
         if np.ptp(shifted[finite]) == 0.0:  # q is p (ArviZ 0.2x would read k-hat inf)
             raise ValueError("All tail values are the same")
-        log_weights, pareto_k = _psislw(shifted)
+        log_weights, pareto_k = psis_log_weights(shifted)
     except ValueError:  # a flat tail (ArviZ 1.x: "All tail values are the same"): q is p there
         log_weights, pareto_k = shifted, -np.inf
     weights = np.exp(log_weights - np.max(log_weights))
@@ -299,21 +301,6 @@ def importance_check(log_ratios, draws) -> ImportanceCheck | None:
     mean_w = weights @ x
     sd_w = np.sqrt(np.maximum(weights @ np.square(x - mean_w), 1e-300))
     return ImportanceCheck(float(pareto_k), (mean_w - mean_q) / sd_w, sd_q / sd_w)
-
-
-def _psislw(log_ratios):
-    """``(smoothed log weights, k-hat)`` of the ratios ``exp(log_ratios)`` by ArviZ's PSIS:
-    ArviZ 1.x's ``arviz_stats`` takes a log-likelihood and smooths ``exp(-ary)`` (LOO's
-    ratios), ArviZ 0.2x's ``arviz.psislw`` the log weights themselves."""
-    try:
-        from arviz_stats.base import array_stats
-    except ImportError:  # ArviZ 0.2x (Python 3.10 and 3.11)
-        from arviz import psislw
-
-        log_weights, pareto_k = psislw(log_ratios)
-        return np.asarray(log_weights), float(np.asarray(pareto_k))
-    log_weights, pareto_k = array_stats.psislw(-log_ratios)
-    return np.asarray(log_weights), float(pareto_k)
 
 
 def warn_importance(check: ImportanceCheck | None, names=None, *, stacklevel: int = 1) -> None:
