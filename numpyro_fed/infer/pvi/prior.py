@@ -27,9 +27,18 @@ import jax.numpy as jnp
 
 from numpyro_fed.infer.pvi import core
 from numpyro_fed.infer.pvi.client import LocalConfig, optimize_local
-from numpyro_fed.infer.pvi.gaussian import GaussianNatural, as_full, is_full, natural, proper, tree_add, tree_sub
+from numpyro_fed.infer.pvi.gaussian import (
+    GaussianNatural,
+    as_full,
+    is_full,
+    loc_cov_factor,
+    natural,
+    proper,
+    tree_add,
+    tree_sub,
+)
 
-__all__ = ["PriorSplit", "build_prior_update", "initial_state", "prior_remainder", "split_prior"]
+__all__ = ["PriorSplit", "build_prior_update", "initial_state", "marginal", "prior_remainder", "split_prior"]
 
 #: the starting ``q``'s scale, on the unconstrained space, where the prior gives none
 START_SCALE = 1.0
@@ -100,29 +109,70 @@ def prior_remainder(prior_potential: Callable, base: GaussianNatural) -> Callabl
     return remainder
 
 
+def marginal(eta: GaussianNatural, index) -> GaussianNatural:
+    """The marginal of the proper Gaussian ``eta`` over the coordinates ``index`` (natural
+    parameters, full-rank where ``eta`` is).
+
+    >>> q = natural(jnp.array([1.0, 2.0]), jnp.array([1.0, 3.0]))
+    >>> [float(v) for v in loc_scale(marginal(q, np.array([1])))[1]]
+    [3.0]
+    """
+    if not is_full(eta):
+        return GaussianNatural(eta.eta1[index], eta.eta2[index])
+    loc, chol = loc_cov_factor(eta)
+    cov = chol[index] @ chol[index].T
+    precision = jnp.linalg.inv(0.5 * (cov + cov.T))
+    precision = 0.5 * (precision + precision.T)
+    return GaussianNatural(precision @ loc[index], -0.5 * precision)
+
+
+def _block(eta: GaussianNatural, index) -> GaussianNatural:
+    """``eta``'s natural parameters on the coordinates ``index`` (a factor's, not a marginal)."""
+    if not is_full(eta):
+        return GaussianNatural(eta.eta1[index], eta.eta2[index])
+    return GaussianNatural(eta.eta1[index], eta.eta2[np.ix_(index, index)])
+
+
+def _scatter(eta2, index, like: GaussianNatural):
+    """``eta2`` on the coordinates ``index`` placed in zeros of ``like.eta2``'s shape."""
+    if is_full(like):
+        return jnp.zeros_like(like.eta2).at[np.ix_(index, index)].set(eta2)
+    return jnp.zeros_like(like.eta2).at[index].set(eta2)
+
+
 def build_prior_update(remainder: Callable, refined, config: LocalConfig, *, damping: float = 1.0) -> Callable:
     """A pure ``prior_update(state, key) -> (state, residual)``: the server refines the
-    prior factor ``t_0`` with a client's local update (:func:`~numpyro_fed.infer.pvi.client.optimize_local`
-    against the cavity ``q / t_0``, plain optimization, ``config``'s steps and draws), its
-    "likelihood" ``remainder`` (the prior's log-density that ``state.prior`` does not hold,
-    see :func:`~numpyro_fed.infer.pvi.prior.prior_remainder`). The change is kept on the
-    ``refined`` coordinates only (``(d,)`` bool; a full-rank ``q``: the entries between two of
-    them) and, as a client's, applied where ``q`` stays proper. No rows enter: it costs no
-    privacy budget."""
-    config = config._replace(dpsgd=False, sampling="full", sampling_rate=1.0, clip_scaled=False)
-    refined = jnp.asarray(refined)
+    prior factor ``t_0`` with a client's local update (:func:`~numpyro_fed.infer.pvi.client.optimize_local`,
+    plain optimization, ``config``'s steps and draws), its "likelihood" ``remainder`` (the
+    prior's log-density that ``state.prior`` does not hold, see
+    :func:`~numpyro_fed.infer.pvi.prior.prior_remainder`), which depends on the ``refined``
+    coordinates ``R`` only (``(d,)`` bool). No rows enter: it costs no privacy budget.
 
-    def row_log_lik(theta, rows):
-        return jnp.broadcast_to(remainder(theta), rows[0].shape[:1])
+    The fit is over ``R`` alone: ``t_0`` is a function of ``z_R``, so ``q = cavity x t_0``
+    has the cavity's conditional of the other coordinates given ``z_R``, and ``q``'s
+    marginal over ``R`` is the cavity's marginal times ``t_0`` (the cavity's marginal is
+    therefore ``q_R / t_0``). The local update of ``q_R`` against it gives the new ``t_0``
+    exactly as a fit over all coordinates would in exact arithmetic, without that fit's
+    Monte Carlo noise in the other coordinates: masking a full fit's change to ``R`` kept its
+    noisy covariances with ``R`` through ``eta1 = P mu`` (a Student-t's ``log nu`` under a
+    ``Gamma`` prior, next to an intercept at 19 on raw covariates, moved ``q`` by 9 of its
+    sds in one round). The change is applied, as a client's, where ``q`` stays proper."""
+    config = config._replace(dpsgd=False, sampling="full", sampling_rate=1.0, clip_scaled=False)
+    index = np.flatnonzero(np.asarray(refined))
 
     def prior_update(state, key):
         q = state.q
+        loc, _ = loc_cov_factor(q)
+
+        def row_log_lik(theta_r, rows):
+            return jnp.broadcast_to(remainder(loc.at[index].set(theta_r)), rows[0].shape[:1])
+
         rows, valid = [jnp.zeros((1,), q.eta1.dtype)], jnp.ones((1,), bool)
-        cavity = tree_sub(q, state.prior_factor)
-        new_q, _, residual = optimize_local(key, row_log_lik, q, cavity, rows, valid, config, with_residual=True)
-        mask2 = (refined[:, None] & refined[None, :]) if is_full(q) else refined
-        change = tree_sub(new_q, q)
-        change = GaussianNatural(jnp.where(refined, change.eta1, 0.0), jnp.where(mask2, change.eta2, 0.0))
+        q_r = marginal(q, index)
+        cavity_r = tree_sub(q_r, _block(state.prior_factor, index))
+        new_r, _, residual = optimize_local(key, row_log_lik, q_r, cavity_r, rows, valid, config, with_residual=True)
+        change_r = tree_sub(new_r, q_r)
+        change = GaussianNatural(jnp.zeros_like(q.eta1).at[index].set(change_r.eta1), _scatter(change_r.eta2, index, q))
         proposed = tree_add(q, change, damping)
         ok = proper(proposed)
         pick = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731

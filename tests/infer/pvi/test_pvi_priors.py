@@ -16,7 +16,7 @@ from numpyro.distributions import constraints
 from numpyro.infer import MCMC, NUTS
 
 import numpyro_fed as nf
-from numpyro_fed.infer.pvi import DPPVI, GaussianPVI
+from numpyro_fed.infer.pvi import DPPVI, GaussianPVI, core
 from numpyro_fed.infer.pvi.gaussian import gaussian_prior
 from numpyro_fed.infer.pvi.prior import split_prior
 
@@ -61,12 +61,11 @@ def raw_reference():
 
 def test_halfcauchy_and_flat_priors_agree_with_nuts(precision, raw_reference):
     """The prior factor (HalfCauchy) and the zero-precision flat factors, raw covariates: the
-    default run agrees with NUTS within 0.3 posterior sds on every mean (the issue's
-    criterion) and 15 % on every sd, without warnings. Measured: the coefficients within 0.05
-    sd in both precisions; sigma's mean 0.2 (float64) to 0.29 (float32, three seeds 0.23-0.35
-    of its sd on the log scale's round-to-round jitter) sd high: a Gaussian q on log sigma,
-    whose lognormal mean NUTS's skewed posterior does not share exactly, plus the Monte Carlo
-    jitter of the last round's local fits. NUTS's own Monte Carlo error is about 0.06 sd."""
+    default run agrees with NUTS within 0.15 posterior sds on every mean (half the issue's
+    criterion) and 15 % on every sd, without warnings. Measured over keys 1-3 in both
+    precisions: every mean within 0.03 sd, sds within 5 % (sigma's 9 %). NUTS's own Monte
+    Carlo error is about 0.06 sd. Before the prior factor was fitted on its own coordinates,
+    sigma's mean was 0.2 (float64) to 0.35 (float32) sd high: the masked fit's noise."""
     X, y = raw_data()
     dtype = jnp.float32 if precision == "float32" else jnp.float64
     method = DPPVI(raw_regression, progress_bar=False)
@@ -77,7 +76,7 @@ def test_halfcauchy_and_flat_priors_agree_with_nuts(precision, raw_reference):
     assert result.state.prior_factor is not None
     mean, sd = moments(method.get_samples(jax.random.PRNGKey(2), result, 8000), ["a", "b", "sigma"])
     ref_mean, ref_sd = raw_reference
-    assert np.max(np.abs(mean - ref_mean) / ref_sd) < 0.3
+    assert np.max(np.abs(mean - ref_mean) / ref_sd) < 0.15
     np.testing.assert_allclose(sd / ref_sd, 1.0, atol=0.15)
 
 
@@ -214,3 +213,114 @@ def test_poisson_offset_full_rank_agrees_and_mean_field_warns():
     np.testing.assert_allclose(sd / ref_sd, 1.0, atol=0.15)
     with pytest.warns(RuntimeWarning, match=r"mean-field.*use covariance='full'"):
         DPPVI(poisson_offset, covariance="diagonal", progress_bar=False).run(jax.random.PRNGKey(1), 3, *args)
+
+
+def _gamma_log_remainder(z):
+    """``Gamma(2, 0.1)``'s log-density of ``nu`` on ``log nu`` (log-Jacobian included), the
+    prior factor's "likelihood" of a Student-t's degrees of freedom."""
+    return 2.0 * z[2] - 0.1 * jnp.exp(z[2])
+
+
+def _vi_optimum_under_gamma_remainder(cavity_loc, cavity_sd):
+    """The Gaussian ``N(m, s^2)`` maximizing ``E[r] - KL(q || N(cavity_loc, cavity_sd^2))``
+    for ``r(x) = 2 x - 0.1 exp(x)``, from its stationarity conditions in closed form
+    (``E[exp(x)] = exp(m + s^2 / 2)``): ``1/s^2 = 1/cavity_sd^2 + 0.1 E[exp(x)]`` and
+    ``m = cavity_loc + cavity_sd^2 (2 - 0.1 E[exp(x)])``."""
+    from scipy.optimize import fsolve
+
+    def equations(v):
+        m, log_s = v
+        moment = np.exp(m + np.exp(2 * log_s) / 2)
+        return [m - cavity_loc - cavity_sd**2 * (2 - 0.1 * moment), np.exp(-2 * log_s) - cavity_sd**-2 - 0.1 * moment]
+
+    m, log_s = fsolve(equations, [cavity_loc, np.log(cavity_sd)], xtol=1e-12)
+    return m, np.exp(log_s)
+
+
+def test_the_prior_factor_is_fitted_on_its_own_coordinates():
+    """The server's refinement of a prior factor that depends on one coordinate (a Student-t's
+    ``log nu`` under a ``Gamma(2, 0.1)`` prior) in a full-rank ``q`` whose other coordinates
+    are an intercept at 19 and a slope correlated with it at -0.999 (raw covariates): the new
+    ``q``'s marginal of ``log nu`` is the Gaussian-VI optimum against the cavity's marginal
+    (``q_R / t_0``), computed in closed form, within 0.05 of its sd in mean and 5 % in sd over
+    six keys (the default local fit's Monte Carlo error: at most 0.009 sd and 1.6 % over
+    twelve keys), and every
+    other natural parameter is unchanged. A fit over all coordinates whose change is masked to
+    ``log nu`` afterwards (this function before) kept its noisy covariances with the
+    intercept in ``eta1 = P mu``: here its mean was up to 11 sds off over the same twelve keys,
+    and from a state near PVI's fixed point it moved ``q``'s ``log nu`` by up to 9 of its sds
+    in one round of a Student-t regression (the next test)."""
+    from numpyro_fed.infer.pvi.dp_defaults import local_config
+    from numpyro_fed.infer.pvi.gaussian import GaussianNatural, loc_scale, tree_sub
+    from numpyro_fed.infer.pvi.prior import build_prior_update, marginal
+
+    sd = np.array([4.5, 0.026, 0.5])
+    corr = np.array([[1.0, -0.999, 0.3], [-0.999, 1.0, -0.3], [0.3, -0.3, 1.0]])
+    cov = corr * np.outer(sd, sd)
+    precision = np.linalg.inv(cov)
+    loc = np.array([18.8, 0.31, 2.3])
+    q = GaussianNatural(jnp.asarray(precision @ loc), jnp.asarray(-0.5 * precision))
+    prior_factor = GaussianNatural(jnp.array([0.0, 0.0, 3.5]), jnp.diag(jnp.array([0.0, 0.0, -0.55])))
+    state = core.init(GaussianNatural(jnp.zeros(3), jnp.zeros((3, 3))), 1, q=q, prior_factor=prior_factor)
+    method = DPPVI(lambda: None, progress_bar=False)
+    refined = np.array([False, False, True])
+    update = jax.jit(build_prior_update(_gamma_log_remainder, refined, local_config(method, newton_start=20)))
+    cavity = tree_sub(marginal(q, np.array([2])), GaussianNatural(prior_factor.eta1[2:], prior_factor.eta2[2:, 2:]))
+    cavity_loc, cavity_sd = (float(v[0]) for v in loc_scale(cavity))
+    want_loc, want_sd = _vi_optimum_under_gamma_remainder(cavity_loc, cavity_sd)
+    for seed in range(6):
+        new, residual = update(state, jax.random.PRNGKey(seed))
+        got_loc, got_sd = (float(v[0]) for v in loc_scale(marginal(new.q, np.array([2]))))
+        assert abs(got_loc - want_loc) < 0.05 * want_sd, (got_loc, want_loc, want_sd)
+        assert abs(got_sd / want_sd - 1) < 0.05, (got_sd, want_sd)
+        change = tree_sub(new.q, q)
+        np.testing.assert_array_equal(np.asarray(change.eta1)[:2], 0.0)
+        np.testing.assert_array_equal(np.asarray(change.eta2)[:2, :], 0.0)
+        np.testing.assert_array_equal(np.asarray(tree_sub(new.prior_factor, prior_factor).eta1)[:2], 0.0)
+        assert float(residual) < 0.1
+
+
+def student_t_regression(x, y):
+    """A robust regression on a raw covariate (heights near 170): the degrees of freedom
+    under the ``Gamma(2, 0.1)`` prior Stan's wiki suggests, a ``LogNormal`` noise scale."""
+    a = numpyro.sample("a", dist.Normal(0.0, 50.0))
+    b = numpyro.sample("b", dist.Normal(0.0, 5.0))
+    sigma = numpyro.sample("sigma", dist.LogNormal(0.0, 1.0))
+    nu = numpyro.sample("nu", dist.Gamma(2.0, 0.1))
+    with nf.federated_plate("data", y.shape[0], clients=4):
+        numpyro.sample("y", dist.StudentT(nu, a + b * x, sigma), obs=y)
+
+
+def test_student_t_degrees_of_freedom_agree_with_nuts():
+    """The Student-t regression in float32 (NumPyro's default) at DPPVI's defaults agrees with
+    NUTS on the pooled data (float64, 2000 draws) within 0.3 sds on every mean and
+    ``[1/1.5, 1.5]`` on every sd (``nu`` and ``sigma`` on the log scale, where ``q`` is
+    Gaussian), and warns of nothing. ``log nu``'s posterior (mean 2.3, sd 0.56, skewness 0.5)
+    is the hard part: the likelihood hardly depends on it once ``nu`` is large. Measured:
+    0.11 sd low and sd ratio 0.87 on ``log nu``, the others within 0.04 sd and 5 %. Before the
+    prior factor was fitted on its own coordinates the same run warned from round 5 on (its
+    local fits non-finite, ``log nu`` at -42), and in float64 ``q``'s ``log nu`` wandered
+    between 1.2 and 5.9 over the rounds."""
+    rng = np.random.default_rng(11)
+    x = rng.normal(170.0, 10.0, 240)
+    y = 20.0 + 0.3 * x + 3.0 * rng.standard_t(4, 240)
+    names = ["a", "b", "sigma", "nu"]
+    mcmc = MCMC(NUTS(student_t_regression), num_warmup=500, num_samples=2000, progress_bar=False)
+    mcmc.run(jax.random.PRNGKey(3), jnp.asarray(x), jnp.asarray(y))
+
+    def logged(draws):
+        return {k: np.log(np.asarray(draws[k], np.float64)) if k in ("sigma", "nu") else draws[k] for k in names}
+
+    ref_mean, ref_sd = moments(logged(mcmc.get_samples()), names)
+    jax.config.update("jax_enable_x64", False)
+    try:
+        method = DPPVI(student_t_regression, progress_bar=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            result = method.run(jax.random.PRNGKey(0), 10, jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32))
+        assert result.state.q.eta1.dtype == jnp.float32
+        mean, sd = moments(logged(method.get_samples(jax.random.PRNGKey(1), result, 8000)), names)
+    finally:
+        jax.config.update("jax_enable_x64", True)
+    assert np.max(np.abs(mean - ref_mean) / ref_sd) < 0.3, (mean - ref_mean) / ref_sd
+    assert np.all((sd / ref_sd > 1 / 1.5) & (sd / ref_sd < 1.5)), sd / ref_sd
