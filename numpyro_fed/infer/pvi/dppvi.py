@@ -54,7 +54,7 @@ _DEFAULT_NUM_SAMPLES = 1000  # get_samples' draws when num_samples is None
 COVARIANCES = ("auto", "full", "diagonal")
 #: covariance="auto": a full-rank q (non-private runs) up to this many latent coordinates
 FULL_RANK_MAX_DIM = 100
-#: the default local optimization of a full-rank q starts from this many variational Newton steps
+#: the default non-private local optimization starts from this many variational Newton steps
 NEWTON_STEPS = 20
 
 
@@ -106,8 +106,9 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
         ``"log_lik_draws"`` or ``"log_weights"`` in the ledger; Pareto k-hat in
         ``metrics["pareto_k"]``) and warns where ``q``'s tails are too light and the weights
         move its means or sds (the guide's *Did it work?*). With the default optimizer a
-        full-rank local fit starts from safeguarded variational Newton steps (expectations
-        over draws of ``q``, ``LocalConfig.newton_start``).
+        non-private local fit (full-rank, or mean-field up to 200 coordinates) starts from
+        safeguarded variational Newton steps (expectations over draws of ``q``,
+        ``LocalConfig.newton_start``).
     :param optim: an optax optimizer for the local optimization, run on ``(loc, log_scale)``
         and taking its last iterate. Default (``None``):
         :func:`~numpyro_fed.infer.pvi.settings.default_optimizer` (see *Defaults*).
@@ -343,7 +344,7 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
         dp_error = self.planned_dp_error(sigmas, num_rounds, sizes, d, privacy)  # refused here if it dominates
         shard_seed = int(jax.random.randint(rng_key, (), 0, 2**31 - 1))
         shard_index, shard_valid = core.shard_layout(sizes, self.num_shards, seed=shard_seed)
-        config = local_config(self, newton_start=NEWTON_STEPS if self.default_optim and self.full_rank(d) else 0)
+        config = local_config(self, newton_start=NEWTON_STEPS if self.default_optim and self.dp is None else 0)
         clip_first, clip_later = self.clip_bounds(sizes, d)
         num_clients = int(sizes.size)
         noise = jnp.broadcast_to(jnp.asarray(sigmas, dtype=jnp.zeros(()).dtype), (num_clients,))

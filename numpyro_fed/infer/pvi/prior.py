@@ -113,9 +113,10 @@ def marginal(eta: GaussianNatural, index) -> GaussianNatural:
     """The marginal of the proper Gaussian ``eta`` over the coordinates ``index`` (natural
     parameters, full-rank where ``eta`` is).
 
-    >>> q = natural(jnp.array([1.0, 2.0]), jnp.array([1.0, 3.0]))
-    >>> [float(v) for v in loc_scale(marginal(q, np.array([1])))[1]]
-    [3.0]
+    >>> q = GaussianNatural(jnp.array([1.0, 0.0]), -0.5 * jnp.array([[2.0, 1.0], [1.0, 2.0]]))
+    >>> m = marginal(q, np.array([1]))   # variance 2/3, mean -1/3
+    >>> [round(float(v), 6) for v in m.eta1], [[round(float(v), 6) for v in r] for r in m.eta2]
+    ([-0.5], [[-0.75]])
     """
     if not is_full(eta):
         return GaussianNatural(eta.eta1[index], eta.eta2[index])
