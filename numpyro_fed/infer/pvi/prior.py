@@ -163,6 +163,8 @@ def build_prior_update(remainder: Callable, refined, config: LocalConfig, *, dam
 
     def prior_update(state, key):
         q = state.q
+        if index.size == 0:  # every coordinate in p_G (flat priors among them): nothing to refine
+            return state, jnp.zeros((), q.eta1.dtype)
         loc, _ = loc_cov_factor(q)
 
         def row_log_lik(theta_r, rows):

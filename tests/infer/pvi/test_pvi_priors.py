@@ -324,3 +324,24 @@ def test_student_t_degrees_of_freedom_agree_with_nuts():
         jax.config.update("jax_enable_x64", True)
     assert np.max(np.abs(mean - ref_mean) / ref_sd) < 0.3, (mean - ref_mean) / ref_sd
     assert np.all((sd / ref_sd > 1 / 1.5) & (sd / ref_sd < 1.5)), sd / ref_sd
+
+
+def test_flat_priors_alone_have_nothing_to_refine():
+    """Flat priors and nothing else to refine (a location with an ``ImproperUniform`` prior, a
+    known noise sd): the prior is not exact (``q`` starts proper, not at the prior), no
+    coordinate belongs to the prior factor, and the run reaches the closed-form posterior,
+    ``N(mean(y), 1.5^2 / n)``, within 0.05 of its sd (a conjugate model: the Newton start is
+    exact, so only the local fits' Monte Carlo error remains)."""
+
+    def model(y):
+        mu = numpyro.sample("mu", dist.ImproperUniform(constraints.real, (), ()))
+        with nf.federated_plate("data", y.shape[0], clients=3):
+            numpyro.sample("y", dist.Normal(mu, 1.5), obs=y)
+
+    y = jnp.asarray(np.random.default_rng(5).normal(4.0, 1.5, size=90))
+    method = DPPVI(model, progress_bar=False)
+    result = method.run(jax.random.PRNGKey(0), 3, y)
+    assert result.state.prior_factor is not None and not np.any(np.asarray(result.metrics["prior_residual"]))
+    sd = 1.5 / np.sqrt(90)
+    assert abs(float(result.metrics["loc"][-1, 0]) - float(jnp.mean(y))) < 0.05 * sd
+    assert abs(float(result.metrics["scale"][-1, 0]) / sd - 1) < 0.05
