@@ -326,7 +326,11 @@ def test_deployed_on_ray_is_the_in_process_deployment(ray_session, tmp_path, alg
     assert pids and os.getpid() not in pids  # only the workers read the clients' files
     if not isinstance(local, list):  # a variational run: the clients kept their states on Ray
         stein = {k: v for k, v in local.metrics.items() if not k.startswith("stein")}
-        assert_same_run(remote, local._replace(metrics=stein))
+        # DPPVI's mean-field local fits start from variational Newton steps (eigh, solve on
+        # each client's joint (theta, z_m)): compiled alone on a Ray worker they round to the
+        # last bit differently from the same functions compiled in process (measured: 3
+        # coordinates of q's eta1 1 ulp apart)
+        assert_same_run(remote, local._replace(metrics=stein), state_rtol=1e-12 if algorithm == "DPPVI" else 0.0)
         return
     assert len(remote) == len(local)
     for a, b in zip(remote, local):
