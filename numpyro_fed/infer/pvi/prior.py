@@ -118,8 +118,8 @@ def marginal(eta: GaussianNatural, index) -> GaussianNatural:
     >>> [round(float(v), 6) for v in m.eta1], [[round(float(v), 6) for v in r] for r in m.eta2]
     ([-0.5], [[-0.75]])
     """
-    if not is_full(eta):
-        return GaussianNatural(eta.eta1[index], eta.eta2[index])
+    if not is_full(eta):  # independent coordinates: the marginal is their block
+        return _block(eta, index)
     loc, chol = loc_cov_factor(eta)
     cov = chol[index] @ chol[index].T
     precision = jnp.linalg.inv(0.5 * (cov + cov.T))
