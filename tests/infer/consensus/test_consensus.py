@@ -156,6 +156,28 @@ def test_weights_carry_no_monte_carlo_error(combine):
     np.testing.assert_allclose(np.sqrt(np.diag(np.asarray(result.state.cov))), sd, rtol=0.1)
 
 
+def test_the_sub_posteriors_are_sampled_in_their_laplace_frame():
+    """The same six raw covariates (posterior sds from 1e-3 to 0.1), 100 warm-up steps and 300
+    draws per client: in the coordinates where each client's Laplace approximation is a
+    standard normal NUTS draws nearly independent points (measured: a client's smallest ESS is
+    315 of 300 on average over the 8 clients); in the model's coordinates, whose adapted mass
+    matrix NumPyro shrinks towards 1e-3, 116. Both combine to the closed form (the draws map back)."""
+    rng = np.random.default_rng(8)
+    X = rng.normal(size=(800, 6)) * np.geomspace(1.0, 100.0, 6)
+    y = -0.5 + X @ (rng.normal(size=6) / np.geomspace(1.0, 100.0, 6)) + rng.normal(size=800)
+    design = np.concatenate([np.ones((800, 1)), X], axis=1)
+    cov = np.linalg.inv(np.diag([1 / 25] + [1 / 4] * 6) + design.T @ design)
+    mean, sd = cov @ design.T @ y, np.sqrt(np.diag(cov))
+    ess = {}
+    for preconditioner in ("laplace", None):
+        _, result = run(raw_scale_regression, (X, y), num_warmup=100, num_samples=300, preconditioner=preconditioner)
+        np.testing.assert_allclose((np.asarray(result.state.mean) - mean) / sd, 0.0, atol=1e-6)
+        ess[preconditioner] = float(np.mean(np.min(result.metrics["ess"], axis=-1)))  # each client's worst
+    assert ess["laplace"] > 250 and ess["laplace"] > 2 * ess[None], ess
+    with pytest.raises(ValueError, match="preconditioner"):
+        nf.ConsensusMC(raw_scale_regression, preconditioner="dense")
+
+
 def test_inference_data_has_every_clients_diagnostics(linear_runs):
     cmc, result = linear_runs["consensus"]
     tree = nf.to_inference_data(result, num_samples=100)
