@@ -259,20 +259,7 @@ def optimize_local(
     batch_cap = valid.shape[0] if batch_cap is None else batch_cap
     clip = config.clip_norm if clip_norm is None else clip_norm
     if config.newton_start and not config.dpsgd and d <= NEWTON_MAX_DIM:
-        rng_key, key_start = jax.random.split(rng_key)
-        start = mean_field_of(
-            newton_start(
-                key_start,
-                row_log_lik,
-                as_full(start),
-                as_full(cavity),
-                rows,
-                valid.astype(start.eta1.dtype),
-                config.newton_start,
-                config.num_mc_samples,
-                likelihood_weight=likelihood_weight,
-            )
-        )
+        rng_key, start = _newton_started(rng_key, row_log_lik, start, cavity, rows, valid, config, likelihood_weight)
     origin = _params_of(start)
     if config.standardize:
         unit = jnp.exp(origin.log_scale)
@@ -367,10 +354,28 @@ def mean_field_of(eta: GaussianNatural) -> GaussianNatural:
     >>> [float(v) for v in -2 * mf.eta2], [round(float(v), 4) for v in loc_scale(mf)[0]]
     ([2.0, 2.0], [0.6667, -0.3333])
     """
-    precision = -2.0 * eta.eta2
-    loc = jnp.linalg.solve(precision, eta.eta1)
-    diagonal = jnp.diagonal(precision)
+    loc, _ = loc_cov_factor(eta)
+    diagonal = -2.0 * jnp.diagonal(eta.eta2)
     return GaussianNatural(diagonal * loc, -0.5 * diagonal)
+
+
+def _newton_started(rng_key, row_log_lik, start, cavity, rows, valid, config: LocalConfig, likelihood_weight):
+    """``(rng_key, start)``: a local fit's start after ``config.newton_start`` steps of
+    :func:`newton_start` from ``start`` (made full-rank for them; a mean-field ``start`` gets
+    back :func:`mean_field_of` their end)."""
+    rng_key, key_start = jax.random.split(rng_key)
+    full = newton_start(
+        key_start,
+        row_log_lik,
+        as_full(start),
+        as_full(cavity),
+        rows,
+        jnp.asarray(valid).astype(start.eta1.dtype),
+        config.newton_start,
+        config.num_mc_samples,
+        likelihood_weight=likelihood_weight,
+    )
+    return rng_key, full if is_full(start) else mean_field_of(full)
 
 
 def newton_start(
@@ -489,19 +494,7 @@ def _fit_full(rng_key, row_log_lik, start, cavity, rows, valid, config: LocalCon
     d = start.eta1.shape[-1]
     batch_cap = valid.shape[0] if batch_cap is None else batch_cap
     if config.newton_start:
-        weights = valid.astype(start.eta1.dtype)
-        rng_key, key_start = jax.random.split(rng_key)
-        start = newton_start(
-            key_start,
-            row_log_lik,
-            start,
-            cavity,
-            rows,
-            weights,
-            config.newton_start,
-            config.num_mc_samples,
-            likelihood_weight=likelihood_weight,
-        )
+        rng_key, start = _newton_started(rng_key, row_log_lik, start, cavity, rows, valid, config, likelihood_weight)
     loc0, chol0 = loc_cov_factor(start)
     logdiag0 = jnp.log(jnp.diagonal(chol0))
     if config.standardize:
