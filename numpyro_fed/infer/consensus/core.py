@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from numpyro_fed.infer.stein.curvature import CONVERGED_DECREMENT, newton_modes
+from numpyro_fed.infer.stein.curvature import CONVERGED_DECREMENT, newton_modes, positive_curvature
 
 __all__ = [
     "SubposteriorSummary",
@@ -225,9 +225,10 @@ def laplace_frame(potential: Callable, start):
     """The affine frame ``y = center + matrix @ u`` in which a potential's Laplace
     approximation is a standard normal: ``center`` its mode, found by damped Newton steps from
     ``start`` (:func:`~numpyro_fed.infer.stein.curvature.newton_modes`), ``matrix = V
-    diag(lambda)^(-1/2)`` from the eigenvectors and (positive) eigenvalues of its Hessian
-    there. Where the search does not converge (a funnel has no mode) the frame is the identity
-    at ``start``: the kernel then runs in the model's coordinates.
+    diag(lambda)^(-1/2)`` from the eigenvectors and eigenvalues of its Hessian there, made
+    positive by :func:`~numpyro_fed.infer.stein.curvature.positive_curvature`. Where the
+    search does not converge (a funnel has no mode) the frame is the identity at ``start``:
+    the kernel then runs in the model's coordinates.
 
     An MCMC kernel that adapts a diagonal mass matrix cannot follow correlated coordinates, and
     NumPyro's shrinks every adapted variance towards 1e-3: on a coefficient of a raw covariate
@@ -244,9 +245,7 @@ def laplace_frame(potential: Callable, start):
     score = jax.vmap(lambda y: -jax.grad(potential)(y))
     ends, decrements = newton_modes(score, start[None])
     center, converged = ends[0], decrements[0] <= CONVERGED_DECREMENT
-    values, vectors = jnp.linalg.eigh(jax.hessian(potential)(center))
-    values = jnp.abs(values)
-    values = jnp.maximum(values, 1e-10 * jnp.max(values))
+    vectors, values = positive_curvature(score, center, 1e-10, jax.hessian(potential))
     matrix = vectors / jnp.sqrt(values)
     ok = converged & jnp.all(jnp.isfinite(matrix)) & jnp.all(jnp.isfinite(center))
     eye = jnp.eye(start.shape[-1], dtype=start.dtype)

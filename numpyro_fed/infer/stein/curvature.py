@@ -27,6 +27,7 @@ __all__ = [
     "laplace_start",
     "newton_mode",
     "newton_modes",
+    "positive_curvature",
     "round_frame",
 ]
 
@@ -64,7 +65,7 @@ def _point_score(score_fn: Callable) -> Callable:
     return lambda v: score_fn(v[None])[0]
 
 
-def _positive_curvature(score_fn: Callable, at, relative_floor, hessian_fn: Callable | None = None):
+def positive_curvature(score_fn: Callable, at, relative_floor, hessian_fn: Callable | None = None):
     """Eigenvectors and eigenvalues of ``-sym(d score / dx)`` at ``at`` (``hessian_fn(at)``
     where given: the negative Hessian of ``log p``, ``(d,) -> (d, d)``), the eigenvalues made
     positive (absolute values, at least ``relative_floor`` times the largest): a saddle-free
@@ -108,7 +109,7 @@ def curvature_whitening(particles, score_fn: Callable) -> Affine:
     def score_u(v):
         return w.score_to_z(score_fn(w.from_z(v)))
 
-    vectors, values = _positive_curvature(score_u, jnp.mean(u, axis=0), 1e-8)
+    vectors, values = positive_curvature(score_u, jnp.mean(u, axis=0), 1e-8)
     root = (vectors * jnp.sqrt(values)) @ vectors.T  # A^(1/2)
     inverse_root = (vectors / jnp.sqrt(values)) @ vectors.T
     v = u @ root
@@ -157,7 +158,7 @@ def newton_modes(
     def step(carry):
         i, x, radius, _ = carry
         g = _point_score(score_fn)(x)
-        vectors, values = _positive_curvature(score_fn, x, 1e-10, hessian_fn)
+        vectors, values = positive_curvature(score_fn, x, 1e-10, hessian_fn)
         decrement = jnp.sum((g @ vectors) ** 2 / values)
         delta = ((g @ vectors) / values) @ vectors.T
         length = jnp.linalg.norm(delta)
@@ -179,7 +180,7 @@ def newton_modes(
         inf = jnp.asarray(jnp.inf, dtype)
         _, x, _, _ = jax.lax.while_loop(going, step, (0, start, jnp.asarray(4.0, dtype), inf))
         g = _point_score(score_fn)(x)
-        vectors, values = _positive_curvature(score_fn, x, 1e-10, hessian_fn)
+        vectors, values = positive_curvature(score_fn, x, 1e-10, hessian_fn)
         decrement = jnp.sum((g @ vectors) ** 2 / values)
         return x, jnp.where(jnp.isfinite(decrement) & jnp.all(jnp.isfinite(x)), decrement, jnp.inf)
 
@@ -228,7 +229,7 @@ def laplace_start(particles, score_fn: Callable):
         return w.score_to_z(score_fn(w.from_z(v)))
 
     mode = newton_mode(score_u, jnp.stack([jnp.mean(u, axis=0), w.to_z(jnp.zeros_like(w.mean))]))
-    vectors, values = _positive_curvature(score_u, mode, 1e-10)
+    vectors, values = positive_curvature(score_u, mode, 1e-10)
     values = jnp.maximum(values, 1.0)  # never wider than the particles were
     standard = whitening(u).to_z(u)
     moved = w.from_z(mode + standard @ ((vectors / jnp.sqrt(values)) @ vectors.T))
