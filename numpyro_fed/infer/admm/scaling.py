@@ -110,7 +110,8 @@ def laplace_scaling(
 
     def totals(x):
         values, grads, hessians = (np.asarray(jax.device_get(a), dtype=np.float64) for a in call(jnp.asarray(x, dtype)))
-        return values.sum(), grads.sum(0), hessians, hessians.sum(0)
+        with np.errstate(all="ignore"):  # a trial point off the support: the search checks finiteness
+            return values.sum(), grads.sum(0), hessians, hessians.sum(0)
 
     eps = float(jnp.finfo(dtype).eps)
     x = np.asarray(x0, dtype=np.float64)

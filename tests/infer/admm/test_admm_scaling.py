@@ -191,3 +191,24 @@ def test_calibrated_noise_matches_the_posterior_in_every_direction():
     _, noise = auto_settings(ring, shares, 0, mixing=0.8)
     proportional = calibrated_noise(ring, shares[:, None, None] * np.eye(3), rho, 0)
     np.testing.assert_allclose(proportional, noise**2 * np.eye(3), rtol=1e-6)
+
+
+def test_set_up_search_off_the_support_is_silent():
+    """Agents whose potentials are infinite with opposite signs off the support sum to NaN: the
+    set-up's search sees a non-finite value and gives up (no scaling), with no NumPy
+    ``RuntimeWarning`` reaching the user."""
+    import warnings
+
+    from numpyro_fed.infer.admm.agents import AgentPotentials
+    from numpyro_fed.infer.admm.scaling import laplace_scaling
+
+    def fn(x, b, w):
+        inside = 2.0 * jnp.sum((x - b) ** 2)
+        return jnp.where(x[0] < 2.0, inside, jnp.where(b > 0.5, -jnp.inf, jnp.inf))
+
+    pots = AgentPotentials(fn, jnp.array([0.0, 1.0]), jnp.array([0.5, 0.5]), 2, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert laplace_scaling(pots, jnp.array([5.0])) is None
+        scaling = laplace_scaling(pots, jnp.array([-1.0]))
+    assert scaling is not None and abs(float(scaling.center[0]) - 0.5) < 1e-6
