@@ -25,11 +25,13 @@ back; median of 400) is measured after the runs and the wall time per effective 
 compared with rounds per effective sample times that round trip. With ``--floor`` it also
 measures the same actors answering a packed call after spending 0.5 and 1 ms of CPU on it
 (``round_floor``): what a round costs when the clients compute, before any code of this
-package runs.
+package runs; with ``--compiled-graph`` also through a Ray compiled graph (beta: shared-memory
+channels instead of a task per call), which RayFederation does not use (benchmarks/README.md).
 
     python benchmarks/zigzag_federated.py --sizes 100000          # about 2-4 minutes here
     python benchmarks/zigzag_federated.py --sizes 1000000 --engine ray --clients 8   # a quiet machine
     python benchmarks/zigzag_federated.py --sizes 100000 --engine ray --warmup 100 --samples 300 --floor
+    python benchmarks/zigzag_federated.py --sizes 100000 --engine ray --warmup 50 --samples 300 --floor --compiled-graph
 
 Results: a table on stdout and ``benchmarks/results/zigzag_federated.json`` (``--out``).
 """
@@ -103,12 +105,14 @@ def measure(name, X, y, clients, *, num_warmup, num_samples, seed, **options):
     }
 
 
-def round_floor(clients: int, busy_ms=(0.5, 1.0), repeats: int = 400) -> dict:
+def round_floor(clients: int, busy_ms=(0.5, 1.0), repeats: int = 400, compiled_graph: bool = False) -> dict:
     """What a Ray round costs before any of this package's code runs: ``clients`` actors
     answering a vector with a number (``"bare"``, Ray's bare round trip), then a small ``bytes`` payload with a
     ``bytes`` reply (as ``RayFederation`` packs a small call) after each actor spent ``c`` ms
-    of CPU on it, for ``c`` in ``busy_ms``. Per variant: the median ms per round, and the CPU
-    per round of the driver and per call of one actor (``time.process_time``)."""
+    of CPU on it, for ``c`` in ``busy_ms``; with ``compiled_graph`` also the same calls (``c`` = 0
+    and ``busy_ms``) through a Ray compiled graph, and the actors' summed CPU per second while
+    it stands idle. Per variant: the median ms per round, and the CPU per round of the driver
+    and per call of one actor (``time.process_time``)."""
     import pickle
 
     import ray
@@ -150,6 +154,24 @@ def round_floor(clients: int, busy_ms=(0.5, 1.0), repeats: int = 400) -> dict:
     out = {"bare": measure(lambda: ray.get([a.dot.remote(v) for a in actors]))}
     for c in busy_ms:
         out[f"busy {c} ms"] = measure(lambda c=c: ray.get([a.packed.remote(payload, c) for a in actors]))
+    if compiled_graph:
+        # Ray's compiled graphs (beta): the same packed calls over shared-memory channels instead
+        # of a task submission per call; each actor's channel reader polls while it waits, so
+        # its CPU while the graph stands idle is measured too
+        from ray.dag import InputNode, MultiOutputNode
+
+        for c in (0.0,) + tuple(busy_ms):
+            with InputNode() as inp:
+                graph = MultiOutputNode([a.packed.bind(inp, c) for a in actors]).experimental_compile()
+            try:
+                ray.get(graph.execute(payload))
+                row = measure(lambda graph=graph: ray.get(graph.execute(payload)))
+                before = sum(ray.get([a.cpu.remote() for a in actors]))
+                time.sleep(1.0)
+                row["idle_worker_cpu_s_per_s"] = sum(ray.get([a.cpu.remote() for a in actors])) - before
+                out[f"compiled graph, busy {c} ms"] = row
+            finally:
+                graph.teardown()
     for a in actors:
         ray.kill(a)
     return out
@@ -195,6 +217,11 @@ def main(argv=None):
     parser.add_argument(
         "--floor", action="store_true", help="on Ray: also the round when each actor spends 0.5 and 1 ms of CPU"
     )
+    parser.add_argument(
+        "--compiled-graph",
+        action="store_true",
+        help="with --floor: also the same rounds through a Ray compiled graph (beta), and its actors' idle CPU",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     print(
@@ -226,7 +253,11 @@ def main(argv=None):
                 f"{row['rounds_per_switch']:.3f} rounds per switch, {row['wall_s']:.1f} s",
                 flush=True,
             )
-    floor = round_floor(args.clients, (0.5, 1.0) if args.floor else ()) if args.engine == "ray" else None
+    floor = (
+        round_floor(args.clients, (0.5, 1.0) if args.floor else (), compiled_graph=args.floor and args.compiled_graph)
+        if args.engine == "ray"
+        else None
+    )
     bare = floor["bare"]["ms"] if floor else None
     print_rows(rows, bare)
     if floor and args.floor:
@@ -235,6 +266,11 @@ def main(argv=None):
             print(
                 f"  {name:12s} {r['ms']:6.2f} ms ({r['ms'] / bare:.2f} x bare), driver {r['driver_cpu_ms']:.2f} ms, "
                 f"each actor {r['worker_cpu_ms']:.2f} ms of CPU"
+                + (
+                    f"; idle, the actors together {r['idle_worker_cpu_s_per_s']:.2f} s of CPU per s"
+                    if "idle_worker_cpu_s_per_s" in r
+                    else ""
+                )
             )
     meta = {"argv": sys.argv[1:], "loadavg": os.getloadavg(), "bare_round_trip_ms": bare, "round_floor": floor}
     args.out.parent.mkdir(parents=True, exist_ok=True)
