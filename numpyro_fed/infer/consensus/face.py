@@ -331,7 +331,11 @@ class ConsensusMC(VariationalMethod):
             if num_samples is not None:
                 num_samples = check_int(num_samples, "num_samples", minimum=1)
                 if num_samples > total:
-                    raise ValueError(f"num_samples={num_samples}: the run made {total} consensus draws")
+                    raise ValueError(
+                        f"num_samples={num_samples}: the run made {total} consensus draws (one per draw of "
+                        f"each client's chains): ask for at most {total}, or construct ConsensusMC with more "
+                        "num_samples or num_chains; combine='parametric' draws any number from its Gaussian"
+                    )
                 theta = theta[jax.random.choice(rng_key, total, (num_samples,), replace=False)]
         else:
             num_samples = total if num_samples is None else check_int(num_samples, "num_samples", minimum=1)

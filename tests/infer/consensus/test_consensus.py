@@ -120,8 +120,11 @@ def test_linear_gaussian_is_the_closed_form(linear_runs, combine):
     assert draws.shape == (2000, 3)
     if combine == "consensus":  # the draws' mean is the combined mean
         np.testing.assert_allclose((draws.mean(0) - mean) / sd, 0.0, atol=1e-8)
-    else:  # draws of the combined Gaussian: Monte Carlo error 1/sqrt(2000) = 0.022 sd
+        with pytest.raises(ValueError, match="made 2000 consensus draws.*at most 2000.*num_samples or num_chains"):
+            cmc.get_samples(jax.random.PRNGKey(1), result, 2001)
+    else:  # draws of the combined Gaussian (any number): Monte Carlo error 1/sqrt(2000) = 0.022 sd
         assert np.all(np.abs(draws.mean(0) - mean) / sd < 0.1), (draws.mean(0) - mean) / sd
+        assert np.asarray(cmc.get_samples(jax.random.PRNGKey(1), result, 2001)["w"]).shape == (2001, 3)
     np.testing.assert_allclose(draws.std(0), sd, rtol=0.1)
     assert (np.asarray(result.metrics["refined"]) == 1).all()
     # what crossed: draws (consensus) or moments only (parametric), one round
