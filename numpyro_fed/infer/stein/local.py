@@ -35,7 +35,11 @@ That is the ``"latents"`` call a result's draws of the local sites come from.
 Each round a client also spreads its particles of ``p_0 t_k`` to at least the global
 particles' covariance in every direction (:func:`no_wider_cavity`): in a direction its own term leaves
 flat (a hierarchical scale as it goes to 0), a cavity ``q / (p_0 t_k)`` of negative precision,
-the noise of two KDEs of ``N`` particles, would make the tilted distribution improper.
+the noise of two KDEs of ``N`` particles, would make the tilted distribution improper. Its
+distillation, towards ``c_k t_k q^(i) / q^(i-1)``, likewise reads ``q^(i-1)`` from the round's
+starting particles spread to at least ``q^(i)``'s covariance: where ``q^(i)`` came out wider,
+the ratio of KDEs grows without bound and the client's particles of ``c_k t_k`` ran away (a
+centred random-intercept model's ``log sigma`` to -40 in a first distillation).
 
 Clients own different numbers of coordinates; their latent particles are padded to the
 largest, each padded coordinate a standard normal of its own (a proper, separate factor:
@@ -391,10 +395,20 @@ def client_functions(
             config.curvature,
         )
         new_u, latents = y[:, :d_g], y[:, d_g:]
+        distill_previous = score_previous
+        if config.kde_bandwidth == "auto":
+            # the distillation's q^(i-1) from particles no narrower than q^(i)'s in any direction
+            # (no_wider_cavity's spread, the other way round): its target c_k t_k q^(i) / q^(i-1)
+            # is a ratio of KDEs that grows without bound along a direction where q^(i) came out
+            # wider, and a client's particles of c_k t_k ran away along it (log sigma at -40 in a
+            # client's first distillation, -5e4 in a second, on a centred random-intercept model)
+            distill_previous = round_scores(
+                no_wider_cavity(u, new_u), local_u, prior_score, kde_score, visited=local.visited, first=first
+            )[0]
         new_local_u = distill(
             new_u,
             local_u,
-            score_previous,
+            distill_previous,
             score_local,
             kde_score=kde_score,
             num_distill_steps=num_distill_steps,

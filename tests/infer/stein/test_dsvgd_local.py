@@ -63,9 +63,13 @@ def marginal_intercept(group, y=None):
 
 def _run(method, num_rounds, *args):
     """``(result, warned)``: the run and whether Stein's check warned."""
+    return _run_key(method, jax.random.PRNGKey(0), num_rounds, *args)
+
+
+def _run_key(method, rng_key, num_rounds, *args):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = method.run(jax.random.PRNGKey(0), num_rounds, *args)
+        result = method.run(rng_key, num_rounds, *args)
     return result, any("did not converge" in str(w.message) for w in caught)
 
 
@@ -203,7 +207,10 @@ def test_eight_schools_particles_never_run_away_in_any_round():
     off together: 29 and -69 reference sds, -344 after round 10 (warned). Spread to ``q``'s
     covariance in every direction (``no_wider_cavity``), every round's global particles stay
     within 0.8 reference sd on the means (measured at most 0.69, the first round's ``log
-    tau``) and their sds within a factor 1.6 (measured 0.93-1.36)."""
+    tau``) and their sds within a factor 2 (measured 0.93-1.36; since the distillation's
+    ``q^(i-1)`` is spread too, ``test_centred_random_intercepts_never_run_away``, 0.97-1.84:
+    ``log tau``'s spread wanders from round to round, and at the zoo's key it reached 1.91 in
+    a round before that change)."""
     from zoo.real_models import MODELS
 
     with open(os.path.join(ROOT, "tests", "zoo", "references", "eight_schools.json")) as f:
@@ -218,18 +225,21 @@ def test_eight_schools_particles_never_run_away_in_any_round():
     offsets = np.abs(particles.mean(1) - mean) / sd
     ratios = particles.std(1) / sd
     assert np.all(offsets < 0.8), offsets
-    assert np.all((ratios > 1 / 1.6) & (ratios < 1.6)), ratios
+    assert np.all((ratios > 1 / 2.0) & (ratios < 2.0)), ratios
 
 
 @pytest.mark.long  # about 20 s
 def test_eight_schools_outside_the_targets_warns_that_its_rounds_have_not_settled():
     """The zoo's cell (eight schools over 4 clients, float64, the zoo's run key, 10 rounds):
-    ``log tau`` ends 0.34 reference sd off with an sd ratio of 1.52, outside the tier's
-    targets (0.3 sd, 1.5), and Stein's check reads 0.17 sd and a variance ratio of 0.92 (a
+    ``log tau`` ended 0.34 reference sd off with an sd ratio of 1.52, outside the tier's
+    targets (0.3 sd, 1.5), and Stein's check read 0.17 sd and a variance ratio of 0.92 (a
     skewed marginal read as a Gaussian): the run passed it without a word. Over its last 5
     rounds the particles' sd of ``log tau`` varied 1.54-fold; the rounds of the agreeing
     random-intercept runs vary theirs 1.03-1.05-fold (``test_random_intercepts_agree_with_nuts``
-    asserts they do not warn)."""
+    asserts they do not warn), and the check that the rounds settled warned. Since the
+    distillation's ``q^(i-1)`` is spread too, the cell ends 0.47 reference sd off (sd ratio
+    1.51) and Stein's check itself warns (0.54 sd); either warning will do, the run must not
+    be silent. (``unsettled_rounds``' doctest checks the settled check alone.)"""
     from zoo.real_models import MODELS
 
     with open(os.path.join(ROOT, "tests", "zoo", "references", "eight_schools.json")) as f:
@@ -244,7 +254,71 @@ def test_eight_schools_outside_the_targets_warns_that_its_rounds_have_not_settle
     offset = abs(log_tau.mean() - ref["mean"][tau]) / ref["sd"][tau]
     ratio = log_tau.std() / ref["sd"][tau]
     assert offset > 0.3 or not 1 / 1.5 < ratio < 1.5, (offset, ratio)  # outside the targets
-    assert any("the rounds have not settled" in str(w.message) for w in caught)
+    assert any("the rounds have not settled" in str(w.message) or "did not converge" in str(w.message) for w in caught)
+
+
+def hospital_data(seed=5):
+    """Readmissions at 6 hospitals (40-120 patients each, a standardized age), the hospitals'
+    intercepts client-local, two per client over 3 clients."""
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(40, 120, 6)
+    hospital = np.repeat(np.arange(6), sizes)
+    age = rng.normal(0.0, 1.0, hospital.size)
+    intercepts = rng.normal(-1.0, 0.5, 6)
+    p = 1.0 / (1.0 + np.exp(-(intercepts[hospital] + 0.36 * age)))
+    return hospital, age, (rng.uniform(size=hospital.size) < p).astype(np.int32)
+
+
+HOSPITAL_OWNER = np.arange(6) % 3
+
+
+def centred_hospitals(hospital, age, y=None):
+    """Centred random intercepts (a scale with a HalfNormal prior) in a logistic regression."""
+    mu = numpyro.sample("mu", dist.Normal(0.0, 2.5))
+    sigma = numpyro.sample("sigma", dist.HalfNormal(1.0))
+    b = numpyro.sample("b", dist.Normal(0.0, 1.0))
+    with nf.federated_plate("hospitals", 6, clients=HOSPITAL_OWNER):
+        a = numpyro.sample("a", dist.Normal(mu, sigma))
+    with nf.federated_plate("patients", hospital.shape[0], clients=jax.numpy.asarray(HOSPITAL_OWNER)[hospital]):
+        numpyro.sample("y", dist.Bernoulli(logits=a[hospital] + b * age), obs=y)
+
+
+@pytest.mark.long  # about 30 s
+def test_centred_random_intercepts_never_run_away():
+    """A client's distillation targets ``c_k t_k q^(i) / q^(i-1)``, a ratio of KDEs that grows
+    without bound along a direction where ``q^(i)`` came out wider than ``q^(i-1)``. On this
+    model (3 clients, defaults, float64) client 1's first distillation sent its particles of
+    ``p_0 t_1`` to ``log sigma`` -40, and the next round's cavity sent the global particles
+    off: the draws' worst means 275, 138 and 37 NUTS sds off at keys 0-2 (warned). With
+    ``q^(i-1)``'s particles spread to ``q^(i)``'s covariance for the distillation, every
+    round's global particles stay within 3 NUTS sds on the means (measured at most 1.95, the
+    first round's ``b``, which has one client's rows) and the intercepts, their mean and the
+    slope agree (keys 0-2: worst means 0.24, 0.23, 0.18 sd, sd ratios 0.77-1.36; the module's
+    tolerances, three standard errors of 20 particles). ``log sigma``, the funnel's scale with
+    its long left tail, is too wide (sd ratios 2.73, 1.73, 2.60; means 0.65, 0.07, 0.34 sd
+    off): outside the targets, the run must say so."""
+    args = hospital_data()
+    mcmc = MCMC(NUTS(centred_hospitals), num_warmup=1000, num_samples=2000, num_chains=2, progress_bar=False)
+    mcmc.run(jax.random.PRNGKey(2), *args)
+    ref = {k: np.asarray(v) for k, v in mcmc.get_samples().items()}
+    method = nf.DSVGD(centred_hospitals, progress_bar=False)
+    run_key, draw_key = jax.random.split(jax.random.PRNGKey(0))
+    result, warned = _run_key(method, run_key, 10, *args)
+    draws = method.get_samples(draw_key, result, 2000)
+    particles = np.asarray(result.metrics["particles"])  # (rounds, N, 3): b, mu, log sigma
+    global_ref = np.stack([ref["b"], ref["mu"], np.log(ref["sigma"])], axis=1)
+    offsets = np.abs(particles.mean(1) - global_ref.mean(0)) / global_ref.std(0)
+    assert np.all(offsets < 3.0), offsets
+    for site in ("mu", "b", "a"):
+        d, r = np.asarray(draws[site]), ref[site]
+        assert np.all(np.abs(d.mean(0) - r.mean(0)) / r.std(0) < MEAN_TOLERANCE), site
+        ratio = d.std(0) / r.std(0)
+        assert np.all((ratio > RATIO_LIMITS[0]) & (ratio < RATIO_LIMITS[1])), (site, ratio)
+    d, r = np.log(np.asarray(draws["sigma"])), np.log(ref["sigma"])  # on the unconstrained space
+    agrees = (
+        abs(d.mean() - r.mean()) / r.std() < MEAN_TOLERANCE and RATIO_LIMITS[0] < d.std() / r.std() < RATIO_LIMITS[1]
+    )
+    assert agrees or warned, (d.mean(), d.std(), r.mean(), r.std())
 
 
 def test_a_cavity_is_spread_in_every_direction_not_only_per_coordinate():
