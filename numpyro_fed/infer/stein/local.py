@@ -401,7 +401,7 @@ def client_functions(
             # (no_wider_cavity's spread, the other way round): its target c_k t_k q^(i) / q^(i-1)
             # is a ratio of KDEs that grows without bound along a direction where q^(i) came out
             # wider, and a client's particles of c_k t_k ran away along it (log sigma at -40 in a
-            # client's first distillation, -5e4 in a second, on a centred random-intercept model)
+            # client's first distillation on a centred random-intercept model)
             distill_previous = round_scores(
                 no_wider_cavity(u, new_u), local_u, prior_score, kde_score, visited=local.visited, first=first
             )[0]
