@@ -204,13 +204,16 @@ def newton_mode(score_fn: Callable, starts, num_iterations: int = NEWTON_ITERATI
     return ends[jnp.where(first, 0, jnp.argmin(decrements))]
 
 
-def laplace_start(particles, score_fn: Callable):
+def laplace_start(particles, score_fn: Callable, require_mode: bool = False):
     """The particles (``(N, d)``) moved to the target's Laplace approximation: their
     standardized positions mapped to ``N(mode, A^-1)``, ``mode`` found by :func:`newton_mode`
     from their mean and from the origin of the (unconstrained) space, where e.g. a logistic
     regression's logits are 0, and ``A`` the target's negative Hessian there (eigenvalues made positive;
     in no direction wider than the particles were). The particles are returned unchanged if
-    the search fails (non-finite).
+    the search fails (non-finite), and with ``require_mode`` also if neither search converged
+    (Newton decrement above :data:`CONVERGED_DECREMENT`): a centred hierarchy's joint target
+    (a client's group effects and their scale) has no mode, and its search runs down the
+    funnel (radon's county scale to ``log sigma_a`` -11.9 in one client's first round).
 
     Where the particles start many of the target's sds from it, or many times wider, SVGD's
     bounded steps cannot travel the distance; from the Laplace approximation SVGD corrects the
@@ -228,12 +231,19 @@ def laplace_start(particles, score_fn: Callable):
     def score_u(v):
         return w.score_to_z(score_fn(w.from_z(v)))
 
-    mode = newton_mode(score_u, jnp.stack([jnp.mean(u, axis=0), w.to_z(jnp.zeros_like(w.mean))]))
+    ends, decrements = newton_modes(score_u, jnp.stack([jnp.mean(u, axis=0), w.to_z(jnp.zeros_like(w.mean))]))
+    converged = decrements <= CONVERGED_DECREMENT
+    mode = ends[jnp.where(converged[0], 0, jnp.argmin(decrements))]  # newton_mode's choice
     vectors, values = positive_curvature(score_u, mode, 1e-10)
     values = jnp.maximum(values, 1.0)  # never wider than the particles were
     standard = whitening(u).to_z(u)
     moved = w.from_z(mode + standard @ ((vectors / jnp.sqrt(values)) @ vectors.T))
-    return jnp.where(jnp.all(jnp.isfinite(moved)), moved, particles)
+    keep = jnp.all(jnp.isfinite(moved))
+    if require_mode:  # a mode whose curvature is well conditioned, not a point deep in a funnel
+        condition = jnp.max(values) / jnp.min(values)
+        max_condition = min(1e6, 1e-2 / float(jnp.finfo(u.dtype).eps))
+        keep = keep & jnp.any(converged) & (condition <= max_condition)
+    return jnp.where(keep, moved, particles)
 
 
 class Frame(NamedTuple):

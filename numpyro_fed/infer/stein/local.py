@@ -362,8 +362,8 @@ def client_functions(
             return jnp.concatenate([config.prior_score(y[:, :d_g]) - g_theta / temperature, -g_z / temperature], 1)
 
         y = jnp.concatenate([global_particles, local.latents], 1)
-        if config.curvature:  # the run's first round starts from the Laplace approximation
-            y = lax.cond(first, lambda y: laplace_start(y, own_posterior_score), lambda y: y, y)
+        if config.curvature:  # the run's first round starts from the Laplace approximation, if there is a mode
+            y = lax.cond(first, lambda y: laplace_start(y, own_posterior_score, require_mode=True), lambda y: y, y)
         theta = y[:, :d_g]
         frame = whitening(theta) if config.kde_bandwidth == "auto" else _identity_frame(theta)
 
