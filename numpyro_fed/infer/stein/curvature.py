@@ -211,9 +211,11 @@ def laplace_start(particles, score_fn: Callable, require_mode: bool = False):
     regression's logits are 0, and ``A`` the target's negative Hessian there (eigenvalues made positive;
     in no direction wider than the particles were). The particles are returned unchanged if
     the search fails (non-finite), and with ``require_mode`` also if neither search converged
-    (Newton decrement above :data:`CONVERGED_DECREMENT`): a centred hierarchy's joint target
-    (a client's group effects and their scale) has no mode, and its search runs down the
-    funnel (radon's county scale to ``log sigma_a`` -11.9 in one client's first round).
+    (Newton decrement above :data:`CONVERGED_DECREMENT`) or if ``A`` at the chosen end, in the
+    particles' whitened units and floored at theirs, has a condition number above ``min(1e6,
+    0.01 / eps)``: a centred hierarchy's joint target (a client's group effects and their
+    scale) has no mode, and its search runs down the funnel (radon's county scale to ``log
+    sigma_a`` -11.9 in one client's first round).
 
     Where the particles start many of the target's sds from it, or many times wider, SVGD's
     bounded steps cannot travel the distance; from the Laplace approximation SVGD corrects the
