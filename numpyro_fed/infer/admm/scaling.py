@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from numpyro_fed.infer.admm.agents import AgentPotentials
+from numpyro_fed.infer.stein.curvature import max_condition_number
 
 __all__ = [
     "LaplaceScaling",
@@ -120,7 +121,7 @@ def laplace_scaling(
     rounds = 1
     converged = False
     first_pd, left_pd = None, False  # the last point of the path's first positive definite stretch
-    max_condition = min(1e6, 1e-2 / eps)
+    max_condition = max_condition_number(dtype)
     while rounds < max_rounds and np.isfinite(value) and np.all(np.isfinite(hessian)):
         hessian = (hessian + hessian.T) / 2
         eigenvalues, vectors = np.linalg.eigh(hessian)

@@ -25,6 +25,7 @@ __all__ = [
     "Frame",
     "curvature_whitening",
     "laplace_start",
+    "max_condition_number",
     "newton_mode",
     "newton_modes",
     "positive_curvature",
@@ -187,6 +188,25 @@ def newton_modes(
     return jax.lax.map(run, starts) if hessian_fn is not None else jax.vmap(run)(starts)
 
 
+def max_condition_number(dtype) -> float:
+    """The largest condition number of a Hessian taken for a mode's (or, in DADMMS's set-up, a
+    point of the bulk's): ``min(1e6, 0.01 / eps)`` of ``dtype``. Deep in a funnel a Hessian can
+    be positive definite again with a condition number past 1e16 (the centred eight schools).
+
+    >>> import jax.numpy as jnp
+    >>> max_condition_number(jnp.float64), round(max_condition_number(jnp.float32))
+    (1000000.0, 83886)
+    """
+    return min(1e6, 1e-2 / float(jnp.finfo(dtype).eps))
+
+
+def _chosen_end(ends, decrements):
+    """``(end, decrement)`` of :func:`newton_modes`' searches: the first start's where it
+    converged, else the one with the smallest decrement."""
+    i = jnp.where(decrements[0] <= CONVERGED_DECREMENT, 0, jnp.argmin(decrements))
+    return ends[i], decrements[i]
+
+
 def newton_mode(score_fn: Callable, starts, num_iterations: int = NEWTON_ITERATIONS):
     """A mode of the target (a root of ``score_fn``, ``(N, d) -> (N, d)``) by
     :func:`newton_modes` from each of ``starts`` (``(S, d)``): the first start's end point
@@ -199,9 +219,7 @@ def newton_mode(score_fn: Callable, starts, num_iterations: int = NEWTON_ITERATI
     >>> round(float(mode[0]), 4)
     9.5
     """
-    ends, decrements = newton_modes(score_fn, starts, num_iterations)
-    first = decrements[0] <= CONVERGED_DECREMENT
-    return ends[jnp.where(first, 0, jnp.argmin(decrements))]
+    return _chosen_end(*newton_modes(score_fn, starts, num_iterations))[0]
 
 
 def laplace_start(particles, score_fn: Callable, require_mode: bool = False):
@@ -212,8 +230,8 @@ def laplace_start(particles, score_fn: Callable, require_mode: bool = False):
     in no direction wider than the particles were). The particles are returned unchanged if
     the search fails (non-finite), and with ``require_mode`` also if neither search converged
     (Newton decrement above :data:`CONVERGED_DECREMENT`) or if ``A`` at the chosen end, in the
-    particles' whitened units and floored at theirs, has a condition number above ``min(1e6,
-    0.01 / eps)``: a centred hierarchy's joint target (a client's group effects and their
+    particles' whitened units and floored at theirs, has a condition number above
+    :func:`max_condition_number`: a centred hierarchy's joint target (a client's group effects and their
     scale) has no mode, and its search runs down the funnel (radon's county scale to ``log
     sigma_a`` -11.9 in one client's first round).
 
@@ -233,9 +251,8 @@ def laplace_start(particles, score_fn: Callable, require_mode: bool = False):
     def score_u(v):
         return w.score_to_z(score_fn(w.from_z(v)))
 
-    ends, decrements = newton_modes(score_u, jnp.stack([jnp.mean(u, axis=0), w.to_z(jnp.zeros_like(w.mean))]))
-    converged = decrements <= CONVERGED_DECREMENT
-    mode = ends[jnp.where(converged[0], 0, jnp.argmin(decrements))]  # newton_mode's choice
+    starts = jnp.stack([jnp.mean(u, axis=0), w.to_z(jnp.zeros_like(w.mean))])
+    mode, decrement = _chosen_end(*newton_modes(score_u, starts))  # newton_mode's choice
     vectors, values = positive_curvature(score_u, mode, 1e-10)
     values = jnp.maximum(values, 1.0)  # never wider than the particles were
     standard = whitening(u).to_z(u)
@@ -243,8 +260,7 @@ def laplace_start(particles, score_fn: Callable, require_mode: bool = False):
     keep = jnp.all(jnp.isfinite(moved))
     if require_mode:  # a mode whose curvature is well conditioned, not a point deep in a funnel
         condition = jnp.max(values) / jnp.min(values)
-        max_condition = min(1e6, 1e-2 / float(jnp.finfo(u.dtype).eps))
-        keep = keep & jnp.any(converged) & (condition <= max_condition)
+        keep = keep & (decrement <= CONVERGED_DECREMENT) & (condition <= max_condition_number(u.dtype))
     return jnp.where(keep, moved, particles)
 
 
