@@ -232,7 +232,8 @@ def _run_child(argv, out_path, x64, budget):
 def _case_fingerprint(case) -> str:
     """A hash of what the NUTS reference depends on: the model's code, its data, NUTS's settings."""
     model, args = case.build()
-    digest = hashlib.sha1(f"{case.name}|{case.nuts!r}|{case.reference_model is not None}".encode())
+    key = f"{case.name}|{case.nuts!r}|{case.reference_draws}|{case.reference_model is not None}"
+    digest = hashlib.sha1(key.encode())
     digest.update(inspect.getsource(model).encode())
     for a in args:
         digest.update(np.ascontiguousarray(a).tobytes())

@@ -46,13 +46,14 @@ class ZooCase:
     :ivar closed_form: ``() -> (mean, sd)`` on the flat unconstrained space, or ``None``
         (then NUTS on ``reference_model``).
     :ivar reference_model: ``() -> (model, args)`` for NUTS (default: ``build``).
-    :ivar local_sites: client-local latent sites; DSVGD and DPPVI must refuse the model and
-        name one of them.
+    :ivar local_sites: client-local latent sites (each client keeps its own).
     :ivar float64: also run the model in float64 (every model runs in float32, NumPyro's
         default).
     :ivar issue: the issue item whose exact case this is.
     :ivar mean_field: for a Gaussian posterior, ``() -> (mean, sd)`` of the best mean-field
         Gaussian (the minimiser of KL(q || p): the exact mean, and ``1 / sqrt(diag(precision))``).
+    :ivar reference_draws: draws per chain of the NUTS reference (2 chains, 1000 warmup
+        steps each); longer where 3000 leave fewer than the harness's 400 effective draws.
     :ivar tier: ``"synthetic"`` (this module) or ``"real"`` (:mod:`zoo.real_models`: published
         models on real data, their own run lengths and tolerances, a committed NUTS reference).
     :ivar real_model: the real tier's model (one per split), whose reference the case uses.
@@ -68,6 +69,7 @@ class ZooCase:
     float64: bool = False
     issue: str = ""
     nuts: dict = dataclasses.field(default_factory=dict)
+    reference_draws: int = 3000
     mean_field: Callable | None = None
     tier: str = "synthetic"
     real_model: str = ""
@@ -375,6 +377,7 @@ def _cases():
             float64=True,
             issue="item 1",
             nuts=funnel_nuts,
+            reference_draws=12000,  # 3000 left mu with 342 effective draws
         ),
         ZooCase(
             "eight_schools",

@@ -273,7 +273,7 @@ def reference(case_name, out_path):
     mcmc = MCMC(
         NUTS(model, **case.nuts),
         num_warmup=1000,
-        num_samples=3000,
+        num_samples=case.reference_draws,
         num_chains=2,
         chain_method="sequential",
         progress_bar=False,
