@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -86,12 +87,17 @@ def to_inference_data(obj: Any, *args, **kwargs):
     else:
         known = ", ".join(t.__name__ for t, _, _ in _CONVERTERS)
         raise TypeError(f"to_inference_data: no converter for {type(obj).__name__} (known: {known})")
-    if handles_data:
-        return converter(obj, *args, **kwargs)
-    data = {name: kwargs.pop(name) for name in _DATA_OPTIONS if name in kwargs}
-    idata = converter(obj, *args, **kwargs)
-    if data.get("log_likelihood") or data.get("observed_data"):
-        idata = _add_client_data(idata, _model_of(obj), **data)
+    with warnings.catch_warnings():
+        # The converters name the chain and draw axes themselves, so ArviZ's guess that more
+        # chains than draws means mislabelled axes is wrong here: DADMMS runs many short
+        # chains by design (e.g. 100 of 50 draws).
+        warnings.filterwarnings("ignore", message="Found chain dimension to be longer than draw dimension")
+        if handles_data:
+            return converter(obj, *args, **kwargs)
+        data = {name: kwargs.pop(name) for name in _DATA_OPTIONS if name in kwargs}
+        idata = converter(obj, *args, **kwargs)
+        if data.get("log_likelihood") or data.get("observed_data"):
+            idata = _add_client_data(idata, _model_of(obj), **data)
     return idata
 
 

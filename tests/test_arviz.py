@@ -137,6 +137,28 @@ def test_decentralised_draws_have_plate_dims_in_every_group():
     assert draws["y"].shape == (10, X.shape[0])
 
 
+def test_many_short_chains_convert_without_arviz_axis_warning():
+    # DADMMS's documented runs have more chains than draws (100 of 50); the converter names
+    # the axes itself, so ArviZ's "chain dimension longer than draw dimension" guess must not
+    # reach the user (it printed once per site and group).
+    clients, owner = owners_in_three_forms()["array"]
+    X, y = make_data("linear_regression")
+    mcmc = MCMC(
+        nf.DADMMS(hierarchical),
+        num_warmup=5,
+        num_samples=3,
+        num_chains=6,
+        chain_method="vectorized",
+        progress_bar=False,
+    )
+    mcmc.run(jax.random.PRNGKey(0), X, jax.numpy.asarray(owner), y, clients=clients)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        idata = nf.to_inference_data(mcmc)
+    assert idata.posterior.sizes["chain"] == 6 and idata.posterior.sizes["draw"] == 3
+    assert not [w for w in caught if "chain dimension" in str(w.message)]
+
+
 def test_conversion_works_again_with_new_client_arrays():
     # ArviZ's own dims inference (jax.eval_shape of a model trace) failed the second time it
     # met a federated plate whose client assignment was a new (equal) array.
