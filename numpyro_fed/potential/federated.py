@@ -41,12 +41,12 @@ from numpyro_fed.potential.trace import (
     common_num_clients,
     data_free_outputs,
     describe_leaves,
-    discovery_trace,
     find_row_leaves,
     finite_start,
     model_site_dims,
     owner_of_coordinates,
     row_argument_names,
+    start_trace,
     unconstrained_init,
     validate_split,
 )
@@ -401,7 +401,7 @@ def split_potential(
         return validation_enabled(False) if deployment is not None else nullcontext()
 
     with stand_ins():
-        model_trace = discovery_trace(model, model_args, model_kwargs, rng_key, init_strategy, partition)
+        model_trace, _ = start_trace(model, model_args, model_kwargs, rng_key, init_strategy, partition)
         check_observations(model, model_args, model_kwargs, model_trace, partition)
     plates, latent_sites, enumerated = analyse_trace(model_trace, partition)
     if deployment is not None:
@@ -442,7 +442,7 @@ def split_potential(
 
     def init_point_fn(strategy, key):
         with stand_ins():
-            other = discovery_trace(model, model_args, model_kwargs, key, strategy, partition)
+            other, _ = start_trace(model, model_args, model_kwargs, key, strategy, partition)
         return unconstrained_init(other, latent_sites)
 
     potential = FederatedPotential(

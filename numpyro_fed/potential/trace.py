@@ -6,6 +6,7 @@ potential energy."""
 from __future__ import annotations
 
 import inspect
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +80,40 @@ def discovery_trace(model, model_args, model_kwargs, rng_key, init_strategy, par
         if message is None:
             raise
         raise ValueError(f"{message} (tracing the model raised {type(exc).__name__}: {exc})") from exc
+
+
+#: NumPyro's argument validation of a distribution (``Normal distribution got invalid scale
+#: parameter.``): at an initial point it means the point, not the model, is bad (an ``exp`` of
+#: a coefficient times a raw covariate that overflowed), so another point is tried.
+_INVALID_PARAMETER = re.compile(r"distribution got invalid \w+ parameter")
+
+
+def is_invalid_parameter(exc: BaseException) -> bool:
+    """Whether ``exc`` is NumPyro's validation error of a distribution's parameter."""
+    return isinstance(exc, ValueError) and bool(_INVALID_PARAMETER.search(str(exc)))
+
+
+def start_trace(model, model_args, model_kwargs, rng_key, init_strategy, partition=None):
+    """``(trace, tries)``: :func:`discovery_trace` at the first of up to
+    :data:`MAX_INIT_TRIES` initial points (``rng_key``'s, then ``fold_in(rng_key, i)``'s, the
+    keys :func:`finite_start` tries) where tracing does not raise NumPyro's invalid-parameter
+    error. Where every point raises it, the error is re-raised naming how many points were
+    tried and what to change."""
+    first = None
+    for attempt in range(MAX_INIT_TRIES):
+        key = jax.random.fold_in(rng_key, attempt) if attempt else rng_key
+        try:
+            return discovery_trace(model, model_args, model_kwargs, key, init_strategy, partition), attempt + 1
+        except ValueError as exc:
+            if not is_invalid_parameter(exc):
+                raise
+            first = first or exc
+    raise ValueError(
+        f"tracing the model raised NumPyro's '{first}' at every one of {MAX_INIT_TRIES} initial points the "
+        "init_strategy drew. If the parameter depends on the latents (e.g. exp(coefficient x a raw "
+        "covariate) overflows), start from a chosen point (init_strategy=init_to_value(values=...)) "
+        "or rescale the covariate; if it depends only on the data, the data holds invalid values"
+    ) from first
 
 
 class _PlateSizes(Messenger):
@@ -568,7 +603,12 @@ def finite_start(
     for attempt in range(MAX_INIT_TRIES):
         if attempt:
             key = jax.random.fold_in(rng_key, attempt)
-            model_trace = discovery_trace(model, model_args, model_kwargs, key, init_strategy, partition)
+            try:
+                model_trace = discovery_trace(model, model_args, model_kwargs, key, init_strategy, partition)
+            except ValueError as exc:
+                if not is_invalid_parameter(exc):
+                    raise
+                continue  # a point where a parameter is invalid: not a start (start_trace)
         z0 = unconstrained_init(model_trace, latent_sites)
         pooled = float(potential(z0))
         if np.isfinite(pooled):

@@ -1,6 +1,7 @@
 """The initial point: where the init strategy's first draw gives a non-finite potential,
 ``split_potential`` draws again (up to 100 points, as NumPyro's MCMC does) instead of refusing
-the model; where every draw is non-finite it refuses, saying how many it tried."""
+the model, and a first draw where NumPyro's validation raises (an invalid parameter) the same
+way; where every draw is non-finite it refuses, saying how many it tried."""
 
 import numpy as np
 import pytest
@@ -90,3 +91,47 @@ def test_the_algorithms_agree_with_nuts_at_defaults_where_the_first_draw_is_not_
             sd = float(jnp.std(reference[site]))
             assert abs(float(jnp.mean(draws[site]) - jnp.mean(reference[site]))) < 0.3 * sd
             assert 1 / 1.2 < float(jnp.std(draws[site])) / sd < 1.2
+
+
+# Blood pressure whose noise grows with age in years (raw): the scale exp(c + d * age) of a
+# first draw d in (-2, 2) overflows (or underflows to 0) at ages near 800 in float64 as near
+# 80 in float32, and NumPyro's validation raises "Normal distribution got invalid scale
+# parameter" while the model is traced, before any potential is evaluated.
+AGE = jnp.asarray(RNG.uniform(500.0, 800.0, 80))
+PRESSURE = jnp.asarray(RNG.normal(120.0, 5.0, 80))
+
+
+def noise_grows_with_age(age, y):
+    a = numpyro.sample("a", dist.Normal(100.0, 50.0))
+    d = numpyro.sample("d", dist.Normal(0.0, 1.0))
+    with nf.federated_plate("people", age.shape[0], clients=4):
+        numpyro.sample("y", dist.Normal(a, jnp.exp(1.0 + d * age)), obs=y)
+
+
+def _raises_invalid_scale(key):
+    try:
+        discovery_trace(noise_grows_with_age, (AGE, PRESSURE), {}, key, init_to_uniform)
+    except ValueError as exc:
+        assert "invalid scale parameter" in str(exc)
+        return True
+    return False
+
+
+def test_a_first_draw_with_an_invalid_parameter_is_drawn_again():
+    key = next((k for k in map(jax.random.PRNGKey, range(20)) if _raises_invalid_scale(k)), None)
+    assert key is not None, "no key among 20 gives a first draw with an invalid scale"
+    fp = nf.split_potential(noise_grows_with_age, (AGE, PRESSURE), rng_key=key)
+    z = fp.init_params
+    assert abs(float(z["d"])) < 709.0 / 500.0  # a draw where exp(1 + d * age) is finite
+    assert np.isfinite(float(fp.prior_potential(z) + fp.client_potentials(z).sum()))
+
+
+def test_data_that_make_a_parameter_invalid_everywhere_are_refused_with_the_number_tried():
+    def measured_sd(y, sd):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        with nf.federated_plate("rows", y.shape[0], clients=2):
+            numpyro.sample("y", dist.Normal(mu, sd), obs=y)
+
+    y, sd = jnp.zeros(6), jnp.array([1.0, 1.0, -1.0, 1.0, 1.0, 1.0])  # a negative sd in the data
+    with pytest.raises(ValueError, match=rf"invalid scale parameter.*every one of {MAX_INIT_TRIES} initial points"):
+        nf.split_potential(measured_sd, (y, sd))
