@@ -16,6 +16,7 @@ from numpyro_fed.infer.pvi.accounting import MAX_DP_ERROR
 __all__ = [
     "FAILED_FIT_RESIDUAL",
     "PARETO_K_LIMIT",
+    "PARETO_K_MOVED",
     "ImportanceCheck",
     "importance_check",
     "judge_run",
@@ -56,7 +57,16 @@ MAX_MEAN_FIELD_INFLATION = 1.2
 # zoo's 48 DPPVI cells, the 40 of the regressions and the mixture (q's sds 0.78-1.09 of NUTS's)
 # read 0.08-0.72 and none warns; radon's 4 (sds 0.52-0.56) read 1.19-1.47 and warn; eight
 # schools' 4 (sds 0.62-0.66) read 0.43-0.98, 2 warn (the mean-field check warns on all 4).
+# Those were mean-field q's of the hierarchical models; with the structured default and
+# PARETO_K_MOVED below, the 40 still do not warn and all 8 hierarchical cells do.
 PARETO_K_LIMIT = 0.7
+# Below PARETO_K_LIMIT the weights are reliable, and a k-hat above PARETO_K_MOVED already
+# allows q's sd to be short of the posterior's by the variational targets' factor 1.5: for
+# Gaussian tails k = 1 - (sd_q / sd_p)^2, 5/9 at sd_q / sd_p = 1/1.5. Between the two the run
+# warns where the weights move a mean or an sd as above. Measured: the structured q on eight
+# schools in float32 (tau's sd 0.64 of NUTS's) read k-hat 0.557-0.566 and weights putting tau's
+# sd at 1.27-1.28 times q's, and said nothing with the 0.7 gate alone.
+PARETO_K_MOVED = 0.5
 PARETO_K_UNBOUNDED = 1.0  # above it the ratios have no finite mean: warned whatever the weights say
 IMPORTANCE_MEAN_SHIFT = 0.3
 IMPORTANCE_SD_RATIO = 1.2
@@ -306,10 +316,10 @@ def importance_check(log_ratios, draws) -> ImportanceCheck | None:
 def warn_importance(check: ImportanceCheck | None, names=None, *, stacklevel: int = 1) -> None:
     """Warns where ``check`` (:func:`importance_check`) says ``q`` is not the posterior's shape:
     a Pareto k-hat above ``PARETO_K_UNBOUNDED`` (the ratios have no finite mean), or above
-    ``PARETO_K_LIMIT`` with weights that move a coordinate's mean or sd beyond
+    ``PARETO_K_MOVED`` with weights that move a coordinate's mean or sd beyond
     ``IMPORTANCE_MEAN_SHIFT`` or ``IMPORTANCE_SD_RATIO``. ``names``: the coordinates' names
     (default: their positions); ``stacklevel`` counted from the caller."""
-    if check is None or not check.pareto_k > PARETO_K_LIMIT:
+    if check is None or not check.pareto_k > PARETO_K_MOVED:
         return
     shift, log_ratio = np.abs(check.mean_shift), np.abs(np.log(check.sd_ratio))
     moved = shift.max() > IMPORTANCE_MEAN_SHIFT or log_ratio.max() > math.log(IMPORTANCE_SD_RATIO)
@@ -323,11 +333,18 @@ def warn_importance(check: ImportanceCheck | None, names=None, *, stacklevel: in
             f"{check.pareto_k:.2f}, above {PARETO_K_UNBOUNDED}: the ratios have no finite mean, so q misses "
             f"part of the posterior's mass (the weights point at {name(i)}'s mean and {name(j)}'s sd)"
         )
-    else:
+    elif check.pareto_k > PARETO_K_LIMIT:
         what = (
             f"{check.pareto_k:.2f} (above {PARETO_K_LIMIT}), and they move {name(i)}'s mean by {shift[i]:.2g} "
             f"of its sd and put {name(j)}'s sd at {1.0 / check.sd_ratio[j]:.2g} times q's (weighted "
             "estimates understate the gap at such a k-hat)"
+        )
+    else:
+        what = (
+            f"{check.pareto_k:.2f} (above {PARETO_K_MOVED}: for Gaussian tails q's sd is then "
+            f"about {np.sqrt(1.0 - check.pareto_k):.2g} of the posterior's along some direction), and they "
+            f"move {name(i)}'s mean by {shift[i]:.2g} of its sd and put {name(j)}'s sd at "
+            f"{1.0 / check.sd_ratio[j]:.2g} times q's"
         )
     warnings.warn(
         f"DPPVI: q is not the posterior's shape: the importance weights p/q at q's draws have Pareto "

@@ -19,7 +19,7 @@ from numpyro.infer.util import potential_energy
 
 import numpyro_fed as nf
 from numpyro_fed.infer.pvi import DPPVI
-from numpyro_fed.infer.pvi.diagnostics import PARETO_K_LIMIT
+from numpyro_fed.infer.pvi.diagnostics import PARETO_K_LIMIT, ImportanceCheck, warn_importance
 
 # -- a hospital model: a varying intercept per hospital (client-local), raw age, HalfCauchy ------
 
@@ -173,3 +173,26 @@ def test_the_check_is_one_counted_call_per_client_and_private_runs_skip_it():
     result, _ = run(private, 0, 2, *regression_data())
     assert "pareto_k" not in result.metrics
     assert not any(key.startswith("log_lik_draws") for key in result.ledger)
+
+
+@pytest.mark.parametrize(
+    "pareto_k, shift, sd_ratio, warns",
+    [
+        (0.56, 0.1, 1 / 1.27, True),  # eight schools' structured q in float32: k 0.557-0.566, tau 1.27x
+        (0.56, 0.1, 1 / 1.1, False),  # the weights move nothing beyond the limits
+        (0.45, 0.5, 1 / 1.5, False),  # below PARETO_K_MOVED q's tails can hold the posterior's sds
+        (1.2, 0.0, 1.0, True),  # the ratios have no finite mean: warned whatever the weights say
+    ],
+)
+def test_a_k_hat_that_allows_a_short_sd_warns_where_the_weights_move(pareto_k, shift, sd_ratio, warns):
+    """Between PARETO_K_MOVED (0.5) and PARETO_K_LIMIT (0.7) the weights are reliable and a
+    k-hat there allows q's sd to be short by the targets' factor 1.5 (for Gaussian tails
+    k = 1 - (sd_q / sd_p)^2, 5/9 at 1/1.5): the run warns where the weights move a mean or an sd,
+    naming the sd ratio the k-hat implies."""
+    check = ImportanceCheck(pareto_k, np.array([0.0, shift]), np.array([1.0, sd_ratio]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warn_importance(check, ["mu", "tau"])
+    assert bool(caught) == warns, [str(w.message) for w in caught]
+    if warns and pareto_k < PARETO_K_LIMIT:
+        assert "about 0.66 of the posterior's" in str(caught[0].message) and "tau's sd at 1.3" in str(caught[0].message)
