@@ -90,8 +90,9 @@ def to_inference_data(obj: Any, *args, **kwargs):
     with warnings.catch_warnings():
         # The converters name the chain and draw axes themselves, so ArviZ's guess that more
         # chains than draws means mislabelled axes is wrong here: DADMMS runs many short
-        # chains by design (e.g. 100 of 50 draws).
+        # chains by design (e.g. 100 of 50 draws). ArviZ 1.x's words, then 0.2x's.
         warnings.filterwarnings("ignore", message="Found chain dimension to be longer than draw dimension")
+        warnings.filterwarnings("ignore", message=r"More chains \(\d+\) than draws \(\d+\)")
         if handles_data:
             return converter(obj, *args, **kwargs)
         data = {name: kwargs.pop(name) for name in _DATA_OPTIONS if name in kwargs}
