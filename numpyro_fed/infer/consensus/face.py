@@ -68,7 +68,9 @@ class ConsensusMC(VariationalMethod):
     (``"parametric"``), and the server combines them:
 
     * ``"consensus"``: Scott et al.'s draws, each the precision-weighted average of one draw
-      of every client (the weights: the inverses of the clients' sample covariances);
+      of every client (the weights: each client's expected Hessian over its draws, or the
+      inverse of its sample covariance where that Hessian does not describe them; see
+      ``docs/guide/consensus.md``);
     * ``"parametric"``: Neiswanger et al.'s product of the clients' Gaussian approximations.
 
     Both are exact when the sub-posteriors are Gaussian (a linear-Gaussian model) and close
