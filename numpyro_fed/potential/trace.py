@@ -85,12 +85,13 @@ def discovery_trace(model, model_args, model_kwargs, rng_key, init_strategy, par
 #: NumPyro's argument validation of a distribution (``Normal distribution got invalid scale
 #: parameter.``): at an initial point it means the point, not the model, is bad (an ``exp`` of
 #: a coefficient times a raw covariate that overflowed), so another point is tried.
-_INVALID_PARAMETER = re.compile(r"distribution got invalid \w+ parameter")
+_INVALID_PARAMETER = re.compile(r"\w+ distribution got invalid \w+ parameter")
 
 
 def is_invalid_parameter(exc: BaseException) -> bool:
-    """Whether ``exc`` is NumPyro's validation error of a distribution's parameter."""
-    return isinstance(exc, ValueError) and bool(_INVALID_PARAMETER.search(str(exc)))
+    """Whether ``exc`` is NumPyro's validation error of a distribution's parameter (its own
+    message, not one that quotes it, as the plate-size message of :func:`discovery_trace`)."""
+    return isinstance(exc, ValueError) and bool(_INVALID_PARAMETER.match(str(exc)))
 
 
 def start_trace(model, model_args, model_kwargs, rng_key, init_strategy, partition=None):

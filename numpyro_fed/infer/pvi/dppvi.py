@@ -313,7 +313,10 @@ class DPPVI(ClientLatentsFace, PrivacyAccounting, VariationalMethod):
         )
         self.num_local_steps = default_steps if steps is None else steps
         self.num_mc_samples = default_draws if draws is None else draws
-        self.optim = default_optimizer(self.num_local_steps) if optim is None else optim
+        if optim is not None:
+            self.optim = optim
+        elif getattr(self, "_optim_steps", None) != self.num_local_steps:  # the same object while unchanged
+            self.optim, self._optim_steps = default_optimizer(self.num_local_steps), self.num_local_steps
 
     def _setup(self, args, kwargs):
         potential = self.build_potential(args, kwargs, global_latents_only=False)
