@@ -401,7 +401,7 @@ def split_potential(
         return validation_enabled(False) if deployment is not None else nullcontext()
 
     with stand_ins():
-        model_trace, _ = start_trace(model, model_args, model_kwargs, rng_key, init_strategy, partition)
+        model_trace, start_attempt = start_trace(model, model_args, model_kwargs, rng_key, init_strategy, partition)
         check_observations(model, model_args, model_kwargs, model_trace, partition)
     plates, latent_sites, enumerated = analyse_trace(model_trace, partition)
     if deployment is not None:
@@ -416,7 +416,16 @@ def split_potential(
     pooled, tries = None, 1
     if validate and deployment is None:  # deployment: no pooled rows to evaluate a start on
         model_trace, z0, pooled, tries = finite_start(
-            model, model_args, model_kwargs, model_trace, latent_sites, enumerated, rng_key, init_strategy, partition
+            model,
+            model_args,
+            model_kwargs,
+            model_trace,
+            latent_sites,
+            enumerated,
+            rng_key,
+            init_strategy,
+            partition,
+            start_attempt,
         )
     else:
         z0 = unconstrained_init(model_trace, latent_sites)

@@ -6,6 +6,7 @@ potential energy."""
 from __future__ import annotations
 
 import inspect
+import itertools
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,27 +95,39 @@ def is_invalid_parameter(exc: BaseException) -> bool:
     return isinstance(exc, ValueError) and bool(_INVALID_PARAMETER.match(str(exc)))
 
 
-def start_trace(model, model_args, model_kwargs, rng_key, init_strategy, partition=None):
-    """``(trace, tries)``: :func:`discovery_trace` at the first of up to
-    :data:`MAX_INIT_TRIES` initial points (``rng_key``'s, then ``fold_in(rng_key, i)``'s, the
-    keys :func:`finite_start` tries) where tracing does not raise NumPyro's invalid-parameter
-    error. Where every point raises it, the error is re-raised naming how many points were
-    tried and what to change."""
-    first = None
-    for attempt in range(MAX_INIT_TRIES):
+def init_traces(model, model_args, model_kwargs, rng_key, init_strategy, partition=None, *, first=0, errors=None):
+    """``(attempt, trace)``: :func:`discovery_trace` at the initial points of attempts
+    ``first`` to ``MAX_INIT_TRIES - 1`` (``rng_key``'s for attempt 0, ``fold_in(rng_key,
+    attempt)``'s after it, as NumPyro's MCMC retries its init strategy), passing over a point
+    where tracing raises NumPyro's invalid-parameter error (appended to ``errors``)."""
+    for attempt in range(first, MAX_INIT_TRIES):
         key = jax.random.fold_in(rng_key, attempt) if attempt else rng_key
         try:
-            return discovery_trace(model, model_args, model_kwargs, key, init_strategy, partition), attempt + 1
+            model_trace = discovery_trace(model, model_args, model_kwargs, key, init_strategy, partition)
         except ValueError as exc:
             if not is_invalid_parameter(exc):
                 raise
-            first = first or exc
+            if errors is not None:
+                errors.append(exc)
+            continue
+        yield attempt, model_trace
+
+
+def start_trace(model, model_args, model_kwargs, rng_key, init_strategy, partition=None):
+    """``(trace, attempt)``: the first of :func:`init_traces`, the attempt
+    :func:`finite_start` goes on from. Where every point raises NumPyro's invalid-parameter
+    error, the error is re-raised naming how many points were tried and what to change."""
+    errors = []
+    for attempt, model_trace in init_traces(
+        model, model_args, model_kwargs, rng_key, init_strategy, partition, errors=errors
+    ):
+        return model_trace, attempt
     raise ValueError(
-        f"tracing the model raised NumPyro's '{first}' at every one of {MAX_INIT_TRIES} initial points the "
+        f"tracing the model raised NumPyro's '{errors[0]}' at every one of {MAX_INIT_TRIES} initial points the "
         "init_strategy drew. If the parameter depends on the latents (e.g. exp(coefficient x a raw "
         "covariate) overflows), start from a chosen point (init_strategy=init_to_value(values=...)) "
         "or rescale the covariate; if it depends only on the data, the data holds invalid values"
-    ) from first
+    ) from errors[0]
 
 
 class _PlateSizes(Messenger):
@@ -590,26 +603,20 @@ MAX_INIT_TRIES = 100
 
 
 def finite_start(
-    model, model_args, model_kwargs, model_trace, latent_sites, enumerated, rng_key, init_strategy, partition
+    model, model_args, model_kwargs, model_trace, latent_sites, enumerated, rng_key, init_strategy, partition, attempt=0
 ):
     """``(trace, z0, pooled, tries)``: the model's trace at the first of up to
     :data:`MAX_INIT_TRIES` initial points where NumPyro's potential on the pooled data is
-    finite (the first is the one ``rng_key`` gives; the others ``fold_in(rng_key, i)``), as
-    NumPyro's MCMC retries its init strategy. A prior draw of a coefficient of a raw covariate
-    (ages near 40 under ``Normal(0, 2)``) easily overflows an ``exp`` in float32. Where none is
-    finite, the first point, for :func:`validate_split` to refuse. ``pooled`` is NumPyro's
-    potential at ``z0``, ``tries`` how many points were tried."""
+    finite: ``model_trace`` (attempt ``attempt`` of :func:`init_traces`, from
+    :func:`start_trace`), then the next ones, as NumPyro's MCMC retries its init strategy. A
+    prior draw of a coefficient of a raw covariate (ages near 40 under ``Normal(0, 2)``) easily
+    overflows an ``exp`` in float32. Where none is finite, the first point, for
+    :func:`validate_split` to refuse. ``pooled`` is NumPyro's potential at ``z0``, ``tries``
+    how many points were drawn."""
     potential = _pooled_potential(model, model_args, model_kwargs, model_trace, enumerated)
+    later = init_traces(model, model_args, model_kwargs, rng_key, init_strategy, partition, first=attempt + 1)
     first = None
-    for attempt in range(MAX_INIT_TRIES):
-        if attempt:
-            key = jax.random.fold_in(rng_key, attempt)
-            try:
-                model_trace = discovery_trace(model, model_args, model_kwargs, key, init_strategy, partition)
-            except ValueError as exc:
-                if not is_invalid_parameter(exc):
-                    raise
-                continue  # a point where a parameter is invalid: not a start (start_trace)
+    for attempt, model_trace in itertools.chain([(attempt, model_trace)], later):
         z0 = unconstrained_init(model_trace, latent_sites)
         pooled = float(potential(z0))
         if np.isfinite(pooled):
