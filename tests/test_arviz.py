@@ -107,23 +107,28 @@ def test_from_dicts_builds_what_arviz_builds():
     assert idata.attrs["sizes"] == [1, 2] and idata.sample_stats.attrs["algorithm"] == "X"
 
 
+def _dadmms_hierarchical(num_samples, num_chains):
+    """``(mcmc, X, owner, clients)``: a short vectorized DADMMS run of the hierarchical model."""
+    clients, owner = owners_in_three_forms()["array"]
+    X, y = make_data("linear_regression")
+    mcmc = MCMC(
+        nf.DADMMS(hierarchical),
+        num_warmup=5,
+        num_samples=num_samples,
+        num_chains=num_chains,
+        chain_method="vectorized",
+        progress_bar=False,
+    )
+    mcmc.run(jax.random.PRNGKey(0), X, jax.numpy.asarray(owner), y, clients=clients)
+    return mcmc, X, owner, clients
+
+
 def test_decentralised_draws_have_plate_dims_in_every_group():
     # DADMMS: posterior = the reporting agent's draws (dims after plates, as for NUTS), the
     # agents and their network average beside it with the same dims.
     from numpyro.infer import Predictive
 
-    clients, owner = owners_in_three_forms()["array"]
-    X, y = make_data("linear_regression")
-    args = (X, jax.numpy.asarray(owner), y)
-    mcmc = MCMC(
-        nf.DADMMS(hierarchical),
-        num_warmup=5,
-        num_samples=5,
-        num_chains=2,
-        chain_method="vectorized",
-        progress_bar=False,
-    )
-    mcmc.run(jax.random.PRNGKey(0), *args, clients=clients)
+    mcmc, X, owner, clients = _dadmms_hierarchical(num_samples=5, num_chains=2)
     idata = nf.to_inference_data(mcmc)
     assert idata.posterior["u"].dims == ("chain", "draw", "clients")
     assert idata.agents["u"].dims == ("chain", "draw", "agent", "clients")
@@ -141,17 +146,7 @@ def test_many_short_chains_convert_without_arviz_axis_warning():
     # DADMMS's documented runs have more chains than draws (100 of 50); the converter names
     # the axes itself, so ArviZ's "chain dimension longer than draw dimension" guess (0.2x:
     # "More chains than draws") must not reach the user (it printed once per site and group).
-    clients, owner = owners_in_three_forms()["array"]
-    X, y = make_data("linear_regression")
-    mcmc = MCMC(
-        nf.DADMMS(hierarchical),
-        num_warmup=5,
-        num_samples=3,
-        num_chains=6,
-        chain_method="vectorized",
-        progress_bar=False,
-    )
-    mcmc.run(jax.random.PRNGKey(0), X, jax.numpy.asarray(owner), y, clients=clients)
+    mcmc, *_ = _dadmms_hierarchical(num_samples=3, num_chains=6)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         idata = nf.to_inference_data(mcmc)

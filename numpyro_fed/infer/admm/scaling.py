@@ -87,7 +87,8 @@ def laplace_scaling(
 
     With ``surrogate``, a search that finds no mode returns instead the scaling at the point
     where it left the first stretch of its path on which the summed Hessian was positive
-    definite with a condition number below ``min(1e6, 0.01 / eps)`` (``mode=False``), or
+    definite with a condition number below
+    :func:`~numpyro_fed.infer.stein.curvature.max_condition_number` (``mode=False``), or
     ``None`` if it never met one: on a centred hierarchy the search runs down the funnel, and
     that point is where it crossed the posterior's bulk (condition number 888 on radon).
 

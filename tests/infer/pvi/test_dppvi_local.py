@@ -53,6 +53,18 @@ def run_schools(clients, num_rounds=20, args=SCHOOL_ARGS, covariance="diagonal")
     return pvi, result, [str(w.message) for w in caught]
 
 
+def assert_schools_agree(pvi, result, schools_nuts, log_tau_ratio):
+    """Means of mu, log tau and every school's effect within 0.3 NUTS sd, the sds of mu and of
+    the effects within a factor 1.5, and log tau's sd ratio inside ``log_tau_ratio``."""
+    mean, sd = school_moments(pvi.get_samples(jax.random.PRNGKey(2), result, NUM_DRAWS))
+    ref_mean, ref_sd = schools_nuts[1]
+    assert np.all(np.abs(mean - ref_mean) / ref_sd < 0.3), (mean - ref_mean) / ref_sd
+    ratio = sd / ref_sd
+    assert np.all((ratio[[0] + list(range(2, 10))] > 1 / 1.5) & (ratio[[0] + list(range(2, 10))] < 1.5)), ratio
+    low, high = log_tau_ratio
+    assert low < ratio[1] < high, ratio[1]
+
+
 @pytest.fixture(scope="module")
 def schools_run():
     # schools interleaved over the clients (client m owns schools m and m + 4): the draws must
@@ -72,12 +84,7 @@ def test_eight_schools_agrees_with_nuts(schools_run, schools_nuts):
     change for the worse fails."""
     pvi, result, messages = schools_run
     result = result._replace(ledger=dict(result.ledger))  # get_samples counts its call in it
-    mean, sd = school_moments(pvi.get_samples(jax.random.PRNGKey(2), result, NUM_DRAWS))
-    ref_mean, ref_sd = schools_nuts[1]
-    assert np.all(np.abs(mean - ref_mean) / ref_sd < 0.3), (mean - ref_mean) / ref_sd
-    ratio = sd / ref_sd
-    assert np.all((ratio[[0] + list(range(2, 10))] > 1 / 1.5) & (ratio[[0] + list(range(2, 10))] < 1.5)), ratio
-    assert 0.5 < ratio[1] < 0.9, ratio[1]
+    assert_schools_agree(pvi, result, schools_nuts, (0.5, 0.9))
     assert result.metrics["residual"][-1].max() < 0.25
     assert any("mean-field" in m and "coordinate 1" in m for m in messages), messages
 
@@ -135,12 +142,7 @@ def test_the_default_is_structured_with_client_local_latents(schools_nuts):
     pvi, result, messages = run_schools(np.arange(8) // 2, num_rounds=10, covariance="auto")
     assert (pvi.num_local_steps, pvi.num_mc_samples) == (300, 30)
     assert is_full(result.state.q)  # a full-rank q(theta), each client keeping q(z_m | theta)
-    mean, sd = school_moments(pvi.get_samples(jax.random.PRNGKey(2), result, NUM_DRAWS))
-    ref_mean, ref_sd = schools_nuts[1]
-    assert np.all(np.abs(mean - ref_mean) / ref_sd < 0.3), (mean - ref_mean) / ref_sd
-    ratio = sd / ref_sd
-    assert np.all((ratio[[0] + list(range(2, 10))] > 1 / 1.5) & (ratio[[0] + list(range(2, 10))] < 1.5)), ratio
-    assert 0.5 < ratio[1] < 0.8, ratio[1]
+    assert_schools_agree(pvi, result, schools_nuts, (0.5, 0.8))
     assert any("importance weights" in m for m in messages), messages
     given = DPPVI(eight_schools(np.arange(8) // 2), num_local_steps=50, progress_bar=False)
     given.init(jax.random.PRNGKey(0), *SCHOOL_ARGS)
