@@ -337,3 +337,30 @@ def test_deployed_on_ray_is_the_in_process_deployment(ray_session, tmp_path, alg
         # each client's function compiled alone on its worker rounds as vmapped in process, or
         # to round-off (as the engines' other deployed-vs-simulation checks)
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_dsvgd_correction_and_draws_of_local_latents_on_ray_are_the_in_process_deployments(ray_session, tmp_path):
+    """DSVGD's steps after the rounds with client-local latents on Ray: Stein's moment correction
+    with the clients' marginal scores (every client scheduled: ``"marginal_score"`` calls on the
+    workers) and the draws of the counties' intercepts given the global particles (a
+    ``"draw_latents"`` call), against the same deployment in process."""
+    load = radon_loader(str(tmp_path))
+
+    def run(federation):
+        method = nf.DSVGD(radon, num_particles=6, num_local_steps=3, progress_bar=False, federation=federation)
+        result = method.run(KEY, M, *())
+        return result, method.get_samples(jax.random.PRNGKey(1), result, 50)
+
+    local, local_draws = run(InProcess(loader=load, num_clients=M))
+    with nf.RayFederation(loader=load, num_clients=M, timeout=120.0) as federation:
+        with federation.guard():
+            remote, remote_draws = run(federation)
+    assert local.ledger["marginal_score/messages_from_client"].min() >= 2  # the check and a correction
+    np.testing.assert_array_equal(
+        remote.ledger["marginal_score/messages_from_client"], local.ledger["marginal_score/messages_from_client"]
+    )
+    np.testing.assert_allclose(remote.state.global_particles, local.state.global_particles, rtol=1e-9, atol=1e-11)
+    assert remote_draws["a"].shape == (50, sum(GROUPS))
+    for site in local_draws:
+        np.testing.assert_allclose(remote_draws[site], local_draws[site], rtol=1e-9, atol=1e-11, err_msg=site)

@@ -26,11 +26,17 @@ must see: a kernel on ``z_k`` alone cannot keep the pairs' correlation), and the
 ``theta`` halves are ``q^(i)``, distilled into ``t_k`` (Eq. (17)) and uploaded exactly as in
 Algorithm 1. The ``z_k`` halves never leave the client.
 
-After the rounds, the server's ``theta`` particles have moved since a client's last round;
-:func:`refresh_latents` moves the client's ``z_k`` halves to the conditional posterior given
-the final ``theta`` (SVGD steps in ``z_k`` only, the kernel still on the joint coordinates, so
-that its fixed points are exactly ``p(z_k | theta, D_k)`` for the given ``theta``-marginal).
-That is the ``"latents"`` call a result's draws of the local sites come from.
+After the rounds the server's ``theta`` particles have moved since a client's last round,
+and the server has no score of their marginal posterior (each client's term involves its own
+``z_k``). A client gives the gradient of its marginal term, ``grad L_k(theta) = E[grad_theta
+U_k(theta, z_k) | theta]`` (Fisher's identity), at each global particle without sending its
+latents: :func:`marginal_scores`, by importance sampling from the Laplace approximation of its
+conditional ``p(z_k | theta, D_k)`` (exact where that conditional is Gaussian, as a linear-
+Gaussian group effect's is). With it the server checks and corrects the global particles as
+for a model without local latents, and a result's draws of the local sites are the clients'
+draws of their conditionals given the global particles (:func:`draw_conditionals`, the
+``"draw_latents"`` call). :func:`refresh_latents`, SVGD steps in ``z_k`` only towards the
+conditional, is what a client built without its term's value (``client_potential``) does.
 
 Each round a client also spreads its particles of ``p_0 t_k`` to at least the global
 particles' covariance in every direction (:func:`no_wider_cavity`): in a direction its own term leaves
@@ -58,7 +64,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from numpyro_fed.infer.stein.curvature import laplace_start
+from numpyro_fed.infer.stein.curvature import CONVERGED_DECREMENT, laplace_start, newton_modes, positive_curvature
 from numpyro_fed.infer.stein.dsvgd import round_config
 from numpyro_fed.infer.stein.factors import distill, round_scores
 from numpyro_fed.infer.stein.kde import kde_score_fn
@@ -67,20 +73,25 @@ from numpyro_fed.infer.stein.svgd import staged_svgd
 from numpyro_fed.infer.stein.whitening import Whitening, whitening
 
 __all__ = [
+    "CONDITIONAL_DRAWS",
+    "ConditionalLaplace",
     "JointLocalState",
     "LatentLayout",
     "check_own_latents",
     "client_functions",
+    "conditional_draws",
+    "conditional_laplace",
+    "draw_conditionals",
     "embed",
     "global_prior_grad",
     "init",
     "initial_local_states",
     "joint_gradients",
-    "joint_stein_statistics",
+    "joint_potential",
     "latent_layout",
+    "marginal_scores",
     "no_wider_cavity",
     "refresh_latents",
-    "stein_moments",
 ]
 
 
@@ -178,6 +189,158 @@ def global_prior_grad(prior_grad: Callable, layout: LatentLayout) -> Callable:
         return prior_grad(jnp.zeros(layout.num_latent, theta.dtype).at[index].set(theta))[index]
 
     return grad
+
+
+#: full Newton steps after a conditional's mode search has converged (:func:`conditional_laplace`)
+POLISH_STEPS = 3
+
+#: Importance draws per particle of a client's conditional ``p(z_k | theta)`` behind its marginal
+#: score (:func:`marginal_scores`).
+CONDITIONAL_DRAWS = 64
+
+
+def conditional_draws(rng_key, num_draws: int, dim: int, dtype):
+    """``(S, dim)`` draws for the importance proposals of :func:`marginal_scores`: standard
+    normal draws in antithetic pairs (their mean exactly 0), rescaled so that their second
+    moment is exactly the identity. ``S`` is ``num_draws``, or ``2 (dim + 1)`` if larger (the
+    second moment needs more draws than coordinates), rounded up to an even number.
+
+    >>> import jax, jax.numpy as jnp
+    >>> eps = conditional_draws(jax.random.PRNGKey(0), 8, 5, jnp.float32)
+    >>> eps.shape, bool(jnp.allclose(eps.T @ eps / eps.shape[0], jnp.eye(5), atol=1e-5))
+    ((12, 5), True)
+    """
+    half = max((int(num_draws) + 1) // 2, dim + 1)
+    draws = jax.random.normal(rng_key, (half, dim), dtype)
+    chol = jnp.linalg.cholesky(draws.T @ draws / half)
+    draws = jax.scipy.linalg.solve_triangular(chol, draws.T, lower=True).T
+    return jnp.concatenate([draws, -draws])
+
+
+def marginal_scores(theta, starts, joint_value, joint_grads, rng_key, num_draws: int = CONDITIONAL_DRAWS):
+    """``(scores (N, d_g), ess (N,))``: the gradient of a client's marginal term
+    ``L_k(theta) = -log ∫ exp(-U_k(theta, z)) dz`` at each of the global particles ``theta``
+    (``(N, d_g)``), by Fisher's identity ``grad L_k(theta) = E[grad_theta U_k(theta, z) | theta]``,
+    the expectation under the client's conditional ``p(z | theta) ∝ exp(-U_k(theta, z))``
+    estimated by self-normalised importance sampling from its Laplace approximation; and the
+    effective size of the importance draws at each particle, as a fraction of their number (1:
+    equal weights).
+
+    Per particle the conditional's mode is found by damped Newton
+    (:func:`~numpyro_fed.infer.stein.curvature.newton_modes`, from that particle's row of
+    ``starts`` (``(N, d_l)``), in coordinates scaled by the spread of ``starts``); the proposal is
+    ``N(mode, A^{-1})``, ``A`` the conditional's negative Hessian there (eigenvalues made
+    positive), from the same standard normal draws at every particle
+    (:func:`conditional_draws`: their first two moments exact). Where the conditional is
+    Gaussian (a linear-Gaussian group effect, given the population's mean and scale) the
+    weights are equal, and where ``grad_theta U_k`` is at most quadratic in ``z`` (a group
+    effect's mean and scale, a Gaussian likelihood's) the estimate is exact; otherwise the
+    weights correct the proposal.
+
+    ``joint_value(theta, z) -> (S,)`` and ``joint_grads(theta, z) -> (g_theta, g_z)`` are
+    ``U_k`` and its gradients at ``S`` pairs.
+
+    >>> import jax, jax.numpy as jnp
+    >>> # U(theta, z) = (z - theta)^2 / 2 + (1 - z)^2 / 2: L(theta) = (theta - 1)^2 / 4 + const
+    >>> value = lambda t, z: 0.5 * ((z - t) ** 2 + (1 - z) ** 2).sum(-1)
+    >>> grads = lambda t, z: (t - z, (z - t) - (1 - z))
+    >>> g, ess = marginal_scores(jnp.array([[0.0], [3.0]]), jnp.zeros((2, 1)), value, grads, jax.random.PRNGKey(0))
+    >>> [round(float(v), 3) for v in g[:, 0]], bool(ess.min() > 0.999)
+    ([-0.5, 1.0], True)
+    """
+    laplace = conditional_laplace(theta, starts, joint_grads)
+    eps = conditional_draws(rng_key, num_draws, starts.shape[1], theta.dtype)
+
+    def one(t, mode, root):
+        z, log_w = _proposed(laplace, t, mode, root, eps, joint_value)
+        w = jax.nn.softmax(log_w)
+        g_theta = joint_grads(jnp.broadcast_to(t, (z.shape[0], t.shape[0])), z)[0]
+        ess = 1.0 / jnp.sum(w**2) / w.shape[0]
+        return jnp.sum(w[:, None] * jnp.where(w[:, None] > 0, g_theta, 0.0), axis=0), ess
+
+    return jax.vmap(one)(theta, laplace.modes, laplace.roots)
+
+
+class ConditionalLaplace(NamedTuple):
+    """Laplace approximations of a client's conditionals ``p(z | theta_n)``, one per global
+    particle, in the coordinates ``u = (z - center) / scale``: ``z = center + scale * (mode_n +
+    roots_n @ eps)`` for standard normal ``eps`` is a draw of ``N(mode, A^{-1})``."""
+
+    center: jax.Array  # (d_l,)
+    scale: jax.Array  # (d_l,)
+    modes: jax.Array  # (N, d_l)
+    roots: jax.Array  # (N, d_l, d_l), A^{-1/2}
+
+
+def conditional_laplace(theta, starts, joint_grads) -> ConditionalLaplace:
+    """The :class:`ConditionalLaplace` of a client's conditionals at the global particles
+    ``theta`` (``(N, d_g)``): per particle damped Newton
+    (:func:`~numpyro_fed.infer.stein.curvature.newton_modes`) from its row of ``starts``
+    (``(N, d_l)``), in coordinates scaled by their spread, and the negative Hessian there
+    (eigenvalues made positive). ``joint_grads(theta, z) -> (g_theta, g_z)`` at ``S`` pairs."""
+    center = jnp.mean(starts, axis=0)
+    spread = jnp.std(starts, axis=0)
+    scale = jnp.where(spread > 0, spread, 1.0)
+
+    def one(t, start):
+        def score_u(u):  # the conditional's score in the scaled coordinates
+            z = center + u * scale
+            return -joint_grads(jnp.broadcast_to(t, (z.shape[0], t.shape[0])), z)[1] * scale
+
+        ends, _ = newton_modes(score_u, ((start - center) / scale)[None], tolerance=CONVERGED_DECREMENT)
+
+        def polish(u, _):  # a full Newton step: the search's line search on slopes halves a step
+            # whose end has a slope of 0 up to round-off, so it converges only linearly there
+            vectors, values = positive_curvature(score_u, u, 1e-10)
+            new = u + ((score_u(u[None])[0] @ vectors) / values) @ vectors.T
+            return jnp.where(jnp.all(jnp.isfinite(new)), new, u), None
+
+        # from a converged search, to round-off: the same modes wherever the client's function
+        # was compiled and however its search stopped
+        mode, _ = lax.scan(polish, ends[0], None, length=POLISH_STEPS)
+        vectors, values = positive_curvature(score_u, mode, 1e-10)
+        return mode, (vectors / jnp.sqrt(values)) @ vectors.T
+
+    modes, roots = jax.vmap(one)(theta, starts)
+    return ConditionalLaplace(center, scale, modes, roots)
+
+
+def _proposed(laplace: ConditionalLaplace, t, mode, root, eps, joint_value):
+    """``(z (S, d_l), log_w (S,))``: the proposals ``eps`` (``(S, d_l)`` standard normal) of the
+    conditional at the global point ``t`` and their importance log weights (``-inf`` where
+    not finite)."""
+    z = laplace.center + laplace.scale * (mode + eps @ root.T)
+    log_w = -joint_value(jnp.broadcast_to(t, (z.shape[0], t.shape[0])), z) + 0.5 * jnp.sum(eps**2, axis=1)
+    return z, jnp.where(jnp.isfinite(log_w), log_w, -jnp.inf)
+
+
+def draw_conditionals(theta, starts, index, joint_value, joint_grads, rng_key, num_draws: int = CONDITIONAL_DRAWS):
+    """``(S, d_l)``: one draw of the client's conditional ``p(z | theta_n)`` for each
+    ``n`` of ``index`` (``(S,)`` indices of the global particles ``theta``), by importance
+    resampling: ``num_draws`` proposals from its Laplace approximation
+    (:func:`conditional_laplace`, from ``starts``), one kept with probability its weight. Exact
+    where the conditional is Gaussian; otherwise the draws approach it as ``num_draws`` grows.
+
+    >>> import jax, jax.numpy as jnp
+    >>> value = lambda t, z: 0.5 * ((z - t) ** 2 + (1 - z) ** 2).sum(-1)  # z | t ~ N((t + 1) / 2, 1 / 2)
+    >>> grads = lambda t, z: (t - z, (z - t) - (1 - z))
+    >>> z = draw_conditionals(jnp.array([[3.0]]), jnp.zeros((1, 1)), jnp.zeros(4000, int), value, grads,
+    ...                       jax.random.PRNGKey(0))
+    >>> round(float(z.mean()), 1), round(float(z.var()), 1)
+    (2.0, 0.5)
+    """
+    laplace = conditional_laplace(theta, starts, joint_grads)
+    d_l = starts.shape[1]
+
+    def one(args):
+        n, key = args
+        propose, pick = jax.random.split(key)
+        eps = jax.random.normal(propose, (int(num_draws), d_l), theta.dtype)
+        z, log_w = _proposed(laplace, theta[n], laplace.modes[n], laplace.roots[n], eps, joint_value)
+        return z[jax.random.categorical(pick, log_w)]
+
+    keys = jax.random.split(rng_key, index.shape[0])
+    return lax.map(one, (index, keys), batch_size=min(int(index.shape[0]), 256))
 
 
 class JointLocalState(NamedTuple):
@@ -309,14 +472,19 @@ def joint_gradients(client_grad: Callable, layout: LatentLayout) -> Callable:
     return joint_grads
 
 
-def stein_moments(x, score):
-    """``(C g / sd, -E[score (x - m)])`` of particles ``x`` (``(N, d)``) for the target whose
-    score at them is ``score``: the statistics of
-    :func:`~numpyro_fed.infer.stein.checks.stein_statistics` (0 and 1 expected)."""
-    centered = x - jnp.mean(x, axis=0)
-    sd = jnp.std(x, axis=0)
-    mean = centered.T @ (centered @ jnp.mean(score, axis=0)) / x.shape[0] / jnp.where(sd > 0, sd, 1.0)
-    return mean, -jnp.mean(score * centered, axis=0)
+def joint_potential(client_potential: Callable, layout: LatentLayout) -> Callable:
+    """``(theta (N, d_g), z (N, d_l), block) -> (N,)``: the client's term ``U_k`` at every pair
+    (``client_potential``: ``((d,), block) -> ()``), plus a standard normal's for each padding
+    coordinate (as :func:`joint_gradients`)."""
+    positions_of, valid_of = jnp.asarray(layout.positions), jnp.asarray(layout.valid)
+    value = jax.vmap(client_potential, in_axes=(0, None))
+
+    def joint_value(theta, z, block):
+        positions, valid = positions_of[block["client"]], valid_of[block["client"]]
+        padding = 0.5 * jnp.sum(jnp.where(valid, 0.0, z**2), axis=-1)
+        return value(embed(theta, z, positions, layout), block) + padding
+
+    return joint_value
 
 
 def client_functions(
@@ -331,6 +499,7 @@ def client_functions(
     kde_bandwidth="auto",
     svgd_bandwidth=None,
     temperature: float = 1.0,
+    client_potential: Callable | None = None,
 ) -> tuple[dict, dict]:
     """What a DSVGD client of a model with client-local latents runs, ``(functions,
     stateful)`` as a :class:`~numpyro_fed.federation.ClientProgram` takes them, on its own
@@ -340,9 +509,19 @@ def client_functions(
       particles)``, one round (the same messages as
       :func:`~numpyro_fed.infer.stein.dsvgd.client_functions`'): the joint SVGD steps, the
       distillation of ``t_k``; the latent halves stay;
-    * ``"latents"``: ``(block, local, global_particles) -> (local, latents)``, its latent
-      particles refreshed for the given global particles (:func:`refresh_latents`, the
-      client's state unchanged), what the draws of its local sites are.
+    * ``"latents"``: ``(block, local, global_particles) -> (local, latents)``, a latent
+      partner for each global particle (the client's state unchanged): given
+      ``client_potential`` (``((d,), block) -> ()``, the value of the client's term), a draw
+      of its conditional ``p(z_k | theta_n)`` (:func:`draw_conditionals`); without it, its
+      latent particles refreshed for them (:func:`refresh_latents`);
+    * given ``client_potential``, ``"draw_latents"``: ``(block, local, global_particles,
+      index, key) -> (local, draws)``, a draw of the conditional for each global particle
+      ``index`` names (what :meth:`DSVGD.get_samples
+      <numpyro_fed.infer.stein.methods.DSVGD.get_samples>` returns for the local sites), and
+      ``"marginal_score"``: ``(block, local, global_particles) -> (local, (scores, ess))``,
+      the gradient of its marginal term ``L_k`` at each global particle and the importance
+      draws' effective size as a fraction of their number (:func:`marginal_scores`), what
+      Stein's check and moment correction of the global particles use.
 
     ``prior_grad`` and ``client_grad`` are the full-space gradients of
     :func:`~numpyro_fed.infer.stein.model.flat_gradients`; the other options as
@@ -352,9 +531,21 @@ def client_functions(
     config = round_config(global_prior_grad(prior_grad, layout), client_grad, None, kde_bandwidth, svgd_bandwidth)
     kde_score = kde_score_fn(config.kde_bandwidth)
     joint_grads, d_g = joint_gradients(config.client_grad, layout), layout.num_global
+    joint_value = None if client_potential is None else joint_potential(client_potential, layout)
 
     def latent_score(block):
         return lambda theta, z: -joint_grads(theta, z, block)[1] / temperature
+
+    def marginal_score(block, local: JointLocalState, global_particles):
+        key = jax.random.fold_in(jax.random.PRNGKey(0), block["client"])  # common draws: a smooth score
+        g, ess = marginal_scores(
+            global_particles,
+            local.latents,
+            lambda theta, z: joint_value(theta, z, block) / temperature,
+            lambda theta, z: tuple(g / temperature for g in joint_grads(theta, z, block)),
+            key,
+        )
+        return local, (g, ess)
 
     def update(block, local: JointLocalState, global_particles, first):
         def own_posterior_score(y):  # p_0(theta) exp(-U_k(theta, z) / alpha)
@@ -421,7 +612,21 @@ def client_functions(
         new_local = JointLocalState(frame.from_z(new_local_u), latents, jnp.ones_like(local.visited))
         return new_local, frame.from_z(new_u)
 
+    def draw_latents(block, local: JointLocalState, global_particles, index, key):
+        key = jax.random.fold_in(key, block["client"])
+        return local, draw_conditionals(
+            global_particles,
+            local.latents,
+            index,
+            lambda theta, z: joint_value(theta, z, block) / temperature,
+            lambda theta, z: tuple(g / temperature for g in joint_grads(theta, z, block)),
+            key,
+        )
+
     def latents(block, local: JointLocalState, global_particles):
+        if joint_value is not None:  # a draw of the conditional at each global particle
+            index = jnp.arange(global_particles.shape[0])
+            return draw_latents(block, local, global_particles, index, jax.random.PRNGKey(1))
         refreshed = refresh_latents(
             global_particles,
             local.latents,
@@ -433,16 +638,10 @@ def client_functions(
         )
         return local, refreshed
 
-    def check(block, local: JointLocalState, global_particles):
-        """Stein's check of the joint particles without sending them: the gradient of ``U_k``
-        in ``theta`` at the refreshed pairs (the server adds the prior's and the other
-        clients') and the client's own statistics in ``z`` (``C g / sd`` and ``-E[g (z -
-        m)]`` over its latent coordinates, 0 and 1 expected)."""
-        z = latents(block, local, global_particles)[1]
-        g_theta, g_z = joint_grads(global_particles, z, block)
-        return local, (g_theta / temperature, *stein_moments(z, -g_z / temperature))
-
-    return {}, {"update": update, "latents": latents, "check": check}
+    stateful = {"update": update, "latents": latents}
+    if joint_value is not None:
+        stateful.update(marginal_score=marginal_score, draw_latents=draw_latents)
+    return {}, stateful
 
 
 def init(particles, layout: LatentLayout, federation):
@@ -459,16 +658,3 @@ def init(particles, layout: LatentLayout, federation):
         round=jnp.zeros((), jnp.int32),
         absent=jnp.zeros(num_clients, bool),
     )
-
-
-def joint_stein_statistics(layout: LatentLayout, theta, prior_score: Callable, replies):
-    """``(stein_mean, stein_scale)``, each ``(d_g + valid local coordinates,)``, of the joint
-    particles from the clients' ``"check"`` replies (stacked: ``g_theta (K, N, d_g)`` and
-    their own ``z`` statistics ``(K, d_l)``), as
-    :func:`~numpyro_fed.infer.stein.checks.stein_statistics` on the global coordinates."""
-    g_theta, z_mean, z_scale = (np.asarray(r, dtype=float) for r in replies)
-    theta = np.asarray(theta, dtype=float)
-    score = np.asarray(prior_score(jnp.asarray(theta)), dtype=float) - g_theta.sum(axis=0)
-    mean, scale = (np.asarray(v, dtype=float) for v in stein_moments(theta, score))
-    valid = np.asarray(layout.valid)
-    return np.concatenate([mean, z_mean[valid]]), np.concatenate([scale, z_scale[valid]])

@@ -22,12 +22,18 @@ from numpyro_fed.infer.stein import dsvgd as dsvgd_core
 from numpyro_fed.infer.stein import local as local_core
 from numpyro_fed.infer.stein import pdsvgd as pdsvgd_core
 from numpyro_fed.infer.stein import udsvgd as udsvgd_core
-from numpyro_fed.infer.stein.checks import runaway_problems, unsettled_rounds, warn_runaway
+from numpyro_fed.infer.stein.checks import runaway_problems, stein_moments, unsettled_rounds, warn_runaway
 from numpyro_fed.infer.stein.client_order import check_client_order
 from numpyro_fed.infer.stein.curvature import CONVERGED_DECREMENT, newton_modes
 from numpyro_fed.infer.stein.face import ParticleMethod, kernel_stein_discrepancy
 from numpyro_fed.infer.stein.kde import check_kde_bandwidth
-from numpyro_fed.infer.stein.moments import GAUSSIAN_RESIDUAL, MOMENT_CORRECTION, can_correct, stein_moment_correction
+from numpyro_fed.infer.stein.moments import (
+    GAUSSIAN_RESIDUAL,
+    MOMENT_CORRECTION,
+    can_correct,
+    correction_settled,
+    stein_moment_correction,
+)
 from numpyro_fed.infer.stein.optim import adagrad_momentum, check_optim
 from numpyro_fed.infer.stein.whitening import whitening
 from numpyro_fed.infer.zigzag.mode import OtherMode
@@ -35,6 +41,11 @@ from numpyro_fed.infer.zigzag.setup import setup_functions
 
 __all__ = ["DSVGD", "PDSVGD", "UDSVGD"]
 
+
+#: the least effective size, as a fraction of their number, of a client's importance draws of its
+#: latents (:func:`~numpyro_fed.infer.stein.local.marginal_scores`) with client-local latents,
+#: below which the run warns
+MIN_CONDITIONAL_ESS = 0.1
 
 #: one step of Stein's moment correction, compiled once per shape for every run
 _moment_step = jax.jit(stein_moment_correction)
@@ -60,9 +71,12 @@ class DSVGD(ParticleMethod):
         variables may be global (outside the federated plates) or client-local (inside a
         federated plate, e.g. a school's effect owned by the client holding the school): then
         each client moves joint particles ``(theta, z_k)``, keeps their ``z_k`` halves as its
-        client state and sends only ``theta`` (:mod:`~numpyro_fed.infer.stein.local`);
-        :meth:`get_samples` fetches the local sites from the clients (a ``"latents"`` call,
-        counted in the ledger). A client's rows must use only its own local latents.
+        client state and sends only ``theta`` (:mod:`~numpyro_fed.infer.stein.local`); after the
+        rounds each client gives the gradient of its term with its latents integrated out at
+        the global particles (a ``"marginal_score"`` call, for Stein's check and moment
+        correction), and :meth:`get_samples` fetches draws of the local sites given the global
+        particles from the clients (a ``"draw_latents"`` call), both counted in the ledger. A
+        client's rows must use only its own local latents.
     :param int num_particles: ``N`` (>= 1), global and local particles alike.
     :param int num_local_steps: ``L``, SVGD steps of a scheduled client towards its tilted
         distribution.
@@ -116,17 +130,21 @@ class DSVGD(ParticleMethod):
         ``ClientError`` only when fewer than ``min_clients`` clients are in (those whose last
         scheduled round answered, or not scheduled yet). DSVGD only (not its variants). The
         guide's *Nodes that drop out*.
-    :param int moment_correction: ``None`` (default): 3 with ``kde_bandwidth="auto"``, 0
-        with a fixed bandwidth (and in U-DSVGD, whose clients keep the global iterates).
-        Corrections of the last round's global particles once every client has been
-        scheduled (:func:`~numpyro_fed.infer.stein.moments.stein_moment_correction`):
-        each asks every client for its full-batch gradient at the particles (the
-        ``"potential_grad"`` call of Stein's check) and moves them by the affine map that gives
-        them the mean and covariance of the Gaussian whose score best fits the target's in
-        least squares, keeping their shape. Exact for a Gaussian posterior; consistent for any
-        posterior the particles follow in shape. Needs ``N > d + 1`` (otherwise not applied).
-        0: the particles of the rounds, as in the paper. The DSVGD guide, *Stein's moment
-        correction*.
+    :param int moment_correction: ``None`` (default): up to 20 with ``kde_bandwidth="auto"``
+        (:data:`~numpyro_fed.infer.stein.moments.MOMENT_CORRECTION`), 0 with a fixed bandwidth
+        (and in U-DSVGD, whose clients keep the global iterates). The most corrections of the
+        last round's global particles once every client has been scheduled
+        (:func:`~numpyro_fed.infer.stein.moments.stein_moment_correction`), stopping after one
+        that moves every mean by less than 0.01 sd and every sd by less than 1 %
+        (:data:`~numpyro_fed.infer.stein.moments.MOMENT_TOLERANCE`): each asks every client for
+        its full-batch gradient at the particles (the ``"potential_grad"`` call of Stein's
+        check; with client-local latents, the gradient of its marginal term, its
+        ``"marginal_score"`` call) and moves them by the affine map that gives them the mean
+        and covariance of the Gaussian whose score best fits the target's in least squares,
+        keeping their shape. Exact for a Gaussian posterior; consistent for any posterior the
+        particles follow in shape. Needs ``N > d + 1`` (``d``: the global coordinates;
+        otherwise not applied). 0: the particles of the rounds, as in the paper. The DSVGD
+        guide, *Stein's moment correction*.
     :param federation: where the clients run: ``None`` (the default: in this process) or a
         :class:`~numpyro_fed.federation.Federation` such as :class:`~numpyro_fed.RayFederation`
         (each client a worker holding only its own rows); same key, same answer. Each round
@@ -412,17 +430,22 @@ class DSVGD(ParticleMethod):
 
     def _client_call(self, name: str):
         """The stateful call ``name`` of the clients on the global particles, compiled once:
-        ``(global_particles, clients) -> replies`` (stacked by client)."""
+        ``(global_particles, clients, *extra) -> replies`` (stacked by client; ``extra``:
+        more arguments every client gets)."""
         if name not in self._client_calls:
-            call = jit_round(lambda theta, clients, federation: federation.map(name, theta, state=clients)[1])
-            self._client_calls[name] = call
+
+            def call(theta, clients, *more):
+                *extra, federation = more
+                return federation.map(name, theta, *extra, state=clients)[1]
+
+            self._client_calls[name] = jit_round(call)
         federation = self._active_federation
-        return lambda theta, clients: self._client_calls[name](theta, clients, federation)
+        return lambda theta, clients, *extra: self._client_calls[name](theta, clients, *extra, federation)
 
     def joint_particles(self, state, ledger: dict | None = None):
         """The ``(N, d)`` joint particles of a state of a model with client-local latents: its
-        global particles and every client's latent particles refreshed for them (each
-        client's ``"latents"`` call, :func:`~numpyro_fed.infer.stein.local.refresh_latents`;
+        global particles and, for each, every client's draw of its latents given it (each
+        client's ``"latents"`` call, :func:`~numpyro_fed.infer.stein.local.draw_conditionals`;
         counted in the federation's ledger, and added to ``ledger`` if given)."""
         if self._layout is None:
             return self.particles(state)
@@ -442,20 +465,28 @@ class DSVGD(ParticleMethod):
 
     def get_samples(self, rng_key, result, num_samples: int | None = None, *, smooth: bool = False) -> dict:
         """As :meth:`ParticleMethod.get_samples`; in a model with client-local latents, every
-        site, the local ones from the clients' latent particles (:meth:`joint_particles`: one
-        ``"latents"`` call, added to ``result.ledger``), drawn jointly with the global ones."""
+        site: each draw a global particle and, for the local sites, each client's draw of its
+        conditional ``p(z_k | theta)`` given it (its ``"draw_latents"`` call, added to
+        ``result.ledger``; :func:`~numpyro_fed.infer.stein.local.draw_conditionals`)."""
         if self._layout is None:
             return super().get_samples(rng_key, result, num_samples, smooth=smooth)
         if smooth:
             raise ValueError(
                 "smooth=True draws from the KDE of the global particles; in a model with client-local latents "
-                "the draws are the joint particles: pass smooth=False"
+                "the draws are the global particles and the clients' draws of their latents given them: pass "
+                "smooth=False"
             )
-        particles = self.joint_particles(result.state, result.ledger)
-        if num_samples is not None:
+        # each draw: a global particle, and every client's draw of its conditional given it
+        state, theta = result.state, result.state.global_particles
+        pick_key, draw_key = jax.random.split(jax.random.PRNGKey(0) if rng_key is None else rng_key)
+        if num_samples is None:
+            index = jnp.arange(theta.shape[0])
+        else:
             num_samples = check_int(num_samples, "num_samples", minimum=1)
-            particles = particles[jax.random.randint(rng_key, (num_samples,), 0, particles.shape[0])]
-        return self.constrained(particles)
+            index = jax.random.randint(pick_key, (num_samples,), 0, theta.shape[0])
+        draw = self._client_call("draw_latents")
+        latents = self.through_clients(lambda: draw(theta, state.clients, index, draw_key), result.ledger)
+        return self.constrained(self._layout.assemble(theta[index], jnp.asarray(latents)))
 
     def evaluate(self, state, *args, **kwargs):
         """As :meth:`ParticleMethod.evaluate`, on the joint particles (:meth:`joint_particles`)
@@ -468,31 +499,53 @@ class DSVGD(ParticleMethod):
         return jnp.asarray(self.through_clients(lambda: kernel_stein_discrepancy(x, score(x))))
 
     def _finish_local(self, result):
-        """Stein's check of the joint particles (each client's ``"check"`` call: the gradients
-        of its term in the global coordinates and the statistics of its own, never its
-        latent particles), the runaway warning as :meth:`finish`'s."""
-        state, layout = result.state, self._layout
-        check = self._client_call("check")
-        replies = self.through_clients(lambda: check(state.global_particles, state.clients), result.ledger)
-        prior_grad = jax.vmap(local_core.global_prior_grad(self.gradients.prior_grad, layout))
+        """With client-local latents: Stein's check of the global particles with the score of
+        the global latents' marginal posterior (each client's ``"marginal_score"``,
+        :func:`~numpyro_fed.infer.stein.local.marginal_scores`), Stein's moment correction of
+        them with the same scores once every client has been scheduled, the runaway warning as
+        :meth:`finish`'s."""
+        prior_grad = jax.vmap(local_core.global_prior_grad(self.gradients.prior_grad, self._layout))
 
         def prior_score(theta):
             return -prior_grad(theta)
 
-        mean, scale = local_core.joint_stein_statistics(layout, state.global_particles, prior_score, replies)
+        def check(result):
+            theta = result.state.global_particles
+            score, _ = self._marginal_score(prior_score, result.state)
+            return self.through_clients(lambda: stein_moments(theta, score(theta)), result.ledger)
+
         all_visited = self._all_visited(result.metrics)
-        problems = runaway_problems(
-            self._initial_particles,
-            result.metrics["particles"][-1],
-            mean,
-            scale,
-            from_prior=self._from_prior,
-            all_visited=all_visited,
-        )
+
+        def problems_of(result, mean, scale):
+            return runaway_problems(
+                self._initial_particles,
+                result.metrics["particles"][-1],
+                mean,
+                scale,
+                from_prior=self._from_prior,
+                all_visited=all_visited,
+            )
+
+        mean, scale = check(result)
+        problems = problems_of(result, mean, scale)
+        corrected = self.moment_correction and all_visited and can_correct(*result.state.global_particles.shape)
         advice = None
+        if corrected:
+            score, ess = self._marginal_score(prior_score, result.state)
+            result, kept = self._correct_moments(result, problems, score)
+            result.metrics["conditional_ess"] = np.full(len(result.metrics["client"]), np.nan)
+            result.metrics["conditional_ess"][-1] = min(ess)
+            if min(ess) < MIN_CONDITIONAL_ESS:
+                kept.append(
+                    f"a client's importance draws of its latents given the global ones had an effective size of "
+                    f"{min(ess):.2%} of their number (their conditional is far from its Laplace approximation), so "
+                    "the marginal scores of Stein's moment correction, and the draws of the latents, are noisy"
+                )
+            mean, scale = check(result)
+            problems = kept + [p for p in problems_of(result, mean, scale) if p not in kept]
         if problems:  # the remedy of a centred hierarchy, whose runs end here or non-finite
             problems.append(self.divergence_advice.replace("; otherwise lower learning_rate", ""))
-        elif all_visited:  # the rounds' particles are the answer here (no moment correction)
+        elif all_visited and not corrected:  # the rounds' particles are the answer here
             problems = unsettled_rounds(result.metrics["particles"], self.federated_potential.num_clients)
             advice = (
                 "use more num_particles (the global latents' KDEs resolve a skewed posterior better), or FedZigZag, "
@@ -507,6 +560,21 @@ class DSVGD(ParticleMethod):
             advice=advice,
         )
         return result
+
+    def _marginal_score(self, prior_score, state):
+        """``(score, ess)``: ``score(theta) -> (N, d_g)``, the global latents' marginal
+        posterior's score at the global particles ``theta`` from the prior's and every
+        client's ``"marginal_score"`` (one call per client, in the ledger the caller's
+        ``through_clients`` adds to), and ``ess``, a list that gets the least effective size
+        of the clients' importance draws at each call."""
+        call, ess = self._client_call("marginal_score"), []
+
+        def score(theta):
+            g, sizes = call(theta, state.clients)
+            ess.append(float(np.min(np.asarray(sizes))))
+            return prior_score(theta) - jnp.asarray(np.asarray(g).sum(axis=0), theta.dtype)
+
+        return score, ess
 
     def _core_options(self) -> dict:
         return dict(
@@ -524,7 +592,8 @@ class DSVGD(ParticleMethod):
         if self._layout is not None:
             options = self._core_options()
             del options["stochastic_client_grad"]
-            return local_core.client_functions(*self.gradients, self._layout, **options)
+            potential = self.federated_potential.flat().client_potential
+            return local_core.client_functions(*self.gradients, self._layout, client_potential=potential, **options)
         return dsvgd_core.client_functions(*self.gradients, **self._core_options())
 
     def build_round(self):
@@ -600,8 +669,10 @@ class DSVGD(ParticleMethod):
             moved, residual = self.through_clients(lambda x=x: _moment_step(x, score(x)), result.ledger)
             if not np.all(np.isfinite(moved)):  # a non-finite score: keep the particles it had
                 return result, problems + ["Stein's moment correction met a non-finite score at the particles"]
-            x = jnp.asarray(moved)
+            x, settled = jnp.asarray(moved), correction_settled(x, moved)
             residuals.append(float(residual))
+            if settled:
+                break
         particles = np.array(result.metrics["particles"])
         particles[-1] = np.asarray(x)
         result.metrics["particles"] = particles

@@ -14,15 +14,31 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 import jax
 import jax.numpy as jnp
 
 from numpyro_fed.infer.stein.kde import dtype_eps
 
-__all__ = ["GAUSSIAN_RESIDUAL", "MAX_RESCALE", "MOMENT_CORRECTION", "can_correct", "stein_moment_correction"]
+__all__ = [
+    "GAUSSIAN_RESIDUAL",
+    "MAX_RESCALE",
+    "MOMENT_CORRECTION",
+    "MOMENT_TOLERANCE",
+    "can_correct",
+    "correction_settled",
+    "stein_moment_correction",
+]
 
-#: Corrections after DSVGD's last round with ``kde_bandwidth="auto"`` (``moment_correction``).
-MOMENT_CORRECTION = 3
+#: The most corrections after DSVGD's last round with ``kde_bandwidth="auto"``
+#: (``moment_correction``); they stop earlier once one moves the particles less than
+#: :data:`MOMENT_TOLERANCE`.
+MOMENT_CORRECTION = 20
+
+#: A correction that moves every coordinate's mean by less than this many of its sds and changes
+#: its sd by less than this fraction is the last.
+MOMENT_TOLERANCE = 0.01
 
 #: The fraction of the score's variance a linear fit may leave for the target to count as
 #: close to Gaussian over the particles: there the corrected moments are trusted; elsewhere a
@@ -32,6 +48,25 @@ GAUSSIAN_RESIDUAL = 0.05
 #: The most one correction rescales a direction of the particles (their sd), either way; the
 #: rest is left to the next iteration (a guard against a noisy slope).
 MAX_RESCALE = 10.0
+
+
+def correction_settled(before, after, tolerance: float = MOMENT_TOLERANCE) -> bool:
+    """Whether a correction from the ``(N, d)`` particles ``before`` to ``after`` moved every
+    coordinate's mean by less than ``tolerance`` of its sd and changed its sd by less than
+    that fraction.
+
+    >>> import numpy as np
+    >>> x = np.random.default_rng(0).normal(size=(20, 2))
+    >>> correction_settled(x, x + 0.001), correction_settled(x, 1.05 * x)
+    (True, False)
+    """
+    before, after = np.asarray(before, dtype=float), np.asarray(after, dtype=float)
+    sd_before, sd_after = before.std(axis=0), after.std(axis=0)
+    safe = np.where(sd_after > 0, sd_after, 1.0)
+    moved = np.abs(after.mean(axis=0) - before.mean(axis=0)) / safe
+    both = (sd_before > 0) & (sd_after > 0)
+    rescaled = np.abs(np.log(np.where(both, sd_after, 1.0) / np.where(both, sd_before, 1.0)))
+    return bool(np.all(moved < tolerance) and np.all(rescaled < tolerance))
 
 
 def can_correct(num_particles: int, dim: int) -> bool:
