@@ -32,6 +32,7 @@ from numpyro_fed.infer.stein.moments import (
     MOMENT_CORRECTION,
     can_correct,
     correction_settled,
+    stein_misfit,
     stein_moment_correction,
 )
 from numpyro_fed.infer.stein.optim import adagrad_momentum, check_optim
@@ -47,8 +48,13 @@ __all__ = ["DSVGD", "PDSVGD", "UDSVGD"]
 #: below which the run warns
 MIN_CONDITIONAL_ESS = 0.1
 
+#: the most halvings of a step of Stein's moment correction that fits Stein's identities worse
+#: than the particles it starts from (:meth:`DSVGD._correct_moments`)
+MAX_HALVINGS = 5
+
 #: one step of Stein's moment correction, compiled once per shape for every run
 _moment_step = jax.jit(stein_moment_correction)
+_misfit = jax.jit(stein_misfit)
 
 
 #: the Newton decrement (squared Newton step, in posterior sds) at which the search for the
@@ -141,10 +147,12 @@ class DSVGD(ParticleMethod):
         check; with client-local latents, the gradient of its marginal term, its
         ``"marginal_score"`` call) and moves them by the affine map that gives them the mean
         and covariance of the Gaussian whose score best fits the target's in least squares,
-        keeping their shape. Exact for a Gaussian posterior; consistent for any posterior the
-        particles follow in shape. Needs ``N > d + 1`` (``d``: the global coordinates;
-        otherwise not applied). 0: the particles of the rounds, as in the paper. The DSVGD
-        guide, *Stein's moment correction*.
+        keeping their shape; a step whose particles fit Stein's identities worse
+        (:func:`~numpyro_fed.infer.stein.moments.stein_misfit`) is halved, up to 5 times. Exact
+        for a Gaussian posterior; consistent for any posterior the particles follow in shape.
+        Where it does not settle, the rounds' particles are returned and the run warns. Needs
+        ``N > d + 1`` (``d``: the global coordinates; otherwise not applied). 0: the particles
+        of the rounds, as in the paper. The DSVGD guide, *Stein's moment correction*.
     :param federation: where the clients run: ``None`` (the default: in this process) or a
         :class:`~numpyro_fed.federation.Federation` such as :class:`~numpyro_fed.RayFederation`
         (each client a worker holding only its own rows); same key, same answer. Each round
@@ -509,10 +517,11 @@ class DSVGD(ParticleMethod):
         def prior_score(theta):
             return -prior_grad(theta)
 
-        def check(result):
+        def check(result):  # Stein's statistics and the least effective size of the importance draws
             theta = result.state.global_particles
-            score, _ = self._marginal_score(prior_score, result.state)
-            return self.through_clients(lambda: stein_moments(theta, score(theta)), result.ledger)
+            score, ess = self._marginal_score(prior_score, result.state)
+            mean, scale = self.through_clients(lambda: stein_moments(theta, score(theta)), result.ledger)
+            return mean, scale, ess[0]
 
         all_visited = self._all_visited(result.metrics)
 
@@ -526,23 +535,23 @@ class DSVGD(ParticleMethod):
                 all_visited=all_visited,
             )
 
-        mean, scale = check(result)
+        mean, scale, ess = check(result)
         problems = problems_of(result, mean, scale)
         corrected = self.moment_correction and all_visited and can_correct(*result.state.global_particles.shape)
         advice = None
         if corrected:
-            score, ess = self._marginal_score(prior_score, result.state)
+            score, _ = self._marginal_score(prior_score, result.state)
             result, kept = self._correct_moments(result, problems, score)
-            result.metrics["conditional_ess"] = np.full(len(result.metrics["client"]), np.nan)
-            result.metrics["conditional_ess"][-1] = min(ess)
-            if min(ess) < MIN_CONDITIONAL_ESS:
-                kept.append(
-                    f"a client's importance draws of its latents given the global ones had an effective size of "
-                    f"{min(ess):.2%} of their number (their conditional is far from its Laplace approximation), so "
-                    "the marginal scores of Stein's moment correction, and the draws of the latents, are noisy"
-                )
-            mean, scale = check(result)
+            mean, scale, ess = check(result)
             problems = kept + [p for p in problems_of(result, mean, scale) if p not in kept]
+        result.metrics["conditional_ess"] = np.full(len(result.metrics["client"]), np.nan)
+        result.metrics["conditional_ess"][-1] = ess
+        if ess < MIN_CONDITIONAL_ESS:
+            problems.append(
+                f"a client's importance draws of its latents given the global particles had an effective size of "
+                f"{ess:.2%} of their number (their conditional is far from its Laplace approximation), so the "
+                "marginal scores of Stein's check and moment correction, and the draws of the latents, are noisy"
+            )
         if problems:  # the remedy of a centred hierarchy, whose runs end here or non-finite
             problems.append(self.divergence_advice.replace("; otherwise lower learning_rate", ""))
         elif all_visited and not corrected:  # the rounds' particles are the answer here
@@ -656,23 +665,49 @@ class DSVGD(ParticleMethod):
 
     def _correct_moments(self, result, problems, score):
         """Stein's moment correction of the last round's particles
-        (:func:`~numpyro_fed.infer.stein.moments.stein_moment_correction`, ``moment_correction``
-        times, each with every client's full-batch gradient at the particles: a
-        ``"potential_grad"`` call, in the ledger): the corrected particles become the state's
-        global particles and the last round's ``particles``. ``problems``: Stein's check of the
+        (:func:`~numpyro_fed.infer.stein.moments.stein_moment_correction`, at most
+        ``moment_correction`` steps, until one moves nothing: ``correction_settled``), each with
+        every client's full-batch gradient at the particles (a ``"potential_grad"`` call, or
+        with client-local latents a ``"marginal_score"``, in the ledger), a step that fits
+        Stein's identities worse (``stein_misfit``) halved up to :data:`MAX_HALVINGS` times:
+        the corrected particles become the state's global particles and the last round's
+        ``particles``; where the correction does not settle the result is returned unchanged,
+        with that among the problems. ``problems``: Stein's check of the
         uncorrected particles; returned only where the target is not close to Gaussian over
         the particles (the correction then rests on their shape), as a problem of the run.
         ``score``: the jitted :meth:`_target_score` (the Stein checks' too)."""
         x = jnp.asarray(result.metrics["particles"][-1])
-        residuals = []
+        g = self.through_clients(lambda: score(x), result.ledger)
+        misfit, residuals = float(_misfit(x, g)), []
+        if not np.isfinite(misfit):  # a non-finite score: keep the particles
+            return result, problems + ["Stein's moment correction met a non-finite score at the particles"]
+        settled = False
         for _ in range(self.moment_correction):
-            moved, residual = self.through_clients(lambda x=x: _moment_step(x, score(x)), result.ledger)
-            if not np.all(np.isfinite(moved)):  # a non-finite score: keep the particles it had
-                return result, problems + ["Stein's moment correction met a non-finite score at the particles"]
-            x, settled = jnp.asarray(moved), correction_settled(x, moved)
+            target, residual = _moment_step(x, g)
             residuals.append(float(residual))
+            # backtracking: a step whose particles fit Stein's identities worse than these is
+            # halved (an affine map still), at most MAX_HALVINGS times; where the score is
+            # nearly flat across the particles (a scale's tail) the fitted precision is small
+            # and the full step overshoots (eight schools: log tau by 118, then overflow)
+            for halving in range(MAX_HALVINGS + 1):
+                moved = x + 0.5**halving * (target - x)
+                g_moved = self.through_clients(lambda moved=moved: score(moved), result.ledger)
+                moved_misfit = float(_misfit(moved, g_moved))
+                # (with a slack of round-off's order: near the fixed point both are ~0, and a
+                # comparison that round-off decides would halve on one engine and not another)
+                if np.isfinite(moved_misfit) and moved_misfit <= max(misfit * (1.0 + 1e-6), 1e-10):
+                    break
+            else:  # no step along it fits better
+                break
+            settled = correction_settled(x, moved)
+            x, g, misfit = moved, g_moved, moved_misfit
             if settled:
                 break
+        if not settled:  # the rounds' particles are returned
+            return result, problems + [
+                f"Stein's moment correction did not settle in {len(residuals)} step(s) (the target is not "
+                "close to Gaussian where the particles are), so the particles are the rounds'"
+            ]
         particles = np.array(result.metrics["particles"])
         particles[-1] = np.asarray(x)
         result.metrics["particles"] = particles

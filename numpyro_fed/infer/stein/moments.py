@@ -28,6 +28,7 @@ __all__ = [
     "MOMENT_TOLERANCE",
     "can_correct",
     "correction_settled",
+    "stein_misfit",
     "stein_moment_correction",
 ]
 
@@ -75,6 +76,40 @@ def can_correct(num_particles: int, dim: int) -> bool:
     return num_particles > dim + 1
 
 
+def _fit(particles, scores):
+    """The least-squares fit of :func:`stein_moment_correction`, in the coordinates ``z`` that
+    whiten the particles: ``(mean, chol, z, b, S, residual)``, ``g ~ b - S z`` (``S``
+    symmetrised)."""
+    n = particles.shape[0]
+    mean = jnp.mean(particles, axis=0)
+    centered = particles - mean
+    cov = centered.T @ centered / n
+    cov = cov + jnp.diag(math.sqrt(dtype_eps(particles.dtype)) * jnp.diag(cov) + jnp.finfo(cov.dtype).tiny)
+    chol = jnp.linalg.cholesky(cov)
+    z = jax.scipy.linalg.solve_triangular(chol, centered.T, lower=True).T
+    g = scores @ chol  # scores in z
+    b = jnp.mean(g, axis=0)
+    slope = -((g - b).T @ z) / n
+    residual = jnp.sum((g - b + z @ slope.T) ** 2) / jnp.maximum(jnp.sum((g - b) ** 2), jnp.finfo(g.dtype).tiny)
+    return mean, chol, z, b, 0.5 * (slope + slope.T), residual
+
+
+def stein_misfit(particles, scores):
+    """How far ``(N, d)`` particles are from satisfying Stein's first two identities for the
+    target whose score at them is ``scores``: ``|b|^2 + |S - I|_F^2`` in the coordinates that
+    whiten them (``b`` the mean score, ``S`` the fitted precision of
+    :func:`stein_moment_correction`); 0 at a fixed point of the correction.
+
+    >>> import jax, jax.numpy as jnp
+    >>> x = jax.random.normal(jax.random.PRNGKey(0), (20, 2))
+    >>> y, _ = stein_moment_correction(x, -(x - 3.0))  # N(3, I): one correction is exact
+    >>> float(stein_misfit(x, -(x - 3.0))) > 1, float(stein_misfit(y, -(y - 3.0))) < 1e-6
+    (True, True)
+    """
+    _, _, _, b, slope, _ = _fit(particles, scores)
+    return jnp.sum(b**2) + jnp.sum((slope - jnp.eye(slope.shape[0], dtype=slope.dtype)) ** 2)
+
+
 def stein_moment_correction(particles, scores):
     """``(new particles, residual)``: the ``(N, d)`` particles moved by the affine map that
     gives them the mean and covariance of the Gaussian whose score best fits ``scores``
@@ -98,18 +133,7 @@ def stein_moment_correction(particles, scores):
     >>> round(float(residual), 4)
     0.0
     """
-    n, d = particles.shape
-    mean = jnp.mean(particles, axis=0)
-    centered = particles - mean
-    cov = centered.T @ centered / n
-    cov = cov + jnp.diag(math.sqrt(dtype_eps(particles.dtype)) * jnp.diag(cov) + jnp.finfo(cov.dtype).tiny)
-    chol = jnp.linalg.cholesky(cov)
-    z = jax.scipy.linalg.solve_triangular(chol, centered.T, lower=True).T
-    g = scores @ chol  # scores in z
-    b = jnp.mean(g, axis=0)
-    slope = -((g - b).T @ z) / n
-    residual = jnp.sum((g - b + z @ slope.T) ** 2) / jnp.maximum(jnp.sum((g - b) ** 2), jnp.finfo(g.dtype).tiny)
-    slope = 0.5 * (slope + slope.T)
+    mean, chol, z, b, slope, residual = _fit(particles, scores)
     eigenvalues, vectors = jnp.linalg.eigh(slope)
     positive = eigenvalues > 0
     # precision 1 where not positive (no change of scale), capped changes elsewhere
