@@ -244,8 +244,9 @@ def test_eight_schools_rounds_outside_the_targets_warn_and_the_correction_brings
     once outside them passed Stein's check, which read a skewed marginal as a Gaussian, so
     the check that the rounds settled warns too). By default Stein's moment correction moves
     them with the clients' marginal scores (``marginal_scores``: each school's effect
-    integrated out given ``mu`` and ``tau``; 11 ``"marginal_score"`` calls with the checks), and ``mu`` and ``log tau`` end
-    inside the targets (measured 0.006 and 0.10 sd off, sd ratios 1.00 and 0.78)."""
+    integrated out given ``mu`` and ``tau``; 11 ``"marginal_score"`` calls with the checks),
+    and ``mu`` and ``log tau`` end inside the targets (measured 0.006 and 0.10 sd off, sd
+    ratios 1.00 and 0.78)."""
     from zoo.real_models import MODELS
 
     with open(os.path.join(ROOT, "tests", "zoo", "references", "eight_schools.json")) as f:
