@@ -536,15 +536,18 @@ def client_functions(
     def latent_score(block):
         return lambda theta, z: -joint_grads(theta, z, block)[1] / temperature
 
+    def tempered(block):  # the client's tempered term at pairs and its gradients
+        def value(theta, z):
+            return joint_value(theta, z, block) / temperature
+
+        def grads(theta, z):
+            return tuple(g / temperature for g in joint_grads(theta, z, block))
+
+        return value, grads
+
     def marginal_score(block, local: JointLocalState, global_particles):
         key = jax.random.fold_in(jax.random.PRNGKey(0), block["client"])  # common draws: a smooth score
-        g, ess = marginal_scores(
-            global_particles,
-            local.latents,
-            lambda theta, z: joint_value(theta, z, block) / temperature,
-            lambda theta, z: tuple(g / temperature for g in joint_grads(theta, z, block)),
-            key,
-        )
+        g, ess = marginal_scores(global_particles, local.latents, *tempered(block), key)
         return local, (g, ess)
 
     def update(block, local: JointLocalState, global_particles, first):
@@ -614,14 +617,7 @@ def client_functions(
 
     def draw_latents(block, local: JointLocalState, global_particles, index, key):
         key = jax.random.fold_in(key, block["client"])
-        return local, draw_conditionals(
-            global_particles,
-            local.latents,
-            index,
-            lambda theta, z: joint_value(theta, z, block) / temperature,
-            lambda theta, z: tuple(g / temperature for g in joint_grads(theta, z, block)),
-            key,
-        )
+        return local, draw_conditionals(global_particles, local.latents, index, *tempered(block), key)
 
     def latents(block, local: JointLocalState, global_particles):
         if joint_value is not None:  # a draw of the conditional at each global particle
