@@ -407,7 +407,8 @@ class VariationalMethod:
         continue. ``ledger``: the calls a fresh run made before its rounds (a set-up's), counted
         in its ledger. A :class:`~numpyro_fed.federation.ClientError` gets ``error.state`` (the
         checkpoint, whose context holds ``context`` and the ledger so far) and
-        ``error.result`` (the rounds completed, a :class:`RunResult`)."""
+        ``error.result`` (the rounds completed, a :class:`RunResult`); so does the
+        ``FloatingPointError`` of a run that diverged."""
         from numpyro_fed.federation import ClientError
 
         federation = getattr(self, "_active_federation", None)
@@ -429,10 +430,10 @@ class VariationalMethod:
                 context=context,
                 guard=None if federation is None else federation.guard,
             )
-        except ClientError as error:
+        except (ClientError, FloatingPointError) as error:
             checkpoint = getattr(error, "state", None)
-            if isinstance(checkpoint, RunCheckpoint) and federation is not None:
-                ledger = self.run_ledger(federation, previous, baseline)
+            if isinstance(checkpoint, RunCheckpoint):
+                ledger = None if federation is None else self.run_ledger(federation, previous, baseline)
                 error.state = checkpoint._replace(context=dict(checkpoint.context, ledger=ledger))
                 error.result = RunResult(checkpoint.state, checkpoint.metrics, privacy, self, ledger)
             raise

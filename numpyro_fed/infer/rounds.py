@@ -28,7 +28,8 @@ def _all_finite(tree) -> bool:
 class RunCheckpoint(NamedTuple):
     """Where an interrupted run stopped: attached as ``error.state`` to the
     :class:`~numpyro_fed.federation.ClientError` that stopped it (with ``error.result``, a
-    :class:`RunResult` of the rounds done). ``method.run(rng_key, num_rounds, *args,
+    :class:`RunResult` of the rounds done), and to the ``FloatingPointError`` of a run that
+    diverged (the rounds before the non-finite one). ``method.run(rng_key, num_rounds, *args,
     init_state=checkpoint)`` with the run's key and ``num_rounds`` runs the remaining rounds
     and returns what the uninterrupted run would have (the same keys, the same state; the
     metrics of both parts).
@@ -75,7 +76,8 @@ def run_rounds(
     After each round ``record(state, info) -> dict`` (default: ``info._asdict()`` of a
     NamedTuple ``info``, without ``None`` fields) gives that round's metrics, and
     ``is_finite(state)`` (default: every floating leaf of ``state`` finite) the divergence
-    check: a ``FloatingPointError`` naming the round and ``divergence_advice``. A scalar
+    check: a ``FloatingPointError`` naming the round and ``divergence_advice``, whose
+    ``error.state`` is a :class:`RunCheckpoint` of the rounds completed before it. A scalar
     ``loss`` metric is shown on the progress bar.
 
     **Faults.** A :class:`~numpyro_fed.federation.ClientError` raised by a round (a client
@@ -137,13 +139,15 @@ def run_rounds(
             except ClientError as error:
                 error.state = RunCheckpoint(state, r, num_rounds, _stack(records, wall_time), dict(context or {}))
                 raise
-            state = new_state
-            wall_time.append(offset + time.perf_counter() - start)
             if not finite:
-                raise FloatingPointError(
+                error = FloatingPointError(
                     f"{desc or 'the run'} diverged: non-finite state after round {r + 1} of "
                     f"{num_rounds}" + (f"; {divergence_advice}" if divergence_advice else "")
                 )
+                error.state = RunCheckpoint(state, r, num_rounds, _stack(records, wall_time), dict(context or {}))
+                raise error
+            state = new_state
+            wall_time.append(offset + time.perf_counter() - start)
             values = record(state, info)
             for name, value in values.items():
                 records.setdefault(name, []).append(value)

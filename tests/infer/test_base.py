@@ -77,16 +77,21 @@ def test_run_rounds_stacks_metrics_and_names_the_diverging_round():
     assert metrics["noise"].shape == (3, 2) and metrics["wall_time"].shape == (3,)
     # one key per round: the rounds' noises differ
     assert not np.allclose(metrics["noise"][0], metrics["noise"][1])
-    with pytest.raises(FloatingPointError, match="Toy diverged: non-finite state after round 2 of 5; lower it"):
+    with pytest.raises(FloatingPointError, match="Toy diverged: non-finite state after round 2 of 5; lower it") as info:
         run_rounds(
-            lambda k, x: (x * 1e200, None),
+            lambda k, x: (x * 1e200, {"loss": x}),
             jax.random.PRNGKey(0),
             jnp.float64(1e100),
             5,
+            record=lambda s, info: info,
             progress_bar=False,
             desc="Toy",
             divergence_advice="lower it",
         )
+    # the error carries the rounds completed before the non-finite one
+    checkpoint = info.value.state
+    assert (checkpoint.rounds_done, checkpoint.num_rounds, float(checkpoint.state)) == (1, 5, 1e300)
+    assert checkpoint.metrics["loss"].tolist() == [1e100] and checkpoint.metrics["wall_time"].shape == (1,)
 
 
 class MeanState(NamedTuple):

@@ -105,6 +105,8 @@ class ParticleMethod(VariationalMethod):
     _from_prior = True  # whether the current run started from prior draws
     _start_ledger: dict | None = None  # the calls _start_particles made (a run counts them)
     _start_search = None  # _start_particles' compiled program, once per split of the model
+    _mode_laplace = None  # the Laplace approximation at the mode _start_particles moved the particles to
+    _divergence = None  # the FloatingPointError of a run that finish() takes over (_may_finish_diverged)
 
     def __init__(
         self,
@@ -248,6 +250,7 @@ class ParticleMethod(VariationalMethod):
         flat unconstrained), the potential split on the model's arguments ``args``,
         ``kwargs`` (the clients' data)."""
         self._setup(args, kwargs)
+        self._mode_laplace = None
         if init_particles is None:
             particles = initial_particles(
                 self.model, self.federated_potential, rng_key, args, kwargs, self.num_particles, self.init_strategy
@@ -415,9 +418,11 @@ class ParticleMethod(VariationalMethod):
         if resume is not None:
             context = resume.context
             self._from_prior, self._initial_particles = context["from_prior"], context["initial_particles"]
-            start = context["start"]
+            self._mode_laplace, start = context.get("mode_laplace"), context["start"]
         else:
             self._from_prior = init_state is None and init_particles is None
+            if init_state is not None:  # no start of this run's
+                self._mode_laplace = None
             self._initial_particles = self.particles(state)
             start = self._rounds_done(state)
         order = make_client_order(self._order(), num_rounds, fp.num_clients, k_order, self._per_round)
@@ -426,14 +431,31 @@ class ParticleMethod(VariationalMethod):
             return self._round(self._round_key(key), s, order[self._rounds_done(s) - start])
 
         start_ledger, self._start_ledger = self._start_ledger, None
-        result = self.drive(
-            update,
-            k_rounds,
-            state,
-            num_rounds,
-            resume=resume,
-            is_finite=lambda s: bool(jnp.all(jnp.isfinite(self.particles(s)))),
-            context={"from_prior": self._from_prior, "initial_particles": self._initial_particles, "start": start},
-            ledger=start_ledger if init_state is None else None,
-        )
+        self._divergence = None
+        try:
+            result = self.drive(
+                update,
+                k_rounds,
+                state,
+                num_rounds,
+                resume=resume,
+                is_finite=lambda s: bool(jnp.all(jnp.isfinite(self.particles(s)))),
+                context={
+                    "from_prior": self._from_prior,
+                    "initial_particles": self._initial_particles,
+                    "start": start,
+                    "mode_laplace": self._mode_laplace,
+                },
+                ledger=start_ledger if init_state is None else None,
+            )
+        except FloatingPointError as error:
+            if not self._may_finish_diverged(error):
+                raise
+            self._divergence, result = error, error.result
         return self.finish(result)
+
+    def _may_finish_diverged(self, error: FloatingPointError) -> bool:
+        """Whether :meth:`finish` may take the rounds completed before a run diverged
+        (``error.result``; ``self._divergence`` is then ``error``) instead of the error being
+        raised: never here (DSVGD restarts at the mode where it can)."""
+        return False

@@ -27,6 +27,7 @@ __all__ = [
     "MOMENT_CORRECTION",
     "MOMENT_TOLERANCE",
     "can_correct",
+    "correction_move",
     "correction_settled",
     "stein_misfit",
     "stein_moment_correction",
@@ -51,15 +52,15 @@ GAUSSIAN_RESIDUAL = 0.05
 MAX_RESCALE = 10.0
 
 
-def correction_settled(before, after, tolerance: float = MOMENT_TOLERANCE) -> bool:
-    """Whether a correction from the ``(N, d)`` particles ``before`` to ``after`` moved every
-    coordinate's mean by less than ``tolerance`` of its sd and changed its sd by less than
-    that fraction.
+def correction_move(before, after) -> float:
+    """How far a correction from the ``(N, d)`` particles ``before`` to ``after`` moved them:
+    the largest, over coordinates, of the move of a coordinate's mean in its sds and of the
+    change of its sd (``|log|`` of their ratio).
 
     >>> import numpy as np
     >>> x = np.random.default_rng(0).normal(size=(20, 2))
-    >>> correction_settled(x, x + 0.001), correction_settled(x, 1.05 * x)
-    (True, False)
+    >>> round(correction_move(x, 1.05 * x), 4)
+    0.0488
     """
     before, after = np.asarray(before, dtype=float), np.asarray(after, dtype=float)
     sd_before, sd_after = before.std(axis=0), after.std(axis=0)
@@ -67,7 +68,20 @@ def correction_settled(before, after, tolerance: float = MOMENT_TOLERANCE) -> bo
     moved = np.abs(after.mean(axis=0) - before.mean(axis=0)) / safe
     both = (sd_before > 0) & (sd_after > 0)
     rescaled = np.abs(np.log(np.where(both, sd_after, 1.0) / np.where(both, sd_before, 1.0)))
-    return bool(np.all(moved < tolerance) and np.all(rescaled < tolerance))
+    return float(max(np.max(moved), np.max(rescaled)))
+
+
+def correction_settled(before, after, tolerance: float = MOMENT_TOLERANCE) -> bool:
+    """Whether a correction from the ``(N, d)`` particles ``before`` to ``after`` moved every
+    coordinate's mean by less than ``tolerance`` of its sd and changed its sd by less than
+    that fraction (:func:`correction_move`).
+
+    >>> import numpy as np
+    >>> x = np.random.default_rng(0).normal(size=(20, 2))
+    >>> correction_settled(x, x + 0.001), correction_settled(x, 1.05 * x)
+    (True, False)
+    """
+    return correction_move(before, after) < tolerance
 
 
 def can_correct(num_particles: int, dim: int) -> bool:
