@@ -662,9 +662,9 @@ class DSVGD(ParticleMethod):
         stein_mean, stein_scale = (np.array(v) for v in self._stein_metrics(particles, result.ledger, score))
         all_visited = self._all_visited(result.metrics)
 
-        def problems_of(end, mean, scale):
+        def problems_of(end, mean, scale, visited=all_visited):
             return runaway_problems(
-                self._initial_particles, end, mean, scale, from_prior=self._from_prior, all_visited=all_visited
+                self._initial_particles, end, mean, scale, from_prior=self._from_prior, all_visited=visited
             )
 
         problems = problems_of(particles[-1], stein_mean[-1], stein_scale[-1])
@@ -806,7 +806,7 @@ class DSVGD(ParticleMethod):
         adopted only where its last step moved the particles less than
         :data:`RESTART_TOLERANCE`, the target is close to Gaussian over them
         (:data:`~numpyro_fed.infer.stein.moments.GAUSSIAN_RESIDUAL`) and Stein's check of
-        them (``problems_of(particles, stein_mean, stein_scale)``) finds nothing:
+        them (``problems_of(particles, stein_mean, stein_scale, visited=True)``) finds nothing:
         ``(result, problems, (stein_mean, stein_scale))``, the problems saying that the draws
         are not the rounds'; ``None`` otherwise (and without a mode to start from).
 
@@ -831,7 +831,7 @@ class DSVGD(ParticleMethod):
         if not move < RESTART_TOLERANCE or residuals[-1] > GAUSSIAN_RESIDUAL:
             return None
         mean, scale = self._stein_metrics(x[None], result.ledger, score)
-        if problems_of(x, mean[0], scale[0]):
+        if problems_of(x, mean[0], scale[0], visited=True):  # Stein's check, whichever clients the rounds reached
             return None
         result = self._with_last_particles(result, x, residuals[-1])
         return (
