@@ -116,7 +116,7 @@ def test_rounds_that_run_away_restart_at_the_mode():
     np.testing.assert_allclose(result.metrics["particles"][-1], particles)
     (message,) = [w for w in caught if "ran away" in w]
     assert "did not bring them to the target" in message
-    assert "they are the Laplace approximation at the posterior's mode the run started from" in message
+    assert "started again from the Laplace approximation at the posterior's mode the run started from" in message
     assert "pass Stein's check" in message
 
 
