@@ -545,8 +545,7 @@ class DSVGD(ParticleMethod):
         def prior_score(theta):
             return -prior_grad(theta)
 
-        def check(result):  # Stein's statistics and the least effective size of the importance draws
-            theta = result.state.global_particles
+        def check(theta):  # Stein's statistics at theta and the least effective size of the importance draws
             score, ess = self._marginal_score(prior_score, result.state)
             mean, scale = self.through_clients(lambda: stein_moments(theta, score(theta)), result.ledger)
             return mean, scale, ess[0]
@@ -563,7 +562,7 @@ class DSVGD(ParticleMethod):
                 all_visited=all_visited,
             )
 
-        mean, scale, ess = check(result)
+        mean, scale, ess = check(result.state.global_particles)
         problems = problems_of(result, mean, scale)
         corrected = self.moment_correction and all_visited and can_correct(*result.state.global_particles.shape)
         advice = None
@@ -571,18 +570,17 @@ class DSVGD(ParticleMethod):
             score, _ = self._marginal_score(prior_score, result.state)
             before = problems
             result, kept, settled = self._correct_moments(result, problems, score)
-            mean, scale, ess = check(result)
+            mean, scale, ess = check(result.state.global_particles)
             after = problems_of(result, mean, scale)
             problems = kept + [p for p in after if p not in kept]
             if not settled or after:  # the correction did not reach the target: restart it
 
                 def passes(x):  # Stein's check with the marginal scores, and their importance draws
-                    x_score, sizes = self._marginal_score(prior_score, result.state)
-                    mean, scale = self.through_clients(lambda: stein_moments(x, x_score(x)), result.ledger)
+                    mean, scale, size = check(x)
                     bad = runaway_problems(
                         self._initial_particles, x, mean, scale, from_prior=self._from_prior, all_visited=True
                     )
-                    return None if bad or sizes[0] < MIN_CONDITIONAL_ESS else (mean, scale, sizes[0])
+                    return None if bad or size < MIN_CONDITIONAL_ESS else (mean, scale, size)
 
                 failed = (
                     f"{'; '.join(before or problems)}, and Stein's moment correction of their particles did not "
@@ -658,9 +656,7 @@ class DSVGD(ParticleMethod):
 
     def _all_visited(self, metrics) -> bool:
         """Whether every client's update was applied in some round of the run."""
-        if "participated" in metrics:
-            return bool(np.all(np.any(metrics["participated"], axis=0)))
-        return len(np.unique(metrics["client"])) == self.federated_potential.num_clients
+        return self._first_pass_end(metrics) is not None
 
     def _check_state(self, state):
         state = super()._check_state(state)
@@ -743,7 +739,7 @@ class DSVGD(ParticleMethod):
             and result is not None
             and "particles" in result.metrics
             and can_correct(*result.metrics["particles"].shape[1:])
-            and bool(self._restart_starts(result.metrics, diverged=True))
+            and (self._mode_laplace is not None or self._first_pass_end(result.metrics) is not None)
         )
 
     def _correction_steps(self, x, score, ledger):
@@ -833,33 +829,27 @@ class DSVGD(ParticleMethod):
     def _first_pass_end(self, metrics) -> int | None:
         """The first round (0-based) by the end of which every client had been scheduled (had
         its update applied, where clients may drop out); ``None`` if none."""
-        num_clients = self.federated_potential.num_clients
-        if "participated" in metrics:
-            done = np.all(np.cumsum(np.asarray(metrics["participated"], bool), axis=0) > 0, axis=1)
-        else:
+        if "participated" in metrics:  # (rounds, clients)
+            applied = np.asarray(metrics["participated"], bool)
+        else:  # the clients scheduled in each round, one or several
             clients = np.asarray(metrics["client"]).reshape(len(metrics["client"]), -1)
-            seen, done = np.zeros(num_clients, bool), []
-            for row in clients:
-                seen[row] = True
-                done.append(bool(seen.all()))
-        ends = np.flatnonzero(np.asarray(done, bool))
+            applied = np.zeros((clients.shape[0], self.federated_potential.num_clients), bool)
+            applied[np.arange(clients.shape[0])[:, None], clients] = True
+        ends = np.flatnonzero(np.all(np.cumsum(applied, axis=0) > 0, axis=1))
         return int(ends[0]) if ends.size else None
 
-    def _restart_starts(self, result_or_metrics, diverged: bool = False) -> list:
+    def _restart_starts(self, result, diverged: bool = False) -> list:
         """Where :meth:`_restart` starts Stein's moment correction again, in order, as
         ``(what, particles)``: the Laplace approximation at the posterior's mode the run
         started from (global latents; the initial particles whitened with their own
         covariance and mapped onto ``N(mode, H^{-1})``, so that nothing new is drawn and every
         engine restarts alike), then the particles at the end of the first pass over the
         clients (if the rounds went on past it, or ``diverged`` before going further)."""
-        metrics = getattr(result_or_metrics, "metrics", result_or_metrics)
-        starts, laplace = [], self._mode_laplace
+        metrics, starts, laplace = result.metrics, [], self._mode_laplace
         if laplace is not None and self._layout is None:
             start = jnp.asarray(self._initial_particles)
-            centered = start - start.mean(axis=0)
-            chol = jnp.linalg.cholesky(centered.T @ centered / start.shape[0])
-            z = jax.scipy.linalg.solve_triangular(chol, centered.T, lower=True)
-            x = laplace.point + jax.scipy.linalg.solve_triangular(laplace.hessian_chol.T, z, lower=False).T
+            z = whitening(start, full=True).to_z(start)
+            x = laplace.point + jax.scipy.linalg.solve_triangular(laplace.hessian_chol.T, z.T, lower=False).T
             if bool(jnp.all(jnp.isfinite(x))):
                 starts.append(("the Laplace approximation at the posterior's mode the run started from", x))
         end = self._first_pass_end(metrics)
