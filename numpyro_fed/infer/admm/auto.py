@@ -16,9 +16,11 @@ import jax.numpy as jnp
 
 from numpyro_fed._checks import warn_user
 from numpyro_fed.infer.admm.scaling import (
+    MAX_CURVATURE_DRIFT,
     LaplaceScaling,
     auto_settings,
     calibrated_noise,
+    curvature_drift,
     laplace_scaling,
     surrogate_scaling,
     tempered_settings,
@@ -62,6 +64,11 @@ class AutoSetup(NamedTuple):
         paper's isotropic noise: where the agents' Hessians are not proportional, the noise
         that makes the reporting agent's stationary covariance the posterior's in every
         direction (:func:`~numpyro_fed.infer.admm.scaling.calibrated_noise`).
+    :ivar curvature_drift: at a mode, how far the posterior's curvature moves over its Laplace
+        approximation (:func:`~numpyro_fed.infer.admm.scaling.curvature_drift`); past
+        :data:`~numpyro_fed.infer.admm.scaling.MAX_CURVATURE_DRIFT` the run is tempered
+        (:func:`~numpyro_fed.infer.admm.scaling.tempered_settings`) with the shaped noise's
+        shape. ``None`` where it was not measured.
     """
 
     potentials: object
@@ -71,6 +78,7 @@ class AutoSetup(NamedTuple):
     scaling: LaplaceScaling | None
     runaway: str | None
     noise_shape: np.ndarray | None = None
+    curvature_drift: float | None = None
 
 
 def runaway(search, coordinate_names) -> str | None:
@@ -148,7 +156,9 @@ def auto_setup(
 ) -> AutoSetup:
     """``rho="auto"``: scale the potentials to the posterior (its Hessian at the mode, or
     where there is none at a point of its bulk, see :func:`_scaling`) and choose ``rho`` and
-    the noise there (:func:`~numpyro_fed.infer.admm.scaling.auto_settings`; without a mode
+    the noise there (:func:`~numpyro_fed.infer.admm.scaling.auto_settings`; without a mode,
+    or where the curvature moves over the mode's Laplace approximation by more than
+    :data:`~numpyro_fed.infer.admm.scaling.MAX_CURVATURE_DRIFT`,
     :func:`~numpyro_fed.infer.admm.scaling.tempered_settings`, the network's average at
     temperature one); with no scaling, the paper's ``rho`` in the model's units. Warns where
     there is no mode, saying which of these ran. ``noise_scale``: the user's, or ``None``.
@@ -176,11 +186,22 @@ def auto_setup(
             RuntimeWarning,
         )
         return AutoSetup(potentials, x0, rho, noise, None, ran)
+    shape, drift = None, None
+    connected = num_components(topology.adjacency) == 1  # agents that never meet have no common law
+    if connected and scaling.mode and noise_scale is None:
+        drift, rounds = curvature_drift(potentials, scaling)
+        scaling = scaling._replace(rounds=scaling.rounds + rounds)
     potentials = whitened_potentials(potentials, scaling)
     x0 = jnp.zeros_like(x0)  # the MAP (or its surrogate), in the posterior's units
-    shape = None
-    if num_components(topology.adjacency) == 1:  # agents that never meet have no common law
-        if scaling.mode or noise_scale is not None:
+    if connected:
+        if drift is not None and drift > MAX_CURVATURE_DRIFT:
+            # far from Gaussian: the linearization's calibration is not the posterior's spread
+            # (tempered below one, the non-centred eight schools' school effects kept half
+            # their sd); the network's average at temperature one follows the posterior's shape
+            rho, noise = tempered_settings(topology.adjacency, scaling.shares, agent)
+            if scaling.hessians is not None:
+                shape = _shaped_noise(topology.adjacency, scaling.hessians, agent, rho, noise)[1]
+        elif scaling.mode or noise_scale is not None:
             rho, noise = auto_settings(topology.adjacency, scaling.shares, agent, noise_scale=noise_scale)
             if scaling.mode and noise_scale is None and scaling.hessians is not None:
                 noise, shape = _shaped_noise(topology.adjacency, scaling.hessians, agent, rho, noise)
@@ -198,7 +219,7 @@ def auto_setup(
             "swallows the iterates). " + SURROGATE_MEASURED,
             RuntimeWarning,
         )
-    return AutoSetup(potentials, x0, rho, noise, scaling, ran, shape)
+    return AutoSetup(potentials, x0, rho, noise, scaling, ran, shape, drift)
 
 
 def _shaped_noise(adjacency, hessians, agent, rho, noise):

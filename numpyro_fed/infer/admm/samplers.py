@@ -212,6 +212,10 @@ class DADMMS(DecentralizedKernel):
         self.solver_used = None
         self.noise_scale_used = None
         self.noise_shape_used = None
+        #: with ``rho="auto"`` at a mode, the set-up's
+        #: :func:`~numpyro_fed.infer.admm.scaling.curvature_drift` (past
+        #: :data:`~numpyro_fed.infer.admm.scaling.MAX_CURVATURE_DRIFT` the run is tempered)
+        self.curvature_drift = None
 
     def build_core(self, potentials, topology, x0):
         if potentials.num_agents == 1 and self.noise_scale != 0:
@@ -223,7 +227,7 @@ class DADMMS(DecentralizedKernel):
                 "and its draws have no spread. Split the data over several clients, or use "
                 "FedZigZag (exact with one client) or NUTS"
             )
-        rho, self.scaling, noise_shape = self.rho, None, None
+        rho, self.scaling, noise_shape, self.curvature_drift = self.rho, None, None, None
         self._setup_itemsize = jnp.asarray(x0).dtype.itemsize  # the set-up's messages are in this dtype
         noise_scale = NOISE_SCALE if self.noise_scale is None else self.noise_scale
         self.divergence_advice = type(self).divergence_advice
@@ -242,7 +246,7 @@ class DADMMS(DecentralizedKernel):
             )
             potentials, x0, rho, noise_scale = setup.potentials, setup.x0, setup.rho, setup.noise_scale
             noise_shape = setup.noise_shape
-            self.scaling = setup.scaling
+            self.scaling, self.curvature_drift = setup.scaling, setup.curvature_drift
             if setup.runaway:
                 self.divergence_advice = setup.runaway + ". " + RUNAWAY_ADVICE
             if self.scaling is not None:
