@@ -218,9 +218,9 @@ def surrogate_scaling(potentials: AgentPotentials, x0, *, starts: int = 8, seed:
 
 #: :func:`curvature_drift` above which ``rho="auto"`` runs :func:`tempered_settings` at a
 #: mode (a curvature that changes by a factor ``e^2``, about 7, over the Laplace
-#: approximation's typical draws). Measured: 0 to 0.30 on ten near-Gaussian models of the
-#: real-model tier and the synthetic zoo's; 1.1 on mtcars (32 rows, 12 coordinates), whose
-#: sds the mixing settings keep within [0.87, 1.2] of NUTS's and the tempered ones widened
+#: approximation's typical draws). Measured: 0.03-0.30 on the real-model tier's other models
+#: with a mode, 0-0.34 on the synthetic zoo's; 1.1 on mtcars (32 rows, 12 coordinates), whose
+#: sds the mixing settings keep within [0.77, 1.2] of NUTS's and the tempered ones widened
 #: to 1.43 over 8 clients (slower mixing: min ESS 23 of 2000); infinite on the non-centred
 #: eight schools (the Hessian is not positive definite at most draws), whose school effects
 #: kept about half their sd untempered (docs/guide/dadmms.md, "Far from Gaussian").
