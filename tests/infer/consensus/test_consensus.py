@@ -43,11 +43,12 @@ def linear_posterior(X, y):
     return cov @ X.T @ y, np.sqrt(np.diag(cov))
 
 
-def run(model, args, *, combine="consensus", key=0, **options):
+def run(model, args, *, combine="consensus", key=0, trustworthy=True, **options):
     options = {"num_warmup": 300, "num_samples": 2000, "progress_bar": False, **options}
     cmc = nf.ConsensusMC(model, combine=combine, **options)
     with warnings.catch_warnings():
-        warnings.simplefilter("error", ConsensusWarning)  # a trustworthy case must not warn
+        # a trustworthy case must not warn
+        warnings.simplefilter("error" if trustworthy else "ignore", ConsensusWarning)
         result = cmc.run(jax.random.PRNGKey(key), *args)
     return cmc, result
 
@@ -164,7 +165,10 @@ def test_the_sub_posteriors_are_sampled_in_their_laplace_frame():
     draws per client: in the coordinates where each client's Laplace approximation is a
     standard normal NUTS draws nearly independent points (measured: a client's smallest ESS is
     315 of 300 on average over the 8 clients); in the model's coordinates, whose adapted mass
-    matrix NumPyro shrinks towards 1e-3, 116. Both combine to the closed form (the draws map back)."""
+    matrix NumPyro shrinks towards 1e-3, 116 to 122. Both combine to the closed form (the draws
+    map back). The model's coordinates may warn: with about 120 effective draws a client's
+    draws can have heavy tails (measured on one machine: client 7's excess kurtosis 2.72, the
+    check's bound 0.80 at that ESS, and on another none), which the check is there to say."""
     rng = np.random.default_rng(8)
     X = rng.normal(size=(800, 6)) * np.geomspace(1.0, 100.0, 6)
     y = -0.5 + X @ (rng.normal(size=6) / np.geomspace(1.0, 100.0, 6)) + rng.normal(size=800)
@@ -173,7 +177,14 @@ def test_the_sub_posteriors_are_sampled_in_their_laplace_frame():
     mean, sd = cov @ design.T @ y, np.sqrt(np.diag(cov))
     ess = {}
     for preconditioner in ("laplace", None):
-        _, result = run(raw_scale_regression, (X, y), num_warmup=100, num_samples=300, preconditioner=preconditioner)
+        _, result = run(
+            raw_scale_regression,
+            (X, y),
+            num_warmup=100,
+            num_samples=300,
+            preconditioner=preconditioner,
+            trustworthy=preconditioner is not None,
+        )
         np.testing.assert_allclose((np.asarray(result.state.mean) - mean) / sd, 0.0, atol=1e-6)
         ess[preconditioner] = float(np.mean(np.min(result.metrics["ess"], axis=-1)))  # each client's worst
     assert ess["laplace"] > 250 and ess["laplace"] > 2 * ess[None], ess
