@@ -516,40 +516,49 @@ def surgical_mortality(hospital, operations, deaths=None):
         numpyro.sample("deaths", dist.Binomial(operations, logits=mu + sigma * z[hospital]), obs=deaths)
 
 
-@pytest.mark.long  # about 60 s
+@pytest.mark.long  # about 45 s
 def test_rounds_that_run_away_restart_from_the_first_pass():
-    """A model no other test runs (float32, NumPyro's default): at ``PRNGKey(0)`` the rounds
-    run away after the first pass over the 4 clients (``mu`` 174 NUTS sds off at the end) and
-    the correction of the last round's particles cannot bring them back. With client-local
-    latents the server has no mode to restart from; the correction starts again from the
-    particles at the end of the first pass (round 4), settles, passes Stein's check, and the
-    run says that its particles are not the rounds' (measured: worst mean 0.09 NUTS sd,
-    ``sigma``'s sd 1.21 of NUTS's; without the restart, ``moment_correction=0``, far off)."""
+    """A model no other test runs (float32, NumPyro's default). Whether DSVGD's rounds run away
+    at a given key in float32 differs between machines (the same key and code: at the default
+    learning rate, on one machine ``mu`` ended 174 NUTS sds off, on another the rounds stayed
+    put; at 4 and 20 times the rate, on the second, the noise scale's coordinate ran off by
+    thousands of prior sds after round 7), so the run-away is made here: the last round's
+    particles are moved 10 in the unconstrained noise scale (``sigma`` e^10 times too large)
+    and the run is finished again. With client-local latents the server has no mode to
+    restart from; the correction of those particles does not reach the target, starts again
+    from the particles at the end of the first pass (round 4), settles, passes Stein's check,
+    and the run says that its particles are not the rounds' (measured: worst mean 0.17 NUTS
+    sd, sds 0.94-1.23 of NUTS's)."""
     args = surgical_data()
-    mcmc = MCMC(NUTS(surgical_mortality), num_warmup=1000, num_samples=2000, num_chains=2, progress_bar=False)
+    mcmc = MCMC(NUTS(surgical_mortality), num_warmup=1000, num_samples=1000, num_chains=2, progress_bar=False)
     mcmc.run(jax.random.PRNGKey(2), *args)
     ref = {k: np.asarray(v) for k, v in mcmc.get_samples().items()}
     run_key, draw_key = jax.random.split(jax.random.PRNGKey(0))
     jax.config.update("jax_enable_x64", False)
     try:
         method = nf.DSVGD(surgical_mortality, progress_bar=False)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            result = method.run(run_key, 10, *args)
-        draws = method.get_samples(draw_key, result, NUM_DRAWS)
-        rounds = nf.DSVGD(surgical_mortality, progress_bar=False, moment_correction=0)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
-            rounds_result = rounds.run(run_key, 10, *args)
+            result = method.run(run_key, 10, *args)
+        particles = np.array(result.metrics["particles"])  # (rounds, particles, [mu, log sigma])
+        particles[-1, :, 1] += 10.0
+        ran_away = result._replace(
+            metrics={**result.metrics, "particles": particles},
+            state=result.state._replace(global_particles=jax.numpy.asarray(particles[-1])),
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            finished = method.finish(ran_away)
+        draws = method.get_samples(draw_key, finished, NUM_DRAWS)
     finally:
         jax.config.update("jax_enable_x64", True)
     (message,) = [str(w.message) for w in caught if "ran away" in str(w.message)]
+    assert "did not bring them to the target" in message
     assert "started again from the particles of round 4, the end of the first pass" in message
     assert "pass Stein's check" in message
+    assert np.allclose(np.asarray(finished.metrics["particles"][-1]), np.asarray(finished.state.global_particles))
     for site in ("mu", "sigma", "z"):
         d, r = np.asarray(draws[site], np.float64), ref[site]
         assert np.all(np.abs(d.mean(0) - r.mean(0)) / r.std(0) < 0.3), site
         ratio = d.std(0) / r.std(0)
         assert np.all((ratio > 1 / 1.5) & (ratio < 1.5)), (site, ratio)
-    mu = np.asarray(rounds_result.state.global_particles)[:, 0]  # the rounds' particles of mu
-    assert abs(mu.mean() - ref["mu"].mean()) / ref["mu"].std() > 10
