@@ -75,7 +75,8 @@ def ray_federation(ray_session):
 
 # Correctness checks that take more than about 10 s each on a quiet 2-core machine (long runs
 # against NUTS or closed forms, every variant of a protocol end to end): marked ``long``, run by
-# ``make test-long`` and CI, not by ``make test``. Each algorithm keeps faster checks of its
+# ``make test-long``, not by ``make test`` nor CI (an engine test in LONG is left out of
+# ``make test-engine``, CI's run of the engine tests). Each algorithm keeps faster checks of its
 # distribution in ``make test``. By node id prefix (a parametrized test: all of its cases).
 LONG = (
     "tests/potential/test_row_deterministic.py::test_every_algorithm_returns_the_group_effects_with_the_plate_as_their",
@@ -94,7 +95,7 @@ LONG = (
     "tests/infer/consensus/test_consensus.py::test_any_numpyro_kernel_runs_the_sub_posteriors",
     "tests/infer/consensus/test_consensus.py::test_client_local_latents_stay_with_their_clients",
     "tests/infer/consensus/test_consensus.py::test_flat_prior_gives_least_squares",
-    "tests/infer/consensus/test_consensus_engines.py",
+    "tests/infer/consensus/test_consensus_engines.py::test_deployment_in_process_is_the_simulation",
     "tests/infer/zigzag/test_zigzag.py::test_vectorized_chains",
     "tests/infer/zigzag/test_zigzag.py::test_gradient_bound_agrees_with_nuts_and_too_small_a_bound_is_reported",
     "tests/infer/zigzag/test_zigzag.py::test_warmup_then_run_and_post_warmup_state_continue_the_chain",
@@ -136,6 +137,11 @@ LONG = (
     "tests/infer/stein/test_svgd_units.py::test_the_auto_kde_keeps_the_particles_correlations",
     "tests/infer/admm/test_admm_scaling.py",
     "tests/federation/test_federation_local_latents.py::test_deployed_in_process_is_the_simulation_bit_for_bit",
+    # engine tests that CI leaves to make test-long (each over 100 s): DSVGD's correction with
+    # client-local latents on Ray (its rounds there are test_deployed_on_ray_is_the_in_process_
+    # deployment[DSVGD]'s) and one Ray federation reused by three algorithms in turn
+    "tests/federation/test_federation_local_latents.py::test_dsvgd_correction_and_draws_of_local_latents_on_ray",
+    "tests/federation/test_federation.py::test_one_ray_federation_runs_a_server_algorithm_then_a_decentralized",
     # a dropped client: make test keeps the float64 case of each algorithm
     "tests/federation/test_dropout.py::test_pvi_round_goes_on_without_a_client_and_keeps_its_factor[synchronous-float32]",
     "tests/federation/test_dropout.py::test_dsvgd_skips_the_update_of_a_client_that_fails[float32]",
@@ -145,7 +151,8 @@ LONG = (
 def pytest_collection_modifyitems(config, items):
     """A test that starts Ray workers (it uses the ``ray_session`` fixture) or Flower's
     simulation (``tests/flower/test_flower.py``) is an ``engine`` test, one in :data:`LONG` a
-    ``long`` one: ``make test-long`` runs both, ``make test`` neither (CI runs both)."""
+    ``long`` one: ``make test-long`` runs both, ``make test`` neither, ``make test-engine`` (CI)
+    the engine tests that are not long."""
     for item in items:
         if "ray_session" in getattr(item, "fixturenames", ()) or item.nodeid.startswith("tests/flower/test_flower.py"):
             item.add_marker(pytest.mark.engine)
