@@ -540,12 +540,8 @@ def test_rounds_that_run_away_restart_from_the_first_pass():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             result = method.run(run_key, 10, *args)
-        particles = np.array(result.metrics["particles"])  # (rounds, particles, [mu, log sigma])
-        particles[-1, :, 1] += 10.0
-        ran_away = result._replace(
-            metrics={**result.metrics, "particles": particles},
-            state=result.state._replace(global_particles=jax.numpy.asarray(particles[-1])),
-        )
+        last = np.asarray(result.metrics["particles"][-1])  # (particles, [mu, log sigma])
+        ran_away = method._with_last_particles(result, last + np.array([0.0, 10.0], last.dtype), np.nan)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             finished = method.finish(ran_away)
