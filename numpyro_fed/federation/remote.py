@@ -86,6 +86,40 @@ def _unbatch(leaves, ndims):
     return tuple(batch_shape), out, axes
 
 
+def _packable(dtype) -> bool:
+    return dtype == np.bool_ or np.issubdtype(dtype, np.integer) or np.issubdtype(dtype, np.floating)
+
+
+def _pack(arrays):
+    """Traced side: ``arrays`` as one ``uint8`` vector and its layout (per array, in the
+    vector's order: its index, shape and dtype), or ``None`` if one of them has a dtype that
+    is not a boolean, integer or floating one (e.g. a typed PRNG key). A host callback turns
+    each of its arguments into a device array before it runs (about 70 us each on this
+    project's 2-core machine): one vector costs one. The widest dtypes come first, so that
+    every array starts at a multiple of its item size."""
+    arrays = [jnp.asarray(a) for a in arrays]
+    dtypes = [np.dtype(a.dtype) for a in arrays]
+    if not all(_packable(d) for d in dtypes):
+        return None
+    order = sorted(range(len(arrays)), key=lambda i: -dtypes[i].itemsize)
+    parts = []
+    for i in order:
+        a = arrays[i].astype(jnp.uint8) if dtypes[i] == np.bool_ else arrays[i]
+        parts.append(jax.lax.bitcast_convert_type(a, jnp.uint8).reshape(-1))
+    buffer = jnp.concatenate(parts) if parts else jnp.zeros(0, jnp.uint8)
+    return buffer, tuple((i, tuple(arrays[i].shape), dtypes[i]) for i in order)
+
+
+def _unpack(buffer, layout) -> list:
+    """Host side of :func:`_pack`: the arrays, as views of ``buffer`` in their first order."""
+    out, start = [None] * len(layout), 0
+    for i, shape, dtype in layout:
+        stop = start + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        out[i] = buffer[start:stop].view(dtype).reshape(shape)
+        start = stop
+    return out
+
+
 def _struct(a):
     return jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
 
@@ -345,6 +379,27 @@ class RemoteFederation(Federation):
             )
         return flat
 
+    def _stateful_callback(self, name, host, out_struct, arrays):
+        """``jax.pure_callback(host, out_struct, *arrays)`` for a stateful call: ``host`` gets
+        ``arrays`` as NumPy arrays without batch axes (a stateful call is never batched: under
+        a ``vmap`` it raises). They cross into the callback as one buffer (:func:`_pack`)."""
+        packed = _pack(arrays)
+        if packed is None:
+            ndims = [jnp.ndim(a) for a in arrays]
+            return jax.pure_callback(
+                lambda *host_arrays: host(*self._unbatched(name, host_arrays, ndims)),
+                out_struct,
+                *arrays,
+                vmap_method="expand_dims",
+            )
+        buffer, layout = packed
+        return jax.pure_callback(
+            lambda host_buffer: host(*_unpack(self._unbatched(name, (host_buffer,), [1])[0], layout)),
+            out_struct,
+            buffer,
+            vmap_method="expand_dims",
+        )
+
     # -- traceable side ------------------------------------------------------------------------
     def map(self, name, *broadcast, per_client=(), state=None, partial=False):
         per_client = tuple(per_client)
@@ -409,12 +464,10 @@ class RemoteFederation(Federation):
     def _map_stateful(self, name, state, reply, replies_struct, leaves, treedef, num_broadcast, partial):
         m_clients = self.num_clients
         out_struct = (jax.ShapeDtypeStruct((m_clients,), jnp.int32), replies_struct)
-        ndims = [1] + [jnp.ndim(x) for x in leaves]
         reply_leaves, reply_def = jax.tree_util.tree_flatten(reply)
 
-        def host(version, *host_leaves):
-            flat = self._unbatched(name, (version,) + host_leaves, ndims)
-            version, flat = np.array(flat[0], np.int32), flat[1:]
+        def host(version, *flat):
+            version = np.array(version, np.int32)
             calls = {}
             for m in range(m_clients):
                 args = [leaf[m] if i >= num_broadcast else leaf for i, leaf in enumerate(flat)]
@@ -437,9 +490,7 @@ class RemoteFederation(Federation):
 
         if partial:
             out_struct = out_struct + (jax.ShapeDtypeStruct((m_clients,), jnp.bool_),)
-        out = jax.pure_callback(
-            host, out_struct, jnp.asarray(state.version, jnp.int32), *leaves, vmap_method="expand_dims"
-        )
+        out = self._stateful_callback(name, host, out_struct, [jnp.asarray(state.version, jnp.int32), *leaves])
         return (ClientState((), out[0]),) + tuple(out[1:])
 
     def one(self, name, client, *broadcast, own=(), state=None, partial=False):
@@ -514,13 +565,11 @@ class RemoteFederation(Federation):
         if partial:
             out_struct = out_struct + (jax.ShapeDtypeStruct(lead, jnp.bool_),)
         leaves, treedef = jax.tree_util.tree_flatten((broadcast, own))
-        ndims = [client.ndim, 1] + [jnp.ndim(x) for x in leaves]
         num_broadcast = len(jax.tree_util.tree_leaves(broadcast))
         reply_leaves, reply_def = jax.tree_util.tree_flatten(reply)
 
-        def host(chosen, version, *host_leaves):
-            flat = self._unbatched(name, (chosen, version) + host_leaves, ndims)
-            chosen, version, flat = np.asarray(flat[0]).reshape(-1), np.array(flat[1], np.int32), flat[2:]
+        def host(chosen, version, *flat):
+            chosen, version = np.asarray(chosen).reshape(-1), np.array(version, np.int32)
             bad = [int(c) for c in chosen if not 0 <= c < m_clients]
             if bad or len(set(chosen.tolist())) != chosen.size:
                 self._fail(
@@ -551,7 +600,5 @@ class RemoteFederation(Federation):
             answered = np.asarray([c in answers for c in chosen.tolist()]).reshape(lead)
             return out + (answered,) if partial else out
 
-        out = jax.pure_callback(
-            host, out_struct, client, jnp.asarray(state.version, jnp.int32), *leaves, vmap_method="expand_dims"
-        )
+        out = self._stateful_callback(name, host, out_struct, [client, jnp.asarray(state.version, jnp.int32), *leaves])
         return (ClientState((), out[0]),) + tuple(out[1:])

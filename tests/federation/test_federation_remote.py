@@ -149,6 +149,53 @@ def test_stateful_calls_keep_versions_and_state_on_the_clients():
     np.testing.assert_allclose(again, r3)
 
 
+def mixed(block, state, flags, counts, key, scale, small):
+    """A stateful call whose arguments have five dtypes and shapes from 0-d to 2-d."""
+    total = state + jnp.where(flags, block.sum(0), 0.0) * scale + counts.sum() + small.astype(jnp.float32).sum()
+    return total, (total, key, flags)
+
+
+def test_stateful_arguments_cross_as_one_buffer_with_their_dtypes():
+    """A stateful call's arguments reach the host callback packed in one byte vector (one
+    device transfer instead of one per argument): the clients get every array back with its
+    dtype, shape and values, and the ledger counts the arrays' own bytes."""
+    fed = MemoryFederation().start(
+        ClientProgram({}, blocks=[rows(n, m) for m, n in enumerate((2, 3, 1))], stateful={"mixed": mixed})
+    )
+    cs = fed.init_state(jnp.zeros((3, 2)))
+    flags = jnp.array([True, False])
+    counts = jnp.arange(6, dtype=jnp.int32).reshape(3, 2)  # one row per client
+    key = jax.random.split(jax.random.PRNGKey(3), 3)  # uint32, per client
+    scale = jnp.full(3, 0.5, jnp.float32)
+    small = jnp.array([[1], [-2], [3]], jnp.int8)
+    own = (counts, key, scale, small)
+
+    def mixed_call(cs):
+        return fed.map("mixed", flags, per_client=own, state=cs)
+
+    callbacks = [e for e in jax.make_jaxpr(mixed_call)(cs).eqns if e.primitive.name == "pure_callback"]
+    assert [[v.aval.dtype for v in e.invars] for e in callbacks] == [[jnp.uint8]]
+    cs, (total, keys, back) = jax.jit(mixed_call)(cs)
+    for m, (_, _, call) in enumerate(fed.sent):
+        got = jax.tree.leaves(call.args)
+        want = [flags] + [a[m] for a in own]
+        assert [(a.dtype, a.shape) for a in got] == [(np.dtype(w.dtype), w.shape) for w in want]
+        for a, w in zip(got, want):
+            np.testing.assert_array_equal(a, w)
+        assert call.nbytes == sum(w.nbytes for w in want)
+    np.testing.assert_array_equal(keys, key)
+    np.testing.assert_array_equal(back, np.broadcast_to(flags, (3, 2)))
+    sums = [np.asarray(rows(n, m)).sum(0) for m, n in enumerate((2, 3, 1))]
+    np.testing.assert_allclose(
+        total, [np.where(flags, sums[m], 0.0) * 0.5 + counts[m].sum() + small[m, 0] for m in range(3)]
+    )
+    # a stateful call under a vmap over chains is still refused, naming the call
+    with pytest.raises(Exception, match="cannot be batched"):
+        jax.jit(jax.vmap(lambda s: fed.map("mixed", flags, per_client=(counts, key, s * scale, small), state=cs)))(
+            jnp.ones(2)
+        )
+
+
 def test_replies_whose_shape_depends_on_the_rows_are_refused():
     # clients hold 2, 3 and 1 rows; a reply of one number per row differs between clients
     fed = MemoryFederation().start(program(per_row=lambda block, w: block[:, 0] * w))
