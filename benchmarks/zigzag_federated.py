@@ -22,7 +22,8 @@ evaluations times the rows each evaluates, warmup included) and its ratio to the
 run, rounds per switch and per effective sample, wall time (compilation included) and JAX's
 compilation time in it. On Ray, Ray's bare round trip (``M`` actors, a vector out, a number
 back; median of 400) is measured after the runs and the wall time per effective sample is
-compared with rounds per effective sample times that round trip. With ``--floor`` it also
+compared with rounds per effective sample times that round trip; so is the time per round of
+the draws after warm-up (no set-up, their compilation taken out). With ``--floor`` it also
 measures the same actors answering a packed call after spending 0.5 and 1 ms of CPU on it
 (``round_floor``): what a round costs when the clients compute, before any code of this
 package runs; with ``--compiled-graph`` also through a Ray compiled graph (beta: shared-memory
@@ -78,9 +79,11 @@ def measure(name, X, y, clients, *, num_warmup, num_samples, seed, **options):
         warnings.simplefilter("ignore")
         mcmc.warmup(jax.random.PRNGKey(seed), X, y, collect_warmup=True, extra_fields=FIELDS)
         warm = mcmc.get_extra_fields()
-        mcmc.run(jax.random.PRNGKey(seed + 1), X, y, extra_fields=FIELDS)
+        with zs.Stopwatch() as sampling:
+            mcmc.run(jax.random.PRNGKey(seed + 1), X, y, extra_fields=FIELDS)
         draws = np.asarray(mcmc.get_samples()["w"])
     post = mcmc.get_extra_fields()
+    sampling_rounds = int(np.sum(post["info.rounds"]))
     ess = zs.min_ess(draws)
     rows = zs.fedzigzag_rows(kernel, warm) + zs.fedzigzag_rows(kernel, post)
     events = int(np.sum(warm["info.num_events"]) + np.sum(post["info.num_events"]))
@@ -100,6 +103,8 @@ def measure(name, X, y, clients, *, num_warmup, num_samples, seed, **options):
         "wall_s": sw.wall,
         "compile_s": sw.compile,
         "setup_s": float(sum(kernel.subsample_setup_seconds.values())),
+        # the draws after warm-up alone: no set-up, their compilation taken out
+        "sampling_ms_per_round": 1e3 * sampling.net / sampling_rounds if sampling_rounds else None,
         "posterior_mean": draws.mean(0).tolist(),
         "posterior_sd": draws.std(0).tolist(),
     }
@@ -201,6 +206,11 @@ def print_rows(rows, bare_ms=None):
                     f"x bare round trip {floor * 1e3:.2f} ms (ratio {r['wall_s'] / r['ess'] / floor:.2f}, "
                     "compilation and set-up included)"
                 )
+                if r.get("sampling_ms_per_round"):
+                    print(
+                        f"  per round while drawing after warm-up (its compilation out): "
+                        f"{r['sampling_ms_per_round']:.2f} ms, {r['sampling_ms_per_round'] / bare_ms:.2f} x bare"
+                    )
 
 
 def main(argv=None):
