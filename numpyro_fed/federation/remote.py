@@ -86,8 +86,8 @@ def _unbatch(leaves, ndims):
     return tuple(batch_shape), out, axes
 
 
-def _packable(dtype) -> bool:
-    return dtype == np.bool_ or np.issubdtype(dtype, np.integer) or np.issubdtype(dtype, np.floating)
+def _packable(dtype) -> bool:  # jnp.issubdtype: an extended dtype (a typed PRNG key) is none of these
+    return any(jnp.issubdtype(dtype, kind) for kind in (jnp.bool_, jnp.integer, jnp.floating))
 
 
 def _pack(arrays):
@@ -98,9 +98,9 @@ def _pack(arrays):
     project's 2-core machine): one vector costs one. The widest dtypes come first, so that
     every array starts at a multiple of its item size."""
     arrays = [jnp.asarray(a) for a in arrays]
-    dtypes = [np.dtype(a.dtype) for a in arrays]
-    if not all(_packable(d) for d in dtypes):
+    if not all(_packable(a.dtype) for a in arrays):
         return None
+    dtypes = [np.dtype(a.dtype) for a in arrays]
     order = sorted(range(len(arrays)), key=lambda i: -dtypes[i].itemsize)
     parts = []
     for i in order:
@@ -384,20 +384,20 @@ class RemoteFederation(Federation):
         ``arrays`` as NumPy arrays without batch axes (a stateful call is never batched: under
         a ``vmap`` it raises). They cross into the callback as one buffer (:func:`_pack`)."""
         packed = _pack(arrays)
-        if packed is None:
+        if packed is None:  # each array on its own
             ndims = [jnp.ndim(a) for a in arrays]
-            return jax.pure_callback(
-                lambda *host_arrays: host(*self._unbatched(name, host_arrays, ndims)),
-                out_struct,
-                *arrays,
-                vmap_method="expand_dims",
-            )
-        buffer, layout = packed
+
+            def arrive(host_arrays):
+                return self._unbatched(name, host_arrays, ndims)
+        else:
+            buffer, layout = packed
+            arrays = [buffer]
+
+            def arrive(host_arrays):
+                return _unpack(self._unbatched(name, host_arrays, [1])[0], layout)
+
         return jax.pure_callback(
-            lambda host_buffer: host(*_unpack(self._unbatched(name, (host_buffer,), [1])[0], layout)),
-            out_struct,
-            buffer,
-            vmap_method="expand_dims",
+            lambda *host_arrays: host(*arrive(host_arrays)), out_struct, *arrays, vmap_method="expand_dims"
         )
 
     # -- traceable side ------------------------------------------------------------------------

@@ -190,7 +190,7 @@ def test_stateful_arguments_cross_as_one_buffer_with_their_dtypes():
         total, [np.where(flags, sums[m], 0.0) * 0.5 + counts[m].sum() + small[m, 0] for m in range(3)]
     )
     # a stateful call under a vmap over chains is still refused, naming the call
-    with pytest.raises(Exception, match="cannot be batched"):
+    with pytest.raises(Exception, match="call 'mixed' with a client state cannot be batched"):
         jax.jit(jax.vmap(lambda s: fed.map("mixed", flags, per_client=(counts, key, s * scale, small), state=cs)))(
             jnp.ones(2)
         )
