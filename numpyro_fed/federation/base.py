@@ -229,6 +229,11 @@ class ClientProgram:
         ``federation.map(name, ..., state=cs)`` and ``federation.one(name, client, ...,
         state=cs)``; the new state stays with the client, only ``reply`` comes back. Its
         names must differ from those of ``functions``.
+    :ivar dict timeouts: name -> seconds a call of that function may take on an engine, in
+        place of the federation's ``timeout`` (meant for one round of an iterative method):
+        for a function whose one call is a client's whole run (the MCMC of
+        :class:`~numpyro_fed.ConsensusMC`). A worker that dies is still reported at once on
+        Ray.
 
     >>> import jax.numpy as jnp
     >>> from numpyro_fed.federation import ClientProgram
@@ -244,6 +249,7 @@ class ClientProgram:
     num_clients: int | None = None
     spec: Any = None
     stateful: Mapping[str, Callable] = field(default_factory=dict)
+    timeouts: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self):
         if (self.blocks is None) == (self.loader is None):
@@ -264,6 +270,13 @@ class ClientProgram:
         both = sorted(set(self.functions) & set(self.stateful))
         if both:
             raise ValueError(f"ClientProgram: {both} named in both functions and stateful; give them different names")
+        unknown = sorted(set(self.timeouts) - set(self.functions) - set(self.stateful))
+        if unknown:
+            raise ValueError(f"ClientProgram: timeouts name {unknown}, which the program has no function of")
+        for name, seconds in self.timeouts.items():
+            if not float(seconds) > 0:
+                raise ValueError(f"ClientProgram: the timeout of '{name}' must be > 0 seconds, not {seconds}")
+        object.__setattr__(self, "timeouts", {name: float(s) for name, s in self.timeouts.items()})
 
     @classmethod
     def stacked(cls, functions, stacked_blocks, **kwargs) -> "ClientProgram":

@@ -382,7 +382,7 @@ class RayFederation(RemoteFederation):
             return {m: pickle.loads(r) if isinstance(r, bytes) else r for m, r in replies.items()}
 
         try:
-            return unpack(self._gather(call, refs))
+            return unpack(self._gather(call, refs, timeout=self.call_timeout(call, self.timeout)))
         except ClientError as error:
             error.replies = unpack(error.replies)
             raise

@@ -221,6 +221,12 @@ class RemoteFederation(Federation):
         self._program = program
         return self
 
+    def call_timeout(self, name: str, timeout: float) -> float:
+        """The seconds a call of ``name`` may take: the program's ``timeouts[name]`` if it
+        gives one (a call that is a client's whole run), else ``timeout`` (the engine's)."""
+        program = self._program
+        return float(program.timeouts.get(name, timeout)) if program is not None else float(timeout)
+
     @property
     def block_specs(self) -> list:
         if self._specs is None:

@@ -280,7 +280,7 @@ class FlowerFederation(RemoteFederation):
         """:meth:`_send`'s replies read by ``read``; a :class:`ClientError` carries those of
         the nodes that answered, read the same way (what a ``partial`` call goes on with)."""
         try:
-            replies = self._send(kind, contents, timeout=self.timeout, call=name)
+            replies = self._send(kind, contents, timeout=self.call_timeout(name, self.timeout), call=name)
         except ClientError as error:
             error.replies = {m: read(r) for m, r in error.replies.items()}
             raise

@@ -194,12 +194,15 @@ class ClientSpec(NamedTuple):
         own layout of the rows), or ``None``.
     :ivar dict stateful: name -> ``f(block, state, *args) -> (state, reply)``, the calls of the
         client's own state (see :class:`~numpyro_fed.federation.ClientState`).
+    :ivar dict timeouts: name -> seconds a call may take on an engine, in place of the
+        federation's ``timeout`` (see :class:`~numpyro_fed.federation.ClientProgram`).
     """
 
     functions: dict
     blocks: Any = None
     transform: Callable | None = None
     stateful: dict | None = None
+    timeouts: dict | None = None
 
 
 class VariationalMethod:
@@ -365,26 +368,33 @@ class VariationalMethod:
         :attr:`federated_potential`'s clients."""
         from numpyro_fed.federation import ClientProgram
 
-        stateful = dict(spec.stateful or {})
+        stateful, timeouts = dict(spec.stateful or {}), dict(spec.timeouts or {})
         if spec.blocks is not None:
             if self.federation.deployed:
                 raise ValueError(
                     f"{type(self).__name__} gives its clients blocks cut in this process: it runs in "
                     "simulation only, not in deployment"
                 )
-            return ClientProgram.stacked(spec.functions, spec.blocks, stateful=stateful)
-        return self.federated_potential.client_program(spec.functions, transform=spec.transform, stateful=stateful)
+            return ClientProgram.stacked(spec.functions, spec.blocks, stateful=stateful, timeouts=timeouts)
+        return self.federated_potential.client_program(
+            spec.functions, transform=spec.transform, stateful=stateful, timeouts=timeouts
+        )
 
     def start_clients(
-        self, functions: dict, blocks=None, transform: Callable | None = None, stateful: dict | None = None
+        self,
+        functions: dict,
+        blocks=None,
+        transform: Callable | None = None,
+        stateful: dict | None = None,
+        timeouts: dict | None = None,
     ):
         """Starts :attr:`federation` for this run on the program of :class:`ClientSpec`
-        ``(functions, blocks, transform, stateful)`` (see :meth:`program_of`) and returns it.
+        ``(functions, blocks, transform, stateful, timeouts)`` (see :meth:`program_of`) and returns it.
         In a federation already started (by a previous run, possibly stopped by a fault), the
         workers that do not answer are first replaced (its ``restart()``)."""
         if self.federation.started:
             self.federation.restart()
-        program = self.program_of(ClientSpec(functions, blocks, transform, stateful))
+        program = self.program_of(ClientSpec(functions, blocks, transform, stateful, timeouts))
         self._active_federation = self.federation.start(program)
         return self._active_federation
 

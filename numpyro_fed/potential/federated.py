@@ -181,24 +181,26 @@ class FederatedPotential:
             raise ValueError(f"client must be in [0, {self.num_clients}), not {m}")
         return jax.tree_util.tree_map(lambda a: jnp.array(a[m], copy=True), data)
 
-    def client_program(self, functions, *, transform=None, stateful=None):
+    def client_program(self, functions, *, transform=None, stateful=None, timeouts=None):
         """A :class:`~numpyro_fed.federation.ClientProgram` running ``functions`` (name ->
         ``f(block, *args)``) on every client: with each client's block (simulation) or with
         a loader that builds the block from the client's own rows on its worker
-        (deployment). ``stateful``: as the program's.
+        (deployment). ``stateful``, ``timeouts``: as the program's.
 
         :param transform: an optional ``block -> block`` applied to each client's block where
             the client lives (an algorithm's own layout of the rows, e.g. minibatch-ready
             arrays); picklable for engine backends. The functions then receive its output.
         """
-        stateful = dict(stateful or {})
+        stateful, timeouts = dict(stateful or {}), dict(timeouts or {})
         if self.block_loader is not None:
             loader = self.block_loader if transform is None else TransformedLoader(self.block_loader, transform)
-            return ClientProgram(functions, loader=loader, num_clients=self.num_clients, stateful=stateful)
+            return ClientProgram(
+                functions, loader=loader, num_clients=self.num_clients, stateful=stateful, timeouts=timeouts
+            )
         blocks = [self.client_block(m) for m in range(self.num_clients)]
         if transform is not None:
             blocks = [transform(b) for b in blocks]
-        return ClientProgram(functions, blocks=blocks, stateful=stateful)
+        return ClientProgram(functions, blocks=blocks, stateful=stateful, timeouts=timeouts)
 
     # -- values ---------------------------------------------------------------------------
     def prior_potential(self, z) -> jax.Array:

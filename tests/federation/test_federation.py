@@ -146,6 +146,10 @@ def test_bad_blocks_are_refused_naming_the_client():
         InProcess().start(ClientProgram(FUNCTIONS, blocks=blocks, spec=spec))
     with pytest.raises(ValueError, match="exactly one of blocks"):
         ClientProgram(FUNCTIONS)
+    with pytest.raises(ValueError, match=r"timeouts name \['napp'\]"):
+        ClientProgram(FUNCTIONS, blocks=toy_blocks(), timeouts={"napp": 10.0})
+    with pytest.raises(ValueError, match="timeout of 'nap' must be > 0"):
+        ClientProgram(FUNCTIONS, blocks=toy_blocks(), timeouts={"nap": 0})
 
 
 def test_ledger_adds_per_client_and_direction():
@@ -271,6 +275,21 @@ def test_a_hung_client_raises_client_error_naming_it_within_the_timeout(ray_sess
                 jnp.stack([weighted_sum(b, jnp.ones(D)) for b in toy_blocks()[:2]]),
                 rtol=1e-13,
             )
+
+
+def test_a_call_the_program_gives_a_timeout_may_take_longer_than_the_federation_s(ray_session):
+    # a function whose one call is a client's whole run (ConsensusMC's MCMC) gets its own timeout
+    from numpyro_fed import RayFederation
+
+    program = ClientProgram(FUNCTIONS, blocks=toy_blocks()[:2], timeouts={"nap": 8.0})
+    with RayFederation(timeout=0.5).start(program) as fed:
+        naps = jax.jit(lambda s: fed.map("nap", per_client=(s,)))
+        with fed.guard():
+            np.testing.assert_array_equal(naps(jnp.zeros(2)), np.zeros(2))  # compiles on the workers
+            np.testing.assert_array_equal(naps(jnp.array([0.0, 2.0])), [0.0, 2.0])  # 2 s > 0.5 s: answered
+        with pytest.raises(ClientError, match=r"call 'nap'.*client\(s\) \[1\] did not answer within 8.0 s"):
+            with fed.guard():
+                naps(jnp.array([0.0, 20.0])).block_until_ready()
 
 
 def test_deployment_loaders_run_on_the_workers_and_bad_data_is_refused(ray_federation, tmp_path):

@@ -107,6 +107,11 @@ class ConsensusMC(VariationalMethod):
     :param init_strategy: where the chains start (default ``init_to_median``).
     :param federation: the backend (default in process: every client's chains in one
         compiled program).
+    :param float timeout: on an engine, the seconds each client's run (its compilation and
+        all its chains) may take before the run stops with a
+        :class:`~numpyro_fed.federation.ClientError` naming it; it replaces the federation's
+        own ``timeout``, which bounds one round of the iterative methods. A worker that dies
+        is reported when the others have answered, without waiting this long.
 
     **Example**
 
@@ -145,6 +150,7 @@ class ConsensusMC(VariationalMethod):
         init_strategy=init_to_median,
         progress_bar: bool = True,
         federation=None,
+        timeout: float = 3600.0,
     ):
         super().__init__(
             model, partition=partition, init_strategy=init_strategy, progress_bar=progress_bar, federation=federation
@@ -178,6 +184,9 @@ class ConsensusMC(VariationalMethod):
         if isinstance(prior_split, str) and prior_split not in ("equal", "size"):
             raise ValueError(f"prior_split must be 'equal', 'size' or M weights summing to 1, not {prior_split!r}")
         self.prior_split = prior_split
+        if not float(timeout) > 0:
+            raise ValueError(f"timeout must be > 0 seconds, not {timeout}")
+        self.timeout = float(timeout)
         self._plan = None
 
     # -- the clients -------------------------------------------------------------------------
@@ -221,13 +230,14 @@ class ConsensusMC(VariationalMethod):
             send_draws=self.combine == "consensus",
             precondition=self.preconditioner == "laplace",
         )
+        timeouts = {"subposterior": self.timeout}  # the call is the client's whole run
         if layout is None:
-            return ClientSpec({"subposterior": lambda block, *a: run(block, *a)[1]})
+            return ClientSpec({"subposterior": lambda block, *a: run(block, *a)[1]}, timeouts=timeouts)
 
         def stateful(block, kept, *a):  # the client's own latent draws stay where it lives
             return run(block, *a)
 
-        return ClientSpec({}, stateful={"subposterior": stateful})
+        return ClientSpec({}, stateful={"subposterior": stateful}, timeouts=timeouts)
 
     def init(self, rng_key, *args, **kwargs) -> ConsensusState:
         """Splits the model on its arguments (the data), starts the clients and returns the

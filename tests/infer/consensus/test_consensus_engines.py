@@ -83,7 +83,15 @@ _REMOTE = {}
 def test_ray_gives_the_in_process_run(in_process, ray_federation):
     method, reference = in_process
     remote = make(federation=ray_federation)
-    result = _REMOTE["ray"] = remote.run(jax.random.PRNGKey(KEY), Y)
+    # the one call is each client's whole run: ConsensusMC's timeout bounds it, not the
+    # federation's (meant for one round; here far below the seconds the workers take)
+    timeout, ray_federation.timeout = ray_federation.timeout, 1.0
+    try:
+        result = _REMOTE["ray"] = remote.run(jax.random.PRNGKey(KEY), Y)
+    finally:
+        ray_federation.timeout = timeout
+    assert ray_federation.program.timeouts == {"subposterior": 3600.0}
+    assert all(client["subposterior"][1] > 1.0 for client in ray_federation.compute_time())  # each took longer
     assert_same_answer(result, reference, ENGINE_RTOL)
     ledger = nf.message_ledger(result)
     np.testing.assert_array_equal(ledger["bytes_from_client"], nf.message_ledger(reference)["bytes_from_client"])
