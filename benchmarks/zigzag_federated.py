@@ -23,7 +23,11 @@ run, rounds per switch and per effective sample, wall time (compilation included
 compilation time in it. On Ray, Ray's bare round trip (``M`` actors, a vector out, a number
 back; median of 400) is measured after the runs and the wall time per effective sample is
 compared with rounds per effective sample times that round trip; so is the time per round of
-the draws after warm-up (no set-up, their compilation taken out). With ``--floor`` it also
+the draws after warm-up (no set-up, their compilation taken out), with the driver's CPU per
+round and each worker's per call in them, and Ray's round whose actors spend that same CPU
+per call (what the clients' work costs in a round before the driver does anything; the
+federated runs do not poll the driver's memory, as the bare round trip does not, unless
+``--memory-poll``). With ``--floor`` it also
 measures the same actors answering a packed call after spending 0.5 and 1 ms of CPU on it
 (``round_floor``): what a round costs when the clients compute, before any code of this
 package runs; with ``--compiled-graph`` also through a Ray compiled graph (beta: shared-memory
@@ -69,21 +73,28 @@ def make_federation(engine: str, clients: int):
     return InProcess()
 
 
-def measure(name, X, y, clients, *, num_warmup, num_samples, seed, **options):
+def measure(name, X, y, clients, *, num_warmup, num_samples, seed, memory_poll=False, **options):
     def model(X, y=None):
         return zs.logistic_federated(X, y, clients=clients)
 
     kernel = nf.FedZigZag(model, subsample_size=1, **options)
     mcmc = MCMC(kernel, num_warmup=num_warmup, num_samples=num_samples, progress_bar=False)
-    with warnings.catch_warnings(), zs.Stopwatch() as sw:
+    # no resident-set poll by default: its thread takes the GIL every 5 ms, from the driver's
+    # host callbacks too, and the bare round trip it is compared with runs without it
+    with warnings.catch_warnings(), zs.Stopwatch(memory=memory_poll) as sw:
         warnings.simplefilter("ignore")
         mcmc.warmup(jax.random.PRNGKey(seed), X, y, collect_warmup=True, extra_fields=FIELDS)
         warm = mcmc.get_extra_fields()
-        with zs.Stopwatch() as sampling:
+        federation = options.get("federation")
+        actors = list(federation.actors) if isinstance(federation, nf.RayFederation) else []
+        cpu = _cpu_seconds(actors)
+        with zs.Stopwatch(memory=False) as sampling:
             mcmc.run(jax.random.PRNGKey(seed + 1), X, y, extra_fields=FIELDS)
+        cpu = [after - before for before, after in zip(cpu, _cpu_seconds(actors))]
         draws = np.asarray(mcmc.get_samples()["w"])
     post = mcmc.get_extra_fields()
     sampling_rounds = int(np.sum(post["info.rounds"]))
+    timed = bool(actors) and sampling_rounds > 0
     ess = zs.min_ess(draws)
     rows = zs.fedzigzag_rows(kernel, warm) + zs.fedzigzag_rows(kernel, post)
     events = int(np.sum(warm["info.num_events"]) + np.sum(post["info.num_events"]))
@@ -105,19 +116,33 @@ def measure(name, X, y, clients, *, num_warmup, num_samples, seed, **options):
         "setup_s": float(sum(kernel.subsample_setup_seconds.values())),
         # the draws after warm-up alone: no set-up, their compilation taken out
         "sampling_ms_per_round": 1e3 * sampling.net / sampling_rounds if sampling_rounds else None,
+        # on Ray, the CPU of those draws per round: the driver's, and each worker's per call
+        "sampling_driver_cpu_ms": 1e3 * sampling.cpu / sampling_rounds if timed else None,
+        "sampling_worker_cpu_ms": 1e3 * sum(cpu) / sampling_rounds / clients if timed else None,
         "posterior_mean": draws.mean(0).tolist(),
         "posterior_sd": draws.std(0).tolist(),
     }
 
 
-def round_floor(clients: int, busy_ms=(0.5, 1.0), repeats: int = 400, compiled_graph: bool = False) -> dict:
+def _cpu_seconds(actors) -> list:
+    """Each Ray actor's CPU seconds (``time.process_time`` in it)."""
+    import ray
+
+    return ray.get([a.__ray_call__.remote(lambda self: time.process_time()) for a in actors])
+
+
+def round_floor(
+    clients: int, busy_ms=(0.5, 1.0), repeats: int = 400, compiled_graph: bool = False, worker_cpu_ms=None
+) -> dict:
     """What a Ray round costs before any of this package's code runs: ``clients`` actors
     answering a vector with a number (``"bare"``, Ray's bare round trip), then a small ``bytes`` payload with a
     ``bytes`` reply (as ``RayFederation`` packs a small call) after each actor spent ``c`` ms
     of CPU on it, for ``c`` in ``busy_ms``; with ``compiled_graph`` also the same calls (``c`` = 0
     and ``busy_ms``) through a Ray compiled graph, and the actors' summed CPU per second while
     it stands idle. Per variant: the median ms per round, and the CPU per round of the driver
-    and per call of one actor (``time.process_time``)."""
+    and per call of one actor (``time.process_time``). ``worker_cpu_ms``: also the round whose
+    actors each spend that CPU per call in all (``"clients' CPU"``: their busy time is what the
+    packed call without it does not already spend), a run's workers' measured CPU per call."""
     import pickle
 
     import ray
@@ -157,6 +182,10 @@ def round_floor(clients: int, busy_ms=(0.5, 1.0), repeats: int = 400, compiled_g
         }
 
     out = {"bare": measure(lambda: ray.get([a.dot.remote(v) for a in actors]))}
+    if worker_cpu_ms is not None:  # busy for what the packed call without busy time does not spend
+        packed = measure(lambda: ray.get([a.packed.remote(payload, 0.0) for a in actors]))
+        c = max(worker_cpu_ms - packed["worker_cpu_ms"], 0.0)
+        out["clients' CPU"] = measure(lambda: ray.get([a.packed.remote(payload, c) for a in actors]))
     for c in busy_ms:
         out[f"busy {c} ms"] = measure(lambda c=c: ray.get([a.packed.remote(payload, c) for a in actors]))
     if compiled_graph:
@@ -232,6 +261,11 @@ def main(argv=None):
         action="store_true",
         help="with --floor: also the same rounds through a Ray compiled graph (beta), and its actors' idle CPU",
     )
+    parser.add_argument(
+        "--memory-poll",
+        action="store_true",
+        help="poll the driver's resident set every 5 ms during the runs (as before 2 December 2026; it slows rounds)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     print(
@@ -239,7 +273,7 @@ def main(argv=None):
         f"{'float64' if args.x64 else 'float32'}, d = {args.dim}, M = {args.clients}, engine {args.engine}",
         flush=True,
     )
-    settings = dict(num_warmup=args.warmup, num_samples=args.samples, seed=args.seed)
+    settings = dict(num_warmup=args.warmup, num_samples=args.samples, seed=args.seed, memory_poll=args.memory_poll)
     runs = [("in process", {}), ("federated", {"thinning": "clients"})]
     if args.first_order:
         runs.append(("federated, first order", {"thinning": "clients", "control_variates": "first_order"}))
@@ -263,13 +297,27 @@ def main(argv=None):
                 f"{row['rounds_per_switch']:.3f} rounds per switch, {row['wall_s']:.1f} s",
                 flush=True,
             )
+    matched = next((r for r in reversed(rows) if r["run"] == "federated" and r.get("sampling_worker_cpu_ms")), None)
     floor = (
-        round_floor(args.clients, (0.5, 1.0) if args.floor else (), compiled_graph=args.floor and args.compiled_graph)
+        round_floor(
+            args.clients,
+            (0.5, 1.0) if args.floor else (),
+            compiled_graph=args.floor and args.compiled_graph,
+            worker_cpu_ms=matched["sampling_worker_cpu_ms"] if matched else None,
+        )
         if args.engine == "ray"
         else None
     )
     bare = floor["bare"]["ms"] if floor else None
     print_rows(rows, bare)
+    if matched is not None:
+        same = floor["clients' CPU"]["ms"]
+        print(
+            f"  its CPU per round after warm-up: the driver {matched['sampling_driver_cpu_ms']:.2f} ms, each worker "
+            f"{matched['sampling_worker_cpu_ms']:.2f} ms per call; Ray's round whose actors each spend that CPU: "
+            f"{same:.2f} ms ({same / bare:.2f} x bare), the run's round "
+            f"{matched['sampling_ms_per_round'] / same:.2f} x it"
+        )
     if floor and args.floor:
         print(f"\nA Ray round before this package's code, {args.clients} actors (median ms; CPU per round / per call):")
         for name, r in floor.items():

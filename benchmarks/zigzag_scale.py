@@ -144,7 +144,15 @@ def _rss():
 
 class Stopwatch:
     """Wall time of a block, the time JAX spent tracing, lowering and compiling in it (the
-    union of its reported spans) and the largest growth of the resident set during it."""
+    union of its reported spans) and the largest growth of the resident set during it.
+
+    ``memory=False``: no resident-set polling. The poll is a thread that takes the GIL every
+    5 ms; where the block's own Python runs often (a federation's host callbacks, one per
+    round) it competes with it and slows the block down, so a timing that is compared with a
+    bare round trip measured without it turns memory off."""
+
+    def __init__(self, memory: bool = True):
+        self._memory = memory
 
     def __enter__(self):
         self._first = len(_SPANS)
@@ -157,7 +165,8 @@ class Stopwatch:
                 self.peak = max(self.peak, _rss())
 
         self._thread = threading.Thread(target=poll, daemon=True)
-        self._thread.start()
+        if self._memory:
+            self._thread.start()
         self.start = time.time()
         self._cpu = time.process_time()
         return self
@@ -166,7 +175,8 @@ class Stopwatch:
         self.end = time.time()
         self.cpu = time.process_time() - self._cpu
         self._stop.set()
-        self._thread.join()
+        if self._memory:
+            self._thread.join()
         self.peak = max(self.peak, _rss())
         self.memory = self.peak - self._base
         merged, cur = 0.0, None
