@@ -232,8 +232,8 @@ class ClientProgram:
     :ivar dict timeouts: name -> seconds a call of that function may take on an engine, in
         place of the federation's ``timeout`` (meant for one round of an iterative method):
         for a function whose one call is a client's whole run (the MCMC of
-        :class:`~numpyro_fed.ConsensusMC`). A worker that dies is still reported at once on
-        Ray.
+        :class:`~numpyro_fed.ConsensusMC`). On Ray a worker that dies is reported when the
+        others have answered, without waiting this long.
 
     >>> import jax.numpy as jnp
     >>> from numpyro_fed.federation import ClientProgram
