@@ -27,7 +27,7 @@ the draws after warm-up (no set-up, their compilation taken out), with the drive
 round and each worker's per call in them, and Ray's round whose actors spend that same CPU
 per call (what the clients' work costs in a round before the driver does anything; the
 federated runs do not poll the driver's memory, as the bare round trip does not, unless
-``--memory-poll``). With ``--floor`` it also
+``--memory-poll``: no effect measured in four runs, benchmarks/README.md). With ``--floor`` it also
 measures the same actors answering a packed call after spending 0.5 and 1 ms of CPU on it
 (``round_floor``): what a round costs when the clients compute, before any code of this
 package runs; with ``--compiled-graph`` also through a Ray compiled graph (beta: shared-memory
@@ -79,8 +79,8 @@ def measure(name, X, y, clients, *, num_warmup, num_samples, seed, memory_poll=F
 
     kernel = nf.FedZigZag(model, subsample_size=1, **options)
     mcmc = MCMC(kernel, num_warmup=num_warmup, num_samples=num_samples, progress_bar=False)
-    # no resident-set poll by default: its thread takes the GIL every 5 ms, from the driver's
-    # host callbacks too, and the bare round trip it is compared with runs without it
+    # no resident-set poll by default: the bare round trip these rounds are compared with runs
+    # without its thread (which takes the GIL every 5 ms)
     with warnings.catch_warnings(), zs.Stopwatch(memory=memory_poll) as sw:
         warnings.simplefilter("ignore")
         mcmc.warmup(jax.random.PRNGKey(seed), X, y, collect_warmup=True, extra_fields=FIELDS)
@@ -125,7 +125,10 @@ def measure(name, X, y, clients, *, num_warmup, num_samples, seed, memory_poll=F
 
 
 def _cpu_seconds(actors) -> list:
-    """Each Ray actor's CPU seconds (``time.process_time`` in it)."""
+    """Each Ray actor's CPU seconds (``time.process_time`` in it); none without actors (no
+    Ray: ``ray.get`` would start one)."""
+    if not actors:
+        return []
     import ray
 
     return ray.get([a.__ray_call__.remote(lambda self: time.process_time()) for a in actors])
@@ -264,7 +267,7 @@ def main(argv=None):
     parser.add_argument(
         "--memory-poll",
         action="store_true",
-        help="poll the driver's resident set every 5 ms during the runs (as before 2 December 2026; it slows rounds)",
+        help="poll the driver's resident set every 5 ms during the runs (as before 2 December 2026)",
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)

@@ -146,10 +146,9 @@ class Stopwatch:
     """Wall time of a block, the time JAX spent tracing, lowering and compiling in it (the
     union of its reported spans) and the largest growth of the resident set during it.
 
-    ``memory=False``: no resident-set polling. The poll is a thread that takes the GIL every
-    5 ms; where the block's own Python runs often (a federation's host callbacks, one per
-    round) it competes with it and slows the block down, so a timing that is compared with a
-    bare round trip measured without it turns memory off."""
+    ``memory=False``: no resident-set polling (the poll is a thread that takes the GIL every
+    5 ms; a timing compared with one measured without it, a bare Ray round trip, turns it off
+    so that both run alike)."""
 
     def __init__(self, memory: bool = True):
         self._memory = memory
@@ -164,8 +163,8 @@ class Stopwatch:
             while not self._stop.wait(0.005):
                 self.peak = max(self.peak, _rss())
 
-        self._thread = threading.Thread(target=poll, daemon=True)
         if self._memory:
+            self._thread = threading.Thread(target=poll, daemon=True)
             self._thread.start()
         self.start = time.time()
         self._cpu = time.process_time()

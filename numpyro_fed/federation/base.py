@@ -15,6 +15,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
+from numpyro_fed._checks import check_positive
 from numpyro_fed.federation.ledger import MessageLedger
 
 __all__ = [
@@ -273,10 +274,8 @@ class ClientProgram:
         unknown = sorted(set(self.timeouts) - set(self.functions) - set(self.stateful))
         if unknown:
             raise ValueError(f"ClientProgram: timeouts name {unknown}, which the program has no function of")
-        for name, seconds in self.timeouts.items():
-            if not float(seconds) > 0:
-                raise ValueError(f"ClientProgram: the timeout of '{name}' must be > 0 seconds, not {seconds}")
-        object.__setattr__(self, "timeouts", {name: float(s) for name, s in self.timeouts.items()})
+        checked = {n: check_positive(s, f"ClientProgram: the timeout of '{n}'") for n, s in self.timeouts.items()}
+        object.__setattr__(self, "timeouts", checked)
 
     @classmethod
     def stacked(cls, functions, stacked_blocks, **kwargs) -> "ClientProgram":

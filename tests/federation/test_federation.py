@@ -148,7 +148,7 @@ def test_bad_blocks_are_refused_naming_the_client():
         ClientProgram(FUNCTIONS)
     with pytest.raises(ValueError, match=r"timeouts name \['napp'\]"):
         ClientProgram(FUNCTIONS, blocks=toy_blocks(), timeouts={"napp": 10.0})
-    with pytest.raises(ValueError, match="timeout of 'nap' must be > 0"):
+    with pytest.raises(ValueError, match="timeout of 'nap' must be a finite number > 0"):
         ClientProgram(FUNCTIONS, blocks=toy_blocks(), timeouts={"nap": 0})
 
 

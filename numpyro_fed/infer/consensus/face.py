@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from numpyro.infer import NUTS
 from numpyro.infer.initialization import init_to_median
 
-from numpyro_fed._checks import check_int
+from numpyro_fed._checks import check_int, check_positive
 from numpyro_fed.infer.base import ClientSpec, RunResult, VariationalMethod, jit_round, ledger_stats
 from numpyro_fed.infer.consensus.checks import agreement, warn_untrustworthy
 from numpyro_fed.infer.consensus.core import (
@@ -184,9 +184,7 @@ class ConsensusMC(VariationalMethod):
         if isinstance(prior_split, str) and prior_split not in ("equal", "size"):
             raise ValueError(f"prior_split must be 'equal', 'size' or M weights summing to 1, not {prior_split!r}")
         self.prior_split = prior_split
-        if not float(timeout) > 0:
-            raise ValueError(f"timeout must be > 0 seconds, not {timeout}")
-        self.timeout = float(timeout)
+        self.timeout = check_positive(timeout, "timeout")
         self._plan = None
 
     # -- the clients -------------------------------------------------------------------------

@@ -94,7 +94,7 @@ def test_bad_settings_are_refused_by_name():
         nf.ConsensusMC(linear_gaussian, kernel=NUTS, kernel_kwargs={"no_such_option": 1})
     with pytest.raises(ValueError, match="prior_split"):
         nf.ConsensusMC(linear_gaussian, prior_split="halves")
-    with pytest.raises(ValueError, match="timeout must be > 0"):
+    with pytest.raises(ValueError, match="timeout must be a finite number > 0"):
         nf.ConsensusMC(linear_gaussian, timeout=0.0)
     X, y = linear_data(40)
     cmc = nf.ConsensusMC(linear_gaussian, prior_split=[0.5, 0.5], progress_bar=False)
